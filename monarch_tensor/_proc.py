@@ -1,0 +1,249 @@
+"""The runtime inside every proc: receive messages, host actors, run endpoints.
+
+The mailbox's I/O thread decodes messages and hands them to this process's
+asyncio loop (the main thread). Each actor handles its messages one at a time
+in arrival order; a sync endpoint runs inline on the loop, an async one as a
+task that holds the actor until it finishes. Replies go straight back to the
+caller's port. Nothing a message contains can kill the proc: an unknown actor
+or endpoint, or an endpoint that raises, becomes an error reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import inspect
+import logging
+import os
+import sys
+import threading
+import traceback
+from dataclasses import dataclass, field
+
+from . import _context
+from .errors import ActorError
+from .mailbox import Mailbox, set_current_mailbox
+from .messages import CallEndpoint, ForwardLogs, SendToPort, SetLogging, SpawnActor, StopProc
+from .shape import Point, Shape
+
+log = logging.getLogger("monarch_tensor.proc")
+
+
+@dataclass
+class _Slot:
+    name: str
+    instance: object
+    ctx: _context.ActorContext
+    init_error: BaseException | None = None
+    queue: collections.deque = field(default_factory=collections.deque)
+    busy: bool = False
+
+
+class _LogForwarder:
+    """Routes fds 1 and 2 through pipes and sends their lines to the client."""
+
+    def __init__(self, mailbox: Mailbox, client_addr: str, rank: int) -> None:
+        self.mailbox, self.client_addr, self.rank = mailbox, client_addr, rank
+        self.enabled = True
+        self.threads = []
+        self.originals = {}
+        for stream in (1, 2):
+            self.originals[stream] = os.dup(stream)
+            r, w = os.pipe()
+            os.dup2(w, stream)
+            os.close(w)
+            t = threading.Thread(target=self._pump, args=(r, stream), daemon=True, name=f"logs-{stream}")
+            t.start()
+            self.threads.append(t)
+        sys.stdout.reconfigure(line_buffering=True)
+        sys.stderr.reconfigure(line_buffering=True)
+
+    def _pump(self, fd: int, stream: int) -> None:
+        pending = b""
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                break
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            if lines:
+                self._emit(stream, lines)
+        if pending:
+            self._emit(stream, [pending])
+
+    def _emit(self, stream: int, lines: list[bytes]) -> None:
+        text = tuple(ln.decode(errors="replace") for ln in lines)
+        if self.enabled:
+            try:
+                self.mailbox.send(self.client_addr, ForwardLogs(self.rank, stream, text))
+                return
+            except Exception:  # noqa: BLE001 - fall back to the inherited terminal
+                pass
+        os.write(self.originals[stream], ("\n".join(text) + "\n").encode())
+
+    def flush(self, timeout: float = 2.0) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for stream in (1, 2):
+            os.dup2(self.originals[stream], stream)  # closes the pipe's write end
+        for t in self.threads:
+            t.join(timeout)
+
+
+class ProcRuntime:
+    def __init__(self, addr: str, client_addr: str, rank: int) -> None:
+        self.rank = rank
+        self.client_addr = client_addr
+        self.loop = asyncio.new_event_loop()
+        self.actors: dict[str, _Slot] = {}
+        self.mailbox = Mailbox(addr, on_message=self._on_message, on_logs=self._relay_logs)
+        set_current_mailbox(self.mailbox)
+        self.logs = _LogForwarder(self.mailbox, client_addr, rank)
+
+    def _relay_logs(self, msg: ForwardLogs) -> None:
+        # Logs of procs this proc spawned go up to our own client.
+        self.mailbox.send(self.client_addr, msg)
+
+    def run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def _on_message(self, msg: object) -> None:  # I/O thread
+        self.loop.call_soon_threadsafe(self._handle, msg)
+
+    def _handle(self, msg: object) -> None:
+        handler = getattr(self, f"handle_{type(msg).__name__}", None)
+        if handler is None:
+            log.warning("proc %d dropped unknown message %s", self.rank, type(msg).__name__)
+            return
+        handler(msg)
+
+    # ---- handlers, one per message ------------------------------------------
+    def handle_SpawnActor(self, msg: SpawnActor) -> None:
+        shape: Shape = msg.shape
+        point = shape.point(msg.rank) if len(shape.names) else Point(0, {}, 1)
+        ctx = _context.ActorContext(msg.name, point, self.rank)
+        slot = _Slot(msg.name, None, ctx)
+        token = _context.enter(ctx)
+        try:
+            slot.instance = msg.cls(*msg.args, **msg.kwargs)
+            ctx.instance = slot.instance
+            err = None
+        except BaseException as e:  # noqa: BLE001 - the constructor is user code
+            err = ActorError(msg.name, point.rank, "__init__", repr(e), traceback.format_exc(), _picklable(e))
+            slot.init_error = err
+        finally:
+            _context.leave(token)
+        self.actors[msg.name] = slot
+        self._reply(msg.reply, None, err, point.rank)
+
+    def handle_CallEndpoint(self, msg: CallEndpoint) -> None:
+        slot = self.actors.get(msg.actor)
+        if slot is None:
+            err = ActorError(msg.actor, -1, msg.method, f"no actor named {msg.actor!r} on proc {self.rank}", "")
+            self._reply(msg.reply, None, err, -1)
+            return
+        slot.queue.append(msg)
+        if not slot.busy:
+            self._pump(slot)
+
+    def handle_SetLogging(self, msg: SetLogging) -> None:
+        self.logs.enabled = msg.stream_to_client
+        self._reply(msg.reply, None, None, self.rank)
+
+    def handle_StopProc(self, msg: StopProc) -> None:
+        for slot in self.actors.values():
+            stop = getattr(slot.instance, "__cleanup__", None)
+            if callable(stop):
+                try:
+                    stop()
+                except Exception:  # noqa: BLE001
+                    traceback.print_exc()
+        self.shutdown(0)
+
+    def shutdown(self, code: int) -> None:
+        try:
+            self.logs.flush()
+            self.mailbox.close()
+        finally:
+            os._exit(code)
+
+    # ---- running endpoints ----------------------------------------------------
+    def _pump(self, slot: _Slot) -> None:
+        while slot.queue and not slot.busy:
+            msg = slot.queue.popleft()
+            self._run(slot, msg)
+
+    def _run(self, slot: _Slot, msg: CallEndpoint) -> None:
+        rank = slot.ctx.rank.rank
+        if slot.init_error is not None:
+            self._reply(msg.reply, None, slot.init_error, rank)
+            return
+        fn = getattr(slot.instance, msg.method, None)
+        if fn is None or not getattr(fn, "_is_endpoint", False):
+            err = ActorError(slot.name, rank, msg.method,
+                             f"{type(slot.instance).__name__} has no endpoint {msg.method!r}", "")
+            self._reply(msg.reply, None, err, rank)
+            return
+        token = _context.enter(slot.ctx)
+        try:
+            if inspect.iscoroutinefunction(fn):
+                slot.busy = True
+                self.loop.create_task(self._run_async(slot, msg, fn(*msg.args, **msg.kwargs)))
+                return
+            value = fn(*msg.args, **msg.kwargs)
+            if inspect.isawaitable(value):  # a sync def that returned a coroutine/future
+                slot.busy = True
+                self.loop.create_task(self._run_async(slot, msg, value))
+                return
+        except BaseException as e:  # noqa: BLE001 - user code
+            self._reply(msg.reply, None, self._error(slot, msg, e), rank)
+            return
+        finally:
+            _context.leave(token)
+        self._reply(msg.reply, value, None, rank)
+
+    async def _run_async(self, slot: _Slot, msg: CallEndpoint, aw) -> None:
+        rank = slot.ctx.rank.rank
+        try:
+            value = await aw
+        except BaseException as e:  # noqa: BLE001 - user code
+            self._reply(msg.reply, None, self._error(slot, msg, e), rank)
+        else:
+            self._reply(msg.reply, value, None, rank)
+        finally:
+            slot.busy = False
+            self._pump(slot)
+
+    def _error(self, slot: _Slot, msg: CallEndpoint, e: BaseException) -> ActorError:
+        return ActorError(slot.name, slot.ctx.rank.rank, msg.method, repr(e), traceback.format_exc(), _picklable(e))
+
+    def _reply(self, port, value, error, rank) -> None:
+        if port is None:
+            if error is not None:
+                print(f"[monarch_tensor] unawaited error: {error}", file=sys.stderr)
+            return
+        try:
+            self.mailbox.send(port.addr, SendToPort(port.port_id, value, error, rank))
+        except Exception as e:  # noqa: BLE001 - e.g. an unpicklable result
+            err = ActorError("?", rank, "?", f"cannot send the result back: {e!r}", traceback.format_exc())
+            self.mailbox.send(port.addr, SendToPort(port.port_id, None, err, rank))
+
+
+def _picklable(e: BaseException) -> BaseException | None:
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def run_proc(addr: str, client_addr: str, rank: int) -> None:
+    """Entry point of a forked proc (called by the zygote)."""
+    rt = ProcRuntime(addr, client_addr, rank)
+    rt.run()

@@ -1,0 +1,196 @@
+"""The template process that procs fork from (one per host per client).
+
+Started by the client with ``python -m monarch_tensor._zygote``; it imports
+torch and the runtime once, then forks a child per spawn request, so a mesh
+does not pay the import per proc. It speaks length-prefixed pickles on its
+stdin (requests) and stdout (replies), reports every child's exit status, and
+when the client goes away (stdin EOF: normal exit, exception or SIGKILL) it
+kills every child it made and exits: no orphans.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import pickle
+import select
+import signal
+import struct
+import sys
+import time
+
+_LEN = struct.Struct("!I")
+
+
+def write_msg(fd: int, obj: object) -> None:
+    data = pickle.dumps(obj)
+    view = memoryview(_LEN.pack(len(data)) + data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def read_exact(fd: int, n: int) -> bytes | None:
+    buf = b""
+    while len(buf) < n:
+        try:
+            chunk = os.read(fd, n - len(buf))
+        except InterruptedError:
+            continue
+        if not chunk:
+            return None
+        buf += chunk
+    return buf
+
+
+def read_msg(fd: int) -> object | None:
+    head = read_exact(fd, _LEN.size)
+    if head is None:
+        return None
+    body = read_exact(fd, _LEN.unpack(head)[0])
+    return None if body is None else pickle.loads(body)
+
+
+def set_pdeathsig(sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send ``sig`` to this process when its parent dies (Linux)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, sig, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - best effort on non-Linux
+        pass
+
+
+def describe_status(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = str(sig)
+        return f"killed by signal {name}"
+    return f"exited with code {os.WEXITSTATUS(status)}"
+
+
+def serve(req_fd: int, rep_fd: int) -> None:
+    children: dict[int, int] = {}  # pid -> request id
+    sig_r, sig_w = os.pipe()
+    os.set_blocking(sig_w, False)
+    signal.set_wakeup_fd(sig_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    write_msg(rep_fd, ("ready", os.getpid()))
+    while True:
+        try:
+            readable, _, _ = select.select([req_fd, sig_r], [], [], 1.0)
+        except InterruptedError:
+            readable = [sig_r]
+        if sig_r in readable:
+            try:
+                os.read(sig_r, 4096)
+            except BlockingIOError:
+                pass
+        _reap(children, rep_fd)
+        if req_fd in readable:
+            req = read_msg(req_fd)
+            if req is None or req[0] == "exit":
+                break
+            if req[0] == "spawn":
+                _, req_id, entry, args, env = req
+                pid = os.fork()
+                if pid == 0:
+                    _child(req_fd, rep_fd, sig_r, sig_w, entry, args, env)
+                children[pid] = req_id
+                write_msg(rep_fd, ("spawned", req_id, pid))
+            elif req[0] == "kill":
+                _, pid, sig = req
+                if pid in children:
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        pass
+    _kill_all(children, rep_fd)
+
+
+def _reap(children: dict[int, int], rep_fd: int) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        if children.pop(pid, None) is not None:
+            write_msg(rep_fd, ("exited", pid, describe_status(status)))
+
+
+def _kill_all(children: dict[int, int], rep_fd: int) -> None:
+    for sig, wait in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 2.0)):
+        for pid in list(children):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait
+        while children and time.monotonic() < deadline:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                children.clear()
+                break
+            if pid:
+                children.pop(pid, None)
+            else:
+                time.sleep(0.02)
+
+
+def _child(req_fd, rep_fd, sig_r, sig_w, entry, args, env) -> None:
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for fd in (req_fd, rep_fd, sig_r, sig_w):
+            os.close(fd)
+        set_pdeathsig()
+        os.environ.update(env)
+        module, _, func = entry.rpartition(".")
+        __import__(module)
+        getattr(sys.modules[module], func)(*args)
+        code = 0
+    except BaseException:  # noqa: BLE001 - report, then exit without unwinding the zygote's stack
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def main() -> None:
+    # Keep the protocol off fds 0/1, so children writing to stdout cannot corrupt it.
+    req_fd, rep_fd = os.dup(0), os.dup(1)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(2, 1)
+    # No PDEATHSIG here: it fires when the spawning *thread* exits. The client
+    # going away closes our stdin instead, which serve() treats as the end.
+    for mod in filter(None, os.environ.get("MONARCH_TENSOR_PRELOAD", "torch").split(",")):
+        try:
+            __import__(mod)
+        except ImportError:
+            pass
+    import monarch_tensor._proc  # noqa: F401 - the runtime every child runs
+
+    try:
+        serve(req_fd, rep_fd)
+    except OSError as e:
+        if e.errno != errno.EPIPE:
+            raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,373 @@
+"""Actors, endpoints and their adverbs: Monarch's public actor API.
+
+>>> from monarch_tensor.actor import Actor, endpoint, this_host
+>>> class Counter(Actor):
+...     def __init__(self, start: int):
+...         self.n = start
+...     @endpoint
+...     def incr(self) -> int:
+...         self.n += 1
+...         return self.n
+>>> procs = this_host().spawn_procs(per_host={"gpus": 2})
+>>> counters = procs.spawn("counter", Counter, 0)
+>>> counters.incr.call().get().values()
+[1, 1]
+>>> counters.slice(gpus=0).incr.call_one().get()
+2
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import random
+import sys
+from typing import Any, Callable, Generic, Iterator, TypeVar
+
+from . import _context
+from ._ports import Collector, Receiver, StreamCollector
+from .errors import ActorError, MeshFailure, SupervisionError
+from .future import Future
+from .host import HostMesh, ProcInfo, ProcMesh, proc_mesh, this_host, this_proc
+from .mailbox import current_mailbox
+from .messages import CallEndpoint, PortRef, SendToPort, SpawnActor
+from .shape import Point, Shape
+from . import _wire
+
+R = TypeVar("R")
+
+__all__ = [
+    "Actor", "ActorError", "ActorMesh", "Accumulator", "Channel", "Future", "HostMesh", "MeshFailure",
+    "Point", "Port", "PortReceiver", "ProcMesh", "SupervisionError", "ValueMesh", "context",
+    "current_rank", "current_size", "endpoint", "get_or_spawn_controller", "proc_mesh", "this_host",
+    "this_proc", "unhandled_fault_hook",
+]
+
+
+class Actor:
+    """Base class of actors. Methods marked ``@endpoint`` can be called remotely."""
+
+
+def endpoint(fn: Callable | None = None, **options):
+    """Mark a method (sync or ``async def``) as callable from other processes."""
+    if fn is None:
+        return functools.partial(endpoint, **options)
+    fn._is_endpoint = True
+    return fn
+
+
+def unhandled_fault_hook(failure: SupervisionError) -> None:
+    """Called when a proc dies and nothing handled it; replace it to handle failures yourself.
+
+    The default stops the script with a clear message instead of leaving it hanging.
+    """
+    print(f"monarch_tensor: unhandled supervision failure, exiting: {failure}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def _call_fault_hook(err: SupervisionError) -> None:
+    sys.modules[__name__].unhandled_fault_hook(err)
+
+
+# ---- context ---------------------------------------------------------------------
+def context() -> _context.ActorContext:
+    """The running actor's context (name, rank); in the client script, the client's."""
+    return _context.current()
+
+
+def current_rank() -> Point:
+    """This actor's rank: ``current_rank().rank``, ``current_rank()["gpus"]``."""
+    return _context.current().rank
+
+
+def current_size() -> dict[str, int]:
+    """Sizes of the mesh the running actor belongs to."""
+    p = _context.current().rank
+    return dict(zip(p, _shape_of(p)))
+
+
+def _shape_of(p: Point) -> list[int]:
+    ctx = _context.current()
+    return list(getattr(ctx, "sizes", {}).values()) if hasattr(ctx, "sizes") else [p.size]
+
+
+# ---- results ---------------------------------------------------------------------
+class ValueMesh(Generic[R]):
+    """One value per rank of a mesh: ``item(gpus=1)``, ``items()``, ``values()``."""
+
+    def __init__(self, shape: Shape, values: list[R]) -> None:
+        self._shape = Shape(shape.names, shape.dims)
+        self._values = list(values)
+
+    def item(self, **coords: int) -> R:
+        if set(coords) != set(self._shape.names):
+            raise KeyError(f"item() needs every dimension {list(self._shape.names)}, got {list(coords)}")
+        return self._values[self._shape.slice(**coords).offset]
+
+    def items(self) -> Iterator[tuple[Point, R]]:
+        for i, v in enumerate(self._values):
+            yield self._shape.point(i), v
+
+    def values(self) -> list[R]:
+        return list(self._values)
+
+    def __iter__(self):
+        return self.items()
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return self._shape.sizes
+
+    def __repr__(self) -> str:
+        return f"ValueMesh({self._shape}, {self._values!r})"
+
+
+# ---- actor meshes ------------------------------------------------------------------
+class ActorMesh:
+    """Actors of one class on a proc mesh; attribute access gives endpoints."""
+
+    def __init__(self, name: str, cls: type, procs: list[ProcInfo], shape: Shape,
+                 spawned: Future | None = None, proc_mesh: ProcMesh | None = None) -> None:
+        self._name, self._class, self._procs, self._shape = name, cls, procs, shape
+        self._spawned = spawned or Future.ready(None)
+        self._proc_mesh = proc_mesh
+
+    def __reduce__(self):
+        return (ActorMesh, (self._name, self._class, self._procs, self._shape))
+
+    def __getattr__(self, method: str) -> Endpoint:
+        if method.startswith("_"):
+            raise AttributeError(method)
+        fn = getattr(self._class, method, None)
+        if fn is None or not getattr(fn, "_is_endpoint", False):
+            raise AttributeError(f"{self._class.__name__} has no endpoint {method!r}")
+        return Endpoint(self, method)
+
+    def slice(self, **kwargs) -> ActorMesh:
+        return ActorMesh(self._name, self._class, self._procs, self._shape.slice(**kwargs),
+                         self._spawned, self._proc_mesh)
+
+    def size(self, dim: str | None = None) -> int:
+        return len(self._shape) if dim is None else self._shape.sizes[dim]
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return self._shape.sizes
+
+    def __len__(self) -> int:
+        return len(self._shape)
+
+    @property
+    def initialized(self) -> Future:
+        return self._spawned
+
+    def __await__(self):
+        yield from self._spawned.__await__()
+        return self
+
+    def _ranks(self) -> list[int]:
+        return self._shape.ranks()
+
+    def _check(self) -> None:
+        for r in self._ranks():
+            p = self._procs[r]
+            if not p.alive:
+                raise SupervisionError(f"actor {self._name} rank {r}: its proc {p.addr} died: {p.exit_status}",
+                                       proc=p.addr, rank=r, exit_status=p.exit_status)
+            death = current_mailbox().death_of(p.addr)
+            if death is not None:
+                raise death
+        if self._proc_mesh is not None and self._proc_mesh._alloc._stopped:
+            from .errors import MeshStoppedError
+
+            raise MeshStoppedError(f"the proc mesh of actor mesh {self._name!r} was stopped")
+
+    def __repr__(self) -> str:
+        return f"<ActorMesh {self._name!r} {self._class.__name__} {self._shape}>"
+
+
+def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs: dict) -> ActorMesh:
+    if not (isinstance(cls, type) and issubclass(cls, Actor)):
+        raise TypeError(f"spawn() needs a subclass of Actor, got {cls!r}")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"actor name must be a non-empty string, got {name!r}")
+    procs._check_alive()
+    members = procs._members()
+    shape = Shape(procs._shape.names, procs._shape.dims)
+    mailbox = current_mailbox()
+    addrs = [p.addr for p in members]
+    col = Collector(addrs, list(range(len(members))), lambda v: None, f"spawn of {name}")
+    port = mailbox.open_port(col)
+    mesh = ActorMesh(name, cls, members, shape, col.future, procs)
+    col.future._what = f"spawn of actor mesh {name!r}"
+    for i, p in enumerate(members):
+        mailbox.send(p.addr, SpawnActor(name, cls, args, kwargs, i, shape, port))
+    spawned = Future(f"spawn of {name}")
+    col.future.add_done_callback(
+        lambda f: spawned._set_exception(f.exception()) if f.exception() else spawned._set_result(mesh))
+    mesh._spawned = spawned
+    return mesh
+
+
+class Endpoint(Generic[R]):
+    """``mesh.method``: call it with an adverb (``call``, ``call_one``, ``broadcast`` ...)."""
+
+    def __init__(self, mesh: ActorMesh, method: str) -> None:
+        self._mesh, self._method = mesh, method
+
+    def _send(self, ranks: list[int], args, kwargs, port: PortRef | None) -> None:
+        mailbox = current_mailbox()
+        frames = _wire.encode(CallEndpoint(self._mesh._name, self._method, args, kwargs, port))
+        for r in ranks:
+            mailbox.send_frames(self._mesh._procs[r].addr, frames)
+
+    def _collect(self, ranks: list[int], args, kwargs, finish, what) -> Future:
+        try:
+            self._mesh._check()
+        except Exception as e:  # noqa: BLE001 - surfaces on .get()
+            return Future.failed(e)
+        mailbox = current_mailbox()
+        col = Collector([self._mesh._procs[r].addr for r in ranks], ranks, finish, what)
+        port = mailbox.open_port(col)
+        self._send(ranks, args, kwargs, port)
+        return col.future
+
+    def call(self, *args, **kwargs) -> Future[ValueMesh[R]]:
+        """Call every actor of the mesh; a ``ValueMesh`` of their results."""
+        shape = self._mesh._shape
+        return self._collect(shape.ranks(), args, kwargs, lambda vs: ValueMesh(shape, vs),
+                             f"reply of {self._mesh._name}.{self._method}")
+
+    def call_one(self, *args, **kwargs) -> Future[R]:
+        """Call the single actor of a one-actor mesh (slice first)."""
+        n = len(self._mesh._shape)
+        if n != 1:
+            raise ValueError(f"call_one() needs a mesh of exactly one actor, but {self._mesh._name!r} has {n} "
+                             f"({self._mesh._shape}); slice it or use call()")
+        return self._collect(self._mesh._shape.ranks(), args, kwargs, lambda vs: vs[0],
+                             f"reply of {self._mesh._name}.{self._method}")
+
+    def choose(self, *args, **kwargs) -> Future[R]:
+        """Call one actor of the mesh, picked at random among the live ones."""
+        live = [r for r in self._mesh._shape.ranks() if self._mesh._procs[r].alive]
+        if not live:
+            return Future.failed(SupervisionError(f"no live actor left in {self._mesh._name!r}"))
+        return self._collect([random.choice(live)], args, kwargs, lambda vs: vs[0],
+                             f"reply of {self._mesh._name}.{self._method}")
+
+    def broadcast(self, *args, **kwargs) -> None:
+        """Call every actor without waiting for results."""
+        self._mesh._check()
+        self._send(self._mesh._shape.ranks(), args, kwargs, None)
+
+    def send(self, args: tuple = (), kwargs: dict | None = None, port: Port | None = None) -> None:
+        """Low-level: call every actor; results (if ``port``) go to that port."""
+        self._mesh._check()
+        self._send(self._mesh._shape.ranks(), tuple(args), dict(kwargs or {}), port._ref if port else None)
+
+    def stream(self, *args, **kwargs) -> Iterator[Future[R]]:
+        """Call every actor; yield a ready future per reply, in the order replies arrive."""
+        self._mesh._check()
+        ranks = self._mesh._shape.ranks()
+        mailbox = current_mailbox()
+        col = StreamCollector([self._mesh._procs[r].addr for r in ranks])
+        port = mailbox.open_port(col)
+        self._send(ranks, args, kwargs, port)
+        for _ in ranks:
+            yield col.q.get()
+
+    def __call__(self, *args, **kwargs):
+        raise TypeError(f"call an endpoint through an adverb: {self._method}.call(...), .call_one(...), "
+                        f".broadcast(...), .choose(...) or .stream(...)")
+
+
+class Accumulator(Generic[R]):
+    """Fold the results of ``endpoint.call`` with ``combine``, starting from ``identity``."""
+
+    def __init__(self, endpoint: Endpoint, identity: Any, combine: Callable[[Any, Any], Any]) -> None:
+        self._endpoint, self._identity, self._combine = endpoint, identity, combine
+
+    def accumulate(self, *args, **kwargs) -> Future:
+        out = Future("accumulated reply")
+
+        def done(f: Future) -> None:
+            if f.exception():
+                out._set_exception(f.exception())
+                return
+            acc = self._identity
+            for v in f.get().values():
+                acc = self._combine(acc, v)
+            out._set_result(acc)
+
+        self._endpoint.call(*args, **kwargs).add_done_callback(done)
+        return out
+
+
+# ---- channels ------------------------------------------------------------------------
+class Port:
+    """The sending end of a channel; picklable, so it can be passed to actors."""
+
+    def __init__(self, ref: PortRef) -> None:
+        self._ref = ref
+
+    def send(self, value: Any) -> None:
+        current_mailbox().send(self._ref.addr, SendToPort(self._ref.port_id, value, None, current_rank().rank))
+
+    def exception(self, error: BaseException) -> None:
+        current_mailbox().send(self._ref.addr, SendToPort(self._ref.port_id, None, error, current_rank().rank))
+
+    def __repr__(self) -> str:
+        return f"Port({self._ref.addr}, {self._ref.port_id})"
+
+
+class PortReceiver(Generic[R]):
+    """The receiving end of a channel: ``recv()`` returns a Future of the next value."""
+
+    def __init__(self, receiver: Receiver) -> None:
+        self._r = receiver
+
+    def recv(self) -> Future[R]:
+        out: Future = Future("channel value")
+
+        def wait() -> None:
+            msg = self._r.q.get()
+            if msg.error is not None:
+                out._set_exception(msg.error)
+            else:
+                out._set_result(msg.value)
+
+        if not self._r.q.empty():
+            wait()
+            return out
+        import threading
+
+        threading.Thread(target=wait, daemon=True).start()
+        return out
+
+
+class Channel(Generic[R]):
+    """``port, receiver = Channel.open()``."""
+
+    @staticmethod
+    def open() -> tuple[Port, PortReceiver]:
+        r = Receiver()
+        ref = current_mailbox().open_port(r)
+        return Port(ref), PortReceiver(r)
+
+
+# ---- singletons --------------------------------------------------------------------------
+_controllers: dict[str, ActorMesh] = {}
+
+
+def get_or_spawn_controller(name: str, actor_class: type, *args, **kwargs) -> Future[ActorMesh]:
+    """One actor named ``name`` per client process, spawned on its own proc the first time."""
+    mesh = _controllers.get(name)
+    if mesh is None:
+        procs = this_host().spawn_procs(per_host={"procs": 1})
+        mesh = procs.spawn(name, actor_class, *args, **kwargs).slice(procs=0)
+        _controllers[name] = mesh
+    return mesh._spawned if mesh._spawned.done() is False else Future.ready(mesh)

@@ -1,0 +1,56 @@
+"""Errors of the runtime, named for whose fault they are."""
+
+from __future__ import annotations
+
+
+class ActorError(Exception):
+    """An endpoint raised: the user's code failed on a remote actor.
+
+    Carries the remote traceback (``.traceback``), the actor's name and rank;
+    the actor itself keeps serving.
+    """
+
+    def __init__(self, actor: str, rank: int, method: str, exc_repr: str, traceback: str,
+                 exception: BaseException | None = None) -> None:
+        self.actor, self.rank, self.method = actor, rank, method
+        self.exc_repr, self.traceback, self.exception = exc_repr, traceback, exception
+        super().__init__(actor, rank, method, exc_repr, traceback)
+
+    def __reduce__(self):
+        return (ActorError, (self.actor, self.rank, self.method, self.exc_repr, self.traceback,
+                             self.exception))
+
+    def __str__(self) -> str:
+        return (f"endpoint {self.actor}.{self.method} raised on rank {self.rank}: {self.exc_repr}\n"
+                f"remote traceback:\n{self.traceback}")
+
+
+class SupervisionError(Exception):
+    """A proc or actor died (infrastructure failure, not an exception in user code).
+
+    Raised in everything waiting on the dead proc, and on every later call to a
+    mesh that includes it. Monarch calls this ``MeshFailure``.
+    """
+
+    def __init__(self, message: str, *, proc: str = "", rank: int | None = None,
+                 exit_status: str = "") -> None:
+        self.proc, self.rank, self.exit_status = proc, rank, exit_status
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (_make_supervision_error, (str(self), self.proc, self.rank, self.exit_status))
+
+
+def _make_supervision_error(message, proc, rank, exit_status):
+    return SupervisionError(message, proc=proc, rank=rank, exit_status=exit_status)
+
+
+MeshFailure = SupervisionError
+
+
+class ProtocolError(Exception):
+    """A message on the wire could not be decoded (a bug or a stray sender)."""
+
+
+class MeshStoppedError(Exception):
+    """The mesh was stopped by its owner; calls on it are refused."""

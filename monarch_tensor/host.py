@@ -1,0 +1,368 @@
+"""Hosts and proc meshes: ``this_host().spawn_procs(per_host={"gpus": 4})``.
+
+A local host is driven through its zygote (``_zygote.py``), a template
+process that already imported torch and forks procs on request. Its exit
+reports are how the runtime learns, within milliseconds, that a proc died.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from . import _context, _zygote
+from .errors import MeshStoppedError, SupervisionError
+from .future import Future
+from .mailbox import current_mailbox, new_ipc_address
+from .messages import SetLogging, StopProc
+from .shape import Shape
+
+SPAWN_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_SPAWN_TIMEOUT", "60"))
+
+
+@dataclass
+class ProcInfo:
+    """One proc of an allocation, as the client sees it."""
+
+    addr: str
+    rank: int
+    pid: int = 0
+    alive: bool = True
+    stopping: bool = False
+    exit_status: str = ""
+    owner: Any = None  # the ProcMesh allocation that made it
+
+    def __getstate__(self):
+        return {"addr": self.addr, "rank": self.rank, "pid": self.pid, "alive": self.alive}
+
+    def __setstate__(self, state):
+        self.__init__(**state)
+
+
+def _gpu_count() -> int:
+    """GPUs on this host, without initialising CUDA in this process."""
+    try:
+        return len([d for d in os.listdir("/proc/driver/nvidia/gpus")])
+    except OSError:
+        return 0
+
+
+class LocalHost:
+    """The zygote of this machine, spawning procs for this client process."""
+
+    def __init__(self) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p) 
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "from monarch_tensor._zygote import main; main()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True)
+        self._req_fd = self.proc.stdin.fileno()
+        self._rep_fd = self.proc.stdout.fileno()
+        self._lock = threading.Lock()
+        self._next = 0
+        self._spawned: dict[int, Future] = {}
+        self._by_pid: dict[int, ProcInfo] = {}
+        self._ready = Future("zygote start")
+        self._reader = threading.Thread(target=self._read, daemon=True, name="monarch-tensor-host")
+        self._reader.start()
+
+    def _read(self) -> None:
+        while True:
+            msg = _zygote.read_msg(self._rep_fd)
+            if msg is None:
+                break
+            kind = msg[0]
+            if kind == "ready":
+                self._ready._set_result(msg[1])
+            elif kind == "spawned":
+                _, req_id, pid = msg
+                fut = self._spawned.pop(req_id)
+                fut._set_result(pid)
+            elif kind == "exited":
+                _, pid, status = msg
+                info = self._by_pid.pop(pid, None)
+                if info is not None:
+                    _proc_exited(info, status)
+        err = RuntimeError("the local host's template process exited")
+        self._ready._set_exception(err)
+        for fut in self._spawned.values():
+            fut._set_exception(err)
+        for info in list(self._by_pid.values()):
+            _proc_exited(info, "lost with the template process")
+
+    def spawn(self, infos: list[ProcInfo], client_addr: str, envs: list[dict]) -> None:
+        self._ready.get(timeout=SPAWN_TIMEOUT)
+        futs = []
+        with self._lock:
+            for info, env in zip(infos, envs):
+                self._next += 1
+                fut = Future("proc spawn")
+                self._spawned[self._next] = fut
+                _zygote.write_msg(self._req_fd, ("spawn", self._next, "monarch_tensor._proc.run_proc",
+                                                 (info.addr, client_addr, info.rank), env))
+                futs.append((info, fut))
+        for info, fut in futs:
+            info.pid = fut.get(timeout=SPAWN_TIMEOUT)
+            self._by_pid[info.pid] = info
+
+    def kill(self, pid: int, sig: int) -> None:
+        with self._lock:
+            try:
+                _zygote.write_msg(self._req_fd, ("kill", pid, sig))
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        try:
+            with self._lock:
+                _zygote.write_msg(self._req_fd, ("exit",))
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+_local_host: LocalHost | None = None
+_local_lock = threading.Lock()
+
+
+def local_host() -> LocalHost:
+    global _local_host
+    with _local_lock:
+        if _local_host is None:
+            _local_host = LocalHost()
+    return _local_host
+
+
+def _proc_exited(info: ProcInfo, status: str) -> None:
+    info.alive = False
+    info.exit_status = status
+    mailbox = current_mailbox()
+    if info.stopping:
+        mailbox.forget(info.addr)
+        return
+    mesh = info.owner
+    where = f"rank {info.rank} of proc mesh {mesh._shape if mesh else '?'}"
+    err = SupervisionError(f"proc {info.addr} ({where}, pid {info.pid}) died: {status}",
+                           proc=info.addr, rank=info.rank, exit_status=status)
+    mailbox.proc_died(info.addr, err)
+    if mesh is not None:
+        mesh._failed(err)
+
+
+class ProcMesh:
+    """Procs with a named shape; ``spawn`` actors on them, ``slice`` them like arrays.
+
+    >>> procs = this_host().spawn_procs(per_host={"gpus": 2})
+    >>> counters = procs.spawn("counter", Counter, 0)
+    >>> procs.slice(gpus=1).size()
+    1
+    """
+
+    def __init__(self, procs: list[ProcInfo], shape: Shape, alloc: ProcMesh | None = None) -> None:
+        self._procs = procs
+        self._shape = shape
+        self._alloc = alloc or self
+        if alloc is None:
+            self._owner = _context.current()
+            self._stopped = False
+            self._failures: list[SupervisionError] = []
+
+    # ---- shape ------------------------------------------------------------------
+    @property
+    def sizes(self) -> dict[str, int]:
+        return self._shape.sizes
+
+    @property
+    def shape(self) -> Shape:
+        return self._shape
+
+    def size(self, dim: str | None = None) -> int:
+        if dim is None:
+            return len(self._shape)
+        if dim not in self._shape.names:
+            raise KeyError(f"mesh has no dimension {dim!r}; its dimensions are {list(self._shape.names)}")
+        return self._shape.sizes[dim]
+
+    def __len__(self) -> int:
+        return len(self._shape)
+
+    def slice(self, **kwargs) -> ProcMesh:
+        return ProcMesh(self._procs, self._shape.slice(**kwargs), self._alloc)
+
+    def _members(self) -> list[ProcInfo]:
+        return [self._procs[r] for r in self._shape.ranks()]
+
+    def __repr__(self) -> str:
+        return f"<ProcMesh {self._shape}>"
+
+    def __await__(self):  # the seeds' `await proc_mesh(...)` form
+        if False:
+            yield
+        return self
+
+    # ---- actors -----------------------------------------------------------------
+    def spawn(self, name: str, actor_class: type, *args, **kwargs):
+        """Construct ``actor_class(*args, **kwargs)`` on every proc; returns an ``ActorMesh``."""
+        from .actor import _spawn_actor_mesh
+
+        return _spawn_actor_mesh(self, name, actor_class, args, kwargs)
+
+    def _check_alive(self) -> None:
+        if self._alloc._stopped:
+            raise MeshStoppedError(f"proc mesh {self._shape} was stopped")
+        for p in self._members():
+            if not p.alive:
+                raise SupervisionError(
+                    f"proc {p.addr} (rank {p.rank}) of this mesh died: {p.exit_status}",
+                    proc=p.addr, rank=p.rank, exit_status=p.exit_status)
+
+    # ---- lifecycle ----------------------------------------------------------------
+    def stop(self) -> Future:
+        """Stop every proc of this mesh's allocation; the returned future resolves when they exited."""
+        alloc = self._alloc
+        if alloc._stopped:
+            return Future.ready(None)
+        alloc._stopped = True
+        mailbox = current_mailbox()
+        for p in alloc._procs:
+            p.stopping = True
+            if p.alive:
+                try:
+                    mailbox.send(p.addr, StopProc("stop() called"))
+                except Exception:  # noqa: BLE001
+                    pass
+        deadline = time.monotonic() + 5
+        while any(p.alive for p in alloc._procs) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        host = local_host()
+        for p in alloc._procs:
+            if p.alive:
+                host.kill(p.pid, 9)
+        deadline = time.monotonic() + 5
+        while any(p.alive for p in alloc._procs) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        _live_meshes.discard(alloc)
+        return Future.ready(None)
+
+    def logging_option(self, stream_to_client: bool = True, aggregate_window_sec: float | None = None) -> Future:
+        """Forward procs' stdout/stderr to the client, folding repeats within a window."""
+        from . import logs
+        from ._ports import Collector
+
+        logs.configure(aggregate_window_sec)
+        members = [p for p in self._members() if p.alive]
+        addrs = [p.addr for p in members]
+        mailbox = current_mailbox()
+        col = Collector(addrs, [p.rank for p in members], lambda v: None, "logging_option ack")
+        port = mailbox.open_port(col)
+        for a in addrs:
+            mailbox.send(a, SetLogging(stream_to_client, port))
+        return col.future
+
+    def _failed(self, err: SupervisionError) -> None:
+        """A proc of this allocation died unexpectedly: tell the owner, or the fault hook."""
+        from . import actor
+
+        self._failures.append(err)
+        owner = self._owner
+        handler = getattr(owner.instance, "__supervise__", None) if owner is not None else None
+        if handler is not None:
+            try:
+                if handler(err):
+                    return
+            except Exception as e:  # noqa: BLE001
+                err = SupervisionError(f"{err} (and __supervise__ raised {e!r})", proc=err.proc, rank=err.rank)
+        actor.unhandled_fault_hook(err)
+
+    # ---- tensor engine (see controller/) ---------------------------------------------
+    def activate(self):
+        raise NotImplementedError("the tensor engine (proc_mesh.activate()) is not built yet")
+
+
+_live_meshes: set[ProcMesh] = set()
+
+
+def _spawn_procs(shape: Shape) -> ProcMesh:
+    mailbox = current_mailbox()
+    n = len(shape)
+    infos = [ProcInfo(new_ipc_address("proc"), r) for r in range(n)]
+    gpus = _gpu_count()
+    envs = []
+    for point in (shape.point(i) for i in range(n)):
+        env = {"MONARCH_TENSOR_RANK": str(point.rank)}
+        if gpus and "gpus" in shape.names:
+            env["CUDA_VISIBLE_DEVICES"] = str(point["gpus"] % gpus)
+        envs.append(env)
+    mesh = ProcMesh(infos, shape)
+    for info in infos:
+        info.owner = mesh
+    local_host().spawn(infos, mailbox.addr, envs)
+    _live_meshes.add(mesh)
+    return mesh
+
+
+class HostMesh:
+    """Hosts you can spawn procs on. ``this_host()`` is the local machine."""
+
+    def __init__(self, shape: Shape | None = None) -> None:
+        self._shape = shape or Shape((), ())
+
+    def spawn_procs(self, per_host: Mapping[str, int] | None = None, *, name: str | None = None) -> ProcMesh:
+        """``spawn_procs(per_host={"gpus": 4})`` -> ProcMesh of shape {hosts..., "gpus": 4}."""
+        per_host = dict(per_host or {"procs": 1})
+        shape = Shape(tuple(self._shape.names) + tuple(per_host),
+                      tuple(self._shape.dims) + tuple(per_host.values()))
+        return _spawn_procs(shape)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return self._shape.sizes
+
+    def __repr__(self) -> str:
+        return f"<HostMesh {self._shape}>"
+
+
+def this_host() -> HostMesh:
+    """The machine this script runs on, as a host mesh of one host."""
+    local_host()  # start the template process early: it imports torch while the script goes on
+    return HostMesh()
+
+
+def this_proc() -> ProcMesh:
+    """The current process as a mesh of one proc (the client, or the proc an actor runs on)."""
+    mailbox = current_mailbox()
+    ctx = _context.current()
+    return ProcMesh([ProcInfo(mailbox.addr, ctx.proc_rank)], Shape((), ()))
+
+
+def proc_mesh(*, gpus: int | None = None, hosts: int | None = None, **dims: int) -> ProcMesh:
+    """The older form: ``proc_mesh(gpus=4)`` (also awaitable: ``await proc_mesh(gpus=4)``)."""
+    sizes = {}
+    if hosts is not None:
+        sizes["hosts"] = hosts
+    if gpus is not None:
+        sizes["gpus"] = gpus
+    sizes.update(dims)
+    if not sizes:
+        raise ValueError("proc_mesh needs at least one dimension, e.g. proc_mesh(gpus=4)")
+    return _spawn_procs(Shape.from_sizes(sizes))
+
+
+@atexit.register
+def _shutdown() -> None:
+    for mesh in list(_live_meshes):
+        try:
+            mesh.stop()
+        except Exception:  # noqa: BLE001
+            pass
+    if _local_host is not None:
+        _local_host.close()

@@ -1,0 +1,73 @@
+"""Procs' stdout and stderr, printed by the client with a rank prefix.
+
+``proc_mesh.logging_option(stream_to_client=True, aggregate_window_sec=3)``
+folds identical lines from many ranks within the window into one line:
+``[4 similar lines] [rank 0-3] loss 1.23``.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+from .messages import ForwardLogs
+
+_lock = threading.Lock()
+_window: float | None = None
+_pending: dict[tuple[int, str], list[int]] = {}
+_flusher: threading.Thread | None = None
+
+
+def configure(aggregate_window_sec: float | None) -> None:
+    global _window, _flusher
+    with _lock:
+        _window = aggregate_window_sec if aggregate_window_sec and aggregate_window_sec > 0 else None
+        if _window is not None and _flusher is None:
+            _flusher = threading.Thread(target=_flush_loop, daemon=True, name="monarch-tensor-logs")
+            _flusher.start()
+    if _window is None:
+        flush()
+
+
+def _out(stream: int):
+    return sys.stdout if stream == 1 else sys.stderr
+
+
+def client_log_sink(msg: ForwardLogs) -> None:
+    """Called on the client's I/O thread for every batch of lines from a proc."""
+    with _lock:
+        if _window is None:
+            out = _out(msg.stream)
+            out.write("".join(f"[{msg.rank}] {line}\n" for line in msg.lines))
+            out.flush()
+            return
+        for line in msg.lines:
+            _pending.setdefault((msg.stream, line), []).append(msg.rank)
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    rs = sorted(set(ranks))
+    if len(rs) > 1 and rs == list(range(rs[0], rs[-1] + 1)):
+        return f"{rs[0]}-{rs[-1]}"
+    return ",".join(map(str, rs))
+
+
+def flush() -> None:
+    with _lock:
+        items = list(_pending.items())
+        _pending.clear()
+    for (stream, line), ranks in items:
+        out = _out(stream)
+        if len(ranks) > 1:
+            out.write(f"[{len(ranks)} similar lines] [rank {_ranks_text(ranks)}] {line}\n")
+        else:
+            out.write(f"[{ranks[0]}] {line}\n")
+        out.flush()
+
+
+def _flush_loop() -> None:
+    while True:
+        w = _window
+        time.sleep(w if w else 0.5)
+        flush()

@@ -1,0 +1,215 @@
+"""A process's mailbox: one ROUTER socket to receive, cached DEALERs to send.
+
+Every process of the runtime (the client script and every proc) owns exactly
+one ``Mailbox``. Its I/O thread receives, decodes and dispatches messages:
+values for ports (call replies, channels) are delivered right there; everything
+else goes to the process's ``on_message`` hook (a proc's actor runtime).
+Sending happens on the caller's thread under a lock, so a call costs no thread
+hop on the way out. Messages from one sender to one address arrive in order
+(one DEALER per destination).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import tempfile
+import threading
+import uuid
+from typing import Callable, Protocol
+
+import zmq
+
+from . import _wire
+from .errors import ProtocolError, SupervisionError
+from .messages import ForwardLogs, PortRef, SendToPort
+
+log = logging.getLogger("monarch_tensor.mailbox")
+
+
+class PortHandler(Protocol):
+    def deliver(self, msg: SendToPort) -> bool:
+        """Take one value; return True when the port is finished and can be closed."""
+
+    def proc_died(self, addr: str, error: SupervisionError) -> bool:
+        """A proc this port waits on died; return True when the port is finished."""
+
+
+def socket_dir() -> str:
+    """The 0700 directory that holds this user's ipc sockets."""
+    d = os.path.join(tempfile.gettempdir(), f"monarch-tensor-{os.getuid()}")
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    os.chmod(d, 0o700)
+    return d
+
+
+def new_ipc_address(kind: str) -> str:
+    return f"ipc://{socket_dir()}/{kind}-{os.getpid()}-{uuid.uuid4().hex[:10]}"
+
+
+class Mailbox:
+    """Receives on ``self.addr``; ``send(addr, msg)`` to any other mailbox."""
+
+    def __init__(self, addr: str | None = None, on_message: Callable[[object], None] | None = None,
+                 on_logs: Callable[[ForwardLogs], None] | None = None) -> None:
+        self.ctx = zmq.Context()
+        self.addr = addr or new_ipc_address("client")
+        self._router = self.ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.bind(self.addr)
+        self._out: dict[str, zmq.Socket] = {}
+        self._send_lock = threading.Lock()
+        self._ports: dict[int, PortHandler] = {}
+        self._ports_lock = threading.Lock()
+        self._port_ids = itertools.count(1)
+        self.on_message = on_message
+        self.on_logs = on_logs
+        self._dead: dict[str, SupervisionError] = {}
+        self._closed = False
+        self._wake_addr = f"inproc://wake-{id(self)}"
+        self._wake_recv = self.ctx.socket(zmq.PAIR)
+        self._wake_recv.bind(self._wake_addr)
+        self._thread = threading.Thread(target=self._loop, name="monarch-tensor-io", daemon=True)
+        self._thread.start()
+
+    # ---- sending ----------------------------------------------------------
+    def _socket_for(self, addr: str) -> zmq.Socket:
+        s = self._out.get(addr)
+        if s is None:
+            s = self.ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 2000)
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.connect(addr)
+            self._out[addr] = s
+        return s
+
+    def send(self, addr: str, msg: object) -> None:
+        self.send_frames(addr, _wire.encode(msg))
+
+    def send_frames(self, addr: str, frames: list) -> None:
+        """Send already-encoded frames (encode once, send to many)."""
+        with self._send_lock:
+            if self._closed:
+                raise RuntimeError("mailbox is closed")
+            self._socket_for(addr).send_multipart(frames, copy=False)
+
+    def forget(self, addr: str) -> None:
+        """Close the outgoing socket to ``addr`` (a stopped or dead proc)."""
+        with self._send_lock:
+            s = self._out.pop(addr, None)
+            if s is not None:
+                s.close(linger=0)
+
+    # ---- ports --------------------------------------------------------------
+    def open_port(self, handler: PortHandler) -> PortRef:
+        pid = next(self._port_ids)
+        with self._ports_lock:
+            self._ports[pid] = handler
+        return PortRef(self.addr, pid)
+
+    def close_port(self, port_id: int) -> None:
+        with self._ports_lock:
+            self._ports.pop(port_id, None)
+
+    def proc_died(self, addr: str, error: SupervisionError) -> None:
+        """Fail every port waiting on the proc at ``addr``."""
+        self._dead[addr] = error
+        with self._ports_lock:
+            items = list(self._ports.items())
+        for pid, h in items:
+            if h.proc_died(addr, error):
+                self.close_port(pid)
+        self.forget(addr)
+
+    def death_of(self, addr: str) -> SupervisionError | None:
+        return self._dead.get(addr)
+
+    # ---- receiving ----------------------------------------------------------
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_recv, zmq.POLLIN)
+        while not self._closed:
+            try:
+                events = dict(poller.poll())
+            except zmq.ZMQError:
+                break
+            if self._wake_recv in events:
+                break
+            while True:
+                try:
+                    frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                except zmq.ZMQError:
+                    return
+                self._dispatch(frames[1:])  # frames[0] is the sender's routing id
+
+    def _dispatch(self, frames: list) -> None:
+        try:
+            msg = _wire.decode(frames)
+        except ProtocolError as e:
+            log.warning("dropped a malformed message on %s: %s", self.addr, e)
+            return
+        try:
+            if isinstance(msg, SendToPort):
+                with self._ports_lock:
+                    h = self._ports.get(msg.port_id)
+                if h is None:
+                    log.debug("value for closed port %d dropped", msg.port_id)
+                elif h.deliver(msg):
+                    self.close_port(msg.port_id)
+            elif isinstance(msg, ForwardLogs):
+                if self.on_logs is not None:
+                    self.on_logs(msg)
+            elif self.on_message is not None:
+                self.on_message(msg)
+            else:
+                log.warning("dropped unexpected %s on %s", type(msg).__name__, self.addr)
+        except Exception:  # noqa: BLE001 - a bad message never kills the I/O thread
+            log.exception("error while handling %s", type(msg).__name__)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        wake = self.ctx.socket(zmq.PAIR)
+        wake.connect(self._wake_addr)
+        wake.send(b"")
+        self._thread.join(timeout=5)
+        with self._send_lock:
+            self._closed = True
+            for s in self._out.values():
+                s.close(linger=500)
+            self._out.clear()
+        wake.close(linger=0)
+        self._wake_recv.close(linger=0)
+        self._router.close(linger=0)
+        self.ctx.term()
+        path = self.addr[len("ipc://"):] if self.addr.startswith("ipc://") else None
+        if path and os.path.exists(path):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+_mailbox: Mailbox | None = None
+_mailbox_lock = threading.Lock()
+
+
+def current_mailbox() -> Mailbox:
+    """This process's mailbox, created on first use in a client script."""
+    global _mailbox
+    if _mailbox is None:
+        with _mailbox_lock:
+            if _mailbox is None:
+                from .logs import client_log_sink
+
+                _mailbox = Mailbox(on_logs=client_log_sink)
+    return _mailbox
+
+
+def set_current_mailbox(mb: Mailbox) -> None:
+    global _mailbox
+    _mailbox = mb

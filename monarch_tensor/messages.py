@@ -1,0 +1,79 @@
+"""Every runtime message, one frozen record each, named as verbs.
+
+A ``Port`` is an address (a proc's or client's ROUTER socket) plus a port id
+owned by that mailbox; replies and channel values are sent to ports.
+The handler for ``X`` in a proc is ``ProcRuntime.handle_X`` (worker side) or
+``Mailbox.handle_X`` (any process); ``tests/test_wire.py`` checks that every
+message round-trips and has a handler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class PortRef:
+    """Where a value should go: a mailbox address and a port id in it."""
+
+    addr: str
+    port_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class SpawnActor:
+    """Client -> proc: construct ``cls(*args, **kwargs)`` as actor ``name``; ack on ``reply``."""
+
+    name: str
+    cls: Any
+    args: tuple
+    kwargs: dict
+    rank: int
+    shape: Any
+    reply: PortRef
+
+
+@dataclass(frozen=True, slots=True)
+class CallEndpoint:
+    """Anyone -> proc: run ``actor.method(*args, **kwargs)``; send the result to ``reply`` (if any)."""
+
+    actor: str
+    method: str
+    args: tuple
+    kwargs: dict
+    reply: PortRef | None
+
+
+@dataclass(frozen=True, slots=True)
+class SendToPort:
+    """Anyone -> mailbox: deliver ``value`` (or raise ``error``) on port ``port_id``; ``rank`` of the sender."""
+
+    port_id: int
+    value: Any
+    error: BaseException | None
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardLogs:
+    """Proc -> client: lines a proc wrote to stdout (``stream=1``) or stderr (``2``)."""
+
+    rank: int
+    stream: int
+    lines: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SetLogging:
+    """Client -> proc: turn forwarding of stdout/stderr to the client on or off; ack on ``reply``."""
+
+    stream_to_client: bool
+    reply: PortRef
+
+
+@dataclass(frozen=True, slots=True)
+class StopProc:
+    """Client -> proc: stop every actor and exit the process."""
+
+    reason: str
