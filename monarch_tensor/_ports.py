@@ -19,8 +19,9 @@ class Collector:
     """
 
     def __init__(self, addrs: list[str], ranks: list[int], finish: Callable[[list], object],
-                 what: str = "reply") -> None:
+                 what: str = "reply", observing: bool = True) -> None:
         self.future: Future = Future(what)
+        self.observing = observing  # a user's call: its failure counts as seen by the user
         self._by_rank = {r: i for i, r in enumerate(ranks)}
         self._values: list = [None] * len(addrs)
         self._left = len(addrs)

@@ -4,8 +4,10 @@
 the header (a magic tag and the number of buffers), the body (``msg`` pickled
 with protocol 5, out-of-band buffers left out), and then each out-of-band
 buffer (tensor or ndarray bytes) as its own frame, never copied into the body.
-cloudpickle does the pickling so classes and functions from ``__main__`` or a
-notebook travel by value; everything importable travels by reference.
+Plain pickle does the pickling; a message that refers to ``__main__`` (classes
+and functions of a script or notebook) or holds something pickle refuses (a
+lambda, a local class) is pickled again with cloudpickle so that code travels
+by value. Everything importable travels by reference.
 """
 
 from __future__ import annotations
@@ -19,13 +21,34 @@ from .errors import ProtocolError
 
 MAGIC = b"MT01"
 _HEADER = struct.Struct("!4sI")
+_MAIN = b"__main__"
 
 
 def encode(msg: object) -> list:
     """Frames for ``msg``: header, body, then out-of-band buffers."""
     buffers: list[pickle.PickleBuffer] = []
-    body = cloudpickle.dumps(msg, protocol=5, buffer_callback=buffers.append)
+    try:
+        body = pickle.dumps(msg, protocol=5, buffer_callback=buffers.append)
+        by_value = _MAIN in body
+    except (pickle.PicklingError, AttributeError, TypeError):
+        by_value = True
+    if by_value:
+        buffers.clear()
+        body = cloudpickle.dumps(msg, protocol=5, buffer_callback=buffers.append)
     return [_HEADER.pack(MAGIC, len(buffers)), body, *(b.raw() for b in buffers)]
+
+
+def is_small(frames: list) -> bool:
+    """Whether copying the frames into zmq beats zero-copy (it does below ~64 KiB)."""
+    return len(frames) == 2 and len(frames[1]) < 65536
+
+
+def buffer_count(header: bytes) -> int:
+    """How many buffer frames the header announces (0 for a malformed header)."""
+    if len(header) != _HEADER.size:
+        return 0
+    magic, nbuf = _HEADER.unpack(header)
+    return nbuf if magic == MAGIC else 0
 
 
 def decode(frames: list) -> object:

@@ -200,7 +200,7 @@ def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs
     shape = Shape(procs._shape.names, procs._shape.dims)
     mailbox = current_mailbox()
     addrs = [p.addr for p in members]
-    col = Collector(addrs, list(range(len(members))), lambda v: None, f"spawn of {name}")
+    col = Collector(addrs, list(range(len(members))), lambda v: None, f"spawn of {name}", observing=False)
     port = mailbox.open_port(col)
     mesh = ActorMesh(name, cls, members, shape, col.future, procs)
     col.future._what = f"spawn of actor mesh {name!r}"

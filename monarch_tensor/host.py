@@ -153,8 +153,8 @@ def _proc_exited(info: ProcInfo, status: str) -> None:
     where = f"rank {info.rank} of proc mesh {mesh._shape if mesh else '?'}"
     err = SupervisionError(f"proc {info.addr} ({where}, pid {info.pid}) died: {status}",
                            proc=info.addr, rank=info.rank, exit_status=status)
-    mailbox.proc_died(info.addr, err)
-    if mesh is not None:
+    observed = mailbox.proc_died(info.addr, err)
+    if mesh is not None and not observed:  # a waiting caller got the error: that is handling it
         mesh._failed(err)
 
 
@@ -262,7 +262,8 @@ class ProcMesh:
         members = [p for p in self._members() if p.alive]
         addrs = [p.addr for p in members]
         mailbox = current_mailbox()
-        col = Collector(addrs, [p.rank for p in members], lambda v: None, "logging_option ack")
+        col = Collector(addrs, [p.rank for p in members], lambda v: None, "logging_option ack",
+                        observing=False)
         port = mailbox.open_port(col)
         for a in addrs:
             mailbox.send(a, SetLogging(stream_to_client, port))

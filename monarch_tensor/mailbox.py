@@ -67,9 +67,6 @@ class Mailbox:
         self.on_logs = on_logs
         self._dead: dict[str, SupervisionError] = {}
         self._closed = False
-        self._wake_addr = f"inproc://wake-{id(self)}"
-        self._wake_recv = self.ctx.socket(zmq.PAIR)
-        self._wake_recv.bind(self._wake_addr)
         self._thread = threading.Thread(target=self._loop, name="monarch-tensor-io", daemon=True)
         self._thread.start()
 
@@ -92,7 +89,7 @@ class Mailbox:
         with self._send_lock:
             if self._closed:
                 raise RuntimeError("mailbox is closed")
-            self._socket_for(addr).send_multipart(frames, copy=False)
+            self._socket_for(addr).send_multipart(frames, copy=_wire.is_small(frames))
 
     def forget(self, addr: str) -> None:
         """Close the outgoing socket to ``addr`` (a stopped or dead proc)."""
@@ -112,39 +109,41 @@ class Mailbox:
         with self._ports_lock:
             self._ports.pop(port_id, None)
 
-    def proc_died(self, addr: str, error: SupervisionError) -> None:
-        """Fail every port waiting on the proc at ``addr``."""
+    def proc_died(self, addr: str, error: SupervisionError) -> int:
+        """Fail every port waiting on the proc at ``addr``; return how many were a user's calls."""
         self._dead[addr] = error
         with self._ports_lock:
             items = list(self._ports.items())
+        observed = 0
         for pid, h in items:
             if h.proc_died(addr, error):
+                observed += getattr(h, "observing", True)
                 self.close_port(pid)
         self.forget(addr)
+        return observed
 
     def death_of(self, addr: str) -> SupervisionError | None:
         return self._dead.get(addr)
 
     # ---- receiving ----------------------------------------------------------
     def _loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._wake_recv, zmq.POLLIN)
-        while not self._closed:
+        # Blocking receives, small frames copied: measured twice as fast per message
+        # as a poller with zero-copy frames. Only buffer frames are received zero-copy.
+        r = self._router
+        while True:
             try:
-                events = dict(poller.poll())
+                r.recv()  # the sender's routing id
+                frames = [r.recv()]
+                if r.rcvmore:
+                    frames.append(r.recv())
+                    nbuf = _wire.buffer_count(frames[0])
+                    while r.rcvmore:
+                        frames.append(r.recv(copy=nbuf == 0))
             except zmq.ZMQError:
-                break
-            if self._wake_recv in events:
-                break
-            while True:
-                try:
-                    frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                except zmq.ZMQError:
-                    return
-                self._dispatch(frames[1:])  # frames[0] is the sender's routing id
+                return
+            if self._closed:
+                return
+            self._dispatch(frames)
 
     def _dispatch(self, frames: list) -> None:
         try:
@@ -173,17 +172,16 @@ class Mailbox:
     def close(self) -> None:
         if self._closed:
             return
-        wake = self.ctx.socket(zmq.PAIR)
-        wake.connect(self._wake_addr)
+        self._closed = True
+        wake = self.ctx.socket(zmq.DEALER)
+        wake.connect(self.addr)
         wake.send(b"")
         self._thread.join(timeout=5)
         with self._send_lock:
-            self._closed = True
-            for s in self._out.values():
-                s.close(linger=500)
+            for sock in self._out.values():
+                sock.close(linger=500)
             self._out.clear()
         wake.close(linger=0)
-        self._wake_recv.close(linger=0)
         self._router.close(linger=0)
         self.ctx.term()
         path = self.addr[len("ipc://"):] if self.addr.startswith("ipc://") else None

@@ -1,0 +1,197 @@
+"""Supervision: dead procs raise SupervisionError fast; no orphans whatever the client does."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import monarch_tensor.actor as actor_mod
+from monarch_tensor.actor import Actor, SupervisionError, endpoint, this_host
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Worker(Actor):
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    def sleep(self, s: float) -> float:
+        time.sleep(s)
+        return s
+
+    @endpoint
+    def die(self, code: int) -> None:
+        os._exit(code)
+
+    @endpoint
+    def segfault(self) -> None:
+        import ctypes
+
+        ctypes.string_at(0)
+
+
+@pytest.fixture
+def faults(monkeypatch):
+    seen = []
+    monkeypatch.setattr(actor_mod, "unhandled_fault_hook", seen.append)
+    return seen
+
+
+@pytest.fixture
+def mesh():
+    procs = this_host().spawn_procs({"gpus": 3})
+    w = procs.spawn("w", Worker)
+    pids = w.pid.call().get(timeout=60).values()
+    yield procs, w, pids
+    procs.stop().get(timeout=30)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.timeout(60)
+def test_sigkill_fails_pending_call_within_a_second(mesh, faults):
+    procs, w, pids = mesh
+    fut = w.slice(gpus=1).sleep.call_one(30)
+    t0 = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    with pytest.raises(SupervisionError) as ei:
+        fut.get(timeout=5)
+    assert time.monotonic() - t0 < 1.0
+    assert "SIGKILL" in str(ei.value) and ei.value.rank == 1 and "rank 1" in str(ei.value)
+    assert faults == []  # the waiting caller saw it: handled
+
+
+@pytest.mark.timeout(60)
+def test_later_calls_fail_and_slices_without_the_dead_proc_work(mesh, faults):
+    procs, w, pids = mesh
+    w.slice(gpus=2).die.broadcast(7)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not faults:
+        time.sleep(0.01)
+    assert len(faults) == 1 and "exited with code 7" in str(faults[0])  # nobody waited: unhandled hook
+    with pytest.raises(SupervisionError, match="exited with code 7"):
+        w.pid.call().get(timeout=5)
+    assert w.slice(gpus=slice(0, 2)).pid.call().get(timeout=10).values() == pids[:2]
+    with pytest.raises(SupervisionError):
+        procs.spawn("again", Worker)
+
+
+@pytest.mark.timeout(60)
+def test_segfault_and_os_exit_are_reported(mesh, faults):
+    procs, w, pids = mesh
+    with pytest.raises(SupervisionError, match="SIGSEGV"):
+        w.slice(gpus=0).segfault.call_one().get(timeout=10)
+    with pytest.raises(SupervisionError, match="exited with code 5"):
+        w.slice(gpus=1).die.call_one(5).get(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_owner_supervise_handles_failure_of_its_procs(faults):
+    class Owner(Actor):
+        def __init__(self):
+            self.failures = []
+            self.procs = this_host().spawn_procs({"gpus": 1})
+            self.child = self.procs.spawn("child", Worker)
+
+        def __supervise__(self, failure):
+            self.failures.append(str(failure))
+            return True
+
+        @endpoint
+        def kill_child(self) -> int:
+            pid = self.child.pid.call_one().get(timeout=30)
+            os.kill(pid, signal.SIGKILL)
+            return pid
+
+        @endpoint
+        def failures_seen(self) -> list:
+            return self.failures
+
+    procs = this_host().spawn_procs({"gpus": 1})
+    try:
+        owner = procs.spawn("owner", Owner)
+        owner.kill_child.call_one().get(timeout=60)
+        deadline = time.monotonic() + 10
+        seen = []
+        while time.monotonic() < deadline and not seen:
+            seen = owner.failures_seen.call_one().get(timeout=10)
+            time.sleep(0.05)
+        assert seen and "SIGKILL" in seen[0]
+        assert faults == []
+    finally:
+        procs.stop().get(timeout=30)
+
+
+SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {root!r})
+    from monarch_tensor.actor import Actor, endpoint, this_host
+    class W(Actor):
+        @endpoint
+        def pid(self):
+            return os.getpid()
+    procs = this_host().spawn_procs({{"gpus": 2}})
+    pids = procs.spawn("w", W).pid.call().get(timeout=60).values()
+    print("PIDS", *pids, flush=True)
+    mode = sys.argv[1]
+    if mode == "raise":
+        raise RuntimeError("the script failed")
+    if mode == "wait":
+        time.sleep(600)
+""")
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", ["exit", "raise", "sigkill"])
+def test_no_orphans(tmp_path, mode):
+    script = tmp_path / "client.py"
+    script.write_text(SCRIPT.format(root=ROOT))
+    p = subprocess.Popen([sys.executable, str(script), "wait" if mode == "sigkill" else mode],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = p.stdout.readline()
+    assert line.startswith("PIDS"), p.stderr.read()
+    pids = [int(x) for x in line.split()[1:]]
+    assert len(pids) == 2 and all(_alive(pid) for pid in pids)
+    if mode == "sigkill":
+        p.kill()
+    p.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.05)
+    assert not any(_alive(pid) for pid in pids), f"orphans left after {mode}"
+    if mode == "raise":
+        assert "the script failed" in p.stderr.read()
+
+
+@pytest.mark.timeout(60)
+def test_unhandled_failure_stops_the_script_by_default(tmp_path):
+    script = tmp_path / "client.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys, time
+        sys.path.insert(0, {ROOT!r})
+        from monarch_tensor.actor import Actor, endpoint, this_host
+        class W(Actor):
+            @endpoint
+            def die(self):
+                os._exit(9)
+        procs = this_host().spawn_procs({{"gpus": 1}})
+        procs.spawn("w", W).die.broadcast()
+        time.sleep(30)
+        print("NOT REACHED")
+    """))
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=50)
+    assert p.returncode != 0
+    assert "unhandled supervision failure" in p.stderr and "exited with code 9" in p.stderr
+    assert "NOT REACHED" not in p.stdout

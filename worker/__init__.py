@@ -1,0 +1,4 @@
+"""What runs on every proc for the tensor engine (instruction interpreter, ref table, collectives).
+
+Not built yet: see the tensor-engine issue.
+"""
