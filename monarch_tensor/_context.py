@@ -17,6 +17,7 @@ class ActorContext:
     rank: Point
     proc_rank: int
     instance: Any = None
+    sizes: dict = field(default_factory=dict)
     owned_meshes: list = field(default_factory=list)
 
     @property

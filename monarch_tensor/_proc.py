@@ -125,7 +125,7 @@ class ProcRuntime:
     def handle_SpawnActor(self, msg: SpawnActor) -> None:
         shape: Shape = msg.shape
         point = shape.point(msg.rank) if len(shape.names) else Point(0, {}, 1)
-        ctx = _context.ActorContext(msg.name, point, self.rank)
+        ctx = _context.ActorContext(msg.name, point, self.rank, sizes=shape.sizes)
         slot = _Slot(msg.name, None, ctx)
         token = _context.enter(ctx)
         try:
@@ -219,7 +219,11 @@ class ProcRuntime:
             self._pump(slot)
 
     def _error(self, slot: _Slot, msg: CallEndpoint, e: BaseException) -> ActorError:
-        return ActorError(slot.name, slot.ctx.rank.rank, msg.method, repr(e), traceback.format_exc(), _picklable(e))
+        tb = e.__traceback__
+        if tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+            tb = tb.tb_next  # the user's frames only, not the runtime's
+        text = "".join(traceback.format_exception(type(e), e, tb))
+        return ActorError(slot.name, slot.ctx.rank.rank, msg.method, repr(e), text, _picklable(e))
 
     def _reply(self, port, value, error, rank) -> None:
         if port is None:

@@ -83,13 +83,7 @@ def current_rank() -> Point:
 
 def current_size() -> dict[str, int]:
     """Sizes of the mesh the running actor belongs to."""
-    p = _context.current().rank
-    return dict(zip(p, _shape_of(p)))
-
-
-def _shape_of(p: Point) -> list[int]:
-    ctx = _context.current()
-    return list(getattr(ctx, "sizes", {}).values()) if hasattr(ctx, "sizes") else [p.size]
+    return dict(_context.current().sizes)
 
 
 # ---- results ---------------------------------------------------------------------
