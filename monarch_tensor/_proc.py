@@ -99,7 +99,9 @@ class ProcRuntime:
         self.client_addr = client_addr
         self.loop = asyncio.new_event_loop()
         self.actors: dict[str, _Slot] = {}
-        self.mailbox = Mailbox(addr, on_message=self._on_message, on_logs=self._relay_logs)
+        # No I/O thread: the loop's own thread receives, so a call costs no thread hop here.
+        self.mailbox = Mailbox(addr, on_message=self._handle, on_logs=self._relay_logs, io_thread=False)
+        self.mailbox.on_deferred = lambda msg: self.loop.call_soon(self._handle, msg)
         set_current_mailbox(self.mailbox)
         self.logs = _LogForwarder(self.mailbox, client_addr, rank)
 
@@ -109,10 +111,10 @@ class ProcRuntime:
 
     def run(self) -> None:
         asyncio.set_event_loop(self.loop)
+        self.mailbox.receiver_ident = threading.get_ident()
+        self.loop.add_reader(self.mailbox.fd, self.mailbox.drain)
+        self.loop.call_soon(self.mailbox.drain)
         self.loop.run_forever()
-
-    def _on_message(self, msg: object) -> None:  # I/O thread
-        self.loop.call_soon_threadsafe(self._handle, msg)
 
     def _handle(self, msg: object) -> None:
         handler = getattr(self, f"handle_{type(msg).__name__}", None)
@@ -194,7 +196,11 @@ class ProcRuntime:
                 slot.busy = True
                 self.loop.create_task(self._run_async(slot, msg, fn(*msg.args, **msg.kwargs)))
                 return
-            value = fn(*msg.args, **msg.kwargs)
+            slot.busy = True
+            try:
+                value = fn(*msg.args, **msg.kwargs)
+            finally:
+                slot.busy = False
             if inspect.isawaitable(value):  # a sync def that returned a coroutine/future
                 slot.busy = True
                 self.loop.create_task(self._run_async(slot, msg, value))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 from typing import Any, Callable, Generic, TypeVar
 
 R = TypeVar("R")
@@ -37,6 +38,12 @@ class Future(Generic[R]):
 
     def get(self, timeout: float | None = None) -> R:
         """Block until the value is there; raise the remote error, or ``TimeoutError``."""
+        if not self._f.done():
+            from .mailbox import _mailbox
+
+            if _mailbox is not None and _mailbox.receiver_ident == threading.get_ident():
+                # We are the thread that receives replies: receive until ours is in.
+                _mailbox.wait_until(self._f.done, timeout)
         try:
             return self._f.result(timeout)
         except concurrent.futures.TimeoutError:

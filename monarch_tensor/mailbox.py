@@ -52,7 +52,7 @@ class Mailbox:
     """Receives on ``self.addr``; ``send(addr, msg)`` to any other mailbox."""
 
     def __init__(self, addr: str | None = None, on_message: Callable[[object], None] | None = None,
-                 on_logs: Callable[[ForwardLogs], None] | None = None) -> None:
+                 on_logs: Callable[[ForwardLogs], None] | None = None, io_thread: bool = True) -> None:
         self.ctx = zmq.Context()
         self.addr = addr or new_ipc_address("client")
         self._router = self.ctx.socket(zmq.ROUTER)
@@ -67,8 +67,11 @@ class Mailbox:
         self.on_logs = on_logs
         self._dead: dict[str, SupervisionError] = {}
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="monarch-tensor-io", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        self.receiver_ident: int | None = None  # the thread that receives (None: the I/O thread)
+        if io_thread:
+            self._thread = threading.Thread(target=self._loop, name="monarch-tensor-io", daemon=True)
+            self._thread.start()
 
     # ---- sending ----------------------------------------------------------
     def _socket_for(self, addr: str) -> zmq.Socket:
@@ -126,26 +129,66 @@ class Mailbox:
         return self._dead.get(addr)
 
     # ---- receiving ----------------------------------------------------------
-    def _loop(self) -> None:
-        # Blocking receives, small frames copied: measured twice as fast per message
-        # as a poller with zero-copy frames. Only buffer frames are received zero-copy.
+    def _recv(self, flags: int = 0) -> list:
+        """One message's frames. Small frames are copied (measured twice as fast per
+        message as zero-copy frames); only buffer frames are received zero-copy."""
         r = self._router
+        r.recv(flags)  # the sender's routing id
+        frames = [r.recv()]
+        if r.rcvmore:
+            nbuf = _wire.buffer_count(frames[0])
+            while r.rcvmore:
+                frames.append(r.recv(copy=nbuf == 0))
+        return frames
+
+    def _loop(self) -> None:
+        self.receiver_ident = threading.get_ident()
         while True:
             try:
-                r.recv()  # the sender's routing id
-                frames = [r.recv()]
-                if r.rcvmore:
-                    frames.append(r.recv())
-                    nbuf = _wire.buffer_count(frames[0])
-                    while r.rcvmore:
-                        frames.append(r.recv(copy=nbuf == 0))
+                frames = self._recv()
             except zmq.ZMQError:
                 return
             if self._closed:
                 return
             self._dispatch(frames)
 
-    def _dispatch(self, frames: list) -> None:
+    @property
+    def fd(self) -> int:
+        """A file descriptor that becomes readable when messages may be waiting (edge-triggered)."""
+        return self._router.getsockopt(zmq.FD)
+
+    def drain(self, defer: Callable[[object], None] | None = None) -> None:
+        """Receive and dispatch every message waiting now (for a receiver without an I/O thread).
+
+        With ``defer``, messages other than port values and logs are handed to it
+        instead of ``on_message`` (used while a handler blocks waiting for a reply).
+        """
+        r = self._router
+        while not self._closed and r.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                frames = self._recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._dispatch(frames, defer)
+
+    def wait_until(self, done: Callable[[], bool], timeout: float | None) -> None:
+        """Block the receiving thread until ``done()``, dispatching port values as they come."""
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        defer = self.on_deferred
+        while not done():
+            self.drain(defer)
+            if done():
+                return
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return
+            self._router.poll(100 if left is None else max(1, min(100, int(left * 1000))), zmq.POLLIN)
+
+    on_deferred: Callable[[object], None] | None = None
+
+    def _dispatch(self, frames: list, defer: Callable[[object], None] | None = None) -> None:
         try:
             msg = _wire.decode(frames)
         except ProtocolError as e:
@@ -162,6 +205,8 @@ class Mailbox:
             elif isinstance(msg, ForwardLogs):
                 if self.on_logs is not None:
                     self.on_logs(msg)
+            elif defer is not None:
+                defer(msg)
             elif self.on_message is not None:
                 self.on_message(msg)
             else:
@@ -176,7 +221,8 @@ class Mailbox:
         wake = self.ctx.socket(zmq.DEALER)
         wake.connect(self.addr)
         wake.send(b"")
-        self._thread.join(timeout=5)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
         with self._send_lock:
             for sock in self._out.values():
                 sock.close(linger=500)
