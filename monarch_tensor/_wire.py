@@ -19,15 +19,20 @@ import struct
 
 import cloudpickle
 
+from . import _shm
 from .errors import ProtocolError
 
 MAGIC = b"MT01"
+MAGIC_SHM = b"MT02"  # one extra frame: (name, layout) of a shared-memory file holding the buffers
 _HEADER = struct.Struct("!4sI")
 _MAIN = b"__main__"
 
 
-def encode(msg: object) -> list:
-    """Frames for ``msg``: header, body, then out-of-band buffers."""
+def encode(msg: object, shm: bool = False) -> list:
+    """Frames for ``msg``: header and body, then out-of-band buffers.
+
+    With ``shm`` (one receiver on this host), large buffers go through shared memory.
+    """
     buffers: list[pickle.PickleBuffer] = []
     try:
         body = pickle.dumps(msg, protocol=5, buffer_callback=buffers.append)
@@ -37,7 +42,11 @@ def encode(msg: object) -> list:
     if by_value:
         buffers.clear()
         body = cloudpickle.dumps(msg, protocol=5, buffer_callback=buffers.append)
-    return [_HEADER.pack(MAGIC, len(buffers)) + body, *(b.raw() for b in buffers)]
+    raws = [b.raw() for b in buffers]
+    if shm and raws and sum(r.nbytes for r in raws) >= _shm.SHM_THRESHOLD and _shm.available():
+        desc = pickle.dumps(_shm.write(raws))
+        return [_HEADER.pack(MAGIC_SHM, 1) + body, desc]
+    return [_HEADER.pack(MAGIC, len(raws)) + body, *raws]
 
 
 def is_small(frames: list) -> bool:
@@ -50,7 +59,7 @@ def buffer_count(first: bytes) -> int:
     if len(first) < _HEADER.size:
         return 0
     magic, nbuf = _HEADER.unpack_from(first)
-    return nbuf if magic == MAGIC else 0
+    return nbuf if magic in (MAGIC, MAGIC_SHM) else 0
 
 
 def decode(frames: list) -> object:
@@ -61,12 +70,18 @@ def decode(frames: list) -> object:
     if len(first) < _HEADER.size:
         raise ProtocolError(f"first frame of {len(first)} bytes is shorter than the header")
     magic, nbuf = _HEADER.unpack_from(first)
-    if magic != MAGIC:
+    if magic not in (MAGIC, MAGIC_SHM):
         raise ProtocolError(f"bad magic {bytes(magic)!r}")
     if nbuf != len(frames) - 1:
         raise ProtocolError(f"header announces {nbuf} buffers, got {len(frames) - 1}")
     body = memoryview(first)[_HEADER.size:]
     bufs = [f.buffer if hasattr(f, "buffer") else f for f in frames[1:]]
+    if magic == MAGIC_SHM:
+        try:
+            name, layout = pickle.loads(bufs[0])
+            bufs = _shm.read(name, layout)
+        except Exception as e:  # noqa: BLE001
+            raise ProtocolError(f"cannot map the message's shared-memory buffers: {e!r}") from e
     try:
         return pickle.loads(body, buffers=bufs)
     except Exception as e:  # noqa: BLE001 - any unpickling failure is a protocol error

@@ -143,6 +143,9 @@ def local_host() -> LocalHost:
 
 
 def _proc_exited(info: ProcInfo, status: str) -> None:
+    from . import _shm
+
+    _shm.remove_files_of(info.pid)
     info.alive = False
     info.exit_status = status
     mailbox = current_mailbox()

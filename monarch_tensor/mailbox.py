@@ -85,7 +85,7 @@ class Mailbox:
         return s
 
     def send(self, addr: str, msg: object) -> None:
-        self.send_frames(addr, _wire.encode(msg))
+        self.send_frames(addr, _wire.encode(msg, shm=addr.startswith("ipc://")))
 
     def send_frames(self, addr: str, frames: list) -> None:
         """Send already-encoded frames (encode once, send to many)."""
