@@ -4,9 +4,28 @@ Users import from here (``monarch_tensor.actor`` for actors and meshes).
 """
 
 from .actor import (  # noqa: F401
-    Accumulator, Actor, ActorError, ActorMesh, Channel, Future, HostMesh, MeshFailure, Point, Port,
-    PortReceiver, ProcMesh, SupervisionError, ValueMesh, context, current_rank, current_size, endpoint,
-    get_or_spawn_controller, proc_mesh, this_host, this_proc,
+    Accumulator,
+    Actor,
+    ActorError,
+    ActorMesh,
+    Channel,
+    Future,
+    HostMesh,
+    MeshFailure,
+    Point,
+    Port,
+    PortReceiver,
+    ProcMesh,
+    SupervisionError,
+    ValueMesh,
+    context,
+    current_rank,
+    current_size,
+    endpoint,
+    get_or_spawn_controller,
+    proc_mesh,
+    this_host,
+    this_proc,
 )
 from .shape import Shape  # noqa: F401
 

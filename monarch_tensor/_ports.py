@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 from typing import Callable
@@ -73,13 +74,33 @@ class StreamCollector:
 
 
 class Receiver:
-    """An open channel's receiving end: any number of values, in order."""
+    """An open channel's receiving end: values in order, each to the oldest waiting ``recv()``."""
 
     def __init__(self) -> None:
-        self.q: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._values: collections.deque = collections.deque()
+        self._waiters: collections.deque = collections.deque()
+
+    def recv(self) -> Future:
+        with self._lock:
+            if self._values:
+                msg = self._values.popleft()
+            else:
+                fut = Future("channel value")
+                self._waiters.append(fut)
+                return fut
+        return Future.failed(msg.error) if msg.error is not None else Future.ready(msg.value)
 
     def deliver(self, msg: SendToPort) -> bool:
-        self.q.put(msg)
+        with self._lock:
+            if not self._waiters:
+                self._values.append(msg)
+                return False
+            fut = self._waiters.popleft()
+        if msg.error is not None:
+            fut._set_exception(msg.error)
+        else:
+            fut._set_result(msg.value)
         return False
 
     def proc_died(self, addr: str, error: SupervisionError) -> bool:

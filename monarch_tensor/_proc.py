@@ -101,13 +101,20 @@ class ProcRuntime:
         self.actors: dict[str, _Slot] = {}
         # No I/O thread: the loop's own thread receives, so a call costs no thread hop here.
         self.mailbox = Mailbox(addr, on_message=self._handle, on_logs=self._relay_logs, io_thread=False)
-        self.mailbox.on_deferred = lambda msg: self.loop.call_soon(self._handle, msg)
+        self.mailbox.on_deferred = self._defer
         set_current_mailbox(self.mailbox)
         self.logs = _LogForwarder(self.mailbox, client_addr, rank)
 
     def _relay_logs(self, msg: ForwardLogs) -> None:
         # Logs of procs this proc spawned go up to our own client.
         self.mailbox.send(self.client_addr, msg)
+
+    def _defer(self, msg: object) -> None:
+        """A message that came while an endpoint blocks waiting for a reply."""
+        if isinstance(msg, CallEndpoint) and msg.actor in self.actors:
+            self._handle(msg)  # runs now unless its actor is the busy one (then it queues)
+        else:
+            self.loop.call_soon(self._handle, msg)
 
     def run(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -240,7 +247,10 @@ class ProcRuntime:
             self.mailbox.send(port.addr, SendToPort(port.port_id, value, error, rank))
         except Exception as e:  # noqa: BLE001 - e.g. an unpicklable result
             err = ActorError("?", rank, "?", f"cannot send the result back: {e!r}", traceback.format_exc())
-            self.mailbox.send(port.addr, SendToPort(port.port_id, None, err, rank))
+            try:
+                self.mailbox.send(port.addr, SendToPort(port.port_id, None, err, rank))
+            except Exception:  # noqa: BLE001 - not a usable port at all
+                log.warning("proc %d cannot reply to %r: %s", self.rank, port, e)
 
 
 def _picklable(e: BaseException) -> BaseException | None:

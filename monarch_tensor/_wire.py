@@ -14,8 +14,11 @@ by value. Everything importable travels by reference.
 
 from __future__ import annotations
 
+import copyreg
+import io
 import pickle
 import struct
+import sys
 
 import cloudpickle
 
@@ -35,7 +38,14 @@ def encode(msg: object, shm: bool = False) -> list:
     """
     buffers: list[pickle.PickleBuffer] = []
     try:
-        body = pickle.dumps(msg, protocol=5, buffer_callback=buffers.append)
+        if "torch" in sys.modules:
+            f = io.BytesIO()
+            p = pickle.Pickler(f, protocol=5, buffer_callback=buffers.append)
+            p.dispatch_table = _torch_dispatch_table()
+            p.dump(msg)
+            body = f.getvalue()
+        else:
+            body = pickle.dumps(msg, protocol=5, buffer_callback=buffers.append)
         by_value = _MAIN in body
     except (pickle.PicklingError, AttributeError, TypeError):
         by_value = True
@@ -47,6 +57,44 @@ def encode(msg: object, shm: bool = False) -> list:
         desc = pickle.dumps(_shm.write(raws))
         return [_HEADER.pack(MAGIC_SHM, 1) + body, desc]
     return [_HEADER.pack(MAGIC, len(raws)) + body, *raws]
+
+
+_dispatch: dict | None = None
+
+
+def _torch_dispatch_table() -> dict:
+    """copyreg's table plus a reducer that sends CPU tensors' bytes out of band.
+
+    torch's own pickling ignores protocol 5 and copies tensor bytes into the body.
+    """
+    global _dispatch
+    if _dispatch is None:
+        import torch
+
+        table = dict(copyreg.dispatch_table)
+        table[torch.Tensor] = _reduce_tensor
+        _dispatch = table
+    return _dispatch
+
+
+def _reduce_tensor(t):
+    import torch
+
+    if t.device.type != "cpu" or t.requires_grad or not t.is_contiguous() or t.is_sparse or t.is_quantized:
+        return t.__reduce_ex__(5)
+    flat = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+    return _rebuild_tensor, (pickle.PickleBuffer(flat.numpy()), t.dtype, tuple(t.shape))
+
+
+def _rebuild_tensor(buf, dtype, shape):
+    import torch
+
+    mv = memoryview(buf)
+    if mv.nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    if mv.readonly:
+        mv = memoryview(bytearray(mv))
+    return torch.frombuffer(mv, dtype=torch.uint8).view(dtype).reshape(shape)
 
 
 def is_small(frames: list) -> bool:

@@ -1,10 +1,10 @@
 """The template process that procs fork from (one per host per client).
 
-Started by the client with ``python -m monarch_tensor._zygote``; it imports
+Started by the client with the fds of two pipes as arguments; it imports
 torch and the runtime once, then forks a child per spawn request, so a mesh
-does not pay the import per proc. It speaks length-prefixed pickles on its
-stdin (requests) and stdout (replies), reports every child's exit status, and
-when the client goes away (stdin EOF: normal exit, exception or SIGKILL) it
+does not pay the import per proc. It speaks length-prefixed pickles on
+those pipes (requests in, replies out), reports every child's exit status, and
+when the client goes away (EOF on the request pipe: normal exit, exception or SIGKILL) it
 kills every child it made and exits: no orphans.
 """
 
@@ -170,15 +170,15 @@ def _child(req_fd, rep_fd, sig_r, sig_w, entry, args, env) -> None:
             os._exit(code)
 
 
-def main() -> None:
-    # Keep the protocol off fds 0/1, so children writing to stdout cannot corrupt it.
-    req_fd, rep_fd = os.dup(0), os.dup(1)
+def main(req_fd: int, rep_fd: int) -> None:
+    # The protocol runs on its own pipes; stdio stays the client's, so a proc whose
+    # output is not forwarded writes to the client's terminal.
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
-    os.dup2(2, 1)
     # No PDEATHSIG here: it fires when the spawning *thread* exits. The client
-    # going away closes our stdin instead, which serve() treats as the end.
-    for mod in filter(None, os.environ.get("MONARCH_TENSOR_PRELOAD", "torch").split(",")):
+    # going away closes the request pipe instead, which serve() treats as the end.
+    # torch._dynamo is imported by the first torch.optim optimizer: ~2 s per proc otherwise.
+    for mod in filter(None, os.environ.get("MONARCH_TENSOR_PRELOAD", "torch,torch._dynamo").split(",")):
         try:
             __import__(mod)
         except ImportError:
@@ -193,4 +193,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(int(sys.argv[1]), int(sys.argv[2]))

@@ -19,13 +19,12 @@
 from __future__ import annotations
 
 import functools
-import inspect
 import os
 import random
 import sys
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
-from . import _context
+from . import _context, _wire
 from ._ports import Collector, Receiver, StreamCollector
 from .errors import ActorError, MeshFailure, SupervisionError
 from .future import Future
@@ -33,7 +32,6 @@ from .host import HostMesh, ProcInfo, ProcMesh, proc_mesh, this_host, this_proc
 from .mailbox import current_mailbox
 from .messages import CallEndpoint, PortRef, SendToPort, SpawnActor
 from .shape import Point, Shape
-from . import _wire
 
 R = TypeVar("R")
 
@@ -167,6 +165,10 @@ class ActorMesh:
         return self._shape.ranks()
 
     def _check(self) -> None:
+        if self._proc_mesh is not None and self._proc_mesh._alloc._stopped:
+            from .errors import MeshStoppedError
+
+            raise MeshStoppedError(f"the proc mesh of actor mesh {self._name!r} was stopped")
         for r in self._ranks():
             p = self._procs[r]
             if not p.alive:
@@ -175,10 +177,6 @@ class ActorMesh:
             death = current_mailbox().death_of(p.addr)
             if death is not None:
                 raise death
-        if self._proc_mesh is not None and self._proc_mesh._alloc._stopped:
-            from .errors import MeshStoppedError
-
-            raise MeshStoppedError(f"the proc mesh of actor mesh {self._name!r} was stopped")
 
     def __repr__(self) -> str:
         return f"<ActorMesh {self._name!r} {self._class.__name__} {self._shape}>"
@@ -319,28 +317,13 @@ class Port:
 
 
 class PortReceiver(Generic[R]):
-    """The receiving end of a channel: ``recv()`` returns a Future of the next value."""
+    """The receiving end of a channel: ``recv()`` returns a Future of the next value, in order."""
 
     def __init__(self, receiver: Receiver) -> None:
         self._r = receiver
 
     def recv(self) -> Future[R]:
-        out: Future = Future("channel value")
-
-        def wait() -> None:
-            msg = self._r.q.get()
-            if msg.error is not None:
-                out._set_exception(msg.error)
-            else:
-                out._set_result(msg.value)
-
-        if not self._r.q.empty():
-            wait()
-            return out
-        import threading
-
-        threading.Thread(target=wait, daemon=True).start()
-        return out
+        return self._r.recv()
 
 
 class Channel(Generic[R]):

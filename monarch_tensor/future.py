@@ -44,6 +44,8 @@ class Future(Generic[R]):
             if _mailbox is not None and _mailbox.receiver_ident == threading.get_ident():
                 # We are the thread that receives replies: receive until ours is in.
                 _mailbox.wait_until(self._f.done, timeout)
+                if not self._f.done():
+                    raise TimeoutError(f"no {self._what} within {timeout} s")
         try:
             return self._f.result(timeout)
         except concurrent.futures.TimeoutError:

@@ -58,12 +58,15 @@ class LocalHost:
 
     def __init__(self) -> None:
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p) 
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        req_r, self._req_fd = os.pipe()
+        self._rep_fd, rep_w = os.pipe()
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from monarch_tensor._zygote import main; main()"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True)
-        self._req_fd = self.proc.stdin.fileno()
-        self._rep_fd = self.proc.stdout.fileno()
+            [sys.executable, "-c", "import sys; from monarch_tensor._zygote import main; "
+             "main(int(sys.argv[1]), int(sys.argv[2]))", str(req_r), str(rep_w)],
+            pass_fds=(req_r, rep_w), env=env, close_fds=True)
+        os.close(req_r)
+        os.close(rep_w)
         self._lock = threading.Lock()
         self._next = 0
         self._spawned: dict[int, Future] = {}

@@ -15,7 +15,7 @@ from .messages import ForwardLogs
 
 _lock = threading.Lock()
 _window: float | None = None
-_pending: dict[tuple[int, str], list[int]] = {}
+_pending: dict[tuple[int, str], tuple[float, list[int]]] = {}  # (stream, line) -> (first seen, ranks)
 _flusher: threading.Thread | None = None
 
 
@@ -42,8 +42,9 @@ def client_log_sink(msg: ForwardLogs) -> None:
             out.write("".join(f"[{msg.rank}] {line}\n" for line in msg.lines))
             out.flush()
             return
+        now = time.monotonic()
         for line in msg.lines:
-            _pending.setdefault((msg.stream, line), []).append(msg.rank)
+            _pending.setdefault((msg.stream, line), (now, []))[1].append(msg.rank)
 
 
 def _ranks_text(ranks: list[int]) -> str:
@@ -53,10 +54,12 @@ def _ranks_text(ranks: list[int]) -> str:
     return ",".join(map(str, rs))
 
 
-def flush() -> None:
+def flush(older_than: float | None = None) -> None:
+    """Print folded lines; with ``older_than``, only groups first seen that many seconds ago."""
     with _lock:
-        items = list(_pending.items())
-        _pending.clear()
+        now = time.monotonic()
+        keys = [k for k, (t, _) in _pending.items() if older_than is None or now - t >= older_than]
+        items = [(k, _pending.pop(k)[1]) for k in keys]
     for (stream, line), ranks in items:
         out = _out(stream)
         if len(ranks) > 1:
@@ -69,5 +72,5 @@ def flush() -> None:
 def _flush_loop() -> None:
     while True:
         w = _window
-        time.sleep(w if w else 0.5)
-        flush()
+        time.sleep(min(w, 0.1) if w else 0.5)
+        flush(older_than=w)

@@ -114,6 +114,8 @@ class Shape:
 
     def point(self, i: int) -> Point:
         """The ``i``-th point (row-major) of this shape."""
+        if not 0 <= i < len(self):
+            raise IndexError(f"point {i} out of range for shape {self} of {len(self)} points")
         coords, rem = {}, i
         for n, d in reversed(list(zip(self.names, self.dims))):
             coords[n] = rem % d

@@ -56,7 +56,7 @@ def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/status") as f:
             return not any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return False
 
 

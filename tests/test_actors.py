@@ -1,0 +1,614 @@
+"""Actors on real procs: meshes, every endpoint adverb, ordering, channels, errors.
+
+One proc mesh of shape {"hosts": 2, "gpus": 2} is shared by the module; each
+test spawns its own actors on it (actor names are unique per test).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+import pytest
+
+import monarch_tensor.actor as actor_mod
+from monarch_tensor.actor import (
+    Accumulator,
+    Actor,
+    ActorError,
+    ActorMesh,
+    Channel,
+    Future,
+    ProcMesh,
+    ValueMesh,
+    context,
+    current_rank,
+    current_size,
+    endpoint,
+    get_or_spawn_controller,
+    proc_mesh,
+    this_host,
+)
+from monarch_tensor.errors import MeshStoppedError
+
+pytestmark = pytest.mark.timeout(60)
+
+T = 30  # seconds any single reply may take on a loaded 2-core machine
+
+
+# ---- actors ----------------------------------------------------------------------------------
+def _whoami() -> dict:
+    r = current_rank()
+    ctx = context()
+    return {"rank": r.rank, "coords": dict(r), "name": ctx.actor_name, "sizes": current_size(),
+            "ctx_rank": int(ctx.rank), "ctx_same": ctx.actor_instance.rank == r, "pid": os.getpid()}
+
+
+class Counter(Actor):
+    def __init__(self, start: int = 0, *, step: int = 1) -> None:
+        self.n = start
+        self.step = step
+
+    @endpoint
+    def incr(self) -> int:
+        self.n += self.step
+        return self.n
+
+    @endpoint
+    async def aincr(self) -> int:
+        await asyncio.sleep(0)
+        self.n += self.step
+        return self.n
+
+    @endpoint
+    def value(self) -> int:
+        return self.n
+
+    @endpoint
+    def set(self, v: int) -> None:
+        self.n = v
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    def who(self) -> dict:
+        return _whoami()
+
+    @endpoint
+    async def awho(self) -> dict:
+        await asyncio.sleep(0)
+        return _whoami()
+
+    @endpoint
+    async def slow(self, seconds: float) -> float:
+        await asyncio.sleep(seconds)
+        return seconds
+
+    def helper(self) -> None:
+        """Not an endpoint."""
+
+
+class Recorder(Actor):
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    @endpoint
+    def record(self, i: int) -> int:
+        self.seen.append(i)
+        return len(self.seen)
+
+    @endpoint
+    async def arecord(self, i: int) -> int:
+        await asyncio.sleep(0)
+        self.seen.append(i)
+        return len(self.seen)
+
+    @endpoint
+    def log(self) -> list[int]:
+        return self.seen
+
+
+def _raise_deep(msg: str) -> None:
+    raise ValueError(msg)
+
+
+class Faulty(Actor):
+    def __init__(self) -> None:
+        self.calls = 0
+
+    @endpoint
+    def fail(self, msg: str) -> None:
+        self.calls += 1
+        _raise_deep(msg)
+
+    @endpoint
+    def fail_on(self, rank: int) -> int:
+        if current_rank().rank == rank:
+            raise RuntimeError(f"rank {rank} fails on purpose")
+        return current_rank().rank
+
+    @endpoint
+    async def afail(self) -> None:
+        await asyncio.sleep(0)
+        raise KeyError("async-boom")
+
+    @endpoint
+    def local_exception(self) -> None:
+        class NotImportable(Exception):
+            pass
+
+        raise NotImportable("defined inside the endpoint")
+
+    @endpoint
+    def unpicklable_result(self):
+        return threading.Lock()
+
+    @endpoint
+    def calls_made(self) -> int:
+        return self.calls
+
+
+class BrokenInit(Actor):
+    def __init__(self, bad_rank: int | None = None) -> None:
+        if bad_rank is None or current_rank().rank == bad_rank:
+            raise RuntimeError(f"constructor failed on rank {current_rank().rank}")
+
+    @endpoint
+    def ping(self) -> str:
+        return "pong"
+
+
+class Emitter(Actor):
+    @endpoint
+    def emit(self, port, n: int) -> int:
+        for i in range(n):
+            port.send((current_rank().rank, i))
+        return n
+
+    @endpoint
+    def emit_error(self, port) -> None:
+        port.exception(ValueError("through the port"))
+
+
+class PingPong(Actor):
+    """Monarch's getting-started example: two actor meshes that call each other."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.received: list[str] = []
+
+    @endpoint
+    async def init(self, other: ActorMesh) -> None:
+        self.other = other
+        self.pair = other.slice(**current_rank())
+        self.identity = current_rank().rank
+
+    @endpoint
+    async def send(self, message: str) -> None:
+        await self.pair.recv.call(f"{self.label}:{self.identity} {message}")
+
+    @endpoint
+    async def recv(self, message: str) -> None:
+        self.received.append(message)
+
+    @endpoint
+    def received_msgs(self) -> list[str]:
+        return self.received
+
+    @endpoint
+    def sync_relay(self, message: str, timeout: float = T):
+        return self.pair.echo_back.call_one(message).get(timeout=timeout)
+
+    @endpoint
+    async def async_relay_all(self, message: str) -> list:
+        vm = await self.other.echo_back.call(message)
+        return vm.values()
+
+    @endpoint
+    def echo_back(self, message: str):
+        return (self.label, current_rank().rank, message)
+
+
+# ---- fixtures ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def procs():
+    mesh = this_host().spawn_procs({"hosts": 2, "gpus": 2})
+    yield mesh
+    mesh.stop().get(timeout=T)
+
+
+@pytest.fixture(scope="module")
+def counter(procs):
+    c = procs.spawn("counter", Counter)
+    c.initialized.get(timeout=T)
+    return c
+
+
+@pytest.fixture(scope="module")
+def pids(counter) -> ValueMesh:
+    return counter.pid.call().get(timeout=T)
+
+
+# ---- making meshes ------------------------------------------------------------------------------
+@pytest.mark.parametrize("make", [
+    lambda: this_host().spawn_procs({"gpus": 2}),
+    lambda: this_host().spawn_procs(per_host={"gpus": 2}),
+    lambda: proc_mesh(gpus=2),
+], ids=["positional", "per_host", "proc_mesh"])
+def test_spawn_procs_forms(make):
+    mesh = make()
+    try:
+        assert isinstance(mesh, ProcMesh)
+        assert mesh.sizes == {"gpus": 2} and len(mesh) == 2 and mesh.size() == 2 and mesh.size("gpus") == 2
+        c = mesh.spawn("c", Counter, 5, step=2)
+        assert c.incr.call().get(timeout=T).values() == [7, 7]
+        who = c.who.call().get(timeout=T)
+        assert [w["rank"] for w in who.values()] == [0, 1]
+        assert [w["coords"] for w in who.values()] == [{"gpus": 0}, {"gpus": 1}]
+        assert len({w["pid"] for w in who.values()}) == 2
+    finally:
+        mesh.stop().get(timeout=T)
+
+
+def test_proc_mesh_needs_a_dimension():
+    with pytest.raises(ValueError, match="dimension"):
+        proc_mesh()
+
+
+def test_proc_mesh_shape_slice_size_len(procs):
+    assert procs.sizes == {"hosts": 2, "gpus": 2}
+    assert len(procs) == 4 and procs.size() == 4 and procs.size("hosts") == 2 and procs.size("gpus") == 2
+    h1 = procs.slice(hosts=1)
+    assert h1.sizes == {"gpus": 2} and len(h1) == 2 and h1.size() == 2
+    col = procs.slice(gpus=slice(1, 2))
+    assert col.sizes == {"hosts": 2, "gpus": 1} and len(col) == 2
+    one = procs.slice(hosts=0, gpus=1)
+    assert one.sizes == {} and len(one) == 1
+    with pytest.raises(KeyError, match="nodes"):
+        procs.size("nodes")
+    with pytest.raises(KeyError, match="nodes"):
+        procs.slice(nodes=0)
+    with pytest.raises(IndexError):
+        procs.slice(gpus=2)
+
+
+def test_spawn_on_a_sliced_proc_mesh(procs, pids):
+    sub = procs.slice(hosts=1).spawn("sub_counter", Counter)
+    who = sub.who.call().get(timeout=T)
+    assert who.sizes == {"gpus": 2}
+    assert [w["pid"] for w in who.values()] == [pids.item(hosts=1, gpus=0), pids.item(hosts=1, gpus=1)]
+    assert [w["rank"] for w in who.values()] == [0, 1]
+    assert [w["sizes"] for w in who.values()] == [{"gpus": 2}] * 2
+
+
+# ---- adverbs -------------------------------------------------------------------------------------
+def test_call_gives_a_value_mesh(counter, pids):
+    vm = counter.who.call().get(timeout=T)
+    assert isinstance(vm, ValueMesh) and len(vm) == 4 and vm.sizes == {"hosts": 2, "gpus": 2}
+    assert [w["rank"] for w in vm.values()] == [0, 1, 2, 3]
+    for point, w in vm.items():
+        assert w["rank"] == point.rank and w["coords"] == dict(point)
+    assert vm.item(hosts=1, gpus=0)["rank"] == 2 and vm.item(hosts=0, gpus=1)["coords"] == {"hosts": 0, "gpus": 1}
+    assert len(set(pids.values())) == 4
+    with pytest.raises(KeyError):
+        vm.item(hosts=1)
+
+
+def test_call_on_a_slice(counter):
+    vm = counter.slice(gpus=1).who.call().get(timeout=T)
+    assert vm.sizes == {"hosts": 2}
+    assert [w["rank"] for w in vm.values()] == [1, 3], "an actor's rank is its rank in the spawned mesh"
+    assert [dict(p) for p, _ in vm.items()] == [{"hosts": 0}, {"hosts": 1}]
+    assert vm.item(hosts=1)["coords"] == {"hosts": 1, "gpus": 1}
+
+
+def test_context_and_current_rank_inside_endpoints(counter):
+    for adverb in ("who", "awho"):
+        vm = getattr(counter, adverb).call().get(timeout=T)
+        for point, w in vm.items():
+            assert w["name"] == "counter"
+            assert w["rank"] == w["ctx_rank"] == point.rank and w["ctx_same"]
+            assert w["sizes"] == {"hosts": 2, "gpus": 2}
+            assert w["coords"] == dict(point)
+
+
+def test_context_in_the_client():
+    assert context().actor_name == "client" and current_rank().rank == 0
+
+
+def test_call_one(counter):
+    w = counter.slice(hosts=1, gpus=1).who.call_one().get(timeout=T)
+    assert w["rank"] == 3 and w["coords"] == {"hosts": 1, "gpus": 1}
+    # a one-actor mesh that still has dims
+    w = counter.slice(hosts=slice(0, 1), gpus=slice(1, 2)).who.call_one().get(timeout=T)
+    assert w["rank"] == 1
+
+
+def test_call_one_on_many_actors_is_an_error(counter):
+    with pytest.raises(ValueError, match="call_one"):
+        counter.who.call_one().get(timeout=T)
+    with pytest.raises(ValueError, match="call_one"):
+        counter.slice(hosts=0).who.call_one().get(timeout=T)
+
+
+def test_sync_and_async_endpoints(procs):
+    c = procs.spawn("sync_async", Counter, 10)
+    one = c.slice(hosts=0, gpus=0)
+    assert one.incr.call_one().get(timeout=T) == 11
+    assert one.aincr.call_one().get(timeout=T) == 12
+    assert one.incr.call_one().get(timeout=T) == 13
+    assert c.aincr.call().get(timeout=T).values() == [14, 11, 11, 11]
+
+
+def test_choose(counter, pids):
+    chosen = [counter.pid.choose().get(timeout=T) for _ in range(40)]
+    assert set(chosen) <= set(pids.values())
+    assert len(set(chosen)) > 1, "choose() picks among the actors, not always the same one"
+    assert counter.slice(gpus=0).pid.choose().get(timeout=T) in (pids.item(hosts=0, gpus=0),
+                                                                 pids.item(hosts=1, gpus=0))
+
+
+def test_broadcast_effect_is_seen_by_a_later_call(procs):
+    c = procs.spawn("broadcast_counter", Counter)
+    assert c.set.broadcast(42) is None
+    assert c.value.call().get(timeout=T).values() == [42] * 4
+    c.slice(gpus=0).set.broadcast(7)
+    assert c.value.call().get(timeout=T).values() == [7, 42, 7, 42]
+
+
+def test_stream_yields_futures_for_every_reply(counter):
+    futs = list(counter.who.stream())
+    assert len(futs) == 4 and all(isinstance(f, Future) for f in futs)
+    assert sorted(f.get(timeout=T)["rank"] for f in futs) == [0, 1, 2, 3]
+    got = [f.get(timeout=T)["rank"] for f in counter.slice(hosts=1).who.stream()]
+    assert sorted(got) == [2, 3]
+
+
+def test_send_with_a_port(counter):
+    port, receiver = Channel.open()
+    counter.who.send((), {}, port=port)
+    got = [receiver.recv().get(timeout=T) for _ in range(4)]
+    assert sorted(w["rank"] for w in got) == [0, 1, 2, 3]
+
+
+def test_send_without_a_port_is_fire_and_forget(procs):
+    c = procs.spawn("send_counter", Counter)
+    c.set.send((9,))
+    c.slice(hosts=1).set.send(kwargs={"v": 3})
+    assert c.value.call().get(timeout=T).values() == [9, 9, 3, 3]
+
+
+def test_accumulator(procs):
+    c = procs.spawn("acc_counter", Counter, 0, step=5)
+    c.incr.broadcast()
+    assert Accumulator(c.value, 0, lambda a, b: a + b).accumulate().get(timeout=T) == 20
+    assert Accumulator(c.who, [], lambda acc, w: acc + [w["rank"]]).accumulate().get(timeout=T) == [0, 1, 2, 3]
+    f = procs.spawn("acc_faulty", Faulty)
+    with pytest.raises(ActorError):
+        Accumulator(f.fail_on, 0, lambda a, b: a + b).accumulate(2).get(timeout=T)
+
+
+def test_calling_an_endpoint_directly_points_at_the_adverbs(counter):
+    with pytest.raises(TypeError, match="call"):
+        counter.value()
+
+
+# ---- ordering ---------------------------------------------------------------------------------------
+def test_thousand_calls_from_one_sender_arrive_in_order(procs):
+    rec = procs.spawn("recorder", Recorder)
+    one = rec.slice(hosts=1, gpus=1)
+    futs = []
+    for i in range(1000):
+        if i % 3 == 0:
+            one.record.broadcast(i)
+        elif i % 3 == 1:
+            futs.append((i, one.record.call_one(i)))
+        else:
+            futs.append((i, one.arecord.call_one(i)))
+    for i, f in futs:
+        assert f.get(timeout=T) == i + 1, "each call sees exactly the calls sent before it"
+    assert one.log.call_one().get(timeout=T) == list(range(1000))
+    for i in range(1000, 1200):
+        rec.record.broadcast(i)
+    logs = rec.log.call().get(timeout=T)
+    assert logs.item(hosts=1, gpus=1) == list(range(1200))
+    for point, log in logs.items():
+        if point.rank != 3:
+            assert log == list(range(1000, 1200))
+
+
+# ---- channels ---------------------------------------------------------------------------------------
+def test_channel_port_passed_to_an_actor(procs):
+    em = procs.spawn("emitter", Emitter)
+    port, receiver = Channel.open()
+    assert em.slice(hosts=0, gpus=1).emit.call_one(port, 20).get(timeout=T) == 20
+    assert [receiver.recv().get(timeout=T) for _ in range(20)] == [(1, i) for i in range(20)]
+    assert em.emit.call(port, 5).get(timeout=T).values() == [5] * 4
+    got = [receiver.recv().get(timeout=T) for _ in range(20)]
+    assert sorted(got) == [(r, i) for r in range(4) for i in range(5)]
+    for r in range(4):
+        assert [i for rr, i in got if rr == r] == list(range(5)), "values from one sender stay in order"
+    em.slice(hosts=0, gpus=0).emit_error.call_one(port).get(timeout=T)
+    with pytest.raises(ValueError, match="through the port"):
+        receiver.recv().get(timeout=T)
+
+
+def test_channel_receives_in_order_when_recv_comes_first(procs):
+    em = procs.spawn("emitter_early", Emitter)
+    port, receiver = Channel.open()
+    futs = [receiver.recv() for _ in range(200)]
+    em.slice(hosts=1, gpus=0).emit.call_one(port, 200).get(timeout=T)
+    assert [f.get(timeout=T) for f in futs] == [(2, i) for i in range(200)]
+
+
+# ---- actor meshes as arguments --------------------------------------------------------------------
+def test_ping_pong_between_two_actor_meshes(procs):
+    ping = procs.slice(hosts=0).spawn("ping", PingPong, "ping")
+    pong = procs.slice(hosts=1).spawn("pong", PingPong, "pong")
+    ping.init.call(pong).get(timeout=T)
+    pong.init.call(ping).get(timeout=T)
+    ping.send.call("Ping").get(timeout=T)
+    pong.send.call("Pong").get(timeout=T)
+    assert pong.received_msgs.call().get(timeout=T).values() == [["ping:0 Ping"], ["ping:1 Ping"]]
+    assert ping.received_msgs.call().get(timeout=T).values() == [["pong:0 Pong"], ["pong:1 Pong"]]
+    # a sync endpoint that blocks on a call to the other mesh
+    assert ping.sync_relay.call("hi").get(timeout=T).values() == [("pong", 0, "hi"), ("pong", 1, "hi")]
+    # an async endpoint that awaits a call() on the whole other mesh
+    assert pong.slice(gpus=1).async_relay_all.call_one("all").get(timeout=T) == [
+        ("ping", 0, "all"), ("ping", 1, "all")]
+
+
+def test_sync_endpoint_can_call_another_actor_on_its_own_proc(procs):
+    a = procs.slice(hosts=0, gpus=0).spawn("same_proc_a", PingPong, "a")
+    b = procs.slice(hosts=0, gpus=0).spawn("same_proc_b", PingPong, "b")
+    a.init.call(b).get(timeout=T)
+    assert a.sync_relay.call_one("x", 2.0).get(timeout=T) == ("b", 0, "x")
+
+
+# ---- futures -------------------------------------------------------------------------------------
+def test_get_with_timeout_raises_timeout_error(procs):
+    c = procs.spawn("slow_counter", Counter)
+    fut = c.slice(hosts=0, gpus=1).slow.call_one(1.0)
+    with pytest.raises(TimeoutError, match="within"):
+        fut.get(timeout=0.05)
+    assert not fut.done()
+    assert fut.get(timeout=T) == 1.0
+
+
+def test_await_futures_in_asyncio_run(procs):
+    c = procs.spawn("await_counter", Counter, 100)
+
+    async def main():
+        mesh = await procs.spawn("awaited_mesh", Counter, 1)
+        first = await c.slice(hosts=0, gpus=0).incr.call_one()
+        vm = await c.value.call()
+        both = await asyncio.gather(c.slice(hosts=1, gpus=1).incr.call_one(),
+                                    c.slice(hosts=1, gpus=0).aincr.call_one())
+        other = await mesh.value.call()
+        with pytest.raises(ActorError):
+            await procs.spawn("awaited_broken", BrokenInit)
+        return first, vm.values(), both, other.values()
+
+    first, values, both, other = asyncio.run(main())
+    assert first == 101 and values == [101, 100, 100, 100] and both == [101, 101] and other == [1] * 4
+
+
+# ---- errors --------------------------------------------------------------------------------------
+def test_actor_error_carries_traceback_name_and_rank_and_the_actor_keeps_serving(procs):
+    f = procs.spawn("faulty", Faulty)
+    one = f.slice(hosts=1, gpus=0)
+    with pytest.raises(ActorError) as ei:
+        one.fail.call_one("kaboom").get(timeout=T)
+    e = ei.value
+    assert e.actor == "faulty" and e.rank == 2 and e.method == "fail"
+    assert "kaboom" in str(e) and "faulty" in str(e) and "rank 2" in str(e)
+    assert "_raise_deep" in e.traceback and "ValueError: kaboom" in e.traceback
+    assert isinstance(e.exception, ValueError) and e.exception.args == ("kaboom",)
+    assert one.calls_made.call_one().get(timeout=T) == 1, "the actor keeps its state and serves on"
+    assert f.fail_on.call(-1).get(timeout=T).values() == [0, 1, 2, 3]
+
+
+def test_actor_error_from_one_rank_of_a_call(procs):
+    f = procs.spawn("faulty_call", Faulty)
+    with pytest.raises(ActorError) as ei:
+        f.fail_on.call(3).get(timeout=T)
+    assert ei.value.rank == 3 and "fails on purpose" in str(ei.value)
+    results = []
+    for fut in f.fail_on.stream(1):
+        try:
+            results.append(fut.get(timeout=T))
+        except ActorError as e:
+            results.append(("error", e.rank))
+    assert sorted(results, key=str) == sorted([0, ("error", 1), 2, 3], key=str)
+
+
+def test_actor_error_from_async_endpoints_and_odd_exceptions(procs):
+    f = procs.spawn("faulty_odd", Faulty).slice(hosts=0, gpus=0)
+    with pytest.raises(ActorError, match="async-boom") as ei:
+        f.afail.call_one().get(timeout=T)
+    assert "afail" in ei.value.traceback
+    with pytest.raises(ActorError, match="defined inside the endpoint") as ei:
+        f.local_exception.call_one().get(timeout=T)
+    assert "NotImportable" in str(ei.value)
+    with pytest.raises(ActorError, match="cannot send the result back"):
+        f.unpicklable_result.call_one().get(timeout=T)
+    assert f.calls_made.call_one().get(timeout=T) == 0
+
+
+def test_constructor_failure_surfaces_on_initialized_and_on_calls(procs):
+    bad = procs.spawn("broken", BrokenInit)
+    with pytest.raises(ActorError, match="constructor failed") as ei:
+        bad.initialized.get(timeout=T)
+    assert ei.value.method == "__init__" and ei.value.actor == "broken"
+    assert "BrokenInit" in ei.value.traceback or "__init__" in ei.value.traceback
+    with pytest.raises(ActorError, match="constructor failed"):
+        bad.ping.call().get(timeout=T)
+    with pytest.raises(ActorError, match="constructor failed"):
+        bad.slice(hosts=1, gpus=1).ping.call_one().get(timeout=T)
+
+
+def test_constructor_failure_on_one_rank(procs):
+    partly = procs.spawn("partly_broken", BrokenInit, 2)
+    with pytest.raises(ActorError) as ei:
+        partly.initialized.get(timeout=T)
+    assert ei.value.rank == 2 and "rank 2" in str(ei.value)
+    assert partly.slice(hosts=0).ping.call().get(timeout=T).values() == ["pong", "pong"]
+    with pytest.raises(ActorError):
+        partly.slice(hosts=1, gpus=0).ping.call_one().get(timeout=T)
+    fine = procs.spawn("after_broken", Counter, 1)
+    assert fine.value.call().get(timeout=T).values() == [1] * 4, "the procs keep serving"
+
+
+def test_unknown_endpoint_is_an_attribute_error(counter):
+    with pytest.raises(AttributeError, match="no endpoint 'nope'"):
+        _ = counter.nope
+    with pytest.raises(AttributeError, match="helper"):
+        _ = counter.helper  # a method, but not an endpoint
+    with pytest.raises(AttributeError):
+        _ = counter._private
+    assert not hasattr(counter, "nope")
+
+
+@pytest.mark.parametrize("cls", [object, int, Counter(), lambda: None, "Counter"],
+                         ids=["object", "int", "an-instance", "a-function", "a-string"])
+def test_spawn_needs_an_actor_class(procs, cls):
+    with pytest.raises(TypeError, match="Actor"):
+        procs.spawn("not_an_actor", cls)
+
+
+def test_spawn_needs_a_name(procs):
+    with pytest.raises(ValueError, match="name"):
+        procs.spawn("", Counter)
+
+
+# ---- singletons and lifecycle ----------------------------------------------------------------------
+def test_get_or_spawn_controller_returns_the_same_actor():
+    name = "test_actors_controller"
+    try:
+        first = get_or_spawn_controller(name, Counter, 10).get(timeout=T)
+        second = get_or_spawn_controller(name, Counter, 10).get(timeout=T)
+        assert first.incr.call_one().get(timeout=T) == 11
+        assert second.incr.call_one().get(timeout=T) == 12, "the second call reaches the same actor"
+        assert first.pid.call_one().get(timeout=T) == second.pid.call_one().get(timeout=T)
+        third = get_or_spawn_controller(name, Counter, 10).get(timeout=T)
+        assert third.value.call_one().get(timeout=T) == 12
+    finally:
+        mesh = actor_mod._controllers.pop(name, None)
+        if mesh is not None:
+            mesh._proc_mesh.stop().get(timeout=T)
+
+
+def test_calls_on_a_stopped_mesh_are_refused():
+    mesh = this_host().spawn_procs({"gpus": 1})
+    try:
+        c = mesh.spawn("stopped", Counter)
+        c.initialized.get(timeout=T)
+    finally:
+        mesh.stop().get(timeout=T)
+    with pytest.raises(MeshStoppedError):
+        mesh.spawn("again", Counter)
+    with pytest.raises(MeshStoppedError):
+        c.value.call().get(timeout=T)

@@ -1,0 +1,31 @@
+"""Smoke test of bench/actor_bench.py: every workload runs at a tiny size and reports a number."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "bench", "actor_bench.py")
+
+
+@pytest.mark.timeout(120)
+def test_actor_bench_tiny(tmp_path):
+    out = tmp_path / "tiny.json"
+    proc = subprocess.run([sys.executable, BENCH, "--tiny", "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["env"]["tiny"] is True
+    assert "ours" not in data["errors"], data["errors"]
+    ours = data["median"]["ours"]
+    for key in data["workloads"]:
+        assert key in ours, f"no result for workload {key}: {proc.stdout[-2000:]}"
+        assert ours[key] > 0, (key, ours[key])
+    for key in ("bcast_1_us", "bcast_2_us", "rtt_us", "pipelined_per_s", "call_both_us", "echo_gib_s", "spawn_s"):
+        assert key in ours
+    floor = data["median"]["floor"]
+    for key in ("zmq_reqrep_us", "zmq_pipelined_per_s", "zmq_echo_gib_s"):
+        assert floor.get(key, 0) > 0, (key, data["errors"].get("floor"))

@@ -1,0 +1,66 @@
+"""Every example runs to completion as a script and prints what it promises."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_example(name: str, timeout: float = 90) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, os.path.join("examples", name)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{name} exited with {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc
+
+
+@pytest.mark.timeout(120)
+def test_actors_basics():
+    out = run_example("actors_basics.py").stdout
+    lines = out.splitlines()
+    # spawn on a {"gpus": 4} mesh
+    assert "proc mesh {'gpus': 4}" in out
+    for r in range(4):
+        assert any(ln.startswith(f"  gpus={r}: rank {r} of {{'gpus': 4}}") for ln in lines), out
+    # adverbs
+    assert "call()            -> [1, 1, 1, 1]" in lines
+    assert "after broadcast   -> [11, 11, 11, 11]" in lines
+    assert "slice(gpus=2)     -> 111" in lines
+    assert "slice(gpus=0:2)   -> ValueMesh({'gpus': 2}, [11, 11])" in lines
+    assert re.search(r"^choose\(\)          -> rank [0-3] of", out, re.M)
+    stream = re.search(r"^stream\(\) arrivals -> (.*)$", out, re.M).group(1)
+    assert sorted(stream.split(", ")) == [f"rank {r}: 49" for r in range(4)]
+    # ping-pong: every actor of each mesh reached its peer on the other mesh
+    for r in range(2):
+        assert f"  pong:{r} got <ping:{r} says 'ping!'>" in lines
+        assert f"  ping:{r} got <pong:{r} says 'pong!'>" in lines
+    # ActorError
+    assert ("caught ActorError from counter.divide on rank 3: ZeroDivisionError('float division by zero')"
+            in lines)
+    assert "the actor keeps serving: divide(1, 4) -> 0.25" in lines
+    # supervision
+    assert "pending call raised SupervisionError (rank 1: exited with code 1)" in lines
+    assert "fault hook recorded a failure (rank 2: killed by signal SIGKILL)" in lines
+    assert sum(ln.startswith("fault hook recorded") for ln in lines) == 1
+    assert re.search(r"^later call on the whole mesh raised SupervisionError \(rank [12]: ", out, re.M)
+    assert re.search(r"^slice\(gpus=0\) without the dead procs still works -> pid \d+$", out, re.M)
+    assert re.search(r"^all meshes stopped; done in [\d.]+ s$", out, re.M)
+
+
+@pytest.mark.timeout(120)
+def test_trainer_loss_decreases():
+    out = run_example("trainer.py").stdout
+    steps = re.findall(r"^step +(\d+) \| loss ([\d.]+) \| per rank ((?:[\d.]+ ?){4}) \|", out, re.M)
+    assert [int(s) for s, _, _ in steps] == list(range(30)), out
+    losses = [float(v) for _, v, _ in steps]
+    assert all(len(per.split()) == 4 for _, _, per in steps)
+    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, losses  # it learns
+    assert out.count("weights averaged") == 6
+    final = re.search(r"^final loss per rank: (.*)$", out, re.M).group(1)
+    assert [p.split(":")[0] for p in final.split(", ")] == [f"gpus={r}" for r in range(4)]
+    assert re.search(r"^done in [\d.]+ s$", out, re.M)

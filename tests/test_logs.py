@@ -1,0 +1,192 @@
+"""Procs' stdout/stderr reach the client with a rank prefix; logging_option folds and mutes them.
+
+The lines are written by the client process, so each test runs a small script
+as a subprocess and reads what it wrote. Inside the script, ``sys.stdout`` and
+``sys.stderr`` are wrapped to record what the client printed, so the script can
+wait for the forwarded lines (with a deadline) instead of sleeping and hoping.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+PRELUDE = textwrap.dedent('''
+    import os, sys, threading, time
+    import monarch_tensor.actor
+    from monarch_tensor.actor import Actor, current_rank, endpoint, this_host
+
+
+    class Tee:
+        """Pass writes through, and keep them so the script can wait for lines."""
+
+        def __init__(self, stream):
+            self.stream, self.text, self.lock = stream, "", threading.Lock()
+
+        def write(self, s):
+            with self.lock:
+                self.text += s
+            return self.stream.write(s)
+
+        def __getattr__(self, name):
+            return getattr(self.stream, name)
+
+
+    sys.stdout, sys.stderr = Tee(sys.stdout), Tee(sys.stderr)
+
+
+    def wait_for(stream, needle, timeout=15.0):
+        deadline = time.monotonic() + timeout
+        while needle not in stream.text:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"timed out waiting for {needle!r} on the client's {stream.stream.name}")
+            time.sleep(0.01)
+
+
+    class Talker(Actor):
+        @endpoint
+        def talk(self, tag: str) -> None:
+            r = current_rank().rank
+            print(f"{tag} print rank {r}")
+            print(f"{tag} print-stderr rank {r}", file=sys.stderr)
+            os.write(1, f"{tag} fd1 rank {r}\\n".encode())
+            os.write(2, f"{tag} fd2 rank {r}\\n".encode())
+
+        @endpoint
+        def say(self, text: str) -> None:
+            print(text)
+
+        @endpoint
+        def partial(self, text: str) -> None:
+            os.write(1, text.encode())  # no newline: forwarded when the proc stops
+''')
+
+
+def run_script(tmp_path, body: str, timeout: float = 90) -> subprocess.CompletedProcess:
+    path = tmp_path / "script.py"
+    path.write_text(PRELUDE + textwrap.dedent(body))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, str(path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"script failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def lines(text: str) -> list[str]:
+    return text.splitlines()
+
+
+@pytest.mark.timeout(120)
+def test_print_and_raw_fd_writes_reach_the_client_with_a_rank_prefix(tmp_path):
+    out = run_script(tmp_path, '''
+        procs = this_host().spawn_procs(per_host={"gpus": 2})
+        try:
+            talkers = procs.spawn("talker", Talker)
+            talkers.talk.call("hello").get(timeout=30)
+            for r in (0, 1):
+                wait_for(sys.stdout, f"[{r}] hello print rank {r}\\n")
+                wait_for(sys.stdout, f"[{r}] hello fd1 rank {r}\\n")
+                wait_for(sys.stderr, f"[{r}] hello print-stderr rank {r}\\n")
+                wait_for(sys.stderr, f"[{r}] hello fd2 rank {r}\\n")
+            talkers.slice(gpus=1).partial.call_one("a last line without a newline").get(timeout=30)
+        finally:
+            procs.stop().get(timeout=30)
+        wait_for(sys.stdout, "[1] a last line without a newline\\n")
+        print("SCRIPT DONE")
+    ''')
+    stdout, stderr = lines(out.stdout), lines(out.stderr)
+    for r in (0, 1):
+        assert f"[{r}] hello print rank {r}" in stdout
+        assert f"[{r}] hello fd1 rank {r}" in stdout
+        assert f"[{r}] hello print-stderr rank {r}" in stderr
+        assert f"[{r}] hello fd2 rank {r}" in stderr
+        # each line on its own stream only
+        assert f"[{r}] hello fd2 rank {r}" not in stdout
+        assert f"[{r}] hello fd1 rank {r}" not in stderr
+    assert stdout.count("[0] hello print rank 0") == 1  # forwarded once, not duplicated
+    assert "[1] a last line without a newline" in stdout
+    assert "SCRIPT DONE" in stdout
+
+
+@pytest.mark.timeout(120)
+def test_aggregation_folds_identical_lines_from_four_ranks(tmp_path):
+    # The window is a fixed period of the client's flusher, so the 4 copies of a
+    # line can (rarely) straddle two flushes; try a few distinct lines and
+    # require that one of them came out as a single folded line.
+    out = run_script(tmp_path, '''
+        import re
+        procs = this_host().spawn_procs(per_host={"gpus": 4})
+        try:
+            talkers = procs.spawn("talker", Talker)
+            procs.logging_option(stream_to_client=True, aggregate_window_sec=1).get(timeout=30)
+
+            def copies(text):
+                n = 0
+                for line in sys.stdout.text.splitlines():
+                    m = re.fullmatch(r"\\[(\\d+) similar lines\\] \\[rank [\\d,-]+\\] " + re.escape(text), line)
+                    n += int(m.group(1)) if m else bool(re.fullmatch(r"\\[\\d\\] " + re.escape(text), line))
+                return n
+
+            for attempt in range(3):
+                text = f"the same line, attempt {attempt}"
+                talkers.say.call(text).get(timeout=30)
+                deadline = time.monotonic() + 15
+                while copies(text) < 4 and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                assert copies(text) == 4, (text, sys.stdout.text)
+                if f"[4 similar lines] [rank 0-3] {text}" in sys.stdout.text:
+                    print(f"FOLDED attempt {attempt}")
+                    break
+            talkers.talk.call("distinct").get(timeout=30)
+            for r in range(4):
+                wait_for(sys.stdout, f"[{r}] distinct print rank {r}\\n")
+        finally:
+            procs.stop().get(timeout=30)
+    ''')
+    stdout = lines(out.stdout)
+    folded = [ln for ln in stdout if ln.startswith("FOLDED attempt ")]
+    assert folded, out.stdout
+    attempt = folded[0].split()[-1]
+    text = f"the same line, attempt {attempt}"
+    assert stdout.count(f"[4 similar lines] [rank 0-3] {text}") == 1
+    assert not [ln for ln in stdout if re.fullmatch(r"\[\d\] " + re.escape(text), ln)]  # no unfolded copy
+    for r in range(4):  # lines that differ stay apart
+        assert f"[{r}] distinct print rank {r}" in stdout
+
+
+@pytest.mark.timeout(120)
+def test_stream_to_client_false_stops_forwarding_and_true_resumes_it(tmp_path):
+    out = run_script(tmp_path, '''
+        procs = this_host().spawn_procs(per_host={"gpus": 2})
+        try:
+            talkers = procs.spawn("talker", Talker)
+            procs.logging_option(stream_to_client=False).get(timeout=30)
+            talkers.talk.call("muted").get(timeout=30)
+            # The flag is read when a proc's pump thread forwards a line, so give
+            # the muted lines time to leave the pipe before switching back on.
+            time.sleep(0.5)
+            procs.logging_option(stream_to_client=True).get(timeout=30)
+            talkers.talk.call("unmuted").get(timeout=30)
+            for r in (0, 1):
+                # Lines of one proc's stream are forwarded in order: once these are
+                # in, the muted lines (written earlier) would be in too.
+                wait_for(sys.stdout, f"[{r}] unmuted fd1 rank {r}\\n")
+                wait_for(sys.stderr, f"[{r}] unmuted fd2 rank {r}\\n")
+        finally:
+            procs.stop().get(timeout=30)
+        print("SCRIPT DONE")
+    ''')
+    assert "SCRIPT DONE" in out.stdout
+    # Not forwarded: muted lines go to the procs' own stdout/stderr (here the
+    # terminal the client was started from), without a rank prefix.
+    assert not re.search(r"^\[\d\] muted", out.stdout, re.M), out.stdout
+    assert not re.search(r"^\[\d\] muted", out.stderr, re.M), out.stderr
+    assert "muted print rank 0" in lines(out.stdout) and "muted fd2 rank 1" in lines(out.stderr)
+    for r in (0, 1):
+        assert f"[{r}] unmuted print rank {r}" in lines(out.stdout)
+        assert f"[{r}] unmuted print-stderr rank {r}" in lines(out.stderr)

@@ -1,0 +1,227 @@
+"""Shape: named, strided views over flat ranks, checked against numpy indexing.
+
+Pure unit tests (no processes). ``Shape(names, dims).slice(...)`` must select
+exactly what the same selection selects from ``np.arange(n).reshape(dims)``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from monarch_tensor.shape import Point, Shape
+
+pytestmark = pytest.mark.timeout(60)
+
+NAMES = ("hosts", "gpus", "cores", "dp", "tp")
+
+
+# ---- strategies ----------------------------------------------------------------------
+@st.composite
+def shapes(draw) -> Shape:
+    ndim = draw(st.integers(1, 3))
+    names = draw(st.lists(st.sampled_from(NAMES), min_size=ndim, max_size=ndim, unique=True))
+    dims = draw(st.lists(st.integers(1, 5), min_size=ndim, max_size=ndim))
+    return Shape(tuple(names), tuple(dims))
+
+
+def _selection(draw, size: int) -> int | slice:
+    """An int (negative allowed) or a non-empty slice with a positive step for a dim of ``size``."""
+    if draw(st.booleans()):
+        return draw(st.integers(-size, size - 1))
+    bound = st.one_of(st.none(), st.integers(-size - 2, size + 2))
+    sel = slice(draw(bound), draw(bound), draw(st.sampled_from([None, 1, 2, 3])))
+    assume(len(range(*sel.indices(size))) > 0)
+    return sel
+
+
+@st.composite
+def slicing_chains(draw):
+    """A shape and a chain of 1-3 ``slice(**sel)`` selections valid at each step."""
+    shape = draw(shapes())
+    chain = []
+    names, dims = list(shape.names), list(shape.dims)
+    for _ in range(draw(st.integers(1, 3))):
+        if not names:
+            break
+        picked = draw(st.lists(st.sampled_from(names), min_size=1, max_size=len(names), unique=True))
+        sel = {n: _selection(draw, dims[names.index(n)]) for n in picked}
+        chain.append(sel)
+        for n, s in sel.items():
+            i = names.index(n)
+            if isinstance(s, int):
+                del names[i], dims[i]
+            else:
+                dims[i] = len(range(*s.indices(dims[i])))
+    return shape, chain
+
+
+def _numpy_select(arr: np.ndarray, names: list[str], sel: dict) -> tuple[np.ndarray, list[str]]:
+    index = tuple(sel.get(n, slice(None)) for n in names)
+    return arr[index], [n for n in names if not isinstance(sel.get(n), int)]
+
+
+# ---- slice composes like numpy indexing -------------------------------------------------
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(slicing_chains())
+def test_slice_chain_matches_numpy(case):
+    shape, chain = case
+    arr = np.arange(len(shape)).reshape(shape.dims)
+    names = list(shape.names)
+    s = shape
+    for sel in chain:
+        s = s.slice(**sel)
+        arr, names = _numpy_select(arr, names, sel)
+        assert s.ranks() == arr.flatten().tolist()
+        assert list(s.names) == names
+        assert s.dims == arr.shape
+        assert len(s) == arr.size
+        assert s.sizes == dict(zip(names, arr.shape))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(slicing_chains())
+def test_point_coordinates_and_index_of_agree(case):
+    shape, chain = case
+    s = shape
+    for sel in chain:
+        s = s.slice(**sel)
+    arr_shape = s.dims
+    coords = list(s.coordinates())
+    assert coords == [dict(zip(s.names, idx)) for idx in np.ndindex(*arr_shape)]
+    ranks = s.ranks()
+    for i in range(len(s)):
+        p = s.point(i)
+        assert isinstance(p, Point)
+        assert p.rank == i and int(p) == i and p.size == len(s)
+        assert dict(p) == coords[i]
+        assert s.index_of(ranks[i]) == i
+        # a point's coordinates select exactly its rank
+        assert s.slice(**dict(p)).ranks() == [ranks[i]]
+
+
+def test_docstring_example():
+    s = Shape(("hosts", "gpus"), (2, 4))
+    assert s.slice(gpus=1).ranks() == [1, 5]
+    assert s.slice(hosts=slice(0, 1)).sizes == {"hosts": 1, "gpus": 4}
+    assert s.slice(hosts=1, gpus=slice(1, None, 2)).ranks() == [5, 7]
+    assert s.slice(gpus=-1).ranks() == [3, 7]
+
+
+def test_from_sizes_keeps_order_and_str():
+    s = Shape.from_sizes({"hosts": 2, "gpus": 3})
+    assert s.names == ("hosts", "gpus") and s.dims == (2, 3)
+    assert s.sizes == {"hosts": 2, "gpus": 3}
+    assert str(s) == "{'hosts': 2, 'gpus': 3}"
+    assert s.ranks() == list(range(6))
+
+
+def test_zero_dim_shape_is_one_point():
+    s = Shape((), ())
+    assert len(s) == 1 and s.ranks() == [0] and list(s.coordinates()) == [{}]
+    assert s.slice().ranks() == [0]
+    p = s.point(0)
+    assert p.rank == 0 and dict(p) == {}
+
+
+def test_int_selection_of_every_dim_gives_a_single_rank():
+    s = Shape(("hosts", "gpus"), (3, 4))
+    one = s.slice(hosts=2, gpus=-1)
+    assert one.names == () and one.ranks() == [11] and len(one) == 1
+
+
+# ---- Point ----------------------------------------------------------------------------
+def test_point_is_a_mapping_and_an_int():
+    p = Shape(("hosts", "gpus"), (2, 3)).point(4)
+    assert p["hosts"] == 1 and p["gpus"] == 1
+    assert dict(p) == {"hosts": 1, "gpus": 1} and list(p) == ["hosts", "gpus"] and len(p) == 2
+    assert p == 4 and int(p) == 4 and [10, 11, 12, 13, 14][p] == 14
+    assert p == Point(4, {"hosts": 1, "gpus": 1}, 6)
+    assert hash(p) == hash(Point(4, {"hosts": 1, "gpus": 1}, 6))
+    with pytest.raises(KeyError, match="'tp'.*hosts.*gpus"):
+        p["tp"]
+
+
+# ---- clear errors ---------------------------------------------------------------------
+def test_unknown_dim_is_a_key_error_naming_the_dims():
+    s = Shape(("hosts", "gpus"), (2, 4))
+    with pytest.raises(KeyError) as ei:
+        s.slice(nodes=0)
+    msg = str(ei.value)
+    assert "nodes" in msg and "hosts" in msg and "gpus" in msg
+
+
+def test_int_out_of_range_is_an_index_error():
+    s = Shape(("hosts", "gpus"), (2, 4))
+    for bad in (4, 5, -5, 100):
+        with pytest.raises(IndexError, match="gpus"):
+            s.slice(gpus=bad)
+
+
+def test_empty_slice_is_a_value_error():
+    s = Shape(("hosts", "gpus"), (2, 4))
+    for bad in (slice(2, 2), slice(4, None), slice(3, 1), slice(-1, 0), slice(10, 20)):
+        with pytest.raises(ValueError, match="gpus"):
+            s.slice(gpus=bad)
+
+
+def test_negative_step_is_a_value_error():
+    with pytest.raises(ValueError, match="step"):
+        Shape(("gpus",), (4,)).slice(gpus=slice(None, None, -1))
+
+
+@pytest.mark.parametrize("bad", ["0", 1.0, True, None, [0], (0, 1), np.float64(1.0)])
+def test_bad_selection_type_is_a_type_error(bad):
+    with pytest.raises(TypeError, match="gpus"):
+        Shape(("hosts", "gpus"), (2, 4)).slice(gpus=bad)
+
+
+def test_slice_with_non_int_bounds_is_a_type_error():
+    with pytest.raises(TypeError):
+        Shape(("gpus",), (4,)).slice(gpus=slice("a", 2))
+
+
+def test_duplicate_names_are_refused():
+    with pytest.raises(ValueError, match="duplicate"):
+        Shape(("gpus", "gpus"), (2, 2))
+
+
+@pytest.mark.parametrize("size", [0, -1, -8])
+def test_non_positive_sizes_are_refused(size):
+    with pytest.raises(ValueError, match="gpus"):
+        Shape(("hosts", "gpus"), (2, size))
+    with pytest.raises(ValueError, match="gpus"):
+        Shape.from_sizes({"hosts": 2, "gpus": size})
+
+
+@pytest.mark.parametrize("names,dims", [
+    (("gpus",), (2, 2)),          # lengths differ
+    (("",), (2,)),                # empty name
+    ((3,), (2,)),                 # not a string
+    (("gpus",), (2.0,)),          # not an int size
+    (("gpus",), ("2",)),
+])
+def test_malformed_shapes_are_refused(names, dims):
+    with pytest.raises(ValueError):
+        Shape(names, dims)
+
+
+def test_from_sizes_needs_a_mapping():
+    with pytest.raises(TypeError, match="dict"):
+        Shape.from_sizes([("gpus", 2)])
+
+
+def test_index_of_a_rank_outside_the_shape():
+    s = Shape(("hosts", "gpus"), (2, 4)).slice(hosts=1)
+    assert s.index_of(6) == 2
+    with pytest.raises(ValueError, match="rank 1"):
+        s.index_of(1)
+
+
+def test_point_out_of_range_is_an_index_error():
+    s = Shape(("hosts", "gpus"), (2, 3))
+    for bad in (6, 7, 100):
+        with pytest.raises(IndexError):
+            s.point(bad)
