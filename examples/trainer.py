@@ -40,7 +40,7 @@ class Trainer(Actor):
         self.model = torch.nn.Sequential(
             torch.nn.Linear(IN_DIM, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1))
         self.true_w = torch.randn(IN_DIM, 1) / 4  # the function to learn: y = tanh(x @ true_w)
-        self.lr = lr
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=lr)
         self.data = torch.Generator().manual_seed(1000 + self.rank)  # this rank's data shard
         self.loss = float("nan")
 
@@ -50,11 +50,9 @@ class Trainer(Actor):
         x = torch.randn(BATCH, IN_DIM, generator=self.data)
         y = torch.tanh(x @ self.true_w) + 0.01 * torch.randn(BATCH, 1, generator=self.data)
         loss = torch.nn.functional.mse_loss(self.model(x), y)
+        self.opt.zero_grad()
         loss.backward()
-        with torch.no_grad():  # plain SGD
-            for p in self.model.parameters():
-                p -= self.lr * p.grad
-                p.grad = None
+        self.opt.step()
         self.loss = loss.item()
         return self.loss
 
