@@ -73,7 +73,9 @@ def describe_status(status: int) -> str:
     return f"exited with code {os.WEXITSTATUS(status)}"
 
 
-def serve(req_fd: int, rep_fd: int) -> None:
+def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None) -> None:
+    """Fork procs on request until the client goes away; import ``idle_imports`` when idle."""
+    idle_imports = list(idle_imports or [])
     children: dict[int, int] = {}  # pid -> request id
     sig_r, sig_w = os.pipe()
     os.set_blocking(sig_w, False)
@@ -82,9 +84,12 @@ def serve(req_fd: int, rep_fd: int) -> None:
     write_msg(rep_fd, ("ready", os.getpid()))
     while True:
         try:
-            readable, _, _ = select.select([req_fd, sig_r], [], [], 1.0)
+            readable, _, _ = select.select([req_fd, sig_r], [], [], 0 if idle_imports else 1.0)
         except InterruptedError:
             readable = [sig_r]
+        if not readable and idle_imports:
+            _try_import(idle_imports.pop(0))
+            continue
         if sig_r in readable:
             try:
                 os.read(sig_r, 4096)
@@ -170,6 +175,17 @@ def _child(req_fd, rep_fd, sig_r, sig_w, entry, args, env) -> None:
             os._exit(code)
 
 
+def _modules(var: str, default: str) -> list[str]:
+    return [m for m in os.environ.get(var, default).split(",") if m]
+
+
+def _try_import(mod: str) -> None:
+    try:
+        __import__(mod)
+    except ImportError:
+        pass
+
+
 def main(req_fd: int, rep_fd: int) -> None:
     # The protocol runs on its own pipes; stdio stays the client's, so a proc whose
     # output is not forwarded writes to the client's terminal.
@@ -177,16 +193,15 @@ def main(req_fd: int, rep_fd: int) -> None:
     os.dup2(devnull, 0)
     # No PDEATHSIG here: it fires when the spawning *thread* exits. The client
     # going away closes the request pipe instead, which serve() treats as the end.
-    # torch._dynamo is imported by the first torch.optim optimizer: ~2 s per proc otherwise.
-    for mod in filter(None, os.environ.get("MONARCH_TENSOR_PRELOAD", "torch,torch._dynamo").split(",")):
-        try:
-            __import__(mod)
-        except ImportError:
-            pass
+    for mod in _modules("MONARCH_TENSOR_PRELOAD", "torch"):
+        _try_import(mod)
     import monarch_tensor._proc  # noqa: F401 - the runtime every child runs
 
+    # torch._dynamo is imported by the first torch.optim optimizer (~2 s per proc, far
+    # more when several procs do it at once): import it here once, whenever idle.
+    idle = _modules("MONARCH_TENSOR_IDLE_PRELOAD", "torch._dynamo")
     try:
-        serve(req_fd, rep_fd)
+        serve(req_fd, rep_fd, idle)
     except OSError as e:
         if e.errno != errno.EPIPE:
             raise

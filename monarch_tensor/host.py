@@ -100,7 +100,8 @@ class LocalHost:
             _proc_exited(info, "lost with the template process")
 
     def spawn(self, infos: list[ProcInfo], client_addr: str, envs: list[dict]) -> None:
-        self._ready.get(timeout=SPAWN_TIMEOUT)
+        # No wait for the template to be ready: requests queue in the pipe, and are
+        # served before anything it would import while idle.
         futs = []
         with self._lock:
             for info, env in zip(infos, envs):
