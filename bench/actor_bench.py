@@ -234,7 +234,7 @@ def measure(rt, res):
         m = rt.spawn(n, f"bcast{n}")
         try:
             assert rt.call_all(m, "echo", 1) == [1] * n
-            res[f"bcast_{n}_us"] = lat_us(lambda: rt.call_all(m, "echo", 1), N_BCAST)
+            res[f"bcast_{n}_us"] = lat_us(lambda m=m: rt.call_all(m, "echo", 1), N_BCAST)
         finally:
             rt.stop(m)
 
@@ -268,7 +268,7 @@ def measure_floor(res):
         sock.connect(addr)
         try:
             if kind == "rep":
-                def rr(msg=b"12345678"):
+                def rr(msg=b"12345678", sock=sock):
                     sock.send(msg)
                     return sock.recv()
                 res["zmq_reqrep_us"] = lat_us(rr, N_RTT)
