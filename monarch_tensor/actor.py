@@ -191,6 +191,9 @@ def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs
     members = procs._members()
     shape = Shape(procs._shape.names, procs._shape.dims)
     mailbox = current_mailbox()
+    if mailbox.on_message is None and any(p.addr == mailbox.addr for p in members):
+        raise RuntimeError("actors cannot be spawned in the client script's own process (this_proc()); "
+                           "spawn procs with this_host().spawn_procs() and spawn on those")
     addrs = [p.addr for p in members]
     col = Collector(addrs, list(range(len(members))), lambda v: None, f"spawn of {name}", observing=False)
     port = mailbox.open_port(col)
@@ -347,4 +350,7 @@ def get_or_spawn_controller(name: str, actor_class: type, *args, **kwargs) -> Fu
         procs = this_host().spawn_procs(per_host={"procs": 1})
         mesh = procs.spawn(name, actor_class, *args, **kwargs).slice(procs=0)
         _controllers[name] = mesh
-    return mesh._spawned if mesh._spawned.done() is False else Future.ready(mesh)
+    out: Future[ActorMesh] = Future(f"spawn of controller {name!r}")
+    mesh._spawned.add_done_callback(
+        lambda f: out._set_exception(f.exception()) if f.exception() else out._set_result(mesh))
+    return out

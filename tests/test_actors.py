@@ -612,3 +612,11 @@ def test_calls_on_a_stopped_mesh_are_refused():
         mesh.spawn("again", Counter)
     with pytest.raises(MeshStoppedError):
         c.value.call().get(timeout=T)
+
+
+@pytest.mark.timeout(30)
+def test_spawn_on_the_client_process_is_a_clear_error():
+    from monarch_tensor.actor import this_proc
+
+    with pytest.raises(RuntimeError, match="client script's own process"):
+        this_proc().spawn("nope", Actor)
