@@ -16,6 +16,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 import uuid
 from typing import Callable, Protocol
 
@@ -69,6 +70,8 @@ class Mailbox:
         self._closed = False
         self._thread: threading.Thread | None = None
         self.receiver_ident: int | None = None  # the thread that receives (None: the I/O thread)
+        # Where messages other than port values go while the receiving thread blocks in wait_until.
+        self.on_deferred: Callable[[object], None] | None = None
         if io_thread:
             self._thread = threading.Thread(target=self._loop, name="monarch-tensor-io", daemon=True)
             self._thread.start()
@@ -173,8 +176,6 @@ class Mailbox:
 
     def wait_until(self, done: Callable[[], bool], timeout: float | None) -> None:
         """Block the receiving thread until ``done()``, dispatching port values as they come."""
-        import time
-
         deadline = None if timeout is None else time.monotonic() + timeout
         defer = self.on_deferred
         while not done():
@@ -185,8 +186,6 @@ class Mailbox:
             if left is not None and left <= 0:
                 return
             self._router.poll(100 if left is None else max(1, min(100, int(left * 1000))), zmq.POLLIN)
-
-    on_deferred: Callable[[object], None] | None = None
 
     def _dispatch(self, frames: list, defer: Callable[[object], None] | None = None) -> None:
         try:
