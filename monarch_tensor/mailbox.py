@@ -83,6 +83,8 @@ class Mailbox:
             s = self.ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 2000)
             s.setsockopt(zmq.SNDHWM, 0)
+            # A new proc may not have bound yet: retry every 5 ms, not zmq's default 100 ms.
+            s.setsockopt(zmq.RECONNECT_IVL, 5)
             s.connect(addr)
             self._out[addr] = s
         return s
@@ -138,9 +140,9 @@ class Mailbox:
         r = self._router
         r.recv(flags)  # the sender's routing id
         frames = [r.recv()]
-        if r.rcvmore:
+        if r.getsockopt(zmq.RCVMORE):  # not r.rcvmore: pyzmq's attribute lookup is slow
             nbuf = _wire.buffer_count(frames[0])
-            while r.rcvmore:
+            while r.getsockopt(zmq.RCVMORE):
                 frames.append(r.recv(copy=nbuf == 0))
         return frames
 
