@@ -195,16 +195,13 @@ def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs
         raise RuntimeError("actors cannot be spawned in the client script's own process (this_proc()); "
                            "spawn procs with this_host().spawn_procs() and spawn on those")
     addrs = [p.addr for p in members]
-    col = Collector(addrs, list(range(len(members))), lambda v: None, f"spawn of {name}", observing=False)
+    # Acks only come after the sends below, so `mesh` is bound by the time finish runs.
+    col = Collector(addrs, list(range(len(members))), lambda _: mesh, f"spawn of actor mesh {name!r}",
+                    observing=False)
     port = mailbox.open_port(col)
     mesh = ActorMesh(name, cls, members, shape, col.future, procs)
-    col.future._what = f"spawn of actor mesh {name!r}"
     for i, p in enumerate(members):
         mailbox.send(p.addr, SpawnActor(name, cls, args, kwargs, i, shape, port))
-    spawned = Future(f"spawn of {name}")
-    col.future.add_done_callback(
-        lambda f: spawned._set_exception(f.exception()) if f.exception() else spawned._set_result(mesh))
-    mesh._spawned = spawned
     return mesh
 
 

@@ -14,6 +14,7 @@ Indexing a dim with an int removes that dim; with a slice keeps it.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -64,11 +65,7 @@ class Shape:
 
     def ranks(self) -> list[int]:
         """Flat ranks of the underlying list, in row-major order of this shape."""
-        assert self.strides is not None
-        out = []
-        for idx in itertools.product(*(range(d) for d in self.dims)):
-            out.append(self.offset + sum(i * s for i, s in zip(idx, self.strides)))
-        return out
+        return list(_ranks(self))
 
     def coordinates(self) -> Iterator[dict[str, int]]:
         """Every point's coordinates, row-major."""
@@ -124,6 +121,14 @@ class Shape:
 
     def __str__(self) -> str:
         return "{" + ", ".join(f"'{n}': {d}" for n, d in zip(self.names, self.dims)) + "}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _ranks(shape: Shape) -> tuple[int, ...]:
+    # Cached: every call on a mesh asks for its ranks, and shapes are immutable.
+    assert shape.strides is not None
+    return tuple(shape.offset + sum(i * s for i, s in zip(idx, shape.strides))
+                 for idx in itertools.product(*(range(d) for d in shape.dims)))
 
 
 class Point(Mapping):
