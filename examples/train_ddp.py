@@ -15,6 +15,8 @@ its CPU). What makes it data-parallel:
     with ``index_select`` by its rank (``proc_mesh.rank_tensor("gpus")``);
   * after ``loss.backward()`` each gradient is averaged over the ranks with ``p.grad.reduce_("gpus",
     "avg")`` (an all-reduce), so AdamW takes the same step everywhere and the replicas stay equal.
+    AdamW itself is torch's; its ``step`` runs under ``no_mesh()`` so that the step counter it keeps
+    in a 0-dim tensor and reads with ``.item()`` is a local tensor (its moments still live on the mesh).
 
 That is exactly plain training on the union of the ranks' batches, so tests/test_train_ddp.py
 checks the losses against ``train_local`` below (the same model trained with local torch on the same
@@ -90,7 +92,7 @@ def progress(step: int, steps: int, width: int = 20) -> str:
 
 def train_ddp(s: dict) -> tuple[list[list[float]], dict]:
     """Train on a fresh mesh; returns each step's per-rank losses and the final weights (rank 0's)."""
-    from monarch_tensor import fetch_shard, remote
+    from monarch_tensor import fetch_shard, no_mesh, remote
     from monarch_tensor.actor import this_host
 
     tok, ids, cfg, offsets = make_run(s)
@@ -120,7 +122,8 @@ def train_ddp(s: dict) -> tuple[list[list[float]], dict]:
                     loss.backward()
                     for p in model.parameters():
                         p.grad.reduce_("gpus", "avg")
-                    opt.step()
+                    with no_mesh():  # AdamW's step count: a local tensor it reads with .item()
+                        opt.step()   # (the moments, zeros_like(param), are made on the mesh)
                     per_rank = loss.detach().reduce("gpus", "stack")               # (GPUS,) on every rank
                     fut = fetch_shard(per_rank, gpus=0)
                 if pending is not None:
@@ -130,7 +133,7 @@ def train_ddp(s: dict) -> tuple[list[list[float]], dict]:
                     print(f"{progress(step - 1, steps)} | loss {sum(got) / len(got):.4f} | per rank "
                           f"{' '.join(f'{v:.4f}' for v in got)} | {ms:.0f} ms/step", flush=True)
                 pending = fut if step < steps else None
-            weights = fetch_shard(model.state_dict(), gpus=0).result(timeout=s["TIMEOUT"])
+            weights = fetch_shard(dict(model.state_dict()), gpus=0).result(timeout=s["TIMEOUT"])
     finally:
         procs.stop().get(timeout=s["TIMEOUT"])
     return losses, weights
