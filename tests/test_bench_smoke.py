@@ -29,3 +29,21 @@ def test_actor_bench_tiny(tmp_path):
     floor = data["median"]["floor"]
     for key in ("zmq_reqrep_us", "zmq_pipelined_per_s", "zmq_echo_gib_s"):
         assert floor.get(key, 0) > 0, (key, data["errors"].get("floor"))
+
+
+DISPATCH = os.path.join(ROOT, "bench", "dispatch_bench.py")
+
+
+@pytest.mark.timeout(150)
+def test_dispatch_bench_tiny(tmp_path):
+    out = tmp_path / "tiny.json"
+    proc = subprocess.run([sys.executable, DISPATCH, "--tiny", "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=140)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["env"]["tiny"] is True
+    assert data["errors"] == {}, data["errors"]
+    for kind in ("ours", "eager"):
+        for key in data["workloads"]:
+            assert data["median"][kind].get(key, 0) > 0, (kind, key, proc.stdout[-2000:])
+    assert "ours/eager" in proc.stdout
