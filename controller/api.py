@@ -142,7 +142,7 @@ def _leaves_ctx(obj) -> tuple[list, Ctx | None]:
 
 
 def _to_wire(obj):
-    return pytree.tree_map(lambda x: x._rref if type(x) is Tensor else x, obj)
+    return pytree.tree_map(lambda x: m.Ref(x._ref) if type(x) is Tensor else x, obj)
 
 
 def _rank_of(ctx: Ctx, shard: dict | None, kwargs: dict) -> int:
@@ -262,7 +262,7 @@ def slice_mesh(t: Tensor, **kwargs) -> Tensor:
     sub = ctx.pm.slice(**kwargs)
     sctx = sub._alloc._tensor_client.ctx(sub, ctx.stream)
     ref = next(ctx.client.refs)
-    ctx.client.issue(m.CallOp("aten::alias", (t._rref,), {}, (ref,), (), ctx.sid, user_loc()), sctx.ranks)
+    ctx.client.issue(m.CallOp("aten::alias", (t._ref,), {}, (0,), (ref,), (), ctx.sid, user_loc()), sctx.ranks)
     return Tensor(t._meta, t._mid, sctx, ref)
 
 

@@ -66,11 +66,7 @@ class Tensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, meta: tuple, mid: int, ctx: Ctx, ref: int):
-        shape, stride, offset, dtype = meta
-        t = torch.Tensor._make_wrapper_subclass(cls, shape, strides=stride, storage_offset=offset,
-                                                dtype=dtype, device="cpu")
-        t._meta, t._mid, t._ctx, t._ref, t._rref = meta, mid, ctx, ref, m.Ref(ref)
-        return t
+        return new_tensor(meta, mid, ctx, ref)
 
     def __init__(self, *args, **kwargs) -> None:
         pass
@@ -83,7 +79,7 @@ class Tensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return record(func, args, kwargs or {}, None)
+        return record(func, args, kwargs, None)
 
     def __repr__(self, **kwargs) -> str:
         c = self._ctx
@@ -128,6 +124,19 @@ class Tensor(torch.Tensor):
         return slice_mesh(self, **kwargs)
 
 
+_wrap = torch.Tensor._make_wrapper_subclass
+
+
+def new_tensor(meta: tuple, mid: int, ctx: Ctx, ref: int) -> Tensor:
+    """A mesh tensor with metadata ``meta`` (interned as ``mid``) for worker ref ``ref``."""
+    t = _wrap(Tensor, meta[0], strides=meta[1], storage_offset=meta[2], dtype=meta[3], device="cpu")
+    t._meta = meta
+    t._mid = mid
+    t._ctx = ctx
+    t._ref = ref
+    return t
+
+
 # ---- argument scanning -------------------------------------------------------------------------------
 _SCALARS = (int, float, bool, complex)
 
@@ -138,7 +147,7 @@ def _scan(a, key: list, tensors: list, local: list):
     if t is Tensor:
         tensors.append(a)
         key.append(a._mid)
-        return a._rref
+        return m.Ref(a._ref)
     if t is int or t is float or t is bool:
         key.append(t)
         key.append(a)
@@ -299,19 +308,65 @@ _UNSUPPORTED = {
 }
 
 
-def record(func, args: tuple, kwargs: dict, ctx: Ctx | None):
-    """Record ``func(*args, **kwargs)`` on the mesh; return mesh tensors shaped like its result."""
+def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
+    """Record ``func(*args, **kwargs)`` on the mesh; return mesh tensors shaped like its result.
+
+    Tensors travel as their ref ids; ``tpos`` lists where they are (an index,
+    an ``(index, item)`` pair inside a list argument, or a kwarg name), so a
+    batch pickles as plain tuples and ints.
+    """
     key = [func]
     tensors: list = []
     local: list = []
-    wargs = tuple([_scan(a, key, tensors, local) for a in args])
+    tpos: list = []
+    wargs = []
+    deep = False
+    for i, a in enumerate(args):
+        t = type(a)
+        if t is Tensor:
+            tensors.append(a)
+            key.append(a._mid)
+            wargs.append(a._ref)
+            tpos.append(i)
+        elif t is int or t is float or t is bool:
+            key.append(t)
+            key.append(a)
+            wargs.append(a)
+        elif t is list or t is tuple:
+            key.append(t)
+            key.append(len(a))
+            sub = []
+            for j, x in enumerate(a):
+                if type(x) is Tensor:
+                    tensors.append(x)
+                    key.append(x._mid)
+                    sub.append(x._ref)
+                    tpos.append((i, j))
+                else:
+                    w = _scan(x, key, tensors, local)
+                    deep = deep or w is not x
+                    sub.append(w)
+            wargs.append(sub)
+        else:
+            w = _scan(a, key, tensors, local)
+            deep = deep or w is not a
+            wargs.append(w)
     if kwargs:
         wkwargs = {}
         for k, v in kwargs.items():
             key.append(k)
-            wkwargs[k] = _scan(v, key, tensors, local)
+            if type(v) is Tensor:
+                tensors.append(v)
+                key.append(v._mid)
+                wkwargs[k] = v._ref
+                tpos.append(k)
+            else:
+                w = _scan(v, key, tensors, local)
+                deep = deep or w is not v
+                wkwargs[k] = w
     else:
-        wkwargs = kwargs
+        wkwargs = _EMPTY
+        kwargs = _EMPTY
     # Where the op runs: its mesh tensors' mesh and stream, all the same.
     for t in tensors:
         if type(t) is Tensor:
@@ -343,46 +398,59 @@ def record(func, args: tuple, kwargs: dict, ctx: Ctx | None):
     loc = user_loc()
     if local:
         wargs, wkwargs = _upload(client, ctx, local, wargs, wkwargs)
-    refs = client.refs
+    if deep or local:
+        tpos.append(DEEP)
     if tpl.single:
         leaf = tpl.leaves[0]
         if leaf[0] == "new":
-            ref = next(refs)
-            out = Tensor(leaf[1], leaf[2], ctx, ref)
+            ref = next(client.refs)
+            out = new_tensor(leaf[1], leaf[2], ctx, ref)
             outs = (ref,)
         else:
             out = tensors[leaf[1]]
             outs = (out._ref,)
     else:
-        vals, outl = [], []
-        for leaf in tpl.leaves:
-            kind = leaf[0]
-            if kind == "new":
-                ref = next(refs)
-                vals.append(Tensor(leaf[1], leaf[2], ctx, ref))
-                outl.append(ref)
-            elif kind == "alias":
-                vals.append(tensors[leaf[1]])
-                outl.append(tensors[leaf[1]]._ref)
-            else:
-                vals.append(leaf[1])
-                outl.append(None)
-        out = _rebuild(tpl.struct, iter(vals))
-        outs = tuple(outl)
+        out, outs = _outputs(tpl, tensors, ctx)
     pos, names = tpl.mutates
     if pos or names:
-        mut = []
-        for p in pos:
-            if p < len(args):
-                mut.extend(_refs_of(args[p]))
-        for n in names:
-            if n in kwargs:
-                mut.extend(_refs_of(kwargs[n]))
-        mutates = tuple(mut)
+        mutates = _mutated_refs(pos, names, args, kwargs)
     else:
         mutates = ()
-    client.issue(m.CallOp(tpl.name, wargs, wkwargs, outs, mutates, ctx.sid, loc), ctx.ranks)
+    client.issue(m.CallOp(tpl.name, tuple(wargs), wkwargs, tuple(tpos), outs, mutates, ctx.sid, loc), ctx.ranks)
     return out
+
+
+_EMPTY: dict = {}
+DEEP = m.DEEP
+
+
+def _outputs(tpl: _Template, tensors: list, ctx: Ctx):
+    refs = ctx.client.refs
+    vals, outl = [], []
+    for leaf in tpl.leaves:
+        kind = leaf[0]
+        if kind == "new":
+            ref = next(refs)
+            vals.append(new_tensor(leaf[1], leaf[2], ctx, ref))
+            outl.append(ref)
+        elif kind == "alias":
+            vals.append(tensors[leaf[1]])
+            outl.append(tensors[leaf[1]]._ref)
+        else:
+            vals.append(leaf[1])
+            outl.append(None)
+    return _rebuild(tpl.struct, iter(vals)), tuple(outl)
+
+
+def _mutated_refs(pos, names, args, kwargs) -> tuple:
+    mut = []
+    for p in pos:
+        if p < len(args):
+            mut.extend(_refs_of(args[p]))
+    for n in names:
+        if n in kwargs:
+            mut.extend(_refs_of(kwargs[n]))
+    return tuple(mut)
 
 
 def _upload(client, ctx: Ctx, local: list, wargs, wkwargs):
@@ -401,7 +469,7 @@ def _upload(client, ctx: Ctx, local: list, wargs, wkwargs):
             return type(a)(sub(x) for x in a)
         return a
 
-    return tuple(sub(a) for a in wargs), {k: sub(v) for k, v in wkwargs.items()}
+    return [sub(a) for a in wargs], {k: sub(v) for k, v in wkwargs.items()}
 
 
 def _mismatch(func, a: Ctx, b: Ctx):
