@@ -129,6 +129,19 @@ def _install_factories() -> None:
             return factory
 
         setattr(torch, name, make(orig))
+    seed = torch.manual_seed
+
+    @functools.wraps(seed)
+    def manual_seed(value):
+        """Inside ``activate()``, also seeds every worker of the mesh (same random numbers as a local run)."""
+        pm = state.ctx_mesh
+        if pm is not None and not state.internal:
+            ctx = ctx_for(pm)
+            ctx.client.issue(m.CallFunction("torch.manual_seed", (int(value),), {}, (), (), ctx.sid, user_loc()),
+                             ctx.ranks)
+        return seed(value)
+
+    torch.manual_seed = manual_seed
 
 
 # ---- fetching ----------------------------------------------------------------------------------------

@@ -183,11 +183,11 @@ def _scan(a, key: list, tensors: list, local: list):
 class _Template:
     """What a (op, input metadata) key produces: per output leaf, a new tensor, an alias or a value."""
 
-    __slots__ = ("name", "leaves", "struct", "single", "mutates")
+    __slots__ = ("name", "leaves", "struct", "single", "mutates", "fold")
 
-    def __init__(self, name, leaves, struct, single, mutates) -> None:
+    def __init__(self, name, leaves, struct, single, mutates, fold) -> None:
         self.name, self.leaves, self.struct = name, leaves, struct
-        self.single, self.mutates = single, mutates
+        self.single, self.mutates, self.fold = single, mutates, fold
 
 
 _cache: dict = {}
@@ -290,7 +290,19 @@ def _propagate(func, args, kwargs, tensors) -> _Template:
         _fake_log.disabled = quiet
     leaves, struct, single = describe_outputs(out, fakes)
     pos, names = _mutated(func)
-    return _Template(func.name(), leaves, struct, single, (pos, names))
+    fold = (torch.Tag.nondeterministic_seeded not in func.tags
+            and all(_numel(leaf[1][0]) <= FOLD_NUMEL for leaf in leaves if leaf[0] == "new"))
+    return _Template(func.name(), leaves, struct, single, (pos, names), fold)
+
+
+FOLD_NUMEL = 64
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _refs_of(a) -> list:
@@ -388,6 +400,8 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
     if tpl is None:
         name = func.name()
         if name in _UNSUPPORTED:
+            if all(hasattr(t, "_val") or type(t) is not Tensor for t in tensors):
+                return _fold(func, args, kwargs)  # e.g. Adam's step counter: its value is known here
             raise MeshTensorError(f"{_UNSUPPORTED[name]} is not possible: the value lives on the workers. "
                                   f"Fetch it with fetch_shard(t).result() or inspect(t)")
         tpl = _propagate(func, args, kwargs, tensors)
@@ -416,6 +430,10 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
         mutates = _mutated_refs(pos, names, args, kwargs)
     else:
         mutates = ()
+    if tpl.fold:
+        _fold_into(func, args, kwargs, tensors, out)
+    elif mutates:
+        _forget_values(pos, names, args, kwargs)
     client.issue(m.CallOp(tpl.name, tuple(wargs), wkwargs, tuple(tpos), outs, mutates, ctx.sid, loc), ctx.ranks)
     return out
 
@@ -451,6 +469,51 @@ def _mutated_refs(pos, names, args, kwargs) -> tuple:
         if n in kwargs:
             mut.extend(_refs_of(kwargs[n]))
     return tuple(mut)
+
+
+# ---- known values --------------------------------------------------------------------------------
+# A small tensor computed only from constants holds the same value on every rank,
+# so the controller computes it too (``t._val``): ``t.item()`` then needs no fetch.
+# This is what lets torch.optim's step counters (``step_t += 1; step_t.item()``) work.
+def _local(a):
+    t = type(a)
+    if t is Tensor:
+        return a._val
+    if t is list or t is tuple:
+        return t(_local(x) for x in a)
+    return a
+
+
+def _fold(func, args, kwargs):
+    state.internal = True
+    try:
+        return func(*_local(args), **{k: _local(v) for k, v in kwargs.items()})
+    finally:
+        state.internal = False
+
+
+def _fold_into(func, args, kwargs, tensors, out) -> None:
+    for t in tensors:
+        if type(t) is Tensor and not hasattr(t, "_val"):
+            _forget_values(*_mutated(func), args, kwargs)
+            return
+    try:
+        res = _fold(func, args, kwargs)
+    except Exception:  # noqa: BLE001 - folding is an optimisation; the workers have the value
+        _forget_values(*_mutated(func), args, kwargs)
+        return
+    locs = [x for x in tensors if type(x) is not Tensor]
+    for o, r in zip(flat_leaves(out), flat_leaves(res)):
+        if type(o) is Tensor and isinstance(r, torch.Tensor):
+            if not hasattr(o, "_val"):
+                o._val = r.clone() if any(r is x for x in locs) else r
+
+
+def _forget_values(pos, names, args, kwargs) -> None:
+    for a in [args[p] for p in pos if p < len(args)] + [kwargs[n] for n in names if n in kwargs]:
+        for t in (a if type(a) in (list, tuple) else (a,)):
+            if type(t) is Tensor and hasattr(t, "_val"):
+                del t._val
 
 
 def _upload(client, ctx: Ctx, local: list, wargs, wkwargs):
