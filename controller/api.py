@@ -285,6 +285,8 @@ def to_mesh(t: Tensor, mesh) -> Tensor:
     if tuple(src.pm._shape.dims) != tuple(mesh._shape.dims):
         raise ValueError(f"to_mesh needs meshes of the same sizes: {src.pm._shape} vs {mesh._shape}")
     dst = ctx_for(mesh, src.stream)
+    # Data goes proc to proc: the receiving workers must exist before the senders' messages arrive.
+    dst.client.workers.initialized.get(timeout=60)
     dst_addrs = [dst.client.addrs[r] for r in dst.ranks]
     xfer = next(_xfers)
     loc = user_loc()

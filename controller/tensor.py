@@ -246,7 +246,7 @@ def describe_outputs(out, fake_inputs: list) -> tuple:
 
 
 def _struct(out):
-    if type(out) in (tuple, list):
+    if isinstance(out, (tuple, list)):
         return (type(out), tuple(_struct(x) for x in out))
     return None
 
@@ -255,7 +255,12 @@ def _rebuild(struct, it):
     if struct is None:
         return next(it)
     typ, kids = struct
-    return typ(_rebuild(k, it) for k in kids)
+    items = [_rebuild(k, it) for k in kids]
+    if typ is tuple or typ is list:
+        return typ(items)
+    if hasattr(typ, "_make"):  # a namedtuple
+        return typ._make(items)
+    return typ(items)  # torch.return_types (structseq) and list subclasses
 
 
 _fake_log = logging.getLogger("torch._subclasses.fake_tensor")
@@ -411,7 +416,7 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
     client = ctx.client
     loc = user_loc()
     if local:
-        wargs, wkwargs = _upload(client, ctx, local, wargs, wkwargs)
+        wargs, wkwargs, uploaded = _upload(client, ctx, local, wargs, wkwargs)
     if deep or local:
         tpos.append(DEEP)
     if tpl.single:
@@ -435,6 +440,9 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
     elif mutates:
         _forget_values(pos, names, args, kwargs)
     client.issue(m.CallOp(tpl.name, tuple(wargs), wkwargs, tuple(tpos), outs, mutates, ctx.sid, loc), ctx.ranks)
+    if local:  # the uploaded constants are deleted once the op that reads them was issued
+        for r in uploaded:
+            client.delete(r, ctx.sid)
     return out
 
 
@@ -518,12 +526,12 @@ def _forget_values(pos, names, args, kwargs) -> None:
 
 def _upload(client, ctx: Ctx, local: list, wargs, wkwargs):
     """Local (controller) tensors used by a mesh op travel as constants, then are deleted."""
-    subst = {}
+    subst, refs = {}, []
     for t in local:
         ref = next(client.refs)
         client.issue(m.CreateValue(ref, t.detach().clone(), ctx.sid), ctx.ranks)
-        client.delete(ref, ctx.sid)
         subst[id(t)] = m.Ref(ref)
+        refs.append(ref)
 
     def sub(a):
         if isinstance(a, torch.Tensor):
@@ -532,7 +540,7 @@ def _upload(client, ctx: Ctx, local: list, wargs, wkwargs):
             return type(a)(sub(x) for x in a)
         return a
 
-    return [sub(a) for a in wargs], {k: sub(v) for k, v in wkwargs.items()}
+    return [sub(a) for a in wargs], {k: sub(v) for k, v in wkwargs.items()}, refs
 
 
 def _mismatch(func, a: Ctx, b: Ctx):

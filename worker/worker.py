@@ -39,10 +39,10 @@ RECV_TIMEOUT = TIMEOUT
 
 def flat_leaves(obj: Any) -> list:
     """Leaves of nested tuples/lists, in order (the layout of ``CallOp.outs``)."""
-    if type(obj) in (tuple, list):
+    if isinstance(obj, (tuple, list)):  # named tuples and torch.return_types too
         out = []
         for x in obj:
-            if type(x) in (tuple, list):
+            if isinstance(x, (tuple, list)):
                 out.extend(flat_leaves(x))
             else:
                 out.append(x)
