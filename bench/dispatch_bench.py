@@ -58,7 +58,7 @@ GPT_STEPS = 5        # GPT steps per timed loop
 GPT_CFG = dict(vocab_size=64, block_size=64, n_layer=2, n_head=4, n_embd=128)
 GPT_BATCH = 16
 PEER_SCALE = 0.1     # Monarch (about 1 ms an op) runs this fraction of the loop sizes above
-TIMEOUT = 60.0       # every fetch, in seconds
+TIMEOUT = 120.0      # every fetch, in seconds
 RUN_TIMEOUT = 600.0  # one runtime's whole run (a fresh subprocess), in seconds
 TINY = dict(RUNS=1, REPEATS=2, N_OPS=50, WARMUP_OPS=20, N_FETCH=5, N_STEPS=3, GPT_STEPS=2,
             GPT_CFG=dict(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=16), GPT_BATCH=2,
@@ -225,7 +225,8 @@ def worker(kind):
             return
         measure(rt, res, scale=PEER_SCALE if kind == "monarch" else 1.0)
     except BaseException as e:  # noqa: BLE001 - reported in the table
-        res["error"] = f"{type(e).__name__}: {e}"
+        ours = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == os.path.abspath(__file__)]
+        res["error"] = f"{type(e).__name__}: {e}" + (f" (dispatch_bench.py:{ours[-1].lineno})" if ours else "")
         traceback.print_exc()
         if kind == "monarch" and "cloudpickle" in str(e):
             res["error"] = "torchmonarch needs cloudpickle>=3 (see MT_BENCH_PEER_PATH in the docstring): " + res["error"]

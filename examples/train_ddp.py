@@ -8,15 +8,14 @@ run in this script, on mesh tensors, and the tensor engine executes every op on 
 mesh ("gpus" is just the name of the mesh dimension: on a CPU-only machine every proc computes on
 its CPU). What makes it data-parallel:
 
-  * every rank starts from the same weights (``torch.manual_seed`` run on the workers, then the
-    model's initialisation, recorded like any other op, draws the same numbers on every rank);
+  * every rank starts from the same weights (``torch.manual_seed`` inside ``activate()`` seeds the
+    workers, then the model's initialisation, recorded like any other op, draws the same numbers on
+    every rank);
   * every rank holds the whole corpus and reads its own batches: the start offsets of every rank's
     windows are drawn here with a seeded generator, shipped to all ranks, and each rank picks its row
     with ``index_select`` by its rank (``proc_mesh.rank_tensor("gpus")``);
   * after ``loss.backward()`` each gradient is averaged over the ranks with ``p.grad.reduce_("gpus",
     "avg")`` (an all-reduce), so AdamW takes the same step everywhere and the replicas stay equal.
-    AdamW itself is torch's; its ``step`` runs under ``no_mesh()`` so that the step counter it keeps
-    in a 0-dim tensor and reads with ``.item()`` is a local tensor (its moments still live on the mesh).
 
 That is exactly plain training on the union of the ranks' batches, so tests/test_train_ddp.py
 checks the losses against ``train_local`` below (the same model trained with local torch on the same
@@ -92,7 +91,7 @@ def progress(step: int, steps: int, width: int = 20) -> str:
 
 def train_ddp(s: dict) -> tuple[list[list[float]], dict]:
     """Train on a fresh mesh; returns each step's per-rank losses and the final weights (rank 0's)."""
-    from monarch_tensor import fetch_shard, no_mesh, remote
+    from monarch_tensor import fetch_shard, remote
     from monarch_tensor.actor import this_host
 
     tok, ids, cfg, offsets = make_run(s)
@@ -103,7 +102,7 @@ def train_ddp(s: dict) -> tuple[list[list[float]], dict]:
     try:
         with procs.activate():
             remote("torch.set_num_threads", propagate=lambda n: None)(s["THREADS"])
-            remote("torch.manual_seed", propagate=lambda seed: None)(s["SEED"])  # same weights on every rank
+            torch.manual_seed(s["SEED"])  # seeds every rank alike: the same initial weights everywhere
             data = torch.tensor(ids)           # the whole corpus on every rank
             rank = procs.rank_tensor("gpus")   # 0, 1, ... one per rank
             model = GPT(cfg)
@@ -122,8 +121,7 @@ def train_ddp(s: dict) -> tuple[list[list[float]], dict]:
                     loss.backward()
                     for p in model.parameters():
                         p.grad.reduce_("gpus", "avg")
-                    with no_mesh():  # AdamW's step count: a local tensor it reads with .item()
-                        opt.step()   # (the moments, zeros_like(param), are made on the mesh)
+                    opt.step()
                     per_rank = loss.detach().reduce("gpus", "stack")               # (GPUS,) on every rank
                     fut = fetch_shard(per_rank, gpus=0)
                 if pending is not None:
@@ -167,7 +165,8 @@ def main(argv=None) -> None:
     mean = [sum(r) / len(r) for r in losses]
     os.makedirs(s["OUT_DIR"], exist_ok=True)
     png = os.path.join(s["OUT_DIR"], "train_ddp_loss.png")
-    backend = save_line_plot(png, mean, title=f"train loss, {s['GPUS']} ranks", xlabel="step")
+    backend = save_line_plot(png, mean, title=f"train loss, {s['GPUS']} ranks", xlabel="step",
+                             xs=range(1, len(mean) + 1))
     print(f"loss curve: {png} ({backend})")
     if s["SAMPLE_CHARS"] > 0:  # the trained weights, back in a local model
         tok, _, cfg, _ = make_run(dict(s, STEPS=1))
