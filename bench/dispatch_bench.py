@@ -141,7 +141,7 @@ def measure(rt, res, scale=1.0):
     rt.start()
     try:
         with rt.activate():
-            x = torch.zeros(8)
+            x = torch.randint(0, 100, (8,)).float()  # data made on the workers: no value known here
             for _ in range(max(10, int(WARMUP_OPS * scale))):
                 x = x + 1
             assert rt.fetch(x)[0] > 0
@@ -320,6 +320,7 @@ def main():
     kinds = args.only or (["ours", "eager"] + (["monarch"] if args.peers else []))
     runs = {k: [] for k in kinds}
     errors = {}
+    load0 = os.getloadavg()[0]  # timings on a busy machine are slower: say how busy it was
     t0 = time.perf_counter()
     for i in range(RUNS):  # interleaved, so drift of the machine hits every runtime alike
         for kind in kinds:
@@ -334,13 +335,16 @@ def main():
                   + (f"  ERROR {res['error']}" if "error" in res else ""), file=sys.stderr, flush=True)
     median = {k: {key: statistics.median(r[key] for r in runs[k] if key in r)
                   for key, _, _ in WORKLOADS if any(key in r for r in runs[k])} for k in kinds}
+    load = [round(v, 1) for v in os.getloadavg()]  # 1, 5, 15 minutes
     print(f"\nmonarch-tensor dispatch bench: mesh of {GPUS} proc(s), {THREADS} torch thread(s) per process, "
-          f"median of {RUNS} run(s) x {REPEATS} loops ({time.perf_counter() - t0:.0f} s)\n")
+          f"median of {RUNS} run(s) x {REPEATS} loops ({time.perf_counter() - t0:.0f} s); "
+          f"{os.cpu_count()} CPUs, load average {load0:.1f} at start, {load[0]} at end\n")
     print(table(median, errors, kinds))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         env = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
-               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "tiny": args.tiny}
+               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "tiny": args.tiny,
+               "loadavg_start": load0, "loadavg_end": load[0]}
         with contextlib.suppress(ImportError):
             import torch
             env["torch"] = torch.__version__
