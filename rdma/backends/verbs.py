@@ -136,10 +136,42 @@ class MRCache:
 
 
 # ---- pyverbs ---------------------------------------------------------------------------
+PYVERBS_DIRS = [os.environ.get("MONARCH_TENSOR_PYVERBS_DIR", ""), "/usr/lib/python3/dist-packages/pyverbs"]
+
+
+def import_pyverbs():
+    """``import pyverbs``, or the distribution's copy (python3-pyverbs) when the venv has none.
+
+    Only the ``pyverbs`` package is taken from the system directory, not the rest of it.
+    """
+    import importlib.util
+    import sys
+
+    try:
+        import pyverbs
+        return pyverbs
+    except ImportError:
+        pass
+    for d in PYVERBS_DIRS:
+        init = os.path.join(d, "__init__.py") if d else ""
+        if init and os.path.exists(init):
+            spec = importlib.util.spec_from_file_location("pyverbs", init, submodule_search_locations=[d])
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules["pyverbs"] = mod
+            try:
+                spec.loader.exec_module(mod)
+            except Exception:
+                del sys.modules["pyverbs"]
+                raise
+            return mod
+    raise ImportError("no module named pyverbs (apt install python3-pyverbs, or set MONARCH_TENSOR_PYVERBS_DIR)")
+
+
 @functools.lru_cache(maxsize=1)
 def unavailable_reason() -> str | None:
     """None when pyverbs imports and finds a device; else why not (in words)."""
     try:
+        import_pyverbs()
         from pyverbs import device as d
         from pyverbs.pyverbs_error import PyverbsError
     except ImportError as e:
@@ -377,6 +409,12 @@ def accept_connection(peer: str, device_name: str, endpoint: bytes) -> bytes:
     return connections().accept(peer, endpoint)
 
 
+def _forget_mr(reg) -> None:
+    """A dropped registration's memory may be freed: deregister it (remote access then fails)."""
+    if _device is not None:
+        _device.mrs.invalidate(reg.mem.ptr, reg.mem.nbytes, reg.mem.device)
+
+
 class VerbsBackend(Backend):
     name = "verbs"
     cpu_only = False
@@ -386,7 +424,12 @@ class VerbsBackend(Backend):
         return available()
 
     def register(self, mem: Mem, extras: dict) -> None:
+        from .._registry import registry
+
         dev = device()
+        hooks = registry().on_drop
+        if _forget_mr not in hooks:
+            hooks.append(_forget_mr)
         mr = dev.mrs.get(mem.ptr, mem.nbytes, mem.device)
         addr = mem.ptr if mem.device == "cpu" else mem.ptr - _dmabuf_fd(mem.ptr, mem.nbytes)[1]
         extras["verbs"] = RemoteMemory(dev.name, addr, mr.rkey, mem.nbytes).pack()
