@@ -72,15 +72,15 @@ def run_ours():
         res["ctrl_rtt_us"] = 1e6 * median_time(lambda: owner.ping.call_one(1).get(timeout=TIMEOUT), 50)
         for n in SIZES:
             a, b = torch.empty(n, dtype=torch.uint8), torch.ones(n, dtype=torch.uint8)
-            res["memcpy"][n] = median_time(lambda: a.copy_(b), REPEATS)
+            res["memcpy"][n] = median_time(lambda a=a, b=b: a.copy_(b), REPEATS)
         for name in ("cma", "tcp"):
             os.environ[ENV_BACKEND] = name
             res[name] = {"read": {}, "write": {}}
             for n in SIZES:
                 dst = torch.empty(n, dtype=torch.uint8)
-                res[name]["read"][n] = median_time(lambda: buf.read_into(dst).get(timeout=TIMEOUT), REPEATS)
+                res[name]["read"][n] = median_time(lambda dst=dst: buf.read_into(dst).get(timeout=TIMEOUT), REPEATS)
                 assert buf.backend == name and int(dst[-1]) == 1
-                res[name]["write"][n] = median_time(lambda: buf.write_from(dst).get(timeout=TIMEOUT), REPEATS)
+                res[name]["write"][n] = median_time(lambda dst=dst: buf.write_from(dst).get(timeout=TIMEOUT), REPEATS)
         del os.environ[ENV_BACKEND]
     finally:
         procs.stop().get(timeout=TIMEOUT)
