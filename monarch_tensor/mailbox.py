@@ -49,6 +49,10 @@ def new_ipc_address(kind: str) -> str:
     return f"ipc://{socket_dir()}/{kind}-{os.getpid()}-{uuid.uuid4().hex[:10]}"
 
 
+# Handlers of other packages' own messages (the data plane's), by message type; see rdma/service.py.
+SERVICE_HANDLERS: dict[type, Callable[[Mailbox, object], None]] = {}
+
+
 class Mailbox:
     """Receives on ``self.addr``; ``send(addr, msg)`` to any other mailbox."""
 
@@ -206,6 +210,8 @@ class Mailbox:
             elif isinstance(msg, ForwardLogs):
                 if self.on_logs is not None:
                     self.on_logs(msg)
+            elif type(msg) in SERVICE_HANDLERS:
+                SERVICE_HANDLERS[type(msg)](self, msg)
             elif defer is not None:
                 defer(msg)
             elif self.on_message is not None:
