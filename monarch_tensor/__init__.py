@@ -3,6 +3,7 @@
 Users import from here (``monarch_tensor.actor`` for actors and meshes).
 """
 
+from . import debugger as _debugger  # noqa: F401, E402 - registers the debugger's message handlers
 from .actor import (  # noqa: F401
     Accumulator,
     Actor,
@@ -28,6 +29,7 @@ from .actor import (  # noqa: F401
     this_proc,
 )
 from .shape import Shape  # noqa: F401
+from .tools.config import Workspace  # noqa: F401
 
 __version__ = "0.1.0"
 

@@ -64,3 +64,23 @@ def test_trainer_loss_decreases():
     final = re.search(r"^final loss per rank: (.*)$", out, re.M).group(1)
     assert [p.split(":")[0] for p in final.split(", ")] == [f"gpus={r}" for r in range(4)]
     assert re.search(r"^done in [\d.]+ s$", out, re.M)
+
+
+@pytest.mark.timeout(120)
+def test_mesh_tensors():
+    out = run_example("mesh_tensors.py").stdout
+    lines = out.splitlines()
+    for r in range(4):
+        h, g = divmod(r, 2)
+        assert f"x on hosts={h}, gpus={g}: {[float(r + 1)] * 4}" in lines, out
+    assert "reduce over all ranks, sum     -> [10.0, 10.0, 10.0, 10.0]" in lines
+    assert "reduce over gpus, avg (hosts=1) -> [3.5, 3.5, 3.5, 3.5]" in lines
+    assert "reduce over gpus, stack shape   -> (2, 4)" in lines
+    assert "to_mesh hosts=0 -> hosts=1, gpus=1 now holds [2.0, 2.0, 2.0, 2.0]" in lines
+    assert any(ln.startswith("shape error raised at once:") for ln in lines), out
+    # the RemoteException names the op, the rank, and the example's own line
+    i = lines.index("fetch raised RemoteException:")
+    assert "aten::index.Tensor failed on rank 0" in lines[i + 1] and "out of bounds" in lines[i + 1]
+    assert re.search(r"issued at .*mesh_tensors\.py:\d+ in <module>", lines[i + 2])
+    assert "picked = x[torch.tensor([7])]" in lines[i + 3]
+    assert "the mesh is still usable: [2.0, 2.0, 2.0, 2.0]" in lines
