@@ -1,6 +1,7 @@
 """The ``monarch-tensor`` command.
 
     monarch-tensor demo       # run the main demo on a local mesh
+    monarch-tensor debug      # the monarch_dbg> prompt of a running script paused at breakpoint()
     monarch-tensor version
 """
 
@@ -18,7 +19,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("demo", help="run examples/actors_basics.py on a local mesh")
     sub.add_parser("version", help="print the version")
+    dbg = sub.add_parser("debug", help="attach to the ranks of a running script paused at breakpoint()")
+    dbg.add_argument("--pid", type=int, default=None, help="the script's process id (default: the newest)")
+    dbg.add_argument("--wait", type=float, default=60.0, help="seconds to wait for a script to pause")
     args = p.parse_args(argv)
+    if args.cmd == "debug":
+        from . import _debug_cli
+
+        return _debug_cli.main(args.pid, args.wait)
     if args.cmd == "version":
         from . import __version__
 

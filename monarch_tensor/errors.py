@@ -54,3 +54,7 @@ class ProtocolError(Exception):
 
 class MeshStoppedError(Exception):
     """The mesh was stopped by its owner; calls on it are refused."""
+
+
+class SyncError(Exception):
+    """A workspace sync failed on a host (its disk, its permissions); the message names the host."""

@@ -28,6 +28,10 @@ from .messages import ForwardLogs, PortRef, SendToPort
 
 log = logging.getLogger("monarch_tensor.mailbox")
 
+# System messages (workspace sync, env, debugger, the data plane's) handled by whichever process receives them,
+# by message type: ``handler(mailbox, msg)``. Filled by the modules that define them (_proc_ext.py).
+SYSTEM_HANDLERS: dict[type, Callable[[Mailbox, object], None]] = {}
+
 
 class PortHandler(Protocol):
     def deliver(self, msg: SendToPort) -> bool:
@@ -47,10 +51,6 @@ def socket_dir() -> str:
 
 def new_ipc_address(kind: str) -> str:
     return f"ipc://{socket_dir()}/{kind}-{os.getpid()}-{uuid.uuid4().hex[:10]}"
-
-
-# Handlers of other packages' own messages (the data plane's), by message type; see rdma/service.py.
-SERVICE_HANDLERS: dict[type, Callable[[Mailbox, object], None]] = {}
 
 
 class Mailbox:
@@ -210,8 +210,8 @@ class Mailbox:
             elif isinstance(msg, ForwardLogs):
                 if self.on_logs is not None:
                     self.on_logs(msg)
-            elif type(msg) in SERVICE_HANDLERS:
-                SERVICE_HANDLERS[type(msg)](self, msg)
+            elif type(msg) in SYSTEM_HANDLERS:
+                SYSTEM_HANDLERS[type(msg)](self, msg)
             elif defer is not None:
                 defer(msg)
             elif self.on_message is not None:

@@ -34,4 +34,4 @@ HANDLERS = {ConnectQueuePair: handle_ConnectQueuePair, DropBuffer: handle_DropBu
 
 def install() -> None:
     """Make this process's mailbox (any process: client or proc) handle the messages above."""
-    _mailbox.SERVICE_HANDLERS.update(HANDLERS)
+    _mailbox.SYSTEM_HANDLERS.update(HANDLERS)
