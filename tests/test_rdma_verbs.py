@@ -49,6 +49,11 @@ def test_remote_memory_packs_and_unpacks(device, addr, rkey, length):
     assert verbs.RemoteMemory.unpack(m.pack()) == m
 
 
+@given(st.binary(min_size=16, max_size=16))
+def test_gid_text_round_trips(raw):
+    assert verbs.gid_bytes(verbs._gid_str(raw)) == raw
+
+
 def test_malformed_descriptors_are_refused():
     with pytest.raises(ValueError):
         verbs.Endpoint.unpack(b"short")
