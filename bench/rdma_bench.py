@@ -43,6 +43,41 @@ def median_time(fn, repeats):
     return statistics.median(ts)
 
 
+def raw_tcp_stream(sizes, repeats):
+    """Floor for tcp: one loopback stream from a server thread, received into a warm buffer."""
+    import socket
+    import threading
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    payload = memoryview(bytearray(max(sizes)))
+
+    def serve():
+        conn, _ = srv.accept()
+        with conn:
+            while True:
+                head = conn.recv(8)
+                if len(head) < 8:
+                    return
+                conn.sendall(payload[:int.from_bytes(head, "big")])
+
+    threading.Thread(target=serve, daemon=True).start()
+    c = socket.create_connection(srv.getsockname())
+    out = {}
+    for n in sizes:
+        buf = memoryview(bytearray(n))
+
+        def once(n=n, buf=buf):
+            c.sendall(n.to_bytes(8, "big"))
+            got = 0
+            while got < n:
+                got += c.recv_into(buf[got:], n - got)
+
+        out[n] = median_time(once, repeats)
+    c.close()
+    srv.close()
+    return out
+
+
 def run_ours():
     import torch
 
@@ -65,7 +100,7 @@ def run_ours():
             return x
 
     procs = this_host().spawn_procs(per_host={"gpus": 1})
-    res = {"memcpy": {}, "ctrl_rtt_us": None}
+    res = {"memcpy": {}, "ctrl_rtt_us": None, "raw_tcp": raw_tcp_stream(SIZES, REPEATS)}
     try:
         owner = procs.spawn("owner", Owner, max(SIZES))
         buf = owner.buf_.call_one().get(timeout=TIMEOUT)
@@ -163,13 +198,13 @@ def main():
     def gib(n, t):
         return n / t / 2**30 if t else float("nan")
 
-    cols = ["memcpy", "cma read", "cma write", "tcp read", "tcp write", "Monarch read"]
+    cols = ["memcpy", "raw tcp stream", "cma read", "cma write", "tcp read", "tcp write", "Monarch read"]
     print(f"RDMABuffer between two procs of this host, GiB/s (µs per transfer); median of {REPEATS}")
     print(f"control-plane round trip (call_one, small int): {ours['ctrl_rtt_us']:.0f} µs")
     print(f"{'size':>8} | " + " | ".join(f"{c:>20}" for c in cols))
     rows = []
     for n in SIZES:
-        times = [ours["memcpy"][n], ours["cma"]["read"][n], ours["cma"]["write"][n], ours["tcp"]["read"][n],
+        times = [ours["memcpy"][n], ours["raw_tcp"][n], ours["cma"]["read"][n], ours["cma"]["write"][n], ours["tcp"]["read"][n],
                  ours["tcp"]["write"][n], (monarch or {}).get(n)]
         cells = [f"{gib(n, t):8.2f} ({t * 1e6:8.0f})" if t else f"{'-':>20}" for t in times]
         print(f"{fmt_size(n):>8} | " + " | ".join(f"{c:>20}" for c in cells))
@@ -177,6 +212,8 @@ def main():
     big = [n for n in SIZES if n >= 64 << 20]
     for n in big:
         print(f"cma read {fmt_size(n)}: {ours['memcpy'][n] / ours['cma']['read'][n]:.0%} of memcpy")
+    for n in SIZES:
+        print(f"tcp read {fmt_size(n)}: {ours['raw_tcp'][n] / ours['tcp']['read'][n]:.0%} of a raw tcp stream")
     for n in SIZES:
         if monarch and n in monarch:
             print(f"{fmt_size(n)} read: cma {monarch[n] / ours['cma']['read'][n]:.1f}x, "

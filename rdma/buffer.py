@@ -37,7 +37,7 @@ from .errors import BackendRefusedError, BackendUnavailableError, BufferDroppedE
 log = logging.getLogger("monarch_tensor.rdma")
 ENV_BACKEND = "MONARCH_TENSOR_RDMA_BACKEND"
 DEFAULT_TIMEOUT = 60.0
-INLINE_BYTES = 256 << 10  # cma transfers up to this size run on the caller's thread (they cannot block)
+INLINE_BYTES = 64 << 20  # cma transfers up to this size run on the caller's thread: a bounded copy, no thread hop
 
 _backends: list[Backend] | None = None
 _lock = threading.Lock()

@@ -11,7 +11,7 @@ device exists).
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from monarch_tensor import _wire
@@ -49,6 +49,11 @@ def test_remote_memory_packs_and_unpacks(device, addr, rkey, length):
     assert verbs.RemoteMemory.unpack(m.pack()) == m
 
 
+@given(st.binary(min_size=16, max_size=16))
+def test_gid_text_round_trips(raw):
+    assert verbs.gid_bytes(verbs._gid_str(raw)) == raw
+
+
 def test_malformed_descriptors_are_refused():
     with pytest.raises(ValueError):
         verbs.Endpoint.unpack(b"short")
@@ -58,7 +63,8 @@ def test_malformed_descriptors_are_refused():
         verbs.RemoteMemory.unpack(b"")
 
 
-@given(st.integers(0, 50_000), st.integers(1, 4096), st.integers(1, 20))
+@settings(deadline=None)
+@given(st.integers(0, 20_000), st.integers(1, 4096), st.integers(1, 20))
 def test_chunk_plan_covers_the_range_exactly(length, max_chunk, max_outstanding):
     plan = verbs.plan_chunks(length, max_chunk, max_outstanding)
     pieces = [p for batch in plan for p in batch]
@@ -158,3 +164,22 @@ MESSAGES = [
 def test_messages_round_trip_and_have_handlers(msg):
     assert _wire.decode(_wire.encode(msg)) == msg
     assert type(msg) in service.HANDLERS
+
+
+def test_publish_and_fetch_tensor_in_process():
+    """The helper the tensor engine's to_mesh / fetch_shard call (same code path across procs)."""
+    import torch
+
+    from monarch_tensor.rdma import publish_tensor
+
+    t = torch.randn(3, 5, dtype=torch.float64)
+    h = publish_tensor(t.t())  # non-contiguous input is made contiguous
+    import pickle
+
+    h2 = pickle.loads(pickle.dumps(h))
+    out = h2.fetch()
+    assert torch.equal(out, t.t()) and out.shape == (5, 3)
+    with pytest.raises(ValueError, match="shape"):
+        h2.fetch(out=torch.empty(2, 2, dtype=torch.float64))
+    h.drop()
+    assert publish_tensor(torch.empty(0, 4)).fetch().shape == (0, 4)

@@ -243,8 +243,7 @@ class _Device:
         return mr.DmaBufMR(self.pd, length, access, dmabuf=fd, offset=addr - base)
 
     def endpoint(self, qp) -> Endpoint:
-        return Endpoint(qp.qp_num, qp.qp_num & 0xFFFFFF, self.port.lid, bytes(self.gid.gid.encode()
-                        if isinstance(self.gid.gid, str) else self.gid.gid)[:16].ljust(16, b"\0"),
+        return Endpoint(qp.qp_num, qp.qp_num & 0xFFFFFF, self.port.lid, gid_bytes(self.gid.gid),
                         int(self.port.active_mtu))
 
     def new_qp(self):
@@ -294,6 +293,14 @@ class _Device:
                     left -= n
                     if not n:
                         time.sleep(0)
+
+
+def gid_bytes(text: str) -> bytes:
+    """pyverbs's GID text ("fe80:0000:...:0001") as 16 bytes."""
+    raw = bytes.fromhex(text.replace(":", ""))
+    if len(raw) != 16:
+        raise ValueError(f"a GID is 16 bytes, got {text!r}")
+    return raw
 
 
 def _gid_str(gid: bytes) -> str:

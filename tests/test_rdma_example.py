@@ -1,0 +1,41 @@
+"""examples/weight_sync.py and bench/rdma_bench.py run (tiny), and report what they should."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.timeout(150)
+def test_weight_sync_example_keeps_generators_in_sync():
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    p = subprocess.run([sys.executable, os.path.join("examples", "weight_sync.py"),
+                        "--steps", "3", "--width", "256"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=140)
+    assert p.returncode == 0, p.stderr[-3000:]
+    steps = [ln for ln in p.stdout.splitlines() if ln.startswith("step ")]
+    assert len(steps) == 3, p.stdout
+    for ln in steps:
+        rates = [float(x) for x in re.findall(r"gen\d: +([\d.]+) GiB/s", ln)]
+        assert len(rates) == 2 and all(r > 0 for r in rates), ln
+        assert "in sync: True" in ln, ln
+    assert "weights in sync after every step: True" in p.stdout
+    assert "generators agree: True" in p.stdout
+
+
+@pytest.mark.timeout(120)
+def test_rdma_bench_tiny(tmp_path):
+    out = tmp_path / "rdma.json"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "rdma_bench.py"), "--tiny", "--json", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=110)
+    assert p.returncode == 0, p.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["settings"]["tiny"] is True and data["ctrl_rtt_us"] > 0
+    for row in data["seconds"]:
+        for col in ("memcpy", "raw tcp stream", "cma read", "cma write", "tcp read", "tcp write"):
+            assert row[col] > 0, (row["size"], col)
