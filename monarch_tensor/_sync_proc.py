@@ -56,7 +56,8 @@ def _failed(what: str, e: BaseException) -> Exception:
 
 
 def add_to_sys_path(root: str, dirs) -> None:
-    """Put ``root/dst`` for each synced dir first on ``sys.path`` (once each, in order)."""
+    """Put ``root/dst`` for each synced dir first on ``sys.path`` (once each, in order); ``$WORKSPACE_DIR`` = root."""
+    os.environ["WORKSPACE_DIR"] = root
     for d in reversed(list(dirs)):
         p = os.path.join(root, d) if d else root
         if p in sys.path:

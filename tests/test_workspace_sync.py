@@ -10,7 +10,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from monarch_tensor import Workspace, _filetree, _proc_ext, _sync_proc, _wire, debug_messages, env_messages, sync_messages
+from monarch_tensor import (
+    Workspace,
+    _filetree,
+    _proc_ext,
+    _sync_proc,
+    _wire,
+    debug_messages,
+    env_messages,
+    sync_messages,
+)
 from monarch_tensor.actor import Actor, endpoint, this_host
 from monarch_tensor.mailbox import SYSTEM_HANDLERS
 from monarch_tensor.messages import PortRef
