@@ -213,9 +213,10 @@ class Endpoint(Generic[R]):
 
     def _send(self, ranks: list[int], args, kwargs, port: PortRef | None) -> None:
         mailbox = current_mailbox()
-        frames = _wire.encode(CallEndpoint(self._mesh._name, self._method, args, kwargs, port))
-        for r in ranks:
-            mailbox.send_frames(self._mesh._procs[r].addr, frames)
+        addrs = [self._mesh._procs[r].addr for r in ranks]
+        msg = CallEndpoint(self._mesh._name, self._method, args, kwargs, port)
+        for addr, frames in zip(addrs, _wire.encode_for(msg, addrs)):
+            mailbox.send_frames(addr, frames)
 
     def _collect(self, ranks: list[int], args, kwargs, finish, what) -> Future:
         try:

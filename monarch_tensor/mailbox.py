@@ -28,7 +28,7 @@ from .messages import ForwardLogs, PortRef, SendToPort
 
 log = logging.getLogger("monarch_tensor.mailbox")
 
-# System messages (workspace sync, env, debugger) handled by whichever process receives them,
+# System messages (workspace sync, env, debugger, the data plane's) handled by whichever process receives them,
 # by message type: ``handler(mailbox, msg)``. Filled by the modules that define them (_proc_ext.py).
 SYSTEM_HANDLERS: dict[type, Callable[[Mailbox, object], None]] = {}
 
