@@ -3,7 +3,7 @@
     python examples/iterate_and_debug.py          # in a terminal: the monarch_dbg> prompt opens at the end
     python examples/iterate_and_debug.py < /dev/null   # non-interactive: the script inspects the breakpoint itself
 
-1. A TorchTitan-style trainer (a job config in TOML, a small next-token model, torch.distributed
+1. A TorchTitan-style trainer (a job config in TOML, the project's small GPT, examples/gpt.py, torch.distributed
    with gloo, gradients all-reduced) lives in a workspace dir, synced to the procs' workspace
    roots and run by a TrainerActor on 4 procs.
 2. The config is edited (learning rate, steps) and synced; the same procs run again at once.
@@ -16,6 +16,7 @@
 """
 
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -31,15 +32,15 @@ CONFIG = """[job]
 description = "debug model"
 
 [model]
-dim = 32
-n_layers = 2
-vocab = 64
-seq_len = 16
+n_layer = 2
+n_head = 4
+n_embd = 48
+block_size = 32
 
 [training]
 lr = {lr}
 steps = {steps}
-batch_size = 8
+batch_size = 4
 seed = 0
 """
 TRAIN = '''"""A TorchTitan-style training loop: job config from TOML, torch.distributed from the environment."""
@@ -47,7 +48,7 @@ import tomllib
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from gpt import GPT, GPTConfig, CharTokenizer, batch_offsets, get_batch, load_corpus
 
 
 def load_config(path):
@@ -55,44 +56,23 @@ def load_config(path):
         return tomllib.load(f)
 
 
-class Block(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.norm, self.up, self.down = nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-
-    def forward(self, x):
-        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
-
-
-class TinyLM(nn.Module):
-    """Token and position embeddings, residual MLP blocks, an output head: a small next-token model."""
-
-    def __init__(self, dim, n_layers, vocab, seq_len):
-        super().__init__()
-        self.tok = nn.Embedding(vocab, dim)
-        self.pos = nn.Parameter(torch.zeros(seq_len, dim))
-        self.blocks = nn.Sequential(*[Block(dim) for _ in range(n_layers)])
-        self.out = nn.Linear(dim, vocab)
-
-    def forward(self, x):
-        return self.out(self.blocks(self.tok(x) + self.pos[: x.shape[1]]))
+def build(cfg):
+    """The model and the tokenized corpus (the project's small GPT, synced with the workspace)."""
+    text = load_corpus()
+    tok = CharTokenizer(text)
+    torch.manual_seed(cfg["training"]["seed"])
+    return GPT(GPTConfig(vocab_size=tok.vocab_size, **cfg["model"])), torch.tensor(tok.encode(text))
 
 
-def batch(cfg, step, rank):
-    g = torch.Generator().manual_seed(cfg["training"]["seed"] + 1000 * step + rank)
-    m = cfg["model"]
-    start = torch.randint(0, m["vocab"], (cfg["training"]["batch_size"], 1), generator=g)
-    seq = (start + torch.arange(m["seq_len"] + 1)) % m["vocab"]  # learnable: each token is the last + 1
-    return seq[:, :-1], seq[:, 1:]
-
-
-def train(cfg, model, rank):
+def train(cfg, model, data, rank):
     """Run cfg's steps; gradients are averaged over the process group. Returns the losses."""
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["training"]["lr"])
     losses = []
     for step in range(cfg["training"]["steps"]):
-        x, y = batch(cfg, step, rank)
-        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        g = torch.Generator().manual_seed(cfg["training"]["seed"] + 1000 * step + rank)
+        offs = batch_offsets(len(data), model.config.block_size, cfg["training"]["batch_size"], g)
+        x, y = get_batch(data, offs, model.config.block_size)
+        _, loss = model(x, y)
         opt.zero_grad()
         loss.backward()
         grads = [p.grad for p in model.parameters()]
@@ -120,14 +100,12 @@ class TrainerActor(Actor):
 
     @endpoint
     def run(self, config_rel: str) -> list:
-        import torch
         from titan_lite import train
 
         cfg = train.load_config(os.path.join(os.environ["WORKSPACE_DIR"], "titan_ws", config_rel))
         if self.model is None:
-            torch.manual_seed(0)
-            self.model = train.TinyLM(**{k: cfg["model"][k] for k in ("dim", "n_layers", "vocab", "seq_len")})
-        return train.train(cfg, self.model, self.rank)
+            self.model, self.data = train.build(cfg)
+        return train.train(cfg, self.model, self.data, self.rank)
 
 
 def write(path: str, text: str) -> None:
@@ -161,6 +139,9 @@ def main() -> None:
     write(os.path.join(src, "titan_lite", "__init__.py"), "")
     write(os.path.join(src, "titan_lite", "train.py"), TRAIN)
     write(os.path.join(src, "train_configs", "debug_model.toml"), CONFIG.format(lr=0.0003, steps=10))
+    here = os.path.dirname(os.path.abspath(__file__))  # the project's GPT and its corpus travel with the workspace
+    shutil.copy(os.path.join(here, "gpt.py"), os.path.join(src, "gpt.py"))
+    shutil.copytree(os.path.join(here, "data"), os.path.join(src, "data"))
     ws = Workspace(dirs=[src])
 
     # Studio 1: launch once.
@@ -174,13 +155,13 @@ def main() -> None:
 
     # Studio 2: change the config, sync, run again on the same procs.
     t = time.perf_counter()
-    write(os.path.join(src, "train_configs", "debug_model.toml"), CONFIG.format(lr=0.003, steps=20))
+    write(os.path.join(src, "train_configs", "debug_model.toml"), CONFIG.format(lr=0.01, steps=8))
     res = procs.sync_workspace(ws, auto_reload=True).get(timeout=120)
     losses = trainer.run.call("train_configs/debug_model.toml").get(timeout=300).values()
     dt = time.perf_counter() - t
     print(f"config synced ({', '.join(res.changed)}) in {res.seconds * 1e3:.0f} ms")
-    print(f"run 2 (lr 3e-3, 20 steps): loss {losses[0][0]:.3f} -> {losses[0][-1]:.3f}; "
-          f"sync + run in {dt:.2f} s on the same procs")
+    print(f"run 2 (lr 1e-2, 8 steps): loss {losses[0][0]:.3f} -> {losses[0][-1]:.3f}; "
+          f"edit + sync + run in {dt:.2f} s on the same procs")
 
     # Code change: hot reload into the running actors.
     code = TRAIN.replace("        opt.step()", "        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n"
