@@ -133,7 +133,7 @@ def commit(root: str, dirs, ops, scan_ns: int) -> None:
             if op[0] == "d":
                 racy.discard(op[1])
             continue
-        if mtime_ns >= scan_ns - _filetree.RACY_NS:
+        if _filetree.racy(mtime_ns, scan_ns):
             racy.add(key)
         else:
             racy.discard(key)
