@@ -7,7 +7,7 @@ separators (``"proj/train.py"``).
 
 What counts as changed (rsync's quick check, then content hashes): a file whose
 size and mtime (preserved on the destination) match is taken as unchanged, unless
-it was written within ``RACY_NS`` of a sync (git's "racily clean" rule: the
+it was written within ``RACY_NS`` of a sync (2 s on coarse-timestamp filesystems) (git's "racily clean" rule: the
 filesystem clock ticks coarsely, so two writes in one tick share an mtime);
 every other candidate is compared by SHA-256, whole or per ``BLOCK`` bytes for
 large files, and only differing content moves.
@@ -24,7 +24,14 @@ from dataclasses import dataclass
 
 BLOCK = 1 << 20  # bytes per block of a large file
 LARGE = 4 * BLOCK  # files at least this big are compared and patched by blocks
-RACY_NS = 2_000_000_000  # files modified this close to a sync are verified by hash next time
+RACY_NS = 50_000_000  # files modified this close to a sync are verified by hash next time (fine-grained clocks)
+RACY_COARSE_NS = 2_000_000_000  # ... on filesystems whose timestamps are whole milliseconds or coarser
+
+
+def racy(mtime_ns: int, scan_ns: int) -> bool:
+    """Whether a file with this mtime may have been changed again in the same clock tick as the scan."""
+    window = RACY_COARSE_NS if mtime_ns % 1_000_000 == 0 else RACY_NS
+    return mtime_ns >= scan_ns - window
 META_DIR = ".monarch-tensor"  # per-root bookkeeping (racy list, synced dirs); never synced itself
 EXCLUDED_NAMES = frozenset({"__pycache__", ".git", ".hg", ".svn", META_DIR, ".mypy_cache", ".pytest_cache",
                             ".ruff_cache", ".ipynb_checkpoints"})

@@ -56,7 +56,8 @@ def _failed(what: str, e: BaseException) -> Exception:
 
 
 def add_to_sys_path(root: str, dirs) -> None:
-    """Put ``root/dst`` for each synced dir first on ``sys.path`` (once each, in order)."""
+    """Put ``root/dst`` for each synced dir first on ``sys.path`` (once each, in order); ``$WORKSPACE_DIR`` = root."""
+    os.environ["WORKSPACE_DIR"] = root
     for d in reversed(list(dirs)):
         p = os.path.join(root, d) if d else root
         if p in sys.path:
@@ -132,7 +133,7 @@ def commit(root: str, dirs, ops, scan_ns: int) -> None:
             if op[0] == "d":
                 racy.discard(op[1])
             continue
-        if mtime_ns >= scan_ns - _filetree.RACY_NS:
+        if _filetree.racy(mtime_ns, scan_ns):
             racy.add(key)
         else:
             racy.discard(key)

@@ -96,6 +96,7 @@ class ProcEnv:
         for v in per:
             if v is not None and not isinstance(v, str):
                 raise TypeError(f"environment values must be str or None, got {v!r}")
+        self._moved_roots(name, self._mesh._members())
         return self._call(lambda i, port: WriteEnv({name: per[i]}, port), lambda vs: None, f"env.set({name!r})")
 
     def _set_some(self, name: str, values: dict) -> Future:
@@ -106,11 +107,19 @@ class ProcEnv:
         members = mesh._members()
         mailbox = current_mailbox()
         chosen = [(members[i], v) for i, v in sorted(values.items())]
+        self._moved_roots(name, [p for p, _ in chosen])
         col = Collector([p.addr for p, _ in chosen], [p.rank for p, _ in chosen], lambda vs: None, f"env.set({name!r})")
         port = mailbox.open_port(col)
         for p, v in chosen:
             mailbox.send(p.addr, WriteEnv({name: v}, port))
         return col.future
+
+    @staticmethod
+    def _moved_roots(name: str, procs: list) -> None:
+        if name == "WORKSPACE_DIR":  # where these procs' workspace lives changes
+            from .workspace_sync import forget_roots
+
+            forget_roots([p.addr for p in procs])
 
     def mismatches(self, prefix: str = "") -> Future:
         """Which variables starting with ``prefix`` differ between ranks: an ``EnvMismatches``."""

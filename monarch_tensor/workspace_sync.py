@@ -52,6 +52,12 @@ class SyncResult:
     seconds: float = 0.0
 
 
+def forget_roots(addrs) -> None:
+    """Drop what is known of these procs' roots (their ``WORKSPACE_DIR`` changed)."""
+    for a in addrs:
+        _roots.pop(a, None)
+
+
 def sync_workspace(procs: list, workspace: Workspace, auto_reload: bool = False) -> Future[SyncResult]:
     """Sync ``workspace`` to the roots of ``procs`` (``ProcInfo``s); see the module docstring."""
     if not isinstance(workspace, Workspace):

@@ -47,3 +47,19 @@ def test_dispatch_bench_tiny(tmp_path):
         for key in data["workloads"]:
             assert data["median"][kind].get(key, 0) > 0, (kind, key, proc.stdout[-2000:])
     assert "ours/eager" in proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_sync_bench_tiny(tmp_path):
+    out = tmp_path / "sync.json"
+    bench = os.path.join(ROOT, "bench", "sync_bench.py")
+    proc = subprocess.run([sys.executable, bench, "--tiny", "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["env"]["tiny"] is True
+    r = data["results"]
+    for key in ("changed_1_ms", "first_small_s", "first_big_mb_s", "transport_mb_s", "memcpy_mb_s"):
+        assert r[key] > 0, (key, r)
+    assert len(r["changed_1_runs_ms"]) == data["settings"]["REPEATS"]
+    assert "one changed file of 200, 2 procs" in proc.stdout

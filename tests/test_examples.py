@@ -84,3 +84,22 @@ def test_mesh_tensors():
     assert re.search(r"issued at .*mesh_tensors\.py:\d+ in <module>", lines[i + 2])
     assert "picked = x[torch.tensor([7])]" in lines[i + 3]
     assert "the mesh is still usable: [2.0, 2.0, 2.0, 2.0]" in lines
+
+
+@pytest.mark.timeout(150)
+def test_iterate_and_debug():
+    out = run_example("iterate_and_debug.py", timeout=140).stdout  # stdin not a terminal: the script inspects
+    lines = out.splitlines()
+    assert re.search(r"^first sync: 6 files to 1 root\(s\)", out, re.M), out
+    assert "config synced (titan_ws/train_configs/debug_model.toml)" in out
+    run2 = re.search(r"^run 2 \(lr 1e-2, 8 steps\): loss ([\d.]+) -> ([\d.]+); edit \+ sync \+ run in ([\d.]+) s",
+                     out, re.M)
+    assert float(run2.group(2)) < float(run2.group(1)), out  # the new config trains
+    assert "code synced; reloaded on every rank: ['titan_lite.train']" in lines
+    assert "[0] titan_lite: clipping gradients at 1.0" in lines  # the running actors ran the new code
+    assert "RANK per rank: ['0', '1', '2', '3']" in lines
+    assert "mismatches: NCCL_SOCKET_IFNAME: 'eth0' on ranks [0, 1, 2]; 'eth1' on ranks [3]" in lines
+    assert re.search(r"^paused: trainer rank 0 at train\.py:\d+ in titan_lite\.train\.train$", out, re.M), out
+    assert re.search(r"^  \(Pdb\) p step, round\(loss\.item\(\), 3\) -> \(2, [\d.]+\)$", out, re.M), out
+    assert "continued" in lines and re.search(r"^run 4 finished after the breakpoint", out, re.M)
+    assert re.search(r"^done in [\d.]+ s$", out, re.M)

@@ -136,7 +136,7 @@ def test_only_changed_content_moves_and_large_files_patch_by_blocks(tmp_path):
     (src / "big.bin").write_bytes(big)
     changed, nbytes = sync_in_process(str(src), root)
     assert sorted(changed) == ["ws/a.py", "ws/big.bin"] and nbytes == len(big) + 6
-    old = time.time_ns() - 10 * _filetree.RACY_NS  # age the files past the racy window
+    old = time.time_ns() - 10 * _filetree.RACY_COARSE_NS + 7  # age the files past the racy window
     for p in (src / "a.py", src / "big.bin"):
         os.utime(p, ns=(old, old))
     changed, nbytes = sync_in_process(str(src), root)  # metadata only
@@ -246,3 +246,12 @@ class Early(Actor):
         import early_mod
 
         return early_mod.ANSWER
+
+
+def test_racy_window_follows_timestamp_granularity():
+    now = 10 * _filetree.RACY_COARSE_NS + 123  # a fine-grained clock (not a whole millisecond)
+    assert _filetree.racy(now - _filetree.RACY_NS // 2, now)
+    assert not _filetree.racy(now - 2 * _filetree.RACY_NS - 1, now)
+    coarse = now - now % 1_000_000_000  # whole seconds: a coarse filesystem
+    assert _filetree.racy(coarse - 1_000_000_000, now)
+    assert not _filetree.racy(coarse - 3_000_000_000, now)
