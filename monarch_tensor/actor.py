@@ -214,8 +214,14 @@ class Endpoint(Generic[R]):
     def _send(self, ranks: list[int], args, kwargs, port: PortRef | None) -> None:
         mailbox = current_mailbox()
         frames = _wire.encode(CallEndpoint(self._mesh._name, self._method, args, kwargs, port))
-        for r in ranks:
-            mailbox.send_frames(self._mesh._procs[r].addr, frames)
+        addrs = [self._mesh._procs[r].addr for r in ranks]
+        if len(addrs) > 1 and "|" in addrs[0]:  # procs behind host agents: down the fan-out tree
+            from ._fanout import send_many
+
+            send_many(mailbox, addrs, frames)
+            return
+        for a in addrs:
+            mailbox.send_frames(a, frames)
 
     def _collect(self, ranks: list[int], args, kwargs, finish, what) -> Future:
         try:
