@@ -242,7 +242,7 @@ class HostAgent:
         s = self._session(msg.session)
         for pid in msg.pids:
             if pid in s.procs:
-                self.host.kill(pid, msg.sig)
+                _signal(pid, msg.sig)
         self._answer(ident, req_id, None)
 
     def handle_EndSession(self, ident, req_id, msg: EndSession) -> None:
@@ -258,7 +258,7 @@ class HostAgent:
         s = self.sessions.pop(sid, None)
         if s is not None:
             for pid in list(s.procs):
-                self.host.kill(pid, signal.SIGKILL)
+                _signal(pid, signal.SIGKILL)
 
     # ---- proc exits (the zygote's reader thread) ----------------------------------------
     def _proc_exited(self, info: ProcInfo, status: str) -> None:
@@ -274,16 +274,30 @@ class HostAgent:
     def close(self) -> None:
         self._stopping = True
         self._spawner.stop()
-        try:
-            self.host.close()  # the zygote kills every proc it made
-        except Exception:  # noqa: BLE001
-            pass
+        self._close_zygote()
         self._drain_inbox()
         for s in self._out.values():
             s.close(linger=500)
         self.router.close(linger=0)
         _curve.stop_serving(self.ctx)
         self.ctx.term()
+
+
+    def _close_zygote(self) -> None:
+        """Ask the zygote to kill its procs and exit; SIGKILL it (its procs die with it) if it is busy."""
+        try:
+            with self.host._lock:
+                _zygote_exit(self.host._req_fd)
+            self.host.proc.wait(timeout=2)
+        except Exception:  # noqa: BLE001 - busy importing, or gone
+            self.host.proc.kill()
+            self.host.proc.wait(timeout=5)
+
+
+def _zygote_exit(fd: int) -> None:
+    from . import _zygote
+
+    _zygote.write_msg(fd, ("exit",))
 
 
 class _Worker:
@@ -309,8 +323,12 @@ class _Worker:
             ident, req_id, session, infos, client_addr, envs = job
             try:
                 self.agent.host.spawn(infos, client_addr, envs)
+                session.last_seen = time.monotonic()
                 for info in infos:
                     session.procs[info.pid] = info
+                if self.agent.sessions.get(info.owner[0]) is not session:  # it ended while we forked
+                    for info in infos:
+                        _signal(info.pid, signal.SIGKILL)
                 reply = ReportSpawned(tuple(f"{self.agent.addr}|{i.owner[2]}" for i in infos),
                                       tuple(i.pid for i in infos))
                 frames = _wire.encode((req_id, reply, None))
@@ -318,6 +336,14 @@ class _Worker:
                 frames = _wire.encode((req_id, None, e))
             self.agent._inbox.put((ident, frames))
             self.agent._wake()
+
+
+def _signal(pid: int, sig: int) -> None:
+    """Signal a proc directly: its zygote may be busy importing, and it still reaps and reports the exit."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def _my_ip() -> str:
@@ -342,6 +368,7 @@ def run_worker_loop_forever(address: str, ca: str | None = None, *, key_file: st
     if keys is None:
         raise JobKeyError("a host agent needs the job's key: pass --key-file, or set MONARCH_TENSOR_KEY_FILE "
                           "or MONARCH_TENSOR_CURVE_PUBLIC/SECRET")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s agent %(process)d %(levelname)s %(message)s")
     agent = HostAgent(address, keys, ttl=ttl)
     if address_file:
         _curve.write_private(address_file, agent.addr + "\n")

@@ -108,6 +108,12 @@ class AgentClient:
         self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
         _curve.connect_curve(self.sock, keys)
         self.monitor = self.sock.get_monitor_socket()
+        # Keep-alives on their own socket: a long request (a spawn) holds the control socket.
+        self.keep = self.ctx.socket(zmq.DEALER)
+        self.keep.setsockopt(zmq.LINGER, 0)
+        self.keep.setsockopt(zmq.SNDHWM, 4)
+        _curve.connect_curve(self.keep, keys)
+        self.keep.connect(addr)
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self.lost: str = ""
@@ -161,11 +167,13 @@ class AgentClient:
             raise error
         return value
 
-    def tell(self, msg) -> None:
-        """One-way message (no answer)."""
-        with self._lock:
-            if not self.lost:
-                self.sock.send_multipart(_wire.encode((None, msg)))
+    def keep_alive(self) -> None:
+        """Tell the agent this controller lives (the watcher thread's socket; never blocks)."""
+        if not self.lost:
+            try:
+                self.keep.send_multipart(_wire.encode((None, KeepSession(SESSION))), zmq.NOBLOCK)
+            except zmq.Again:
+                pass
 
     def close(self) -> None:
         try:
@@ -174,6 +182,7 @@ class AgentClient:
             pass
         self.monitor.close(0)
         self.sock.close(0)
+        self.keep.close(0)
 
 
 def _event(monitor: zmq.Socket) -> int:
@@ -221,7 +230,7 @@ class _Watcher:
             if now - last_keep > KEEPALIVE_S:
                 last_keep = now
                 for a in agents:
-                    a.tell(KeepSession(SESSION))
+                    a.keep_alive()
 
 
 _watcher = _Watcher()
