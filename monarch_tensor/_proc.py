@@ -20,7 +20,7 @@ import threading
 import traceback
 from dataclasses import dataclass, field
 
-from . import _context
+from . import _context, _proc_ext
 from .errors import ActorError
 from .mailbox import Mailbox, set_current_mailbox
 from .messages import CallEndpoint, ForwardLogs, SendToPort, SetLogging, SpawnActor, StopProc
@@ -263,7 +263,17 @@ def _picklable(e: BaseException) -> BaseException | None:
         return None
 
 
+_runtime: ProcRuntime | None = None
+
+
+def current_runtime() -> ProcRuntime | None:
+    """This proc's runtime (None in a client script)."""
+    return _runtime
+
+
 def run_proc(addr: str, client_addr: str, rank: int) -> None:
     """Entry point of a forked proc (called by the zygote)."""
-    rt = ProcRuntime(addr, client_addr, rank)
+    global _runtime
+    rt = _runtime = ProcRuntime(addr, client_addr, rank)
+    _proc_ext.on_start(rt)  # workspace dirs on sys.path, breakpoint() hook
     rt.run()

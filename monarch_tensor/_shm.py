@@ -1,60 +1,248 @@
 """Large message buffers through shared memory, for messages between procs of one host.
 
 A message whose out-of-band buffers add up to ``SHM_THRESHOLD`` bytes or more
-is sent with its buffers copied once into a fresh file in ``/dev/shm``; the
-receiver maps that file and unpickles straight from the mapping (no copy),
-then unlinks it. Through the control socket the same bytes would be copied
-several times by zmq and the kernel. Files are named ``mt-<pid>-...`` so those
-of a proc that died mid-transfer can be removed by whoever reaps it.
+is sent with its buffers copied once into a shared-memory segment in
+``/dev/shm``; the receiver maps that segment and unpickles straight from the
+mapping (no copy). Through the control socket the same bytes would be copied
+several times by zmq and the kernel.
+
+Segments are pooled and stay mapped on both sides, so their pages are faulted
+in once, not per message (a fresh 64 MiB file costs ~65 ms of page faults).
+A segment's first ``HEADER`` bytes are one hold flag per reader: the sender
+sets them before sending; each reader clears its own when the last view of
+the message's buffers is freed (a finalizer on the buffer objects), and the
+sender reuses a segment only once every flag is clear. The pool is bounded
+(``SHM_POOL_BYTES``); beyond it a message gets a one-off file that the
+reader unlinks on arrival. Files are named ``mt-<pid>-...`` so those of a
+proc that died can be removed by whoever reaps it.
 """
 
 from __future__ import annotations
 
+import atexit
+import collections
+import ctypes
 import glob
+import itertools
 import mmap
 import os
+import threading
 import uuid
+import weakref
 
 SHM_DIR = "/dev/shm"
 SHM_THRESHOLD = int(os.environ.get("MONARCH_TENSOR_SHM_THRESHOLD", str(1 << 20)))
+SHM_POOL_BYTES = int(os.environ.get("MONARCH_TENSOR_SHM_POOL_BYTES", str(1 << 30)))  # per sending process
+SHM_MAP_CACHE_BYTES = int(os.environ.get("MONARCH_TENSOR_SHM_MAP_CACHE_BYTES", str(2 << 30)))  # per receiver
+HEADER = 64  # one hold flag per reader; also keeps the data 64-byte aligned
+MAX_READERS = HEADER
+_ALIGN = 1 << 20
+_CLEAR = bytes(HEADER)
 
 
 def available() -> bool:
     return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
 
 
-def write(buffers: list) -> tuple[str, list[tuple[int, int]]]:
-    """Copy ``buffers`` into one new shared-memory file; return its name and (offset, length) of each."""
-    views = [memoryview(b).cast("B") for b in buffers]
+def _layout(views: list[memoryview]) -> tuple[list[tuple[int, int]], int]:
     layout, offset = [], 0
     for v in views:
         layout.append((offset, v.nbytes))
         offset += (v.nbytes + 63) & ~63
-    name = f"mt-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    path = os.path.join(SHM_DIR, name)
+    return layout, offset
+
+
+def _create(path: str, size: int) -> mmap.mmap:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(fd, max(offset, 1))
-        with mmap.mmap(fd, max(offset, 1)) as m:
-            for v, (off, n) in zip(views, layout):
-                m[off:off + n] = v
+        os.ftruncate(fd, size)
+        return mmap.mmap(fd, size)
     except BaseException:
         os.unlink(path)
         raise
     finally:
         os.close(fd)
-    return name, layout
 
 
-def read(name: str, layout: list[tuple[int, int]]) -> list[memoryview]:
-    """Map the file, unlink it, and return a view per buffer (kept alive by the views)."""
+class _Segment:
+    __slots__ = ("name", "size", "mm")
+
+    def __init__(self, name: str, size: int) -> None:
+        self.name, self.size = name, size
+        self.mm = _create(os.path.join(SHM_DIR, name), size)
+
+    def free(self) -> bool:
+        return self.mm[:HEADER] == _CLEAR
+
+    def destroy(self) -> None:
+        try:
+            os.unlink(os.path.join(SHM_DIR, self.name))
+        except OSError:
+            pass
+        self.mm = None  # views a reader of ours may hold keep their own mapping
+
+
+class _Pool:
+    """The sending side: segments of this process, reused once every reader let go."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.segments: list[_Segment] = []
+        self.ids = itertools.count()
+        self.tag = uuid.uuid4().hex[:8]
+
+    def take(self, need: int, readers: int) -> _Segment | None:
+        with self.lock:
+            best = None
+            for s in self.segments:
+                if s.size >= need and (best is None or s.size < best.size) and s.free():
+                    best = s
+            if best is None:
+                size = HEADER + ((need - HEADER + _ALIGN - 1) // _ALIGN) * _ALIGN
+                total = sum(s.size for s in self.segments)
+                for s in sorted(self.segments, key=lambda s: s.size):  # make room: drop free segments
+                    if total + size <= SHM_POOL_BYTES:
+                        break
+                    if s.free():
+                        s.destroy()
+                        self.segments.remove(s)
+                        total -= s.size
+                if total + size > SHM_POOL_BYTES:
+                    return None
+                best = _Segment(f"mt-{os.getpid()}-p{self.tag}-{next(self.ids)}", size)
+                self.segments.append(best)
+            best.mm[:readers] = b"\1" * readers
+            return best
+
+    def close(self) -> None:
+        with self.lock:
+            for s in self.segments:
+                s.destroy()
+            self.segments.clear()
+
+
+_pool: _Pool | None = None
+_pool_pid = 0
+
+
+def _get_pool() -> _Pool:
+    global _pool, _pool_pid
+    if _pool is None or _pool_pid != os.getpid():  # a forked child starts its own pool
+        _pool, _pool_pid = _Pool(), os.getpid()
+    return _pool
+
+
+@atexit.register
+def _close_pool() -> None:
+    if _pool is not None and _pool_pid == os.getpid():
+        _pool.close()
+
+
+def write(buffers: list, readers: int = 1) -> tuple:
+    """Copy ``buffers`` into a segment for ``readers`` receivers; return its descriptor.
+
+    The descriptor is ``(name, layout, reader_index)``, ``reader_index`` -1 for a
+    one-off file; :func:`for_reader` makes the descriptor of the other readers.
+    """
+    views = [memoryview(b).cast("B") for b in buffers]
+    layout, total = _layout(views)
+    seg = _get_pool().take(HEADER + total, readers) if 0 < readers <= MAX_READERS else None
+    if seg is None:
+        return _write_oneoff(views, layout, total)
+    mm = seg.mm
+    for v, (off, n) in zip(views, layout):
+        mm[HEADER + off:HEADER + off + n] = v
+    return seg.name, layout, 0
+
+
+def for_reader(desc: tuple, i: int) -> tuple:
+    """The descriptor reader ``i`` gets (one-off files have a single reader)."""
+    name, layout, idx = desc
+    return desc if idx < 0 else (name, layout, i)
+
+
+def _write_oneoff(views, layout, total) -> tuple:
+    name = f"mt-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    path = os.path.join(SHM_DIR, name)
+    mm = _create(path, max(total, 1))
+    try:
+        for v, (off, n) in zip(views, layout):
+            mm[off:off + n] = v
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        mm.close()
+    return name, layout, -1
+
+
+class _MapCache:
+    """The receiving side: segments of other processes, mapped once (LRU, bounded in bytes)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.maps: collections.OrderedDict[str, mmap.mmap] = collections.OrderedDict()
+        self.bytes = 0
+
+    def get(self, name: str) -> mmap.mmap:
+        with self.lock:
+            m = self.maps.get(name)
+            if m is not None:
+                self.maps.move_to_end(name)
+                return m
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+        try:
+            m = mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        with self.lock:
+            self.maps[name] = m
+            self.bytes += len(m)
+            while self.bytes > SHM_MAP_CACHE_BYTES and len(self.maps) > 1:
+                _, old = self.maps.popitem(last=False)
+                self.bytes -= len(old)  # live views keep it mapped until they go
+        return m
+
+
+_maps = _MapCache()
+
+
+def _release(mm: mmap.mmap, idx: int, left: list) -> None:
+    left[0] -= 1
+    if left[0] == 0:
+        try:
+            mm[idx] = 0
+        except (ValueError, IndexError):
+            pass
+
+
+def read(name: str, layout: list[tuple[int, int]], idx: int = -1) -> list:
+    """Buffers of a message: views into the segment (released when the last view is freed)."""
     if "/" in name or not name.startswith("mt-"):
         raise ValueError(f"bad shared-memory name {name!r}")
+    if idx < 0:
+        return _read_oneoff(name, layout)
+    if idx >= MAX_READERS:
+        raise ValueError(f"bad reader index {idx}")
+    mm = _maps.get(name)
+    if HEADER + max((o + n for o, n in layout), default=0) > len(mm):
+        raise ValueError(f"layout runs past the end of segment {name!r}")
+    left = [len(layout)]
+    out = []
+    for off, n in layout:
+        c = (ctypes.c_char * n).from_buffer(mm, HEADER + off)
+        weakref.finalize(c, _release, mm, idx, left)
+        out.append(c)
+    if not out:
+        mm[idx] = 0
+    return out
+
+
+def _read_oneoff(name: str, layout: list[tuple[int, int]]) -> list[memoryview]:
     path = os.path.join(SHM_DIR, name)
     fd = os.open(path, os.O_RDWR)
     try:
-        size = os.fstat(fd).st_size
-        m = mmap.mmap(fd, size)
+        m = mmap.mmap(fd, os.fstat(fd).st_size)
     finally:
         os.close(fd)
         os.unlink(path)

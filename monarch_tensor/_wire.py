@@ -31,10 +31,12 @@ _HEADER = struct.Struct("!4sI")
 _MAIN = b"__main__"
 
 
-def encode(msg: object, shm: bool = False) -> list:
+def encode(msg: object, shm: bool | int = False) -> list:
     """Frames for ``msg``: header and body, then out-of-band buffers.
 
-    With ``shm`` (one receiver on this host), large buffers go through shared memory.
+    With ``shm`` (the number of receivers, all on this host; ``True`` is one),
+    large buffers go through shared memory; :func:`frames_for_reader` gives
+    each receiver its frames.
     """
     buffers: list[pickle.PickleBuffer] = []
     try:
@@ -54,9 +56,23 @@ def encode(msg: object, shm: bool = False) -> list:
         body = cloudpickle.dumps(msg, protocol=5, buffer_callback=buffers.append)
     raws = [b.raw() for b in buffers]
     if shm and raws and sum(r.nbytes for r in raws) >= _shm.SHM_THRESHOLD and _shm.available():
-        desc = pickle.dumps(_shm.write(raws))
+        desc = pickle.dumps(_shm.write(raws, readers=int(shm)))
         return [_HEADER.pack(MAGIC_SHM, 1) + body, desc]
     return [_HEADER.pack(MAGIC, len(raws)) + body, *raws]
+
+
+def frames_for_reader(frames: list, i: int) -> list:
+    """The frames receiver ``i`` of ``encode(msg, shm=n)`` gets (its own hold flag on shared memory)."""
+    if len(frames) != 2 or bytes(frames[0][:4]) != MAGIC_SHM or i == 0:
+        return frames
+    return [frames[0], pickle.dumps(_shm.for_reader(pickle.loads(frames[1]), i))]
+
+
+def encode_for(msg: object, addrs: list[str]) -> list[list]:
+    """Frames for each of ``addrs`` (encoded once; shared memory when every receiver is on this host)."""
+    local = all(a.startswith("ipc://") for a in addrs)
+    frames = encode(msg, shm=len(addrs) if local and len(addrs) <= _shm.MAX_READERS else False)
+    return [frames_for_reader(frames, i) for i in range(len(addrs))]
 
 
 _dispatch: dict | None = None
@@ -126,8 +142,7 @@ def decode(frames: list) -> object:
     bufs = [f.buffer if hasattr(f, "buffer") else f for f in frames[1:]]
     if magic == MAGIC_SHM:
         try:
-            name, layout = pickle.loads(bufs[0])
-            bufs = _shm.read(name, layout)
+            bufs = _shm.read(*pickle.loads(bufs[0]))
         except Exception as e:  # noqa: BLE001
             raise ProtocolError(f"cannot map the message's shared-memory buffers: {e!r}") from e
     try:

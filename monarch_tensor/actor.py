@@ -213,15 +213,15 @@ class Endpoint(Generic[R]):
 
     def _send(self, ranks: list[int], args, kwargs, port: PortRef | None) -> None:
         mailbox = current_mailbox()
-        frames = _wire.encode(CallEndpoint(self._mesh._name, self._method, args, kwargs, port))
         addrs = [self._mesh._procs[r].addr for r in ranks]
+        msg = CallEndpoint(self._mesh._name, self._method, args, kwargs, port)
         if len(addrs) > 1 and "|" in addrs[0]:  # procs behind host agents: down the fan-out tree
             from ._fanout import send_many
 
-            send_many(mailbox, addrs, frames)
+            send_many(mailbox, addrs, _wire.encode(msg))
             return
-        for a in addrs:
-            mailbox.send_frames(a, frames)
+        for addr, frames in zip(addrs, _wire.encode_for(msg, addrs)):
+            mailbox.send_frames(addr, frames)
 
     def _collect(self, ranks: list[int], args, kwargs, finish, what) -> Future:
         try:

@@ -1,6 +1,7 @@
 """The ``monarch-tensor`` command.
 
-    monarch-tensor demo                       # run the main demo on a local mesh
+    monarch-tensor demo       # run the main demo on a local mesh
+    monarch-tensor debug      # the monarch_dbg> prompt of a running script paused at breakpoint()
     monarch-tensor version
     monarch-tensor keygen job.key             # a job key pair, written 0600
     monarch-tensor host --bind tcp://0.0.0.0:26600 --key-file job.key [--ttl 3600] [--address-file F]
@@ -28,7 +29,14 @@ def main(argv: list[str] | None = None) -> int:
                                                     "MONARCH_TENSOR_CURVE_PUBLIC/SECRET)")
     h.add_argument("--ttl", type=float, default=3600.0, help="exit after this many seconds without a controller")
     h.add_argument("--address-file", default=None, help="write the address controllers should use here (0600)")
+    dbg = sub.add_parser("debug", help="attach to the ranks of a running script paused at breakpoint()")
+    dbg.add_argument("--pid", type=int, default=None, help="the script's process id (default: the newest)")
+    dbg.add_argument("--wait", type=float, default=60.0, help="seconds to wait for a script to pause")
     args = p.parse_args(argv)
+    if args.cmd == "debug":
+        from . import _debug_cli
+
+        return _debug_cli.main(args.pid, args.wait)
     if args.cmd == "version":
         from . import __version__
 

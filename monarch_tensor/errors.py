@@ -71,3 +71,7 @@ class AddressInUseError(Exception):
 
 class JobStartError(Exception):
     """A job's hosts did not come up: the scheduler refused it, it never left the queue, or an agent died."""
+
+
+class SyncError(Exception):
+    """A workspace sync failed on a host (its disk, its permissions); the message names the host."""

@@ -296,9 +296,40 @@ class ProcMesh:
                 err = SupervisionError(f"{err} (and __supervise__ raised {e!r})", proc=err.proc, rank=err.rank)
         actor.unhandled_fault_hook(err)
 
+    # ---- interactive tools (workspace_sync.py, env.py) ---------------------------------
+    def sync_workspace(self, workspace, conda: bool = False, auto_reload: bool = False) -> Future:
+        """Mirror ``workspace``'s dirs onto the hosts of this mesh; ``auto_reload`` re-imports changed modules.
+
+        >>> await procs.sync_workspace(Workspace(dirs=["./proj"]), auto_reload=True)  # doctest: +SKIP
+        """
+        from .workspace_sync import sync_workspace
+
+        self._check_alive()
+        return sync_workspace(self._members(), workspace, auto_reload)
+
+    @property
+    def env(self):
+        """Environment variables of the procs: ``procs.env.get("NCCL_DEBUG").get()`` -> ValueMesh."""
+        from .env import ProcEnv
+
+        return ProcEnv(self)
+
     # ---- tensor engine (see controller/) ---------------------------------------------
     def activate(self):
-        raise NotImplementedError("the tensor engine (proc_mesh.activate()) is not built yet")
+        """``with procs.activate():`` factories make mesh tensors on this mesh; ops on them run here."""
+        from controller.api import activate
+
+        return activate(self)
+
+    def rank_tensor(self, dim: str):
+        """Each rank's coordinate along ``dim``, as a 0-dim int64 mesh tensor."""
+        from controller.api import rank_tensor
+
+        return rank_tensor(self, dim)
+
+    def rank(self, dim: str):
+        """Monarch's name for ``rank_tensor``: ``mesh.rank("gpus")``."""
+        return self.rank_tensor(dim)
 
 
 _live_meshes: set[ProcMesh] = set()
@@ -339,6 +370,21 @@ class HostMesh:
     @property
     def sizes(self) -> dict[str, int]:
         return self._shape.sizes
+
+    def sync_workspace(self, workspace, conda: bool = False, auto_reload: bool = False) -> Future:
+        """Mirror ``workspace`` onto these hosts' workspace roots and reload the procs running there.
+
+        >>> await this_host().sync_workspace(Workspace(dirs=["./proj"]))  # doctest: +SKIP
+        """
+        from .workspace_sync import sync_local, sync_workspace
+
+        procs = [p for mesh in list(_live_meshes) for p in mesh._procs if p.alive]
+        if not procs:  # nothing runs yet: write this host's root directly
+            try:
+                return Future.ready(sync_local(workspace))
+            except Exception as e:  # noqa: BLE001
+                return Future.failed(e)
+        return sync_workspace(procs, workspace, auto_reload)
 
     def __repr__(self) -> str:
         return f"<HostMesh {self._shape}>"

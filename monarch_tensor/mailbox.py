@@ -34,6 +34,10 @@ log = logging.getLogger("monarch_tensor.mailbox")
 ROUTE_SEP = "|"
 ROUTE_MAGIC = b"MTRT"
 
+# System messages (workspace sync, env, debugger, the data plane's) handled by whichever process receives them,
+# by message type: ``handler(mailbox, msg)``. Filled by the modules that define them (_proc_ext.py).
+SYSTEM_HANDLERS: dict[type, Callable[[Mailbox, object], None]] = {}
+
 
 class PortHandler(Protocol):
     def deliver(self, msg: SendToPort) -> bool:
@@ -226,6 +230,8 @@ class Mailbox:
             elif isinstance(msg, ForwardLogs):
                 if self.on_logs is not None:
                     self.on_logs(msg)
+            elif type(msg) in SYSTEM_HANDLERS:
+                SYSTEM_HANDLERS[type(msg)](self, msg)
             elif defer is not None:
                 defer(msg)
             elif self.on_message is not None:

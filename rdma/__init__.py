@@ -1,4 +1,15 @@
-"""The data plane (RDMABuffer and its verbs / cma / cuda_ipc / tcp backends).
+"""The data plane: ``RDMABuffer`` and its verbs / cuda_ipc / cma / tcp backends.
 
-Not built yet: see the data-plane issue.
+Users import it as ``monarch_tensor.rdma``. See ``rdma/buffer.py`` for the API and
+``rdma/backends/`` for the backends (one file each behind ``backends/base.py``).
 """
+
+from .buffer import (  # noqa: F401
+    RDMAAction,
+    RDMABuffer,
+    backends,
+    get_rdma_backend,
+    is_ibverbs_available,
+    transfer_stats,
+)
+from .tensors import TensorHandle, publish_tensor  # noqa: F401

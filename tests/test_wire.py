@@ -257,7 +257,12 @@ def test_shared_memory_path_round_trips_and_leaves_no_file():
     assert sum(_nbytes(f) for f in frames) < 4096, "the bytes are in shared memory, not in the frames"
     assert len(_shm_files() - before) == 1
     np.testing.assert_array_equal(_wire.decode(frames).value, arr)
-    assert _shm_files() == before, "the receiver unlinks the file"
+    # the segment is pooled: once the receiver's view is freed, the next message reuses it
+    frames = _wire.encode(messages.SendToPort(1, arr + 1, None, 0), shm=True)
+    assert len(_shm_files() - before) == 1
+    np.testing.assert_array_equal(_wire.decode(frames).value, arr + 1)
+    _shm._close_pool()
+    assert _shm_files() == before, "the sender's pool files are removed at exit"
     # below the threshold, nothing goes through shared memory
     small = _wire.encode(messages.SendToPort(1, np.arange(10), None, 0), shm=True)
     assert _shm_files() == before

@@ -1,0 +1,195 @@
+"""Data-plane benchmark: RDMABuffer read/write per backend between two procs of this host.
+
+    python bench/rdma_bench.py                                   # ours (every backend here) + memcpy
+    MT_BENCH_PEER_PATH=bench/out/peer-site python bench/rdma_bench.py --peers --json bench/out/rdma_bench.json
+    python bench/rdma_bench.py --tiny --json /tmp/tiny.json      # smoke test (~10 s)
+
+The owner of the buffer is an actor on a proc; the reader is this process. For every size, every
+backend that can serve a CPU buffer here (forced with MONARCH_TENSOR_RDMA_BACKEND) reads and writes
+REPEATS times into a warm destination; the table shows the median as GiB/s, and as latency in µs.
+Baselines in the same run: memcpy (torch copy_, warm destination: the limit on one host), a
+control-plane round trip (call_one of a small int), and with --peers PyTorch Monarch's RDMABuffer
+(torchmonarch, TCP fallback: no RDMA NIC here), read by an actor on a second proc. Peers are never
+dependencies: install them aside as bench/actor_bench.py's docstring shows. No PNG plot is written
+(matplotlib is not a dependency); --json keeps every number.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+# ---- settings ------------------------------------------------------------------------------
+SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
+REPEATS = 5          # timed transfers per size and direction (after one warm-up)
+PEER_MAX = 64 << 20  # Monarch's TCP fallback is slow: sizes above this are skipped for it
+TIMEOUT = 120.0
+TINY = dict(SIZES=[4 << 10, 1 << 20], REPEATS=2, PEER_MAX=1 << 20)
+PEER_PATH = os.environ.get("MT_BENCH_PEER_PATH", "")
+MARKER = "RDMA_BENCH_RESULT "
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def median_time(fn, repeats):
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def run_ours():
+    import torch
+
+    sys.path.insert(0, ROOT)
+    from monarch_tensor.actor import Actor, endpoint, this_host
+    from monarch_tensor.rdma import RDMABuffer
+    from rdma.buffer import ENV_BACKEND
+
+    class Owner(Actor):
+        def __init__(self, n):
+            self.t = torch.ones(n, dtype=torch.uint8)
+            self.buf = RDMABuffer(self.t)
+
+        @endpoint
+        def buf_(self):
+            return self.buf
+
+        @endpoint
+        def ping(self, x):
+            return x
+
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    res = {"memcpy": {}, "ctrl_rtt_us": None}
+    try:
+        owner = procs.spawn("owner", Owner, max(SIZES))
+        buf = owner.buf_.call_one().get(timeout=TIMEOUT)
+        res["ctrl_rtt_us"] = 1e6 * median_time(lambda: owner.ping.call_one(1).get(timeout=TIMEOUT), 50)
+        for n in SIZES:
+            a, b = torch.empty(n, dtype=torch.uint8), torch.ones(n, dtype=torch.uint8)
+            res["memcpy"][n] = median_time(lambda a=a, b=b: a.copy_(b), REPEATS)
+        for name in ("cma", "tcp"):
+            os.environ[ENV_BACKEND] = name
+            res[name] = {"read": {}, "write": {}}
+            for n in SIZES:
+                dst = torch.empty(n, dtype=torch.uint8)
+                res[name]["read"][n] = median_time(lambda dst=dst: buf.read_into(dst).get(timeout=TIMEOUT), REPEATS)
+                assert buf.backend == name and int(dst[-1]) == 1
+                res[name]["write"][n] = median_time(lambda dst=dst: buf.write_from(dst).get(timeout=TIMEOUT), REPEATS)
+        del os.environ[ENV_BACKEND]
+    finally:
+        procs.stop().get(timeout=TIMEOUT)
+    return res
+
+
+MONARCH_WORKER = r'''
+import json, statistics, sys, time, warnings
+import torch
+import monarch
+monarch.configure(rdma_allow_tcp_fallback=True)
+warnings.simplefilter("ignore")
+from monarch.actor import Actor, endpoint, this_host
+from monarch.rdma import RDMABuffer
+SIZES, REPEATS = json.loads(sys.argv[1]), int(sys.argv[2])
+
+class Owner(Actor):
+    def __init__(self):
+        self.t = torch.ones(max(SIZES), dtype=torch.uint8)
+    @endpoint
+    def buf(self, n):
+        return RDMABuffer(self.t[:n])
+
+class Reader(Actor):
+    @endpoint
+    async def bench(self, buf, n):
+        dst = torch.empty(n, dtype=torch.uint8)
+        await buf.read_into(dst)
+        ts = []
+        for _ in range(REPEATS):
+            t = time.perf_counter()
+            await buf.read_into(dst)
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts)
+
+procs = this_host().spawn_procs(per_host={"gpus": 2})
+owner = procs.slice(gpus=0).spawn("owner", Owner)
+reader = procs.slice(gpus=1).spawn("reader", Reader)
+out = {}
+for n in SIZES:
+    b = owner.buf.call_one(n).get()
+    out[n] = reader.bench.call_one(b, n).get()
+print("RDMA_BENCH_RESULT " + json.dumps(out), flush=True)
+'''
+
+
+def run_monarch():
+    sizes = [n for n in SIZES if n <= PEER_MAX]
+    env = dict(os.environ)
+    if PEER_PATH:
+        env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(PEER_PATH), env.get("PYTHONPATH", "")])
+    try:
+        p = subprocess.run([sys.executable, "-c", MONARCH_WORKER, json.dumps(sizes), str(REPEATS)], env=env,
+                           capture_output=True, text=True, timeout=600, cwd="/tmp")
+    except subprocess.TimeoutExpired:
+        return None, "timed out"
+    for line in p.stdout.splitlines():
+        if line.startswith(MARKER):
+            return {int(k): v for k, v in json.loads(line[len(MARKER):]).items()}, None
+    err = p.stderr.strip().splitlines()
+    return None, ("not installed" if "No module named 'monarch'" in p.stderr else (err[-1] if err else "error"))
+
+
+def fmt_size(n):
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+def main():
+    global SIZES, REPEATS, PEER_MAX
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--peers", action="store_true", help="also run PyTorch Monarch's RDMABuffer (TCP fallback)")
+    ap.add_argument("--tiny", action="store_true", help="tiny sizes (smoke test)")
+    ap.add_argument("--json", metavar="PATH", help="write settings and results as JSON")
+    args = ap.parse_args()
+    if args.tiny:
+        SIZES, REPEATS, PEER_MAX = TINY["SIZES"], TINY["REPEATS"], TINY["PEER_MAX"]
+    ours = run_ours()
+    monarch, monarch_err = run_monarch() if args.peers else (None, "not run (--peers)")
+
+    def gib(n, t):
+        return n / t / 2**30 if t else float("nan")
+
+    cols = ["memcpy", "cma read", "cma write", "tcp read", "tcp write", "Monarch read"]
+    print(f"RDMABuffer between two procs of this host, GiB/s (µs per transfer); median of {REPEATS}")
+    print(f"control-plane round trip (call_one, small int): {ours['ctrl_rtt_us']:.0f} µs")
+    print(f"{'size':>8} | " + " | ".join(f"{c:>20}" for c in cols))
+    rows = []
+    for n in SIZES:
+        times = [ours["memcpy"][n], ours["cma"]["read"][n], ours["cma"]["write"][n], ours["tcp"]["read"][n],
+                 ours["tcp"]["write"][n], (monarch or {}).get(n)]
+        cells = [f"{gib(n, t):8.2f} ({t * 1e6:8.0f})" if t else f"{'-':>20}" for t in times]
+        print(f"{fmt_size(n):>8} | " + " | ".join(f"{c:>20}" for c in cells))
+        rows.append({"size": n, **{c: t for c, t in zip(cols, times)}})
+    big = [n for n in SIZES if n >= 64 << 20]
+    for n in big:
+        print(f"cma read {fmt_size(n)}: {ours['memcpy'][n] / ours['cma']['read'][n]:.0%} of memcpy")
+    for n in SIZES:
+        if monarch and n in monarch:
+            print(f"{fmt_size(n)} read: cma {monarch[n] / ours['cma']['read'][n]:.1f}x, "
+                  f"tcp {monarch[n] / ours['tcp']['read'][n]:.1f}x Monarch's")
+    if monarch_err:
+        print(f"Monarch: {monarch_err}")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"settings": {"SIZES": SIZES, "REPEATS": REPEATS, "PEER_MAX": PEER_MAX, "tiny": args.tiny},
+                       "ctrl_rtt_us": ours["ctrl_rtt_us"], "seconds": rows, "monarch_error": monarch_err}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()

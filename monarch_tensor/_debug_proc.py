@@ -1,0 +1,126 @@
+"""The debugger, the proc side: ``breakpoint()`` opens a pdb whose terminal is the client.
+
+``sys.breakpointhook`` is set in every proc (``_proc_ext.on_start``). The pdb
+registers its session with the client (``DebugRegister``), sends what it prints
+(``DebugOutput``) and reads input lines from a port of its own; the client's
+debug controller (``debugger.py``) is the other end. While paused, the proc
+keeps receiving: other actors on it keep serving.
+"""
+
+from __future__ import annotations
+
+import os
+import pdb
+import socket
+import sys
+import uuid
+
+from . import _context
+from ._ports import Receiver
+from .debug_messages import DebugEnd, DebugOutput, DebugRegister
+from .mailbox import current_mailbox
+
+# Frames of the runtime are never stopped in: stepping out of an endpoint ends the session.
+SKIP = ["monarch_tensor.*", "asyncio.*", "concurrent.*", "threading", "zmq.*"]
+
+
+class _Out:
+    """pdb's stdout: text goes to the client in ``DebugOutput`` messages."""
+
+    def __init__(self, dbg: RemotePdb) -> None:
+        self.dbg, self.parts = dbg, []
+
+    def write(self, s: str) -> int:
+        self.parts.append(s)
+        return len(s)
+
+    def send(self, waiting: bool) -> None:
+        text, self.parts = "".join(self.parts), []
+        if text or waiting:
+            self.dbg.send(DebugOutput(self.dbg.session, text, waiting))
+
+    def flush(self) -> None:
+        self.send(False)
+
+
+class _In:
+    """pdb's stdin: each line comes as a value on the session's port."""
+
+    def __init__(self, dbg: RemotePdb) -> None:
+        self.dbg = dbg
+
+    def readline(self) -> str:
+        self.dbg.out.send(waiting=True)
+        line = self.dbg.rx.recv().get()
+        return "c\n" if line is None else str(line).rstrip("\n") + "\n"
+
+
+class RemotePdb(pdb.Pdb):
+    """A pdb whose input and output travel to the client's debug controller."""
+
+    def __init__(self, client_addr: str) -> None:
+        self.client_addr = client_addr
+        self.session = uuid.uuid4().hex[:12]
+        self.rx = Receiver()
+        self.port = current_mailbox().open_port(self.rx)
+        self.out = _Out(self)
+        super().__init__(stdin=_In(self), stdout=self.out, skip=SKIP, nosigint=True, readrc=False)
+        self.use_rawinput = False
+        self.prompt = "(Pdb) "
+        self._entry = None
+        self._ended = False
+        ctx = _context.current()
+        self.actor, self.point = ctx.actor_name, ctx.rank
+
+    def send(self, msg) -> None:
+        current_mailbox().send(self.client_addr, msg)
+
+    def set_trace(self, frame=None) -> None:
+        self._entry = frame or sys._getframe(1)
+        super().set_trace(self._entry)
+
+    def interaction(self, frame, tb) -> None:
+        if self._ended:  # stopped again (a pdb breakpoint set with `b`): a new session on the same pdb
+            self._ended = False
+            self.port = current_mailbox().open_port(self.rx)
+        if frame is not None:
+            code = frame.f_code
+            self.send(DebugRegister(self.session, self.actor, self.point.rank, dict(self.point.items()),
+                                    socket.gethostname(), os.getpid(),
+                                    f"{frame.f_globals.get('__name__', '?')}.{code.co_name}",
+                                    code.co_filename, frame.f_lineno, self.port))
+        super().interaction(frame, tb)
+
+    def dispatch_return(self, frame, arg):
+        r = super().dispatch_return(frame, arg)
+        if frame is self._entry and not self._ended:
+            self.set_continue()  # stepped out of the frame that called breakpoint(): done
+        return r
+
+    def _end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self.out.flush()
+            self.send(DebugEnd(self.session))
+            current_mailbox().close_port(self.port.port_id)
+
+    def set_continue(self) -> None:
+        super().set_continue()
+        self._end()
+
+    def set_quit(self) -> None:
+        super().set_quit()
+        self._end()
+
+
+def breakpoint_hook(*args, **kwargs) -> None:
+    """``sys.breakpointhook`` in procs: pause this rank under the distributed debugger."""
+    if os.environ.get("PYTHONBREAKPOINT") == "0":
+        return None
+    from ._proc import current_runtime
+
+    rt = current_runtime()
+    if rt is None:
+        return sys.__breakpointhook__(*args, **kwargs)
+    RemotePdb(rt.client_addr).set_trace(sys._getframe(1))
+    return None

@@ -1,0 +1,278 @@
+"""File trees for workspace sync: scan, compare, hash by blocks, write atomically.
+
+Used on both ends: the client scans its workspace dirs, a host's writer proc
+scans its workspace root, compares, and writes what it is sent. A file is
+identified by its key, the path relative to the workspace root with ``/``
+separators (``"proj/train.py"``).
+
+What counts as changed (rsync's quick check, then content hashes): a file whose
+size and mtime (preserved on the destination) match is taken as unchanged, unless
+it was written within ``RACY_NS`` of a sync (git's "racily clean" rule: the
+filesystem clock ticks coarsely, so two writes in one tick share an mtime);
+every other candidate is compared by SHA-256, whole or per ``BLOCK`` bytes for
+large files, and only differing content moves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import tempfile
+from dataclasses import dataclass
+
+BLOCK = 1 << 20  # bytes per block of a large file
+LARGE = 4 * BLOCK  # files at least this big are compared and patched by blocks
+RACY_NS = 2_000_000_000  # files modified this close to a sync are verified by hash next time
+META_DIR = ".monarch-tensor"  # per-root bookkeeping (racy list, synced dirs); never synced itself
+EXCLUDED_NAMES = frozenset({"__pycache__", ".git", ".hg", ".svn", META_DIR, ".mypy_cache", ".pytest_cache",
+                            ".ruff_cache", ".ipynb_checkpoints"})
+EXCLUDED_SUFFIXES = (".pyc", ".pyo", ".swp")
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """What a scan records of one file: size, mtime (ns), permission bits."""
+
+    size: int
+    mtime_ns: int
+    mode: int
+
+
+def excluded(name: str) -> bool:
+    return name in EXCLUDED_NAMES or name.endswith(EXCLUDED_SUFFIXES)
+
+
+def scan(base: str, prefix: str = "") -> dict[str, Entry]:
+    """Every regular file under ``base`` as ``{prefix + relpath: Entry}``; symlinks to files are followed.
+
+    >>> scan("/tmp/proj", "proj/")  # doctest: +SKIP
+    {'proj/train.py': Entry(size=120, mtime_ns=..., mode=420)}
+    """
+    out: dict[str, Entry] = {}
+    if not os.path.isdir(base):
+        return out
+    stack = [(base, prefix)]
+    while stack:
+        d, p = stack.pop()
+        try:
+            it = os.scandir(d)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        with it:
+            for e in it:
+                if excluded(e.name):
+                    continue
+                try:
+                    if e.is_dir(follow_symlinks=False):
+                        stack.append((e.path, f"{p}{e.name}/"))
+                        continue
+                    st = e.stat()
+                except OSError:  # vanished, or a dangling symlink
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    out[p + e.name] = Entry(st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode))
+    return out
+
+
+def file_digest(path: str) -> bytes:
+    """SHA-256 of a whole file."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(BLOCK):
+            h.update(chunk)
+    return h.digest()
+
+
+def block_digests(path: str) -> list[bytes]:
+    """SHA-256 of each ``BLOCK`` bytes of a file."""
+    out = []
+    with open(path, "rb") as f:
+        while chunk := f.read(BLOCK):
+            out.append(hashlib.sha256(chunk).digest())
+    return out
+
+
+def fingerprint(path: str, size: int) -> bytes | list[bytes]:
+    """What two ends compare: block digests for a large file, else the whole file's digest."""
+    return block_digests(path) if size >= LARGE else file_digest(path)
+
+
+def changed_blocks(path: str, theirs: list[bytes]) -> list[int]:
+    """Indices of the blocks of ``path`` whose digest differs from ``theirs`` (or that they lack)."""
+    return [i for i, d in enumerate(block_digests(path)) if i >= len(theirs) or theirs[i] != d]
+
+
+def module_name(key: str, dirs: list[str]) -> str | None:
+    """The importable module a synced file is, given the synced dirs on sys.path (``root/dst``).
+
+    >>> module_name("proj/pkg/mod.py", ["proj"])
+    'pkg.mod'
+    >>> module_name("proj/pkg/__init__.py", ["proj"])
+    'pkg'
+    """
+    if not key.endswith(".py"):
+        return None
+    for d in sorted(dirs, key=len, reverse=True):
+        rel = key if d == "" else (key[len(d) + 1:] if key.startswith(d + "/") else None)
+        if rel is None:
+            continue
+        parts = rel[:-3].split("/")
+        if parts[-1] == "__init__":
+            parts.pop()
+        if parts and all(p.isidentifier() for p in parts):
+            return ".".join(parts)
+    return None
+
+
+# ---- the destination side -----------------------------------------------------------
+class Writer:
+    """Applies writes, patches and deletes to a workspace root, each file replaced atomically.
+
+    >>> w = Writer("/tmp/ws-root")  # doctest: +SKIP
+    >>> w.write("proj/a.py", 0, b"x = 1\\n")  # doctest: +SKIP
+    >>> w.finish("proj/a.py", size=6, mtime_ns=..., mode=0o644)  # doctest: +SKIP
+    """
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self._open: dict[str, tuple[int, str]] = {}  # key -> (fd, temp path)
+        self.ops: list[tuple] = []  # the finish/touch/delete ops applied, for the commit
+
+    def path(self, key: str) -> str:
+        parts = key.split("/")
+        if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in key:
+            raise ValueError(f"bad workspace path {key!r}: must be relative, without '.' or '..' parts")
+        return os.path.join(self.root, *parts)
+
+    def _fd(self, key: str, patch: bool) -> int:
+        if key in self._open:
+            return self._open[key][0]
+        dest = self.path(key)
+        d = os.path.dirname(dest)
+        if os.path.lexists(d) and not os.path.isdir(d):
+            os.unlink(d)  # a file where a directory is now wanted
+        os.makedirs(d, exist_ok=True)
+        if os.path.isdir(dest) and not os.path.islink(dest):
+            _rmtree(dest)  # a directory where a file is now wanted
+        fd, tmp = tempfile.mkstemp(prefix=".sync-", dir=d)
+        if patch and os.path.isfile(dest):
+            with open(dest, "rb") as src:
+                _copy_fd(src.fileno(), fd)
+        self._open[key] = (fd, tmp)
+        return fd
+
+    def write(self, key: str, offset: int, data, patch: bool = False) -> None:
+        """Write ``data`` at ``offset`` of the new version of ``key`` (``patch``: start from the old one)."""
+        fd = self._fd(key, patch)
+        view = memoryview(data).cast("B")
+        while view:
+            n = os.pwrite(fd, view, offset)
+            view, offset = view[n:], offset + n
+
+    def finish(self, key: str, size: int, mtime_ns: int, mode: int, patch: bool = False) -> None:
+        """Complete ``key``: truncate to ``size``, set mode and mtime, move into place."""
+        fd = self._fd(key, patch)
+        fd, tmp = self._open.pop(key)
+        try:
+            os.ftruncate(fd, size)
+            os.fchmod(fd, mode & 0o7777)
+        finally:
+            os.close(fd)
+        os.utime(tmp, ns=(mtime_ns, mtime_ns))
+        dest = self.path(key)
+        os.replace(tmp, dest)
+        if key.endswith(".py"):  # a stale .pyc with the same mtime/size would shadow the new source
+            _remove_pyc(dest)
+
+    def touch(self, key: str, mtime_ns: int, mode: int) -> None:
+        """Same content, new metadata (a file that was saved without changes)."""
+        dest = self.path(key)
+        os.chmod(dest, mode & 0o7777)
+        os.utime(dest, ns=(mtime_ns, mtime_ns))
+
+    def delete(self, key: str) -> None:
+        dest = self.path(key)
+        try:
+            os.unlink(dest)
+        except FileNotFoundError:
+            return
+        if key.endswith(".py"):
+            _remove_pyc(dest)
+        d = os.path.dirname(dest)
+        while d != self.root and d.startswith(self.root):  # remove directories left empty
+            try:
+                if set(os.listdir(d)) - {"__pycache__"}:
+                    break
+                _rmtree(d)
+            except OSError:
+                break
+            d = os.path.dirname(d)
+
+    def abort(self) -> None:
+        """Drop every unfinished file (a failed sync leaves the old versions in place)."""
+        for fd, tmp in self._open.values():
+            os.close(fd)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        self._open.clear()
+
+
+def _copy_fd(src: int, dst: int) -> None:
+    size = os.fstat(src).st_size
+    off = 0
+    try:
+        while off < size:
+            n = os.copy_file_range(src, dst, size - off, off, off)
+            if n == 0:
+                break
+            off += n
+        return
+    except (AttributeError, OSError):
+        pass
+    os.lseek(src, off, 0)
+    while chunk := os.read(src, BLOCK):
+        os.pwrite(dst, chunk, off)
+        off += len(chunk)
+
+
+def _remove_pyc(py_path: str) -> None:
+    cache = os.path.join(os.path.dirname(py_path), "__pycache__")
+    stem = os.path.basename(py_path)[:-3] + "."
+    try:
+        names = os.listdir(cache)
+    except OSError:
+        return
+    for n in names:
+        if n.startswith(stem) and n.endswith(".pyc"):
+            try:
+                os.unlink(os.path.join(cache, n))
+            except OSError:
+                pass
+
+
+def _rmtree(path: str) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# ---- per-root bookkeeping -----------------------------------------------------------------
+def read_meta(root: str, name: str, default):
+    try:
+        with open(os.path.join(root, META_DIR, name)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return default
+
+
+def write_meta(root: str, name: str, value) -> None:
+    d = os.path.join(root, META_DIR)
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".meta-", dir=d)
+    with os.fdopen(fd, "w") as f:
+        json.dump(value, f)
+    os.replace(tmp, os.path.join(d, name))

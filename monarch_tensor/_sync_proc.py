@@ -1,0 +1,195 @@
+"""Workspace sync, the proc side: handlers of ``sync_messages``.
+
+Each proc knows its host's workspace root: ``$WORKSPACE_DIR`` (Monarch's
+variable; a host agent or job sets it per host) or, by default, a directory per
+client session on this host. The writer proc of a root compares and writes;
+every proc puts the synced dirs first on ``sys.path`` and re-imports changed
+modules (``_reload.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import socket
+import sys
+import traceback
+
+from . import _filetree, _reload
+from .mailbox import SYSTEM_HANDLERS, Mailbox, socket_dir
+from .messages import SendToPort
+from .sync_messages import DescribeWorkspace, DiffWorkspace, ReloadWorkspace, WorkspaceDiff, WriteFiles
+
+
+def client_key(client_addr: str) -> str:
+    """A short name for one client session (its mailbox address), used in default roots."""
+    return hashlib.sha1(client_addr.encode()).hexdigest()[:12]
+
+
+def default_root(key: str) -> str:
+    return os.path.join(socket_dir(), f"workspace-{key}")
+
+
+def workspace_root(key: str) -> str:
+    """This process's workspace root for client ``key``: ``$WORKSPACE_DIR`` or the default."""
+    return os.path.abspath(os.environ.get("WORKSPACE_DIR") or default_root(key))
+
+
+def _rank() -> int:
+    from ._proc import current_runtime
+
+    rt = current_runtime()
+    return rt.rank if rt is not None else 0
+
+
+def _reply(mailbox: Mailbox, port, value=None, error: BaseException | None = None) -> None:
+    if port is not None:
+        mailbox.send(port.addr, SendToPort(port.port_id, value, error, _rank()))
+
+
+def _failed(what: str, e: BaseException) -> Exception:
+    from .errors import SyncError
+
+    host = socket.gethostname()
+    return SyncError(f"{what} failed on {host} (proc rank {_rank()}): {e!r}\n{traceback.format_exc()}")
+
+
+def add_to_sys_path(root: str, dirs) -> None:
+    """Put ``root/dst`` for each synced dir first on ``sys.path`` (once each, in order)."""
+    for d in reversed(list(dirs)):
+        p = os.path.join(root, d) if d else root
+        if p in sys.path:
+            if sys.path[0] == p:
+                continue
+            sys.path.remove(p)
+        sys.path.insert(0, p)
+
+
+def handle_describe(mailbox: Mailbox, msg: DescribeWorkspace) -> None:
+    _reply(mailbox, msg.reply, (socket.gethostname(), workspace_root(msg.client_key)))
+
+
+def diff(root: str, dirs, manifest: dict) -> WorkspaceDiff:
+    """Compare the client's manifest with ``root`` (see ``_filetree`` for the rules)."""
+    ours: dict[str, _filetree.Entry] = {}
+    for d in dirs:
+        ours.update(_filetree.scan(os.path.join(root, d) if d else root, f"{d}/" if d else ""))
+    racy = set(_filetree.read_meta(root, "racy.json", []))
+    send, verify, blocks = [], {}, {}
+    for key, (size, mtime_ns, mode) in manifest.items():
+        mine = ours.get(key)
+        if mine is None:
+            send.append(key)
+        elif mine.size != size:
+            send.append(key)
+            if size >= _filetree.LARGE and mine.size >= _filetree.BLOCK:
+                blocks[key] = _filetree.block_digests(os.path.join(root, key))
+        elif mine.mtime_ns != mtime_ns or key in racy or mine.mode != mode:
+            verify[key] = _filetree.fingerprint(os.path.join(root, key), size)
+    delete = tuple(k for k in ours if k not in manifest)
+    return WorkspaceDiff(tuple(send), verify, blocks, delete, root)
+
+
+def handle_diff(mailbox: Mailbox, msg: DiffWorkspace) -> None:
+    try:
+        root = workspace_root(msg.client_key)
+        value = diff(root, msg.dirs, msg.manifest)
+    except Exception as e:  # noqa: BLE001 - reported to the client
+        _reply(mailbox, msg.reply, error=_failed("workspace diff", e))
+        return
+    _reply(mailbox, msg.reply, value)
+
+
+_writers: dict[str, _filetree.Writer] = {}
+_failures: dict[str, Exception] = {}
+
+
+def apply_ops(w: _filetree.Writer, ops) -> None:
+    for op in ops:
+        kind = op[0]
+        if kind == "w":
+            w.write(op[1], op[2], op[3], op[4])
+        elif kind == "f":
+            w.finish(*op[1:])
+        elif kind == "t":
+            w.touch(*op[1:])
+        elif kind == "d":
+            w.delete(op[1])
+        else:
+            raise ValueError(f"unknown workspace op {kind!r}")
+
+
+def commit(root: str, dirs, ops, scan_ns: int) -> None:
+    """Record which files are racy (modified near this sync) and which dirs are synced."""
+    racy = set(_filetree.read_meta(root, "racy.json", []))
+    for op in ops:
+        if op[0] == "f":
+            key, mtime_ns = op[1], op[3]
+        elif op[0] == "t":
+            key, mtime_ns = op[1], op[2]
+        else:
+            if op[0] == "d":
+                racy.discard(op[1])
+            continue
+        if mtime_ns >= scan_ns - _filetree.RACY_NS:
+            racy.add(key)
+        else:
+            racy.discard(key)
+    _filetree.write_meta(root, "racy.json", sorted(racy))
+    _filetree.write_meta(root, "dirs.json", list(dirs))
+
+
+def handle_write(mailbox: Mailbox, msg: WriteFiles) -> None:
+    root = workspace_root(msg.client_key)
+    if msg.sync_id not in _failures:
+        w = _writers.get(msg.sync_id)
+        if w is None:
+            w = _writers[msg.sync_id] = _filetree.Writer(root)
+        try:
+            apply_ops(w, msg.ops)
+            w.ops.extend(op for op in msg.ops if op[0] != "w")
+        except Exception as e:  # noqa: BLE001
+            w.abort()
+            _failures[msg.sync_id] = _failed("workspace write", e)
+    if not msg.last:
+        return
+    w = _writers.pop(msg.sync_id, None)
+    err = _failures.pop(msg.sync_id, None)
+    if err is None and w is not None:
+        try:
+            commit(root, msg.dirs, w.ops, msg.scan_ns)
+        except Exception as e:  # noqa: BLE001
+            err = _failed("workspace commit", e)
+    _reply(mailbox, msg.reply, None if err else root, err)
+
+
+def handle_reload(mailbox: Mailbox, msg: ReloadWorkspace) -> None:
+    try:
+        root = workspace_root(msg.client_key)
+        add_to_sys_path(root, msg.dirs)
+        importlib.invalidate_caches()
+        reloaded: list[str] = []
+        if msg.auto_reload:
+            names = [_filetree.module_name(k, list(msg.dirs)) for k in msg.changed]
+            reloaded = _reload.reload_modules([n for n in names if n])
+    except Exception as e:  # noqa: BLE001
+        _reply(mailbox, msg.reply, error=_failed("workspace reload", e))
+        return
+    _reply(mailbox, msg.reply, tuple(reloaded))
+
+
+def on_start(client_addr: str) -> None:
+    """A new proc: put the dirs synced to its root so far on ``sys.path``."""
+    root = workspace_root(client_key(client_addr))
+    dirs = _filetree.read_meta(root, "dirs.json", None)
+    if dirs:
+        add_to_sys_path(root, dirs)
+
+
+SYSTEM_HANDLERS.update({
+    DescribeWorkspace: handle_describe,
+    DiffWorkspace: handle_diff,
+    WriteFiles: handle_write,
+    ReloadWorkspace: handle_reload,
+})

@@ -1,0 +1,18 @@
+"""The data plane's public names: ``from monarch_tensor.rdma import RDMABuffer``."""
+
+from rdma import (  # noqa: F401
+    RDMAAction,
+    RDMABuffer,
+    TensorHandle,
+    get_rdma_backend,
+    is_ibverbs_available,
+    publish_tensor,
+    transfer_stats,
+)
+from rdma.errors import (  # noqa: F401
+    BackendUnavailableError,
+    BufferDroppedError,
+    OwnerDiedError,
+    RDMAError,
+    TransferTimeoutError,
+)

@@ -1,0 +1,78 @@
+"""torchrun's environment on a proc mesh, so ``torch.distributed.init_process_group()`` works in actors.
+
+Monarch 0.7's ``monarch.spmd.setup_torch_elastic_env`` (also the seeds'
+``monarch_tensor.utils.setup_env_for_distributed``): every proc gets
+``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE`` (plus torchrun's ``GROUP_*``/``ROLE_*``), so a
+torchrun-style training function runs unchanged inside an actor.
+
+>>> procs = this_host().spawn_procs(per_host={"gpus": 4})
+>>> setup_torch_elastic_env(procs)
+>>> trainers = procs.spawn("trainer", Trainer)   # its endpoints may call init_process_group("gloo")
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+
+from ._ports import Collector
+from .env_messages import ReserveMasterPort, WriteEnv
+from .future import Future
+from .mailbox import current_mailbox
+
+TIMEOUT = 60.0
+
+
+def elastic_env(sizes: dict[str, int], index: int, master_addr: str, master_port: int) -> dict[str, str]:
+    """torchrun's variables for the ``index``-th proc (row-major) of a mesh of ``sizes``.
+
+    The last dimension is the one within a host (``LOCAL_RANK``), as in Monarch.
+
+    >>> elastic_env({"hosts": 2, "gpus": 4}, 5, "h0", 29500)["LOCAL_RANK"]
+    '1'
+    """
+    world = math.prod(sizes.values()) if sizes else 1
+    local_world = list(sizes.values())[-1] if sizes else 1
+    group_world = (world + local_world - 1) // local_world
+    return {
+        "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
+        "RANK": str(index), "LOCAL_RANK": str(index % local_world),
+        "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(local_world),
+        "GROUP_RANK": str(index // local_world), "GROUP_WORLD_SIZE": str(group_world),
+        "ROLE_RANK": str(index), "ROLE_WORLD_SIZE": str(world), "ROLE_NAME": "rank",
+        "TORCHELASTIC_RUN_ID": "monarch-tensor",
+    }
+
+
+def _setup(proc_mesh, master_addr: str | None, master_port: int | None) -> Future:
+    if (master_addr is None) != (master_port is None):
+        raise ValueError("give both master_addr and master_port, or neither (rank 0's host and a free port)")
+    proc_mesh._check_alive()
+    members = proc_mesh._members()
+    mailbox = current_mailbox()
+    if master_addr is None:
+        col = Collector([members[0].addr], [members[0].rank], lambda vs: vs[0], "MASTER_PORT")
+        port = mailbox.open_port(col)
+        mailbox.send(members[0].addr, ReserveMasterPort(port))
+        host, master_port = col.future.get(timeout=TIMEOUT)
+        # One host for the whole mesh (all local today): loopback always resolves.
+        master_addr = "127.0.0.1" if host == socket.gethostname() else host
+    sizes = proc_mesh._shape.sizes
+    col = Collector([p.addr for p in members], [p.rank for p in members], lambda vs: None, "torch elastic env")
+    port = mailbox.open_port(col)
+    for i, p in enumerate(members):
+        mailbox.send(p.addr, WriteEnv(elastic_env(sizes, i, master_addr, int(master_port)), port))
+    return col.future
+
+
+def setup_torch_elastic_env(proc_mesh, master_addr: str | None = None, master_port: int | None = None,
+                            use_ipaddr: object = None) -> None:
+    """Set torchrun's variables on every proc of ``proc_mesh`` (rank 0's host is the master)."""
+    _setup(proc_mesh, master_addr, master_port).get(timeout=TIMEOUT)
+
+
+async def setup_torch_elastic_env_async(proc_mesh, master_addr: str | None = None, master_port: int | None = None,
+                                        use_ipaddr: object = None) -> None:
+    """``await`` form of :func:`setup_torch_elastic_env`."""
+    await _setup(proc_mesh, master_addr, master_port)

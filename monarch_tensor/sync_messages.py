@@ -1,0 +1,78 @@
+"""The workspace-sync protocol, client -> procs; handlers are in ``_sync_proc.py``.
+
+A sync is three rounds: ``DescribeWorkspace`` to every proc (once per mesh:
+which host and root each proc has), ``DiffWorkspace`` then ``WriteFiles`` to
+one writer proc per distinct root, and ``ReloadWorkspace`` to every proc.
+Replies are ``SendToPort`` values (``WorkspaceDiff``, tuples).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .messages import PortRef, _fast_reduce
+
+
+@_fast_reduce
+@dataclass(frozen=True, slots=True)
+class DescribeWorkspace:
+    """Client -> proc: reply ``(hostname, workspace root)`` for this client (``client_key``)."""
+
+    client_key: str
+    reply: PortRef
+
+
+@_fast_reduce
+@dataclass(frozen=True, slots=True)
+class DiffWorkspace:
+    """Client -> writer proc: compare ``manifest`` ({key: (size, mtime_ns, mode)}) with the root under ``dirs``."""
+
+    sync_id: str
+    client_key: str
+    dirs: tuple[str, ...]
+    manifest: dict
+    reply: PortRef
+
+
+@_fast_reduce
+@dataclass(frozen=True, slots=True)
+class WriteFiles:
+    """Client -> writer proc: apply ``ops`` to the root; the message with ``last`` commits and replies.
+
+    Ops are tuples: ``("w", key, offset, buffer, patch)`` write bytes;
+    ``("f", key, size, mtime_ns, mode, patch)`` finish a file; ``("t", key,
+    mtime_ns, mode)`` same content, new metadata; ``("d", key)`` delete.
+    ``scan_ns`` is the client's clock when it scanned (for the racy rule).
+    """
+
+    sync_id: str
+    client_key: str
+    dirs: tuple[str, ...]
+    ops: tuple
+    scan_ns: int
+    last: bool
+    reply: PortRef | None
+
+
+@_fast_reduce
+@dataclass(frozen=True, slots=True)
+class ReloadWorkspace:
+    """Client -> every proc: put the synced dirs on sys.path; with ``auto_reload``, re-import ``changed`` files."""
+
+    client_key: str
+    dirs: tuple[str, ...]
+    changed: tuple[str, ...]
+    auto_reload: bool
+    reply: PortRef
+
+
+@_fast_reduce
+@dataclass(frozen=True, slots=True)
+class WorkspaceDiff:
+    """Writer -> client (a reply value): what to send, verify by hash, patch by blocks, delete."""
+
+    send: tuple[str, ...]
+    verify: dict  # key -> remote fingerprint (digest, or block digests for large files)
+    blocks: dict  # key -> remote block digests, for large files to patch
+    delete: tuple[str, ...]
+    root: str

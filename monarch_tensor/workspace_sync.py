@@ -1,0 +1,225 @@
+"""Workspace sync, the client side: ``await proc_mesh.sync_workspace(workspace, auto_reload=True)``.
+
+1. Ask each proc (once per proc) for its host and workspace root; procs sharing
+   a root form a group, served by one writer proc.
+2. Scan the local dirs (size, mtime, mode per file) and send that manifest to
+   every writer; each replies with what differs (``_sync_proc.diff``).
+3. Hash locally only the files the writer asked to verify; send whole files,
+   changed blocks of large files, metadata-only updates and deletions in
+   ``WriteFiles`` messages of up to ``CHUNK`` bytes, all writers at once.
+4. Every proc puts the dirs on ``sys.path`` and, with ``auto_reload``,
+   re-imports the changed modules.
+
+>>> ws = Workspace(dirs=["./my_project"])
+>>> result = await procs.sync_workspace(ws, auto_reload=True)  # doctest: +SKIP
+>>> result.files_sent, result.bytes_sent  # doctest: +SKIP
+(1, 213)
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from . import _filetree, _sync_proc
+from ._ports import Collector
+from .future import Future
+from .mailbox import current_mailbox
+from .sync_messages import DescribeWorkspace, DiffWorkspace, ReloadWorkspace, WorkspaceDiff, WriteFiles
+from .tools.config.workspace import Workspace
+
+SYNC_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_SYNC_TIMEOUT", "120"))
+CHUNK = 8 << 20  # bytes of file data per WriteFiles message
+
+_roots: dict[str, tuple[str, str]] = {}  # proc addr -> (hostname, workspace root)
+
+
+@dataclass
+class SyncResult:
+    """What one sync did: files written (whole or patched), bytes of file data sent, deletions, reloads."""
+
+    files_sent: int = 0
+    bytes_sent: int = 0
+    unchanged: int = 0
+    deleted: int = 0
+    roots: list[str] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)
+    reloaded: dict[int, tuple[str, ...]] = field(default_factory=dict)  # proc rank -> modules
+    seconds: float = 0.0
+
+
+def sync_workspace(procs: list, workspace: Workspace, auto_reload: bool = False) -> Future[SyncResult]:
+    """Sync ``workspace`` to the roots of ``procs`` (``ProcInfo``s); see the module docstring."""
+    if not isinstance(workspace, Workspace):
+        raise TypeError(f"sync_workspace needs a Workspace, got {workspace!r}")
+    workspace.check()
+    fut: Future[SyncResult] = Future("workspace sync")
+
+    def run() -> None:
+        try:
+            fut._set_result(_sync([p for p in procs if p.alive], workspace, auto_reload))
+        except BaseException as e:  # noqa: BLE001 - surfaces on .get() / await
+            fut._set_exception(e)
+
+    threading.Thread(target=run, daemon=True, name="monarch-tensor-sync").start()
+    return fut
+
+
+def _ask(procs: list, make, what: str) -> list:
+    mailbox = current_mailbox()
+    col = Collector([p.addr for p in procs], [p.rank for p in procs], list, what)
+    port = mailbox.open_port(col)
+    for p in procs:
+        mailbox.send(p.addr, make(port))
+    return col.future.get(timeout=SYNC_TIMEOUT)
+
+
+def local_manifest(workspace: Workspace) -> tuple[dict, dict[str, str]]:
+    """``({key: (size, mtime_ns, mode)}, {key: local path})`` of the workspace dirs."""
+    manifest, sources = {}, {}
+    for src, dst in workspace.dirs.items():
+        prefix = f"{dst}/" if dst else ""
+        for key, e in _filetree.scan(str(src), prefix).items():
+            manifest[key] = (e.size, e.mtime_ns, e.mode)
+            sources[key] = os.path.join(str(src), key[len(prefix):])
+    return manifest, sources
+
+
+class _Batcher:
+    """Packs ops into ``WriteFiles`` messages of about ``CHUNK`` bytes and sends them to one writer."""
+
+    def __init__(self, send, sync_id: str, key: str, dirs: tuple, scan_ns: int) -> None:
+        self.send, self.sync_id, self.key, self.dirs, self.scan_ns = send, sync_id, key, dirs, scan_ns
+        self.ops: list = []
+        self.nbytes = 0
+        self.files = self.bytes = 0
+
+    def add(self, op: tuple, nbytes: int = 0) -> None:
+        self.ops.append(op)
+        self.nbytes += nbytes
+        self.bytes += nbytes
+        if self.nbytes >= CHUNK:
+            self.flush(last=False, reply=None)
+
+    def flush(self, last: bool, reply) -> None:
+        self.send(WriteFiles(self.sync_id, self.key, self.dirs, tuple(self.ops), self.scan_ns, last, reply))
+        self.ops, self.nbytes = [], 0
+
+
+def _send_file(b: _Batcher, key: str, path: str, mtime_ns: int, mode: int, blocks: list[int] | None) -> None:
+    """Whole file (``blocks`` None) or only the given blocks of it, then the op that finishes it."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if blocks is None:
+            off = 0
+            while off < size or off == 0:
+                data = f.read(CHUNK)
+                if not data:
+                    break
+                b.add(("w", key, off, pickle.PickleBuffer(data), False), len(data))
+                off += len(data)
+            size = off
+        else:
+            for i in blocks:
+                f.seek(i * _filetree.BLOCK)
+                data = f.read(_filetree.BLOCK)
+                if data:
+                    b.add(("w", key, i * _filetree.BLOCK, pickle.PickleBuffer(data), True), len(data))
+    b.add(("f", key, size, mtime_ns, mode, blocks is not None))
+    b.files += 1
+
+
+def plan(b: _Batcher, diff: WorkspaceDiff, manifest: dict, sources: dict[str, str]) -> list[str]:
+    """Turn a writer's diff into ops on ``b``; return the keys whose content changes."""
+    changed = []
+    for key in diff.send:
+        _, mtime_ns, mode = manifest[key]
+        theirs = diff.blocks.get(key)
+        blocks = _filetree.changed_blocks(sources[key], theirs) if theirs is not None else None
+        _send_file(b, key, sources[key], mtime_ns, mode, blocks)
+        changed.append(key)
+    for key, theirs in diff.verify.items():
+        size, mtime_ns, mode = manifest[key]
+        ours = _filetree.fingerprint(sources[key], size)
+        if ours == theirs:
+            b.add(("t", key, mtime_ns, mode))
+            continue
+        blocks = None
+        if isinstance(theirs, list):
+            blocks = [i for i, d in enumerate(ours) if i >= len(theirs) or theirs[i] != d]
+        _send_file(b, key, sources[key], mtime_ns, mode, blocks)
+        changed.append(key)
+    for key in diff.delete:
+        b.add(("d", key))
+        changed.append(key)
+    return changed
+
+
+def _sync(procs: list, workspace: Workspace, auto_reload: bool) -> SyncResult:
+    t0 = time.perf_counter()
+    mailbox = current_mailbox()
+    key = _sync_proc.client_key(mailbox.addr)
+    dirs = tuple(workspace.dirs.values())
+    result = SyncResult()
+    unknown = [p for p in procs if p.addr not in _roots]
+    if unknown:
+        for p, where in zip(unknown, _ask(unknown, lambda port: DescribeWorkspace(key, port), "workspace roots")):
+            _roots[p.addr] = tuple(where)
+    groups: dict[tuple[str, str], list] = {}
+    for p in procs:
+        groups.setdefault(_roots[p.addr], []).append(p)
+    writers = [members[0] for members in groups.values()]
+    scan_ns = time.time_ns()
+    manifest, sources = local_manifest(workspace)
+    sync_id = uuid.uuid4().hex[:12]
+    diffs: list[WorkspaceDiff] = _ask(writers, lambda port: DiffWorkspace(sync_id, key, dirs, manifest, port),
+                                      "workspace diff") if writers else []
+    col = Collector([w.addr for w in writers], [w.rank for w in writers], list, "workspace write")
+    port = mailbox.open_port(col)
+    changed: set[str] = set()
+    for w, diff in zip(writers, diffs):
+        b = _Batcher(lambda msg, addr=w.addr: mailbox.send(addr, msg), sync_id, key, dirs, scan_ns)
+        changed.update(plan(b, diff, manifest, sources))
+        b.flush(last=True, reply=port)
+        result.files_sent += b.files
+        result.bytes_sent += b.bytes
+        result.deleted = max(result.deleted, len(diff.delete))
+        result.unchanged = max(result.unchanged, len(manifest) - len(diff.send) - len(diff.verify))
+    result.roots = col.future.get(timeout=SYNC_TIMEOUT) if writers else []
+    result.changed = sorted(changed)
+    if procs:
+        replies = _ask(procs, lambda port: ReloadWorkspace(key, dirs, tuple(sorted(changed)), auto_reload, port),
+                       "workspace reload")
+        result.reloaded = {p.rank: r for p, r in zip(procs, replies)}
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def sync_local(workspace: Workspace) -> SyncResult:
+    """Sync into this client's own default root on this host (when no proc is running yet)."""
+    t0 = time.perf_counter()
+    workspace.check()
+    key = _sync_proc.client_key(current_mailbox().addr)
+    root = _sync_proc.workspace_root(key)
+    dirs = tuple(workspace.dirs.values())
+    scan_ns = time.time_ns()
+    manifest, sources = local_manifest(workspace)
+    diff = _sync_proc.diff(root, dirs, manifest)
+    writer = _filetree.Writer(root)
+    msgs: list[WriteFiles] = []
+    b = _Batcher(msgs.append, "local", key, dirs, scan_ns)
+    changed = plan(b, diff, manifest, sources)
+    b.flush(last=True, reply=None)
+    try:
+        for m in msgs:
+            _sync_proc.apply_ops(writer, m.ops)
+    except BaseException:
+        writer.abort()
+        raise
+    _sync_proc.commit(root, dirs, writer.ops, scan_ns)
+    return SyncResult(b.files, b.bytes, len(manifest) - len(diff.send) - len(diff.verify), len(diff.delete),
+                      [root], sorted(changed), {}, time.perf_counter() - t0)

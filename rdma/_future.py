@@ -1,0 +1,60 @@
+"""The Future that transfers return: set from a data-plane thread, awaited anywhere.
+
+``Future.get`` on the thread that receives a proc's messages (a sync endpoint)
+waits by polling the mailbox every 100 ms, since replies arrive there; a
+transfer finishes on another thread, so here the wait also polls a pipe that
+the finishing thread writes to: no 100 ms stall, and the mailbox keeps being
+served meanwhile (the verbs handshake needs its replies).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+import time
+
+import zmq
+
+from monarch_tensor.future import Future
+
+
+class TransferFuture(Future):
+    __slots__ = ()
+
+    def get(self, timeout: float | None = None):
+        if not self._f.done():
+            from monarch_tensor import mailbox as _mb
+
+            mb = _mb._mailbox
+            if mb is not None and mb.receiver_ident == threading.get_ident():
+                self._wait_serving(mb, timeout)
+            else:
+                concurrent.futures.wait([self._f], timeout)
+        if self._f.done():
+            # not Future.get: it would report a TransferTimeoutError (a TimeoutError) as its own timeout
+            return self._f.result()
+        return super().get(0)
+
+    result = get
+
+    def _wait_serving(self, mb, timeout: float | None) -> None:
+        r, w = os.pipe()
+        try:
+            self._f.add_done_callback(lambda _f: os.write(w, b"x"))
+            poller = zmq.Poller()
+            poller.register(mb._router, zmq.POLLIN)
+            poller.register(r, zmq.POLLIN)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while not self._f.done():
+                mb.drain(mb.on_deferred)
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return
+                poller.poll(100 if left is None else max(1, min(100, int(left * 1000))))
+        finally:
+            os.close(r)
+            try:
+                os.close(w)
+            except OSError:
+                pass

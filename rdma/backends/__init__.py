@@ -1,0 +1,1 @@
+"""Data-plane backends, one file each behind :class:`base.Backend`."""

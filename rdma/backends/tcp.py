@@ -1,0 +1,232 @@
+"""``tcp``: everything else, over the data plane's own TCP connections (never the control socket).
+
+The owner runs a small server (one thread per connection, started with its
+first registration) that serves reads and writes of registered buffers to
+whoever presents the buffer's id and secret token. Readers keep a pool of
+connections per owner; a large transfer is cut into chunks spread over
+``STREAMS`` connections in parallel. CUDA buffers are staged through the CPU
+on both sides.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import socket
+import struct
+import threading
+
+from .._host import alive, host_id
+from .._memory import Mem
+from .._registry import Descriptor, registry
+from ..errors import BufferDroppedError, OwnerDiedError, TransferError, TransferTimeoutError
+from .base import Backend, check_deadline
+
+STREAMS = int(os.environ.get("MONARCH_TENSOR_RDMA_TCP_STREAMS", "4"))
+MIN_STREAM_CHUNK = 4 << 20  # below this a transfer uses one connection
+_REQ = struct.Struct("!4sBQQQQ")
+_MAGIC = b"MTDP"
+READ, WRITE = 1, 2
+OK, UNKNOWN, RANGE, READONLY, FAILED = 0, 1, 2, 3, 4
+_STATUS = {UNKNOWN: "was dropped by its owner (or never existed there)", RANGE: "range is out of bounds",
+           READONLY: "is read-only", FAILED: "failed on the owner's side"}
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:], min(len(view) - got, 1 << 24))
+        if n == 0:
+            raise ConnectionError("connection closed mid-transfer")
+        got += n
+
+
+# ---- owner side -----------------------------------------------------------------------
+class Server:
+    """Serves this process's registered buffers; ``address`` is (host, port)."""
+
+    def __init__(self) -> None:
+        host = os.environ.get("MONARCH_TENSOR_RDMA_HOST") or _default_host()
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.sock.bind((host, 0))
+        except OSError:
+            host = "127.0.0.1"
+            self.sock.bind((host, 0))
+        self.sock.listen(64)
+        self.address = (host, self.sock.getsockname()[1])
+        threading.Thread(target=self._accept, daemon=True, name="mt-rdma-tcp").start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True, name="mt-rdma-tcp-conn").start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        head = bytearray(_REQ.size)
+        try:
+            while True:
+                _recv_exact(conn, memoryview(head))
+                magic, op, buf_id, token, offset, length = _REQ.unpack(head)
+                if magic != _MAGIC or op not in (READ, WRITE):
+                    return  # a stray client: hang up
+                reg = registry().lookup(buf_id, token)
+                status = OK
+                if reg is None:
+                    status = UNKNOWN
+                elif offset + length > reg.desc.nbytes:
+                    status = RANGE
+                elif op == WRITE and not reg.desc.writable:
+                    status = READONLY
+                if op == READ:
+                    self._serve_read(conn, reg, status, offset, length)
+                else:
+                    self._serve_write(conn, reg, status, offset, length)
+        except (OSError, ConnectionError):
+            pass
+        finally:
+            conn.close()
+
+    def _serve_read(self, conn, reg, status, offset, length) -> None:
+        if status != OK:
+            conn.sendall(bytes([status]))
+            return
+        mem = reg.mem
+        data = mem.slice(offset, length).cpu().numpy() if mem.is_cuda else mem.view(offset, length)
+        conn.sendall(bytes([OK]))
+        conn.sendall(data)
+
+    def _serve_write(self, conn, reg, status, offset, length) -> None:
+        if status != OK:
+            sink = bytearray(min(length, 1 << 20))
+            left = length
+            while left:
+                n = conn.recv_into(sink, min(left, len(sink)))
+                if n == 0:
+                    raise ConnectionError("closed")
+                left -= n
+            conn.sendall(bytes([status]))
+            return
+        mem = reg.mem
+        if mem.is_cuda:
+            import torch
+
+            stage = torch.empty(length, dtype=torch.uint8)
+            _recv_exact(conn, memoryview(stage.numpy()))
+            mem.slice(offset, length).copy_(stage)
+        else:
+            _recv_exact(conn, mem.view(offset, length))
+        conn.sendall(bytes([OK]))
+
+
+def _default_host() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+_server: Server | None = None
+_server_pid = 0
+_server_lock = threading.Lock()
+
+
+def server_address() -> tuple[str, int]:
+    """This process's data server (started on first use)."""
+    global _server, _server_pid
+    with _server_lock:
+        if _server is None or _server_pid != os.getpid():
+            _server, _server_pid = Server(), os.getpid()
+        return _server.address
+
+
+# ---- reader side ----------------------------------------------------------------------
+class TcpBackend(Backend):
+    name = "tcp"
+    remote_cpu_only = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._idle: dict[tuple[str, int], list[socket.socket]] = {}
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=STREAMS, thread_name_prefix="mt-rdma-tcp")
+
+    def usable(self, desc: Descriptor, local: Mem) -> bool:
+        return desc.tcp is not None
+
+    def _conn(self, addr: tuple[str, int], desc: Descriptor, deadline: float) -> socket.socket:
+        with self._lock:
+            idle = self._idle.get(addr)
+            if idle:
+                return idle.pop()
+        try:
+            s = socket.create_connection(addr, timeout=check_deadline(deadline, "connecting to the owner"))
+        except (ConnectionRefusedError, socket.timeout, OSError) as e:
+            raise self._lost(desc, e) from e
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return s
+
+    def _release(self, addr, s: socket.socket) -> None:
+        with self._lock:
+            self._idle.setdefault(addr, []).append(s)
+
+    def _lost(self, desc: Descriptor, e: BaseException) -> Exception:
+        if isinstance(e, (socket.timeout, TimeoutError)):
+            return TransferTimeoutError(f"tcp transfer of buffer {desc.buf_id} did not finish within its timeout")
+        if desc.host == host_id() and not alive(desc.pid, desc.started):
+            return OwnerDiedError(f"the owner of buffer {desc.buf_id} (pid {desc.pid}) died")
+        return OwnerDiedError(f"the owner of buffer {desc.buf_id} (pid {desc.pid} on {desc.host.split('/')[0]}) "
+                              f"cannot be reached at {desc.tcp}: {e!r} (it died, or the network failed)")
+
+    def _one(self, op: int, desc: Descriptor, offset: int, local: Mem, lo: int, n: int, deadline: float) -> None:
+        addr = tuple(desc.tcp)
+        s = self._conn(addr, desc, deadline)
+        ok = False
+        try:
+            s.settimeout(check_deadline(deadline, "tcp transfer"))
+            s.sendall(_REQ.pack(_MAGIC, op, desc.buf_id, desc.token, offset + lo, n))
+            status = bytearray(1)
+            if op == WRITE:
+                s.sendall(local.view(lo, n))
+                _recv_exact(s, memoryview(status))
+            else:
+                _recv_exact(s, memoryview(status))
+                if status[0] == OK:
+                    _recv_exact(s, local.view(lo, n))
+            ok = True
+        except (OSError, ConnectionError) as e:
+            raise self._lost(desc, e) from e
+        finally:
+            if ok:
+                self._release(addr, s)
+            else:
+                s.close()
+        if status[0] == UNKNOWN:
+            raise BufferDroppedError(f"buffer {desc.buf_id} of pid {desc.pid} {_STATUS[UNKNOWN]}")
+        if status[0] != OK:
+            raise TransferError(f"buffer {desc.buf_id}: {_STATUS.get(status[0], f'status {status[0]}')}")
+
+    def _run(self, op: int, desc: Descriptor, offset: int, local: Mem, deadline: float) -> None:
+        n = local.nbytes
+        streams = max(1, min(STREAMS, n // MIN_STREAM_CHUNK))
+        if streams == 1:
+            self._one(op, desc, offset, local, 0, n, deadline)
+            return
+        step = -(-n // streams)
+        futs = [self._pool.submit(self._one, op, desc, offset, local, lo, min(step, n - lo), deadline)
+                for lo in range(0, n, step)]
+        errors = [f.exception() for f in futs]
+        for e in errors:
+            if e is not None:
+                raise e
+
+    def _read(self, desc: Descriptor, offset: int, local: Mem, deadline: float) -> None:
+        self._run(READ, desc, offset, local, deadline)
+
+    def _write(self, desc: Descriptor, offset: int, local: Mem, deadline: float) -> None:
+        self._run(WRITE, desc, offset, local, deadline)

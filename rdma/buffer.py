@@ -1,0 +1,313 @@
+"""``RDMABuffer``: a registered buffer, read and written one-sidedly from any proc or the controller.
+
+>>> import torch
+>>> from monarch_tensor.rdma import RDMABuffer
+>>> weights = torch.randn(1024)
+>>> buf = RDMABuffer(weights.view(torch.uint8))   # in the owner (an actor, or the controller)
+>>> # ... send ``buf`` to another actor in an ordinary message; there:
+>>> out = torch.empty(1024)
+>>> buf.read_into(out.view(torch.uint8)).get()     # one-sided: the owner does nothing
+>>> buf.backend                                     # 'cma' on one host, 'tcp' across hosts, ...
+'cma'
+
+The handle pickles to a small descriptor. The registration lives until
+``drop()`` or the owner's death; using it afterwards fails with
+``BufferDroppedError`` / ``OwnerDiedError`` within the timeout, never a hang.
+The backend is chosen per (owner, reader) pair in the order verbs, cuda_ipc,
+cma, tcp; ``MONARCH_TENSOR_RDMA_BACKEND=tcp`` (or another name) forces one.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import threading
+from typing import Any
+
+from monarch_tensor.future import Future
+
+from ._future import TransferFuture
+from ._host import host_id
+from ._memory import Mem, as_mem
+from ._registry import Descriptor, registry
+from .backends.base import Backend
+from .errors import BackendRefusedError, BackendUnavailableError, BufferDroppedError, OwnerDiedError
+
+log = logging.getLogger("monarch_tensor.rdma")
+ENV_BACKEND = "MONARCH_TENSOR_RDMA_BACKEND"
+DEFAULT_TIMEOUT = 60.0
+INLINE_BYTES = 256 << 10  # cma transfers up to this size run on the caller's thread (they cannot block)
+
+_backends: list[Backend] | None = None
+_lock = threading.Lock()
+_executor: concurrent.futures.ThreadPoolExecutor | None = None
+_executor_pid = 0
+
+
+def backends() -> list[Backend]:
+    """Every backend, in order of preference."""
+    global _backends
+    with _lock:
+        if _backends is None:
+            from .backends.cma import CmaBackend
+            from .backends.cuda_ipc import CudaIpcBackend
+            from .backends.tcp import TcpBackend
+            from .backends.verbs import VerbsBackend
+
+            _backends = [VerbsBackend(), CudaIpcBackend(), CmaBackend(), TcpBackend()]
+            from . import service
+
+            service.install()
+    return _backends
+
+
+def backend_named(name: str) -> Backend:
+    for b in backends():
+        if b.name == name:
+            return b
+    raise BackendUnavailableError(f"no data-plane backend named {name!r}; known: {[b.name for b in backends()]}")
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _executor, _executor_pid
+    if _executor is None or _executor_pid != os.getpid():
+        _executor = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="mt-rdma")
+        _executor_pid = os.getpid()
+    return _executor
+
+
+def get_rdma_backend() -> str:
+    """Name of the backend this process prefers for CPU memory (``"verbs"`` where a NIC is found)."""
+    forced = os.environ.get(ENV_BACKEND)
+    if forced:
+        return backend_named(forced).name
+    for b in backends():
+        if b.name in ("verbs", "cma", "tcp") and b.available():
+            return b.name
+    return "tcp"
+
+
+def is_ibverbs_available() -> bool:
+    """Whether pyverbs imports and finds an RDMA device on this host."""
+    from .backends import verbs
+
+    return verbs.available()
+
+
+def transfer_stats() -> dict[str, dict]:
+    """Per backend: reads, writes, bytes and seconds of the transfers this process made."""
+    return {b.name: dict(b.stats) for b in backends()}
+
+
+def candidates(desc: Descriptor, local: Mem) -> list[Backend]:
+    """Backends that can serve the pair (``desc``'s owner, this process), best first."""
+    forced = os.environ.get(ENV_BACKEND)
+    if forced:
+        b = backend_named(forced)
+        if not b.can_serve(desc, local):
+            raise BackendUnavailableError(f"{ENV_BACKEND}={forced} but that backend cannot move buffer "
+                                          f"{desc.buf_id} ({desc.device} in pid {desc.pid}) to {local.device} here")
+        return [b]
+    found = [b for b in backends() if b.can_serve(desc, local)]
+    if not found:
+        raise BackendUnavailableError(f"no backend can reach buffer {desc.buf_id} ({desc.device} in pid "
+                                      f"{desc.pid} on {desc.host.split('/')[0]}) from here")
+    return found
+
+
+class RDMABuffer:
+    """A registered buffer; the handle is picklable and works from any proc or the controller.
+
+    >>> buf = RDMABuffer(torch.arange(10, dtype=torch.float32))
+    >>> dst = torch.empty(10)
+    >>> buf.read_into(dst).get(); buf.drop()
+    """
+
+    __slots__ = ("_desc", "_last_backend", "__weakref__")
+
+    def __init__(self, data: Any) -> None:
+        mem = as_mem(data, "RDMABuffer data")
+        bs = backends()
+        from monarch_tensor import mailbox as _mb
+
+        from .backends import cma, tcp
+
+        cma.allow_readers()
+        extras: dict = {}
+        for b in bs:
+            reg = getattr(b, "register", None)
+            if reg is not None and b.available():
+                reg(mem, extras)
+        owner = _mb._mailbox.addr if _mb._mailbox is not None else ""
+        self._desc = registry().register(mem, owner, tcp.server_address(), extras).desc
+        self._last_backend: str | None = None
+
+    @classmethod
+    def _from_desc(cls, desc: Descriptor) -> RDMABuffer:
+        self = cls.__new__(cls)
+        self._desc, self._last_backend = desc, None
+        return self
+
+    def __reduce__(self):
+        return (RDMABuffer._from_desc, (self._desc,))
+
+    # ---- what it is -------------------------------------------------------------------
+    def size(self) -> int:
+        """Bytes in the buffer."""
+        return self._desc.nbytes
+
+    @property
+    def owner(self) -> str:
+        """The owner process: its mailbox address (or ``pid:<pid>`` where it has none)."""
+        return self._desc.owner or f"pid:{self._desc.pid}"
+
+    @property
+    def device(self) -> str:
+        return self._desc.device
+
+    @property
+    def backend(self) -> str:
+        """The backend used by the last transfer from here, or the one that would be chosen for CPU memory."""
+        if self._last_backend is not None:
+            return self._last_backend
+        probe = Mem(0, 0, "cpu", True, None, None) if self._desc.device == "cpu" else _probe_cuda()
+        return candidates(self._desc, probe)[0].name
+
+    def __repr__(self) -> str:
+        d = self._desc
+        return f"RDMABuffer({d.nbytes} bytes, {d.device}, pid {d.pid}, id {d.buf_id})"
+
+    # ---- transfers --------------------------------------------------------------------
+    def read_into(self, dst: Any, *, offset: int = 0, timeout: float = DEFAULT_TIMEOUT) -> Future[None]:
+        """Copy ``dst.nbytes`` bytes of the buffer, from ``offset``, into ``dst``; a Future of None."""
+        local = self._check(dst, offset, "read_into destination")
+        return self._submit("read", local, offset, timeout)
+
+    def write_from(self, src: Any, *, offset: int = 0, timeout: float = DEFAULT_TIMEOUT) -> Future[None]:
+        """Copy ``src`` into the buffer at ``offset``; a Future of None."""
+        local = self._check(src, offset, "write_from source")
+        if not self._desc.writable:
+            raise ValueError(f"{self!r} wraps read-only memory: it cannot be written")
+        return self._submit("write", local, offset, timeout)
+
+    def drop(self) -> None:
+        """End the registration (from the owner, or from anywhere holding the handle)."""
+        d = self._desc
+        if d.pid == os.getpid() and d.host == host_id():
+            registry().drop(d.buf_id)
+            return
+        from monarch_tensor.mailbox import current_mailbox
+
+        from .messages import DropBuffer
+
+        if d.owner:
+            try:
+                current_mailbox().send(d.owner, DropBuffer(d.buf_id, d.token))
+            except Exception as e:  # noqa: BLE001 - a dead owner has nothing left to drop
+                log.debug("drop of %r: %s", self, e)
+
+    def _check(self, obj: Any, offset: int, what: str) -> Mem:
+        local = as_mem(obj, what)
+        if not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"offset must be a non-negative int, got {offset!r}")
+        if offset + local.nbytes > self._desc.nbytes:
+            raise ValueError(f"size mismatch: {what} has {local.nbytes} bytes, but the buffer has "
+                             f"{self._desc.nbytes} bytes from which {self._desc.nbytes - offset} are left at "
+                             f"offset {offset}")
+        return local
+
+    def _submit(self, kind: str, local: Mem, offset: int, timeout: float) -> Future[None]:
+        fut: Future[None] = TransferFuture(f"RDMA {kind} of {local.nbytes} bytes")
+        if local.nbytes <= INLINE_BYTES and self._desc.host == host_id() and not local.is_cuda \
+                and self._inline_ok(local):
+            self._run(fut, kind, local, offset, timeout)  # a few µs of syscall: no thread hop
+        else:
+            _pool().submit(self._run, fut, kind, local, offset, timeout)
+        return fut
+
+    def _inline_ok(self, local: Mem) -> bool:
+        try:
+            return candidates(self._desc, local)[0].name == "cma"
+        except Exception:  # noqa: BLE001 - reported by the transfer itself
+            return False
+
+    def _run(self, fut: Future, kind: str, local: Mem, offset: int, timeout: float) -> None:
+        try:
+            self.transfer(kind, local, offset, timeout)
+        except BaseException as e:  # noqa: BLE001 - delivered to the waiter
+            fut._set_exception(e)
+        else:
+            fut._set_result(None)
+
+    def transfer(self, kind: str, local: Mem, offset: int, timeout: float) -> None:
+        """Run one transfer on this thread (the Future-less form; ``kind`` is "read" or "write")."""
+        d = self._desc
+        _check_owner(d)
+        last: Exception | None = None
+        for b in candidates(d, local):
+            try:
+                (b.read if kind == "read" else b.write)(d, offset, local, timeout)
+                self._last_backend = b.name
+                return
+            except BackendRefusedError as e:
+                log.warning("%s; falling back to the next backend", e)
+                last = e
+        raise BackendUnavailableError(f"every backend refused buffer {d.buf_id}: {last}")
+
+
+def _probe_cuda() -> Mem:
+    return Mem(0, 0, "cuda:0", True, None, None)
+
+
+def _check_owner(d: Descriptor) -> None:
+    # (Whether a same-host owner still runs is checked by the backends when a transfer fails:
+    # reading /proc up front would cost more than a small transfer.)
+    if d.pid == os.getpid() and d.host == host_id() and registry().lookup(d.buf_id, d.token) is None:
+        raise BufferDroppedError(f"buffer {d.buf_id} was dropped")
+    if d.owner:
+        from monarch_tensor import mailbox as _mb
+
+        if _mb._mailbox is not None and _mb._mailbox.death_of(d.owner) is not None:
+            raise OwnerDiedError(f"the owner of buffer {d.buf_id} ({d.owner}) died")
+
+
+class RDMAAction:
+    """Several transfers submitted together; ``submit()`` is a Future of None that fails if any fails.
+
+    >>> RDMAAction().read_remote(buf_a, dst_a).write_remote(buf_b, src_b).submit().get()
+    """
+
+    def __init__(self) -> None:
+        self._ops: list[tuple[str, RDMABuffer, Mem, int]] = []
+
+    def read_remote(self, buf: RDMABuffer, dst: Any, *, offset: int = 0) -> RDMAAction:
+        self._ops.append(("read", buf, buf._check(dst, offset, "read_remote destination"), offset))
+        return self
+
+    def write_remote(self, buf: RDMABuffer, src: Any, *, offset: int = 0) -> RDMAAction:
+        if not buf._desc.writable:
+            raise ValueError(f"{buf!r} wraps read-only memory: it cannot be written")
+        self._ops.append(("write", buf, buf._check(src, offset, "write_remote source"), offset))
+        return self
+
+    def submit(self, *, timeout: float = DEFAULT_TIMEOUT) -> Future[None]:
+        futs = [buf._submit(kind, mem, off, timeout) for kind, buf, mem, off in self._ops]
+        out: Future[None] = TransferFuture(f"RDMAAction of {len(futs)} transfers")
+        left = [len(futs)]
+        lock = threading.Lock()
+
+        def one_done(f: Future) -> None:
+            e = f.exception()
+            if e is not None:
+                out._set_exception(e)
+            with lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    out._set_result(None)
+
+        if not futs:
+            out._set_result(None)
+        for f in futs:
+            f.add_done_callback(one_done)
+        return out

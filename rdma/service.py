@@ -1,0 +1,37 @@
+"""Handlers of the data plane's control messages, registered with this process's mailbox."""
+
+from __future__ import annotations
+
+import logging
+
+from monarch_tensor import mailbox as _mailbox
+from monarch_tensor.messages import SendToPort
+
+from ._registry import registry
+from .messages import ConnectQueuePair, DropBuffer
+
+log = logging.getLogger("monarch_tensor.rdma")
+
+
+def handle_ConnectQueuePair(mb: _mailbox.Mailbox, msg: ConnectQueuePair) -> None:
+    from .backends import verbs
+
+    try:
+        value, error = verbs.accept_connection(msg.peer, msg.device, msg.endpoint), None
+    except Exception as e:  # noqa: BLE001 - reported to the reader
+        value, error = None, e
+    mb.send(msg.reply.addr, SendToPort(msg.reply.port_id, value, error, 0))
+
+
+def handle_DropBuffer(mb: _mailbox.Mailbox, msg: DropBuffer) -> None:
+    reg = registry().lookup(msg.buf_id, msg.token)
+    if reg is not None:
+        registry().drop(msg.buf_id)
+
+
+HANDLERS = {ConnectQueuePair: handle_ConnectQueuePair, DropBuffer: handle_DropBuffer}
+
+
+def install() -> None:
+    """Make this process's mailbox (any process: client or proc) handle the messages above."""
+    _mailbox.SYSTEM_HANDLERS.update(HANDLERS)

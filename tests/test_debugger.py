@@ -1,0 +1,166 @@
+"""The distributed debugger, driven through pseudo-terminals (pexpect) like a person at a keyboard.
+
+tests/debug_script.py pauses four ranks at breakpoints on two different lines.
+One test drives ``monarch-tensor debug`` from another terminal; one drives the
+prompt that opens in the script's own terminal. Plus unit tests of rank
+selections and of the link's authentication.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from monarch_tensor import _debug_cli, _debug_server
+from monarch_tensor.debugger import parse_ranks, table
+
+pexpect = pytest.importorskip("pexpect", reason="pexpect is a dev extra: pip install -e '.[dev]'")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join("tests", "debug_script.py")
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+
+
+def _until_all_listed(p, n: int = 4) -> str:
+    """``list`` until the n ranks have registered (they pause at slightly different times)."""
+    deadline = time.monotonic() + 60
+    while True:
+        p.sendline("list")
+        p.expect_exact("monarch_dbg> ")
+        if p.before.count("| debugee") == n or time.monotonic() > deadline:
+            return p.before
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(120)
+def test_debug_cli_in_another_terminal():
+    script = subprocess.Popen([sys.executable, SCRIPT], cwd=ROOT, env=ENV, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cli = pexpect.spawn(sys.executable, ["-m", "monarch_tensor.cli", "debug", "--pid", str(script.pid)],
+                        cwd=ROOT, env=ENV, encoding="utf-8", timeout=60)
+    try:
+        cli.expect_exact("monarch_dbg> ")
+        listing = _until_all_listed(cli)
+        rows = [ln for ln in listing.splitlines() if ln.startswith("| debugee")]
+        assert [r.split("|")[2].strip() for r in rows] == ["0", "1", "2", "3"], listing
+        assert [r.split("|")[6].strip() for r in rows] == ["13", "16", "13", "16"], listing  # different lines
+        assert "{'gpus': 3}" in rows[3] and "to_debug" in rows[3]
+
+        cli.sendline("attach debugee 1")
+        cli.expect_exact("(Pdb) ")
+        assert "debug_script.py(16)to_debug()" in cli.before
+        cli.sendline("p value")
+        cli.expect_exact("(Pdb) ")
+        assert cli.before.splitlines()[-1].strip() == "10"
+        cli.sendline("n")  # step: value += 2
+        cli.expect_exact("(Pdb) ")
+        assert "-> return value" in cli.before
+        cli.sendline("p value")
+        cli.expect_exact("(Pdb) ")
+        assert cli.before.splitlines()[-1].strip() == "12"
+        cli.sendline("l")
+        cli.expect_exact("(Pdb) ")
+        assert "17  ->\t        return value" in cli.before
+        cli.sendline("detach")
+        cli.expect_exact("monarch_dbg> ")
+
+        cli.sendline("cast debugee ranks(0,2) p rank")
+        cli.expect_exact("monarch_dbg> ")
+        assert "[debugee rank 0] 0" in cli.before and "[debugee rank 2] 2" in cli.before
+        cli.sendline("cast debugee ranks(gpus=2:4) p value")
+        cli.expect_exact("monarch_dbg> ")
+        assert "[debugee rank 2] 20" in cli.before and "[debugee rank 3] 30" in cli.before
+        assert "rank 1]" not in cli.before
+        cli.sendline("cast debugee ranks(0:2) p value")
+        cli.expect_exact("monarch_dbg> ")
+        assert "[debugee rank 0] 0" in cli.before and "[debugee rank 1] 12" in cli.before
+        cli.sendline("attach debugee 9")
+        cli.expect_exact("monarch_dbg> ")
+        assert "no paused rank 9 of actor 'debugee'" in cli.before
+
+        cli.sendline("continue")
+        cli.expect(pexpect.EOF)
+        assert "released 4 paused rank(s)" in cli.before
+        out, err = script.communicate(timeout=60)
+        assert script.returncode == 0, err
+        assert "RESULT [1, 12, 21, 32]" in out and "DONE" in out
+        assert "run `monarch-tensor debug` in another terminal" in err
+    finally:
+        cli.close(force=True)
+        if script.poll() is None:
+            script.kill()
+
+
+@pytest.mark.timeout(120)
+def test_prompt_in_the_scripts_own_terminal():
+    p = pexpect.spawn(sys.executable, [SCRIPT], cwd=ROOT, env=ENV, encoding="utf-8", timeout=60)
+    try:
+        p.expect_exact("monarch_dbg> ")
+        _until_all_listed(p)
+        p.sendline("attach debugee 0")
+        p.expect_exact("(Pdb) ")
+        assert "debug_script.py(13)to_debug()" in p.before
+        p.sendline("p value + 100")
+        p.expect_exact("(Pdb) ")
+        assert "100" in p.before
+        p.sendline("c")  # this rank goes on; back to monarch_dbg>
+        p.expect_exact("monarch_dbg> ")
+        assert "rank 0 of 'debugee' continued" in p.before
+        listing = _until_all_listed(p, 3)
+        assert listing.count("| debugee") == 3
+        p.sendline("help")
+        p.expect_exact("monarch_dbg> ")
+        assert "cast <actor> ranks(...) <cmd>" in p.before
+        p.sendline("continue")
+        p.expect_exact("DONE")
+        assert "RESULT [1, 12, 21, 32]" in p.before
+        p.expect(pexpect.EOF)
+    finally:
+        p.close(force=True)
+
+
+def test_rank_selections():
+    sessions = [SimpleNamespace(rank=r, coords={"hosts": r // 4, "gpus": r % 4}) for r in range(8)]
+
+    def pick(spec: str) -> list[int]:
+        pred = parse_ranks(spec)
+        return [s.rank for s in sessions if pred(s)]
+
+    assert pick("3") == [3]
+    assert pick("0,1,2") == [0, 1, 2]
+    assert pick("0:4") == [0, 1, 2, 3]
+    assert pick("1:8:3") == [1, 4, 7]
+    assert pick(":2") == [0, 1]
+    assert pick("*") == list(range(8))
+    assert pick("gpus=0:2") == [0, 1, 4, 5]
+    assert pick("hosts=1, gpus=(0,3)") == [4, 7]
+    with pytest.raises(ValueError, match="cannot read ranks"):
+        parse_ranks("a,b")
+    assert "| debugee    | 2    |" in table([SimpleNamespace(actor="debugee", rank=2, coords={}, hostname="h",
+                                                              function="m.f", lineno=7)])
+
+
+def test_debug_link_refuses_a_wrong_token(tmp_path):
+    host, port = _debug_server.ensure_server()
+    path = _debug_server.info_path()
+    assert os.stat(path).st_mode & 0o777 == 0o600  # the token is readable by this user only
+    info = json.load(open(path))
+    with pytest.raises(PermissionError, match="refused"):
+        _debug_cli.connect(dict(info, token="0" * 64))
+    s = _debug_cli.connect(info)  # the right token gets the prompt
+    data = b""
+    while b"monarch_dbg> " not in data:
+        data += s.recv(4096)
+    s.sendall(b"quit\n")
+    s.close()
+    with socket.create_connection((host, port)) as raw:  # a client that never answers is dropped
+        raw.settimeout(_debug_server.AUTH_TIMEOUT + 5)
+        assert raw.recv(100).startswith(b"MTDBG1 ")
+        assert raw.recv(100) in (b"", b"DENIED bad token\n")

@@ -1,0 +1,327 @@
+"""The shared suite every data-plane backend available here passes, on real processes.
+
+Owners are actors on procs of this host; the reader is the test process (and,
+in one test, another proc). Each test runs once per backend that can serve
+CPU memory here (forced with MONARCH_TENSOR_RDMA_BACKEND); cuda_ipc runs in
+tests/test_rdma_cuda.py where a GPU exists; verbs's seams are in
+tests/test_rdma_verbs.py (no RDMA device here).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import pickle
+import signal
+import threading
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from monarch_tensor.actor import Actor, endpoint, this_host
+from monarch_tensor.rdma import (
+    BufferDroppedError,
+    OwnerDiedError,
+    RDMAAction,
+    RDMABuffer,
+    TransferTimeoutError,
+    get_rdma_backend,
+    is_ibverbs_available,
+    transfer_stats,
+)
+from rdma.backends import cma
+from rdma.buffer import ENV_BACKEND
+
+BACKENDS = ["cma", "tcp"]
+N = 1 << 16
+
+
+class Owner(Actor):
+    def __init__(self):
+        self.tensors, self.bufs = {}, {}
+
+    @endpoint
+    def make(self, key: str, n: int, dtype: str = "uint8", seed: int = 0) -> RDMABuffer:
+        g = torch.Generator().manual_seed(seed)
+        t = torch.randint(0, 250, (n,), generator=g).to(getattr(torch, dtype))
+        self.tensors[key] = t
+        self.bufs[key] = RDMABuffer(t)
+        return self.bufs[key]
+
+    @endpoint
+    def value(self, key: str) -> torch.Tensor:
+        return self.tensors[key].clone()
+
+    @endpoint
+    def drop(self, key: str) -> None:
+        self.bufs[key].drop()
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    def read(self, buf: RDMABuffer, n: int) -> tuple[torch.Tensor, str]:
+        out = torch.empty(n, dtype=torch.uint8)
+        buf.read_into(out).get(timeout=30)
+        return out, buf.backend
+
+    @endpoint
+    async def read_async(self, buf: RDMABuffer, n: int) -> torch.Tensor:
+        out = torch.empty(n, dtype=torch.uint8)
+        await buf.read_into(out)
+        return out
+
+
+@pytest.fixture(scope="module")
+def owners():
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    mesh = procs.spawn("rdma_owner", Owner)
+    yield mesh
+    procs.stop().get(timeout=30)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    monkeypatch.setenv(ENV_BACKEND, request.param)
+    return request.param
+
+
+def _owner(owners, i=0):
+    return owners.slice(gpus=i)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def test_read_and_write_whole_buffer(owners, backend):
+    o = _owner(owners)
+    buf = o.make.call_one("whole", N).get()
+    assert buf.size() == N and buf.backend == backend
+    out = torch.empty(N, dtype=torch.uint8)
+    buf.read_into(out).get(timeout=30)
+    assert torch.equal(out, o.value.call_one("whole").get())
+    src = torch.arange(N, dtype=torch.int64).to(torch.uint8).flip(0).contiguous()
+    buf.write_from(src).get(timeout=30)
+    assert torch.equal(o.value.call_one("whole").get(), src)
+    assert transfer_stats()[backend]["reads"] >= 1
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int64", "bfloat16", "uint8", "bool"])
+def test_dtypes(owners, backend, dtype):
+    o = _owner(owners)
+    buf = o.make.call_one(f"d-{dtype}", 1001, dtype).get()
+    out = torch.empty(1001, dtype=getattr(torch, dtype))
+    buf.read_into(out).get(timeout=30)
+    assert torch.equal(out, o.value.call_one(f"d-{dtype}").get())
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_offsets_and_sizes_match_a_local_copy(owners, data):
+    """Hypothesis: any (offset, size) inside the buffer reads and writes exactly those bytes."""
+    name = data.draw(st.sampled_from(BACKENDS))
+    os.environ[ENV_BACKEND] = name
+    try:
+        o = _owner(owners)
+        buf = o.make.call_one("hyp", 4099, seed=7).get()
+        ref = o.value.call_one("hyp").get()
+        off = data.draw(st.integers(0, 4098))
+        n = data.draw(st.integers(1, 4099 - off))
+        out = torch.empty(n, dtype=torch.uint8)
+        buf.read_into(out, offset=off).get(timeout=30)
+        assert torch.equal(out, ref[off:off + n])
+        src = torch.full((n,), 251, dtype=torch.uint8)
+        buf.write_from(src, offset=off).get(timeout=30)
+        ref[off:off + n] = 251
+        assert torch.equal(o.value.call_one("hyp").get(), ref)
+    finally:
+        del os.environ[ENV_BACKEND]
+
+
+def test_large_transfer_several_streams(owners, backend):
+    o = _owner(owners)
+    n = 24 << 20  # above tcp's stream chunk: 4+ connections in parallel
+    buf = o.make.call_one("large", n, seed=3).get()
+    out = torch.empty(n, dtype=torch.uint8)
+    buf.read_into(out).get(timeout=60)
+    assert torch.equal(out, o.value.call_one("large").get())
+
+
+def test_concurrent_transfers_and_action(owners, backend):
+    o = _owner(owners)
+    bufs = [o.make.call_one(f"c{i}", 5000 + i, seed=i).get() for i in range(6)]
+    outs = [torch.empty(5000 + i, dtype=torch.uint8) for i in range(6)]
+    futs = [b.read_into(x) for b, x in zip(bufs, outs)]
+    for f in futs:
+        f.get(timeout=30)
+    for i, x in enumerate(outs):
+        assert torch.equal(x, o.value.call_one(f"c{i}").get())
+    src = torch.zeros(100, dtype=torch.uint8)
+    again = torch.empty(5000, dtype=torch.uint8)
+    RDMAAction().write_remote(bufs[1], src).read_remote(bufs[0], again).submit(timeout=30).get(timeout=30)
+    assert torch.equal(again, outs[0])
+    assert torch.equal(o.value.call_one("c1").get()[:100], src)
+
+
+def test_reader_is_another_proc_sync_and_async(owners):
+    buf = _owner(owners, 0).make.call_one("p2p", 3000, seed=5).get()
+    ref = _owner(owners, 0).value.call_one("p2p").get()
+    got, name = _owner(owners, 1).read.call_one(buf, 3000).get(timeout=30)
+    assert torch.equal(got, ref) and name == get_rdma_backend()
+    assert torch.equal(_owner(owners, 1).read_async.call_one(buf, 3000).get(timeout=30), ref)
+
+
+def test_drop_then_read_fails_clearly(owners, backend):
+    o = _owner(owners)
+    buf = o.make.call_one("dropped", 4096).get()
+    o.drop.call_one("dropped").get()
+    out = torch.full((4096,), 7, dtype=torch.uint8)
+    with pytest.raises(BufferDroppedError, match="dropped"):
+        buf.read_into(out).get(timeout=30)
+    assert bool((out == 7).all()), "no byte moved"
+
+
+def test_drop_from_a_non_owner(owners, backend):
+    o = _owner(owners)
+    buf = o.make.call_one("remote-drop", 4096).get()
+    buf.drop()  # a message to the owner
+    o.pid.call_one().get()  # the owner handled it (messages from us arrive in order)
+    with pytest.raises(BufferDroppedError):
+        buf.read_into(torch.empty(4096, dtype=torch.uint8)).get(timeout=30)
+
+
+def test_bad_handle_is_refused(owners, backend):
+    buf = _owner(owners).make.call_one("forged", 4096).get()
+    d = buf._desc
+    from dataclasses import replace
+
+    forged = RDMABuffer._from_desc(replace(d, buf_id=d.buf_id + 1000, token=d.token ^ 1))
+    with pytest.raises(BufferDroppedError):
+        forged.read_into(torch.empty(4096, dtype=torch.uint8)).get(timeout=30)
+
+
+def test_size_mismatch_and_bad_input_refused_before_transfer(owners):
+    buf = _owner(owners).make.call_one("sizes", 100).get()
+    with pytest.raises(ValueError, match="size mismatch"):
+        buf.read_into(torch.empty(101, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="size mismatch"):
+        buf.write_from(torch.empty(10, dtype=torch.uint8), offset=95)
+    with pytest.raises(ValueError, match="offset"):
+        buf.read_into(torch.empty(1, dtype=torch.uint8), offset=-1)
+    with pytest.raises(ValueError, match="contiguous"):
+        buf.read_into(torch.empty(10, 10, dtype=torch.uint8).t())
+    with pytest.raises(ValueError, match="empty"):
+        RDMABuffer(torch.empty(0))
+    with pytest.raises(ValueError, match="contiguous"):
+        RDMABuffer(torch.empty(4, 4).t())
+    with pytest.raises(ValueError, match="contiguous"):
+        RDMABuffer(np.zeros((4, 4))[:, 1])
+    with pytest.raises(TypeError, match="tensor, an ndarray"):
+        RDMABuffer("not memory")
+    with pytest.raises(ValueError, match="read-only"):
+        RDMABuffer(b"abc").write_from(bytearray(b"x"))
+
+
+def test_buffers_of_bytes_and_memoryviews_in_process():
+    src = bytearray(b"hello data plane")
+    buf = RDMABuffer(memoryview(src))
+    out = bytearray(len(src))
+    buf.read_into(out).get(timeout=10)
+    assert out == src
+    buf2 = pickle.loads(pickle.dumps(buf))
+    buf2.write_from(b"HELLO", offset=0).get(timeout=10)
+    assert src.startswith(b"HELLO")
+    buf.drop()
+
+
+def test_owner_death_fails_within_the_timeout(backend):
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        o = procs.spawn("doomed", Owner)
+        buf = o.make.call_one("x", 1 << 20).get()
+        pid = o.pid.call_one().get()
+        os.kill(pid, signal.SIGKILL)
+        out = torch.empty(1 << 20, dtype=torch.uint8)
+        with pytest.raises(OwnerDiedError, match="died"):
+            buf.read_into(out).get(timeout=20)
+    finally:
+        procs.stop().get(timeout=30)
+
+
+def test_tcp_timeout_when_the_owner_is_stopped(owners, monkeypatch):
+    """A frozen owner (SIGSTOP) cannot serve tcp: the read fails at its timeout, never hangs."""
+    monkeypatch.setenv(ENV_BACKEND, "tcp")
+    o = _owner(owners, 1)
+    buf = o.make.call_one("frozen", 1 << 20).get()
+    pid = o.pid.call_one().get()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(TransferTimeoutError):
+            buf.read_into(torch.empty(1 << 20, dtype=torch.uint8), timeout=1.0).get(timeout=10)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    monkeypatch.setenv(ENV_BACKEND, "cma")  # cross-memory attach needs nothing from the owner
+    out = torch.empty(1 << 20, dtype=torch.uint8)
+    buf.read_into(out).get(timeout=10)
+
+
+def test_cma_refused_falls_back_to_tcp(owners, monkeypatch):
+    """The kernel's EPERM (forced here) makes the pair fall back to tcp, with the right bytes."""
+    monkeypatch.delenv(ENV_BACKEND, raising=False)
+    o = _owner(owners)
+    buf = o.make.call_one("eperm", 5000, seed=9).get()
+    assert buf.backend == "cma"
+    backend_obj = [b for b in __import__("rdma").backends() if b.name == "cma"][0]
+    monkeypatch.setattr(cma, "FORCE_ERRNO", errno.EPERM)
+    try:
+        out = torch.empty(5000, dtype=torch.uint8)
+        buf.read_into(out).get(timeout=30)
+        assert torch.equal(out, o.value.call_one("eperm").get())
+        assert buf.backend == "tcp"
+    finally:
+        backend_obj.refused.clear()
+
+
+def test_forced_backend_that_cannot_serve_is_a_clear_error(owners, monkeypatch):
+    monkeypatch.setenv(ENV_BACKEND, "cuda_ipc")
+    buf = _owner(owners).make.call_one("forced", 100).get()
+    with pytest.raises(Exception, match="cannot move buffer"):
+        buf.read_into(torch.empty(100, dtype=torch.uint8)).get(timeout=10)
+    monkeypatch.setenv(ENV_BACKEND, "nonsense")
+    with pytest.raises(Exception, match="no data-plane backend named"):
+        get_rdma_backend()
+
+
+def test_no_ibverbs_here_is_reported_cleanly():
+    assert is_ibverbs_available() in (True, False)
+    from rdma.backends import verbs
+
+    if not is_ibverbs_available():
+        assert verbs.unavailable_reason()
+
+
+def test_transfers_from_many_threads(owners):
+    buf = _owner(owners).make.call_one("threads", 10000, seed=11).get()
+    ref = _owner(owners).value.call_one("threads").get()
+    errors = []
+
+    def worker():
+        try:
+            for _ in range(5):
+                out = torch.empty(10000, dtype=torch.uint8)
+                buf.read_into(out).get(timeout=30)
+                assert torch.equal(out, ref)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    ts = [threading.Thread(target=worker) for _ in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errors, errors

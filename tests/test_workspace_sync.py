@@ -1,0 +1,248 @@
+"""Workspace sync: file-tree rules (unit and property tests), then real procs with two distinct roots."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from monarch_tensor import (
+    Workspace,
+    _filetree,
+    _proc_ext,
+    _sync_proc,
+    _wire,
+    debug_messages,
+    env_messages,
+    sync_messages,
+)
+from monarch_tensor.actor import Actor, endpoint, this_host
+from monarch_tensor.mailbox import SYSTEM_HANDLERS
+from monarch_tensor.messages import PortRef
+from monarch_tensor.tools.config import Workspace as WorkspaceFromToolsPath
+from monarch_tensor.workspace_sync import _Batcher, local_manifest, plan
+
+pytestmark = pytest.mark.timeout(90)
+assert _proc_ext  # registers the procs' handlers in this process too
+
+
+# ---- protocol ---------------------------------------------------------------------------------
+def _protocol():
+    for mod in (sync_messages, env_messages, debug_messages):
+        for obj in vars(mod).values():
+            if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == mod.__name__:
+                yield obj
+
+
+SAMPLES = {  # a value per annotated field type of the protocol modules
+    "str": "x", "int": 3, "bool": True, "dict": {"a/b.py": (1, 2, 420)}, "tuple": (("d", "a/b.py"),),
+    "PortRef": PortRef("ipc:///tmp/x", 4), "PortRef | None": PortRef("ipc:///tmp/x", 5),
+    "tuple[str, ...]": ("a", "b"), "tuple[str, ...] | None": ("PATH",),
+}
+
+
+@pytest.mark.parametrize("cls", list(_protocol()), ids=lambda c: c.__name__)
+def test_every_message_round_trips_and_has_a_handler(cls):
+    msg = cls(**{f.name: SAMPLES[f.type] for f in dataclasses.fields(cls)})
+    assert _wire.decode(_wire.encode(msg)) == msg
+    if cls.__name__ != "WorkspaceDiff":  # a reply value, not a message
+        assert cls in SYSTEM_HANDLERS, f"no handler for {cls.__name__}"
+
+
+def test_workspace_config_paths_and_errors(tmp_path):
+    assert Workspace is WorkspaceFromToolsPath
+    ws = Workspace(dirs=[tmp_path / "proj", str(tmp_path / "lib")])
+    assert list(ws.dirs.values()) == ["proj", "lib"]
+    assert list(Workspace(dirs={tmp_path: "code/x"}).dirs.values()) == ["code/x"]
+    with pytest.raises(ValueError, match="without '.' or '..'"):
+        Workspace(dirs={tmp_path: "../escape"})
+    with pytest.raises(ValueError, match="same remote dir"):
+        Workspace(dirs=[tmp_path / "a" / "proj", tmp_path / "b" / "proj"])
+    with pytest.raises(ValueError, match="must not nest"):
+        Workspace(dirs={tmp_path / "a": "", tmp_path / "b": "b"})
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Workspace(dirs=[tmp_path / "missing"]).check()
+
+
+def test_module_names_and_bad_paths(tmp_path):
+    assert _filetree.module_name("proj/pkg/mod.py", ["proj"]) == "pkg.mod"
+    assert _filetree.module_name("proj/pkg/__init__.py", ["proj"]) == "pkg"
+    assert _filetree.module_name("top.py", [""]) == "top"
+    assert _filetree.module_name("proj/config.toml", ["proj"]) is None
+    assert _filetree.module_name("proj/my-dir/mod.py", ["proj"]) is None
+    w = _filetree.Writer(str(tmp_path))
+    for bad in ("../x", "/etc/passwd", "a/../../b", ""):
+        with pytest.raises(ValueError, match="bad workspace path"):
+            w.path(bad)
+
+
+# ---- the sync rules, in-process ------------------------------------------------------------------
+def sync_in_process(src: str, root: str) -> list[str]:
+    """One sync of ``src`` into ``root`` through the same diff/plan/apply code the procs run."""
+    ws = Workspace(dirs={src: "ws"})
+    scan_ns = time.time_ns()
+    manifest, sources = local_manifest(ws)
+    diff = _sync_proc.diff(root, ("ws",), manifest)
+    msgs = []
+    b = _Batcher(msgs.append, "t", "k", ("ws",), scan_ns)
+    changed = plan(b, diff, manifest, sources)
+    b.flush(last=True, reply=None)
+    w = _filetree.Writer(root)
+    for m in msgs:
+        _sync_proc.apply_ops(w, m.ops)
+    _sync_proc.commit(root, ("ws",), w.ops, scan_ns)
+    return changed, b.bytes
+
+
+def tree(base: str) -> dict[str, bytes]:
+    out = {}
+    for key in _filetree.scan(base):
+        with open(os.path.join(base, key), "rb") as f:
+            out[key] = f.read()
+    return out
+
+
+names = st.sampled_from(["a.py", "b.txt", "d/c.py", "d/e/f.bin", "g/h.cfg", "d/__init__.py"])
+contents = st.binary(max_size=64) | st.just(b"same-size-1") | st.just(b"same-size-2")
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=st.lists(st.dictionaries(names, st.none() | contents, max_size=4), min_size=1, max_size=4))
+def test_root_mirrors_source_after_every_sync(tmp_path_factory, steps):
+    src, root = str(tmp_path_factory.mktemp("src")), str(tmp_path_factory.mktemp("root"))
+    for step in steps:
+        for name, data in step.items():
+            path = os.path.join(src, name)
+            if data is None:
+                if os.path.exists(path):
+                    os.unlink(path)
+                continue
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:  # same size, same clock tick: only the racy rule catches this
+                f.write(data)
+        sync_in_process(src, root)
+        assert tree(os.path.join(root, "ws")) == tree(src)
+
+
+def test_only_changed_content_moves_and_large_files_patch_by_blocks(tmp_path):
+    src, root = tmp_path / "src", str(tmp_path / "root")
+    src.mkdir()
+    (src / "a.py").write_text("x = 1\n")
+    big = bytearray(os.urandom(6 * _filetree.BLOCK + 123))
+    (src / "big.bin").write_bytes(big)
+    changed, nbytes = sync_in_process(str(src), root)
+    assert sorted(changed) == ["ws/a.py", "ws/big.bin"] and nbytes == len(big) + 6
+    old = time.time_ns() - 10 * _filetree.RACY_NS  # age the files past the racy window
+    for p in (src / "a.py", src / "big.bin"):
+        os.utime(p, ns=(old, old))
+    changed, nbytes = sync_in_process(str(src), root)  # metadata only
+    assert changed == [] and nbytes == 0
+    os.utime(src / "a.py", ns=(old + 5, old + 5))  # touched, same content: verified by hash, nothing moves
+    changed, nbytes = sync_in_process(str(src), root)
+    assert changed == [] and nbytes == 0
+    big[3 * _filetree.BLOCK + 10] ^= 0xFF  # one byte of one block
+    (src / "big.bin").write_bytes(big)
+    changed, nbytes = sync_in_process(str(src), root)
+    assert changed == ["ws/big.bin"] and nbytes == _filetree.BLOCK
+    assert (tmp_path / "root" / "ws" / "big.bin").read_bytes() == bytes(big)
+    (src / "a.py").unlink()
+    changed, nbytes = sync_in_process(str(src), root)
+    assert changed == ["ws/a.py"] and not (tmp_path / "root" / "ws" / "a.py").exists()
+
+
+# ---- real procs ------------------------------------------------------------------------------------
+class Probe(Actor):
+    @endpoint
+    def run(self):
+        import helper
+
+        if not hasattr(self, "thing"):
+            self.thing = helper.Thing()  # made before a reload: must run the new code after it
+        return helper.value(), self.thing.f(), helper.__file__
+
+    @endpoint
+    def read(self, rel: str):
+        path = os.path.join(os.environ["WORKSPACE_DIR"], rel)
+        return open(path).read() if os.path.exists(path) else None
+
+
+HELPER = "def value():\n    return {v}\n\nclass Thing:\n    def f(self):\n        return 'version {v}'\n"
+
+
+@pytest.mark.timeout(120)
+def test_sync_to_two_roots_with_hot_reload(tmp_path):
+    proj = tmp_path / "proj"
+    (proj / "conf").mkdir(parents=True)
+    (proj / "helper.py").write_text(HELPER.format(v=1))
+    (proj / "conf" / "train.toml").write_text("lr = 0.1\n")
+    (proj / "old.txt").write_text("to be deleted\n")
+    roots = [tmp_path / "host0", tmp_path / "host1"]
+    procs = this_host().spawn_procs(per_host={"gpus": 4})
+    try:
+        # Two "hosts": ranks 0-1 and 2-3 get distinct workspace roots, as host agents would set them.
+        procs.env.set("WORKSPACE_DIR", [str(roots[0])] * 2 + [str(roots[1])] * 2).get(timeout=30)
+        ws = Workspace(dirs=[proj])
+        first = procs.sync_workspace(ws, auto_reload=True).get(timeout=60)
+        assert sorted(first.roots) == sorted(str(r) for r in roots)
+        assert first.files_sent == 3 * 2  # every file, to each of the two roots
+        for r in roots:
+            assert (r / "proj" / "conf" / "train.toml").read_text() == "lr = 0.1\n"
+        probes = procs.spawn("probe", Probe)
+        vals = probes.run.call().get(timeout=30).values()
+        assert [v[:2] for v in vals] == [(1, "version 1")] * 4
+        assert [v[2] for v in vals] == [str(roots[i // 2] / "proj" / "helper.py") for i in range(4)]
+
+        (proj / "helper.py").write_text(HELPER.format(v=22))  # code change
+        (proj / "conf" / "train.toml").write_text("lr = 0.01\n")
+        (proj / "old.txt").unlink()
+        second = procs.sync_workspace(ws, auto_reload=True).get(timeout=60)
+        assert second.changed == ["proj/conf/train.toml", "proj/helper.py", "proj/old.txt"]
+        assert second.files_sent == 2 * 2 and second.deleted == 1
+        assert all(r == ("helper",) for r in second.reloaded.values()), second.reloaded
+        vals = probes.run.call().get(timeout=30).values()
+        assert [v[:2] for v in vals] == [(22, "version 22")] * 4  # same procs, same actors, new code
+        assert probes.read.call("proj/conf/train.toml").get(timeout=30).values() == ["lr = 0.01\n"] * 4
+        assert probes.read.call("proj/old.txt").get(timeout=30).values() == [None] * 4
+
+        third = procs.sync_workspace(ws, auto_reload=True).get(timeout=60)  # nothing changed
+        assert third.changed == [] and third.bytes_sent == 0
+    finally:
+        procs.stop()
+
+
+def test_bad_input(tmp_path):
+    from monarch_tensor.workspace_sync import sync_workspace
+
+    with pytest.raises(TypeError, match="needs a Workspace"):
+        sync_workspace([], "not a workspace")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        sync_workspace([], Workspace(dirs=[tmp_path / "nope"]))
+
+
+@pytest.mark.timeout(120)
+def test_host_sync_before_procs_then_procs_import_it(tmp_path):
+    proj = tmp_path / "early"
+    proj.mkdir()
+    (proj / "early_mod.py").write_text("ANSWER = 42\n")
+    res = this_host().sync_workspace(Workspace(dirs=[proj])).get(timeout=60)  # no proc runs: written here
+    assert res.files_sent == 1 and os.path.isfile(os.path.join(res.roots[0], "early", "early_mod.py"))
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    try:
+        early = procs.spawn("early", Early)
+        assert early.answer.call().get(timeout=30).values() == [42, 42]  # on sys.path from the start
+        again = this_host().sync_workspace(Workspace(dirs=[proj])).get(timeout=60)  # now through the procs
+        assert again.changed == [] and sorted(again.reloaded) == [0, 1]
+    finally:
+        procs.stop()
+
+
+class Early(Actor):
+    @endpoint
+    def answer(self):
+        import early_mod
+
+        return early_mod.ANSWER
