@@ -357,3 +357,16 @@ def get_or_spawn_controller(name: str, actor_class: type, *args, **kwargs) -> Fu
     mesh._spawned.add_done_callback(
         lambda f: out._set_exception(f.exception()) if f.exception() else out._set_result(mesh))
     return out
+
+
+def __getattr__(name: str):
+    """Monarch's multi-host entry points, imported on first use: ``attach_to_workers``, ``run_worker_loop_forever``."""
+    if name == "attach_to_workers":
+        from .remote import attach_to_workers
+
+        return attach_to_workers
+    if name == "run_worker_loop_forever":
+        from .agent import run_worker_loop_forever
+
+        return run_worker_loop_forever
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

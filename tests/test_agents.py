@@ -242,6 +242,29 @@ def test_unauthenticated_clients_cannot_make_an_agent_read_anything(job, tmp_pat
     a.close()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("client", ["plain", "wrong key"])
+def test_unauthenticated_clients_cannot_make_the_controller_read_anything(job, tmp_path, client):
+    from monarch_tensor import remote
+    from monarch_tensor.mailbox import socket_dir
+
+    gateway = remote._gateway_for(job.keys, job.addrs["mesh0"][0])
+    marker = tmp_path / "unpickled"
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    if client == "wrong key":
+        _curve.connect_curve(s, _curve.JobKeys.generate())
+    s.connect(gateway.addr)
+    s.send_multipart([_wire._HEADER.pack(_wire.MAGIC, 0) + pickle.dumps(_Tripwire(str(marker)))])
+    time.sleep(1.0)
+    s.close()
+    ctx.term()
+    assert not marker.exists()
+    # Procs listen on ipc only, in a directory nobody else can enter.
+    assert os.stat(socket_dir()).st_mode & 0o777 == 0o700
+
+
 def test_key_files_are_private_and_checked(tmp_path):
     keys = _curve.JobKeys.generate()
     path = str(tmp_path / "k")

@@ -29,3 +29,17 @@ def test_actor_bench_tiny(tmp_path):
     floor = data["median"]["floor"]
     for key in ("zmq_reqrep_us", "zmq_pipelined_per_s", "zmq_echo_gib_s"):
         assert floor.get(key, 0) > 0, (key, data["errors"].get("floor"))
+
+
+@pytest.mark.timeout(240)
+def test_scale_bench_tiny(tmp_path):
+    out = tmp_path / "scale.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "scale_bench.py"), "--tiny", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert {(r["agents"], r["procs"], r["fanout"]) for r in data["rows"]} == {(1, 1, 8), (1, 2, 8), (2, 4, 8), (2, 4, 1)}
+    assert all(r["spawn_s"] > 0 and r["bcast_us"] > 0 for r in data["rows"])
+    m = data["model"]
+    assert m["depth"] == 4 and m["target"] == "1024 hosts x 8 procs"
+    assert m["bcast_us"] > 0 and m["spawn_s"] > 0
