@@ -397,6 +397,12 @@ def attach_to_workers(workers: list[str], name: str | None = None, ca: str | Non
 
 
 def shutdown_agents(agents: list[AgentClient], reason: str) -> None:
+    """Stop agents on purpose: their procs' exits are expected, not supervision failures."""
+    for a in agents:
+        for info in a.procs.values():
+            info.stopping = True
+        if info_mesh := next((i.owner for i in a.procs.values() if isinstance(i.owner, ProcMesh)), None):
+            info_mesh._alloc._stopped = True
     for a in agents:
         try:
             a.request(ShutdownAgent(reason), timeout=5)

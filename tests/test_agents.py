@@ -52,8 +52,17 @@ class Where(Actor):
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    j = LocalJob(meshes={"mesh0": 2}, root_dir=str(tmp_path_factory.mktemp("job")), ttl=120)
-    j.state()
+    """Two hosts for the tests, and a spare one for the test that kills its agent."""
+    old = os.environ.get("MONARCH_TENSOR_SESSION_TIMEOUT")
+    os.environ["MONARCH_TENSOR_SESSION_TIMEOUT"] = "3"  # the agents drop a dead controller's procs after 3 s
+    try:
+        j = LocalJob(meshes={"mesh0": 2, "spare": 1}, root_dir=str(tmp_path_factory.mktemp("job")), ttl=120)
+        j.state()
+    finally:
+        if old is None:
+            del os.environ["MONARCH_TENSOR_SESSION_TIMEOUT"]
+        else:
+            os.environ["MONARCH_TENSOR_SESSION_TIMEOUT"] = old
     yield j
     j.kill()
 
@@ -84,6 +93,21 @@ def test_spawn_procs_on_every_host_and_call_them(job):
     procs.stop().get(timeout=30)
     for _, _, pid in got:
         _wait_gone(pid)
+
+
+@pytest.mark.timeout(120)
+def test_tensor_engine_reduce_across_hosts(job):
+    import torch
+
+    from monarch_tensor import fetch_shard
+
+    procs = job.state().mesh0.spawn_procs(per_host={"gpus": 1})
+    with procs.activate():
+        x = torch.ones(4) + procs.rank("hosts")
+        y = x.reduce("hosts", "sum")
+        got = fetch_shard(y, hosts=1, gpus=0).result(timeout=60)
+    assert torch.equal(got, torch.full((4,), 3.0))
+    procs.stop()
 
 
 @pytest.mark.timeout(120)
@@ -120,30 +144,31 @@ def test_build_tree_bounds_fan_out_and_covers_every_host():
 
 # ---- faults -----------------------------------------------------------------------------------
 @pytest.mark.timeout(180)
-def test_killing_an_agent_fails_its_procs_with_a_supervision_error(tmp_path, faults):
-    j = LocalJob(meshes={"m": 2}, root_dir=str(tmp_path / "j"), ttl=60)
-    try:
-        procs = j.state().m.spawn_procs(per_host={"gpus": 1})
-        w = procs.spawn("w", Where)
-        w.where.call().get(timeout=120)
-        os.kill(j.pids[1], signal.SIGKILL)
-        t0 = time.monotonic()
-        while not faults and time.monotonic() - t0 < 10:
-            time.sleep(0.05)
-        assert faults and isinstance(faults[0], SupervisionError)
-        assert "host agent" in str(faults[0])
-        with pytest.raises(SupervisionError):
-            w.slice(hosts=1).where.call_one().get(timeout=10)
-        # The other host is unaffected.
-        assert w.slice(hosts=0).where.call_one().get(timeout=10)[0] == 0
-    finally:
-        j.kill()
+def test_killing_an_agent_fails_its_procs_with_a_supervision_error(job, faults):
+    from monarch_tensor.remote import RemoteHostMesh
+
+    st = job.state()
+    hosts = RemoteHostMesh([st.mesh0._agents[0], st.spare._agents[0]])  # one healthy host, the spare
+    procs = hosts.spawn_procs(per_host={"gpus": 1})
+    w = procs.spawn("w", Where)
+    w.where.call().get(timeout=120)
+    os.kill(job.pids[2], signal.SIGKILL)  # the spare's agent
+    t0 = time.monotonic()
+    while not faults and time.monotonic() - t0 < 10:
+        time.sleep(0.02)
+    assert faults and isinstance(faults[0], SupervisionError)
+    assert "host agent" in str(faults[0]) and "was lost" in str(faults[0])
+    with pytest.raises(SupervisionError):
+        w.slice(hosts=1).where.call_one().get(timeout=10)
+    # The other host is unaffected.
+    assert w.slice(hosts=0).where.call_one().get(timeout=10)[0] == 0
+    procs.stop().get(timeout=30)
 
 
 @pytest.mark.timeout(180)
 def test_sigkilled_controller_leaves_agents_serving_and_a_second_script_reattaches(job, tmp_path):
     path = str(tmp_path / "job.json")
-    job.dump(path)
+    _dump_without_spare(job, path)
     assert os.stat(path).st_mode & 0o777 == 0o600
     script = textwrap.dedent(f"""
         import os, sys, time
@@ -293,7 +318,7 @@ def test_attach_to_workers_needs_addresses_and_a_key(monkeypatch):
 @pytest.mark.timeout(60)
 def test_attach_to_workers_and_job_load_give_the_same_hosts(job, tmp_path):
     path = str(tmp_path / "job.json")
-    job.dump(path)
+    _dump_without_spare(job, path)
     key = str(tmp_path / "k")
     job.keys.save(key)
     hosts = attach_to_workers(workers=job.addrs["mesh0"], key_file=key)
@@ -318,6 +343,14 @@ def test_agent_messages_round_trip_and_have_handlers(cls):
     assert cls.__doc__
     if cls in REQUESTS:
         assert hasattr(HostAgent, f"handle_{cls.__name__}")
+
+
+def _dump_without_spare(job, path: str) -> None:
+    """The job file, without the spare host (a test kills its agent)."""
+    job.dump(path)
+    data = json.loads(open(path).read())
+    del data["meshes"]["spare"], data["addrs"]["spare"]
+    _curve.write_private(path, json.dumps(data))
 
 
 def _wait_gone(pid: int, timeout: float = 15) -> None:

@@ -9,7 +9,9 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
+from monarch_tensor import fetch_shard
 from monarch_tensor.actor import Actor, endpoint
 from monarch_tensor.errors import JobStartError
 from monarch_tensor.job import SlurmJob
@@ -43,6 +45,12 @@ def test_slurm_job_submit_spawn_call_reattach_kill(tmp_path):
         nodes = procs.spawn("nodes", Node)
         assert sorted(nodes.node.call().get(timeout=120).values()) == ["n1", "n2"]
         assert nodes.add.call(2, 3).get(timeout=30).values() == [5, 5]
+        # A tensor-engine collective across the two nodes.
+        with procs.activate():
+            x = torch.ones(4) + procs.rank("hosts")
+            y = x.reduce("hosts", "sum")
+            got = fetch_shard(y, hosts=1, gpus=0).result(timeout=60)
+        assert torch.equal(got, torch.full((4,), 3.0))
         # A second process reattaches from the job file and spawns on both nodes.
         path = str(tmp_path / "job.json")
         job.dump(path)
