@@ -17,7 +17,8 @@ The model (printed at the end) takes from the same run:
 
 * hop_us: one extra agent hop (call_one to a proc behind an agent minus the same to a local proc),
 * level_us: one more tree level (8 agents as a chain, fan-out 1, vs flat, fan-out 8, per level),
-* reply_us: the controller's cost per reply (slope of bcast_us over procs on one agent),
+* reply_us: the controller's CPU per reply (slope of its process time per call() over procs on one
+  agent; the wall-clock slope is printed too, but here it counts every proc sharing these cores),
 * spawn_agent_s: the controller's cost per extra agent in a spawn (slope of spawn_s over agents),
 
 and projects a broadcast to H hosts x P procs with fan-out F as
@@ -62,12 +63,15 @@ def main() -> None:
         def ping(self) -> int:
             return 0
 
-    def timed_calls(mesh, n) -> float:
-        xs = []
+    def timed_calls(mesh, n, cpu: list | None = None) -> float:
+        xs, cs = [], []
         for _ in range(n):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             mesh.ping.call().get(timeout=120)
             xs.append((time.perf_counter() - t) * 1e6)
+            cs.append((time.process_time() - c) * 1e6)
+        if cpu is not None:
+            cpu.append(statistics.median(cs))
         return statistics.median(xs)
 
     def spawn(hosts, per_host):
@@ -99,7 +103,9 @@ def main() -> None:
 
         for n in procs_sweep:  # procs on one agent
             p, m, s = spawn(all_hosts.slice(hosts=0), n)
-            rows.append({"agents": 1, "procs": n, "fanout": FANOUT, "spawn_s": s, "bcast_us": timed_calls(m, reps)})
+            cpu: list = []
+            rows.append({"agents": 1, "procs": n, "fanout": FANOUT, "spawn_s": s, "bcast_us": timed_calls(m, reps, cpu),
+                         "ctrl_cpu_us": cpu[0]})
             p.stop().get(timeout=60)
             _print(rows[-1])
         for fanout in (FANOUT, 1):
@@ -124,9 +130,10 @@ def main() -> None:
 
 def _print(r: dict) -> None:
     if not getattr(_print, "done", False):
-        print(f"{'agents':>6} {'procs':>5} {'fanout':>6} {'spawn_s':>8} {'bcast_us':>9}")
+        print(f"{'agents':>6} {'procs':>5} {'fanout':>6} {'spawn_s':>8} {'bcast_us':>9} {'ctrl_cpu_us':>11}")
         _print.done = True
-    print(f"{r['agents']:>6} {r['procs']:>5} {r['fanout']:>6} {r['spawn_s']:>8.2f} {r['bcast_us']:>9.0f}", flush=True)
+    cpu = f"{r['ctrl_cpu_us']:>11.0f}" if "ctrl_cpu_us" in r else f"{'':>11}"
+    print(f"{r['agents']:>6} {r['procs']:>5} {r['fanout']:>6} {r['spawn_s']:>8.2f} {r['bcast_us']:>9.0f} {cpu}", flush=True)
 
 
 def _slope(xs, ys) -> float:
@@ -150,8 +157,10 @@ def depth(hosts: int, fanout: int) -> int:
 
 
 def model(rows, res, agents_sweep, procs_sweep) -> dict:
-    one = [r for r in rows if r["agents"] == 1 and r["fanout"] == FANOUT and r["procs"] in procs_sweep]
-    reply_us = _slope([r["procs"] for r in one], [r["bcast_us"] for r in one])
+    one = [r for r in rows if r["agents"] == 1 and "ctrl_cpu_us" in r]
+    reply_wall_us = _slope([r["procs"] for r in one], [r["bcast_us"] for r in one])
+    # The controller's own CPU per reply: what bounds it on a real cluster, where procs do not share its cores.
+    reply_us = _slope([r["procs"] for r in one], [r["ctrl_cpu_us"] for r in one])
     flat = [r for r in rows if r["fanout"] == FANOUT and r["procs"] == r["agents"] * PER_AGENT]
     spawn_agent_s = _slope([r["agents"] for r in flat], [r["spawn_s"] for r in flat])
     amax = max(agents_sweep)
@@ -163,11 +172,13 @@ def model(rows, res, agents_sweep, procs_sweep) -> dict:
     base = next((r for r in one if r["procs"] == min(per, max(procs_sweep))), one[-1])
     bcast_us = res["hop_us"] + (d - 1) * level_us + hosts * per * reply_us + res["local_rtt_us"]
     spawn_s = base["spawn_s"] + hosts * spawn_agent_s
-    m = {"hop_us": res["hop_us"], "level_us": level_us, "reply_us": reply_us, "spawn_agent_s": spawn_agent_s,
+    m = {"hop_us": res["hop_us"], "level_us": level_us, "reply_us": reply_us, "reply_wall_us": reply_wall_us,
+         "spawn_agent_s": spawn_agent_s,
          "target": f"{hosts} hosts x {per} procs", "fanout": FANOUT, "depth": d,
          "bcast_us": bcast_us, "spawn_s": spawn_s}
     print(f"\nmeasured: local rtt {res['local_rtt_us']:.0f} us, via an agent {res['agent_rtt_us']:.0f} us "
-          f"(hop {res['hop_us']:.0f} us); tree level {level_us:.0f} us; per reply {reply_us:.1f} us; "
+          f"(hop {res['hop_us']:.0f} us); tree level {level_us:.0f} us; per reply {reply_us:.1f} us controller CPU "
+          f"({reply_wall_us:.0f} us wall with every proc on these cores); "
           f"spawn per agent {spawn_agent_s * 1e3:.1f} ms")
     print(f"projected, {hosts} hosts x {per} procs, fan-out {FANOUT} (depth {d}): call() to all "
           f"{bcast_us / 1e3:.1f} ms (send side {(res['hop_us'] + (d - 1) * level_us) / 1e3:.2f} ms, "

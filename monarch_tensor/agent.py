@@ -188,6 +188,10 @@ class HostAgent:
                 return
             if ident is None:
                 self._send_raw(frames[0], frames[1:])
+            elif ident == "forget":  # a proc exited: close our socket to it
+                s = self._out.pop(frames, None)
+                if s is not None:
+                    s.close(linger=0)
             else:
                 self.router.send_multipart([ident, *frames])
 
@@ -269,6 +273,7 @@ class HostAgent:
             s.procs.pop(info.pid, None)
         frames = _wire.encode(SendToPort(events.port_id, ReportExit(info.pid, status), None, -1))
         self._inbox.put((None, [gateway, *frames]))
+        self._inbox.put(("forget", info.addr))
         self._wake()
 
     def close(self) -> None:

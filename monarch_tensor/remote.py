@@ -329,14 +329,6 @@ class RemoteHostMesh(HostMesh):
 class RemoteProcMesh(ProcMesh):
     """Procs forked by host agents; ``stop()`` asks each proc to exit, then the agent to kill leftovers."""
 
-    def stop(self):
-        alloc = self._alloc
-        if alloc._stopped:
-            return super().stop()
-        for p in alloc._procs:
-            p.stopping = True
-        return super().stop()
-
     def _kill(self, p: ProcInfo) -> None:
         agent: AgentClient = p.agent
         try:

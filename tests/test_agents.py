@@ -22,7 +22,7 @@ from monarch_tensor.actor import Actor, SupervisionError, current_rank, endpoint
 from monarch_tensor.agent import HostAgent
 from monarch_tensor.agent_messages import REPORTS, REQUESTS, OpenSession
 from monarch_tensor.errors import AddressInUseError, HostUnreachableError, JobKeyError, JobStartError
-from monarch_tensor.job import LocalJob, job_load
+from monarch_tensor.job import HostListJob, LocalJob, job_load
 from monarch_tensor.remote import AgentClient, attach_to_workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -204,6 +204,16 @@ def test_address_in_use_is_a_clear_error(job):
 
 
 @pytest.mark.timeout(60)
+def test_host_command_reports_address_in_use(job, tmp_path):
+    key = str(tmp_path / "k")
+    job.keys.save(key)
+    r = subprocess.run([sys.executable, "-m", "monarch_tensor.cli", "host", "--bind", job.addrs["mesh0"][0],
+                        "--key-file", key], cwd=ROOT, capture_output=True, text=True, timeout=50)
+    assert r.returncode == 2
+    assert "already in use" in r.stderr
+
+
+@pytest.mark.timeout(60)
 def test_unreachable_host_is_a_clear_error_in_bounded_time():
     keys = _curve.JobKeys.generate()
     with zmq.Context() as ctx, ctx.socket(zmq.ROUTER) as s:  # a free port nobody listens on afterwards
@@ -322,7 +332,11 @@ def test_attach_to_workers_and_job_load_give_the_same_hosts(job, tmp_path):
     key = str(tmp_path / "k")
     job.keys.save(key)
     hosts = attach_to_workers(workers=job.addrs["mesh0"], key_file=key)
-    assert hosts.workdirs == job.state().mesh0.workdirs == job_load(path).state().mesh0.workdirs
+    listed = HostListJob({"m": job.addrs["mesh0"]}, key_file=key).state().m
+    assert hosts.workdirs == listed.workdirs == job.state().mesh0.workdirs == job_load(path).state().mesh0.workdirs
+    procs = listed.slice(hosts=1).spawn_procs(per_host={"gpus": 1})
+    assert procs.spawn("w", Where).where.call_one().get(timeout=60)[1] == listed.workdirs[1]
+    procs.stop()
     with pytest.raises(ValueError, match="'hosts'"):
         hosts.spawn_procs(per_host={"hosts": 2})
 

@@ -78,3 +78,12 @@ def test_a_job_slurm_refuses_is_a_clear_error(tmp_path):
     job = SlurmJob(meshes={"mesh0": 3}, job_name="mt-too-big", log_dir=str(tmp_path / "logs"), start_timeout=20)
     with pytest.raises(JobStartError, match="sbatch refused"):
         job.state()
+
+
+@pytest.mark.timeout(60)
+def test_a_job_that_never_starts_is_a_clear_error_and_is_cancelled(tmp_path):
+    job = SlurmJob(meshes={"mesh0": 1}, job_name="mt-never", log_dir=str(tmp_path / "logs"), start_timeout=3,
+                   slurm_args=["--begin=now+1hour"])
+    with pytest.raises(JobStartError, match="did not start its 1 agents within 3 s .state PENDING"):
+        job.state()
+    assert job.squeue_state()[0] in (None, "CANCELLED")
