@@ -215,6 +215,11 @@ class Endpoint(Generic[R]):
         mailbox = current_mailbox()
         addrs = [self._mesh._procs[r].addr for r in ranks]
         msg = CallEndpoint(self._mesh._name, self._method, args, kwargs, port)
+        if len(addrs) > 1 and "|" in addrs[0]:  # procs behind host agents: down the fan-out tree
+            from ._fanout import send_many
+
+            send_many(mailbox, addrs, _wire.encode(msg))
+            return
         for addr, frames in zip(addrs, _wire.encode_for(msg, addrs)):
             mailbox.send_frames(addr, frames)
 
@@ -352,3 +357,16 @@ def get_or_spawn_controller(name: str, actor_class: type, *args, **kwargs) -> Fu
     mesh._spawned.add_done_callback(
         lambda f: out._set_exception(f.exception()) if f.exception() else out._set_result(mesh))
     return out
+
+
+def __getattr__(name: str):
+    """Monarch's multi-host entry points, imported on first use: ``attach_to_workers``, ``run_worker_loop_forever``."""
+    if name == "attach_to_workers":
+        from .remote import attach_to_workers
+
+        return attach_to_workers
+    if name == "run_worker_loop_forever":
+        from .agent import run_worker_loop_forever
+
+        return run_worker_loop_forever
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -56,5 +56,22 @@ class MeshStoppedError(Exception):
     """The mesh was stopped by its owner; calls on it are refused."""
 
 
+# ---- hosts and jobs (agent.py, remote.py, job/) ---------------------------------
+class JobKeyError(Exception):
+    """The job's CURVE key is missing, malformed, readable by others, or not the one the peer expects."""
+
+
+class HostUnreachableError(Exception):
+    """No host agent answered at an address in time (nothing listens there, or the network drops it)."""
+
+
+class AddressInUseError(Exception):
+    """A host agent could not listen: something else already holds that address."""
+
+
+class JobStartError(Exception):
+    """A job's hosts did not come up: the scheduler refused it, it never left the queue, or an agent died."""
+
+
 class SyncError(Exception):
     """A workspace sync failed on a host (its disk, its permissions); the message names the host."""

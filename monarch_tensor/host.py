@@ -56,7 +56,9 @@ def _gpu_count() -> int:
 class LocalHost:
     """The zygote of this machine, spawning procs for this client process."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_exit=None) -> None:
+        # on_exit(info, status): who hears of a proc's exit (a host agent); the client's supervision otherwise.
+        self._on_exit = on_exit or _proc_exited
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         req_r, self._req_fd = os.pipe()
@@ -91,13 +93,13 @@ class LocalHost:
                 _, pid, status = msg
                 info = self._by_pid.pop(pid, None)
                 if info is not None:
-                    _proc_exited(info, status)
+                    self._on_exit(info, status)
         err = RuntimeError("the local host's template process exited")
         self._ready._set_exception(err)
         for fut in self._spawned.values():
             fut._set_exception(err)
         for info in list(self._by_pid.values()):
-            _proc_exited(info, "lost with the template process")
+            self._on_exit(info, "lost with the template process")
 
     def spawn(self, infos: list[ProcInfo], client_addr: str, envs: list[dict]) -> None:
         # No wait for the template to be ready: requests queue in the pipe, and are
@@ -250,15 +252,18 @@ class ProcMesh:
         deadline = time.monotonic() + 5
         while any(p.alive for p in alloc._procs) and time.monotonic() < deadline:
             time.sleep(0.01)
-        host = local_host()
         for p in alloc._procs:
             if p.alive:
-                host.kill(p.pid, 9)
+                alloc._kill(p)
         deadline = time.monotonic() + 5
         while any(p.alive for p in alloc._procs) and time.monotonic() < deadline:
             time.sleep(0.01)
         _live_meshes.discard(alloc)
         return Future.ready(None)
+
+    def _kill(self, p: ProcInfo) -> None:
+        """SIGKILL a proc that did not stop (a mesh on host agents overrides this)."""
+        local_host().kill(p.pid, 9)
 
     def logging_option(self, stream_to_client: bool = True, aggregate_window_sec: float | None = None) -> Future:
         """Forward procs' stdout/stderr to the client, folding repeats within a window."""

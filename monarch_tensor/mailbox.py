@@ -12,6 +12,7 @@ hop on the way out. Messages from one sender to one address arrive in order
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import tempfile
@@ -27,6 +28,11 @@ from .errors import ProtocolError, SupervisionError
 from .messages import ForwardLogs, PortRef, SendToPort
 
 log = logging.getLogger("monarch_tensor.mailbox")
+
+# A proc behind a host agent has the address "tcp://agent:port|ipc:///path": messages to
+# it go to the agent with a first frame ROUTE_MAGIC + "ipc:///path", and the agent relays them.
+ROUTE_SEP = "|"
+ROUTE_MAGIC = b"MTRT"
 
 # System messages (workspace sync, env, debugger, the data plane's) handled by whichever process receives them,
 # by message type: ``handler(mailbox, msg)``. Filled by the modules that define them (_proc_ext.py).
@@ -76,6 +82,11 @@ class Mailbox:
         self.receiver_ident: int | None = None  # the thread that receives (None: the I/O thread)
         # Where messages other than port values go while the receiving thread blocks in wait_until.
         self.on_deferred: Callable[[object], None] | None = None
+        # Addresses reached through another one (a remote controller's ipc address -> its tcp gateway).
+        self.aliases: dict[str, str] = json.loads(os.environ.get("MONARCH_TENSOR_ALIASES") or "{}")
+        # The address others reach this mailbox at, in ports (a proc behind a host agent: a routed one).
+        pub = os.environ.get("MONARCH_TENSOR_PUBLIC_ADDR", "")
+        self.public_addr = pub.partition("=")[2] if pub.startswith(self.addr + "=") else self.addr
         if io_thread:
             self._thread = threading.Thread(target=self._loop, name="monarch-tensor-io", daemon=True)
             self._thread.start()
@@ -89,19 +100,28 @@ class Mailbox:
             s.setsockopt(zmq.SNDHWM, 0)
             # A new proc may not have bound yet: retry every 5 ms, not zmq's default 100 ms.
             s.setsockopt(zmq.RECONNECT_IVL, 5)
-            s.connect(addr)
+            target = self.aliases.get(addr, addr)
+            if target.startswith("tcp://"):  # every TCP link is CURVE-authenticated and encrypted
+                from . import _curve
+
+                _curve.connect_curve(s, _curve.keys_for(target))
+            s.connect(target)
             self._out[addr] = s
         return s
 
     def send(self, addr: str, msg: object) -> None:
-        self.send_frames(addr, _wire.encode(msg, shm=addr.startswith("ipc://")))
+        self.send_frames(addr, _wire.encode(msg, shm=self.aliases.get(addr, addr).startswith("ipc://")))
 
     def send_frames(self, addr: str, frames: list) -> None:
         """Send already-encoded frames (encode once, send to many)."""
         with self._send_lock:
             if self._closed:
                 raise RuntimeError("mailbox is closed")
-            self._socket_for(addr).send_multipart(frames, copy=_wire.is_small(frames))
+            copy = _wire.is_small(frames)
+            if ROUTE_SEP in addr:
+                addr, _, inner = addr.partition(ROUTE_SEP)
+                frames = [ROUTE_MAGIC + inner.encode(), *frames]
+            self._socket_for(addr).send_multipart(frames, copy=copy)
 
     def forget(self, addr: str) -> None:
         """Close the outgoing socket to ``addr`` (a stopped or dead proc)."""
@@ -115,7 +135,7 @@ class Mailbox:
         pid = next(self._port_ids)
         with self._ports_lock:
             self._ports[pid] = handler
-        return PortRef(self.addr, pid)
+        return PortRef(self.public_addr, pid)
 
     def close_port(self, port_id: int) -> None:
         with self._ports_lock:

@@ -63,3 +63,17 @@ def test_sync_bench_tiny(tmp_path):
         assert r[key] > 0, (key, r)
     assert len(r["changed_1_runs_ms"]) == data["settings"]["REPEATS"]
     assert "one changed file of 200, 2 procs" in proc.stdout
+
+
+@pytest.mark.timeout(240)
+def test_scale_bench_tiny(tmp_path):
+    out = tmp_path / "scale.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "scale_bench.py"), "--tiny", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert {(r["agents"], r["procs"], r["fanout"]) for r in data["rows"]} == {(1, 1, 8), (1, 2, 8), (2, 4, 8), (2, 4, 1)}
+    assert all(r["spawn_s"] > 0 and r["bcast_us"] > 0 for r in data["rows"])
+    m = data["model"]
+    assert m["depth"] == 4 and m["target"] == "1024 hosts x 8 procs"
+    assert m["bcast_us"] > 0 and m["spawn_s"] > 0

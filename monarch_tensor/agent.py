@@ -1,0 +1,383 @@
+"""The host agent: one per machine, serving controllers over CURVE-encrypted TCP.
+
+It forks the procs of its host from a zygote (``host.LocalHost``), reaps them
+and reports each exit to the controller that asked for it, relays messages to
+its procs (they listen on ipc only, in a 0700 directory, so nothing off the
+host reaches a proc except through an authenticated agent), and forwards
+broadcasts down a fan-out tree of agents (``_fanout.py``). It outlives the
+controllers: a controller that goes away (even SIGKILLed) only loses its own
+procs, once its keep-alives stop; the agent itself serves until ``ttl`` seconds
+pass with no controller at all, or until ``ShutdownAgent``.
+
+    monarch-tensor host --bind tcp://0.0.0.0:26600 --key-file job.key
+
+or, Monarch's form, from Python:
+
+>>> run_worker_loop_forever(address="tcp://0.0.0.0:26600")   # keys from MONARCH_TENSOR_KEY_FILE
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from . import _curve, _fanout, _wire
+from .agent_messages import (
+    DescribeHost,
+    EndSession,
+    KeepSession,
+    KillProcs,
+    OpenSession,
+    ReportExit,
+    ReportSpawned,
+    ShutdownAgent,
+    SpawnProcs,
+)
+from .errors import AddressInUseError, JobKeyError
+from .host import LocalHost, ProcInfo, _gpu_count
+from .mailbox import ROUTE_MAGIC, new_ipc_address
+from .messages import SendToPort
+
+log = logging.getLogger("monarch_tensor.agent")
+
+SESSION_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_SESSION_TIMEOUT", "10"))
+DEFAULT_TTL = float(os.environ.get("MONARCH_TENSOR_AGENT_TTL", "3600"))
+
+
+@dataclass
+class _Session:
+    last_seen: float
+    procs: dict = field(default_factory=dict)  # pid -> (ProcInfo, events PortRef)
+
+
+class HostAgent:
+    """Serve controllers on ``bind`` until ``ttl`` idle seconds or a ``ShutdownAgent``.
+
+    >>> agent = HostAgent("tcp://127.0.0.1:0", JobKeys.load("job.key"))
+    >>> agent.addr                  # the address to give controllers
+    'tcp://127.0.0.1:41234'
+    >>> agent.serve_forever()
+    """
+
+    def __init__(self, bind: str, keys: _curve.JobKeys, *, ttl: float = DEFAULT_TTL,
+                 advertise: str | None = None) -> None:
+        if not bind.startswith("tcp://"):
+            raise ValueError(f"a host agent listens on tcp://HOST:PORT, got {bind!r}")
+        self.keys = keys.checked()
+        # Procs inherit the job key from the zygote's environment: they need it to reach the controller.
+        os.environ.update(keys.to_env())
+        _curve._env_keys[:] = [keys]
+        self.ttl = ttl
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        _curve.serve_curve(self.ctx, self.router, keys)
+        host, _, port = bind[len("tcp://"):].rpartition(":")
+        try:
+            self.router.bind(f"tcp://{host}:{'*' if port in ('0', '*') else port}")
+        except zmq.ZMQError as e:
+            self.router.close(0)
+            _curve.stop_serving(self.ctx)
+            if e.errno == zmq.EADDRINUSE:
+                raise AddressInUseError(f"cannot listen on {bind}: the address is already in use "
+                                        f"(another agent, or pick another port)") from e
+            raise
+        bound_port = self.router.getsockopt(zmq.LAST_ENDPOINT).decode().rpartition(":")[2]
+        if advertise is None:
+            advertise = host if host not in ("*", "0.0.0.0", "") else _my_ip()
+        self.addr = f"tcp://{advertise}:{bound_port}"
+        self.workdir = os.getcwd()
+        self.sessions: dict[str, _Session] = {}
+        self.local_addrs: dict[str, str] = {}  # short proc id -> ipc address
+        self._next_id = 0
+        self._out: dict[str, zmq.Socket] = {}
+        self._inbox: queue.Queue = queue.Queue()  # (ident or None, frames) from worker threads
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._last_contact = time.monotonic()
+        self._stopping = False
+        self.host = LocalHost(on_exit=self._proc_exited)
+        self._spawner = _Worker(self)
+
+    # ---- the loop ------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        try:
+            while not self._stopping:
+                events = dict(poller.poll(250))
+                if self.router in events:
+                    while self.router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        self._on_frames(self.router.recv_multipart(copy=False))
+                if self._wake_r in events:
+                    os.read(self._wake_r, 4096)
+                self._drain_inbox()
+                self._expire()
+        finally:
+            self.close()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass
+
+    def _on_frames(self, frames: list) -> None:
+        ident, first = frames[0], frames[1].bytes
+        magic = first[:4]
+        if magic == ROUTE_MAGIC:
+            self._relay(first[4:].decode(), frames[2:])
+        elif magic == _fanout.TREE_MAGIC:
+            _fanout.forward(first, frames[2:], self._relay, self._send_raw)
+        else:
+            try:
+                req_id, msg = _wire.decode(frames[1:])
+            except Exception as e:  # noqa: BLE001 - authenticated, yet malformed: drop it
+                log.warning("agent dropped a malformed request: %s", e)
+                return
+            self._last_contact = time.monotonic()
+            handler = getattr(self, f"handle_{type(msg).__name__}", None)
+            if handler is None:
+                self._answer(ident, req_id, None, ValueError(f"host agent has no request {type(msg).__name__}"))
+                return
+            try:
+                handler(ident, req_id, msg)
+            except Exception as e:  # noqa: BLE001 - a failed request is an error reply
+                self._answer(ident, req_id, None, e)
+
+    def _answer(self, ident, req_id, value, error=None) -> None:
+        if req_id is not None:
+            self.router.send_multipart([ident, *_wire.encode((req_id, value, error))])
+
+    def _relay(self, proc_id: str, frames: list) -> None:
+        addr = self.local_addrs.get(proc_id)
+        if addr is None:
+            log.debug("message for unknown proc %s dropped", proc_id)
+            return
+        self._send_raw(addr, frames)
+
+    def _send_raw(self, addr: str, frames: list) -> None:
+        s = self._out.get(addr)
+        if s is None:
+            s = self.ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 1000)
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.setsockopt(zmq.RECONNECT_IVL, 5)
+            if addr.startswith("tcp://"):
+                _curve.connect_curve(s, self.keys)
+            s.connect(addr)
+            self._out[addr] = s
+        s.send_multipart(frames, copy=False)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                ident, frames = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if ident is None:
+                self._send_raw(frames[0], frames[1:])
+            elif ident == "forget":  # a proc exited: close our socket to it
+                s = self._out.pop(frames, None)
+                if s is not None:
+                    s.close(linger=0)
+            else:
+                self.router.send_multipart([ident, *frames])
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for sid, s in list(self.sessions.items()):
+            if now - s.last_seen > SESSION_TIMEOUT:
+                log.info("session %s went quiet: killing its %d procs", sid, len(s.procs))
+                self._end(sid)
+        if not self.sessions and now - self._last_contact > self.ttl:
+            log.info("no controller for %.0f s (ttl): exiting", self.ttl)
+            self._stopping = True
+
+    # ---- requests ---------------------------------------------------------------------
+    def _session(self, sid: str) -> _Session:
+        s = self.sessions.get(sid)
+        if s is None:
+            s = self.sessions[sid] = _Session(time.monotonic())
+        s.last_seen = time.monotonic()
+        return s
+
+    def handle_OpenSession(self, ident, req_id, msg: OpenSession) -> None:
+        self._session(msg.session)
+        live = sum(len(s.procs) for s in self.sessions.values())
+        self._answer(ident, req_id, DescribeHost(socket.gethostname(), self.addr, os.getpid(), self.workdir,
+                                                 _gpu_count(), live))
+
+    def handle_KeepSession(self, ident, req_id, msg: KeepSession) -> None:
+        self._session(msg.session)
+
+    def handle_SpawnProcs(self, ident, req_id, msg: SpawnProcs) -> None:
+        session = self._session(msg.session)
+        infos, envs = [], []
+        gpus = _gpu_count()
+        for rank, env in zip(msg.ranks, msg.envs):
+            self._next_id += 1
+            pid_key = str(self._next_id)
+            info = ProcInfo(new_ipc_address("proc"), rank)
+            self.local_addrs[pid_key] = info.addr
+            env = dict(env)
+            local_gpu = env.pop("MONARCH_TENSOR_LOCAL_GPU", None)
+            if gpus and local_gpu is not None:
+                env["CUDA_VISIBLE_DEVICES"] = str(int(local_gpu) % gpus)
+            env["MONARCH_TENSOR_ALIASES"] = f'{{"{msg.client_addr}": "{msg.gateway}"}}'
+            env["MONARCH_TENSOR_PUBLIC_ADDR"] = f"{info.addr}={self.addr}|{pid_key}"
+            info.owner = (msg.session, msg.events, pid_key, msg.gateway)
+            infos.append(info)
+            envs.append(env)
+        self._spawner.submit(ident, req_id, session, infos, msg.client_addr, envs)
+
+    def handle_KillProcs(self, ident, req_id, msg: KillProcs) -> None:
+        s = self._session(msg.session)
+        for pid in msg.pids:
+            if pid in s.procs:
+                _signal(pid, msg.sig)
+        self._answer(ident, req_id, None)
+
+    def handle_EndSession(self, ident, req_id, msg: EndSession) -> None:
+        self._end(msg.session)
+        self._answer(ident, req_id, None)
+
+    def handle_ShutdownAgent(self, ident, req_id, msg: ShutdownAgent) -> None:
+        log.info("shutting down: %s", msg.reason)
+        self._answer(ident, req_id, None)
+        self._stopping = True
+
+    def _end(self, sid: str) -> None:
+        s = self.sessions.pop(sid, None)
+        if s is not None:
+            for pid in list(s.procs):
+                _signal(pid, signal.SIGKILL)
+
+    # ---- proc exits (the zygote's reader thread) ----------------------------------------
+    def _proc_exited(self, info: ProcInfo, status: str) -> None:
+        sid, events, pid_key, gateway = info.owner
+        self.local_addrs.pop(pid_key, None)
+        s = self.sessions.get(sid)
+        if s is not None:
+            s.procs.pop(info.pid, None)
+        frames = _wire.encode(SendToPort(events.port_id, ReportExit(info.pid, status), None, -1))
+        self._inbox.put((None, [gateway, *frames]))
+        self._inbox.put(("forget", info.addr))
+        self._wake()
+
+    def close(self) -> None:
+        self._stopping = True
+        self._spawner.stop()
+        self._close_zygote()
+        self._drain_inbox()
+        for s in self._out.values():
+            s.close(linger=500)
+        self.router.close(linger=0)
+        _curve.stop_serving(self.ctx)
+        self.ctx.term()
+
+
+    def _close_zygote(self) -> None:
+        """Ask the zygote to kill its procs and exit; SIGKILL it (its procs die with it) if it is busy."""
+        try:
+            with self.host._lock:
+                _zygote_exit(self.host._req_fd)
+            self.host.proc.wait(timeout=2)
+        except Exception:  # noqa: BLE001 - busy importing, or gone
+            self.host.proc.kill()
+            self.host.proc.wait(timeout=5)
+
+
+def _zygote_exit(fd: int) -> None:
+    from . import _zygote
+
+    _zygote.write_msg(fd, ("exit",))
+
+
+class _Worker:
+    """Spawns on its own thread: forking waits for the zygote, and the agent's loop must not."""
+
+    def __init__(self, agent: HostAgent) -> None:
+        self.agent = agent
+        self.q: queue.Queue = queue.Queue()
+        self.t = threading.Thread(target=self._run, daemon=True, name="agent-spawner")
+        self.t.start()
+
+    def submit(self, *job) -> None:
+        self.q.put(job)
+
+    def stop(self) -> None:
+        self.q.put(None)
+
+    def _run(self) -> None:
+        while True:
+            job = self.q.get()
+            if job is None:
+                return
+            ident, req_id, session, infos, client_addr, envs = job
+            try:
+                self.agent.host.spawn(infos, client_addr, envs)
+                session.last_seen = time.monotonic()
+                for info in infos:
+                    session.procs[info.pid] = info
+                if self.agent.sessions.get(info.owner[0]) is not session:  # it ended while we forked
+                    for info in infos:
+                        _signal(info.pid, signal.SIGKILL)
+                reply = ReportSpawned(tuple(f"{self.agent.addr}|{i.owner[2]}" for i in infos),
+                                      tuple(i.pid for i in infos))
+                frames = _wire.encode((req_id, reply, None))
+            except Exception as e:  # noqa: BLE001
+                frames = _wire.encode((req_id, None, e))
+            self.agent._inbox.put((ident, frames))
+            self.agent._wake()
+
+
+def _signal(pid: int, sig: int) -> None:
+    """Signal a proc directly: its zygote may be busy importing, and it still reaps and reports the exit."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _my_ip() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def run_worker_loop_forever(address: str, ca: str | None = None, *, key_file: str | None = None,
+                            ttl: float = DEFAULT_TTL, address_file: str | None = None) -> None:
+    """Monarch's name for running a host agent in this process until it is shut down.
+
+    Keys: ``key_file``, else the environment (``MONARCH_TENSOR_CURVE_*`` or
+    ``MONARCH_TENSOR_KEY_FILE``). ``ca`` is accepted for Monarch compatibility;
+    CURVE keys replace TLS certificates here, so only ``None``/``"trust_all_connections"``
+    are meaningful (the job key still authenticates every peer).
+
+    >>> run_worker_loop_forever(address="tcp://0.0.0.0:26600", key_file="job.key")
+    """
+    keys = _curve.JobKeys.load(key_file) if key_file else _curve.JobKeys.from_env()
+    if keys is None:
+        raise JobKeyError("a host agent needs the job's key: pass --key-file, or set MONARCH_TENSOR_KEY_FILE "
+                          "or MONARCH_TENSOR_CURVE_PUBLIC/SECRET")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s agent %(process)d %(levelname)s %(message)s")
+    agent = HostAgent(address, keys, ttl=ttl)
+    if address_file:
+        _curve.write_private(address_file, agent.addr + "\n")
+    print(f"monarch-tensor host agent {os.getpid()} serving on {agent.addr} (workdir {agent.workdir})",
+          file=sys.stderr, flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(agent, "_stopping", True))
+    agent.serve_forever()

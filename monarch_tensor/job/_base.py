@@ -1,0 +1,153 @@
+"""What every job shares: ``apply()``, ``state()``, ``kill()``, ``dump()`` / ``job_load()``.
+
+A job owns host agents (``agent.py``) grouped into named meshes and one CURVE
+key pair. ``state()`` connects to the agents and returns one ``HostMesh``
+attribute per mesh. ``dump(path)`` writes a 0600 job file (agents' addresses
+and the key) from which ``job_load(path).state()`` reattaches, from another
+script or after the controller died, without going back to the scheduler.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from .. import _curve
+from ..remote import AgentClient, RemoteHostMesh, connect_agents, shutdown_agents
+
+
+class JobState:
+    """One ``HostMesh`` attribute per named mesh: ``state.mesh0.spawn_procs(per_host={"gpus": 8})``."""
+
+    def __init__(self, meshes: dict[str, RemoteHostMesh]) -> None:
+        self._meshes = dict(meshes)
+        for name, mesh in meshes.items():
+            setattr(self, name, mesh)
+
+    def __getattr__(self, name: str):
+        raise AttributeError(f"this job has no mesh named {name!r}; its meshes are {sorted(self._meshes)}")
+
+    def __repr__(self) -> str:
+        return f"JobState({', '.join(f'{k}={v!r}' for k, v in self._meshes.items())})"
+
+
+class JobTrait:
+    """Base of every job. Subclasses implement ``_start()`` (returns mesh name -> agent addresses) and ``_release()``.
+
+    >>> job = LocalJob(meshes={"mesh0": 2})
+    >>> state = job.state()                  # applies the job if needed, waits for its agents
+    >>> state.mesh0.spawn_procs(per_host={"gpus": 2}).sizes
+    {'hosts': 2, 'gpus': 2}
+    >>> job.dump("job.json"); job.kill()
+    """
+
+    kind = "base"
+
+    def __init__(self, meshes: dict[str, int]) -> None:
+        if not meshes or any(not isinstance(n, int) or n < 1 for n in meshes.values()):
+            raise ValueError(f"meshes must map names to host counts >= 1, e.g. {{'mesh0': 2}}, got {meshes!r}")
+        self.meshes = dict(meshes)
+        self.keys = _curve.JobKeys.generate()
+        self.addrs: dict[str, list[str]] | None = None
+        self._agents: dict[str, list[AgentClient]] = {}
+        self._state: JobState | None = None
+
+    # ---- what subclasses provide ---------------------------------------------------
+    def _start(self) -> dict[str, list[str]]:
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        pass
+
+    def _extra(self) -> dict[str, Any]:
+        """Kind-specific fields of the job file."""
+        return {}
+
+    # ---- the interface ----------------------------------------------------------------
+    def apply(self) -> None:
+        """Start the job's hosts (idempotent)."""
+        if self.addrs is None:
+            self.addrs = self._start()
+
+    def state(self) -> JobState:
+        """Connect to the job's agents; one ``HostMesh`` attribute per mesh."""
+        if self._state is None:
+            self.apply()
+            assert self.addrs is not None
+            flat = [a for name in self.meshes for a in self.addrs[name]]
+            agents = connect_agents(flat, self.keys)
+            it = iter(agents)
+            self._agents = {name: [next(it) for _ in self.addrs[name]] for name in self.meshes}
+            self._state = JobState({name: RemoteHostMesh(a) for name, a in self._agents.items()})
+        return self._state
+
+    def kill(self) -> None:
+        """Stop every agent (and its procs) and release the allocation."""
+        agents = [a for lst in self._agents.values() for a in lst]
+        if not agents and self.addrs is not None:
+            try:
+                self.state()
+                agents = [a for lst in self._agents.values() for a in lst]
+            except Exception:  # noqa: BLE001 - agents already gone: release what the scheduler holds
+                agents = []
+        shutdown_agents(agents, "job killed")
+        self._release()
+        self._state = None
+
+    def dump(self, path: str) -> None:
+        """Write the job file (0600: it holds the job's secret key)."""
+        self.apply()
+        data = {"kind": self.kind, "meshes": self.meshes, "addrs": self.addrs,
+                "keys": {"public": self.keys.public, "secret": self.keys.secret}, **self._extra()}
+        _curve.write_private(path, json.dumps(data, indent=1))
+
+
+def job_load(path: str) -> JobTrait:
+    """Reattach to a job from its job file: ``job_load("job.json").state().mesh0``."""
+    data = json.loads(_curve.read_private(path))
+    from .hosts import HostListJob
+    from .local import LocalJob
+    from .slurm import SlurmJob
+
+    kinds = {c.kind: c for c in (LocalJob, SlurmJob, HostListJob)}
+    cls = kinds.get(data.get("kind"))
+    if cls is None:
+        raise ValueError(f"{path} is not a monarch-tensor job file (kind {data.get('kind')!r})")
+    job = cls.__new__(cls)
+    JobTrait.__init__(job, data["meshes"])
+    job.keys = _curve.JobKeys(data["keys"]["public"], data["keys"]["secret"]).checked()
+    job.addrs = {k: list(v) for k, v in data["addrs"].items()}
+    job._restore(data)
+    return job
+
+
+def agent_command(python_exe: str, bind: str, address_file: str, ttl: float, key_file: str | None = None) -> list[str]:
+    cmd = [python_exe, "-m", "monarch_tensor.cli", "host", "--bind", bind, "--address-file", address_file,
+           "--ttl", str(ttl)]
+    if key_file:
+        cmd += ["--key-file", key_file]
+    return cmd
+
+
+def read_address(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return text or None
+
+
+def log_tail(path: str, n: int = 15) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def private_dir(path: str) -> str:
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path

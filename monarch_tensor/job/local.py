@@ -1,0 +1,116 @@
+"""``LocalJob``: N host agents on this machine acting as N hosts (tests, laptops).
+
+Each agent is its own process, started in a new session so it outlives the
+controller (reattach with ``job_load``), in its own working directory
+``<root>/<mesh>-<i>/`` so that file sync between "hosts" is real.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from ..errors import JobStartError
+from ._base import JobTrait, agent_command, log_tail, private_dir, read_address
+
+START_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_JOB_START_TIMEOUT", "60"))
+
+
+class LocalJob(JobTrait):
+    """Host agents as local processes: ``LocalJob(meshes={"mesh0": 2}).state().mesh0``.
+
+    >>> job = LocalJob(meshes={"trainers": 2}, ttl=600)
+    >>> hosts = job.state().trainers
+    >>> hosts.workdirs                       # one working directory per "host"
+    ['/tmp/monarch-tensor-job-x/trainers-0', '/tmp/monarch-tensor-job-x/trainers-1']
+    >>> job.kill()
+    """
+
+    kind = "local"
+
+    def __init__(self, meshes: dict[str, int] | None = None, *, root_dir: str | None = None, ttl: float = 600.0,
+                 python_exe: str | None = None, start_timeout: float = START_TIMEOUT) -> None:
+        super().__init__(meshes or {"hosts": 1})
+        self.root_dir = root_dir
+        self.ttl, self.python_exe, self.start_timeout = ttl, python_exe or sys.executable, start_timeout
+        self.pids: list[int] = []
+
+    def _start(self) -> dict[str, list[str]]:
+        root = private_dir(self.root_dir or tempfile.mkdtemp(prefix="monarch-tensor-job-"))
+        self.root_dir = root
+        key_file = os.path.join(root, "job.key")
+        self.keys.save(key_file)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        started = []
+        for name, n in self.meshes.items():
+            for i in range(n):
+                workdir = os.path.join(root, f"{name}-{i}")
+                os.makedirs(workdir, exist_ok=True)
+                addr_file = os.path.join(root, f"{name}-{i}.addr")
+                log = os.path.join(root, f"{name}-{i}.log")
+                with open(log, "ab") as out:
+                    p = subprocess.Popen(agent_command(self.python_exe, "tcp://127.0.0.1:0", addr_file, self.ttl,
+                                                       key_file), cwd=workdir, env=env, stdout=out, stderr=out,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                self.pids.append(p.pid)
+                started.append((name, p, addr_file, log))
+        addrs: dict[str, list[str]] = {name: [] for name in self.meshes}
+        deadline = time.monotonic() + self.start_timeout
+        for name, p, addr_file, log in started:
+            while (a := read_address(addr_file)) is None:
+                if p.poll() is not None:
+                    self._release()
+                    raise JobStartError(f"host agent {name} exited with code {p.returncode} before serving; "
+                                        f"its log ({log}):\n{log_tail(log)}")
+                if time.monotonic() > deadline:
+                    self._release()
+                    raise JobStartError(f"host agent {name} did not start within {self.start_timeout:.0f} s; "
+                                        f"its log ({log}):\n{log_tail(log)}")
+                time.sleep(0.02)
+            addrs[name].append(a)
+        return addrs
+
+    def _release(self) -> None:
+        deadline = time.monotonic() + 5
+        for pid in self.pids:
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if _alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for pid in self.pids:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+
+    def _extra(self) -> dict:
+        return {"pids": self.pids, "root_dir": self.root_dir}
+
+    def _restore(self, data: dict) -> None:
+        self.pids, self.root_dir = list(data.get("pids", [])), data.get("root_dir")
+        self.ttl, self.python_exe, self.start_timeout = 600.0, sys.executable, START_TIMEOUT
+
+
+def _alive(pid: int) -> bool:
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+ProcessJob = LocalJob

@@ -1,0 +1,153 @@
+"""``SlurmJob``: one sbatch allocation whose nodes each run a host agent (started by srun).
+
+The job's key pair travels to the agents in the environment sbatch exports
+(never on a command line); the agents write their addresses to ``log_dir``
+(which must be shared by the nodes, as a cluster's home or scratch is).
+``state()`` waits for every agent, ``kill()`` cancels the allocation.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+
+from ..errors import JobStartError
+from ._base import JobTrait, agent_command, log_tail, private_dir, read_address
+
+START_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_JOB_START_TIMEOUT", "120"))
+
+
+def slurm_available() -> str:
+    """'' when sbatch/squeue/scancel are on PATH and a controller answers, else why not."""
+    for tool in ("sbatch", "squeue", "scancel"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed"
+    try:
+        r = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=10)
+    except subprocess.TimeoutExpired:
+        return "squeue did not answer within 10 s"
+    return "" if r.returncode == 0 else f"no SLURM controller answers: {r.stderr.strip()}"
+
+
+class SlurmJob(JobTrait):
+    """A SLURM allocation with one host agent per node.
+
+    >>> job = SlurmJob(meshes={"mesh0": 2}, job_name="train", time_limit="00:30:00", partition="debug")
+    >>> hosts = job.state().mesh0           # submits if needed, waits for both agents
+    >>> job.kill()                          # scancel; the allocation is gone
+    """
+
+    kind = "slurm"
+
+    def __init__(self, meshes: dict[str, int], *, job_name: str = "monarch_tensor", time_limit: str | None = None,
+                 partition: str | None = None, gpus_per_node: int | None = None, cpus_per_task: int | None = None,
+                 mem: str | None = None, python_exe: str | None = None, slurm_args: tuple | list = (),
+                 log_dir: str | None = None, ttl: float = 3600.0, start_timeout: float = START_TIMEOUT,
+                 bind: str = "tcp://0.0.0.0:0") -> None:
+        super().__init__(meshes)
+        self.job_name, self.time_limit, self.partition = job_name, time_limit, partition
+        self.gpus_per_node, self.cpus_per_task, self.mem = gpus_per_node, cpus_per_task, mem
+        self.python_exe = python_exe or sys.executable
+        self.slurm_args = list(slurm_args)
+        self.log_dir = os.path.abspath(log_dir or os.path.join(os.getcwd(), ".monarch-tensor", "slurm"))
+        self.ttl, self.start_timeout, self.bind = ttl, start_timeout, bind
+        self.job_id: str | None = None
+
+    def _script(self, nodes: int) -> str:
+        opts = [f"--job-name={self.job_name}", f"--nodes={nodes}", "--ntasks-per-node=1",
+                f"--output={self.log_dir}/%x-%j.out"]
+        if self.time_limit:
+            opts.append(f"--time={self.time_limit}")
+        if self.partition:
+            opts.append(f"--partition={self.partition}")
+        if self.gpus_per_node:
+            opts.append(f"--gpus-per-node={self.gpus_per_node}")
+        if self.cpus_per_task:
+            opts.append(f"--cpus-per-task={self.cpus_per_task}")
+        if self.mem:
+            opts.append(f"--mem={self.mem}")
+        opts += self.slurm_args
+        addr = f"{self.log_dir}/agent-$SLURM_JOB_ID-$SLURM_PROCID.addr"
+        cmd = " ".join(shlex.quote(c) for c in agent_command(self.python_exe, self.bind, "ADDR", self.ttl))
+        cmd = cmd.replace("ADDR", addr)
+        lines = ["#!/bin/bash", *(f"#SBATCH {o}" for o in opts), "set -e",
+                 f"cd {shlex.quote(os.getcwd())}",
+                 f"srun --ntasks-per-node=1 bash -c {shlex.quote('exec ' + cmd)}"]
+        return "\n".join(lines) + "\n"
+
+    def _start(self) -> dict[str, list[str]]:
+        private_dir(self.log_dir)
+        nodes = sum(self.meshes.values())
+        script = os.path.join(self.log_dir, f"{self.job_name}.sbatch")
+        with open(script, "w") as f:
+            f.write(self._script(nodes))
+        env = dict(os.environ)
+        env.update(self.keys.to_env())  # handed to the agents through the scheduler's environment
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        try:
+            r = subprocess.run(["sbatch", "--parsable", script], capture_output=True, text=True, env=env, timeout=60)
+        except FileNotFoundError as e:
+            raise JobStartError("sbatch is not installed: SLURM jobs need a SLURM cluster") from e
+        except subprocess.TimeoutExpired as e:
+            raise JobStartError("sbatch did not answer within 60 s") from e
+        if r.returncode != 0:
+            raise JobStartError(f"sbatch refused the job: {r.stderr.strip() or r.stdout.strip()}")
+        self.job_id = r.stdout.strip().split(";")[0]
+        try:
+            addrs = self._wait_agents(nodes)
+        except BaseException:
+            self._release()
+            raise
+        it = iter(addrs)
+        return {name: [next(it) for _ in range(n)] for name, n in self.meshes.items()}
+
+    def _wait_agents(self, nodes: int) -> list[str]:
+        deadline = time.monotonic() + self.start_timeout
+        files = [f"{self.log_dir}/agent-{self.job_id}-{i}.addr" for i in range(nodes)]
+        out = f"{self.log_dir}/{self.job_name}-{self.job_id}.out"
+        last_check = 0.0
+        while True:
+            addrs = [read_address(f) for f in files]
+            if all(addrs):
+                return addrs  # type: ignore[return-value]
+            now = time.monotonic()
+            if now - last_check > 1.0:
+                last_check = now
+                st, reason = self.squeue_state()
+                if st is None or st in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "COMPLETED", "BOOT_FAIL"):
+                    raise JobStartError(f"SLURM job {self.job_id} ended ({st or 'gone from the queue'}) before its "
+                                        f"agents served; its output ({out}):\n{log_tail(out)}")
+            if now > deadline:
+                st, reason = self.squeue_state()
+                raise JobStartError(f"SLURM job {self.job_id} did not start its {nodes} agents within "
+                                    f"{self.start_timeout:.0f} s (state {st}, reason {reason}); it was cancelled")
+            time.sleep(0.1)
+
+    def squeue_state(self) -> tuple[str | None, str]:
+        """(state, reason) of the job in squeue, or (None, '') once it left the queue."""
+        r = subprocess.run(["squeue", "-h", "-j", str(self.job_id), "-o", "%T|%r"], capture_output=True, text=True,
+                           timeout=30)
+        line = r.stdout.strip()
+        if r.returncode != 0 or not line:
+            return None, ""
+        st, _, reason = line.partition("|")
+        return st, reason
+
+    def _release(self) -> None:
+        if not self.job_id:
+            return
+        subprocess.run(["scancel", str(self.job_id)], capture_output=True, timeout=30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and self.squeue_state()[0] not in (None, "COMPLETED", "CANCELLED"):
+            time.sleep(0.2)
+
+    def _extra(self) -> dict:
+        return {"job_id": self.job_id, "log_dir": self.log_dir}
+
+    def _restore(self, data: dict) -> None:
+        self.job_id, self.log_dir = data.get("job_id"), data.get("log_dir")
+        self.python_exe, self.ttl, self.start_timeout = sys.executable, 3600.0, START_TIMEOUT

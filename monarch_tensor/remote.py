@@ -1,0 +1,424 @@
+"""The controller's side of host agents: host meshes over many agents.
+
+>>> hosts = attach_to_workers(workers=["tcp://10.0.0.1:26600", "tcp://10.0.0.2:26600"],
+...                           key_file="job.key")
+>>> procs = hosts.spawn_procs(per_host={"gpus": 8})      # shape {"hosts": 2, "gpus": 8}
+>>> hosts.workdirs                                       # each host's working directory
+['/scratch/run', '/scratch/run']
+
+Each agent gets one control socket (CURVE client, see ``_curve.py``) with a
+socket monitor: the agent's TCP connection dropping (the agent died, its host
+went away) fails every proc on it with a ``SupervisionError`` at once, and
+zmq heartbeats catch a silent peer. Procs on agents reply to this process
+through a CURVE gateway (a TCP listener relaying into the mailbox), one per job key.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Mapping
+
+import zmq
+
+from . import _curve, _wire
+from .agent_messages import EndSession, KeepSession, KillProcs, OpenSession, ReportExit, ShutdownAgent, SpawnProcs
+from .errors import HostUnreachableError, JobKeyError, SupervisionError
+from .host import HostMesh, ProcInfo, ProcMesh, _live_meshes, _proc_exited
+from .mailbox import current_mailbox
+from .messages import SendToPort, StopProc
+from .shape import Shape
+
+CONNECT_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_CONNECT_TIMEOUT", "10"))
+SPAWN_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_SPAWN_TIMEOUT", "60"))
+KEEPALIVE_S = 1.0
+LOST_AFTER_S = 0.5  # a dropped connection not re-established within this is a lost agent
+
+SESSION = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+# ---- the gateway: tcp (CURVE) -> this process's mailbox ------------------------------------
+class _Gateway:
+    """A CURVE TCP listener whose messages are relayed into the mailbox (one per job key)."""
+
+    def __init__(self, keys: _curve.JobKeys, ip: str) -> None:
+        mailbox = current_mailbox()
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        _curve.serve_curve(self.ctx, self.router, keys)
+        self.router.bind(f"tcp://{ip}:*")
+        self.addr = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.out = self.ctx.socket(zmq.DEALER)
+        self.out.setsockopt(zmq.SNDHWM, 0)
+        self.out.connect(mailbox.addr)
+        self.mailbox_addr = mailbox.addr
+        threading.Thread(target=self._run, daemon=True, name="monarch-tensor-gateway").start()
+
+    def _run(self) -> None:
+        r, out = self.router, self.out
+        while True:
+            try:
+                frames = r.recv_multipart(copy=False)
+            except zmq.ZMQError:
+                return
+            out.send_multipart(frames[1:], copy=False)
+
+
+_gateways: dict[str, _Gateway] = {}
+
+
+def _gateway_for(keys: _curve.JobKeys, agent_addr: str) -> _Gateway:
+    g = _gateways.get(keys.public)
+    if g is None:
+        g = _gateways[keys.public] = _Gateway(keys, _ip_towards(agent_addr))
+    return g
+
+
+def _ip_towards(addr: str) -> str:
+    """This machine's address as seen on the route to ``addr`` (no packet is sent)."""
+    host = addr[len("tcp://"):].rpartition(":")[0].strip("[]")
+    if host in ("127.0.0.1", "localhost"):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return "0.0.0.0"
+
+
+# ---- one agent --------------------------------------------------------------------------------
+class AgentClient:
+    """The control connection to one host agent; ``request`` is a round trip with a timeout."""
+
+    def __init__(self, addr: str, keys: _curve.JobKeys, timeout: float = CONNECT_TIMEOUT) -> None:
+        if not addr.startswith("tcp://"):
+            raise ValueError(f"a host agent's address is tcp://HOST:PORT, got {addr!r}")
+        self.addr, self.keys = addr, keys
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+        _curve.connect_curve(self.sock, keys)
+        self.monitor = self.sock.get_monitor_socket()
+        # Keep-alives on their own socket: a long request (a spawn) holds the control socket.
+        self.keep = self.ctx.socket(zmq.DEALER)
+        self.keep.setsockopt(zmq.LINGER, 0)
+        self.keep.setsockopt(zmq.SNDHWM, 4)
+        _curve.connect_curve(self.keep, keys)
+        self.keep.connect(addr)
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self.lost: str = ""
+        self.procs: dict[int, ProcInfo] = {}
+        self.sock.connect(addr)
+        _curve.remember_peer(addr, keys)
+        self.info = self._handshake(timeout)
+
+    def _handshake(self, timeout: float):
+        deadline = time.monotonic() + timeout
+        connected = failed = False
+        while time.monotonic() < deadline:
+            if not self.monitor.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+                break
+            ev = _event(self.monitor)
+            if ev == zmq.EVENT_CONNECTED:
+                connected = True
+            elif ev in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+                failed = True
+                break
+            elif ev == zmq.EVENT_DISCONNECTED and connected:
+                failed = True  # the server hung up during the CURVE handshake: it holds another key
+                break
+            elif ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                return self.request(OpenSession(SESSION), timeout=max(1.0, deadline - time.monotonic()))
+        self.close()
+        if failed:
+            raise JobKeyError(f"the host agent at {self.addr} refused this controller's key: it serves another "
+                              f"job (use that job's key file, or job_load() its job file)")
+        if connected:
+            raise HostUnreachableError(f"connected to {self.addr} but no host agent answered within {timeout:.0f} s")
+        raise HostUnreachableError(f"no host agent reachable at {self.addr} within {timeout:.0f} s "
+                                   f"(nothing listens there, the host is down, or a firewall drops it)")
+
+    def request(self, msg, timeout: float = 30.0):
+        with self._lock:
+            if self.lost:
+                raise SupervisionError(f"host agent {self.addr} was lost: {self.lost}")
+            req_id = next(self._ids)
+            self.sock.send_multipart(_wire.encode((req_id, msg)))
+            deadline = time.monotonic() + timeout
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self.sock.poll(int(left * 1000)):
+                    raise HostUnreachableError(f"host agent {self.addr} did not answer "
+                                               f"{type(msg).__name__} within {timeout:.0f} s")
+                rid, value, error = _wire.decode(self.sock.recv_multipart())
+                if rid == req_id:
+                    break
+        if error is not None:
+            raise error
+        return value
+
+    def keep_alive(self) -> None:
+        """Tell the agent this controller lives (the watcher thread's socket; never blocks)."""
+        if not self.lost:
+            try:
+                self.keep.send_multipart(_wire.encode((None, KeepSession(SESSION))), zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+
+    def close(self) -> None:
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.monitor.close(0)
+        self.sock.close(0)
+        self.keep.close(0)
+
+
+def _event(monitor: zmq.Socket) -> int:
+    from zmq.utils.monitor import recv_monitor_message
+
+    return recv_monitor_message(monitor)["event"]
+
+
+# ---- supervision of agents: keep-alives out, lost connections in -----------------------------------
+class _Watcher:
+    def __init__(self) -> None:
+        self.agents: list[AgentClient] = []
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+
+    def add(self, agent: AgentClient) -> None:
+        with self.lock:
+            self.agents.append(agent)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, daemon=True, name="monarch-tensor-agents")
+                self.thread.start()
+
+    def _run(self) -> None:
+        down_since: dict[AgentClient, float] = {}
+        last_keep = 0.0
+        while True:
+            with self.lock:
+                agents = [a for a in self.agents if not a.lost]
+            poller = zmq.Poller()
+            for a in agents:
+                poller.register(a.monitor, zmq.POLLIN)
+            ready = dict(poller.poll(100)) if agents else (time.sleep(0.1) or {})
+            now = time.monotonic()
+            for a in agents:
+                if a.monitor in ready:
+                    while a.monitor.poll(0):
+                        ev = _event(a.monitor)
+                        if ev == zmq.EVENT_DISCONNECTED:
+                            down_since.setdefault(a, now)
+                        elif ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                            down_since.pop(a, None)
+                if a in down_since and now - down_since[a] > LOST_AFTER_S:
+                    down_since.pop(a)
+                    _agent_lost(a, "its connection dropped and did not come back")
+            if now - last_keep > KEEPALIVE_S:
+                last_keep = now
+                for a in agents:
+                    a.keep_alive()
+
+
+_watcher = _Watcher()
+
+
+def _agent_lost(agent: AgentClient, why: str) -> None:
+    agent.lost = why
+    for info in list(agent.procs.values()):
+        if info.alive:
+            _proc_exited(info, f"its host agent {agent.addr} was lost ({why})")
+
+
+class _Events:
+    """The port agents report proc exits to."""
+
+    observing = False
+
+    def __init__(self, agent: AgentClient) -> None:
+        self.agent = agent
+
+    def deliver(self, msg: SendToPort) -> bool:
+        report = msg.value
+        if isinstance(report, ReportExit):
+            info = self.agent.procs.pop(report.pid, None)
+            if info is not None and info.alive:
+                _proc_exited(info, report.status)
+        return False
+
+    def proc_died(self, addr: str, error: SupervisionError) -> bool:
+        return False
+
+
+# ---- meshes -------------------------------------------------------------------------------------
+class RemoteHostMesh(HostMesh):
+    """Hosts served by agents: ``spawn_procs(per_host={"gpus": 8})`` -> shape {"hosts": N, "gpus": 8}.
+
+    ``workdirs[i]`` is host i's working directory (where its procs start).
+    """
+
+    def __init__(self, agents: list[AgentClient]) -> None:
+        super().__init__(Shape(("hosts",), (len(agents),)))
+        self._agents = agents
+
+    @property
+    def workdirs(self) -> list[str]:
+        return [a.info.workdir for a in self._agents]
+
+    @property
+    def addresses(self) -> list[str]:
+        return [a.addr for a in self._agents]
+
+    def slice(self, hosts) -> RemoteHostMesh:
+        """``hosts.slice(hosts=0)`` or ``hosts.slice(hosts=slice(0, 2))``."""
+        picked = self._agents[hosts] if isinstance(hosts, slice) else [self._agents[hosts]]
+        return RemoteHostMesh(picked)
+
+    def spawn_procs(self, per_host: Mapping[str, int] | None = None, *, name: str | None = None) -> ProcMesh:
+        per_host = dict(per_host or {"procs": 1})
+        if "hosts" in per_host:
+            raise ValueError("per_host cannot have a 'hosts' dimension: the host mesh provides it")
+        shape = Shape(("hosts", *per_host), (len(self._agents), *per_host.values()))
+        per = len(shape) // len(self._agents)
+        mailbox = current_mailbox()
+        infos: list[ProcInfo] = []
+        pending = []
+        for h, agent in enumerate(self._agents):
+            gateway = _gateway_for(agent.keys, agent.addr)
+            events = mailbox.open_port(_Events(agent))
+            ranks, envs = [], []
+            for r in range(h * per, (h + 1) * per):
+                point = shape.point(r)
+                env = {"MONARCH_TENSOR_RANK": str(r)}
+                if "gpus" in shape.names:
+                    env["MONARCH_TENSOR_LOCAL_GPU"] = str(point["gpus"])
+                ranks.append(r)
+                envs.append(env)
+            pending.append((agent, ranks, SpawnProcs(SESSION, tuple(ranks), tuple(envs), mailbox.addr,
+                                                      gateway.addr, events)))
+        results = _parallel([(a.request, (m, SPAWN_TIMEOUT)) for a, _, m in pending])
+        mesh = RemoteProcMesh([], shape)
+        for (agent, ranks, _), rep in zip(pending, results):
+            for r, addr, pid in zip(ranks, rep.addrs, rep.pids):
+                info = ProcInfo(addr, r, pid)
+                info.owner = mesh
+                info.agent = agent
+                agent.procs[pid] = info
+                infos.append(info)
+        mesh._procs = infos
+        _live_meshes.add(mesh)
+        return mesh
+
+    def __repr__(self) -> str:
+        return f"<HostMesh {self._shape} on {len(self._agents)} agents>"
+
+
+class RemoteProcMesh(ProcMesh):
+    """Procs forked by host agents; ``stop()`` asks each proc to exit, then the agent to kill leftovers."""
+
+    def _kill(self, p: ProcInfo) -> None:
+        agent: AgentClient = p.agent
+        try:
+            agent.request(KillProcs(SESSION, (p.pid,), 9), timeout=5)
+        except Exception:  # noqa: BLE001 - a lost agent's procs are gone with it
+            p.alive = False
+
+
+def _parallel(calls: list) -> list:
+    """Run blocking calls on threads; results in order; the first error is raised."""
+    results: list = [None] * len(calls)
+    errors: list = [None] * len(calls)
+
+    def run(i, fn, args):
+        try:
+            results[i] = fn(*args)
+        except BaseException as e:  # noqa: BLE001
+            errors[i] = e
+
+    if len(calls) == 1:
+        run(0, *calls[0])
+    else:
+        threads = [threading.Thread(target=run, args=(i, fn, args), daemon=True) for i, (fn, args) in enumerate(calls)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    for e in errors:
+        if e is not None:
+            raise e
+    return results
+
+
+def connect_agents(addrs: list[str], keys: _curve.JobKeys, timeout: float = CONNECT_TIMEOUT) -> list[AgentClient]:
+    """Connect to every agent (in parallel); each is then watched for loss and kept alive."""
+    agents = _parallel([(AgentClient, (a, keys, timeout)) for a in addrs])
+    for a in agents:
+        _watcher.add(a)
+    return agents
+
+
+def attach_to_workers(workers: list[str], name: str | None = None, ca: str | None = None, *,
+                      key_file: str | None = None, timeout: float = CONNECT_TIMEOUT) -> RemoteHostMesh:
+    """A host mesh over agents already running at ``workers`` (Monarch's name).
+
+    Keys: ``key_file``, else the environment (``MONARCH_TENSOR_KEY_FILE`` or ``MONARCH_TENSOR_CURVE_*``).
+
+    >>> hosts = attach_to_workers(workers=["tcp://h1:26600", "tcp://h2:26600"], key_file="job.key")
+    >>> hosts.spawn_procs(per_host={"gpus": 2}).sizes
+    {'hosts': 2, 'gpus': 2}
+    """
+    if not workers:
+        raise ValueError("attach_to_workers needs at least one worker address")
+    keys = _curve.JobKeys.load(key_file) if key_file else _curve.JobKeys.from_env()
+    if keys is None:
+        raise JobKeyError("attach_to_workers needs the job's key: pass key_file=..., or set MONARCH_TENSOR_KEY_FILE")
+    return RemoteHostMesh(connect_agents(list(workers), keys, timeout))
+
+
+def shutdown_agents(agents: list[AgentClient], reason: str) -> None:
+    """Stop agents on purpose: their procs' exits are expected, not supervision failures."""
+    for a in agents:
+        for info in a.procs.values():
+            info.stopping = True
+        if info_mesh := next((i.owner for i in a.procs.values() if isinstance(i.owner, ProcMesh)), None):
+            info_mesh._alloc._stopped = True
+    for a in agents:
+        try:
+            a.request(ShutdownAgent(reason), timeout=5)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        a.lost = a.lost or "shut down"
+
+
+@atexit.register
+def _end_sessions() -> None:
+    for mesh in [m for m in list(_live_meshes) if isinstance(m, RemoteProcMesh)]:
+        mesh._stopped = True
+        _live_meshes.discard(mesh)
+        mailbox = current_mailbox()
+        for p in mesh._procs:
+            p.stopping = True
+            if p.alive:
+                try:
+                    mailbox.send(p.addr, StopProc("the controller exited"))
+                except Exception:  # noqa: BLE001
+                    pass
+    for a in list(_watcher.agents):
+        if not a.lost:
+            try:
+                a.request(EndSession(SESSION), timeout=2)
+            except Exception:  # noqa: BLE001
+                pass

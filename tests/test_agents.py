@@ -1,0 +1,380 @@
+"""Host agents and LocalJob on real processes: spawn, call, broadcast tree, faults, reattach, keys.
+
+One LocalJob of two agents serves most tests (module fixture); the fault tests
+that kill an agent start their own.
+"""
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import zmq
+
+import monarch_tensor.actor as actor_mod
+from monarch_tensor import _curve, _fanout, _wire
+from monarch_tensor.actor import Actor, SupervisionError, current_rank, endpoint
+from monarch_tensor.agent import HostAgent
+from monarch_tensor.agent_messages import REPORTS, REQUESTS, OpenSession
+from monarch_tensor.errors import AddressInUseError, HostUnreachableError, JobKeyError, JobStartError
+from monarch_tensor.job import HostListJob, LocalJob, job_load
+from monarch_tensor.remote import AgentClient, attach_to_workers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Where(Actor):
+    def __init__(self) -> None:
+        self.seen = []
+
+    @endpoint
+    def where(self):
+        return current_rank().rank, os.getcwd(), os.getpid()
+
+    @endpoint
+    def note(self, x) -> None:
+        self.seen.append(x)
+
+    @endpoint
+    def notes(self):
+        return list(self.seen)
+
+    @endpoint
+    def ask(self, other, rank: int):
+        """Call another actor mesh from this proc (proc -> proc across agents, reply back to this proc)."""
+        return other.slice(hosts=rank // 2, gpus=rank % 2).where.call_one().get(timeout=30)[0]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """Two hosts for the tests, and a spare one for the test that kills its agent."""
+    old = os.environ.get("MONARCH_TENSOR_SESSION_TIMEOUT")
+    os.environ["MONARCH_TENSOR_SESSION_TIMEOUT"] = "3"  # the agents drop a dead controller's procs after 3 s
+    try:
+        j = LocalJob(meshes={"mesh0": 2, "spare": 1}, root_dir=str(tmp_path_factory.mktemp("job")), ttl=120)
+        j.state()
+    finally:
+        if old is None:
+            del os.environ["MONARCH_TENSOR_SESSION_TIMEOUT"]
+        else:
+            os.environ["MONARCH_TENSOR_SESSION_TIMEOUT"] = old
+    yield j
+    j.kill()
+
+
+@pytest.fixture
+def faults(monkeypatch):
+    seen = []
+    monkeypatch.setattr(actor_mod, "unhandled_fault_hook", seen.append)
+    return seen
+
+
+# ---- meshes on agents ---------------------------------------------------------------------
+@pytest.mark.timeout(180)
+def test_spawn_procs_on_every_host_and_call_them(job):
+    hosts = job.state().mesh0
+    assert hosts.sizes == {"hosts": 2}
+    procs = hosts.spawn_procs(per_host={"gpus": 2})
+    assert procs.sizes == {"hosts": 2, "gpus": 2}
+    w = procs.spawn("w", Where)
+    got = w.where.call().get(timeout=120).values()
+    assert [r for r, _, _ in got] == [0, 1, 2, 3]
+    # Each host's procs run in that host's own working directory.
+    assert [d for _, d, _ in got] == [hosts.workdirs[0]] * 2 + [hosts.workdirs[1]] * 2
+    assert hosts.workdirs[0] != hosts.workdirs[1]
+    assert w.slice(hosts=1, gpus=0).where.call_one().get(timeout=30)[0] == 2
+    # Proc -> proc across agents: the reply finds its way back to the asking proc.
+    assert w.slice(hosts=0, gpus=0).ask.call_one(w, 3).get(timeout=30) == 3
+    procs.stop().get(timeout=30)
+    for _, _, pid in got:
+        _wait_gone(pid)
+
+
+@pytest.mark.timeout(120)
+def test_tensor_engine_reduce_across_hosts(job):
+    import torch
+
+    from monarch_tensor import fetch_shard
+
+    procs = job.state().mesh0.spawn_procs(per_host={"gpus": 1})
+    with procs.activate():
+        x = torch.ones(4) + procs.rank("hosts")
+        y = x.reduce("hosts", "sum")
+        got = fetch_shard(y, hosts=1, gpus=0).result(timeout=60)
+    assert torch.equal(got, torch.full((4,), 3.0))
+    procs.stop()
+
+
+@pytest.mark.timeout(120)
+def test_broadcast_goes_down_a_tree_and_reaches_every_proc_in_order(job, monkeypatch):
+    monkeypatch.setattr(_fanout, "FANOUT", 1)  # a chain: controller -> agent 0 -> agent 1
+    procs = job.state().mesh0.spawn_procs(per_host={"gpus": 2})
+    w = procs.spawn("w", Where)
+    w.initialized.get(timeout=60)
+    for i in range(20):
+        w.note.broadcast(i)
+    assert w.notes.call().get(timeout=30).values() == [list(range(20))] * 4
+    procs.stop().get(timeout=30)
+
+
+def test_build_tree_bounds_fan_out_and_covers_every_host():
+    items = [(f"tcp://h{i}:1", [str(i)]) for i in range(100)]
+    for fanout in (1, 2, 3, 8):
+        tree = _fanout.build_tree(items, fanout)
+        seen, depth = [], 0
+        stack = [(a, p, 1) for a, p in tree]
+        assert len(tree) <= fanout
+        while stack:
+            a, p, d = stack.pop()
+            assert len(p["c"]) <= fanout
+            seen.append(a)
+            depth = max(depth, d)
+            stack += [(c, sp, d + 1) for c, sp in p["c"]]
+        assert sorted(seen) == sorted(a for a, _ in items)
+        if fanout == 8:
+            assert depth <= 4  # about log_8(100) + 1 hops
+    with pytest.raises(ValueError, match="fan-out"):
+        _fanout.build_tree(items, 0)
+
+
+# ---- faults -----------------------------------------------------------------------------------
+@pytest.mark.timeout(180)
+def test_killing_an_agent_fails_its_procs_with_a_supervision_error(job, faults):
+    from monarch_tensor.remote import RemoteHostMesh
+
+    st = job.state()
+    hosts = RemoteHostMesh([st.mesh0._agents[0], st.spare._agents[0]])  # one healthy host, the spare
+    procs = hosts.spawn_procs(per_host={"gpus": 1})
+    w = procs.spawn("w", Where)
+    w.where.call().get(timeout=120)
+    os.kill(job.pids[2], signal.SIGKILL)  # the spare's agent
+    t0 = time.monotonic()
+    while not faults and time.monotonic() - t0 < 10:
+        time.sleep(0.02)
+    assert faults and isinstance(faults[0], SupervisionError)
+    assert "host agent" in str(faults[0]) and "was lost" in str(faults[0])
+    with pytest.raises(SupervisionError):
+        w.slice(hosts=1).where.call_one().get(timeout=10)
+    # The other host is unaffected.
+    assert w.slice(hosts=0).where.call_one().get(timeout=10)[0] == 0
+    procs.stop().get(timeout=30)
+
+
+@pytest.mark.timeout(180)
+def test_sigkilled_controller_leaves_agents_serving_and_a_second_script_reattaches(job, tmp_path):
+    path = str(tmp_path / "job.json")
+    _dump_without_spare(job, path)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    script = textwrap.dedent(f"""
+        import os, sys, time
+        sys.path.insert(0, {ROOT!r})
+        from monarch_tensor.job import job_load
+        from tests.test_agents import Where
+        procs = job_load({path!r}).state().mesh0.spawn_procs(per_host={{"gpus": 1}})
+        w = procs.spawn("w", Where)
+        print("PIDS", [p for _, _, p in w.where.call().get(timeout=120).values()], flush=True)
+        MODE
+    """)
+    first = subprocess.Popen([sys.executable, "-c", script.replace("MODE", "time.sleep(300)")], cwd=ROOT,
+                             stdout=subprocess.PIPE, text=True)
+    line = first.stdout.readline()
+    assert line.startswith("PIDS"), line
+    pids = json.loads(line[4:])
+    first.send_signal(signal.SIGKILL)
+    first.wait(timeout=10)
+    # Its procs go once its keep-alives stop; the agents stay.
+    for pid in pids:
+        _wait_gone(pid, timeout=30)
+    second = subprocess.run([sys.executable, "-c", script.replace("MODE", "")], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout.startswith("PIDS")
+
+
+@pytest.mark.timeout(60)
+def test_address_in_use_is_a_clear_error(job):
+    addr = job.addrs["mesh0"][0]
+    with pytest.raises(AddressInUseError, match="already in use"):
+        HostAgent(addr, job.keys)
+
+
+@pytest.mark.timeout(60)
+def test_host_command_reports_address_in_use(job, tmp_path):
+    key = str(tmp_path / "k")
+    job.keys.save(key)
+    r = subprocess.run([sys.executable, "-m", "monarch_tensor.cli", "host", "--bind", job.addrs["mesh0"][0],
+                        "--key-file", key], cwd=ROOT, capture_output=True, text=True, timeout=50)
+    assert r.returncode == 2
+    assert "already in use" in r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_host_is_a_clear_error_in_bounded_time():
+    keys = _curve.JobKeys.generate()
+    with zmq.Context() as ctx, ctx.socket(zmq.ROUTER) as s:  # a free port nobody listens on afterwards
+        port = s.bind_to_random_port("tcp://127.0.0.1")
+    with pytest.raises(HostUnreachableError, match="no host agent reachable"):
+        AgentClient(f"tcp://127.0.0.1:{port}", keys, timeout=1.5)
+
+
+@pytest.mark.timeout(60)
+def test_a_job_that_never_starts_is_a_clear_error(tmp_path):
+    j = LocalJob(meshes={"m": 1}, root_dir=str(tmp_path / "j"), python_exe="/bin/false", start_timeout=20)
+    with pytest.raises(JobStartError, match="exited with code 1"):
+        j.state()
+
+
+# ---- security ---------------------------------------------------------------------------------
+class _Tripwire:
+    """Unpickling this creates a file: proof that someone read a pickle."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.timeout(60)
+def test_wrong_key_is_refused_with_a_clear_error(job):
+    with pytest.raises(JobKeyError, match="refused this controller's key"):
+        AgentClient(job.addrs["mesh0"][0], _curve.JobKeys.generate(), timeout=5)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("client", ["plain", "wrong key", "right server key, own client key"])
+def test_unauthenticated_clients_cannot_make_an_agent_read_anything(job, tmp_path, client):
+    marker = tmp_path / "unpickled"
+    addr = job.addrs["mesh0"][0]
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    if client == "wrong key":
+        _curve.connect_curve(s, _curve.JobKeys.generate())
+    elif client == "right server key, own client key":
+        mine = _curve.JobKeys.generate()
+        s.setsockopt(zmq.CURVE_SERVERKEY, job.keys.public.encode())
+        s.setsockopt(zmq.CURVE_PUBLICKEY, mine.public.encode())
+        s.setsockopt(zmq.CURVE_SECRETKEY, mine.secret.encode())
+    s.connect(addr)
+    # A request, a relayed message for proc 1, and a tree broadcast: each carries the tripwire.
+    evil = pickle.dumps((1, _Tripwire(str(marker))))
+    s.send_multipart([_wire._HEADER.pack(_wire.MAGIC, 0) + evil])
+    s.send_multipart([b"MTRT1", _wire._HEADER.pack(_wire.MAGIC, 0) + evil])
+    s.send_multipart([_fanout.TREE_MAGIC + b'{"t": ["1", "2"], "c": []}', _wire._HEADER.pack(_wire.MAGIC, 0) + evil])
+    assert not s.poll(1500), "an unauthenticated client got an answer"
+    s.close()
+    ctx.term()
+    assert not marker.exists()
+    # The agent still serves its job.
+    a = AgentClient(addr, job.keys, timeout=10)
+    assert a.request(OpenSession("probe")).addr == addr
+    a.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("client", ["plain", "wrong key"])
+def test_unauthenticated_clients_cannot_make_the_controller_read_anything(job, tmp_path, client):
+    from monarch_tensor import remote
+    from monarch_tensor.mailbox import socket_dir
+
+    gateway = remote._gateway_for(job.keys, job.addrs["mesh0"][0])
+    marker = tmp_path / "unpickled"
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    if client == "wrong key":
+        _curve.connect_curve(s, _curve.JobKeys.generate())
+    s.connect(gateway.addr)
+    s.send_multipart([_wire._HEADER.pack(_wire.MAGIC, 0) + pickle.dumps(_Tripwire(str(marker)))])
+    time.sleep(1.0)
+    s.close()
+    ctx.term()
+    assert not marker.exists()
+    # Procs listen on ipc only, in a directory nobody else can enter.
+    assert os.stat(socket_dir()).st_mode & 0o777 == 0o700
+
+
+def test_key_files_are_private_and_checked(tmp_path):
+    keys = _curve.JobKeys.generate()
+    path = str(tmp_path / "k")
+    keys.save(path)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert _curve.JobKeys.load(path) == keys
+    assert keys.secret not in repr(keys)
+    os.chmod(path, 0o644)
+    with pytest.raises(JobKeyError, match="readable by other users"):
+        _curve.JobKeys.load(path)
+    with pytest.raises(JobKeyError, match="does not belong"):
+        _curve.JobKeys(keys.public, _curve.JobKeys.generate().secret).checked()
+    with pytest.raises(JobKeyError, match="no key"):
+        _curve.JobKeys.load(str(tmp_path / "missing"))
+
+
+def test_attach_to_workers_needs_addresses_and_a_key(monkeypatch):
+    for var in (_curve.ENV_PUBLIC, _curve.ENV_SECRET, _curve.ENV_KEY_FILE):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ValueError, match="at least one"):
+        attach_to_workers(workers=[])
+    with pytest.raises(JobKeyError, match="needs the job's key"):
+        attach_to_workers(workers=["tcp://127.0.0.1:1"])
+
+
+@pytest.mark.timeout(60)
+def test_attach_to_workers_and_job_load_give_the_same_hosts(job, tmp_path):
+    path = str(tmp_path / "job.json")
+    _dump_without_spare(job, path)
+    key = str(tmp_path / "k")
+    job.keys.save(key)
+    hosts = attach_to_workers(workers=job.addrs["mesh0"], key_file=key)
+    listed = HostListJob({"m": job.addrs["mesh0"]}, key_file=key).state().m
+    assert hosts.workdirs == listed.workdirs == job.state().mesh0.workdirs == job_load(path).state().mesh0.workdirs
+    procs = listed.slice(hosts=1).spawn_procs(per_host={"gpus": 1})
+    assert procs.spawn("w", Where).where.call_one().get(timeout=60)[1] == listed.workdirs[1]
+    procs.stop()
+    with pytest.raises(ValueError, match="'hosts'"):
+        hosts.spawn_procs(per_host={"hosts": 2})
+
+
+# ---- the protocol ------------------------------------------------------------------------------
+@pytest.mark.parametrize("cls", REQUESTS + REPORTS)
+def test_agent_messages_round_trip_and_have_handlers(cls):
+    import dataclasses
+
+    from monarch_tensor.messages import PortRef
+
+    values = {"session": "s", "ranks": (0, 1), "envs": ({}, {}), "client_addr": "ipc:///x", "gateway": "tcp://a:1",
+              "events": PortRef("ipc:///x", 3), "pids": (5,), "sig": 9, "reason": "r", "hostname": "h",
+              "addr": "tcp://a:1", "pid": 7, "workdir": "/w", "gpus": 0, "procs": 1, "addrs": ("a",),
+              "status": "exited with code 0"}
+    msg = cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)})
+    assert _wire.decode(_wire.encode(msg)) == msg
+    assert cls.__doc__
+    if cls in REQUESTS:
+        assert hasattr(HostAgent, f"handle_{cls.__name__}")
+
+
+def _dump_without_spare(job, path: str) -> None:
+    """The job file, without the spare host (a test kills its agent)."""
+    job.dump(path)
+    data = json.loads(open(path).read())
+    del data["meshes"]["spare"], data["addrs"]["spare"]
+    _curve.write_private(path, json.dumps(data))
+
+
+def _wait_gone(pid: int, timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                if any(ln.startswith("State:") and "Z" in ln for ln in f):
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"proc {pid} still alive after {timeout} s")

@@ -1,0 +1,89 @@
+"""SlurmJob end to end on a real SLURM cluster (``.ci/run`` starts slurmctld + two slurmd: nodes n1, n2).
+
+Skips, with the reason, where SLURM is not installed or no controller answers.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from monarch_tensor import fetch_shard
+from monarch_tensor.actor import Actor, endpoint
+from monarch_tensor.errors import JobStartError
+from monarch_tensor.job import SlurmJob
+from monarch_tensor.job.slurm import slurm_available
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_why = slurm_available()
+pytestmark = pytest.mark.skipif(bool(_why), reason=f"no SLURM cluster here: {_why}")
+
+
+class Node(Actor):
+    @endpoint
+    def node(self) -> str:
+        return os.environ.get("SLURMD_NODENAME", "?")
+
+    @endpoint
+    def add(self, a: int, b: int) -> int:
+        return a + b
+
+
+@pytest.mark.timeout(300)
+def test_slurm_job_submit_spawn_call_reattach_kill(tmp_path):
+    job = SlurmJob(meshes={"mesh0": 2}, job_name="mt-ci", time_limit="00:10:00", partition="debug",
+                   log_dir=str(tmp_path / "logs"), ttl=120)
+    try:
+        hosts = job.state().mesh0
+        st, _ = job.squeue_state()
+        assert st == "RUNNING"
+        procs = hosts.spawn_procs(per_host={"gpus": 1})
+        assert procs.sizes == {"hosts": 2, "gpus": 1}
+        nodes = procs.spawn("nodes", Node)
+        assert sorted(nodes.node.call().get(timeout=120).values()) == ["n1", "n2"]
+        assert nodes.add.call(2, 3).get(timeout=30).values() == [5, 5]
+        # A tensor-engine collective across the two nodes.
+        with procs.activate():
+            x = torch.ones(4) + procs.rank("hosts")
+            y = x.reduce("hosts", "sum")
+            got = fetch_shard(y, hosts=1, gpus=0).result(timeout=60)
+        assert torch.equal(got, torch.full((4,), 3.0))
+        # A second process reattaches from the job file and spawns on both nodes.
+        path = str(tmp_path / "job.json")
+        job.dump(path)
+        script = textwrap.dedent(f"""
+            import sys
+            sys.path.insert(0, {ROOT!r})
+            from monarch_tensor.job import job_load
+            from tests.test_slurm import Node
+            procs = job_load({path!r}).state().mesh0.spawn_procs(per_host={{"gpus": 1}})
+            print(sorted(procs.spawn("n", Node).node.call().get(timeout=120).values()))
+        """)
+        r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=180)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == "['n1', 'n2']"
+        procs.stop().get(timeout=30)
+    finally:
+        job.kill()
+    # The allocation is gone.
+    out = subprocess.run(["squeue", "-h", "-j", str(job.job_id), "-o", "%T"], capture_output=True, text=True).stdout
+    assert out.strip() in ("", "COMPLETED", "CANCELLED"), out
+
+
+@pytest.mark.timeout(60)
+def test_a_job_slurm_refuses_is_a_clear_error(tmp_path):
+    job = SlurmJob(meshes={"mesh0": 3}, job_name="mt-too-big", log_dir=str(tmp_path / "logs"), start_timeout=20)
+    with pytest.raises(JobStartError, match="sbatch refused"):
+        job.state()
+
+
+@pytest.mark.timeout(60)
+def test_a_job_that_never_starts_is_a_clear_error_and_is_cancelled(tmp_path):
+    job = SlurmJob(meshes={"mesh0": 1}, job_name="mt-never", log_dir=str(tmp_path / "logs"), start_timeout=3,
+                   slurm_args=["--begin=now+1hour"])
+    with pytest.raises(JobStartError, match="did not start its 1 agents within 3 s .state PENDING"):
+        job.state()
+    assert job.squeue_state()[0] in (None, "CANCELLED")
