@@ -1,4 +1,4 @@
-"""The tensor engine's client side (mesh Tensor, op recording, instruction batching).
+"""The tensor engine's client side: the mesh ``Tensor``, op recording, batching, fetch, remote, streams.
 
-Not built yet: see the tensor-engine issue. Users import from ``monarch_tensor``.
+Users import from ``monarch_tensor`` (``from monarch_tensor import fetch_shard, remote, Stream``).
 """

@@ -30,3 +30,21 @@ from .actor import (  # noqa: F401
 from .shape import Shape  # noqa: F401
 
 __version__ = "0.1.0"
+
+# The tensor engine (controller/), imported on first use so that `import monarch_tensor` stays light.
+_ENGINE = {
+    "fetch_shard": "controller.api", "inspect": "controller.api", "remote": "controller.api",
+    "reduce": "controller.api", "reduce_": "controller.api", "Stream": "controller.api",
+    "no_mesh": "controller.api", "call_on_shard_and_fetch": "controller.api",
+    "get_active_stream": "controller.api", "Tensor": "controller.tensor",
+    "RemoteException": "controller.errors", "MeshTensorError": "controller.errors",
+}
+
+
+def __getattr__(name: str):
+    mod = _ENGINE.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'monarch_tensor' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(mod), name)

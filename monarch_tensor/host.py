@@ -293,7 +293,20 @@ class ProcMesh:
 
     # ---- tensor engine (see controller/) ---------------------------------------------
     def activate(self):
-        raise NotImplementedError("the tensor engine (proc_mesh.activate()) is not built yet")
+        """``with procs.activate():`` factories make mesh tensors on this mesh; ops on them run here."""
+        from controller.api import activate
+
+        return activate(self)
+
+    def rank_tensor(self, dim: str):
+        """Each rank's coordinate along ``dim``, as a 0-dim int64 mesh tensor."""
+        from controller.api import rank_tensor
+
+        return rank_tensor(self, dim)
+
+    def rank(self, dim: str):
+        """Monarch's name for ``rank_tensor``: ``mesh.rank("gpus")``."""
+        return self.rank_tensor(dim)
 
 
 _live_meshes: set[ProcMesh] = set()

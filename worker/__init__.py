@@ -1,4 +1,1 @@
-"""What runs on every proc for the tensor engine (instruction interpreter, ref table, collectives).
-
-Not built yet: see the tensor-engine issue.
-"""
+"""What runs on every proc for the tensor engine: the instruction interpreter, refs, streams, collectives."""

@@ -1,0 +1,516 @@
+"""The tensor engine's public functions: activate, fetch, collectives, remote, streams, moving tensors.
+
+>>> procs = this_host().spawn_procs(per_host={"gpus": 2})
+>>> with procs.activate():
+...     x = torch.ones(4) + procs.rank_tensor("gpus")
+...     y = x.reduce("gpus", "sum")
+...     print(fetch_shard(y, gpus=0).result())
+tensor([3., 3., 3., 3.])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from monarch_tensor.future import Future
+from worker import messages as m
+
+from .client import Ctx, MeshClient, user_loc
+from .errors import BorrowError, MeshTensorError
+from .tensor import Tensor, contiguous_meta, intern_meta, record, state
+
+RECV_TIMEOUT = 300.0
+
+
+# ---- meshes ------------------------------------------------------------------------------------------
+def client_for(pm) -> MeshClient:
+    alloc = pm._alloc
+    c = getattr(alloc, "_tensor_client", None)
+    if c is None:
+        pm._check_alive()
+        c = alloc._tensor_client = MeshClient(alloc)
+    return c
+
+
+def ctx_for(pm, stream: Stream | None = None) -> Ctx:
+    return client_for(pm).ctx(pm, stream or state.stream or _MAIN)
+
+
+@contextlib.contextmanager
+def activate(pm):
+    """``with proc_mesh.activate():`` factories (``torch.zeros``, modules...) make tensors on ``pm``."""
+    _install_factories()
+    client_for(pm)
+    prev = state.ctx_mesh
+    state.ctx_mesh = pm
+    try:
+        yield pm
+    finally:
+        state.ctx_mesh = prev
+
+
+class _NoMesh:
+    """``with no_mesh():`` (or ``no_mesh.activate()``): factories make ordinary local tensors again."""
+
+    @contextlib.contextmanager
+    def activate(self):
+        prev = state.ctx_mesh
+        state.ctx_mesh = None
+        try:
+            yield
+        finally:
+            state.ctx_mesh = prev
+
+    def __call__(self):
+        return self.activate()
+
+
+no_mesh = _NoMesh()
+
+
+def rank_tensor(pm, dim: str) -> Tensor:
+    """Each rank's coordinate along ``dim`` as a 0-dim int64 mesh tensor: ``procs.rank_tensor("gpus")``."""
+    if dim not in pm._shape.names:
+        raise KeyError(f"mesh has no dimension {dim!r}; its dimensions are {list(pm._shape.names)}")
+    ctx = ctx_for(pm)
+    shape = pm._shape
+    coords = {r: shape.point(i)[dim] for i, r in enumerate(shape.ranks())}
+    ref = next(ctx.client.refs)
+    ctx.client.issue(m.CreateRank(ref, coords, ctx.sid), ctx.ranks)
+    meta = contiguous_meta((), torch.int64)
+    return Tensor(meta, intern_meta(meta), ctx, ref)
+
+
+# ---- factories inside activate() -------------------------------------------------------------------
+_FACTORIES = ("zeros", "ones", "empty", "full", "rand", "randn", "randint", "randperm", "arange", "linspace",
+              "logspace", "eye", "tensor", "as_tensor", "scalar_tensor", "empty_strided", "normal", "zeros_like",
+              "ones_like", "empty_like", "full_like", "rand_like", "randn_like")
+_installed = False
+
+
+class _FactoryMode(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self, ctx: Ctx) -> None:
+        super().__init__()
+        self.ctx = ctx
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return record(func, args, kwargs or {}, self.ctx)
+
+
+def _install_factories() -> None:
+    """Wrap torch's factory functions: inside ``activate()`` they create mesh tensors.
+
+    Only factories pay for a dispatch mode; ops on mesh tensors dispatch on the
+    tensor subclass directly, which is several times cheaper than a mode on every op.
+    """
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    for name in _FACTORIES:
+        orig = getattr(torch, name)
+
+        def make(orig):
+            @functools.wraps(orig)
+            def factory(*args, **kwargs):
+                pm = state.ctx_mesh
+                if pm is None or state.internal:
+                    return orig(*args, **kwargs)
+                if any(type(a) is Tensor for a in args):  # *_like of a mesh tensor: dispatches already
+                    return orig(*args, **kwargs)
+                with _FactoryMode(ctx_for(pm)):
+                    return orig(*args, **kwargs)
+            return factory
+
+        setattr(torch, name, make(orig))
+
+
+# ---- fetching ----------------------------------------------------------------------------------------
+def _leaves_ctx(obj) -> tuple[list, Ctx | None]:
+    leaves = [x for x in pytree.tree_leaves(obj) if type(x) is Tensor]
+    ctx = leaves[0]._ctx if leaves else None
+    for t in leaves:
+        if t._ctx.client is not ctx.client or t._ctx.ranks != ctx.ranks:
+            raise MeshTensorError("fetch_shard: the tensors live on different meshes")
+    return leaves, ctx
+
+
+def _to_wire(obj):
+    return pytree.tree_map(lambda x: x._rref if type(x) is Tensor else x, obj)
+
+
+def _rank_of(ctx: Ctx, shard: dict | None, kwargs: dict) -> int:
+    coords = dict(shard or {})
+    coords.update(kwargs)
+    shape = ctx.pm._shape
+    unknown = set(coords) - set(shape.names)
+    if unknown:
+        raise KeyError(f"mesh {shape} has no dimension(s) {sorted(unknown)}")
+    full = {n: coords.get(n, 0) for n in shape.names}
+    return shape.slice(**full).offset
+
+
+def fetch_shard(obj: Any, shard: dict[str, int] | None = None, **kwargs: int) -> Future:
+    """The value of ``obj``'s mesh tensors on one rank, as CPU tensors: ``fetch_shard(t, gpus=1).result()``.
+
+    Unnamed dims default to coordinate 0. Raises ``RemoteException`` (on
+    ``.result()``) if the value depends on an op that failed.
+    """
+    leaves, ctx = _leaves_ctx(obj)
+    if ctx is None:
+        return Future.ready(obj)
+    rank = _rank_of(ctx, shard, kwargs)
+    value, sid, loc = _to_wire(obj), ctx.sid, user_loc()
+    return ctx.client.request(rank, lambda port: m.FetchValue(value, None, port, sid, loc))
+
+
+def inspect(obj: Any, shard: dict[str, int] | None = None, **kwargs: int) -> Any:
+    """``fetch_shard(obj, ...).result()``: the value on one rank, now."""
+    return fetch_shard(obj, shard, **kwargs).result()
+
+
+# ---- collectives --------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1024)
+def _groups(shape, dims: tuple) -> tuple:
+    names = shape.names
+    for d in dims:
+        if d not in names:
+            raise KeyError(f"mesh {shape} has no dimension {d!r}")
+    other = [n for n in names if n not in dims]
+    stride = dict(zip(names, shape.strides))
+    size = shape.sizes
+    groups = []
+    for oc in itertools.product(*(range(size[n]) for n in other)):
+        base = shape.offset + sum(c * stride[n] for c, n in zip(oc, other))
+        red = [n for n in names if n in dims]
+        groups.append(tuple(base + sum(c * stride[n] for c, n in zip(rc, red))
+                            for rc in itertools.product(*(range(size[n]) for n in red))))
+    return tuple(groups)
+
+
+_REDUCTIONS = ("sum", "avg", "max", "min", "product", "stack")
+
+
+def _reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool) -> Tensor:
+    if type(t) is not Tensor:
+        raise TypeError(f"reduce needs a mesh tensor, got {type(t).__name__}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"unknown reduction {reduction!r}; use one of {list(_REDUCTIONS)}")
+    dims = (dims,) if isinstance(dims, str) else tuple(dims)
+    ctx = t._ctx
+    active = state.stream
+    if (active.id if active else 0) != ctx.sid:
+        raise MeshTensorError(f"reduce: the tensor lives on stream {ctx.stream.name!r}, not the active one")
+    groups = _groups(ctx.pm._shape, dims)
+    n = len(groups[0])
+    shape = tuple(t.shape)
+    if reduction == "stack":
+        if scatter or inplace:
+            raise ValueError("reduction 'stack' (all-gather) cannot be combined with scatter=True or reduce_")
+        out_shape = (n,) + shape
+    elif scatter:
+        if inplace:
+            raise ValueError("reduce_ cannot scatter (the result has a different shape); use reduce(scatter=True)")
+        if not shape or shape[0] % n:
+            raise ValueError(f"reduce(scatter=True) over {n} ranks needs a first dimension divisible by {n}, "
+                             f"got shape {shape}")
+        out_shape = (shape[0] // n,) + shape[1:]
+    else:
+        out_shape = shape
+    client = ctx.client
+    if inplace:
+        client.issue(m.Reduce(t._ref, t._ref, groups, reduction, scatter, True, ctx.sid, user_loc()), ctx.ranks)
+        return t
+    ref = next(client.refs)
+    meta = contiguous_meta(out_shape, t.dtype)
+    client.issue(m.Reduce(ref, t._ref, groups, reduction, scatter, False, ctx.sid, user_loc()), ctx.ranks)
+    return Tensor(meta, intern_meta(meta), ctx, ref)
+
+
+def reduce(t: Tensor, dims, reduction: str = "sum", scatter: bool = False, mesh=None, out=None) -> Tensor:
+    """Collective over the ranks of the named ``dims`` (gloo on CPU, NCCL on GPU).
+
+    ``reduce(t, "gpus", "sum")`` all-reduces; ``"avg"``, ``"max"``, ``"min"``,
+    ``"product"`` likewise; ``"stack"`` all-gathers into a new first dim;
+    ``scatter=True`` reduce-scatters along the first dim.
+    """
+    r = _reduce(t, dims, reduction, scatter, False)
+    if out is not None:
+        out.copy_(r)
+        return out
+    return r
+
+
+def reduce_(t: Tensor, dims, reduction: str = "sum", scatter: bool = False, mesh=None) -> Tensor:
+    """In-place ``reduce``: ``grad.reduce_("dp", "avg")``."""
+    return _reduce(t, dims, reduction, scatter, True)
+
+
+# ---- moving tensors between meshes -------------------------------------------------------------------------
+_xfers = itertools.count(1)
+
+
+def slice_mesh(t: Tensor, **kwargs) -> Tensor:
+    """``t`` on a slice of its mesh (the ranks of the slice keep their data)."""
+    ctx = t._ctx
+    sub = ctx.pm.slice(**kwargs)
+    sctx = sub._alloc._tensor_client.ctx(sub, ctx.stream)
+    ref = next(ctx.client.refs)
+    ctx.client.issue(m.CallOp("aten::alias", (t._rref,), {}, (ref,), (), ctx.sid, user_loc()), sctx.ranks)
+    return Tensor(t._meta, t._mid, sctx, ref)
+
+
+def to_mesh(t: Tensor, mesh) -> Tensor:
+    """Copy ``t`` to ``mesh`` (same sizes): rank i of ``t``'s mesh sends to rank i of ``mesh``."""
+    src = t._ctx
+    if tuple(src.pm._shape.dims) != tuple(mesh._shape.dims):
+        raise ValueError(f"to_mesh needs meshes of the same sizes: {src.pm._shape} vs {mesh._shape}")
+    dst = ctx_for(mesh, src.stream)
+    dst_addrs = [dst.client.addrs[r] for r in dst.ranks]
+    xfer = next(_xfers)
+    loc = user_loc()
+    dests = dict(zip(src.ranks, dst_addrs))
+    src.client.issue(m.SendTensor(t._ref, xfer, dests, src.sid, loc), src.ranks)
+    src.client.flush()
+    ref = next(dst.client.refs)
+    dst.client.issue(m.RecvTensor(ref, xfer, RECV_TIMEOUT, dst.sid, loc), dst.ranks)
+    meta = contiguous_meta(tuple(t.shape), t.dtype)
+    return Tensor(meta, intern_meta(meta), dst, ref)
+
+
+# ---- streams ---------------------------------------------------------------------------------------------
+_stream_ids = itertools.count(1)
+_borrow_ids = itertools.count(1)
+
+
+class Stream:
+    """A second instruction stream on every worker: work on it may overlap the main stream.
+
+    >>> comms = Stream("comms")
+    >>> g, borrow = comms.borrow(grad)
+    >>> with comms.activate():
+    ...     g.reduce_("gpus", "sum")
+    >>> borrow.drop()
+    """
+
+    def __init__(self, name: str, _id: int | None = None) -> None:
+        self.name = name
+        self.id = next(_stream_ids) if _id is None else _id
+
+    @contextlib.contextmanager
+    def activate(self):
+        prev = state.stream
+        state.stream = None if self.id == 0 else self
+        try:
+            yield self
+        finally:
+            state.stream = prev
+
+    def borrow(self, t: Tensor, mutable: bool = False) -> tuple[Tensor, Borrow]:
+        """``t`` (of another stream) usable on this one until ``borrow.drop()``."""
+        src = t._ctx
+        if src.sid == self.id:
+            raise BorrowError(f"the tensor already lives on stream {self.name!r}")
+        dst = src.client.ctx(src.pm, self)
+        bid = next(_borrow_ids)
+        ref = next(src.client.refs)
+        src.client.issue(m.BorrowCreate(bid, t._ref, ref, src.sid, self.id), src.ranks)
+        bt = Tensor(t._meta, t._mid, dst, ref)
+        return bt, Borrow(bid, bt, src, dst, mutable)
+
+    def __repr__(self) -> str:
+        return f"Stream({self.name!r})"
+
+
+_MAIN = Stream("main", 0)
+
+
+def get_active_stream() -> Stream:
+    return state.stream or _MAIN
+
+
+class _Dropped:
+    """The context of a borrowed tensor after ``drop()``: any use fails with a clear error."""
+
+    sid = -1
+    client = None
+    ranks = ()
+
+    def __init__(self, ctx: Ctx) -> None:
+        self.pm, self.stream, self.client = ctx.pm, ctx.stream, ctx.client
+
+
+class Borrow:
+    """A lent tensor; ``drop()`` ends the loan (also ``with borrow:``)."""
+
+    def __init__(self, bid: int, tensor: Tensor, src: Ctx, dst: Ctx, mutable: bool) -> None:
+        self.id, self._tensor, self._src, self._dst, self.mutable = bid, tensor, src, dst, mutable
+        self._dropped = False
+
+    def drop(self) -> None:
+        if self._dropped:
+            raise BorrowError(f"borrow {self.id} was already dropped")
+        self._dropped = True
+        t = self._tensor
+        self._src.client.issue(m.BorrowDrop(self.id, t._ref, self._src.sid, self._dst.sid), self._src.ranks)
+        t._ctx = _Dropped(self._dst)
+        self._tensor = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self._dropped:
+            self.drop()
+
+
+# ---- remote functions ------------------------------------------------------------------------------------
+class Remote:
+    """A function that runs on every rank of the active mesh: ``remote("torch.linalg.qr")(t)``.
+
+    ``propagate`` tells the controller the result's shapes: a function called
+    with fake tensors, ``"inspect"`` (run it once on a rank and look; cached per
+    input shapes), or None (run the function itself on fake tensors).
+    """
+
+    def __init__(self, fn, propagate=None) -> None:
+        self.fn, self.propagate = fn, propagate
+        self._cache: dict = {}
+
+    def _local_fn(self):
+        from worker.worker import resolve_function
+
+        return resolve_function(self.fn)
+
+    def __call__(self, *args, **kwargs):
+        leaves, ctx = _leaves_ctx((args, kwargs))
+        if ctx is None:
+            pm = state.ctx_mesh
+            if pm is None:
+                raise MeshTensorError("calling a remote function needs an active mesh (with mesh.activate():) "
+                                      "or mesh tensor arguments")
+            ctx = ctx_for(pm)
+        from .tensor import _scan, describe_outputs, meta_of, to_fake
+
+        key: list = []
+        tensors: list = []
+        local: list = []
+        wire = _scan((args, kwargs), key, tensors, local)
+        if local:
+            raise MeshTensorError("remote(): pass mesh tensors, not local tensors (create them inside activate())")
+        tkey = tuple(key)
+        try:
+            tpl = self._cache.get(tkey)
+        except TypeError:  # an unhashable argument: describe without caching
+            tpl, tkey = None, None
+        if tpl is None:
+            tpl = self._describe(args, kwargs, tensors, ctx, to_fake, describe_outputs, meta_of)
+            if tkey is not None:
+                self._cache[tkey] = tpl
+        leaves_spec, struct = tpl
+        client = ctx.client
+        vals, outs = [], []
+        for leaf in leaves_spec:
+            if leaf[0] == "new":
+                ref = next(client.refs)
+                vals.append(Tensor(leaf[1], leaf[2], ctx, ref))
+                outs.append(ref)
+            elif leaf[0] == "alias":
+                vals.append(tensors[leaf[1]])
+                outs.append(tensors[leaf[1]]._ref)
+            else:
+                vals.append(leaf[1])
+                outs.append(None)
+        from .tensor import _rebuild
+
+        client.issue(m.CallFunction(self.fn, wire[0], wire[1], tuple(outs), (), ctx.sid, user_loc()), ctx.ranks)
+        return _rebuild(struct, iter(vals))
+
+    def _describe(self, args, kwargs, tensors, ctx, to_fake, describe_outputs, meta_of):
+        from .tensor import _struct, fake_mode
+
+        if self.propagate in ("inspect", "cached", "mocked"):
+            value = _to_wire((args, kwargs))
+            fn = functools.partial(_describe_call, self.fn)
+            metas = ctx.client.request(ctx.ranks[0], lambda port: m.FetchValue(value, fn, port, ctx.sid,
+                                                                                   user_loc())).result()
+            leaves = []
+            for kind, v in metas[0]:
+                leaves.append(("new", v, intern_meta(v)) if kind == "new" else (kind, v))
+            return leaves, metas[1]
+        fn = self.propagate if callable(self.propagate) else self._local_fn()
+        mode = fake_mode()
+        state.internal = True
+        try:
+            with mode:
+                fakes = [to_fake(t._meta) for t in tensors]
+                it = iter(fakes)
+                fargs, fkwargs = pytree.tree_map(lambda x: next(it) if type(x) is Tensor else x, (args, kwargs))
+                out = fn(*fargs, **fkwargs)
+        finally:
+            state.internal = False
+        leaves, struct, _ = describe_outputs(out, fakes)
+        # A propagator returning its input describes a new tensor of that shape, not an alias.
+        leaves = [("new", tensors[leaf[1]]._meta, tensors[leaf[1]]._mid) if leaf[0] == "alias" else leaf
+                  for leaf in leaves]
+        return leaves, _struct(out) if not isinstance(out, torch.Tensor) else None
+
+    def call_on_shard_and_fetch(self, *args, shard: dict[str, int] | None = None, **kwargs) -> Future:
+        """Run the function on one rank only and fetch its result: ``f.call_on_shard_and_fetch(t, shard={"gpus": 0})``."""
+        return call_on_shard_and_fetch(self, *args, shard=shard, **kwargs)
+
+
+def _describe_call(fn, *args, **kwargs):
+    """Worker side of ``propagate="inspect"``: run ``fn`` and describe its outputs."""
+    from worker.worker import flat_leaves, resolve_function
+
+    out = resolve_function(fn)(*args, **kwargs)
+    leaves = []
+    for leaf in flat_leaves(out):
+        if isinstance(leaf, torch.Tensor):
+            leaves.append(("new", (tuple(leaf.shape), tuple(leaf.contiguous().stride()), 0, leaf.dtype)))
+        else:
+            leaves.append(("value", leaf))
+    from .tensor import _struct
+
+    return leaves, _struct(out) if not isinstance(out, torch.Tensor) else None
+
+
+def remote(fn=None, *, propagate=None):
+    """Make ``fn`` (a function, or a dotted path like ``"torch.linalg.qr"``) run on the workers.
+
+    >>> @remote(propagate=lambda x: x)
+    ... def double(x):
+    ...     return x * 2
+    >>> with procs.activate():
+    ...     y = double(torch.ones(3))
+    """
+    if fn is None:
+        return functools.partial(remote, propagate=propagate)
+    return Remote(fn, propagate)
+
+
+def call_on_shard_and_fetch(fn, *args, shard: dict[str, int] | None = None, **kwargs) -> Future:
+    """Run ``fn`` (a ``remote`` function, a function or a dotted path) on one rank; a future of its result."""
+    target = fn.fn if isinstance(fn, Remote) else fn
+    leaves, ctx = _leaves_ctx((args, kwargs))
+    if ctx is None:
+        pm = state.ctx_mesh
+        if pm is None:
+            raise MeshTensorError("call_on_shard_and_fetch needs an active mesh or mesh tensor arguments")
+        ctx = ctx_for(pm)
+    rank = _rank_of(ctx, shard, {})
+    value, loc = _to_wire((args, kwargs)), user_loc()
+    return ctx.client.request(rank, lambda port: m.FetchValue(value, target, port, ctx.sid, loc))
+
+
+def worker_stats(pm, rank: int = 0) -> dict:
+    """Counts of live refs, streams and borrows on one worker (a debugging and test aid)."""
+    ctx = ctx_for(pm)
+    return ctx.client.request(ctx.ranks[rank], lambda port: m.ReportRefs(port, ctx.sid), "worker stats").result(60)

@@ -1,0 +1,235 @@
+"""One ``MeshClient`` per proc allocation: refs, instruction batches, flushing, fetch ports.
+
+Instructions are appended to a queue and sent as one message per flush: on a
+fetch, when the batch reaches ``MAX_BATCH``, when the target ranks change
+(a sliced mesh), and when the script goes idle (a background flusher thread
+flushes a batch that stopped growing for ``IDLE_S``). A batch is encoded once
+and sent to every proc it targets; per-proc order is the issue order.
+Deletes of garbage-collected tensors ride on the next batch.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import sys
+import sysconfig
+import threading
+import time
+
+from monarch_tensor import _wire
+from monarch_tensor.future import Future
+from monarch_tensor.mailbox import current_mailbox
+from monarch_tensor.messages import CallEndpoint
+from worker import messages as m
+from worker.worker import WORKER_NAME, TensorWorker
+
+MAX_BATCH = int(os.environ.get("MONARCH_TENSOR_MAX_BATCH", "512"))
+IDLE_S = float(os.environ.get("MONARCH_TENSOR_IDLE_FLUSH_S", "0.001"))
+
+
+# ---- where the user's script issued an op ------------------------------------------------
+def _lib_dirs() -> tuple[str, ...]:
+    import torch
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    dirs = [os.path.dirname(torch.__file__), os.path.join(here, "controller"), os.path.join(here, "worker"),
+            os.path.join(here, "monarch_tensor"), sysconfig.get_paths()["stdlib"], "<frozen"]
+    return tuple(d for d in dirs if d)
+
+
+_LIB = _lib_dirs()
+_is_lib: dict = {}
+_locs: dict = {}
+
+
+def user_loc():
+    """``(file, line, function)`` of the innermost frame outside torch and this library (cheap)."""
+    f = sys._getframe(2)
+    is_lib = _is_lib
+    while f is not None:
+        c = f.f_code
+        lib = is_lib.get(c)
+        if lib is None:
+            lib = is_lib[c] = c.co_filename.startswith(_LIB)
+        if not lib:
+            k = (c, f.f_lineno)
+            v = _locs.get(k)
+            if v is None:
+                v = _locs[k] = (c.co_filename, f.f_lineno, c.co_name)
+            return v
+        f = f.f_back
+    return None
+
+
+# ---- fetch replies -------------------------------------------------------------------------------
+class _FetchPort:
+    observing = True
+
+    def __init__(self, fut: Future, addr: str) -> None:
+        self.fut, self.addr = fut, addr
+
+    def deliver(self, msg) -> bool:
+        if msg.error is not None:
+            self.fut._set_exception(msg.error)
+        else:
+            self.fut._set_result(msg.value)
+        return True
+
+    def proc_died(self, addr: str, error) -> bool:
+        if addr != self.addr:
+            return False
+        self.fut._set_exception(error)
+        return True
+
+
+class Ctx:
+    """Where a tensor lives: a mesh (slice) of one allocation, and a stream."""
+
+    __slots__ = ("client", "pm", "ranks", "sid", "stream")
+
+    def __init__(self, client: MeshClient, pm, ranks: tuple, stream) -> None:
+        self.client, self.pm, self.ranks, self.stream = client, pm, ranks, stream
+        self.sid = stream.id
+
+
+class MeshClient:
+    """The controller's side of one allocation's tensor workers."""
+
+    def __init__(self, alloc) -> None:
+        import torch.distributed as dist
+
+        self.alloc = alloc
+        self.addrs = [p.addr for p in alloc._procs]
+        self.all_ranks = tuple(range(len(self.addrs)))
+        self.mailbox = current_mailbox()
+        self.refs = itertools.count(1)
+        self._q: collections.deque = collections.deque()
+        self._dels: collections.deque = collections.deque()
+        self._ranks = self.all_ranks
+        self._lock = threading.RLock()
+        self._ctxs: dict = {}
+        self._streams = {0}
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.workers = alloc.spawn(WORKER_NAME, TensorWorker, ("127.0.0.1", self.store.port))
+        self.closed = False
+
+    def ctx(self, pm, stream) -> Ctx:
+        key = (pm._shape, stream.id)
+        c = self._ctxs.get(key)
+        if c is None:
+            ranks = tuple(pm._shape.ranks())
+            if ranks == self.all_ranks:
+                ranks = self.all_ranks
+            if stream.id not in self._streams:
+                self._streams.add(stream.id)
+                self.issue(m.CreateStream(stream.id, stream.name), self.all_ranks)
+            c = self._ctxs[key] = Ctx(self, pm, ranks, stream)
+        return c
+
+    # ---- issuing -------------------------------------------------------------------------
+    def issue(self, instr, ranks: tuple) -> None:
+        if ranks is not self._ranks:
+            self.flush()
+            self._ranks = ranks
+        q = self._q
+        q.append(instr)
+        n = len(q)
+        if n >= MAX_BATCH:
+            self.flush()
+        elif n == 1:
+            _flusher.wake(self)
+
+    def delete(self, ref: int, sid: int) -> None:
+        """Called from ``Tensor.__del__`` (any thread, any time): queue the delete."""
+        self._dels.append((ref, sid))
+
+    def _take_deletes(self) -> list:
+        dels = self._dels
+        n = len(dels)
+        if not n:
+            return []
+        by_stream: dict = {}
+        for _ in range(n):
+            ref, sid = dels.popleft()
+            by_stream.setdefault(sid, []).append(ref)
+        return [m.DeleteRefs(tuple(refs), sid) for sid, refs in by_stream.items()]
+
+    def flush(self) -> None:
+        """Send what was issued so far (one message per target proc)."""
+        with self._lock:
+            if self.closed:
+                self._q.clear()
+                return
+            q = self._q
+            batch = [q.popleft() for _ in range(len(q))]
+            ranks = self._ranks
+            if ranks is self.all_ranks:
+                batch.extend(self._take_deletes())
+                self._send(batch, ranks)
+            else:
+                self._send(batch, ranks)
+                if len(self._dels) > MAX_BATCH:
+                    self._send(self._take_deletes(), self.all_ranks)
+
+    def _send(self, batch: list, ranks: tuple) -> None:
+        if not batch:
+            return
+        frames = _wire.encode(CallEndpoint(WORKER_NAME, "execute", (batch,), {}, None))
+        addrs = self.addrs
+        for r in ranks:
+            if self.alloc._procs[r].alive:
+                self.mailbox.send_frames(addrs[r], frames)
+
+    # ---- fetching ----------------------------------------------------------------------------
+    def request(self, rank: int, make_instr, what: str = "fetch") -> Future:
+        """Issue ``make_instr(port)`` to proc ``rank`` and flush; a future of its reply."""
+        fut: Future = Future(what)
+        spawned = self.workers._spawned
+        if spawned.done() and spawned.exception() is not None:
+            return Future.failed(spawned.exception())
+        info = self.alloc._procs[rank]
+        if not info.alive:
+            from monarch_tensor.errors import SupervisionError
+
+            return Future.failed(SupervisionError(f"proc {info.addr} (rank {rank}) died: {info.exit_status}",
+                                                  proc=info.addr, rank=rank, exit_status=info.exit_status))
+        port = self.mailbox.open_port(_FetchPort(fut, info.addr))
+        self.issue(make_instr(port), (rank,))
+        self.flush()
+        return fut
+
+
+class _Flusher:
+    """One background thread: flushes clients whose batch stopped growing (the script is idle)."""
+
+    def __init__(self) -> None:
+        self._ev = threading.Event()
+        self._pending: set = set()
+        self._thread: threading.Thread | None = None
+
+    def wake(self, client: MeshClient) -> None:
+        self._pending.add(client)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, daemon=True, name="monarch-tensor-flusher")
+            self._thread.start()
+        self._ev.set()
+
+    def _run(self) -> None:
+        while True:
+            self._ev.wait()
+            self._ev.clear()
+            while self._pending:
+                sizes = {c: len(c._q) for c in list(self._pending)}
+                time.sleep(IDLE_S)
+                for c, n in sizes.items():
+                    if len(c._q) == n:  # no growth: the script paused
+                        self._pending.discard(c)
+                        try:
+                            c.flush()
+                        except Exception:  # noqa: BLE001 - e.g. a closed mailbox at exit
+                            pass
+
+
+_flusher = _Flusher()

@@ -1,0 +1,422 @@
+"""The controller's mesh ``Tensor``: records aten ops below autograd, with cached shape propagation.
+
+A mesh tensor is a ``torch.Tensor`` wrapper subclass holding metadata (shape,
+strides, dtype) and a ref id; its ``__torch_dispatch__`` records every aten op
+as a ``CallOp`` instruction. Because that happens below autograd,
+``loss.backward()``, ``torch.no_grad()`` and ``torch.optim`` work unchanged.
+
+Shape propagation is cached: the key is the op and, per argument, the interned
+metadata id of tensors and the type and value of everything else; only a miss
+runs the op under ``FakeTensorMode`` (and a shape error raises right there, at
+the user's line). A hit costs a dict lookup and building the outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
+
+from worker import messages as m
+from worker.worker import flat_leaves
+
+from .client import Ctx, user_loc
+from .errors import MeshTensorError
+
+
+class _State(threading.local):
+    def __init__(self) -> None:
+        self.ctx_mesh = None      # the active ProcMesh (activate())
+        self.stream = None        # the active Stream (stream.activate()), None: the default stream
+        self.internal = False     # inside the engine (propagation): factories stay local
+
+
+state = _State()
+
+# ---- interned metadata -----------------------------------------------------------------------------
+_meta_ids: dict = {}
+
+
+def intern_meta(meta: tuple) -> int:
+    mid = _meta_ids.get(meta)
+    if mid is None:
+        mid = _meta_ids[meta] = len(_meta_ids) + 1
+    return mid
+
+
+def contiguous_meta(shape: tuple, dtype: torch.dtype) -> tuple:
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= max(d, 1)
+    return (tuple(shape), tuple(reversed(stride)), 0, dtype)
+
+
+class Tensor(torch.Tensor):
+    """One local tensor per rank of a mesh, all of one shape; ops on it run on the workers.
+
+    >>> with procs.activate():
+    ...     x = torch.ones(4) + procs.rank_tensor("gpus")
+    ...     print(fetch_shard(x.reduce("gpus", "sum"), gpus=0).result())
+    """
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, meta: tuple, mid: int, ctx: Ctx, ref: int):
+        shape, stride, offset, dtype = meta
+        t = torch.Tensor._make_wrapper_subclass(cls, shape, strides=stride, storage_offset=offset,
+                                                dtype=dtype, device="cpu")
+        t._meta, t._mid, t._ctx, t._ref, t._rref = meta, mid, ctx, ref, m.Ref(ref)
+        return t
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def __del__(self) -> None:
+        try:
+            self._ctx.client.delete(self._ref, self._ctx.sid)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return record(func, args, kwargs or {}, None)
+
+    def __repr__(self, **kwargs) -> str:
+        c = self._ctx
+        stream = "" if c.sid == 0 else f", stream={c.stream.name!r}"
+        return f"MeshTensor(shape={tuple(self.shape)}, dtype={self.dtype}, mesh={c.pm._shape}{stream})"
+
+    def __reduce_ex__(self, proto):
+        raise MeshTensorError("a mesh tensor cannot be pickled on the controller; fetch it with fetch_shard(t)")
+
+    # ---- Monarch's tensor methods ---------------------------------------------------------------
+    @property
+    def mesh(self):
+        """The proc mesh this tensor lives on."""
+        return self._ctx.pm
+
+    @property
+    def stream(self):
+        return self._ctx.stream
+
+    def reduce(self, dims, reduction: str = "sum", scatter: bool = False, mesh=None, out=None):
+        """Collective over the ranks of ``dims``: ``t.reduce("gpus", "sum")`` (see ``monarch_tensor.reduce``)."""
+        from .api import reduce
+
+        return reduce(self, dims, reduction, scatter, mesh, out=out)
+
+    def reduce_(self, dims, reduction: str = "sum", scatter: bool = False, mesh=None):
+        """In-place ``reduce``: every rank's tensor becomes the reduced value."""
+        from .api import reduce_
+
+        return reduce_(self, dims, reduction, scatter, mesh)
+
+    def to_mesh(self, mesh):
+        """This tensor's data on another mesh of the same shape (rank i sends to rank i)."""
+        from .api import to_mesh
+
+        return to_mesh(self, mesh)
+
+    def slice_mesh(self, **kwargs):
+        """This tensor on a slice of its mesh: ``t.slice_mesh(gpus=0)``."""
+        from .api import slice_mesh
+
+        return slice_mesh(self, **kwargs)
+
+
+# ---- argument scanning -------------------------------------------------------------------------------
+_SCALARS = (int, float, bool, complex)
+
+
+def _scan(a, key: list, tensors: list, local: list):
+    """Append ``a``'s cache key parts; return its wire form (mesh tensors -> Ref)."""
+    t = type(a)
+    if t is Tensor:
+        tensors.append(a)
+        key.append(a._mid)
+        return a._rref
+    if t is int or t is float or t is bool:
+        key.append(t)
+        key.append(a)
+        return a
+    if t is list or t is tuple:
+        key.append(t)
+        key.append(len(a))
+        return t([_scan(x, key, tensors, local) for x in a])
+    if t is dict:
+        key.append(dict)
+        out = {}
+        for k, v in a.items():
+            key.append(k)
+            out[k] = _scan(v, key, tensors, local)
+        return out
+    if isinstance(a, Tensor):
+        raise MeshTensorError(f"mesh tensors of type {t.__name__} are not supported")
+    if isinstance(a, torch.Tensor):
+        if a.device.type == "meta" or type(a) is not torch.Tensor:
+            raise MeshTensorError(f"cannot mix a {type(a).__name__} on {a.device} with mesh tensors")
+        meta = (tuple(a.shape), tuple(a.stride()), a.storage_offset(), a.dtype)
+        key.append("local")
+        key.append(intern_meta(meta))
+        local.append(a)
+        tensors.append(a)
+        return a  # replaced by an uploaded ref in record()
+    key.append(t)
+    key.append(a)
+    return a
+
+
+# ---- the propagation cache ------------------------------------------------------------------------------
+class _Template:
+    """What a (op, input metadata) key produces: per output leaf, a new tensor, an alias or a value."""
+
+    __slots__ = ("name", "leaves", "struct", "single", "mutates")
+
+    def __init__(self, name, leaves, struct, single, mutates) -> None:
+        self.name, self.leaves, self.struct = name, leaves, struct
+        self.single, self.mutates = single, mutates
+
+
+_cache: dict = {}
+_fake_mode: FakeTensorMode | None = None
+_mutated_args: dict = {}
+
+stats = {"hits": 0, "misses": 0}
+
+
+def _mutated(func) -> tuple:
+    """(positions, kwarg names) of the arguments ``func`` writes in place."""
+    r = _mutated_args.get(func)
+    if r is None:
+        pos, names = [], []
+        for i, a in enumerate(func._schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                (names if a.kwarg_only else pos).append(i if not a.kwarg_only else a.name)
+        r = _mutated_args[func] = (tuple(pos), tuple(names))
+    return r
+
+
+def fake_mode() -> FakeTensorMode:
+    global _fake_mode
+    if _fake_mode is None:
+        _fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    return _fake_mode
+
+
+def to_fake(meta: tuple):
+    shape, stride, offset, dtype = meta
+    extent = offset + 1 + sum((s - 1) * st for s, st in zip(shape, stride) if s > 0)
+    if any(s == 0 for s in shape):
+        extent = offset
+    base = torch.empty(max(extent, 1), dtype=dtype)
+    return base.as_strided(shape, stride, offset)
+
+
+def meta_of(t) -> tuple:
+    return (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+
+
+def describe_outputs(out, fake_inputs: list) -> tuple:
+    """(leaves, struct, single) for a fake result: the template of a call's outputs."""
+    leaves = []
+    for leaf in flat_leaves(out):
+        if isinstance(leaf, torch.Tensor):
+            idx = next((i for i, f in enumerate(fake_inputs) if f is leaf), None)
+            if idx is not None:
+                leaves.append(("alias", idx))
+            else:
+                meta = meta_of(leaf)
+                leaves.append(("new", meta, intern_meta(meta)))
+        else:
+            leaves.append(("value", leaf))
+    return leaves, _struct(out), isinstance(out, torch.Tensor)
+
+
+def _struct(out):
+    if type(out) in (tuple, list):
+        return (type(out), tuple(_struct(x) for x in out))
+    return None
+
+
+def _rebuild(struct, it):
+    if struct is None:
+        return next(it)
+    typ, kids = struct
+    return typ(_rebuild(k, it) for k in kids)
+
+
+_fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+
+
+def _propagate(func, args, kwargs, tensors) -> _Template:
+    mode = fake_mode()
+    state.internal = True
+    quiet, _fake_log.disabled = _fake_log.disabled, True  # a shape error is raised to the user, not logged
+    try:
+        with mode:
+            fakes = [to_fake(t._meta) if type(t) is Tensor else mode.from_tensor(t) for t in tensors]
+            it = iter(fakes)
+
+            def sub(a):
+                if isinstance(a, torch.Tensor):
+                    return next(it)
+                if type(a) in (list, tuple):
+                    return type(a)(sub(x) for x in a)
+                return a
+
+            fargs = tuple(sub(a) for a in args)
+            fkwargs = {k: sub(v) for k, v in kwargs.items()}
+            try:
+                out = func(*fargs, **fkwargs)
+            except DynamicOutputShapeException:
+                raise MeshTensorError(
+                    f"{func} has an output shape that depends on the data, which the controller cannot know; "
+                    f"compute it in a remote() function with propagate=... instead") from None
+    finally:
+        state.internal = False
+        _fake_log.disabled = quiet
+    leaves, struct, single = describe_outputs(out, fakes)
+    pos, names = _mutated(func)
+    return _Template(func.name(), leaves, struct, single, (pos, names))
+
+
+def _refs_of(a) -> list:
+    if type(a) is Tensor:
+        return [a._ref]
+    if type(a) in (list, tuple):
+        return [x._ref for x in a if type(x) is Tensor]
+    return []
+
+
+_UNSUPPORTED = {
+    "aten::_local_scalar_dense": "reading a mesh tensor's value on the controller (t.item(), float(t), if t: ...)",
+    "aten::is_nonzero": "using a mesh tensor as a Python bool",
+    "aten::equal": "torch.equal on mesh tensors (it returns a Python bool)",
+}
+
+
+def record(func, args: tuple, kwargs: dict, ctx: Ctx | None):
+    """Record ``func(*args, **kwargs)`` on the mesh; return mesh tensors shaped like its result."""
+    key = [func]
+    tensors: list = []
+    local: list = []
+    wargs = tuple([_scan(a, key, tensors, local) for a in args])
+    if kwargs:
+        wkwargs = {}
+        for k, v in kwargs.items():
+            key.append(k)
+            wkwargs[k] = _scan(v, key, tensors, local)
+    else:
+        wkwargs = kwargs
+    # Where the op runs: its mesh tensors' mesh and stream, all the same.
+    for t in tensors:
+        if type(t) is Tensor:
+            c = t._ctx
+            if ctx is None:
+                ctx = c
+            elif c is not ctx:
+                _mismatch(func, ctx, c)
+    if ctx is None:
+        raise MeshTensorError(f"{func} has no mesh tensor argument and no mesh is active")
+    active = state.stream
+    if (active.id if active is not None else 0) != ctx.sid:
+        _wrong_stream(func, ctx, active)
+    tkey = tuple(key)
+    try:
+        tpl = _cache.get(tkey)
+    except TypeError:  # an unhashable argument: propagate without caching
+        tpl, tkey = None, None
+    if tpl is None:
+        name = func.name()
+        if name in _UNSUPPORTED:
+            raise MeshTensorError(f"{_UNSUPPORTED[name]} is not possible: the value lives on the workers. "
+                                  f"Fetch it with fetch_shard(t).result() or inspect(t)")
+        tpl = _propagate(func, args, kwargs, tensors)
+        if tkey is not None:
+            _cache[tkey] = tpl
+        stats["misses"] += 1
+    client = ctx.client
+    loc = user_loc()
+    if local:
+        wargs, wkwargs = _upload(client, ctx, local, wargs, wkwargs)
+    refs = client.refs
+    if tpl.single:
+        leaf = tpl.leaves[0]
+        if leaf[0] == "new":
+            ref = next(refs)
+            out = Tensor(leaf[1], leaf[2], ctx, ref)
+            outs = (ref,)
+        else:
+            out = tensors[leaf[1]]
+            outs = (out._ref,)
+    else:
+        vals, outl = [], []
+        for leaf in tpl.leaves:
+            kind = leaf[0]
+            if kind == "new":
+                ref = next(refs)
+                vals.append(Tensor(leaf[1], leaf[2], ctx, ref))
+                outl.append(ref)
+            elif kind == "alias":
+                vals.append(tensors[leaf[1]])
+                outl.append(tensors[leaf[1]]._ref)
+            else:
+                vals.append(leaf[1])
+                outl.append(None)
+        out = _rebuild(tpl.struct, iter(vals))
+        outs = tuple(outl)
+    pos, names = tpl.mutates
+    if pos or names:
+        mut = []
+        for p in pos:
+            if p < len(args):
+                mut.extend(_refs_of(args[p]))
+        for n in names:
+            if n in kwargs:
+                mut.extend(_refs_of(kwargs[n]))
+        mutates = tuple(mut)
+    else:
+        mutates = ()
+    client.issue(m.CallOp(tpl.name, wargs, wkwargs, outs, mutates, ctx.sid, loc), ctx.ranks)
+    return out
+
+
+def _upload(client, ctx: Ctx, local: list, wargs, wkwargs):
+    """Local (controller) tensors used by a mesh op travel as constants, then are deleted."""
+    subst = {}
+    for t in local:
+        ref = next(client.refs)
+        client.issue(m.CreateValue(ref, t.detach().clone(), ctx.sid), ctx.ranks)
+        client.delete(ref, ctx.sid)
+        subst[id(t)] = m.Ref(ref)
+
+    def sub(a):
+        if isinstance(a, torch.Tensor):
+            return subst.get(id(a), a)
+        if type(a) in (list, tuple):
+            return type(a)(sub(x) for x in a)
+        return a
+
+    return tuple(sub(a) for a in wargs), {k: sub(v) for k, v in wkwargs.items()}
+
+
+def _mismatch(func, a: Ctx, b: Ctx):
+    if a.client is not b.client or a.ranks != b.ranks:
+        raise MeshTensorError(f"{func}: its tensors live on different meshes ({a.pm._shape} and {b.pm._shape}); "
+                              f"move one with t.to_mesh(mesh)")
+    raise MeshTensorError(f"{func}: its tensors live on different streams ({a.stream.name!r} and "
+                          f"{b.stream.name!r}); borrow one with stream.borrow(t)")
+
+
+def _wrong_stream(func, ctx: Ctx, active):
+    name = active.name if active is not None else "main"
+    if ctx.sid < 0:
+        from .errors import BorrowError
+
+        raise BorrowError(f"{func}: this borrowed tensor was dropped (borrow.drop()); it cannot be used any more")
+    raise MeshTensorError(f"{func}: a tensor of stream {ctx.stream.name!r} used while stream {name!r} is active; "
+                          f"borrow it with stream.borrow(t)")

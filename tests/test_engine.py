@@ -1,0 +1,103 @@
+"""The tensor engine on real procs: recording, fetch, collectives, errors, lifetimes.
+
+One mesh of two procs (``{"gpus": 2}``) is shared by the whole module.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from controller.api import worker_stats
+from monarch_tensor import MeshTensorError, RemoteException, fetch_shard, inspect, no_mesh, this_host
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def procs():
+    mesh = this_host().spawn_procs(per_host={"gpus": 2})
+    yield mesh
+    mesh.stop()
+
+
+def test_rank_tensor_reduce_fetch(procs):
+    with procs.activate():
+        x = torch.ones(4) + procs.rank_tensor("gpus")
+        y = x.reduce("gpus", "sum")
+        y0 = fetch_shard(y, gpus=0).result(timeout=60)
+        x1 = fetch_shard(x, gpus=1).result(timeout=60)
+        x0 = inspect(x, gpus=0)
+        r1 = inspect(procs.rank("gpus"), gpus=1)
+    assert torch.equal(y0, torch.full((4,), 3.0))
+    assert torch.equal(x1, torch.full((4,), 2.0))
+    assert torch.equal(x0, torch.ones(4))
+    assert torch.equal(r1, torch.tensor(1))
+
+
+def test_metadata_and_local_constants(procs):
+    with procs.activate():
+        a = torch.arange(6.0).reshape(2, 3)
+        assert a.shape == (2, 3) and a.dtype == torch.float32
+        b = a.t() @ torch.tensor([[1.0], [2.0]])  # torch.tensor(list) inside activate is a mesh tensor
+        assert b.shape == (3, 1)
+        c = a + torch.ones(3)
+        with no_mesh():
+            plain = torch.ones(3)
+        assert type(plain) is torch.Tensor
+        d = a * plain  # a local tensor used by a mesh op travels as a constant
+        got = inspect((b, c, d))
+    local = torch.arange(6.0).reshape(2, 3)
+    assert torch.equal(got[0], local.t() @ torch.tensor([[1.0], [2.0]]))
+    assert torch.equal(got[1], local + 1)
+    assert torch.equal(got[2], local)
+
+
+def test_shape_error_raises_at_once(procs):
+    with procs.activate():
+        a = torch.ones(2, 3)
+        with pytest.raises(RuntimeError):
+            a @ torch.ones(2, 3)
+        with pytest.raises(MeshTensorError, match="fetch_shard"):
+            a.sum().item()
+
+
+def test_error_is_a_value_and_mesh_stays_usable(procs):
+    from controller.api import remote
+
+    def boom(x):
+        raise ValueError("bad input on purpose")
+
+    fail = remote(boom, propagate=lambda x: x)
+    with procs.activate():
+        x = torch.ones(3)
+        y = fail(x)  # the line that must be reported
+        z = (y + 1) * 2  # dependents propagate the error without running
+        with pytest.raises(RemoteException) as info:
+            fetch_shard(z).result(timeout=60)
+        text = str(info.value)
+        assert "bad input on purpose" in text
+        assert "test_engine.py" in text and "y = fail(x)" in text
+        assert info.value.rank == 0
+        again = inspect(x * 3)
+    assert torch.equal(again, torch.full((3,), 3.0))
+
+
+def test_deletes_keep_worker_refs_flat(procs):
+    with procs.activate():
+        x = torch.zeros(8)
+        for _ in range(50):
+            x = x + 1
+        inspect(x)
+        gc.collect()
+        before = worker_stats(procs)["refs"]
+        for _ in range(2000):
+            x = x * 1.0 + 1
+        last = inspect(x)
+        gc.collect()
+        inspect(x)
+        after = worker_stats(procs)["refs"]
+    assert torch.equal(last, torch.full((8,), 2050.0))
+    assert after <= before + 5, (before, after)

@@ -1,0 +1,199 @@
+"""The tensor engine's instruction protocol: controller -> worker, one frozen record per kind.
+
+The controller batches these per mesh and sends each batch as one message to
+the ``TensorWorker`` actor of every proc of the mesh; the worker handles ``X``
+with ``TensorWorker.handle_X`` (``worker/worker.py``), so protocol and handlers
+read side by side. Tensors appear in instructions as ``Ref(id)``; ``loc`` is the
+user's ``(file, line, function)`` that issued the instruction, shown when it fails.
+``tests/test_engine_wire.py`` round-trips every instruction and checks its handler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from monarch_tensor.messages import PortRef, _fast_reduce
+
+Loc = Any  # (filename, lineno, function) or None
+
+
+class Ref:
+    """A tensor of the worker's ref table, as it travels inside instruction arguments."""
+
+    __slots__ = ("id",)
+
+    def __init__(self, id: int) -> None:
+        self.id = id
+
+    def __reduce__(self):
+        return (Ref, (self.id,))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Ref) and other.id == self.id
+
+    def __hash__(self) -> int:
+        return hash(("Ref", self.id))
+
+    def __repr__(self) -> str:
+        return f"Ref({self.id})"
+
+
+@_fast_reduce
+@dataclass(frozen=True, slots=True)
+class CallOp:
+    """Run aten op ``op`` (e.g. ``"aten::add.Tensor"``) and store its tensor outputs at ``outs``.
+
+    ``outs`` mirrors the flattened result (``None`` where nothing is stored);
+    ``mutates`` are refs the op writes in place (they hold the error if it fails).
+    """
+
+    op: str
+    args: tuple
+    kwargs: dict
+    outs: tuple
+    mutates: tuple
+    stream: int
+    loc: Loc
+
+
+@_fast_reduce
+@dataclass(frozen=True, slots=True)
+class CallFunction:
+    """Run a user function (an object, or a dotted path) on every rank; store tensor results at ``outs``."""
+
+    fn: Any
+    args: tuple
+    kwargs: dict
+    outs: tuple
+    mutates: tuple
+    stream: int
+    loc: Loc
+
+
+@_fast_reduce
+@dataclass(frozen=True, slots=True)
+class CreateValue:
+    """Store a tensor the controller uploads (a local constant) at ``ref``, on the worker's device."""
+
+    ref: int
+    value: Any
+    stream: int
+
+
+@_fast_reduce
+@dataclass(frozen=True, slots=True)
+class CreateRank:
+    """Store this proc's coordinate along a mesh dim (``coords[proc rank]``) as a 0-dim int64 tensor."""
+
+    ref: int
+    coords: dict
+    stream: int
+
+
+@_fast_reduce
+@dataclass(frozen=True, slots=True)
+class DeleteRefs:
+    """Forget refs whose controller tensors were garbage-collected."""
+
+    refs: tuple
+    stream: int
+
+
+@_fast_reduce
+@dataclass(frozen=True, slots=True)
+class Reduce:
+    """Collective over the group of ``groups`` that holds this proc: all-reduce, gather, reduce-scatter.
+
+    ``reduction`` is sum/avg/max/min/product/stack; ``inplace`` writes into ``src``.
+    """
+
+    out: int
+    src: int
+    groups: tuple
+    reduction: str
+    scatter: bool
+    inplace: bool
+    stream: int
+    loc: Loc
+
+
+@_fast_reduce
+@dataclass(frozen=True, slots=True)
+class FetchValue:
+    """Send ``value`` (refs resolved to CPU tensors, ``fn`` applied if given) to ``reply``."""
+
+    value: Any
+    fn: Any
+    reply: PortRef
+    stream: int
+    loc: Loc
+
+
+@_fast_reduce
+@dataclass(frozen=True, slots=True)
+class SendTensor:
+    """Send ref ``src`` to the proc at ``dests[proc rank]`` as transfer ``xfer`` (``to_mesh``)."""
+
+    src: int
+    xfer: int
+    dests: dict
+    stream: int
+    loc: Loc
+
+
+@_fast_reduce
+@dataclass(frozen=True, slots=True)
+class RecvTensor:
+    """Wait for transfer ``xfer`` from another mesh and store it at ``out``."""
+
+    out: int
+    xfer: int
+    timeout: float
+    stream: int
+    loc: Loc
+
+
+@_fast_reduce
+@dataclass(frozen=True, slots=True)
+class CreateStream:
+    """Start stream ``stream`` (a thread on CPU; a thread and a CUDA stream on GPU)."""
+
+    stream: int
+    name: str
+
+
+@_fast_reduce
+@dataclass(frozen=True, slots=True)
+class BorrowCreate:
+    """Lend ref ``src`` of stream ``from_stream`` to ``to_stream`` as ref ``dst``, after ``from_stream``'s prior work."""
+
+    borrow: int
+    src: int
+    dst: int
+    from_stream: int
+    to_stream: int
+
+
+@_fast_reduce
+@dataclass(frozen=True, slots=True)
+class BorrowDrop:
+    """End borrow ``borrow``: ``from_stream`` waits for ``to_stream``'s work on it, ``dst`` is forgotten."""
+
+    borrow: int
+    dst: int
+    from_stream: int
+    to_stream: int
+
+
+@_fast_reduce
+@dataclass(frozen=True, slots=True)
+class ReportRefs:
+    """Send the number of live refs (and of threads/streams) to ``reply``: a test and debugging aid."""
+
+    reply: PortRef
+    stream: int
+
+
+INSTRUCTIONS = (CallOp, CallFunction, CreateValue, CreateRank, DeleteRefs, Reduce, FetchValue, SendTensor,
+                RecvTensor, CreateStream, BorrowCreate, BorrowDrop, ReportRefs)

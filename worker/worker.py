@@ -1,0 +1,344 @@
+"""The tensor worker: the instruction interpreter that runs on every proc of a mesh.
+
+``TensorWorker`` is an actor, spawned lazily on a mesh's procs the first time
+the controller records work there. Its ``execute`` endpoint receives a batch of
+instructions (``worker/messages.py``) and queues each on its stream; every
+stream is a thread (plus a CUDA stream on GPU) that runs ``handle_X`` for each
+instruction ``X`` in order, so message handling never blocks on torch work.
+
+Errors are values: a failing instruction stores a ``RemoteException`` in its
+outputs (and in the tensors it mutates); an instruction that reads one stores
+the same exception without running. Nothing an instruction does kills the worker.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import queue
+import threading
+import traceback
+from typing import Any
+
+import torch
+
+from monarch_tensor.actor import Actor, current_rank, endpoint
+from monarch_tensor.mailbox import current_mailbox
+from monarch_tensor.messages import CallEndpoint, SendToPort
+
+from . import messages as m
+from .collectives import TIMEOUT, Collectives
+from .errors import RemoteException
+
+log = logging.getLogger("monarch_tensor.worker")
+
+WORKER_NAME = "tensor_engine_worker"
+RECV_TIMEOUT = TIMEOUT
+
+
+def flat_leaves(obj: Any) -> list:
+    """Leaves of nested tuples/lists, in order (the layout of ``CallOp.outs``)."""
+    if type(obj) in (tuple, list):
+        out = []
+        for x in obj:
+            if type(x) in (tuple, list):
+                out.extend(flat_leaves(x))
+            else:
+                out.append(x)
+        return out
+    return [obj]
+
+
+class _Propagate(Exception):
+    def __init__(self, failure: RemoteException) -> None:
+        self.failure = failure
+
+
+@functools.lru_cache(maxsize=None)
+def resolve_op(name: str):
+    """``"aten::add.Tensor"`` -> ``torch.ops.aten.add.Tensor``."""
+    ns, _, rest = name.partition("::")
+    opname, _, overload = rest.partition(".")
+    return getattr(getattr(getattr(torch.ops, ns), opname), overload or "default")
+
+
+def resolve_function(fn: Any):
+    """A callable, or a dotted path ``"package.module.function"`` imported here."""
+    if isinstance(fn, str):
+        module, _, name = fn.rpartition(".")
+        return getattr(importlib.import_module(module), name)
+    return fn
+
+
+class _Stream:
+    def __init__(self, worker: TensorWorker, sid: int, name: str) -> None:
+        self.worker, self.sid, self.name = worker, sid, name
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, daemon=True, name=f"tensor-stream-{name}")
+        self.thread.start()
+
+    def put(self, handler, arg) -> None:
+        self.q.put((handler, arg))
+
+    def _run(self) -> None:
+        w = self.worker
+        if w.device.type == "cuda":
+            torch.cuda.set_device(w.device)
+            if self.sid != 0:
+                torch.cuda.set_stream(torch.cuda.Stream())
+        while True:
+            handler, arg = self.q.get()
+            if handler is None:
+                return
+            try:
+                handler(arg)
+            except BaseException:  # noqa: BLE001 - handlers store errors; this is a bug, keep serving
+                log.exception("tensor worker: handler %s failed", getattr(handler, "__name__", handler))
+
+
+class TensorWorker(Actor):
+    """Executes the controller's instructions on this proc (see the module docstring)."""
+
+    def __init__(self, store_addr: tuple[str, int] | None = None) -> None:
+        self.rank = current_rank().rank
+        self.mailbox = current_mailbox()
+        self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        self.refs: dict[int, Any] = {}
+        self.coll = Collectives(self.rank, store_addr, self.device)
+        self.inbox: dict[int, Any] = {}
+        self.inbox_cv = threading.Condition()
+        self.borrows: dict[int, list] = {}
+        self.streams = {0: _Stream(self, 0, "main")}
+        self._handlers = {cls: getattr(self, f"handle_{cls.__name__}") for cls in m.INSTRUCTIONS}
+
+    # ---- endpoints (run on the proc's loop thread: queue only, never block) -----------
+    @endpoint
+    def execute(self, batch: list) -> None:
+        handlers, streams = self._handlers, self.streams
+        for instr in batch:
+            t = type(instr)
+            if t is m.BorrowCreate:
+                self.borrows[instr.borrow] = [threading.Event(), threading.Event(), None]
+                streams[instr.from_stream].put(self._borrow_ready, instr.borrow)
+                streams[instr.to_stream].put(handlers[t], instr)
+            elif t is m.BorrowDrop:
+                streams[instr.to_stream].put(handlers[t], instr)
+                streams[instr.from_stream].put(self._borrow_wait_drop, instr.borrow)
+            elif t is m.CreateStream:
+                if instr.stream not in streams:
+                    streams[instr.stream] = _Stream(self, instr.stream, instr.name)
+            else:
+                streams[instr.stream].put(handlers[t], instr)
+
+    @endpoint
+    def deliver(self, xfer: int, value: Any) -> None:
+        with self.inbox_cv:
+            self.inbox[xfer] = value
+            self.inbox_cv.notify_all()
+
+    def __cleanup__(self) -> None:
+        for s in self.streams.values():
+            s.put(None, None)
+
+    # ---- helpers ---------------------------------------------------------------------
+    def _get(self, ref: int):
+        try:
+            v = self.refs[ref]
+        except KeyError:
+            raise RuntimeError(f"tensor ref {ref} does not exist on rank {self.rank} (deleted, or never created)") \
+                from None
+        if type(v) is RemoteException:
+            raise _Propagate(v)
+        return v
+
+    def _resolve(self, a):
+        t = type(a)
+        if t is m.Ref:
+            return self._get(a.id)
+        if t is tuple or t is list:
+            return t(self._resolve(x) for x in a)
+        if t is dict:
+            return {k: self._resolve(v) for k, v in a.items()}
+        return a
+
+    def _failure(self, op: str, loc, e: BaseException) -> RemoteException:
+        tb = e.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+            tb = tb.tb_next  # the failing code's frames, not the interpreter's
+        text = "".join(traceback.format_exception(type(e), e, tb))
+        return RemoteException(op, loc, self.rank, repr(e), text, _picklable(e))
+
+    def _fail(self, refs, failure: RemoteException) -> None:
+        for r in refs:
+            if r is not None:
+                self.refs[r] = failure
+
+    def _store(self, outs: tuple, result) -> None:
+        if len(outs) == 1 and isinstance(result, torch.Tensor):
+            self.refs[outs[0]] = result
+            return
+        for r, v in zip(outs, flat_leaves(result)):
+            if r is not None:
+                self.refs[r] = v
+
+    def _run(self, what: str, msg, call) -> None:
+        try:
+            result = call()
+        except _Propagate as p:
+            self._fail(msg.outs + msg.mutates, p.failure)
+            return
+        except Exception as e:  # noqa: BLE001 - user code failed: the error becomes the value
+            self._fail(msg.outs + msg.mutates, self._failure(what, msg.loc, e))
+            return
+        self._store(msg.outs, result)
+
+    # ---- handlers, one per instruction ---------------------------------------------------
+    def handle_CallOp(self, msg: m.CallOp) -> None:
+        def call():
+            args = self._resolve(msg.args)
+            kwargs = self._resolve(msg.kwargs) if msg.kwargs else {}
+            if "device" in kwargs:
+                kwargs["device"] = self.device
+            if kwargs.get("pin_memory"):
+                kwargs["pin_memory"] = False
+            return resolve_op(msg.op)(*args, **kwargs)
+
+        self._run(msg.op, msg, call)
+
+    def handle_CallFunction(self, msg: m.CallFunction) -> None:
+        def call():
+            fn = resolve_function(msg.fn)
+            return fn(*self._resolve(msg.args), **self._resolve(msg.kwargs))
+
+        self._run(getattr(msg.fn, "__qualname__", str(msg.fn)), msg, call)
+
+    def handle_CreateValue(self, msg: m.CreateValue) -> None:
+        v = msg.value
+        self.refs[msg.ref] = v.to(self.device) if isinstance(v, torch.Tensor) else v
+
+    def handle_CreateRank(self, msg: m.CreateRank) -> None:
+        self.refs[msg.ref] = torch.tensor(msg.coords[self.rank], dtype=torch.int64, device=self.device)
+
+    def handle_DeleteRefs(self, msg: m.DeleteRefs) -> None:
+        pop = self.refs.pop
+        for r in msg.refs:
+            pop(r, None)
+
+    def handle_Reduce(self, msg: m.Reduce) -> None:
+        group = next((g for g in msg.groups if self.rank in g), None)
+        try:
+            if group is None:
+                raise RuntimeError(f"rank {self.rank} is in none of the reduce groups {msg.groups}")
+            src = self._get(msg.src)
+            out = self.coll.reduce(src, group, msg.reduction, msg.scatter, msg.inplace)
+        except _Propagate as p:
+            self._fail((msg.out, msg.src) if msg.inplace else (msg.out,), p.failure)
+            return
+        except Exception as e:  # noqa: BLE001
+            f = self._failure(f"reduce({msg.reduction!r})", msg.loc, e)
+            self._fail((msg.out, msg.src) if msg.inplace else (msg.out,), f)
+            return
+        self.refs[msg.out] = out
+
+    def handle_FetchValue(self, msg: m.FetchValue) -> None:
+        try:
+            value = self._resolve(msg.value)
+            if msg.fn is not None:
+                args, kwargs = value
+                value = resolve_function(msg.fn)(*args, **kwargs)
+            value = torch.utils._pytree.tree_map(_to_cpu, value)
+            error = None
+        except _Propagate as p:
+            value, error = None, p.failure
+        except Exception as e:  # noqa: BLE001
+            value, error = None, self._failure("fetch", msg.loc, e)
+        self._reply(msg.reply, value, error)
+
+    def handle_SendTensor(self, msg: m.SendTensor) -> None:
+        try:
+            value = _to_cpu(self._get(msg.src))
+        except _Propagate as p:
+            value = p.failure
+        except Exception as e:  # noqa: BLE001
+            value = self._failure("to_mesh (send)", msg.loc, e)
+        send_tensor(self.mailbox, msg.dests[self.rank], msg.xfer, value)
+
+    def handle_RecvTensor(self, msg: m.RecvTensor) -> None:
+        with self.inbox_cv:
+            if not self.inbox_cv.wait_for(lambda: msg.xfer in self.inbox, timeout=msg.timeout):
+                err = TimeoutError(f"no data for to_mesh transfer {msg.xfer} within {msg.timeout} s")
+                self.refs[msg.out] = RemoteException("to_mesh (recv)", msg.loc, self.rank, repr(err), "", err)
+                return
+            value = self.inbox.pop(msg.xfer)
+        self.refs[msg.out] = value.to(self.device) if isinstance(value, torch.Tensor) else value
+
+    def handle_CreateStream(self, msg: m.CreateStream) -> None:  # routed in execute(); never queued
+        pass
+
+    def _borrow_ready(self, borrow: int) -> None:
+        entry = self.borrows[borrow]
+        if self.device.type == "cuda":
+            entry[2] = torch.cuda.Event()
+            entry[2].record()
+        entry[0].set()
+
+    def handle_BorrowCreate(self, msg: m.BorrowCreate) -> None:
+        entry = self.borrows[msg.borrow]
+        if not entry[0].wait(RECV_TIMEOUT):
+            err = TimeoutError(f"borrow {msg.borrow}: stream {msg.from_stream} never reached it")
+            self.refs[msg.dst] = RemoteException("borrow", None, self.rank, repr(err), "", err)
+            return
+        if entry[2] is not None:
+            torch.cuda.current_stream().wait_event(entry[2])
+        self.refs[msg.dst] = self.refs.get(msg.src, self.refs.get(msg.dst))
+
+    def handle_BorrowDrop(self, msg: m.BorrowDrop) -> None:
+        entry = self.borrows[msg.borrow]
+        self.refs.pop(msg.dst, None)
+        if self.device.type == "cuda":
+            entry[2] = torch.cuda.Event()
+            entry[2].record()
+        entry[1].set()
+
+    def _borrow_wait_drop(self, borrow: int) -> None:
+        entry = self.borrows[borrow]
+        entry[1].wait(RECV_TIMEOUT)
+        if entry[2] is not None:
+            torch.cuda.current_stream().wait_event(entry[2])
+        self.borrows.pop(borrow, None)
+
+    def handle_ReportRefs(self, msg: m.ReportRefs) -> None:
+        self._reply(msg.reply, {"refs": len(self.refs), "streams": len(self.streams),
+                                "borrows": len(self.borrows), "inbox": len(self.inbox)}, None)
+
+    def _reply(self, port, value, error) -> None:
+        try:
+            self.mailbox.send(port.addr, SendToPort(port.port_id, value, error, self.rank))
+        except Exception as e:  # noqa: BLE001 - e.g. an unpicklable value
+            err = RemoteException("fetch", None, self.rank, f"cannot send the value back: {e!r}", "")
+            self.mailbox.send(port.addr, SendToPort(port.port_id, None, err, self.rank))
+
+
+def _to_cpu(v):
+    if isinstance(v, torch.Tensor):
+        return v.detach().to("cpu", copy=True)
+    return v
+
+
+def send_tensor(mailbox, dest_addr: str, xfer: int, value) -> None:
+    """The data path of ``to_mesh``: one function, so a faster transport can replace it.
+
+    Today: the proc mailbox (same-host buffers go through shared memory).
+    """
+    mailbox.send(dest_addr, CallEndpoint(WORKER_NAME, "deliver", (xfer, value), {}, None))
+
+
+def _picklable(e: BaseException) -> BaseException | None:
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001
+        return None
