@@ -23,6 +23,8 @@ from worker import messages as m
 from worker.worker import flat_leaves
 
 from .client import Ctx, user_loc
+from .dtensor_methods import ACTIVE as _DIST
+from .dtensor_methods import DistributedMethods, after_record
 from .errors import MeshTensorError
 
 
@@ -54,7 +56,7 @@ def contiguous_meta(shape: tuple, dtype: torch.dtype) -> tuple:
     return (tuple(shape), tuple(reversed(stride)), 0, dtype)
 
 
-class Tensor(torch.Tensor):
+class Tensor(DistributedMethods, torch.Tensor):
     """One local tensor per rank of a mesh, all of one shape; ops on it run on the workers.
 
     >>> with procs.activate():
@@ -86,6 +88,8 @@ class Tensor(torch.Tensor):
         return record(func, args, kwargs or {}, None)
 
     def __repr__(self, **kwargs) -> str:
+        if self._dist is not None:
+            return self.dist_repr()
         c = self._ctx
         stream = "" if c.sid == 0 else f", stream={c.stream.name!r}"
         return f"MeshTensor(shape={tuple(self.shape)}, dtype={self.dtype}, mesh={c.pm._shape}{stream})"
@@ -382,6 +386,8 @@ def record(func, args: tuple, kwargs: dict, ctx: Ctx | None):
     else:
         mutates = ()
     client.issue(m.CallOp(tpl.name, wargs, wkwargs, outs, mutates, ctx.sid, loc), ctx.ranks)
+    if _DIST.n:
+        after_record(tensors, out)
     return out
 
 

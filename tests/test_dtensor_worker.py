@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from _dt_chains import OPS, run_chain
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -24,47 +25,6 @@ T = 60  # seconds any one call may take on a loaded 2-core machine
 GRID_2D = ((0, 1), (2, 3))        # {"dp": 2, "tp": 2}, proc ranks in mesh order
 GRID_1D = (0, 1, 2, 3)            # {"x": 4}
 GRID_PAIR = (0, 1)                # {"x": 2}: a sub-mesh; procs 2 and 3 sit out
-
-
-# ---- op chains: the same code runs on DTensors (workers) and on local tensors (reference) ----------
-def _apply(op: str, x: torch.Tensor) -> torch.Tensor:
-    if op == "add1":
-        return x + 1
-    if op == "mul_self":
-        return x * x
-    if op == "tanh":
-        return torch.tanh(x)
-    if op == "relu":
-        return torch.relu(x)
-    if op == "neg_exp":
-        return torch.exp(-x.abs())
-    if op == "t":
-        return x.t()
-    if op == "mm_t":
-        return x @ x.t()
-    if op == "t_mm":
-        return x.t() @ x
-    if op == "sum0":
-        return x.sum(0, keepdim=True)
-    if op == "sum1":
-        return x.sum(1, keepdim=True)
-    if op == "softmax0":
-        return torch.softmax(x, 0)
-    if op == "softmax1":
-        return torch.softmax(x, 1)
-    if op == "scale":
-        return x * 0.5 - 0.25
-    raise ValueError(op)
-
-
-OPS = ("add1", "mul_self", "tanh", "relu", "neg_exp", "t", "mm_t", "t_mm", "sum0", "sum1", "softmax0",
-       "softmax1", "scale")
-
-
-def run_chain(x: torch.Tensor, ops) -> torch.Tensor:
-    for op in ops:
-        x = _apply(op, x)
-    return x
 
 
 # ---- the actor -----------------------------------------------------------------------------------

@@ -187,3 +187,40 @@ def describe(dt) -> tuple:
     if isinstance(dt, DTensor):
         return tuple(dt.placements), tuple(dt.to_local().shape)
     return None
+
+
+# ---- entry points of the tensor engine (run as CallFunction on every proc of the mesh) -----------------
+MeshSpec = tuple  # (store_addr, grid, names, world_size): how the controller names a proc mesh
+_store_groups: dict[tuple, StoreGroups] = {}
+
+
+def engine_mesh(rank: torch.Tensor, spec: MeshSpec, device: torch.device) -> DeviceMesh:
+    """The DeviceMesh of ``spec`` on this proc (``rank``: this proc's rank, a 0-dim tensor)."""
+    store_addr, grid, names, world = spec
+    r = int(rank)
+    key = (tuple(store_addr), r, device.type)
+    with _lock:
+        groups = _store_groups.get(key)
+        if groups is None:
+            groups = _store_groups[key] = StoreGroups(r, tuple(store_addr), device)
+    mesh = device_mesh(grid, names, r, groups.backend, device.type, world)
+    # plain mesh tensors mixed into DTensor ops (constants, optimizer step counts) count as replicated
+    DTensor._op_dispatcher._allow_implicit_replication = True
+    return mesh
+
+
+def engine_distribute(value: torch.Tensor, rank: torch.Tensor, spec: MeshSpec, placements) -> DTensor:
+    """``distribute`` for the engine: ``value`` is the whole tensor (the same on every rank)."""
+    return distribute(value, engine_mesh(rank, spec, value.device), placements)
+
+
+def engine_from_local(local: torch.Tensor, rank: torch.Tensor, spec: MeshSpec, placements, shape, stride) -> DTensor:
+    """``from_local`` for the engine: this rank's shard ``local`` of a tensor of global ``shape``."""
+    return from_local(local, engine_mesh(rank, spec, local.device), placements, shape, stride)
+
+
+def placements_of(dt) -> tuple:
+    """The placements of a DTensor (what the controller asks when it does not know them)."""
+    if not isinstance(dt, DTensor):
+        raise TypeError(f"expected a DTensor on the worker, found a {type(dt).__name__}")
+    return tuple(dt.placements)
