@@ -129,6 +129,19 @@ def _install_factories() -> None:
             return factory
 
         setattr(torch, name, make(orig))
+    seed = torch.manual_seed
+
+    @functools.wraps(seed)
+    def manual_seed(value):
+        """Inside ``activate()``, also seeds every worker of the mesh (same random numbers as a local run)."""
+        pm = state.ctx_mesh
+        if pm is not None and not state.internal:
+            ctx = ctx_for(pm)
+            ctx.client.issue(m.CallFunction("torch.manual_seed", (int(value),), {}, (), (), ctx.sid, user_loc()),
+                             ctx.ranks)
+        return seed(value)
+
+    torch.manual_seed = manual_seed
 
 
 # ---- fetching ----------------------------------------------------------------------------------------
@@ -142,7 +155,7 @@ def _leaves_ctx(obj) -> tuple[list, Ctx | None]:
 
 
 def _to_wire(obj):
-    return pytree.tree_map(lambda x: x._rref if type(x) is Tensor else x, obj)
+    return pytree.tree_map(lambda x: m.Ref(x._ref) if type(x) is Tensor else x, obj)
 
 
 def _rank_of(ctx: Ctx, shard: dict | None, kwargs: dict) -> int:
@@ -262,7 +275,7 @@ def slice_mesh(t: Tensor, **kwargs) -> Tensor:
     sub = ctx.pm.slice(**kwargs)
     sctx = sub._alloc._tensor_client.ctx(sub, ctx.stream)
     ref = next(ctx.client.refs)
-    ctx.client.issue(m.CallOp("aten::alias", (t._rref,), {}, (ref,), (), ctx.sid, user_loc()), sctx.ranks)
+    ctx.client.issue(m.CallOp("aten::alias", (t._ref,), {}, (0,), (ref,), (), ctx.sid, user_loc()), sctx.ranks)
     return Tensor(t._meta, t._mid, sctx, ref)
 
 

@@ -76,7 +76,7 @@ def _rank_tensor(ctx) -> Tensor:
 def _call(ctx, fn: str, args: tuple, shape, dtype, info: DistInfo | None) -> Tensor:
     """Run ``worker.dtensor.<fn>(*args)`` on every proc of ``ctx``; a new mesh tensor of ``shape`` holds it."""
     client = ctx.client
-    wire = tuple(a._rref if type(a) is Tensor else a for a in args)
+    wire = tuple(m.Ref(a._ref) if type(a) is Tensor else a for a in args)
     ref = next(client.refs)
     client.issue(m.CallFunction(f"worker.dtensor.{fn}", wire, {}, (ref,), (), ctx.sid, user_loc()), ctx.ranks)
     meta = contiguous_meta(tuple(shape), dtype)
@@ -278,7 +278,7 @@ def placements_of(t) -> tuple:
     if info.placements is None:
         ctx = t._ctx
         rank = ctx.ranks[0]
-        fut = ctx.client.request(rank, lambda port: m.FetchValue(((t._rref,), {}), "worker.dtensor.placements_of",
+        fut = ctx.client.request(rank, lambda port: m.FetchValue(((m.Ref(t._ref),), {}), "worker.dtensor.placements_of",
                                                                  port, ctx.sid, user_loc()))
         info.placements = tuple(fut.get())
     return info.placements

@@ -68,11 +68,7 @@ class Tensor(DistributedMethods, torch.Tensor):
 
     @staticmethod
     def __new__(cls, meta: tuple, mid: int, ctx: Ctx, ref: int):
-        shape, stride, offset, dtype = meta
-        t = torch.Tensor._make_wrapper_subclass(cls, shape, strides=stride, storage_offset=offset,
-                                                dtype=dtype, device="cpu")
-        t._meta, t._mid, t._ctx, t._ref, t._rref = meta, mid, ctx, ref, m.Ref(ref)
-        return t
+        return new_tensor(meta, mid, ctx, ref)
 
     def __init__(self, *args, **kwargs) -> None:
         pass
@@ -85,7 +81,7 @@ class Tensor(DistributedMethods, torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return record(func, args, kwargs or {}, None)
+        return record(func, args, kwargs, None)
 
     def __repr__(self, **kwargs) -> str:
         if self._dist is not None:
@@ -132,6 +128,19 @@ class Tensor(DistributedMethods, torch.Tensor):
         return slice_mesh(self, **kwargs)
 
 
+_wrap = torch.Tensor._make_wrapper_subclass
+
+
+def new_tensor(meta: tuple, mid: int, ctx: Ctx, ref: int) -> Tensor:
+    """A mesh tensor with metadata ``meta`` (interned as ``mid``) for worker ref ``ref``."""
+    t = _wrap(Tensor, meta[0], strides=meta[1], storage_offset=meta[2], dtype=meta[3], device="cpu")
+    t._meta = meta
+    t._mid = mid
+    t._ctx = ctx
+    t._ref = ref
+    return t
+
+
 # ---- argument scanning -------------------------------------------------------------------------------
 _SCALARS = (int, float, bool, complex)
 
@@ -142,7 +151,7 @@ def _scan(a, key: list, tensors: list, local: list):
     if t is Tensor:
         tensors.append(a)
         key.append(a._mid)
-        return a._rref
+        return m.Ref(a._ref)
     if t is int or t is float or t is bool:
         key.append(t)
         key.append(a)
@@ -178,11 +187,11 @@ def _scan(a, key: list, tensors: list, local: list):
 class _Template:
     """What a (op, input metadata) key produces: per output leaf, a new tensor, an alias or a value."""
 
-    __slots__ = ("name", "leaves", "struct", "single", "mutates")
+    __slots__ = ("name", "leaves", "struct", "single", "mutates", "fold")
 
-    def __init__(self, name, leaves, struct, single, mutates) -> None:
+    def __init__(self, name, leaves, struct, single, mutates, fold) -> None:
         self.name, self.leaves, self.struct = name, leaves, struct
-        self.single, self.mutates = single, mutates
+        self.single, self.mutates, self.fold = single, mutates, fold
 
 
 _cache: dict = {}
@@ -285,7 +294,19 @@ def _propagate(func, args, kwargs, tensors) -> _Template:
         _fake_log.disabled = quiet
     leaves, struct, single = describe_outputs(out, fakes)
     pos, names = _mutated(func)
-    return _Template(func.name(), leaves, struct, single, (pos, names))
+    fold = (torch.Tag.nondeterministic_seeded not in func.tags
+            and all(_numel(leaf[1][0]) <= FOLD_NUMEL for leaf in leaves if leaf[0] == "new"))
+    return _Template(func.name(), leaves, struct, single, (pos, names), fold)
+
+
+FOLD_NUMEL = 64
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _refs_of(a) -> list:
@@ -303,19 +324,65 @@ _UNSUPPORTED = {
 }
 
 
-def record(func, args: tuple, kwargs: dict, ctx: Ctx | None):
-    """Record ``func(*args, **kwargs)`` on the mesh; return mesh tensors shaped like its result."""
+def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
+    """Record ``func(*args, **kwargs)`` on the mesh; return mesh tensors shaped like its result.
+
+    Tensors travel as their ref ids; ``tpos`` lists where they are (an index,
+    an ``(index, item)`` pair inside a list argument, or a kwarg name), so a
+    batch pickles as plain tuples and ints.
+    """
     key = [func]
     tensors: list = []
     local: list = []
-    wargs = tuple([_scan(a, key, tensors, local) for a in args])
+    tpos: list = []
+    wargs = []
+    deep = False
+    for i, a in enumerate(args):
+        t = type(a)
+        if t is Tensor:
+            tensors.append(a)
+            key.append(a._mid)
+            wargs.append(a._ref)
+            tpos.append(i)
+        elif t is int or t is float or t is bool:
+            key.append(t)
+            key.append(a)
+            wargs.append(a)
+        elif t is list or t is tuple:
+            key.append(t)
+            key.append(len(a))
+            sub = []
+            for j, x in enumerate(a):
+                if type(x) is Tensor:
+                    tensors.append(x)
+                    key.append(x._mid)
+                    sub.append(x._ref)
+                    tpos.append((i, j))
+                else:
+                    w = _scan(x, key, tensors, local)
+                    deep = deep or w is not x
+                    sub.append(w)
+            wargs.append(sub)
+        else:
+            w = _scan(a, key, tensors, local)
+            deep = deep or w is not a
+            wargs.append(w)
     if kwargs:
         wkwargs = {}
         for k, v in kwargs.items():
             key.append(k)
-            wkwargs[k] = _scan(v, key, tensors, local)
+            if type(v) is Tensor:
+                tensors.append(v)
+                key.append(v._mid)
+                wkwargs[k] = v._ref
+                tpos.append(k)
+            else:
+                w = _scan(v, key, tensors, local)
+                deep = deep or w is not v
+                wkwargs[k] = w
     else:
-        wkwargs = kwargs
+        wkwargs = _EMPTY
+        kwargs = _EMPTY
     # Where the op runs: its mesh tensors' mesh and stream, all the same.
     for t in tensors:
         if type(t) is Tensor:
@@ -337,6 +404,8 @@ def record(func, args: tuple, kwargs: dict, ctx: Ctx | None):
     if tpl is None:
         name = func.name()
         if name in _UNSUPPORTED:
+            if all(hasattr(t, "_val") or type(t) is not Tensor for t in tensors):
+                return _fold(func, args, kwargs)  # e.g. Adam's step counter: its value is known here
             raise MeshTensorError(f"{_UNSUPPORTED[name]} is not possible: the value lives on the workers. "
                                   f"Fetch it with fetch_shard(t).result() or inspect(t)")
         tpl = _propagate(func, args, kwargs, tensors)
@@ -346,58 +415,123 @@ def record(func, args: tuple, kwargs: dict, ctx: Ctx | None):
     client = ctx.client
     loc = user_loc()
     if local:
-        wargs, wkwargs = _upload(client, ctx, local, wargs, wkwargs)
-    refs = client.refs
+        wargs, wkwargs, uploaded = _upload(client, ctx, local, wargs, wkwargs)
+    if deep or local:
+        tpos.append(DEEP)
     if tpl.single:
         leaf = tpl.leaves[0]
         if leaf[0] == "new":
-            ref = next(refs)
-            out = Tensor(leaf[1], leaf[2], ctx, ref)
+            ref = next(client.refs)
+            out = new_tensor(leaf[1], leaf[2], ctx, ref)
             outs = (ref,)
         else:
             out = tensors[leaf[1]]
             outs = (out._ref,)
     else:
-        vals, outl = [], []
-        for leaf in tpl.leaves:
-            kind = leaf[0]
-            if kind == "new":
-                ref = next(refs)
-                vals.append(Tensor(leaf[1], leaf[2], ctx, ref))
-                outl.append(ref)
-            elif kind == "alias":
-                vals.append(tensors[leaf[1]])
-                outl.append(tensors[leaf[1]]._ref)
-            else:
-                vals.append(leaf[1])
-                outl.append(None)
-        out = _rebuild(tpl.struct, iter(vals))
-        outs = tuple(outl)
+        out, outs = _outputs(tpl, tensors, ctx)
     pos, names = tpl.mutates
     if pos or names:
-        mut = []
-        for p in pos:
-            if p < len(args):
-                mut.extend(_refs_of(args[p]))
-        for n in names:
-            if n in kwargs:
-                mut.extend(_refs_of(kwargs[n]))
-        mutates = tuple(mut)
+        mutates = _mutated_refs(pos, names, args, kwargs)
     else:
         mutates = ()
-    client.issue(m.CallOp(tpl.name, wargs, wkwargs, outs, mutates, ctx.sid, loc), ctx.ranks)
+    if tpl.fold:
+        _fold_into(func, args, kwargs, tensors, out)
+    elif mutates:
+        _forget_values(pos, names, args, kwargs)
+    client.issue(m.CallOp(tpl.name, tuple(wargs), wkwargs, tuple(tpos), outs, mutates, ctx.sid, loc), ctx.ranks)
+    if local:  # deleted only after the op that reads them is queued (a flush may come in between)
+        for ref in uploaded:
+            client.delete(ref, ctx.sid)
     if _DIST.n:
         after_record(tensors, out)
     return out
 
 
+_EMPTY: dict = {}
+DEEP = m.DEEP
+
+
+def _outputs(tpl: _Template, tensors: list, ctx: Ctx):
+    refs = ctx.client.refs
+    vals, outl = [], []
+    for leaf in tpl.leaves:
+        kind = leaf[0]
+        if kind == "new":
+            ref = next(refs)
+            vals.append(new_tensor(leaf[1], leaf[2], ctx, ref))
+            outl.append(ref)
+        elif kind == "alias":
+            vals.append(tensors[leaf[1]])
+            outl.append(tensors[leaf[1]]._ref)
+        else:
+            vals.append(leaf[1])
+            outl.append(None)
+    return _rebuild(tpl.struct, iter(vals)), tuple(outl)
+
+
+def _mutated_refs(pos, names, args, kwargs) -> tuple:
+    mut = []
+    for p in pos:
+        if p < len(args):
+            mut.extend(_refs_of(args[p]))
+    for n in names:
+        if n in kwargs:
+            mut.extend(_refs_of(kwargs[n]))
+    return tuple(mut)
+
+
+# ---- known values --------------------------------------------------------------------------------
+# A small tensor computed only from constants holds the same value on every rank,
+# so the controller computes it too (``t._val``): ``t.item()`` then needs no fetch.
+# This is what lets torch.optim's step counters (``step_t += 1; step_t.item()``) work.
+def _local(a):
+    t = type(a)
+    if t is Tensor:
+        return a._val
+    if t is list or t is tuple:
+        return t(_local(x) for x in a)
+    return a
+
+
+def _fold(func, args, kwargs):
+    state.internal = True
+    try:
+        return func(*_local(args), **{k: _local(v) for k, v in kwargs.items()})
+    finally:
+        state.internal = False
+
+
+def _fold_into(func, args, kwargs, tensors, out) -> None:
+    for t in tensors:
+        if type(t) is Tensor and not hasattr(t, "_val"):
+            _forget_values(*_mutated(func), args, kwargs)
+            return
+    try:
+        res = _fold(func, args, kwargs)
+    except Exception:  # noqa: BLE001 - folding is an optimisation; the workers have the value
+        _forget_values(*_mutated(func), args, kwargs)
+        return
+    locs = [x for x in tensors if type(x) is not Tensor]
+    for o, r in zip(flat_leaves(out), flat_leaves(res)):
+        if type(o) is Tensor and isinstance(r, torch.Tensor):
+            if not hasattr(o, "_val"):
+                o._val = r.clone() if any(r is x for x in locs) else r
+
+
+def _forget_values(pos, names, args, kwargs) -> None:
+    for a in [args[p] for p in pos if p < len(args)] + [kwargs[n] for n in names if n in kwargs]:
+        for t in (a if type(a) in (list, tuple) else (a,)):
+            if type(t) is Tensor and hasattr(t, "_val"):
+                del t._val
+
+
 def _upload(client, ctx: Ctx, local: list, wargs, wkwargs):
     """Local (controller) tensors used by a mesh op travel as constants, then are deleted."""
-    subst = {}
+    subst, uploaded = {}, []
     for t in local:
         ref = next(client.refs)
         client.issue(m.CreateValue(ref, t.detach().clone(), ctx.sid), ctx.ranks)
-        client.delete(ref, ctx.sid)
+        uploaded.append(ref)
         subst[id(t)] = m.Ref(ref)
 
     def sub(a):
@@ -407,7 +541,7 @@ def _upload(client, ctx: Ctx, local: list, wargs, wkwargs):
             return type(a)(sub(x) for x in a)
         return a
 
-    return tuple(sub(a) for a in wargs), {k: sub(v) for k, v in wkwargs.items()}
+    return [sub(a) for a in wargs], {k: sub(v) for k, v in wkwargs.items()}, uploaded
 
 
 def _mismatch(func, a: Ctx, b: Ctx):

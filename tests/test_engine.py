@@ -101,3 +101,45 @@ def test_deletes_keep_worker_refs_flat(procs):
         after = worker_stats(procs)["refs"]
     assert torch.equal(last, torch.full((8,), 2050.0))
     assert after <= before + 5, (before, after)
+
+
+def _train(model, opt, x, y, steps):
+    from torch import nn
+
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        for p in model.parameters():
+            if type(p.grad) is not torch.Tensor:
+                p.grad.reduce_("gpus", "avg")
+        opt.step()
+        losses.append(loss.detach())
+    return losses
+
+
+@pytest.mark.parametrize("opt_name,foreach", [("SGD", True), ("AdamW", False)])
+def test_training_matches_local(procs, opt_name, foreach):
+    """nn.Module, autograd and torch.optim run unchanged; the result equals local training."""
+    from torch import nn
+
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 4))
+        kw = {"momentum": 0.9} if opt_name == "SGD" else {}
+        opt = getattr(torch.optim, opt_name)(model.parameters(), lr=0.05, foreach=foreach, **kw)
+        x = torch.randn(6, 8)
+        y = torch.randint(0, 4, (6,))
+        return model, opt, x, y
+
+    with procs.activate():
+        model, opt, x, y = make()
+        assert all(type(p) is not torch.Tensor for p in model.parameters())
+        mesh_losses = inspect(torch.stack(_train(model, opt, x, y, 4)), gpus=1)
+        w = inspect(model[0].weight, gpus=0)
+    model, opt, x, y = make()
+    local_losses = torch.stack(_train(model, opt, x, y, 4))
+    torch.testing.assert_close(mesh_losses, local_losses, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w, model[0].weight.detach(), rtol=1e-5, atol=1e-6)
+    assert mesh_losses[-1] < mesh_losses[0]

@@ -10,12 +10,21 @@ user's ``(file, line, function)`` that issued the instruction, shown when it fai
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import operator
+from dataclasses import dataclass, fields
 from typing import Any
 
-from monarch_tensor.messages import PortRef, _fast_reduce
+from monarch_tensor.messages import PortRef
+
+
+def _fast_reduce(cls):
+    """Pickle as (cls, field values), the values read by one C call (a batch holds hundreds)."""
+    get = operator.attrgetter(*(f.name for f in fields(cls)))
+    cls.__reduce__ = lambda self: (cls, get(self))
+    return cls
 
 Loc = Any  # (filename, lineno, function) or None
+DEEP = "*"  # in CallOp.tpos: arguments also hold Ref objects (resolve them everywhere)
 
 
 class Ref:
@@ -44,6 +53,8 @@ class Ref:
 class CallOp:
     """Run aten op ``op`` (e.g. ``"aten::add.Tensor"``) and store its tensor outputs at ``outs``.
 
+    Tensor arguments are ref ids at the places ``tpos`` lists (an index, an
+    ``(index, item)`` pair, a kwarg name; ``DEEP``: also ``Ref``s anywhere).
     ``outs`` mirrors the flattened result (``None`` where nothing is stored);
     ``mutates`` are refs the op writes in place (they hold the error if it fails).
     """
@@ -51,6 +62,7 @@ class CallOp:
     op: str
     args: tuple
     kwargs: dict
+    tpos: tuple
     outs: tuple
     mutates: tuple
     stream: int

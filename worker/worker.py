@@ -194,10 +194,30 @@ class TensorWorker(Actor):
         self._store(msg.outs, result)
 
     # ---- handlers, one per instruction ---------------------------------------------------
+    def _place(self, msg: m.CallOp):
+        """Arguments with ref ids (at ``msg.tpos``) replaced by tensors."""
+        args = list(msg.args)
+        kwargs = dict(msg.kwargs) if msg.kwargs else {}
+        get = self._get
+        for p in msg.tpos:
+            t = type(p)
+            if t is int:
+                args[p] = get(args[p])
+            elif t is tuple:
+                i, j = p
+                if type(args[i]) is not list:
+                    args[i] = list(args[i])
+                args[i][j] = get(args[i][j])
+            elif p == m.DEEP:
+                args = self._resolve(args)
+                kwargs = self._resolve(kwargs)
+            else:
+                kwargs[p] = get(kwargs[p])
+        return args, kwargs
+
     def handle_CallOp(self, msg: m.CallOp) -> None:
         def call():
-            args = self._resolve(msg.args)
-            kwargs = self._resolve(msg.kwargs) if msg.kwargs else {}
+            args, kwargs = self._place(msg)
             if "device" in kwargs:
                 kwargs["device"] = self.device
             if kwargs.get("pin_memory"):
