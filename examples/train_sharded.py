@@ -1,6 +1,7 @@
 """A small GPT trained with sharded parameters: FSDP-style on {"dp": 2}, then dp x tp on {"dp": 2, "tp": 2}.
 
-    python examples/train_sharded.py
+    python examples/train_sharded.py            # STEPS steps
+    python examples/train_sharded.py --steps 2  # fewer
 
 The seed's training step, made runnable: `module_to_mesh(model, mesh)` turns the
 parameters into global sharded tensors, and the loop is the ordinary one
@@ -11,6 +12,7 @@ one and the script fails if they differ.
 """
 
 import math
+import sys
 import time
 
 import torch
@@ -22,7 +24,7 @@ from monarch_tensor import Replicate, Shard, distribute, module_to_mesh, this_ho
 # -----------------------------------------------------------------------------
 VOCAB, BLOCK, N_LAYER, N_HEAD, N_EMBD = 64, 16, 2, 4, 32
 BATCH = 8             # sequences per step (split over "dp")
-STEPS = 4
+STEPS = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 4
 LR = 3e-3
 TP_PLAN = {"*.attn.q": "colwise", "*.attn.k": "colwise", "*.attn.v": "colwise", "*.attn.proj": "rowwise",
            "*.mlp.fc": "colwise", "*.mlp.proj": "rowwise"}
