@@ -23,6 +23,8 @@ from worker import messages as m
 from worker.worker import flat_leaves
 
 from .client import Ctx, user_loc
+from .dtensor_methods import ACTIVE as _DIST
+from .dtensor_methods import DistributedMethods, after_record
 from .errors import MeshTensorError
 
 
@@ -54,7 +56,7 @@ def contiguous_meta(shape: tuple, dtype: torch.dtype) -> tuple:
     return (tuple(shape), tuple(reversed(stride)), 0, dtype)
 
 
-class Tensor(torch.Tensor):
+class Tensor(DistributedMethods, torch.Tensor):
     """One local tensor per rank of a mesh, all of one shape; ops on it run on the workers.
 
     >>> with procs.activate():
@@ -82,6 +84,8 @@ class Tensor(torch.Tensor):
         return record(func, args, kwargs, None)
 
     def __repr__(self, **kwargs) -> str:
+        if self._dist is not None:
+            return self.dist_repr()
         c = self._ctx
         stream = "" if c.sid == 0 else f", stream={c.stream.name!r}"
         return f"MeshTensor(shape={tuple(self.shape)}, dtype={self.dtype}, mesh={c.pm._shape}{stream})"
@@ -440,9 +444,11 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
     elif mutates:
         _forget_values(pos, names, args, kwargs)
     client.issue(m.CallOp(tpl.name, tuple(wargs), wkwargs, tuple(tpos), outs, mutates, ctx.sid, loc), ctx.ranks)
-    if local:  # the uploaded constants are deleted once the op that reads them was issued
-        for r in uploaded:
-            client.delete(r, ctx.sid)
+    if local:  # deleted only after the op that reads them is queued (a flush may come in between)
+        for ref in uploaded:
+            client.delete(ref, ctx.sid)
+    if _DIST.n:
+        after_record(tensors, out)
     return out
 
 
@@ -526,12 +532,12 @@ def _forget_values(pos, names, args, kwargs) -> None:
 
 def _upload(client, ctx: Ctx, local: list, wargs, wkwargs):
     """Local (controller) tensors used by a mesh op travel as constants, then are deleted."""
-    subst, refs = {}, []
+    subst, uploaded = {}, []
     for t in local:
         ref = next(client.refs)
         client.issue(m.CreateValue(ref, t.detach().clone(), ctx.sid), ctx.ranks)
+        uploaded.append(ref)
         subst[id(t)] = m.Ref(ref)
-        refs.append(ref)
 
     def sub(a):
         if isinstance(a, torch.Tensor):
@@ -540,7 +546,7 @@ def _upload(client, ctx: Ctx, local: list, wargs, wkwargs):
             return type(a)(sub(x) for x in a)
         return a
 
-    return [sub(a) for a in wargs], {k: sub(v) for k, v in wkwargs.items()}, refs
+    return [sub(a) for a in wargs], {k: sub(v) for k, v in wkwargs.items()}, uploaded
 
 
 def _mismatch(func, a: Ctx, b: Ctx):

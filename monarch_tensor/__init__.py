@@ -40,6 +40,10 @@ _ENGINE = {
     "no_mesh": "controller.api", "call_on_shard_and_fetch": "controller.api",
     "get_active_stream": "controller.api", "Tensor": "controller.tensor",
     "RemoteException": "controller.errors", "MeshTensorError": "controller.errors",
+    # global sharded tensors (controller/dtensor.py, controller/placements.py, controller/sharding.py)
+    "distribute": "controller.dtensor", "from_local": "controller.dtensor", "Shard": "controller.placements",
+    "Replicate": "controller.placements", "Partial": "controller.placements",
+    "ShardingError": "controller.placements", "module_to_mesh": "controller.sharding",
 }
 
 

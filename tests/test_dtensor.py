@@ -1,0 +1,184 @@
+"""Global sharded tensors through the tensor engine: distribute, ops, autograd, redistribute, errors.
+
+One proc mesh {"dp": 2, "tp": 2} is shared by the module; a 1-D view of it is
+its slice at tp=0 ({"dp": 2} over procs 0 and 2). Every value is compared with
+local torch. Hypothesis draws shapes, placements and op chains.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _dt_chains import OPS, run_chain
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from monarch_tensor import Partial, Replicate, Shard, ShardingError, distribute, from_local, this_host
+
+pytestmark = pytest.mark.timeout(120)
+T = 60
+
+
+@pytest.fixture(scope="module")
+def mesh2d():
+    procs = this_host().spawn_procs({"dp": 2, "tp": 2})
+    yield procs
+    procs.stop().get(timeout=T)
+
+
+@pytest.fixture(scope="module")
+def mesh1d(mesh2d):
+    return mesh2d.slice(tp=0)
+
+
+def _close(a, b):
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+# ---- metadata, the seed's example ---------------------------------------------------------------
+def test_metadata_without_moving_data(mesh2d):
+    x = torch.randn(1024, 64)
+    dt = distribute(x, mesh2d, sharding_spec=["dp", None])
+    assert dt.shape == (1024, 64)
+    assert dt.placements == (Shard(0), Replicate())
+    assert dt.device_mesh is mesh2d
+    assert repr(dt) == "DTensor(shape=(1024, 64), dtype=torch.float32, placements={dp: S(0), tp: R}, " \
+                       "mesh={'dp': 2, 'tp': 2})"
+    assert distribute(x, mesh2d, [Shard(0), Replicate()]).placements == dt.placements
+
+
+def test_seed_dt_matmul_dt_T(mesh2d):
+    x = torch.randn(64, 32)
+    dt = distribute(x, mesh2d, sharding_spec=["dp", None])
+    result = dt @ dt.T
+    assert result.shape == (64, 64)
+    _close(result.full_tensor(), x @ x.T)
+    assert result.placements[0] == Shard(0)
+
+
+# ---- random chains and gradients ------------------------------------------------------------------
+PLACEMENT = st.sampled_from([Shard(0), Shard(1), Replicate()])
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(two_d=st.booleans(), m=st.integers(1, 7), n=st.integers(1, 7), data=st.data(),
+       ops=st.lists(st.sampled_from(OPS), min_size=1, max_size=4), grad=st.booleans())
+def test_random_chains_and_grads_match_local(mesh1d, mesh2d, two_d, m, n, data, ops, grad):
+    mesh = mesh2d if two_d else mesh1d
+    placements = [data.draw(PLACEMENT) for _ in mesh._shape.names]
+    x = torch.randn(m, n, generator=torch.Generator().manual_seed(m * 10 + n))
+    ref_x = x.clone().requires_grad_(grad)
+    ref = run_chain(ref_x, ops)
+    dt = distribute(x, mesh, placements)
+    if grad:
+        dt.requires_grad_(True)
+    out = run_chain(dt, ops)
+    _close(out.full_tensor(), ref.detach())
+    if grad:
+        ref.sum().backward()
+        out.sum().backward()
+        assert dt.grad.placements == tuple(placements) or dt.grad.shape == dt.shape
+        _close(dt.grad.full_tensor(), ref_x.grad)
+
+
+# ---- redistribute ---------------------------------------------------------------------------------
+TARGETS = [Shard(0), Shard(1), Replicate()]
+
+
+@pytest.mark.parametrize("src", TARGETS, ids=str)
+@pytest.mark.parametrize("dst", TARGETS, ids=str)
+def test_redistribute_every_pair_with_autograd(mesh1d, src, dst):
+    x = torch.randn(5, 6)
+    dt = distribute(x, mesh1d, [src])
+    dt.requires_grad_(True)
+    y = dt.redistribute(placements=[dst])
+    assert y.placements == (dst,)
+    _close(y.full_tensor(), x)
+    (y * y).sum().backward()
+    assert dt.grad.placements == (src,)
+    _close(dt.grad.full_tensor(), 2 * x)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+@given(src=st.tuples(PLACEMENT, PLACEMENT), dst=st.tuples(PLACEMENT, PLACEMENT))
+def test_redistribute_pairs_2d(mesh2d, src, dst):
+    x = torch.arange(42, dtype=torch.float32).reshape(7, 6)
+    y = distribute(x, mesh2d, list(src)).redistribute(placements=list(dst))
+    assert y.placements == dst
+    _close(y.full_tensor(), x)
+
+
+def test_partial_from_local_redistributes_to_replicate(mesh1d):
+    with mesh1d.activate():
+        ones = torch.ones(3, 4)
+    dt = from_local(ones, mesh1d, [Partial()], shape=(3, 4))
+    assert dt.placements == (Partial(),)
+    _close(dt.redistribute(placements=[Replicate()]).full_tensor(), torch.full((3, 4), 2.0))
+
+
+def test_to_local_and_from_local_round_trip_with_grads(mesh1d):
+    x = torch.randn(6, 4)
+    dt = distribute(x, mesh1d, [Shard(0)])
+    dt.requires_grad_(True)
+    local = dt.to_local()
+    assert local.shape == (3, 4) and not local.is_distributed
+    back = from_local(local * 3, mesh1d, [Shard(0)])
+    assert back.shape == (6, 4)
+    _close(back.full_tensor(), 3 * x)
+    back.sum().backward()
+    _close(dt.grad.full_tensor(), torch.full((6, 4), 3.0))
+
+
+# ---- optimizers on distributed parameters ---------------------------------------------------------
+@pytest.mark.parametrize("opt_cls", [torch.optim.SGD, torch.optim.Adam], ids=["sgd", "adam"])
+def test_optimizer_steps_match_local(mesh2d, opt_cls):
+    torch.manual_seed(3)
+    x, w = torch.randn(8, 6), torch.randn(6, 4)
+    ref_w = w.clone().requires_grad_(True)
+    dw = distribute(w, mesh2d, [Replicate(), Shard(1)])
+    dw.requires_grad_(True)
+    dx = distribute(x, mesh2d, [Shard(0), Replicate()])
+    ref_opt, opt = opt_cls([ref_w], lr=0.05), opt_cls([dw], lr=0.05)
+    for _ in range(3):
+        for o, xx, ww in ((ref_opt, x, ref_w), (opt, dx, dw)):
+            o.zero_grad()
+            ((xx @ ww).tanh() ** 2).mean().backward()
+            o.step()
+    _close(dw.full_tensor(), ref_w.detach())
+    assert dw.placements == (Replicate(), Shard(1))
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+def test_errors_name_what_was_wrong(mesh2d):
+    x = torch.randn(4, 4)
+    with pytest.raises(ShardingError, match="names mesh dim 'model'.*has dims \\['dp', 'tp'\\]"):
+        distribute(x, mesh2d, sharding_spec=["model", None])
+    with pytest.raises(ShardingError, match="1 placement\\(s\\).*mesh with 2 dim"):
+        distribute(x, mesh2d, [Shard(0)])
+    with pytest.raises(ShardingError, match="names tensor dim 2, but the tensor has 2 dim"):
+        distribute(x, mesh2d, [Shard(2), Replicate()])
+    with pytest.raises(ShardingError, match="3 entries but the tensor has only 2"):
+        distribute(x, mesh2d, sharding_spec=["dp", None, "tp"])
+    with pytest.raises(ShardingError, match="Partial"):
+        distribute(x, mesh2d, [Partial(), Replicate()])
+    dt = distribute(x, mesh2d, [Shard(0), Replicate()])
+    with pytest.raises(ShardingError, match="mesh dim\\(s\\) \\['pp'\\]"):
+        dt.redistribute(placements={"pp": Shard(0)})
+    with pytest.raises(ShardingError, match="different shapes"):
+        distribute(torch.randn(3, 4), mesh2d, [Shard(0), Replicate()]).to_local()
+    with pytest.raises(ShardingError, match="needs a distributed tensor"):
+        with mesh2d.activate():
+            torch.ones(2).full_tensor()
+
+
+def test_error_is_raised_at_the_users_line(mesh2d):
+    import traceback
+
+    try:
+        distribute(torch.randn(4, 4), mesh2d, sharding_spec=["dp", "dp"])
+    except ShardingError as e:
+        frames = traceback.extract_tb(e.__traceback__)
+        assert frames[0].filename == __file__ and "sharding_spec=[\"dp\", \"dp\"]" in frames[0].line
+        assert "same mesh dim 'dp'" in str(e)
+    else:
+        pytest.fail("no error")

@@ -1,0 +1,226 @@
+"""DTensor materialisation on a worker: torch ``DeviceMesh``es built from the proc mesh's process groups.
+
+A global sharded tensor lives on each proc of its mesh as a
+``torch.distributed.tensor.DTensor``. Its ``DeviceMesh`` is built here from one
+process group per mesh dim (the ranks along that dim through this proc), made
+by the same factory the engine's ``reduce`` uses, so torch's own sharding
+propagation and redistribution run their collectives over those groups. No
+default (world) process group is needed: a sliced mesh only involves its own
+procs, and each group is created by its members alone.
+
+The functions here are what the controller's ``distribute``, ``redistribute``,
+``to_local`` and ``from_local`` run on every proc (as ``CallFunction``), and
+what the tests call directly inside actors::
+
+    groups = StoreGroups(rank, ("127.0.0.1", port))
+    mesh = device_mesh(((0, 1), (2, 3)), ("dp", "tp"), rank, groups.backend)
+    dt = distribute(torch.randn(8, 8), mesh, [Shard(0), Replicate()])
+    (dt @ dt.T).full_tensor()
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _register_process_group
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, distribute_tensor
+
+TIMEOUT = float(os.environ.get("MONARCH_TENSOR_COLLECTIVE_TIMEOUT", "300"))
+
+BackendFactory = Callable[[tuple], object]
+"""``factory(ranks) -> c10d Backend`` for the group of proc ranks ``ranks`` (this proc among them)."""
+
+_lock = threading.Lock()
+_groups: dict[tuple, dist.ProcessGroup] = {}   # proc ranks -> registered ProcessGroup
+_meshes: dict[tuple, DeviceMesh] = {}          # (grid, names) -> DeviceMesh
+
+
+class StoreGroups:
+    """Gloo (CPU) or NCCL (GPU) backends rendezvousing through a TCPStore: the stand-alone factory.
+
+    The tensor engine passes its own ``Collectives.group`` instead, so reduce
+    and DTensor share groups; tests and benchmarks that run DTensor inside
+    plain actors use this one.
+
+    >>> groups = StoreGroups(rank, ("127.0.0.1", store.port))
+    >>> mesh = device_mesh((0, 1), ("dp",), rank, groups.backend)
+    """
+
+    def __init__(self, rank: int, store_addr: tuple[str, int], device: torch.device | None = None,
+                 prefix: str = "dt") -> None:
+        self.rank, self.prefix = rank, prefix
+        self.device = device or torch.device("cpu")
+        host, port = store_addr
+        self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=TIMEOUT))
+
+    def backend(self, ranks: tuple):
+        store = dist.PrefixStore(f"{self.prefix}/" + "_".join(map(str, ranks)) + "/", self.store)
+        me, n = ranks.index(self.rank), len(ranks)
+        if self.device.type == "cuda":
+            return dist.ProcessGroupNCCL(store, me, n)
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        opts._timeout = timedelta(seconds=TIMEOUT)
+        return dist.ProcessGroupGloo(store, me, n, opts)
+
+
+def ensure_world(rank: int, world_size: int) -> None:
+    """Give this proc a default process group for identity only (its rank and the mesh size).
+
+    torch asks the default group for "my global rank" in places (``get_rank(group)``,
+    ``DeviceMesh.get_local_rank``); it never communicates over it here. It is
+    c10d's *fake* backend, local to the proc, so no proc waits for the others
+    and a sliced mesh involves only its own procs. All traffic goes over the
+    groups of ``process_group``. (So code running on the workers must not call
+    ``init_process_group`` itself.)
+    """
+    if dist.is_initialized():
+        if dist.get_rank() != rank:
+            raise RuntimeError(f"this proc's default process group has rank {dist.get_rank()}, not the proc "
+                               f"rank {rank}; remote code must not call init_process_group on mesh procs")
+        return
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
+
+    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
+
+
+def process_group(ranks: tuple, rank: int, factory: BackendFactory, device_type: str = "cpu") -> dist.ProcessGroup:
+    """The registered ``ProcessGroup`` over proc ranks ``ranks``, wrapping ``factory(ranks)`` (made once)."""
+    with _lock:
+        pg = _groups.get(ranks)
+        if pg is not None:
+            return pg
+        backend = factory(ranks)
+        me, n = ranks.index(rank), len(ranks)
+        pg = dist.ProcessGroup(dist.HashStore(), me, n)  # the store is the backend's; this one is unused
+        kind = dist.ProcessGroup.BackendType.NCCL if device_type == "cuda" else dist.ProcessGroup.BackendType.GLOO
+        pg._register_backend(torch.device(device_type), kind, backend)
+        pg._set_default_backend(kind)
+        name = "monarch_tensor:" + "_".join(map(str, ranks))
+        pg._set_group_name(name)
+        _register_process_group(name, pg)
+        # c10d's bookkeeping, so get_rank(group) / get_process_group_ranks(group) know it
+        world = dist.distributed_c10d._world
+        world.pg_group_ranks[pg] = {r: i for i, r in enumerate(ranks)}
+        world.pg_map[pg] = ("nccl" if device_type == "cuda" else "gloo", dist.HashStore())
+        world.pg_names[pg] = name
+        _groups[ranks] = pg
+        return pg
+
+
+def dim_groups(grid: torch.Tensor, rank: int) -> list[tuple]:
+    """Per mesh dim, the proc ranks along that dim through ``rank`` (``grid``: proc ranks, one per mesh point)."""
+    out = []
+    for d in range(grid.ndim):
+        rows = grid.movedim(d, -1).reshape(-1, grid.shape[d]).tolist()
+        out.append(next(tuple(r) for r in rows if rank in r))
+    return out
+
+
+def device_mesh(grid: Sequence, names: Sequence[str], rank: int, factory: BackendFactory,
+                device_type: str = "cpu", world_size: int | None = None) -> DeviceMesh:
+    """The torch ``DeviceMesh`` of a proc mesh: ``grid`` nests its proc ranks in mesh order, ``names`` its dims.
+
+    ``world_size``: the number of procs of the whole allocation (default: the
+    largest rank in ``grid`` plus one).
+
+    >>> mesh = device_mesh(((0, 1), (2, 3)), ("dp", "tp"), rank, groups.backend)
+    """
+    grid_t = torch.tensor(grid, dtype=torch.int)
+    key = (tuple(grid_t.flatten().tolist()), tuple(grid_t.shape), tuple(names), device_type)
+    mesh = _meshes.get(key)
+    if mesh is not None:
+        return mesh
+    if rank not in key[0]:
+        raise ValueError(f"proc rank {rank} is not in the mesh {grid_t.tolist()}")
+    if len(names) != grid_t.ndim:
+        raise ValueError(f"{len(names)} dim names {tuple(names)} for a {grid_t.ndim}-dim mesh")
+    with _lock:
+        ensure_world(rank, world_size or max(key[0]) + 1)
+    pgs = [process_group(g, rank, factory, device_type) for g in dim_groups(grid_t, rank)]
+    mesh = DeviceMesh(device_type, grid_t, mesh_dim_names=tuple(names), _init_backend=False, _rank=rank)
+    mesh._dim_group_names = [pg.group_name for pg in pgs]
+    for pg in pgs:
+        mesh._pg_registry[pg.group_name] = pg
+    _meshes[key] = mesh
+    return mesh
+
+
+def distribute(value: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement],
+               requires_grad: bool = False) -> DTensor:
+    """``value`` (the whole tensor, the same on every rank) as a DTensor; each rank keeps its shard, no traffic."""
+    dt = distribute_tensor(value.detach(), mesh, list(placements), src_data_rank=None)
+    return dt.requires_grad_(requires_grad) if requires_grad else dt
+
+
+def redistribute(dt: DTensor, placements: Sequence[Placement]) -> DTensor:
+    """``dt`` with other placements (torch performs the collectives)."""
+    return dt.redistribute(dt.device_mesh, list(placements))
+
+
+def to_local(dt: DTensor) -> torch.Tensor:
+    """This rank's shard of ``dt`` as a plain tensor."""
+    return dt.to_local()
+
+
+def from_local(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement],
+               shape: Sequence[int] | None = None, stride: Sequence[int] | None = None) -> DTensor:
+    """A DTensor whose shard on this rank is ``local`` (no traffic; ``shape`` the global shape if uneven)."""
+    return DTensor.from_local(local, mesh, list(placements), run_check=False,
+                              shape=torch.Size(shape) if shape is not None else None,
+                              stride=tuple(stride) if stride is not None else None)
+
+
+def full_tensor(dt: DTensor) -> torch.Tensor:
+    """The whole value of ``dt`` on every rank (an all-gather / all-reduce as its placements need)."""
+    return dt.full_tensor()
+
+
+def describe(dt) -> tuple:
+    """``(placements, local shape)`` of a DTensor (``None`` for a plain tensor): a test and debugging aid."""
+    if isinstance(dt, DTensor):
+        return tuple(dt.placements), tuple(dt.to_local().shape)
+    return None
+
+
+# ---- entry points of the tensor engine (run as CallFunction on every proc of the mesh) -----------------
+MeshSpec = tuple  # (store_addr, grid, names, world_size): how the controller names a proc mesh
+_store_groups: dict[tuple, StoreGroups] = {}
+
+
+def engine_mesh(rank: torch.Tensor, spec: MeshSpec, device: torch.device) -> DeviceMesh:
+    """The DeviceMesh of ``spec`` on this proc (``rank``: this proc's rank, a 0-dim tensor)."""
+    store_addr, grid, names, world = spec
+    r = int(rank)
+    key = (tuple(store_addr), r, device.type)
+    with _lock:
+        groups = _store_groups.get(key)
+        if groups is None:
+            groups = _store_groups[key] = StoreGroups(r, tuple(store_addr), device)
+    mesh = device_mesh(grid, names, r, groups.backend, device.type, world)
+    # plain mesh tensors mixed into DTensor ops (constants, optimizer step counts) count as replicated
+    DTensor._op_dispatcher._allow_implicit_replication = True
+    return mesh
+
+
+def engine_distribute(value: torch.Tensor, rank: torch.Tensor, spec: MeshSpec, placements) -> DTensor:
+    """``distribute`` for the engine: ``value`` is the whole tensor (the same on every rank)."""
+    return distribute(value, engine_mesh(rank, spec, value.device), placements)
+
+
+def engine_from_local(local: torch.Tensor, rank: torch.Tensor, spec: MeshSpec, placements, shape, stride) -> DTensor:
+    """``from_local`` for the engine: this rank's shard ``local`` of a tensor of global ``shape``."""
+    return from_local(local, engine_mesh(rank, spec, local.device), placements, shape, stride)
+
+
+def placements_of(dt) -> tuple:
+    """The placements of a DTensor (what the controller asks when it does not know them)."""
+    if not isinstance(dt, DTensor):
+        raise TypeError(f"expected a DTensor on the worker, found a {type(dt).__name__}")
+    return tuple(dt.placements)
