@@ -362,7 +362,7 @@ def get_or_spawn_controller(name: str, actor_class: type, *args, **kwargs) -> Fu
 def __getattr__(name: str):
     """Monarch's multi-host entry points, imported on first use: ``attach_to_workers``, ``run_worker_loop_forever``."""
     if name == "attach_to_workers":
-        from .remote import attach_to_workers
+        from .remote_hosts import attach_to_workers
 
         return attach_to_workers
     if name == "run_worker_loop_forever":

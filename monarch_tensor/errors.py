@@ -56,7 +56,7 @@ class MeshStoppedError(Exception):
     """The mesh was stopped by its owner; calls on it are refused."""
 
 
-# ---- hosts and jobs (agent.py, remote.py, job/) ---------------------------------
+# ---- hosts and jobs (agent.py, remote_hosts.py, job/) ---------------------------------
 class JobKeyError(Exception):
     """The job's CURVE key is missing, malformed, readable by others, or not the one the peer expects."""
 

@@ -23,7 +23,7 @@ from monarch_tensor.agent import HostAgent
 from monarch_tensor.agent_messages import REPORTS, REQUESTS, OpenSession
 from monarch_tensor.errors import AddressInUseError, HostUnreachableError, JobKeyError, JobStartError
 from monarch_tensor.job import HostListJob, LocalJob, job_load
-from monarch_tensor.remote import AgentClient, attach_to_workers
+from monarch_tensor.remote_hosts import AgentClient, attach_to_workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -145,7 +145,7 @@ def test_build_tree_bounds_fan_out_and_covers_every_host():
 # ---- faults -----------------------------------------------------------------------------------
 @pytest.mark.timeout(180)
 def test_killing_an_agent_fails_its_procs_with_a_supervision_error(job, faults):
-    from monarch_tensor.remote import RemoteHostMesh
+    from monarch_tensor.remote_hosts import RemoteHostMesh
 
     st = job.state()
     hosts = RemoteHostMesh([st.mesh0._agents[0], st.spare._agents[0]])  # one healthy host, the spare

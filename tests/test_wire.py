@@ -251,6 +251,7 @@ def test_shared_memory_path_round_trips_and_leaves_no_file():
 
     if not _shm.available():
         pytest.skip("no writable /dev/shm")
+    _shm._close_pool()  # earlier tests of this process may have pooled segments
     before = _shm_files()
     arr = np.arange(_shm.SHM_THRESHOLD // 8 + 10, dtype=np.float64)
     frames = _wire.encode(messages.SendToPort(1, arr, None, 0), shm=True)

@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from .. import _curve
-from ..remote import AgentClient, RemoteHostMesh, connect_agents, shutdown_agents
+from ..remote_hosts import AgentClient, RemoteHostMesh, connect_agents, shutdown_agents
 
 
 class JobState:
