@@ -280,10 +280,10 @@ def test_unauthenticated_clients_cannot_make_an_agent_read_anything(job, tmp_pat
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("client", ["plain", "wrong key"])
 def test_unauthenticated_clients_cannot_make_the_controller_read_anything(job, tmp_path, client):
-    from monarch_tensor import remote
+    from monarch_tensor import remote_hosts
     from monarch_tensor.mailbox import socket_dir
 
-    gateway = remote._gateway_for(job.keys, job.addrs["mesh0"][0])
+    gateway = remote_hosts._gateway_for(job.keys, job.addrs["mesh0"][0])
     marker = tmp_path / "unpickled"
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
