@@ -34,7 +34,7 @@ from .mailbox import current_mailbox
 from .messages import SendToPort, StopProc
 from .shape import Shape
 
-CONNECT_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_CONNECT_TIMEOUT", "10"))
+CONNECT_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_CONNECT_TIMEOUT", "30"))
 SPAWN_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_SPAWN_TIMEOUT", "60"))
 KEEPALIVE_S = 1.0
 LOST_AFTER_S = 0.5  # a dropped connection not re-established within this is a lost agent
