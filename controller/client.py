@@ -145,9 +145,9 @@ class MeshClient:
         """Called from ``Tensor.__del__`` (any thread, any time): queue the delete."""
         self._dels.append((ref, sid))
 
-    def _take_deletes(self) -> list:
+    def _take_deletes(self, n: int) -> list:
+        """The first ``n`` queued deletes, as one ``DeleteRefs`` per stream."""
         dels = self._dels
-        n = len(dels)
         if not n:
             return []
         by_stream: dict = {}
@@ -162,16 +162,21 @@ class MeshClient:
             if self.closed:
                 self._q.clear()
                 return
+            # Count the deletes before taking the batch: a delete queued before this point is for a ref
+            # whose last use was issued before it, so that use is in this batch or an earlier one. A delete
+            # queued while we pop may be for a ref whose last use comes after the pop (an uploaded constant
+            # is deleted right after its op is issued): it waits for the next flush.
+            nd = len(self._dels)
             q = self._q
             batch = [q.popleft() for _ in range(len(q))]
             ranks = self._ranks
             if ranks is self.all_ranks:
-                batch.extend(self._take_deletes())
+                batch.extend(self._take_deletes(nd))
                 self._send(batch, ranks)
             else:
                 self._send(batch, ranks)
-                if len(self._dels) > MAX_BATCH:
-                    self._send(self._take_deletes(), self.all_ranks)
+                if nd > MAX_BATCH:
+                    self._send(self._take_deletes(nd), self.all_ranks)
 
     def _send(self, batch: list, ranks: tuple) -> None:
         if not batch:

@@ -5,8 +5,10 @@ Pure unit tests (no procs), plus the propagation cache and frame capture of the 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import inspect as pyinspect
+import threading
 
 import pytest
 import torch
@@ -91,3 +93,42 @@ def test_shape_cache_hits_and_user_frame():
         assert v.stride() == (3,) and v.storage_offset() == 1
     assert ct.contiguous_meta((2, 3, 4), torch.float16) == ((2, 3, 4), (12, 4, 1), 0, torch.float16)
     assert ct.intern_meta(((5,), (1,), 0, torch.int8)) == ct.intern_meta(((5,), (1,), 0, torch.int8))
+
+
+class _RacyQueue(collections.deque):
+    """A batch queue whose first ``popleft`` lets "the script" issue an op and delete its constant,
+    as the script thread can while the background flusher is taking a batch."""
+
+    def __init__(self, client, late_op, late_ref) -> None:
+        super().__init__()
+        self.client, self.late = client, (late_op, late_ref)
+
+    def popleft(self):
+        item = super().popleft()
+        if self.late is not None:
+            op, ref = self.late
+            self.late = None
+            self.append(op)
+            self.client.delete(ref, 0)
+        return item
+
+
+def test_a_delete_never_overtakes_the_op_that_reads_its_ref():
+    from controller.client import MeshClient
+
+    client = MeshClient.__new__(MeshClient)
+    sent: list = []
+    client._send = lambda batch, ranks: sent.append(list(batch))
+    client.all_ranks = client._ranks = (0, 1)
+    client._lock, client.closed = threading.RLock(), False
+    client._dels = collections.deque()
+    upload = m.CreateValue(5, torch.ones(2), 0)
+    reader = m.CallOp("aten::add.Tensor", (5, 1), {}, (0,), (6,), (), 0, None)
+    client._q = _RacyQueue(client, reader, 5)
+    client._q.append(upload)
+    client.flush()
+    client.flush()
+    flat = [i for batch in sent for i in batch]
+    deletes = [i for i, x in enumerate(flat) if isinstance(x, m.DeleteRefs) and 5 in x.refs]
+    assert flat.index(upload) < flat.index(reader) < deletes[0], flat
+    assert len(deletes) == 1
