@@ -14,6 +14,7 @@ import os
 import pickle
 import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -239,6 +240,20 @@ def test_buffers_of_bytes_and_memoryviews_in_process():
     buf.drop()
 
 
+def _wait_dead(pid: int, timeout: float = 10.0) -> None:
+    """Until ``pid`` is a zombie or gone (its memory released)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rpartition(")")[2].split()[0] in ("Z", "X"):
+                    return
+        except OSError:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"pid {pid} still runs {timeout} s after SIGKILL")
+
+
 def test_owner_death_fails_within_the_timeout(backend):
     procs = this_host().spawn_procs(per_host={"gpus": 1})
     try:
@@ -246,6 +261,7 @@ def test_owner_death_fails_within_the_timeout(backend):
         buf = o.make.call_one("x", 1 << 20).get()
         pid = o.pid.call_one().get()
         os.kill(pid, signal.SIGKILL)
+        _wait_dead(pid)  # SIGKILL is asynchronous: a read that wins the race with it succeeds, rightly
         out = torch.empty(1 << 20, dtype=torch.uint8)
         with pytest.raises(OwnerDiedError, match="died"):
             buf.read_into(out).get(timeout=20)
