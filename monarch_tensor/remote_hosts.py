@@ -34,6 +34,21 @@ from .mailbox import current_mailbox
 from .messages import SendToPort, StopProc
 from .shape import Shape
 
+MONITOR_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+                  | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+_ctx: zmq.Context | None = None
+_ctx_lock = threading.Lock()
+
+
+def _agents_context() -> zmq.Context:
+    """The context of the connections to host agents (this library's own, not the process-wide instance)."""
+    global _ctx
+    with _ctx_lock:
+        if _ctx is None or _ctx.closed:
+            _ctx = zmq.Context()
+        return _ctx
+
+
 CONNECT_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_CONNECT_TIMEOUT", "30"))
 SPAWN_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_SPAWN_TIMEOUT", "60"))
 KEEPALIVE_S = 1.0
@@ -101,13 +116,15 @@ class AgentClient:
         if not addr.startswith("tcp://"):
             raise ValueError(f"a host agent's address is tcp://HOST:PORT, got {addr!r}")
         self.addr, self.keys = addr, keys
-        self.ctx = zmq.Context.instance()
+        self.ctx = _agents_context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
         _curve.connect_curve(self.sock, keys)
-        self.monitor = self.sock.get_monitor_socket()
+        # Only the events we act on: libzmq's monitor send blocks the context's I/O thread once the
+        # monitor's pipe is full, so a socket retrying a dead peer must not emit an event per retry.
+        self.monitor = self.sock.get_monitor_socket(events=MONITOR_EVENTS)
         # Keep-alives on their own socket: a long request (a spawn) holds the control socket.
         self.keep = self.ctx.socket(zmq.DEALER)
         self.keep.setsockopt(zmq.LINGER, 0)
@@ -176,6 +193,9 @@ class AgentClient:
                 pass
 
     def close(self) -> None:
+        """Stop monitoring and close the sockets (they stop reconnecting to the agent)."""
+        if self.sock.closed:
+            return
         try:
             self.sock.disable_monitor()
         except zmq.ZMQError:
@@ -210,6 +230,15 @@ class _Watcher:
         last_keep = 0.0
         while True:
             with self.lock:
+                for a in [a for a in self.agents if a.lost]:
+                    # A lost or shut-down agent's sockets are closed here, by the thread that polls its
+                    # monitor, once no request holds them; until then they stay out of the poll.
+                    if a._lock.acquire(blocking=False):
+                        try:
+                            a.close()
+                        finally:
+                            a._lock.release()
+                        self.agents.remove(a)
                 agents = [a for a in self.agents if not a.lost]
             poller = zmq.Poller()
             for a in agents:

@@ -162,6 +162,13 @@ def test_killing_an_agent_fails_its_procs_with_a_supervision_error(job, faults):
         w.slice(hosts=1).where.call_one().get(timeout=10)
     # The other host is unaffected.
     assert w.slice(hosts=0).where.call_one().get(timeout=10)[0] == 0
+    # The lost agent's sockets are closed: nothing goes on reconnecting to the dead host (a socket left
+    # retrying, with an unread monitor, once wedged every agent connection of this process).
+    spare = st.spare._agents[0]
+    t0 = time.monotonic()
+    while not spare.sock.closed and time.monotonic() - t0 < 10:
+        time.sleep(0.05)
+    assert spare.sock.closed and spare.monitor.closed and spare.keep.closed
     procs.stop().get(timeout=30)
 
 
