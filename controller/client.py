@@ -19,6 +19,7 @@ import threading
 import time
 
 from monarch_tensor import _wire
+from monarch_tensor._net import ip_towards
 from monarch_tensor.future import Future
 from monarch_tensor.mailbox import current_mailbox
 from monarch_tensor.messages import CallEndpoint
@@ -111,8 +112,13 @@ class MeshClient:
         self._lock = threading.RLock()
         self._ctxs: dict = {}
         self._streams = {0}
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        self.workers = alloc.spawn(WORKER_NAME, TensorWorker, ("127.0.0.1", self.store.port))
+        # The rendezvous of the workers' process groups. It listens on every interface; procs on other
+        # hosts (behind host agents) reach it at this machine's address on the route to their agent.
+        agent = next((a for a in (getattr(p, "agent", None) for p in alloc._procs) if a is not None), None)
+        self.store_host = "127.0.0.1" if agent is None else ip_towards(agent.addr)
+        self.store = dist.TCPStore(self.store_host, 0, is_master=True, wait_for_workers=False)
+        self.store_addr = (self.store_host, self.store.port)
+        self.workers = alloc.spawn(WORKER_NAME, TensorWorker, self.store_addr)
         self.closed = False
 
     def ctx(self, pm, stream) -> Ctx:

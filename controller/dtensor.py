@@ -54,7 +54,7 @@ def _mesh_info(pm, placements) -> DistInfo:
 
 def _spec(ctx, info: DistInfo) -> tuple:
     client = ctx.client
-    return (("127.0.0.1", client.store.port), info.grid, info.names, len(client.all_ranks))
+    return (client.store_addr, info.grid, info.names, len(client.all_ranks))
 
 
 _rank_tensors: dict = {}

@@ -27,6 +27,7 @@ from typing import Mapping
 import zmq
 
 from . import _curve, _wire
+from ._net import ip_towards
 from .agent_messages import EndSession, KeepSession, KillProcs, OpenSession, ReportExit, ShutdownAgent, SpawnProcs
 from .errors import HostUnreachableError, JobKeyError, SupervisionError
 from .host import HostMesh, ProcInfo, ProcMesh, _live_meshes, _proc_exited
@@ -91,21 +92,10 @@ _gateways: dict[str, _Gateway] = {}
 def _gateway_for(keys: _curve.JobKeys, agent_addr: str) -> _Gateway:
     g = _gateways.get(keys.public)
     if g is None:
-        g = _gateways[keys.public] = _Gateway(keys, _ip_towards(agent_addr))
+        g = _gateways[keys.public] = _Gateway(keys, ip_towards(agent_addr))
     return g
 
 
-def _ip_towards(addr: str) -> str:
-    """This machine's address as seen on the route to ``addr`` (no packet is sent)."""
-    host = addr[len("tcp://"):].rpartition(":")[0].strip("[]")
-    if host in ("127.0.0.1", "localhost"):
-        return "127.0.0.1"
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, 9))
-            return s.getsockname()[0]
-    except OSError:
-        return "0.0.0.0"
 
 
 # ---- one agent --------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from monarch_tensor._net import ip_towards
+
 TIMEOUT = float(os.environ.get("MONARCH_TENSOR_COLLECTIVE_TIMEOUT", "300"))
 
 _OPS = {
@@ -48,7 +50,7 @@ class Collectives:
                 pg = dist.ProcessGroupNCCL(store, me, n)
             else:
                 opts = dist.ProcessGroupGloo._Options()
-                opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=ip_towards(self.store_addr[0]))]
                 opts._timeout = timedelta(seconds=TIMEOUT)
                 pg = dist.ProcessGroupGloo(store, me, n, opts)
             self._groups[ranks] = pg

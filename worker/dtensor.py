@@ -31,6 +31,8 @@ from torch._C._distributed_c10d import _register_process_group
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, distribute_tensor
 
+from monarch_tensor._net import ip_towards
+
 TIMEOUT = float(os.environ.get("MONARCH_TENSOR_COLLECTIVE_TIMEOUT", "300"))
 
 BackendFactory = Callable[[tuple], object]
@@ -57,6 +59,7 @@ class StoreGroups:
         self.rank, self.prefix = rank, prefix
         self.device = device or torch.device("cpu")
         host, port = store_addr
+        self.store_host = host
         self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=TIMEOUT))
 
     def backend(self, ranks: tuple):
@@ -65,7 +68,7 @@ class StoreGroups:
         if self.device.type == "cuda":
             return dist.ProcessGroupNCCL(store, me, n)
         opts = dist.ProcessGroupGloo._Options()
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=ip_towards(self.store_host))]
         opts._timeout = timedelta(seconds=TIMEOUT)
         return dist.ProcessGroupGloo(store, me, n, opts)
 

@@ -1,0 +1,142 @@
+"""Two hosts that are really separate on the network: host agents in their own network namespaces.
+
+Each host is a network namespace with one address on a bridge; the controller (this process) stays in
+the root namespace, on the bridge too. No host can reach another's loopback, so the agents' control
+links, the procs' replies (the CURVE gateway), the tensor engine's rendezvous store and gloo's
+connections all have to use routable addresses. Needs root and iproute2 (CI has both); skips otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from monarch_tensor import Replicate, Shard, distribute, fetch_shard
+from monarch_tensor._curve import JobKeys
+from monarch_tensor._net import ip_towards
+from monarch_tensor.actor import Actor, endpoint
+from monarch_tensor.remote_hosts import attach_to_workers, shutdown_agents
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TAG = f"{os.getpid() % 100000}"
+NET = f"10.231.{os.getpid() % 250}"
+BRIDGE = f"mtbr{TAG}"
+HOSTS = [(f"mt{TAG}h{i}", f"mtv{TAG}{i}", f"{NET}.{i + 2}") for i in range(2)]  # (netns, veth, address)
+
+
+def _ip(*args: str, netns: str | None = None) -> None:
+    cmd = (["ip", "netns", "exec", netns, "ip"] if netns else ["ip"]) + list(args)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip()}")
+
+
+def _teardown_network() -> None:
+    for ns, veth, _ in HOSTS:
+        subprocess.run(["ip", "link", "del", veth], capture_output=True, timeout=30)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+    subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True, timeout=30)
+
+
+def _setup_network() -> str:
+    """'' once the bridge and both hosts are up, else why not."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "iproute2's ip is not installed"
+    try:
+        _ip("link", "add", BRIDGE, "type", "bridge")
+        _ip("addr", "add", f"{NET}.1/24", "dev", BRIDGE)
+        _ip("link", "set", BRIDGE, "up")
+        for ns, veth, addr in HOSTS:
+            _ip("netns", "add", ns)
+            _ip("link", "add", veth, "type", "veth", "peer", "name", veth + "p")
+            _ip("link", "set", veth + "p", "netns", ns)
+            _ip("link", "set", veth, "master", BRIDGE)
+            _ip("link", "set", veth, "up")
+            _ip("addr", "add", f"{addr}/24", "dev", veth + "p", netns=ns)
+            _ip("link", "set", veth + "p", "up", netns=ns)
+            _ip("link", "set", "lo", "up", netns=ns)
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        _teardown_network()
+        return f"could not make network namespaces here: {e}"
+    return ""
+
+
+class Where(Actor):
+    @endpoint
+    def where(self, controller: str) -> str:
+        """This proc's address on the route to the controller's side of the bridge."""
+        return ip_towards(controller)
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    why = _setup_network()
+    if why:
+        pytest.skip(why)
+    tmp = tmp_path_factory.mktemp("netns")
+    key = str(tmp / "job.key")
+    JobKeys.generate().save(key)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # as a cluster's shared home
+    agents, addrs = [], []
+    try:
+        for ns, _, addr in HOSTS:
+            f = tmp / f"{ns}.addr"
+            agents.append(subprocess.Popen(
+                ["ip", "netns", "exec", ns, sys.executable, "-m", "monarch_tensor.cli", "host", "--bind",
+                 f"tcp://{addr}:0", "--key-file", key, "--address-file", str(f), "--ttl", "300"],
+                cwd=str(tmp), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+            deadline = time.monotonic() + 60
+            while not (f.exists() and f.read_text().strip()):
+                if agents[-1].poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the agent in {ns} did not start: {agents[-1].stderr.read()[-2000:]}")
+                time.sleep(0.05)
+            addrs.append(f.read_text().strip())
+        mesh = attach_to_workers(workers=addrs, key_file=key)
+        yield mesh, addrs
+        shutdown_agents(mesh._agents, "test over")
+    finally:
+        for p in agents:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in agents:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=10)
+        _teardown_network()
+
+
+@pytest.mark.timeout(240)
+def test_actors_reduce_and_dtensors_across_network_namespaces(hosts):
+    mesh, addrs = hosts
+    assert [a.rpartition(":")[0] for a in addrs] == [f"tcp://{addr}" for _, _, addr in HOSTS]
+    procs = mesh.spawn_procs(per_host={"gpus": 2})
+    try:
+        assert procs.sizes == {"hosts": 2, "gpus": 2}
+        w = procs.spawn("where", Where)
+        # Each proc runs inside its host's namespace: its route to us starts at its host's address.
+        assert w.where.call(f"{NET}.1").get(timeout=120).values() == [HOSTS[0][2]] * 2 + [HOSTS[1][2]] * 2
+        a = torch.arange(32.0).reshape(8, 4)
+        with procs.activate():
+            x = torch.ones(4) * (procs.rank("hosts") * 2 + procs.rank("gpus") + 1)
+            total = x.reduce(("hosts", "gpus"), "sum")       # gloo across the bridge: 1+2+3+4
+            across = x.reduce("hosts", "sum")               # hosts only: 1+3 on gpus=0
+            got = fetch_shard(total, hosts=1, gpus=1).result(timeout=120)
+            got_hosts = fetch_shard(across, hosts=0, gpus=0).result(timeout=60)
+            dt = distribute(a, procs, [Shard(0), Replicate()])
+            prod = (dt @ dt.T).full_tensor()
+        assert torch.equal(got, torch.full((4,), 10.0))
+        assert torch.equal(got_hosts, torch.full((4,), 4.0))
+        assert torch.allclose(prod, a @ a.T)
+    finally:
+        procs.stop().get(timeout=60)
