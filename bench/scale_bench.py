@@ -145,15 +145,10 @@ def _slope(xs, ys) -> float:
 
 
 def depth(hosts: int, fanout: int) -> int:
-    """Agent hops from the controller to the farthest host in ``_fanout.build_tree``."""
-    from monarch_tensor._fanout import build_tree
+    """Agent hops from the controller to the farthest host of the tree in ``_fanout``."""
+    from monarch_tensor._fanout import depth as tree_depth
 
-    best, stack = 0, [(p, 1) for _, p in build_tree([(str(i), []) for i in range(hosts)], fanout)]
-    while stack:
-        p, d = stack.pop()
-        best = max(best, d)
-        stack += [(sp, d + 1) for _, sp in p["c"]]
-    return best
+    return tree_depth(hosts, fanout)
 
 
 def model(rows, res, agents_sweep, procs_sweep) -> dict:

@@ -1,12 +1,19 @@
-"""Broadcasts to procs behind host agents go down a tree: bounded fan-out per hop.
+"""Messages to procs behind host agents go down a tree of agents: bounded fan-out per hop, one path per agent.
 
-A message for many procs of many hosts leaves the sender once per root of the
-tree (at most ``FANOUT``), not once per proc. Its first frame is
-``TREE_MAGIC`` + a JSON plan ``{"t": [proc ids of this agent], "c": [[agent
-address, plan], ...]}``; each agent delivers the payload to its own procs and
-passes it on to its children, each child carrying its own sub-plan. With
-fan-out F, N hosts are reached in about log_F(N) agent hops.
+The agents of one job (one key) form a fixed ``FANOUT``-ary tree in the order
+this process met them: the first ``FANOUT`` are children of the sender, agent
+``i`` (``i >= FANOUT``) is a child of agent ``i // FANOUT - 1``. Every message
+to a proc of agent X, a broadcast or a single call, travels the same path to
+X, hop by hop over FIFO links, so messages from one sender to one proc arrive
+in the order sent. A message for many procs of many hosts leaves the sender at
+most ``FANOUT`` times, not once per proc. Its first frame is ``TREE_MAGIC`` + a
+JSON plan ``{"t": [proc ids of this agent], "c": [[agent address, plan],
+...]}``; each agent delivers the payload to its own procs and passes it on to
+its children, each child carrying its own sub-plan. With fan-out F, N hosts
+are reached in about log_F(N) agent hops. ``FANOUT`` is read at every send:
+change it only while nothing is in flight.
 
+>>> register("tcp://a:1", "key"); register("tcp://b:1", "key")
 >>> build_tree([("tcp://a:1", ["1"]), ("tcp://b:1", ["1", "2"])], fanout=8)
 [('tcp://a:1', {'t': ['1'], 'c': []}), ('tcp://b:1', {'t': ['1', '2'], 'c': []})]
 """
@@ -15,32 +22,98 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from typing import Callable
 
-from .mailbox import ROUTE_SEP
-
 TREE_MAGIC = b"MTTR"
+# A proc behind a host agent has the address "tcp://agent:port|ipc:///path": messages to it go to the
+# agent with a first frame ROUTE_MAGIC + "ipc:///path" (or down the tree), and the agent relays them.
+ROUTE_SEP = "|"
+ROUTE_MAGIC = b"MTRT"
 FANOUT = int(os.environ.get("MONARCH_TENSOR_FANOUT", "8"))
 
+_lock = threading.Lock()
+_trees: dict[str, list[str]] = {}         # job key -> its agents, in the order met
+_where: dict[str, tuple[str, int]] = {}   # agent address -> (job key, place in that list)
 
-def build_tree(items: list[tuple[str, list[str]]], fanout: int = FANOUT) -> list[tuple[str, dict]]:
-    """Split ``(agent, proc ids)`` pairs into at most ``fanout`` subtrees, recursively."""
-    if fanout < 1:
-        raise ValueError(f"fan-out must be at least 1, got {fanout}")
-    n = len(items)
-    groups = min(fanout, n)
-    out = []
-    start = 0
-    for g in range(groups):
-        end = start + (n - start) // (groups - g)
-        head, rest = items[start], items[start + 1:end]
-        out.append((head[0], {"t": list(head[1]), "c": [[a, p] for a, p in build_tree(rest, fanout)]}))
-        start = end
-    return out
+
+def register(agent: str, key: str) -> None:
+    """Give ``agent`` (of the job whose key is ``key``) its place in that job's tree (once)."""
+    with _lock:
+        if agent not in _where:
+            agents = _trees.setdefault(key, [])
+            _where[agent] = (key, len(agents))
+            agents.append(agent)
+
+
+def forget(agent: str) -> None:
+    """Take a lost or shut-down agent out of its tree (the agents after it move up)."""
+    with _lock:
+        key, _ = _where.pop(agent, (None, 0))
+        if key is not None:
+            agents = _trees[key]
+            agents.remove(agent)
+            for i, a in enumerate(agents):
+                _where[a] = (key, i)
+
+
+def path(agent: str, fanout: int | None = None) -> list[str]:
+    """The agents a message to ``agent`` passes through, first hop first, ``agent`` last."""
+    f = FANOUT if fanout is None else fanout
+    if f < 1:
+        raise ValueError(f"fan-out must be at least 1, got {f}")
+    with _lock:
+        w = _where.get(agent)
+        if w is None:
+            return [agent]  # an agent of no known job: straight to it
+        agents = _trees[w[0]]
+        hops = [w[1]]
+        while hops[-1] >= f:
+            hops.append(hops[-1] // f - 1)
+        return [agents[i] for i in reversed(hops)]
+
+
+def depth(hosts: int, fanout: int) -> int:
+    """Agent hops from the sender to the farthest of ``hosts`` agents of one tree."""
+    if hosts < 1:
+        return 0
+    i, d = hosts - 1, 1
+    while i >= fanout:
+        i, d = i // fanout - 1, d + 1
+    return d
+
+
+def build_tree(items: list[tuple[str, list[str]]], fanout: int | None = None) -> list[tuple[str, dict]]:
+    """``(agent, proc ids)`` pairs as plans along each agent's path: ``[(first hop, plan), ...]``."""
+    root: dict = {}
+    for agent, procs in items:
+        level, node = root, None
+        for hop in path(agent, fanout):
+            node = level.setdefault(hop, {"t": [], "c": {}})
+            level = node["c"]
+        node["t"].extend(procs)
+
+    def plan(node: dict) -> dict:
+        return {"t": node["t"], "c": [[a, plan(n)] for a, n in node["c"].items()]}
+
+    return [(a, plan(n)) for a, n in root.items()]
+
+
+def routed_frames(agent: str, inner: str, frames: list) -> tuple[str, list]:
+    """Where to send ``frames`` for proc ``inner`` of ``agent``, and what: straight to a child of this
+    sender with a route frame, else to the first hop of its path with a one-branch plan."""
+    hops = path(agent)
+    if len(hops) == 1:
+        return agent, [ROUTE_MAGIC + inner.encode(), *frames]
+    plan: dict = {"t": [inner], "c": []}
+    for child in reversed(hops[1:]):
+        plan = {"t": [], "c": [[child, plan]]}
+    return hops[0], [TREE_MAGIC + json.dumps(plan).encode(), *frames]
+
 
 
 def send_many(mailbox, addrs: list[str], frames: list) -> None:
-    """Send encoded ``frames`` to every address: direct ones one by one, routed ones down a tree."""
+    """Send encoded ``frames`` to every address: direct ones one by one, routed ones down the tree."""
     by_agent: dict[str, list[str]] = {}
     for a in addrs:
         agent, sep, inner = a.partition(ROUTE_SEP)
@@ -53,7 +126,7 @@ def send_many(mailbox, addrs: list[str], frames: list) -> None:
     if len(by_agent) == 1 and len(next(iter(by_agent.values()))) == 1:
         mailbox.send_frames(next(a for a in addrs if ROUTE_SEP in a), frames)
         return
-    for agent, plan in build_tree(list(by_agent.items()), FANOUT):
+    for agent, plan in build_tree(list(by_agent.items())):
         mailbox.send_frames(agent, [TREE_MAGIC + json.dumps(plan).encode(), *frames])
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from . import _curve, _fanout, _wire
+from ._fanout import ROUTE_MAGIC
 from .agent_messages import (
     DescribeHost,
     EndSession,
@@ -44,7 +45,7 @@ from .agent_messages import (
 )
 from .errors import AddressInUseError, JobKeyError
 from .host import LocalHost, ProcInfo, _gpu_count
-from .mailbox import ROUTE_MAGIC, new_ipc_address
+from .mailbox import new_ipc_address
 from .messages import SendToPort
 
 log = logging.getLogger("monarch_tensor.agent")

@@ -24,15 +24,12 @@ from typing import Callable, Protocol
 import zmq
 
 from . import _wire
+from ._fanout import ROUTE_SEP, routed_frames
 from .errors import ProtocolError, SupervisionError
 from .messages import ForwardLogs, PortRef, SendToPort
 
 log = logging.getLogger("monarch_tensor.mailbox")
 
-# A proc behind a host agent has the address "tcp://agent:port|ipc:///path": messages to
-# it go to the agent with a first frame ROUTE_MAGIC + "ipc:///path", and the agent relays them.
-ROUTE_SEP = "|"
-ROUTE_MAGIC = b"MTRT"
 
 # System messages (workspace sync, env, debugger, the data plane's) handled by whichever process receives them,
 # by message type: ``handler(mailbox, msg)``. Filled by the modules that define them (_proc_ext.py).
@@ -118,9 +115,9 @@ class Mailbox:
             if self._closed:
                 raise RuntimeError("mailbox is closed")
             copy = _wire.is_small(frames)
-            if ROUTE_SEP in addr:
-                addr, _, inner = addr.partition(ROUTE_SEP)
-                frames = [ROUTE_MAGIC + inner.encode(), *frames]
+            if ROUTE_SEP in addr:  # a proc behind a host agent: along that agent's path (see _fanout.py)
+                agent, _, inner = addr.partition(ROUTE_SEP)
+                addr, frames = routed_frames(agent, inner, frames)
             self._socket_for(addr).send_multipart(frames, copy=copy)
 
     def forget(self, addr: str) -> None:

@@ -26,7 +26,7 @@ from typing import Mapping
 
 import zmq
 
-from . import _curve, _wire
+from . import _curve, _fanout, _wire
 from ._net import ip_towards
 from .agent_messages import EndSession, KeepSession, KillProcs, OpenSession, ReportExit, ShutdownAgent, SpawnProcs
 from .errors import HostUnreachableError, JobKeyError, SupervisionError
@@ -128,6 +128,7 @@ class AgentClient:
         self.sock.connect(addr)
         _curve.remember_peer(addr, keys)
         self.info = self._handshake(timeout)
+        _fanout.register(addr, keys.public)  # its place in the job's tree of agents
 
     def _handshake(self, timeout: float):
         deadline = time.monotonic() + timeout
@@ -257,6 +258,7 @@ _watcher = _Watcher()
 
 def _agent_lost(agent: AgentClient, why: str) -> None:
     agent.lost = why
+    _fanout.forget(agent.addr)
     for info in list(agent.procs.values()):
         if info.alive:
             _proc_exited(info, f"its host agent {agent.addr} was lost ({why})")
@@ -420,6 +422,7 @@ def shutdown_agents(agents: list[AgentClient], reason: str) -> None:
         except Exception:  # noqa: BLE001 - already gone
             pass
         a.lost = a.lost or "shut down"
+        _fanout.forget(a.addr)
 
 
 @atexit.register

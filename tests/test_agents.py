@@ -122,24 +122,53 @@ def test_broadcast_goes_down_a_tree_and_reaches_every_proc_in_order(job, monkeyp
     procs.stop().get(timeout=30)
 
 
-def test_build_tree_bounds_fan_out_and_covers_every_host():
+@pytest.mark.timeout(120)
+def test_calls_right_after_spawn_wait_for_it_whatever_path_they_take(job, monkeypatch):
+    """The spawn goes straight to each agent; a call goes down the tree (a chain here): it must not overtake."""
+    monkeypatch.setattr(_fanout, "FANOUT", 1)
+    procs = job.state().mesh0.spawn_procs(per_host={"gpus": 2})
+    try:
+        for i in range(5):
+            w = procs.spawn(f"w{i}", Where)
+            w.note.broadcast("first")
+            got = w.where.call()                       # down the chain, issued before any spawn ack
+            one = w.slice(hosts=1, gpus=1).notes.call_one()
+            assert [r for r, _, _ in got.get(timeout=60).values()] == [0, 1, 2, 3]
+            assert one.get(timeout=60) == ["first"]
+    finally:
+        procs.stop().get(timeout=30)
+
+
+def test_tree_bounds_fan_out_gives_each_agent_one_path_and_covers_every_host():
     items = [(f"tcp://h{i}:1", [str(i)]) for i in range(100)]
+    for a, _ in items:
+        _fanout.register(a, "test-tree-key")
     for fanout in (1, 2, 3, 8):
         tree = _fanout.build_tree(items, fanout)
         seen, depth = [], 0
-        stack = [(a, p, 1) for a, p in tree]
+        stack = [(a, p, [a]) for a, p in tree]
         assert len(tree) <= fanout
         while stack:
-            a, p, d = stack.pop()
+            a, p, route = stack.pop()
             assert len(p["c"]) <= fanout
+            if p["t"]:
+                assert p["t"] == [a[len("tcp://h"):-len(":1")]]
+                assert route == _fanout.path(a, fanout)  # the broadcast takes the agent's one path
             seen.append(a)
-            depth = max(depth, d)
-            stack += [(c, sp, d + 1) for c, sp in p["c"]]
+            depth = max(depth, len(route))
+            stack += [(c, sp, route + [c]) for c, sp in p["c"]]
         assert sorted(seen) == sorted(a for a, _ in items)
+        assert depth == _fanout.depth(100, fanout)
         if fanout == 8:
-            assert depth <= 4  # about log_8(100) + 1 hops
+            assert depth <= 3  # 8 + 64 + 512 >= 100
+    # A single message takes the same path, with a one-branch plan.
+    first, frames = _fanout.routed_frames("tcp://h20:1", "ipc:///p", [b"payload"])
+    assert first == _fanout.path("tcp://h20:1")[0] and frames[-1] == b"payload"
     with pytest.raises(ValueError, match="fan-out"):
         _fanout.build_tree(items, 0)
+    for a, _ in items:
+        _fanout.forget(a)
+    assert _fanout.path("tcp://h99:1", 1) == ["tcp://h99:1"]
 
 
 # ---- faults -----------------------------------------------------------------------------------
