@@ -77,3 +77,26 @@ def test_scale_bench_tiny(tmp_path):
     m = data["model"]
     assert m["depth"] == 4 and m["target"] == "1024 hosts x 8 procs"
     assert m["bcast_us"] > 0 and m["spawn_s"] > 0
+
+
+@pytest.mark.timeout(150)
+def test_sharded_bench_tiny(tmp_path):
+    # --no-tp: tp_step's 4 procs per side (a torchrun of 4 ranks on 2 cores) add about 35 s; `--tiny` alone runs it
+    out = tmp_path / "sharded.json"
+    bench = os.path.join(ROOT, "bench", "sharded_bench.py")
+    proc = subprocess.run([sys.executable, bench, "--tiny", "--no-tp", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=140)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["env"]["tiny"] is True
+    assert "ours" not in data["errors"], data["errors"]
+    assert set(data["workloads"]) == {"matmul_ms", "full_ms", "fsdp_step_ms"}
+    for kind in ("ours", "local", "spmd"):
+        for key in data["workloads"]:
+            assert data["median"][kind].get(key, 0) > 0, (kind, key, data["errors"], proc.stdout[-2000:])
+    assert data["median"]["fsdp2"].get("fsdp_step_ms", 0) > 0, (data["errors"], proc.stdout[-2000:])
+    # the same seed and data: ours computes what local torch and the SPMD script compute
+    match = data["loss_match"]["fsdp"]
+    assert match["ours_vs_spmd"] and match["ours_vs_local"] and match["ours_vs_fsdp2"], data["losses"]
+    assert data["value_match"]["ours_vs_spmd"] and data["value_match"]["ours_vs_local"], data["value_match"]
+    assert "ours/spmd" in proc.stdout
