@@ -111,7 +111,6 @@ def routed_frames(agent: str, inner: str, frames: list) -> tuple[str, list]:
     return hops[0], [TREE_MAGIC + json.dumps(plan).encode(), *frames]
 
 
-
 def send_many(mailbox, addrs: list[str], frames: list) -> None:
     """Send encoded ``frames`` to every address: direct ones one by one, routed ones down the tree."""
     by_agent: dict[str, list[str]] = {}

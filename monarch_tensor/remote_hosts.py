@@ -96,8 +96,6 @@ def _gateway_for(keys: _curve.JobKeys, agent_addr: str) -> _Gateway:
     return g
 
 
-
-
 # ---- one agent --------------------------------------------------------------------------------
 class AgentClient:
     """The control connection to one host agent; ``request`` is a round trip with a timeout."""

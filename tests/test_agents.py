@@ -123,8 +123,9 @@ def test_broadcast_goes_down_a_tree_and_reaches_every_proc_in_order(job, monkeyp
 
 
 @pytest.mark.timeout(120)
-def test_calls_right_after_spawn_wait_for_it_whatever_path_they_take(job, monkeypatch):
-    """The spawn goes straight to each agent; a call goes down the tree (a chain here): it must not overtake."""
+def test_spawn_broadcast_and_single_calls_reach_a_proc_in_the_order_sent(job, monkeypatch):
+    """Spawns and single calls are sent one by one, broadcasts down the tree (a chain here): all take
+    each agent's one path, so nothing overtakes (calls issued before any spawn ack included)."""
     monkeypatch.setattr(_fanout, "FANOUT", 1)
     procs = job.state().mesh0.spawn_procs(per_host={"gpus": 2})
     try:
