@@ -342,6 +342,9 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
     tpos: list = []
     wargs = []
     deep = False
+    free = _floats_free.get(func)
+    if free is None:
+        free = _floats_free[func] = _shape_ignores_floats(func)
     for i, a in enumerate(args):
         t = type(a)
         if t is Tensor:
@@ -349,6 +352,9 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
             key.append(a._mid)
             wargs.append(a._ref)
             tpos.append(i)
+        elif t is float and free:  # e.g. an optimizer's step size, new every step: no new propagation
+            key.append(t)
+            wargs.append(a)
         elif t is int or t is float or t is bool:
             key.append(t)
             key.append(a)
@@ -381,6 +387,9 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
                 key.append(v._mid)
                 wkwargs[k] = v._ref
                 tpos.append(k)
+            elif type(v) is float and free:
+                key.append(float)
+                wkwargs[k] = v
             else:
                 w = _scan(v, key, tensors, local)
                 deep = deep or w is not v
@@ -454,6 +463,13 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
 
 _EMPTY: dict = {}
 DEEP = m.DEEP
+_floats_free: dict = {}
+
+
+def _shape_ignores_floats(func) -> bool:
+    """Whether no float argument's value can change ``func``'s output metadata: pointwise ops and the
+    ``_foreach_`` ops (a float scalar there is a value, never a size; type promotion looks at its kind)."""
+    return torch.Tag.pointwise in func.tags or func.name().startswith("aten::_foreach_")
 
 
 def _outputs(tpl: _Template, tensors: list, ctx: Ctx):

@@ -37,6 +37,30 @@ def test_rank_tensor_reduce_fetch(procs):
     assert torch.equal(r1, torch.tensor(1))
 
 
+def test_new_float_scalars_on_pointwise_ops_need_no_new_propagation(procs):
+    from controller import tensor as ct
+
+    with procs.activate():
+        x = torch.randn(3, 5)  # made on the workers: no value known here
+        ref = fetch_shard(x, gpus=1).result(timeout=60)
+        y = x
+        ys = []
+        for i in range(6):  # an optimizer's step size changes every step
+            y = torch.addcmul(y, x, x, value=0.1 * (i + 1)) * (1.5 + i)
+            ys.append(y)
+        misses = ct.stats["misses"]
+        for i in range(6, 12):
+            y = torch.addcmul(y, x, x, value=0.1 * (i + 1)) * (1.5 + i)
+        assert ct.stats["misses"] == misses  # the float values were not part of the cache key
+        got = fetch_shard(y, gpus=1).result(timeout=60)
+        with pytest.raises(RuntimeError, match="broadcast"):
+            torch.arange(0.0, 2.5) + x  # a float that is a size elsewhere still propagates (and fails)
+    want = ref
+    for i in range(12):
+        want = torch.addcmul(want, ref, ref, value=0.1 * (i + 1)) * (1.5 + i)
+    assert torch.allclose(got, want)
+
+
 def test_metadata_and_local_constants(procs):
     with procs.activate():
         a = torch.arange(6.0).reshape(2, 3)
