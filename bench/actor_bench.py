@@ -42,6 +42,8 @@ import sys
 import tempfile
 import time
 
+from _runs import interleaved  # bench/ is on sys.path when a bench runs
+
 # ---- settings ------------------------------------------------------------------------------
 RUNS = 5             # fresh-process runs per runtime; the table shows their median
 N_RTT = 500          # sync calls per repeat
@@ -388,20 +390,8 @@ def main():
 
     settings = {k: g[k] for k in SETTINGS}
     kinds = ["ours", "floor"] + (["monarch", "ray"] if args.peers else [])
-    runs = {k: [] for k in kinds}
-    errors = {}
     t0 = time.perf_counter()
-    for i in range(RUNS):  # interleaved, so drift of the machine hits every runtime alike
-        for kind in kinds:
-            if kind in errors:
-                continue
-            t = time.perf_counter()
-            res = run_once(kind, settings)
-            runs[kind].append(res)
-            if "error" in res:
-                errors[kind] = res["error"]
-            print(f"run {i + 1}/{RUNS} {RUNTIMES[kind]:<15} {time.perf_counter() - t:6.1f} s"
-                  + (f"  ERROR {res['error'][:200]}" if "error" in res else ""), file=sys.stderr, flush=True)
+    runs, errors = interleaved(kinds, RUNS, run_once, RUNTIMES, settings)
 
     rows = workloads()
     med = {}

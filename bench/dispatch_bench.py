@@ -45,6 +45,8 @@ import sys
 import time
 import traceback
 
+from _runs import interleaved  # bench/ is on sys.path when a bench runs
+
 # ---- settings ------------------------------------------------------------------------------
 RUNS = 3             # fresh-process runs per runtime; the table shows their median
 REPEATS = 5          # timed loops per workload per run (median of them)
@@ -318,21 +320,9 @@ def main():
 
     settings = {k: g[k] for k in SETTINGS}
     kinds = args.only or (["ours", "eager"] + (["monarch"] if args.peers else []))
-    runs = {k: [] for k in kinds}
-    errors = {}
     load0 = os.getloadavg()[0]  # timings on a busy machine are slower: say how busy it was
     t0 = time.perf_counter()
-    for i in range(RUNS):  # interleaved, so drift of the machine hits every runtime alike
-        for kind in kinds:
-            if kind in errors:
-                continue
-            t = time.perf_counter()
-            res = run_once(kind, settings)
-            runs[kind].append(res)
-            if "error" in res:
-                errors[kind] = res["error"]
-            print(f"run {i + 1}/{RUNS} {RUNTIMES[kind]:<15} {time.perf_counter() - t:6.1f} s"
-                  + (f"  ERROR {res['error']}" if "error" in res else ""), file=sys.stderr, flush=True)
+    runs, errors = interleaved(kinds, RUNS, run_once, RUNTIMES, settings)
     median = {k: {key: statistics.median(r[key] for r in runs[k] if key in r)
                   for key, _, _ in WORKLOADS if any(key in r for r in runs[k])} for k in kinds}
     load = [round(v, 1) for v in os.getloadavg()]  # 1, 5, 15 minutes
