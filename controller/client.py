@@ -115,9 +115,9 @@ class MeshClient:
         # The rendezvous of the workers' process groups. It listens on every interface; procs on other
         # hosts (behind host agents) reach it at this machine's address on the route to their agent.
         agent = next((a for a in (getattr(p, "agent", None) for p in alloc._procs) if a is not None), None)
-        self.store_host = "127.0.0.1" if agent is None else ip_towards(agent.addr)
-        self.store = dist.TCPStore(self.store_host, 0, is_master=True, wait_for_workers=False)
-        self.store_addr = (self.store_host, self.store.port)
+        host = "127.0.0.1" if agent is None else ip_towards(agent.addr)
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self.store_addr = (host, self.store.port)
         self.workers = alloc.spawn(WORKER_NAME, TensorWorker, self.store_addr)
         self.closed = False
 

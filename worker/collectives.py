@@ -25,6 +25,23 @@ _OPS = {
 }
 
 
+def connect_store(store_addr: tuple[str, int]) -> dist.TCPStore:
+    """A client of the controller's rendezvous store."""
+    host, port = store_addr
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=TIMEOUT))
+
+
+def new_group(store, me: int, n: int, device: torch.device, store_host: str) -> dist.ProcessGroup:
+    """The process group of ``n`` ranks (this one ``me``) meeting in ``store``: NCCL on GPU, else gloo bound
+    to this host's address on the route to the store's host (the one the other hosts can reach)."""
+    if device.type == "cuda":
+        return dist.ProcessGroupNCCL(store, me, n)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=ip_towards(store_host))]
+    opts._timeout = timedelta(seconds=TIMEOUT)
+    return dist.ProcessGroupGloo(store, me, n, opts)
+
+
 class Collectives:
     """The process groups of one worker, keyed by their member ranks."""
 
@@ -37,23 +54,15 @@ class Collectives:
         if self._store is None:
             if self.store_addr is None:
                 raise RuntimeError("no rendezvous store was given to this worker")
-            host, port = self.store_addr
-            self._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=TIMEOUT))
+            self._store = connect_store(self.store_addr)
         return self._store
 
     def group(self, ranks: tuple[int, ...]):
         pg = self._groups.get(ranks)
         if pg is None:
             store = dist.PrefixStore("pg/" + "_".join(map(str, ranks)) + "/", self._base_store())
-            me, n = ranks.index(self.rank), len(ranks)
-            if self.device.type == "cuda":
-                pg = dist.ProcessGroupNCCL(store, me, n)
-            else:
-                opts = dist.ProcessGroupGloo._Options()
-                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=ip_towards(self.store_addr[0]))]
-                opts._timeout = timedelta(seconds=TIMEOUT)
-                pg = dist.ProcessGroupGloo(store, me, n, opts)
-            self._groups[ranks] = pg
+            pg = self._groups[ranks] = new_group(store, ranks.index(self.rank), len(ranks), self.device,
+                                                 self.store_addr[0])
         return pg
 
     def reduce(self, t: torch.Tensor, ranks: tuple[int, ...], reduction: str, scatter: bool,

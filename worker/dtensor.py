@@ -20,10 +20,8 @@ what the tests call directly inside actors::
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -31,9 +29,7 @@ from torch._C._distributed_c10d import _register_process_group
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, distribute_tensor
 
-from monarch_tensor._net import ip_towards
-
-TIMEOUT = float(os.environ.get("MONARCH_TENSOR_COLLECTIVE_TIMEOUT", "300"))
+from .collectives import connect_store, new_group
 
 BackendFactory = Callable[[tuple], object]
 """``factory(ranks) -> c10d Backend`` for the group of proc ranks ``ranks`` (this proc among them)."""
@@ -58,19 +54,12 @@ class StoreGroups:
                  prefix: str = "dt") -> None:
         self.rank, self.prefix = rank, prefix
         self.device = device or torch.device("cpu")
-        host, port = store_addr
-        self.store_host = host
-        self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=TIMEOUT))
+        self.store_host = store_addr[0]
+        self.store = connect_store(store_addr)
 
     def backend(self, ranks: tuple):
         store = dist.PrefixStore(f"{self.prefix}/" + "_".join(map(str, ranks)) + "/", self.store)
-        me, n = ranks.index(self.rank), len(ranks)
-        if self.device.type == "cuda":
-            return dist.ProcessGroupNCCL(store, me, n)
-        opts = dist.ProcessGroupGloo._Options()
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=ip_towards(self.store_host))]
-        opts._timeout = timedelta(seconds=TIMEOUT)
-        return dist.ProcessGroupGloo(store, me, n, opts)
+        return new_group(store, ranks.index(self.rank), len(ranks), self.device, self.store_host)
 
 
 def ensure_world(rank: int, world_size: int) -> None:
