@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 
-from _runs import interleaved  # bench/ is on sys.path when a bench runs
+from _runs import add_common_args, apply_common_args, interleaved  # bench/ is on sys.path when a bench runs
 
 # ---- settings ------------------------------------------------------------------------------
 RUNS = 5             # fresh-process runs per runtime; the table shows their median
@@ -371,19 +371,10 @@ def ratio(ours, other, higher):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--peers", action="store_true", help="also run PyTorch Monarch and Ray when importable")
-    ap.add_argument("--tiny", action="store_true", help="every workload at a tiny size (smoke test)")
-    ap.add_argument("--json", metavar="PATH", help="write settings and results as JSON")
-    ap.add_argument("--runs", type=int, help=f"fresh-process runs per runtime (default {RUNS})")
-    ap.add_argument("--worker", choices=list(RUNTIMES), help=argparse.SUPPRESS)
-    ap.add_argument("--settings", help=argparse.SUPPRESS)
+    add_common_args(ap, RUNS, RUNTIMES)
     args = ap.parse_args()
     g = globals()
-    if args.tiny:
-        g.update(TINY)
-    if args.settings:
-        g.update(json.loads(args.settings))
-    if args.runs:
-        g["RUNS"] = args.runs
+    apply_common_args(args, g)
     if args.worker:
         worker(args.worker)
         return

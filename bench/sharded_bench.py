@@ -67,7 +67,7 @@ import sys
 import time
 import traceback
 
-from _runs import interleaved  # bench/ is on sys.path when a bench runs
+from _runs import add_common_args, apply_common_args, interleaved  # bench/ is on sys.path when a bench runs
 
 # ---- settings ------------------------------------------------------------------------------
 RUNS = 3             # fresh-process runs per runtime; the table shows their median
@@ -131,6 +131,23 @@ def make_model(ts):
 
     torch.manual_seed(0)
     return ts.GPT()
+
+
+def training_step(model, pos, inputs=lambda x, y: (x, y)):
+    """One step of every side: its inputs placed by ``inputs``, forward, ``loss.backward()``, AdamW."""
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+
+    def step(x, y):
+        x, y = inputs(x, y)
+        opt.zero_grad()
+        loss = model(x, pos, y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
 
 
 def timed_steps(step, data, sync, res, key, losses, barrier=lambda: None):
@@ -205,17 +222,10 @@ def measure_ours(res):
     def train(procs, plan, key):
         names = procs._shape.names
         model = module_to_mesh(make_model(ts), procs, plan=plan)
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
         batch_places = {n: (Shard(0) if n == "dp" else Replicate()) for n in names}
         pos = distribute(torch.arange(ts.BLOCK), procs, {})
-
-        def step(x, y):
-            x, y = distribute(x, procs, batch_places), distribute(y, procs, batch_places)
-            opt.zero_grad()
-            loss = model(x, pos, y)
-            loss.backward()
-            opt.step()
-            return loss
+        step = training_step(model, pos, lambda x, y: (distribute(x, procs, batch_places),
+                                                        distribute(y, procs, batch_places)))
 
         losses = res["losses"][STEP_KEYS[key]] = []
         timed_steps(step, data, lambda loss: loss.full_tensor().item(), res, key, losses)
@@ -244,16 +254,7 @@ def measure_local(res):
     data = batches(ts, n_batches())
     torch.manual_seed(0)
     matmuls(res, torch.randn(N, N), dist=False)
-    model = make_model(ts)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    pos = torch.arange(ts.BLOCK)
-
-    def step(x, y):
-        opt.zero_grad()
-        loss = model(x, pos, y)
-        loss.backward()
-        opt.step()
-        return loss
+    step = training_step(make_model(ts), torch.arange(ts.BLOCK))
 
     losses = []
     timed_steps(step, data, lambda loss: loss.item(), res, "fsdp_step_ms", losses)
@@ -334,15 +335,7 @@ def spmd_worker(mode, res):
             inputs = lambda x, y: tuple(distribute_tensor(t, mesh, batch_places, src_data_rank=None) for t in (x, y))
             loss_value = lambda loss: loss.full_tensor().item()
             pos = distribute_tensor(torch.arange(ts.BLOCK), mesh, [Replicate()] * len(names), src_data_rank=None)
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
-
-        def step(x, y):
-            x, y = inputs(x, y)
-            opt.zero_grad()
-            loss = model(x, pos, y)
-            loss.backward()
-            opt.step()
-            return loss
+        step = training_step(model, pos, inputs)
 
         losses = []
         timed_steps(step, data, loss_value, res, key, losses, barrier)
@@ -507,22 +500,13 @@ def value_checks(runs, kinds):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tiny", action="store_true", help="every workload at a tiny size (smoke test)")
-    ap.add_argument("--json", metavar="PATH", help="write settings and results as JSON")
-    ap.add_argument("--runs", type=int, help=f"fresh-process runs per runtime (default {RUNS})")
+    add_common_args(ap, RUNS, ["ours", "local"])
     ap.add_argument("--no-tp", action="store_true", help="skip tp_step (4 procs on each side)")
     ap.add_argument("--only", choices=list(RUNTIMES), action="append", help="run only these runtimes")
-    ap.add_argument("--worker", choices=["ours", "local"], help=argparse.SUPPRESS)
     ap.add_argument("--spmd-worker", choices=["dp", "tp", "fsdp2"], help=argparse.SUPPRESS)
-    ap.add_argument("--settings", help=argparse.SUPPRESS)
     args = ap.parse_args()
     g = globals()
-    if args.tiny:
-        g.update(TINY)
-    if args.settings:
-        g.update(json.loads(args.settings))
-    if args.runs:
-        g["RUNS"] = args.runs
+    apply_common_args(args, g)
     if args.no_tp:
         g["TP"] = False
     if args.worker:
