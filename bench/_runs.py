@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
+import subprocess
 import sys
 import time
 from typing import Callable
@@ -46,3 +50,57 @@ def apply_common_args(args: argparse.Namespace, g: dict) -> None:
         g.update(json.loads(args.settings))
     if args.runs:
         g["RUNS"] = args.runs
+
+
+def launch(cmd: list[str], env: dict, marker: str, timeout: float, cwd: str) -> dict:
+    """Run one runtime's ``cmd`` in its own session; its result is the dict on a ``marker`` line of its stdout
+    (the first one with an "error", else the last), or ``{"error": ...}`` when it timed out or printed none.
+    Whatever the runtime left running in its session is killed."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         start_new_session=True, cwd=cwd)
+    timed_out = False
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        os.killpg(p.pid, signal.SIGKILL)  # the whole group: the runtime's procs, ranks or daemons too
+        out, err = p.communicate(timeout=30)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(p.pid, signal.SIGKILL)  # procs a runtime left behind
+    results = [json.loads(ln[len(marker):]) for ln in out.splitlines() if ln.startswith(marker)]
+    res = next((r for r in results if "error" in r), results[-1] if results else {})
+    if timed_out:
+        res.setdefault("error", f"timed out after {timeout:.0f} s")
+    elif not results:
+        tail = (err.strip().splitlines() or ["no output"])[-1]
+        res["error"] = f"exit code {p.returncode}: {tail}"
+    return res
+
+
+def write_json(path: str, tiny: bool, load: tuple[float, float], **results) -> None:
+    """``results`` and the machine they were measured on (load average at the start and the end) to ``path``."""
+    import datetime
+    import platform
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    env = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "tiny": tiny,
+           "loadavg_start": load[0], "loadavg_end": load[1]}
+    with contextlib.suppress(ImportError):
+        import torch
+
+        env["torch"] = torch.__version__
+    with open(path, "w") as f:
+        json.dump({"settings": results.pop("settings"), "env": env, **results}, f, indent=1)
+
+
+def markdown(head: list[str], rows: list[list[str]], errors: dict[str, str], names: dict[str, str]) -> str:
+    """A markdown table (first column left-aligned, the rest right-aligned), then each runtime's error."""
+    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
+
+    def line(r):
+        return "| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) + " |"
+
+    out = [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows]
+    out += [f"{names[k]}: {e}" for k, e in errors.items()]
+    return "\n".join(out)

@@ -35,14 +35,13 @@ import datetime
 import json
 import os
 import platform
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-from _runs import add_common_args, apply_common_args, interleaved  # bench/ is on sys.path when a bench runs
+from _runs import add_common_args, apply_common_args, interleaved, launch  # bench/ is on sys.path
 
 # ---- settings ------------------------------------------------------------------------------
 RUNS = 5             # fresh-process runs per runtime; the table shows their median
@@ -333,23 +332,7 @@ def run_once(kind, settings):
     if kind in ("monarch", "ray") and PEER_PATH:
         env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(PEER_PATH), env["PYTHONPATH"]])
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--settings", json.dumps(settings)]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                         start_new_session=True, cwd=ROOT)
-    timed_out = False
-    try:
-        out, err = p.communicate(timeout=RUN_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        os.killpg(p.pid, signal.SIGKILL)  # the whole group: its procs, Ray's daemons
-        out, err = p.communicate(timeout=30)
-    lines = [ln for ln in out.splitlines() if ln.startswith(MARKER)]
-    res = json.loads(lines[-1][len(MARKER):]) if lines else {}
-    if timed_out:
-        res.setdefault("error", f"timed out after {RUN_TIMEOUT:.0f} s")
-    elif not lines:
-        tail = (err.strip().splitlines() or ["no output"])[-1]
-        res["error"] = f"exit code {p.returncode}: {tail}"
-    return res
+    return launch(cmd, env, MARKER, RUN_TIMEOUT, ROOT)
 
 
 def fmt(v, unit):

@@ -34,18 +34,14 @@ and the bench still finishes.
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
-import platform
-import signal
 import statistics
-import subprocess
 import sys
 import time
 import traceback
 
-from _runs import add_common_args, apply_common_args, interleaved  # bench/ is on sys.path when a bench runs
+from _runs import add_common_args, apply_common_args, interleaved, launch, markdown, write_json  # on sys.path
 
 # ---- settings ------------------------------------------------------------------------------
 RUNS = 3             # fresh-process runs per runtime; the table shows their median
@@ -246,25 +242,7 @@ def run_once(kind, settings):
     if kind == "monarch" and PEER_PATH:
         env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(PEER_PATH), env["PYTHONPATH"]])
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--settings", json.dumps(settings)]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                         start_new_session=True, cwd=ROOT)
-    timed_out = False
-    try:
-        out, err = p.communicate(timeout=RUN_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        os.killpg(p.pid, signal.SIGKILL)  # the whole group: the runtime's procs too
-        out, err = p.communicate(timeout=30)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(p.pid, signal.SIGKILL)  # procs a runtime left behind
-    lines = [ln for ln in out.splitlines() if ln.startswith(MARKER)]
-    res = json.loads(lines[-1][len(MARKER):]) if lines else {}
-    if timed_out:
-        res.setdefault("error", f"timed out after {RUN_TIMEOUT:.0f} s")
-    elif not lines:
-        tail = (err.strip().splitlines() or ["no output"])[-1]
-        res["error"] = f"exit code {p.returncode}: {tail}"
-    return res
+    return launch(cmd, env, MARKER, RUN_TIMEOUT, ROOT)
 
 
 def fmt(v, unit):
@@ -288,13 +266,7 @@ def table(median, errors, kinds):
             row.append(ratio(vals["monarch"], vals["ours"]))
         row.append(ratio(vals["ours"], vals["eager"]))
         rows.append(row)
-    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
-    line = lambda r: "| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                                         for i, (c, w) in enumerate(zip(r, widths))) + " |"
-    out = [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows]
-    for k, e in errors.items():
-        out.append(f"{RUNTIMES[k]}: {e}")
-    return "\n".join(out)
+    return markdown(head, rows, errors, RUNTIMES)
 
 
 def main():
@@ -322,16 +294,8 @@ def main():
           f"{os.cpu_count()} CPUs, load average {load0:.1f} at start, {load[0]} at end\n")
     print(table(median, errors, kinds))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        env = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
-               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "tiny": args.tiny,
-               "loadavg_start": load0, "loadavg_end": load[0]}
-        with contextlib.suppress(ImportError):
-            import torch
-            env["torch"] = torch.__version__
-        with open(args.json, "w") as f:
-            json.dump({"settings": settings, "env": env, "workloads": [w[0] for w in WORKLOADS], "median": median,
-                       "errors": errors, "runs": runs}, f, indent=1)
+        write_json(args.json, args.tiny, (load0, load[0]), settings=settings, workloads=[w[0] for w in WORKLOADS],
+                   median=median, errors=errors, runs=runs)
 
 
 if __name__ == "__main__":

@@ -56,18 +56,15 @@ shows "error" (message under the table) and the bench still finishes.
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
-import platform
-import signal
 import statistics
-import subprocess
 import sys
 import time
 import traceback
 
-from _runs import add_common_args, apply_common_args, interleaved  # bench/ is on sys.path when a bench runs
+from _runs import add_common_args, apply_common_args, interleaved, markdown, write_json
+from _runs import launch as run_launch  # bench/ is on sys.path
 
 # ---- settings ------------------------------------------------------------------------------
 RUNS = 3             # fresh-process runs per runtime; the table shows their median
@@ -384,27 +381,8 @@ def spmd_main(mode):
 
 # ---- orchestration (the parent process) -----------------------------------------------------
 def launch(cmd, env):
-    """Run ``cmd`` in its own session; the last MARKER line's dict (with "error" on failure)."""
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                         start_new_session=True, cwd=ROOT)
-    timed_out = False
-    try:
-        out, err = p.communicate(timeout=RUN_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        os.killpg(p.pid, signal.SIGKILL)  # the whole group: the runtime's procs / ranks too
-        out, err = p.communicate(timeout=30)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(p.pid, signal.SIGKILL)  # procs a runtime left behind
-    lines = [ln for ln in out.splitlines() if ln.startswith(MARKER)]
-    results = [json.loads(ln[len(MARKER):]) for ln in lines]
-    res = next((r for r in results if "error" in r), results[-1] if results else {})
-    if timed_out:
-        res.setdefault("error", f"timed out after {RUN_TIMEOUT:.0f} s")
-    elif not lines:
-        tail = (err.strip().splitlines() or ["no output"])[-1]
-        res["error"] = f"exit code {p.returncode}: {tail}"
-    return res
+    """Run ``cmd`` in its own session; the dict on its MARKER lines (with "error" on failure)."""
+    return run_launch(cmd, env, MARKER, RUN_TIMEOUT, ROOT)
 
 
 def run_once(kind, settings):
@@ -456,13 +434,7 @@ def table(median, errors, kinds):
             row.append("error" if k in errors and vals[k] is None and not na else fmt(vals[k]))
         row += [ratio(vals["ours"], vals[k]) for k in others]
         rows.append(row)
-    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
-    line = lambda r: "| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                                         for i, (c, w) in enumerate(zip(r, widths))) + " |"
-    out = [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows]
-    for k, e in errors.items():
-        out.append(f"{RUNTIMES[k]}: {e}")
-    return "\n".join(out)
+    return markdown(head, rows, errors, RUNTIMES)
 
 
 def loss_checks(runs, kinds):
@@ -541,16 +513,8 @@ def main():
         if which in match:
             print("  match (rtol %g): %s" % (LOSS_RTOL, ", ".join(f"{k} {v}" for k, v in match[which].items())))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        env = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
-               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "tiny": args.tiny,
-               "loadavg_start": load0, "loadavg_end": load[0]}
-        with contextlib.suppress(ImportError):
-            import torch
-            env["torch"] = torch.__version__
-        with open(args.json, "w") as f:
-            json.dump({"settings": settings, "env": env, "workloads": keys, "median": median, "errors": errors,
-                       "losses": losses, "loss_match": match, "value_match": values, "runs": runs}, f, indent=1)
+        write_json(args.json, args.tiny, (load0, load[0]), settings=settings, workloads=keys, median=median,
+                   errors=errors, losses=losses, loss_match=match, value_match=values, runs=runs)
 
 
 if __name__ == "__main__":
