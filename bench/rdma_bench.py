@@ -7,7 +7,9 @@
 The owner of the buffer is an actor on a proc; the reader is this process. For every size, every
 backend that can serve a CPU buffer here (forced with MONARCH_TENSOR_RDMA_BACKEND) reads and writes
 REPEATS times into a warm destination; the table shows the median as GiB/s, and as latency in µs.
-Baselines in the same run: memcpy (torch copy_, warm destination: the limit on one host), a
+Baselines in the same run, into warm destinations: memcpy (libc's, one thread, via ctypes.memmove),
+torch's copy_ (parallel over every core: the limit on one host; cma splits large transfers over the
+cores too, see rdma/backends/cma.py), a
 control-plane round trip (call_one of a small int), and with --peers PyTorch Monarch's RDMABuffer
 (torchmonarch, TCP fallback: no RDMA NIC here), read by an actor on a second proc. Peers are never
 dependencies: install them aside as bench/actor_bench.py's docstring shows. No PNG plot is written
@@ -15,6 +17,7 @@ dependencies: install them aside as bench/actor_bench.py's docstring shows. No P
 """
 
 import argparse
+import ctypes
 import json
 import os
 import statistics
@@ -23,7 +26,7 @@ import sys
 import time
 
 # ---- settings ------------------------------------------------------------------------------
-SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
+SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30]
 REPEATS = 5          # timed transfers per size and direction (after one warm-up)
 PEER_MAX = 64 << 20  # Monarch's TCP fallback is slow: sizes above this are skipped for it
 TIMEOUT = 120.0
@@ -100,14 +103,15 @@ def run_ours():
             return x
 
     procs = this_host().spawn_procs(per_host={"gpus": 1})
-    res = {"memcpy": {}, "ctrl_rtt_us": None, "raw_tcp": raw_tcp_stream(SIZES, REPEATS)}
+    res = {"memcpy": {}, "copy_": {}, "ctrl_rtt_us": None, "raw_tcp": raw_tcp_stream(SIZES, REPEATS)}
     try:
         owner = procs.spawn("owner", Owner, max(SIZES))
         buf = owner.buf_.call_one().get(timeout=TIMEOUT)
         res["ctrl_rtt_us"] = 1e6 * median_time(lambda: owner.ping.call_one(1).get(timeout=TIMEOUT), 50)
         for n in SIZES:
             a, b = torch.empty(n, dtype=torch.uint8), torch.ones(n, dtype=torch.uint8)
-            res["memcpy"][n] = median_time(lambda a=a, b=b: a.copy_(b), REPEATS)
+            res["memcpy"][n] = median_time(lambda a=a, b=b, n=n: ctypes.memmove(a.data_ptr(), b.data_ptr(), n), REPEATS)
+            res["copy_"][n] = median_time(lambda a=a, b=b: a.copy_(b), REPEATS)
         for name in ("cma", "tcp"):
             os.environ[ENV_BACKEND] = name
             res[name] = {"read": {}, "write": {}}
@@ -198,20 +202,23 @@ def main():
     def gib(n, t):
         return n / t / 2**30 if t else float("nan")
 
-    cols = ["memcpy", "raw tcp stream", "cma read", "cma write", "tcp read", "tcp write", "Monarch read"]
+    cols = ["memcpy", "copy_ (all cores)", "raw tcp stream", "cma read", "cma write", "tcp read", "tcp write", "Monarch read"]
     print(f"RDMABuffer between two procs of this host, GiB/s (µs per transfer); median of {REPEATS}")
     print(f"control-plane round trip (call_one, small int): {ours['ctrl_rtt_us']:.0f} µs")
     print(f"{'size':>8} | " + " | ".join(f"{c:>20}" for c in cols))
     rows = []
     for n in SIZES:
-        times = [ours["memcpy"][n], ours["raw_tcp"][n], ours["cma"]["read"][n], ours["cma"]["write"][n], ours["tcp"]["read"][n],
+        times = [ours["memcpy"][n], ours["copy_"][n], ours["raw_tcp"][n], ours["cma"]["read"][n], ours["cma"]["write"][n], ours["tcp"]["read"][n],
                  ours["tcp"]["write"][n], (monarch or {}).get(n)]
         cells = [f"{gib(n, t):8.2f} ({t * 1e6:8.0f})" if t else f"{'-':>20}" for t in times]
         print(f"{fmt_size(n):>8} | " + " | ".join(f"{c:>20}" for c in cells))
         rows.append({"size": n, **{c: t for c, t in zip(cols, times)}})
     big = [n for n in SIZES if n >= 64 << 20]
     for n in big:
-        print(f"cma read {fmt_size(n)}: {ours['memcpy'][n] / ours['cma']['read'][n]:.0%} of memcpy")
+        for d in ("read", "write"):
+            t = ours["cma"][d][n]
+            print(f"cma {d} {fmt_size(n)}: {ours['memcpy'][n] / t:.0%} of memcpy, "
+                  f"{ours['copy_'][n] / t:.0%} of copy_ on all cores")
     for n in SIZES:
         print(f"tcp read {fmt_size(n)}: {ours['raw_tcp'][n] / ours['tcp']['read'][n]:.0%} of a raw tcp stream")
     for n in SIZES:

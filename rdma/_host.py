@@ -32,6 +32,18 @@ def start_time(pid: int) -> int:
     return int(data[data.rindex(b")") + 2:].split()[19])
 
 
+_own: tuple[int, int] = (0, 0)
+
+
+def own_start_time() -> int:
+    """``start_time`` of this process, read once per process (a registration needs it each time)."""
+    global _own
+    pid = os.getpid()
+    if _own[0] != pid:
+        _own = (pid, start_time(pid))
+    return _own[1]
+
+
 def alive(pid: int, started: int) -> bool:
     """Whether the process ``pid`` that started at ``started`` still runs (same host only)."""
     return start_time(pid) == started

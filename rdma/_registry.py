@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._host import host_id, start_time
+from ._host import host_id, own_start_time
 from ._memory import Mem
 
 _SLOTS_PER_PAGE = 4096
@@ -75,7 +75,7 @@ class Registry:
             slot = self._slot()
             self.pages[slot // _SLOTS_PER_PAGE][slot % _SLOTS_PER_PAGE] = buf_id
             desc = Descriptor(buf_id, secrets.randbits(63), mem.nbytes, mem.device, mem.writable, host_id(),
-                              os.getpid(), start_time(os.getpid()), owner, mem.ptr, self.slot_addr(slot), tcp,
+                              os.getpid(), own_start_time(), owner, mem.ptr, self.slot_addr(slot), tcp,
                               extras)
             reg = Registration(desc, mem, slot)
             self.by_id[buf_id] = reg

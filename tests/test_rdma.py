@@ -153,6 +153,47 @@ def test_large_transfer_several_streams(owners, backend):
     assert torch.equal(out, o.value.call_one("large").get())
 
 
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 1 << 28), k=st.integers(1, 16))
+def test_cma_pieces_tile_the_transfer(n, k):
+    """Hypothesis: the pieces of a cma transfer cover [0, n) in order, without gaps, page-aligned."""
+    parts = cma.pieces(n, k)
+    assert parts[0][0] == 0 and sum(m for _, m in parts) == n
+    assert all(o1 + m1 == o2 for (o1, m1), (o2, _) in zip(parts, parts[1:]))
+    assert all(o % 4096 == 0 and m > 0 for o, m in parts)
+    if len(parts) > 1:
+        assert k > 1 and all(m <= cma.PIECE_MAX for _, m in parts)
+
+
+def test_cma_transfer_in_many_pieces_on_several_threads(owners, monkeypatch):
+    """A transfer cut into more pieces than threads moves exactly its bytes, at an odd offset, both ways."""
+    monkeypatch.setenv(ENV_BACKEND, "cma")
+    monkeypatch.setattr(cma, "PIECE_MIN", 4096)
+    monkeypatch.setattr(cma, "PIECE_MAX", 3 * 4096)
+    monkeypatch.setattr(cma, "threads", lambda: 3)
+    used, real, meet = set(), cma._call, threading.Barrier(2, timeout=20)
+
+    def call(write, pid, local, remote, n):
+        if n > 8:  # (8 bytes: the registration's slot, read before the pieces)
+            if not used:  # the first two pieces wait for each other: two threads take pieces
+                meet.wait()
+            used.add(threading.get_ident())
+        return real(write, pid, local, remote, n)
+
+    monkeypatch.setattr(cma, "_call", call)
+    o = _owner(owners)
+    n = 20 * 4096 + 123
+    buf = o.make.call_one("pieces", n + 77, seed=11).get()
+    ref = o.value.call_one("pieces").get()
+    out = torch.empty(n, dtype=torch.uint8)
+    buf.read_into(out, offset=77).get(timeout=30)
+    assert torch.equal(out, ref[77:])
+    src = torch.randint(0, 250, (n,), dtype=torch.uint8)
+    buf.write_from(src, offset=77).get(timeout=30)
+    assert torch.equal(o.value.call_one("pieces").get()[77:], src)
+    assert len(used) > 1, "the pieces all ran on one thread"
+
+
 def test_concurrent_transfers_and_action(owners, backend):
     o = _owner(owners)
     bufs = [o.make.call_one(f"c{i}", 5000 + i, seed=i).get() for i in range(6)]

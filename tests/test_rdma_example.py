@@ -37,5 +37,5 @@ def test_rdma_bench_tiny(tmp_path):
     data = json.loads(out.read_text())
     assert data["settings"]["tiny"] is True and data["ctrl_rtt_us"] > 0
     for row in data["seconds"]:
-        for col in ("memcpy", "raw tcp stream", "cma read", "cma write", "tcp read", "tcp write"):
+        for col in ("memcpy", "copy_ (all cores)", "raw tcp stream", "cma read", "cma write", "tcp read", "tcp write"):
             assert row[col] > 0, (row["size"], col)
