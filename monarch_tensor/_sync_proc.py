@@ -2,9 +2,11 @@
 
 Each proc knows its host's workspace root: ``$WORKSPACE_DIR`` (Monarch's
 variable; a host agent or job sets it per host) or, by default, a directory per
-client session on this host. The writer proc of a root compares and writes;
-every proc puts the synced dirs first on ``sys.path`` and re-imports changed
-modules (``_reload.py``).
+client session on this host. The writer proc of a root compares and writes,
+in its message handlers. Large files arrive as ``RDMABuffer`` handles of the
+client's copy and are pulled over the data plane (``pull``); the rest ride in
+the messages. Every proc puts the synced dirs first on ``sys.path`` and
+re-imports changed modules (``_reload.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import importlib
 import os
 import socket
 import sys
+import threading
 import traceback
 
 from . import _filetree, _reload
@@ -102,8 +105,36 @@ def handle_diff(mailbox: Mailbox, msg: DiffWorkspace) -> None:
     _reply(mailbox, msg.reply, value)
 
 
-_writers: dict[str, _filetree.Writer] = {}
-_failures: dict[str, Exception] = {}
+SYNC_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_SYNC_TIMEOUT", "120"))
+PULL_PIECE = 8 << 20  # bytes per data-plane read (a tcp read of the next piece overlaps this one's write)
+
+
+_scratch = threading.local()
+
+
+def _scratch_buffers(n: int) -> list[memoryview]:
+    """Two buffers of at least ``min(n, PULL_PIECE)`` bytes, kept per thread (fresh memory costs page faults)."""
+    have = getattr(_scratch, "bufs", None)
+    if have is None or len(have[0]) < min(n, PULL_PIECE):
+        have = _scratch.bufs = [memoryview(bytearray(min(max(n, 1 << 20), PULL_PIECE))) for _ in range(2)]
+    return have
+
+
+def pull(w: _filetree.Writer, key: str, offset: int, buf, n: int, patch: bool) -> None:
+    """Bytes [offset, offset + n) of ``key`` from the client's ``RDMABuffer``, read and written in turn."""
+    scratch = _scratch_buffers(n)
+    parts = [(o, min(PULL_PIECE, n - o)) for o in range(0, n, PULL_PIECE)]
+
+    def read(i: int):
+        o, m = parts[i]
+        return buf.read_into(scratch[i % 2][:m], offset=offset + o, timeout=SYNC_TIMEOUT)
+
+    fut = read(0)
+    for i, (o, m) in enumerate(parts):
+        fut.get(timeout=SYNC_TIMEOUT)
+        nxt = read(i + 1) if i + 1 < len(parts) else None
+        w.write(key, offset + o, scratch[i % 2][:m], patch)
+        fut = nxt
 
 
 def apply_ops(w: _filetree.Writer, ops) -> None:
@@ -111,6 +142,8 @@ def apply_ops(w: _filetree.Writer, ops) -> None:
         kind = op[0]
         if kind == "w":
             w.write(op[1], op[2], op[3], op[4])
+        elif kind == "r":
+            pull(w, *op[1:])
         elif kind == "f":
             w.finish(*op[1:])
         elif kind == "t":
@@ -141,6 +174,10 @@ def commit(root: str, dirs, ops, scan_ns: int) -> None:
     _filetree.write_meta(root, "dirs.json", list(dirs))
 
 
+_writers: dict[str, _filetree.Writer] = {}
+_failures: dict[str, Exception] = {}
+
+
 def handle_write(mailbox: Mailbox, msg: WriteFiles) -> None:
     root = workspace_root(msg.client_key)
     if msg.sync_id not in _failures:
@@ -149,7 +186,7 @@ def handle_write(mailbox: Mailbox, msg: WriteFiles) -> None:
             w = _writers[msg.sync_id] = _filetree.Writer(root)
         try:
             apply_ops(w, msg.ops)
-            w.ops.extend(op for op in msg.ops if op[0] != "w")
+            w.ops.extend(op for op in msg.ops if op[0] not in ("w", "r"))
         except Exception as e:  # noqa: BLE001
             w.abort()
             _failures[msg.sync_id] = _failed("workspace write", e)

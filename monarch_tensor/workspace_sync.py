@@ -7,6 +7,11 @@
 3. Hash locally only the files the writer asked to verify; send whole files,
    changed blocks of large files, metadata-only updates and deletions in
    ``WriteFiles`` messages of up to ``CHUNK`` bytes, all writers at once.
+   Files of ``PULL_MIN`` bytes and more do not ride in the messages: the client
+   reads each once into an ``RDMABuffer`` and the writers pull the bytes
+   (whole, or the changed blocks) over the data plane (``rdma/``: cross-memory
+   attach on one host, its TCP streams across hosts), until ``PULL_MAX`` bytes
+   are registered; the buffers are dropped when every writer has committed.
 4. Every proc puts the dirs on ``sys.path`` and, with ``auto_reload``,
    re-imports the changed modules.
 
@@ -34,6 +39,8 @@ from .tools.config.workspace import Workspace
 
 SYNC_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_SYNC_TIMEOUT", "120"))
 CHUNK = 8 << 20  # bytes of file data per WriteFiles message
+PULL_MIN = int(os.environ.get("MONARCH_TENSOR_SYNC_PULL_MIN", 256 << 10))  # bytes: bigger files go on the data plane
+PULL_MAX = 2 << 30  # bytes registered for pulls at once in one sync; further files ride in messages
 
 _roots: dict[str, tuple[str, str]] = {}  # proc addr -> (hostname, workspace root)
 
@@ -43,7 +50,8 @@ class SyncResult:
     """What one sync did: files written (whole or patched), bytes of file data sent, deletions, reloads."""
 
     files_sent: int = 0
-    bytes_sent: int = 0
+    bytes_sent: int = 0  # file data to every writer, in messages or pulled
+    bytes_pulled: int = 0  # the part of bytes_sent the writers pulled over the data plane
     unchanged: int = 0
     deleted: int = 0
     roots: list[str] = field(default_factory=list)
@@ -96,13 +104,13 @@ def local_manifest(workspace: Workspace) -> tuple[dict, dict[str, str]]:
 
 
 class _Batcher:
-    """Packs ops into ``WriteFiles`` messages of about ``CHUNK`` bytes and sends them to one writer."""
+    """Packs ops into ``WriteFiles`` messages of about ``CHUNK`` bytes (carried or to pull) for one writer."""
 
     def __init__(self, send, sync_id: str, key: str, dirs: tuple, scan_ns: int) -> None:
         self.send, self.sync_id, self.key, self.dirs, self.scan_ns = send, sync_id, key, dirs, scan_ns
         self.ops: list = []
         self.nbytes = 0
-        self.files = self.bytes = 0
+        self.files = self.bytes = self.pulled = 0
 
     def add(self, op: tuple, nbytes: int = 0) -> None:
         self.ops.append(op)
@@ -116,8 +124,63 @@ class _Batcher:
         self.ops, self.nbytes = [], 0
 
 
-def _send_file(b: _Batcher, key: str, path: str, mtime_ns: int, mode: int, blocks: list[int] | None) -> None:
+class _Pulls:
+    """Large files read once into registered buffers that every writer pulls; dropped after the sync."""
+
+    def __init__(self) -> None:
+        self.bufs: dict[str, object] = {}
+        self.nbytes = 0
+
+    def buffer(self, key: str, path: str):
+        """The ``RDMABuffer`` of ``key``'s content, or None (small, empty, or over ``PULL_MAX``)."""
+        if key in self.bufs:
+            return self.bufs[key]
+        size = os.stat(path).st_size
+        if size < PULL_MIN or self.nbytes + size > PULL_MAX:
+            return None
+        from .rdma import RDMABuffer
+
+        with open(path, "rb") as f:
+            data = f.read()
+        if not data:
+            return None
+        buf = self.bufs[key] = RDMABuffer(data)
+        self.nbytes += len(data)
+        return buf
+
+    def drop(self) -> None:
+        for buf in self.bufs.values():
+            buf.drop()
+        self.bufs.clear()
+
+
+def _ranges(blocks: list[int], size: int) -> list[tuple[int, int]]:
+    """(offset, length) runs of consecutive ``BLOCK``-sized blocks, clipped to ``size``."""
+    out: list[list[int]] = []
+    for i in blocks:
+        off = i * _filetree.BLOCK
+        n = min(_filetree.BLOCK, size - off)
+        if n <= 0:
+            continue
+        if out and out[-1][0] + out[-1][1] == off:
+            out[-1][1] += n
+        else:
+            out.append([off, n])
+    return [(o, n) for o, n in out]
+
+
+def _send_file(b: _Batcher, key: str, path: str, mtime_ns: int, mode: int, blocks: list[int] | None,
+               pulls: _Pulls | None = None) -> None:
     """Whole file (``blocks`` None) or only the given blocks of it, then the op that finishes it."""
+    buf = pulls.buffer(key, path) if pulls is not None else None
+    if buf is not None:
+        size = buf.size()
+        for off, n in [(0, size)] if blocks is None else _ranges(blocks, size):
+            b.pulled += n
+            b.add(("r", key, off, buf, n, blocks is not None), n)  # counts toward CHUNK: writers start early
+        b.add(("f", key, size, mtime_ns, mode, blocks is not None))
+        b.files += 1
+        return
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if blocks is None:
@@ -139,14 +202,15 @@ def _send_file(b: _Batcher, key: str, path: str, mtime_ns: int, mode: int, block
     b.files += 1
 
 
-def plan(b: _Batcher, diff: WorkspaceDiff, manifest: dict, sources: dict[str, str]) -> list[str]:
+def plan(b: _Batcher, diff: WorkspaceDiff, manifest: dict, sources: dict[str, str],
+         pulls: _Pulls | None = None) -> list[str]:
     """Turn a writer's diff into ops on ``b``; return the keys whose content changes."""
     changed = []
     for key in diff.send:
         _, mtime_ns, mode = manifest[key]
         theirs = diff.blocks.get(key)
         blocks = _filetree.changed_blocks(sources[key], theirs) if theirs is not None else None
-        _send_file(b, key, sources[key], mtime_ns, mode, blocks)
+        _send_file(b, key, sources[key], mtime_ns, mode, blocks, pulls)
         changed.append(key)
     for key, theirs in diff.verify.items():
         size, mtime_ns, mode = manifest[key]
@@ -157,7 +221,7 @@ def plan(b: _Batcher, diff: WorkspaceDiff, manifest: dict, sources: dict[str, st
         blocks = None
         if isinstance(theirs, list):
             blocks = [i for i, d in enumerate(ours) if i >= len(theirs) or theirs[i] != d]
-        _send_file(b, key, sources[key], mtime_ns, mode, blocks)
+        _send_file(b, key, sources[key], mtime_ns, mode, blocks, pulls)
         changed.append(key)
     for key in diff.delete:
         b.add(("d", key))
@@ -187,15 +251,20 @@ def _sync(procs: list, workspace: Workspace, auto_reload: bool) -> SyncResult:
     col = Collector([w.addr for w in writers], [w.rank for w in writers], list, "workspace write")
     port = mailbox.open_port(col)
     changed: set[str] = set()
-    for w, diff in zip(writers, diffs):
-        b = _Batcher(lambda msg, addr=w.addr: mailbox.send(addr, msg), sync_id, key, dirs, scan_ns)
-        changed.update(plan(b, diff, manifest, sources))
-        b.flush(last=True, reply=port)
-        result.files_sent += b.files
-        result.bytes_sent += b.bytes
-        result.deleted = max(result.deleted, len(diff.delete))
-        result.unchanged = max(result.unchanged, len(manifest) - len(diff.send) - len(diff.verify))
-    result.roots = col.future.get(timeout=SYNC_TIMEOUT) if writers else []
+    pulls = _Pulls()
+    try:
+        for w, diff in zip(writers, diffs):
+            b = _Batcher(lambda msg, addr=w.addr: mailbox.send(addr, msg), sync_id, key, dirs, scan_ns)
+            changed.update(plan(b, diff, manifest, sources, pulls))
+            b.flush(last=True, reply=port)
+            result.files_sent += b.files
+            result.bytes_sent += b.bytes
+            result.bytes_pulled += b.pulled
+            result.deleted = max(result.deleted, len(diff.delete))
+            result.unchanged = max(result.unchanged, len(manifest) - len(diff.send) - len(diff.verify))
+        result.roots = col.future.get(timeout=SYNC_TIMEOUT) if writers else []
+    finally:
+        pulls.drop()
     result.changed = sorted(changed)
     if procs:
         replies = _ask(procs, lambda port: ReloadWorkspace(key, dirs, tuple(sorted(changed)), auto_reload, port),
@@ -227,5 +296,6 @@ def sync_local(workspace: Workspace) -> SyncResult:
         writer.abort()
         raise
     _sync_proc.commit(root, dirs, writer.ops, scan_ns)
-    return SyncResult(b.files, b.bytes, len(manifest) - len(diff.send) - len(diff.verify), len(diff.delete),
-                      [root], sorted(changed), {}, time.perf_counter() - t0)
+    return SyncResult(files_sent=b.files, bytes_sent=b.bytes,
+                      unchanged=len(manifest) - len(diff.send) - len(diff.verify), deleted=len(diff.delete),
+                      roots=[root], changed=sorted(changed), seconds=time.perf_counter() - t0)

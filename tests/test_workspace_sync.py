@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -20,11 +21,12 @@ from monarch_tensor import (
     env_messages,
     sync_messages,
 )
+from monarch_tensor import workspace_sync as ws_sync
 from monarch_tensor.actor import Actor, endpoint, this_host
 from monarch_tensor.mailbox import SYSTEM_HANDLERS
 from monarch_tensor.messages import PortRef
 from monarch_tensor.tools.config import Workspace as WorkspaceFromToolsPath
-from monarch_tensor.workspace_sync import _Batcher, local_manifest, plan
+from monarch_tensor.workspace_sync import _Batcher, _Pulls, local_manifest, plan
 
 pytestmark = pytest.mark.timeout(90)
 assert _proc_ext  # registers the procs' handlers in this process too
@@ -81,20 +83,33 @@ def test_module_names_and_bad_paths(tmp_path):
 
 
 # ---- the sync rules, in-process ------------------------------------------------------------------
-def sync_in_process(src: str, root: str) -> list[str]:
-    """One sync of ``src`` into ``root`` through the same diff/plan/apply code the procs run."""
+def sync_in_process(src: str, root: str, pull: bool = False) -> list[str]:
+    """One sync of ``src`` into ``root`` through the same diff/plan/apply code the procs run.
+
+    ``pull``: files of ``PULL_MIN`` bytes and more go through ``RDMABuffer``s, as to procs.
+    """
     ws = Workspace(dirs={src: "ws"})
     scan_ns = time.time_ns()
     manifest, sources = local_manifest(ws)
     diff = _sync_proc.diff(root, ("ws",), manifest)
     msgs = []
     b = _Batcher(msgs.append, "t", "k", ("ws",), scan_ns)
-    changed = plan(b, diff, manifest, sources)
+    pulls = _Pulls() if pull else None
+    changed = plan(b, diff, manifest, sources, pulls)
     b.flush(last=True, reply=None)
     w = _filetree.Writer(root)
-    for m in msgs:
-        _sync_proc.apply_ops(w, m.ops)
+    try:
+        for m in msgs:
+            _sync_proc.apply_ops(w, m.ops)
+    finally:
+        if pulls is not None:
+            pulls.drop()
     _sync_proc.commit(root, ("ws",), w.ops, scan_ns)
+    big = sum(manifest[k][0] for k in changed if k in manifest and manifest[k][0] >= ws_sync.PULL_MIN)
+    if not pull:
+        assert b.pulled == 0
+    elif diff.blocks == {} and not diff.verify:  # whole files only: every big one was pulled
+        assert b.pulled == big, (b.pulled, big)
     return changed, b.bytes
 
 
@@ -111,8 +126,10 @@ contents = st.binary(max_size=64) | st.just(b"same-size-1") | st.just(b"same-siz
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(steps=st.lists(st.dictionaries(names, st.none() | contents, max_size=4), min_size=1, max_size=4))
-def test_root_mirrors_source_after_every_sync(tmp_path_factory, steps):
+@given(steps=st.lists(st.dictionaries(names, st.none() | contents, max_size=4), min_size=1, max_size=4),
+       pull=st.booleans())
+def test_root_mirrors_source_after_every_sync(tmp_path_factory, steps, pull):
+    """Hypothesis: after any edits, the root equals the source, with file data in messages or pulled."""
     src, root = str(tmp_path_factory.mktemp("src")), str(tmp_path_factory.mktemp("root"))
     for step in steps:
         for name, data in step.items():
@@ -124,33 +141,35 @@ def test_root_mirrors_source_after_every_sync(tmp_path_factory, steps):
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "wb") as f:  # same size, same clock tick: only the racy rule catches this
                 f.write(data)
-        sync_in_process(src, root)
+        with mock.patch.object(ws_sync, "PULL_MIN", 1):  # every non-empty file is pulled
+            sync_in_process(src, root, pull)
         assert tree(os.path.join(root, "ws")) == tree(src)
 
 
-def test_only_changed_content_moves_and_large_files_patch_by_blocks(tmp_path):
+@pytest.mark.parametrize("pull", [False, True])
+def test_only_changed_content_moves_and_large_files_patch_by_blocks(tmp_path, pull):
     src, root = tmp_path / "src", str(tmp_path / "root")
     src.mkdir()
     (src / "a.py").write_text("x = 1\n")
     big = bytearray(os.urandom(6 * _filetree.BLOCK + 123))
     (src / "big.bin").write_bytes(big)
-    changed, nbytes = sync_in_process(str(src), root)
+    changed, nbytes = sync_in_process(str(src), root, pull)
     assert sorted(changed) == ["ws/a.py", "ws/big.bin"] and nbytes == len(big) + 6
     old = time.time_ns() - 10 * _filetree.RACY_COARSE_NS + 7  # age the files past the racy window
     for p in (src / "a.py", src / "big.bin"):
         os.utime(p, ns=(old, old))
-    changed, nbytes = sync_in_process(str(src), root)  # metadata only
+    changed, nbytes = sync_in_process(str(src), root, pull)  # metadata only
     assert changed == [] and nbytes == 0
     os.utime(src / "a.py", ns=(old + 5, old + 5))  # touched, same content: verified by hash, nothing moves
-    changed, nbytes = sync_in_process(str(src), root)
+    changed, nbytes = sync_in_process(str(src), root, pull)
     assert changed == [] and nbytes == 0
     big[3 * _filetree.BLOCK + 10] ^= 0xFF  # one byte of one block
     (src / "big.bin").write_bytes(big)
-    changed, nbytes = sync_in_process(str(src), root)
+    changed, nbytes = sync_in_process(str(src), root, pull)
     assert changed == ["ws/big.bin"] and nbytes == _filetree.BLOCK
     assert (tmp_path / "root" / "ws" / "big.bin").read_bytes() == bytes(big)
     (src / "a.py").unlink()
-    changed, nbytes = sync_in_process(str(src), root)
+    changed, nbytes = sync_in_process(str(src), root, pull)
     assert changed == ["ws/a.py"] and not (tmp_path / "root" / "ws" / "a.py").exists()
 
 
@@ -168,6 +187,14 @@ class Probe(Actor):
     def read(self, rel: str):
         path = os.path.join(os.environ["WORKSPACE_DIR"], rel)
         return open(path).read() if os.path.exists(path) else None
+
+
+class Stats(Actor):
+    @endpoint
+    def reads(self, backend: str) -> int:
+        from monarch_tensor.rdma import transfer_stats
+
+        return transfer_stats().get(backend, {}).get("reads", 0)
 
 
 HELPER = "def value():\n    return {v}\n\nclass Thing:\n    def f(self):\n        return 'version {v}'\n"
@@ -210,6 +237,51 @@ def test_sync_to_two_roots_with_hot_reload(tmp_path):
 
         third = procs.sync_workspace(ws, auto_reload=True).get(timeout=60)  # nothing changed
         assert third.changed == [] and third.bytes_sent == 0
+    finally:
+        procs.stop()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["cma", "tcp"])
+def test_large_files_are_pulled_over_the_data_plane(tmp_path, backend):
+    """Big files reach two roots over the data plane, whole then by changed blocks; small ones in messages."""
+    from rdma._registry import registry
+    from rdma.buffer import ENV_BACKEND
+
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    big = bytearray(os.urandom(5 * _filetree.BLOCK + 4321))
+    (proj / "weights.bin").write_bytes(big)
+    (proj / "mid.bin").write_bytes(os.urandom(ws_sync.PULL_MIN + 1))
+    (proj / "small.py").write_text("X = 1\n")
+    roots = [tmp_path / "host0", tmp_path / "host1"]
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    try:
+        procs.env.set("WORKSPACE_DIR", [str(r) for r in roots]).get(timeout=30)
+        procs.env.set(ENV_BACKEND, backend).get(timeout=30)  # the writers pull with this backend
+        ws = Workspace(dirs=[proj])
+        before = len(registry().by_id)
+        first = procs.sync_workspace(ws).get(timeout=60)
+        assert first.bytes_pulled == 2 * (len(big) + ws_sync.PULL_MIN + 1)
+        assert first.bytes_sent == first.bytes_pulled + 2 * len("X = 1\n")
+        for r in roots:
+            assert tree(str(r / "proj")) == tree(str(proj))
+        old = time.time_ns() - 10 * _filetree.RACY_COARSE_NS  # out of the racy window: blocks are compared
+        for p in proj.iterdir():
+            os.utime(p, ns=(old, old))
+        procs.sync_workspace(ws).get(timeout=60)
+        big[1 * _filetree.BLOCK + 5] ^= 0xFF  # blocks 1 and 2 (consecutive: one range), and the short last one
+        big[2 * _filetree.BLOCK + 7] ^= 0xFF
+        big[-1] ^= 0xFF
+        (proj / "weights.bin").write_bytes(big)
+        second = procs.sync_workspace(ws).get(timeout=60)
+        assert second.changed == ["proj/weights.bin"]
+        assert second.bytes_pulled == second.bytes_sent == 2 * (2 * _filetree.BLOCK + 4321)
+        for r in roots:
+            assert (r / "proj" / "weights.bin").read_bytes() == bytes(big)
+        assert len(registry().by_id) == before, "the sync's buffers were not dropped"
+        reads = procs.spawn("stats", Stats).reads.call(backend).get(timeout=30).values()
+        assert all(n >= 3 for n in reads), reads  # each writer pulled with the backend asked for
     finally:
         procs.stop()
 
