@@ -449,7 +449,7 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
     else:
         mutates = ()
     if tpl.fold:
-        _fold_into(func, args, kwargs, tensors, out)
+        _fold_into(func, args, kwargs, tensors, out, pos, names)
     elif mutates:
         _forget_values(pos, names, args, kwargs)
     client.issue(m.CallOp(tpl.name, tuple(wargs), wkwargs, tuple(tpos), outs, mutates, ctx.sid, loc), ctx.ranks)
@@ -522,15 +522,18 @@ def _fold(func, args, kwargs):
         state.internal = False
 
 
-def _fold_into(func, args, kwargs, tensors, out) -> None:
+def _fold_into(func, args, kwargs, tensors, out, pos, names) -> None:
+    """Compute ``out``'s value here when every input's value is known (``pos``/``names``: what ``func`` mutates)."""
     for t in tensors:
         if type(t) is Tensor and not hasattr(t, "_val"):
-            _forget_values(*_mutated(func), args, kwargs)
+            if pos or names:
+                _forget_values(pos, names, args, kwargs)
             return
     try:
         res = _fold(func, args, kwargs)
     except Exception:  # noqa: BLE001 - folding is an optimisation; the workers have the value
-        _forget_values(*_mutated(func), args, kwargs)
+        if pos or names:
+            _forget_values(pos, names, args, kwargs)
         return
     locs = [x for x in tensors if type(x) is not Tensor]
     for o, r in zip(flat_leaves(out), flat_leaves(res)):
