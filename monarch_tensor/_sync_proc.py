@@ -4,8 +4,8 @@ Each proc knows its host's workspace root: ``$WORKSPACE_DIR`` (Monarch's
 variable; a host agent or job sets it per host) or, by default, a directory per
 client session on this host. The writer proc of a root compares and writes,
 in its message handlers. Large files arrive as ``RDMABuffer`` handles of the
-client's copy and are pulled over the data plane (``pull``); the rest ride in
-the messages. Every proc puts the synced dirs first on ``sys.path`` and
+client's copy and are pulled over the data plane (``_Prefetch``, overlapping
+the reads with the file writes); the rest ride in the messages. Every proc puts the synced dirs first on ``sys.path`` and
 re-imports changed modules (``_reload.py``).
 """
 
@@ -14,10 +14,12 @@ from __future__ import annotations
 import hashlib
 import importlib
 import os
+import queue
 import socket
 import sys
 import threading
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 
 from . import _filetree, _reload
 from .mailbox import SYSTEM_HANDLERS, Mailbox, socket_dir
@@ -106,52 +108,96 @@ def handle_diff(mailbox: Mailbox, msg: DiffWorkspace) -> None:
 
 
 SYNC_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_SYNC_TIMEOUT", "120"))
-PULL_PIECE = 8 << 20  # bytes per data-plane read (a tcp read of the next piece overlaps this one's write)
+PULL_PIECE = 8 << 20  # bytes per data-plane read
+PULL_SLOTS = 3  # pieces read ahead of the file writes
+
+_local = threading.local()
+_helper: tuple[int, ThreadPoolExecutor] | None = None
 
 
-_scratch = threading.local()
+def _reader() -> ThreadPoolExecutor:
+    global _helper
+    if _helper is None or _helper[0] != os.getpid():
+        _helper = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="monarch-tensor-sync-pull"))
+    return _helper[1]
 
 
-def _scratch_buffers(n: int) -> list[memoryview]:
-    """Two buffers of at least ``min(n, PULL_PIECE)`` bytes, kept per thread (fresh memory costs page faults)."""
-    have = getattr(_scratch, "bufs", None)
-    if have is None or len(have[0]) < min(n, PULL_PIECE):
-        have = _scratch.bufs = [memoryview(bytearray(min(max(n, 1 << 20), PULL_PIECE))) for _ in range(2)]
-    return have
+class _Prefetch:
+    """Reads a message's pulls, piece by piece and in order, on a helper thread into a ring of
+    ``PULL_SLOTS`` buffers while the handler writes the pieces already read: the copy from the
+    client and the file write run on two cores. ``next()`` gives the next piece; ``release()``
+    hands its buffer back once written."""
+
+    def __init__(self, pieces: list[tuple]) -> None:
+        size = max(n for _, _, n in pieces)
+        slots = getattr(_local, "slots", None)  # kept per handler thread: fresh memory costs page faults
+        if slots is None or len(slots[0]) < size:
+            slots = _local.slots = [memoryview(bytearray(max(size, 1 << 20))) for _ in range(PULL_SLOTS)]
+        self.pieces, self.slots = pieces, slots
+        self.free = threading.Semaphore(PULL_SLOTS)
+        self.ready: queue.SimpleQueue = queue.SimpleQueue()
+        self.stopped = False
+        _reader().submit(self._run)
+
+    def _run(self) -> None:
+        for i, (buf, offset, n) in enumerate(self.pieces):
+            while not self.free.acquire(timeout=0.5):
+                if self.stopped:
+                    return
+            if self.stopped:
+                return
+            view = self.slots[i % PULL_SLOTS][:n]
+            try:
+                buf.read_into(view, offset=offset, timeout=SYNC_TIMEOUT).get(timeout=SYNC_TIMEOUT)
+            except BaseException as e:  # noqa: BLE001 - raised by next() in the handler
+                self.ready.put(e)
+                return
+            self.ready.put(view)
+
+    def next(self) -> memoryview:
+        try:
+            v = self.ready.get(timeout=SYNC_TIMEOUT + 5)
+        except queue.Empty:
+            raise TimeoutError(f"no data-plane read finished within {SYNC_TIMEOUT + 5} s") from None
+        if isinstance(v, BaseException):
+            raise v
+        return v
+
+    def release(self) -> None:
+        self.free.release()
+
+    def close(self) -> None:
+        self.stopped = True
 
 
-def pull(w: _filetree.Writer, key: str, offset: int, buf, n: int, patch: bool) -> None:
-    """Bytes [offset, offset + n) of ``key`` from the client's ``RDMABuffer``, read and written in turn."""
-    scratch = _scratch_buffers(n)
-    parts = [(o, min(PULL_PIECE, n - o)) for o in range(0, n, PULL_PIECE)]
-
-    def read(i: int):
-        o, m = parts[i]
-        return buf.read_into(scratch[i % 2][:m], offset=offset + o, timeout=SYNC_TIMEOUT)
-
-    fut = read(0)
-    for i, (o, m) in enumerate(parts):
-        fut.get(timeout=SYNC_TIMEOUT)
-        nxt = read(i + 1) if i + 1 < len(parts) else None
-        w.write(key, offset + o, scratch[i % 2][:m], patch)
-        fut = nxt
+def _pieces(op: tuple) -> range:
+    return range(0, op[4], PULL_PIECE)
 
 
 def apply_ops(w: _filetree.Writer, ops) -> None:
-    for op in ops:
-        kind = op[0]
-        if kind == "w":
-            w.write(op[1], op[2], op[3], op[4])
-        elif kind == "r":
-            pull(w, *op[1:])
-        elif kind == "f":
-            w.finish(*op[1:])
-        elif kind == "t":
-            w.touch(*op[1:])
-        elif kind == "d":
-            w.delete(op[1])
-        else:
-            raise ValueError(f"unknown workspace op {kind!r}")
+    """Apply a message's ops in order; ``("r", key, offset, buf, n, patch)`` pulls [offset, offset + n)."""
+    pulls = [(op[3], op[2] + o, min(PULL_PIECE, op[4] - o)) for op in ops if op[0] == "r" for o in _pieces(op)]
+    pre = _Prefetch(pulls) if pulls else None
+    try:
+        for op in ops:
+            kind = op[0]
+            if kind == "w":
+                w.write(op[1], op[2], op[3], op[4])
+            elif kind == "r":
+                for o in _pieces(op):
+                    w.write(op[1], op[2] + o, pre.next(), op[5])
+                    pre.release()
+            elif kind == "f":
+                w.finish(*op[1:])
+            elif kind == "t":
+                w.touch(*op[1:])
+            elif kind == "d":
+                w.delete(op[1])
+            else:
+                raise ValueError(f"unknown workspace op {kind!r}")
+    finally:
+        if pre is not None:
+            pre.close()
 
 
 def commit(root: str, dirs, ops, scan_ns: int) -> None:

@@ -243,8 +243,12 @@ def test_sync_to_two_roots_with_hot_reload(tmp_path):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend", ["cma", "tcp"])
-def test_large_files_are_pulled_over_the_data_plane(tmp_path, backend):
-    """Big files reach two roots over the data plane, whole then by changed blocks; small ones in messages."""
+def test_large_files_are_pulled_over_the_data_plane(tmp_path, monkeypatch, backend):
+    """Big files reach two roots over the data plane, whole then by changed blocks; small ones in messages.
+
+    The writers are on this host, which by default gets every file in the messages: the test makes
+    them pull as writers on other hosts do (the tcp backend is what those use), then turns that off.
+    """
     from rdma._registry import registry
     from rdma.buffer import ENV_BACKEND
 
@@ -255,6 +259,7 @@ def test_large_files_are_pulled_over_the_data_plane(tmp_path, backend):
     (proj / "mid.bin").write_bytes(os.urandom(ws_sync.PULL_MIN + 1))
     (proj / "small.py").write_text("X = 1\n")
     roots = [tmp_path / "host0", tmp_path / "host1"]
+    monkeypatch.setattr(ws_sync, "PULL_SAME_HOST", True)
     procs = this_host().spawn_procs(per_host={"gpus": 2})
     try:
         procs.env.set("WORKSPACE_DIR", [str(r) for r in roots]).get(timeout=30)
@@ -282,6 +287,14 @@ def test_large_files_are_pulled_over_the_data_plane(tmp_path, backend):
         assert len(registry().by_id) == before, "the sync's buffers were not dropped"
         reads = procs.spawn("stats", Stats).reads.call(backend).get(timeout=30).values()
         assert all(n >= 3 for n in reads), reads  # each writer pulled with the backend asked for
+
+        monkeypatch.setattr(ws_sync, "PULL_SAME_HOST", False)  # the default: this host's writers get messages
+        big[7] ^= 0xFF
+        (proj / "weights.bin").write_bytes(big)
+        third = procs.sync_workspace(ws).get(timeout=60)
+        assert third.bytes_pulled == 0 and third.bytes_sent == 2 * _filetree.BLOCK
+        for r in roots:
+            assert (r / "proj" / "weights.bin").read_bytes() == bytes(big)
     finally:
         procs.stop()
 
