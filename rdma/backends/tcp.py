@@ -32,6 +32,17 @@ _STATUS = {UNKNOWN: "was dropped by its owner (or never existed there)", RANGE: 
            READONLY: "is read-only", FAILED: "failed on the owner's side"}
 
 
+def _send_parts(sock: socket.socket, head: bytes, data) -> None:
+    """``head`` then ``data`` in one system call where the kernel takes both (small transfers)."""
+    view = memoryview(data).cast("B")
+    sent = sock.sendmsg([head, view])
+    if sent < len(head):
+        sock.sendall(head[sent:])
+        sent = len(head)
+    if sent - len(head) < len(view):
+        sock.sendall(view[sent - len(head):])
+
+
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
     got = 0
     while got < len(view):
@@ -98,8 +109,7 @@ class Server:
             return
         mem = reg.mem
         data = mem.slice(offset, length).cpu().numpy() if mem.is_cuda else mem.view(offset, length)
-        conn.sendall(bytes([OK]))
-        conn.sendall(data)
+        _send_parts(conn, bytes([OK]), data)
 
     def _serve_write(self, conn, reg, status, offset, length) -> None:
         if status != OK:
@@ -189,15 +199,19 @@ class TcpBackend(Backend):
         ok = False
         try:
             s.settimeout(check_deadline(deadline, "tcp transfer"))
-            s.sendall(_REQ.pack(_MAGIC, op, desc.buf_id, desc.token, offset + lo, n))
+            req = _REQ.pack(_MAGIC, op, desc.buf_id, desc.token, offset + lo, n)
             status = bytearray(1)
             if op == WRITE:
-                s.sendall(local.view(lo, n))
+                _send_parts(s, req, local.view(lo, n))
                 _recv_exact(s, memoryview(status))
             else:
-                _recv_exact(s, memoryview(status))
-                if status[0] == OK:
-                    _recv_exact(s, local.view(lo, n))
+                s.sendall(req)
+                dst = local.view(lo, n)
+                got = s.recvmsg_into([status, dst])[0]  # the status and the first bytes in one call
+                if got == 0:
+                    raise ConnectionError("connection closed mid-transfer")
+                if status[0] == OK and got - 1 < n:
+                    _recv_exact(s, dst[got - 1:])
             ok = True
         except (OSError, ConnectionError) as e:
             raise self._lost(desc, e) from e
