@@ -3,10 +3,11 @@
 Each proc knows its host's workspace root: ``$WORKSPACE_DIR`` (Monarch's
 variable; a host agent or job sets it per host) or, by default, a directory per
 client session on this host. The writer proc of a root compares and writes,
-in its message handlers. Large files arrive as ``RDMABuffer`` handles of the
-client's copy and are pulled over the data plane (``_Prefetch``, overlapping
-the reads with the file writes); the rest ride in the messages. Every proc puts the synced dirs first on ``sys.path`` and
-re-imports changed modules (``_reload.py``).
+in its message handlers. Large files for writers on other hosts arrive as
+``RDMABuffer`` handles of the client's files and are pulled over the data
+plane (``_Prefetch``, overlapping the reads with the file writes); the rest
+ride in the messages. Every proc puts the synced dirs first on ``sys.path``
+and re-imports changed modules (``_reload.py``).
 """
 
 from __future__ import annotations

@@ -96,16 +96,17 @@ def threads() -> int:
     return max(1, min(8, len(os.sched_getaffinity(0))))
 
 
-_pool: ThreadPoolExecutor | None = None
+_pool: tuple[int, ThreadPoolExecutor] | None = None
 _pool_lock = threading.Lock()
 
 
 def _executor() -> ThreadPoolExecutor:
+    """The helper threads of this process (a forked child makes its own)."""
     global _pool
     with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max(1, threads() - 1), thread_name_prefix="monarch-tensor-cma")
-        return _pool
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = (os.getpid(), ThreadPoolExecutor(max(1, threads() - 1), thread_name_prefix="monarch-tensor-cma"))
+        return _pool[1]
 
 
 def pieces(n: int, k: int, align: int = 4096) -> list[tuple[int, int]]:
