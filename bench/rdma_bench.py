@@ -9,11 +9,13 @@ backend that can serve a CPU buffer here (forced with MONARCH_TENSOR_RDMA_BACKEN
 REPEATS times into a warm destination; the table shows the median as GiB/s, and as latency in µs.
 Baselines in the same run, into warm destinations: memcpy (libc's, one thread, via ctypes.memmove),
 torch's copy_ (parallel over every core: the limit on one host; cma splits large transfers over the
-cores too, see rdma/backends/cma.py), a
-control-plane round trip (call_one of a small int), and with --peers PyTorch Monarch's RDMABuffer
-(torchmonarch, TCP fallback: no RDMA NIC here), read by an actor on a second proc. Peers are never
-dependencies: install them aside as bench/actor_bench.py's docstring shows. No PNG plot is written
-(matplotlib is not a dependency); --json keeps every number.
+cores too, see rdma/backends/cma.py), one raw loopback TCP stream, a pyzmq copy (another process
+sends the bytes over a zmq ipc socket; recv_into here), torch.distributed gloo send/recv between two
+processes (timed on the receiver after a barrier), a control-plane round trip (call_one of a small
+int), and with --peers PyTorch Monarch's RDMABuffer (torchmonarch, TCP fallback: no RDMA NIC here),
+read by an actor on a second proc. Peers are never dependencies: install them aside as
+bench/actor_bench.py's docstring shows. --plot PATH (default bench/out/rdma_bench.png) draws GiB/s
+against size when matplotlib is installed (``pip install -e .[bench]``); --json keeps every number.
 """
 
 import argparse
@@ -81,6 +83,90 @@ def raw_tcp_stream(sizes, repeats):
     return out
 
 
+ZMQ_SERVER = r'''
+import sys, zmq
+s = zmq.Context().socket(zmq.REP)
+s.bind(sys.argv[1])
+payload = memoryview(bytearray(b"\x01" * int(sys.argv[2])))
+print("ready", flush=True)
+while True:
+    n = int(s.recv())
+    if n < 0:
+        s.send(b"")
+        break
+    s.send(payload[:n], copy=False)
+'''
+
+
+def zmq_copy(sizes, repeats):
+    """Baseline: another process sends n bytes over a zmq ipc socket, received into a warm buffer."""
+    import tempfile
+
+    import zmq
+
+    addr = f"ipc://{tempfile.mkdtemp(prefix='rdma-bench-')}/zmq"
+    p = subprocess.Popen([sys.executable, "-c", ZMQ_SERVER, addr, str(max(sizes))], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready", "the zmq server did not start"
+        s = zmq.Context.instance().socket(zmq.REQ)
+        s.setsockopt(zmq.RCVTIMEO, int(TIMEOUT * 1000))
+        s.connect(addr)
+        out = {}
+        for n in sizes:
+            dst = bytearray(n)
+
+            def once(n=n, dst=dst):
+                s.send(b"%d" % n)
+                assert s.recv_into(dst) == n
+
+            out[n] = median_time(once, repeats)
+        s.send(b"-1")
+        s.recv()
+        s.close(linger=0)
+        return out
+    finally:
+        p.wait(timeout=TIMEOUT) if p.poll() is None else None
+
+
+GLOO_RANK = r'''
+import json, statistics, sys, time
+import torch
+import torch.distributed as dist
+rank, port, sizes, repeats = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+out = {}
+for n in sizes:
+    t = torch.ones(n, dtype=torch.uint8) if rank == 0 else torch.empty(n, dtype=torch.uint8)
+    ts = []
+    for i in range(repeats + 1):  # the first one warms up
+        dist.barrier()
+        start = time.perf_counter()
+        dist.send(t, 1) if rank == 0 else dist.recv(t, 0)
+        ts.append(time.perf_counter() - start)
+    out[n] = statistics.median(ts[1:])
+dist.destroy_process_group()
+if rank == 1:
+    print("RDMA_BENCH_RESULT " + json.dumps(out), flush=True)
+'''
+
+
+def gloo_send_recv(sizes, repeats):
+    """Baseline: torch.distributed gloo send/recv between two processes of this host (time on the receiver)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ranks = [subprocess.Popen([sys.executable, "-c", GLOO_RANK, str(r), str(port), json.dumps(sizes), str(repeats)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=600) for p in ranks]
+    for line in outs[1][0].splitlines():
+        if line.startswith(MARKER):
+            return {int(k): v for k, v in json.loads(line[len(MARKER):]).items()}
+    raise RuntimeError(f"gloo send/recv failed: {(outs[0][1] + outs[1][1]).strip()[-500:]}")
+
+
 def run_ours():
     import torch
 
@@ -103,7 +189,8 @@ def run_ours():
             return x
 
     procs = this_host().spawn_procs(per_host={"gpus": 1})
-    res = {"memcpy": {}, "copy_": {}, "ctrl_rtt_us": None, "raw_tcp": raw_tcp_stream(SIZES, REPEATS)}
+    res = {"memcpy": {}, "copy_": {}, "ctrl_rtt_us": None, "raw_tcp": raw_tcp_stream(SIZES, REPEATS),
+           "zmq": zmq_copy(SIZES, REPEATS), "gloo": gloo_send_recv(SIZES, REPEATS)}
     try:
         owner = procs.spawn("owner", Owner, max(SIZES))
         buf = owner.buf_.call_one().get(timeout=TIMEOUT)
@@ -183,6 +270,33 @@ def run_monarch():
     return None, ("not installed" if "No module named 'monarch'" in p.stderr else (err[-1] if err else "error"))
 
 
+def plot(path, rows, cols) -> str:
+    """A PNG of GiB/s against size, one line per column; returns what happened, for the log."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no plot: matplotlib is not installed (pip install -e .[bench])"
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for c in cols:
+        pts = [(r["size"], r["size"] / r[c] / 2**30) for r in rows if r.get(c)]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=c)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("bytes per transfer")
+    ax.set_ylabel("GiB/s (median)")
+    ax.set_title("RDMABuffer between two procs of one host")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return f"wrote {path}"
+
+
 def fmt_size(n):
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
@@ -193,6 +307,8 @@ def main():
     ap.add_argument("--peers", action="store_true", help="also run PyTorch Monarch's RDMABuffer (TCP fallback)")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (smoke test)")
     ap.add_argument("--json", metavar="PATH", help="write settings and results as JSON")
+    ap.add_argument("--plot", metavar="PATH", default=os.path.join(ROOT, "bench", "out", "rdma_bench.png"),
+                    help="write a PNG of GiB/s against size here (needs matplotlib; default: %(default)s)")
     args = ap.parse_args()
     if args.tiny:
         SIZES, REPEATS, PEER_MAX = TINY["SIZES"], TINY["REPEATS"], TINY["PEER_MAX"]
@@ -202,13 +318,13 @@ def main():
     def gib(n, t):
         return n / t / 2**30 if t else float("nan")
 
-    cols = ["memcpy", "copy_ (all cores)", "raw tcp stream", "cma read", "cma write", "tcp read", "tcp write", "Monarch read"]
+    cols = ["memcpy", "copy_ (all cores)", "raw tcp stream", "pyzmq copy", "gloo send/recv", "cma read", "cma write", "tcp read", "tcp write", "Monarch read"]
     print(f"RDMABuffer between two procs of this host, GiB/s (µs per transfer); median of {REPEATS}")
     print(f"control-plane round trip (call_one, small int): {ours['ctrl_rtt_us']:.0f} µs")
     print(f"{'size':>8} | " + " | ".join(f"{c:>20}" for c in cols))
     rows = []
     for n in SIZES:
-        times = [ours["memcpy"][n], ours["copy_"][n], ours["raw_tcp"][n], ours["cma"]["read"][n], ours["cma"]["write"][n], ours["tcp"]["read"][n],
+        times = [ours["memcpy"][n], ours["copy_"][n], ours["raw_tcp"][n], ours["zmq"][n], ours["gloo"][n], ours["cma"]["read"][n], ours["cma"]["write"][n], ours["tcp"]["read"][n],
                  ours["tcp"]["write"][n], (monarch or {}).get(n)]
         cells = [f"{gib(n, t):8.2f} ({t * 1e6:8.0f})" if t else f"{'-':>20}" for t in times]
         print(f"{fmt_size(n):>8} | " + " | ".join(f"{c:>20}" for c in cells))
@@ -227,6 +343,7 @@ def main():
                   f"tcp {monarch[n] / ours['tcp']['read'][n]:.1f}x Monarch's")
     if monarch_err:
         print(f"Monarch: {monarch_err}")
+    print(plot(args.plot, rows, cols))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

@@ -1,5 +1,6 @@
 """examples/weight_sync.py and bench/rdma_bench.py run (tiny), and report what they should."""
 
+import importlib.util
 import json
 import os
 import re
@@ -31,11 +32,17 @@ def test_weight_sync_example_keeps_generators_in_sync():
 @pytest.mark.timeout(120)
 def test_rdma_bench_tiny(tmp_path):
     out = tmp_path / "rdma.json"
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "rdma_bench.py"), "--tiny", "--json", str(out)],
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "rdma_bench.py"), "--tiny", "--json", str(out),
+                        "--plot", str(tmp_path / "rdma.png")],
                        cwd=ROOT, capture_output=True, text=True, timeout=110)
     assert p.returncode == 0, p.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["settings"]["tiny"] is True and data["ctrl_rtt_us"] > 0
     for row in data["seconds"]:
-        for col in ("memcpy", "copy_ (all cores)", "raw tcp stream", "cma read", "cma write", "tcp read", "tcp write"):
+        for col in ("memcpy", "copy_ (all cores)", "raw tcp stream", "pyzmq copy", "gloo send/recv",
+                    "cma read", "cma write", "tcp read", "tcp write"):
             assert row[col] > 0, (row["size"], col)
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "rdma.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert "no plot: matplotlib is not installed" in p.stdout
