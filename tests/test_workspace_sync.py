@@ -146,6 +146,19 @@ def test_root_mirrors_source_after_every_sync(tmp_path_factory, steps, pull):
         assert tree(os.path.join(root, "ws")) == tree(src)
 
 
+@settings(max_examples=200, deadline=None)
+@given(size=st.integers(1, 12 * _filetree.BLOCK), blocks=st.sets(st.integers(0, 13)))
+def test_block_ranges_cover_exactly_the_changed_blocks(size, blocks):
+    """Hypothesis: the pulled ranges are the changed blocks' bytes inside the file, merged when adjacent."""
+    ranges = ws_sync._ranges(sorted(blocks), size)
+    B = _filetree.BLOCK
+    covered = {j for o, n in ranges for j in range(o // B, (o + n - 1) // B + 1)}
+    assert covered == {i for i in blocks if i * B < size}
+    assert all(o % B == 0 and ((o + n) % B == 0 or o + n == size) for o, n in ranges)
+    assert all(n > 0 and o + n <= size for o, n in ranges)
+    assert all(o1 + n1 < o2 for (o1, n1), (o2, _) in zip(ranges, ranges[1:]))  # sorted, never adjacent
+
+
 @pytest.mark.parametrize("pull", [False, True])
 def test_only_changed_content_moves_and_large_files_patch_by_blocks(tmp_path, pull):
     src, root = tmp_path / "src", str(tmp_path / "root")
