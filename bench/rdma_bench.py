@@ -125,7 +125,11 @@ def zmq_copy(sizes, repeats):
         s.close(linger=0)
         return out
     finally:
-        p.wait(timeout=TIMEOUT) if p.poll() is None else None
+        try:
+            p.wait(timeout=5)  # it exits after the "-1" request
+        except subprocess.TimeoutExpired:  # the run failed before that
+            p.kill()
+            p.wait()
 
 
 GLOO_RANK = r'''

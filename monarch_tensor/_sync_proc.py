@@ -108,7 +108,7 @@ def handle_diff(mailbox: Mailbox, msg: DiffWorkspace) -> None:
     _reply(mailbox, msg.reply, value)
 
 
-SYNC_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_SYNC_TIMEOUT", "120"))
+SYNC_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_SYNC_TIMEOUT", "120"))  # every wait of a sync, both sides
 PULL_PIECE = 8 << 20  # bytes per data-plane read
 PULL_SLOTS = 3  # pieces read ahead of the file writes
 

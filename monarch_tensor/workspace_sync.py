@@ -40,7 +40,7 @@ from .mailbox import current_mailbox
 from .sync_messages import DescribeWorkspace, DiffWorkspace, ReloadWorkspace, WorkspaceDiff, WriteFiles
 from .tools.config.workspace import Workspace
 
-SYNC_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_SYNC_TIMEOUT", "120"))
+SYNC_TIMEOUT = _sync_proc.SYNC_TIMEOUT  # seconds ($MONARCH_TENSOR_SYNC_TIMEOUT), the procs' too
 CHUNK = 8 << 20  # bytes of file data per WriteFiles message
 PULL_MIN = int(os.environ.get("MONARCH_TENSOR_SYNC_PULL_MIN", 256 << 10))  # bytes: bigger files go on the data plane
 PULL_MAX = 2 << 30  # bytes registered for pulls at once in one sync; further files ride in messages
