@@ -187,11 +187,15 @@ class MeshClient:
     def _send(self, batch: list, ranks: tuple) -> None:
         if not batch:
             return
-        frames = _wire.encode(CallEndpoint(WORKER_NAME, "execute", (batch,), {}, None))
         addrs = self.addrs
-        for r in ranks:
-            if self.alloc._procs[r].alive:
-                self.mailbox.send_frames(addrs[r], frames)
+        to = [r for r in ranks if self.alloc._procs[r].alive]
+        msg = CallEndpoint(WORKER_NAME, "execute", (batch,), {}, None)
+        if to and self.mailbox.route_of(addrs[to[0]]).startswith("ipc://"):
+            frames = _wire.encode(msg)  # constants are small; one encoding for every rank
+        else:  # other hosts: a large constant is pulled by each worker over the data plane
+            frames = _wire.encode_for(msg, [addrs[r] for r in to], self.mailbox)[0] if to else []
+        for r in to:
+            self.mailbox.send_frames(addrs[r], frames)
 
     # ---- fetching ----------------------------------------------------------------------------
     def request(self, rank: int, make_instr, what: str = "fetch") -> Future:

@@ -14,15 +14,22 @@ def host_of(addr: str) -> str:
     return addr.strip("[]")
 
 
+_routes: dict[str, str] = {}
+
+
 def ip_towards(addr: str) -> str:
     """This machine's address on the route to ``addr`` (``tcp://HOST:PORT`` or a host): the one that host
     can reach us at. Loopback for a loopback peer; ``0.0.0.0`` when there is no route."""
     host = host_of(addr)
     if host in LOOPBACK or host.startswith("127."):
         return "127.0.0.1"
+    found = _routes.get(host)
+    if found is not None:
+        return found
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect((host, 9))  # a UDP connect only picks the route
-            return s.getsockname()[0]
+            found = _routes[host] = s.getsockname()[0]  # remembered: messages ask per send
+            return found
     except OSError:
         return "0.0.0.0"

@@ -10,34 +10,64 @@ Plain pickle does the pickling; a message that refers to ``__main__`` (classes
 and functions of a script or notebook) or holds something pickle refuses (a
 lambda, a local class) is pickled again with cloudpickle so that code travels
 by value. Everything importable travels by reference.
+
+Large buffers take other paths (the header's magic says which): to
+receivers on this host, one shared-memory segment (``_shm.py``); to
+receivers on other hosts, one data-plane buffer that each receiver pulls
+while decoding (``rdma/payload.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copyreg
 import io
+import logging
 import pickle
 import struct
 import sys
+import threading
 
 import cloudpickle
 
 from . import _shm
 from .errors import ProtocolError
 
+log = logging.getLogger("monarch_tensor.wire")
+
 MAGIC = b"MT01"
 MAGIC_SHM = b"MT02"  # one extra frame: (name, layout) of a shared-memory file holding the buffers
+MAGIC_DP = b"MT03"  # one extra frame: a data-plane Payload to pull the buffers from (rdma/payload.py)
+_MAGICS = (MAGIC, MAGIC_SHM, MAGIC_DP)
 _HEADER = struct.Struct("!4sI")
 _MAIN = b"__main__"
 
 
-def encode(msg: object, shm: bool | int = False) -> list:
+class PayloadLost(ProtocolError):
+    """A message's buffers could not be pulled from its sender; ``message`` is the message rebuilt over
+    zeroed buffers (None if even that failed), so that whoever waits on it can be told."""
+
+    def __init__(self, error: BaseException, message: object) -> None:
+        super().__init__(str(error))
+        self.error, self.message = error, message
+
+
+def encode(msg: object, shm: bool | int = False, remote: tuple[int, str, str] | None = None) -> list:
     """Frames for ``msg``: header and body, then out-of-band buffers.
 
     With ``shm`` (the number of receivers, all on this host; ``True`` is one),
     large buffers go through shared memory; :func:`frames_for_reader` gives
-    each receiver its frames.
+    each receiver its frames. With ``remote`` = (receivers, the address of
+    one of them, the sender's own address), for receivers on other hosts,
+    large buffers are pulled by each receiver over the data plane.
     """
+    if remote:
+        with towards(remote[1]):
+            return _encode(msg, shm, remote)
+    return _encode(msg, shm, remote)
+
+
+def _encode(msg: object, shm: bool | int, remote: tuple[int, str, str] | None) -> list:
     buffers: list[pickle.PickleBuffer] = []
     try:
         if "torch" in sys.modules:
@@ -58,7 +88,41 @@ def encode(msg: object, shm: bool | int = False) -> list:
     if shm and raws and sum(r.nbytes for r in raws) >= _shm.SHM_THRESHOLD and _shm.available():
         desc = pickle.dumps(_shm.write(raws, readers=int(shm)))
         return [_HEADER.pack(MAGIC_SHM, 1) + body, desc]
+    if remote and raws and _payload().wanted(raws):
+        try:
+            payload = _payload().publish(raws, remote[0], remote[2])
+        except Exception as e:  # noqa: BLE001 - the frames still carry them
+            log.warning("cannot publish a message payload on the data plane (%r); it goes in the frames", e)
+            payload = None
+        if payload is not None:
+            return [_HEADER.pack(MAGIC_DP, 1) + body, pickle.dumps(payload, protocol=5)]
     return [_HEADER.pack(MAGIC, len(raws)) + body, *raws]
+
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def towards(addr: str):
+    """Within it, what is pickled goes to ``addr`` on another host (``RDMABuffer`` handles then name
+    this machine's address on the route there)."""
+    old = getattr(_local, "dest", None)
+    _local.dest = addr
+    try:
+        yield
+    finally:
+        _local.dest = old
+
+
+def destination() -> str | None:
+    """The other host's address a message being encoded on this thread goes to (None: this host)."""
+    return getattr(_local, "dest", None)
+
+
+def _payload():
+    from rdma import payload
+
+    return payload
 
 
 def frames_for_reader(frames: list, i: int) -> list:
@@ -68,11 +132,17 @@ def frames_for_reader(frames: list, i: int) -> list:
     return [frames[0], pickle.dumps(_shm.for_reader(pickle.loads(frames[1]), i))]
 
 
-def encode_for(msg: object, addrs: list[str]) -> list[list]:
-    """Frames for each of ``addrs`` (encoded once; shared memory when every receiver is on this host)."""
-    local = all(a.startswith("ipc://") for a in addrs)
-    frames = encode(msg, shm=len(addrs) if local and len(addrs) <= _shm.MAX_READERS else False)
-    return [frames_for_reader(frames, i) for i in range(len(addrs))]
+def encode_for(msg: object, addrs: list[str], mailbox=None) -> list[list]:
+    """Frames for each of ``addrs`` (encoded once): large buffers through shared memory when every
+    receiver is on this host, else over the data plane (given the sending ``mailbox``)."""
+    targets = [mailbox.route_of(a) if mailbox is not None else a for a in addrs]
+    if all(t.startswith("ipc://") for t in targets):
+        frames = encode(msg, shm=len(addrs) if len(addrs) <= _shm.MAX_READERS else False)
+        return [frames_for_reader(frames, i) for i in range(len(addrs))]
+    remote = None
+    if mailbox is not None:
+        remote = (len(addrs), next(t for t in targets if not t.startswith("ipc://")), mailbox.public_addr)
+    return [encode(msg, remote=remote)] * len(addrs)
 
 
 _dispatch: dict | None = None
@@ -123,7 +193,7 @@ def buffer_count(first: bytes) -> int:
     if len(first) < _HEADER.size:
         return 0
     magic, nbuf = _HEADER.unpack_from(first)
-    return nbuf if magic in (MAGIC, MAGIC_SHM) else 0
+    return nbuf if magic in _MAGICS else 0
 
 
 def decode(frames: list) -> object:
@@ -134,7 +204,7 @@ def decode(frames: list) -> object:
     if len(first) < _HEADER.size:
         raise ProtocolError(f"first frame of {len(first)} bytes is shorter than the header")
     magic, nbuf = _HEADER.unpack_from(first)
-    if magic not in (MAGIC, MAGIC_SHM):
+    if magic not in _MAGICS:
         raise ProtocolError(f"bad magic {bytes(magic)!r}")
     if nbuf != len(frames) - 1:
         raise ProtocolError(f"header announces {nbuf} buffers, got {len(frames) - 1}")
@@ -145,7 +215,24 @@ def decode(frames: list) -> object:
             bufs = _shm.read(*pickle.loads(bufs[0]))
         except Exception as e:  # noqa: BLE001
             raise ProtocolError(f"cannot map the message's shared-memory buffers: {e!r}") from e
+    elif magic == MAGIC_DP:
+        bufs = _pull(body, bufs[0])
     try:
         return pickle.loads(body, buffers=bufs)
     except Exception as e:  # noqa: BLE001 - any unpickling failure is a protocol error
         raise ProtocolError(f"cannot unpickle message body: {e!r}") from e
+
+
+def _pull(body: memoryview, desc) -> list:
+    try:
+        payload = pickle.loads(desc)
+    except Exception as e:  # noqa: BLE001
+        raise ProtocolError(f"cannot read the message's data-plane payload descriptor: {e!r}") from e
+    try:
+        return _payload().pull(payload)
+    except Exception as e:  # noqa: BLE001 - rebuild the message over zeros to fail whoever waits on it
+        try:
+            msg = pickle.loads(body, buffers=_payload().placeholders(payload))
+        except Exception:  # noqa: BLE001
+            msg = None
+        raise PayloadLost(e, msg) from e

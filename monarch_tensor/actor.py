@@ -218,9 +218,9 @@ class Endpoint(Generic[R]):
         if len(addrs) > 1 and "|" in addrs[0]:  # procs behind host agents: down the fan-out tree
             from ._fanout import send_many
 
-            send_many(mailbox, addrs, _wire.encode(msg))
+            send_many(mailbox, addrs, _wire.encode_for(msg, addrs, mailbox)[0])
             return
-        for addr, frames in zip(addrs, _wire.encode_for(msg, addrs)):
+        for addr, frames in zip(addrs, _wire.encode_for(msg, addrs, mailbox)):
             mailbox.send_frames(addr, frames)
 
     def _collect(self, ranks: list[int], args, kwargs, finish, what) -> Future:

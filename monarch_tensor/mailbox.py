@@ -36,6 +36,11 @@ log = logging.getLogger("monarch_tensor.mailbox")
 SYSTEM_HANDLERS: dict[type, Callable[[Mailbox, object], None]] = {}
 
 
+# Messages that have no reply port but a waiter all the same (the tensor engine's to_mesh data): on a lost
+# payload, ``rewrite(msg, error)`` gives the message to handle instead. Keyed by (actor, method).
+LOST_REWRITES: dict[tuple[str, str], Callable[[object, BaseException], object]] = {}
+
+
 class PortHandler(Protocol):
     def deliver(self, msg: SendToPort) -> bool:
         """Take one value; return True when the port is finished and can be closed."""
@@ -106,8 +111,18 @@ class Mailbox:
             self._out[addr] = s
         return s
 
+    def route_of(self, addr: str) -> str:
+        """The address a message to ``addr`` is sent to: ``addr`` itself, the tcp gateway it is reached
+        through, or the host agent it is routed by."""
+        return self.aliases.get(addr, addr).partition(ROUTE_SEP)[0]
+
     def send(self, addr: str, msg: object) -> None:
-        self.send_frames(addr, _wire.encode(msg, shm=self.aliases.get(addr, addr).startswith("ipc://")))
+        target = self.route_of(addr)
+        if target.startswith("ipc://"):  # this host: large buffers through shared memory
+            frames = _wire.encode(msg, shm=True)
+        else:  # another host: large buffers pulled by the receiver over the data plane
+            frames = _wire.encode(msg, remote=(1, target, self.public_addr))
+        self.send_frames(addr, frames)
 
     def send_frames(self, addr: str, frames: list) -> None:
         """Send already-encoded frames (encode once, send to many)."""
@@ -213,6 +228,9 @@ class Mailbox:
     def _dispatch(self, frames: list, defer: Callable[[object], None] | None = None) -> None:
         try:
             msg = _wire.decode(frames)
+        except _wire.PayloadLost as e:
+            self._lost(e.message, e.error)
+            return
         except ProtocolError as e:
             log.warning("dropped a malformed message on %s: %s", self.addr, e)
             return
@@ -237,6 +255,29 @@ class Mailbox:
                 log.warning("dropped unexpected %s on %s", type(msg).__name__, self.addr)
         except Exception:  # noqa: BLE001 - a bad message never kills the I/O thread
             log.exception("error while handling %s", type(msg).__name__)
+
+    def _lost(self, msg: object, error: BaseException) -> None:
+        """A message whose payload could not be pulled: fail whoever waits on it, never drop it silently."""
+        from .messages import CallEndpoint, SpawnActor
+
+        try:
+            if isinstance(msg, SendToPort):  # a reply or channel value: its port gets the error
+                with self._ports_lock:
+                    h = self._ports.get(msg.port_id)
+                if h is not None and h.deliver(SendToPort(msg.port_id, None, error, msg.rank)):
+                    self.close_port(msg.port_id)
+                return
+            reply = getattr(msg, "reply", None) if isinstance(msg, (CallEndpoint, SpawnActor)) else None
+            if reply is not None:  # a call: its caller gets the error
+                self.send(reply.addr, SendToPort(reply.port_id, None, error, getattr(msg, "rank", -1)))
+                return
+            rewrite = LOST_REWRITES.get((msg.actor, msg.method)) if isinstance(msg, CallEndpoint) else None
+            if rewrite is not None and self.on_message is not None:
+                self.on_message(rewrite(msg, error))
+                return
+        except Exception:  # noqa: BLE001 - never kills the I/O thread
+            log.exception("while failing a message whose payload was lost")
+        log.error("dropped %s on %s: %s", type(msg).__name__ if msg is not None else "a message", self.addr, error)
 
     def close(self) -> None:
         if self._closed:

@@ -20,11 +20,14 @@ cma, tcp; ``MONARCH_TENSOR_RDMA_BACKEND=tcp`` (or another name) forces one.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import threading
 from typing import Any
 
+from monarch_tensor import _wire
+from monarch_tensor._net import ip_towards
 from monarch_tensor.future import Future
 
 from ._future import TransferFuture
@@ -150,7 +153,15 @@ class RDMABuffer:
         return self
 
     def __reduce__(self):
-        return (RDMABuffer._from_desc, (self._desc,))
+        d = self._desc
+        towards = _wire.destination()
+        if towards and d.tcp is not None and d.pid == os.getpid() and not os.environ.get("MONARCH_TENSOR_RDMA_HOST"):
+            # Pickled into a message for another host: announce the tcp server (which listens on every
+            # address) at this machine's address on the route there, not the default one (may be loopback).
+            host = ip_towards(towards)
+            if host != "0.0.0.0" and host != d.tcp[0]:
+                d = dataclasses.replace(d, tcp=(host, d.tcp[1]))
+        return (RDMABuffer._from_desc, (d,))
 
     # ---- what it is -------------------------------------------------------------------
     def size(self) -> int:

@@ -28,3 +28,12 @@ class DropBuffer:
 
     buf_id: int
     token: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReleasePayload:
+    """Receiver -> sender: I pulled message payload ``buf_id`` (see ``rdma/payload.py``); drop it after the
+    last receiver."""
+
+    buf_id: int
+    token: int

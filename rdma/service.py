@@ -8,7 +8,7 @@ from monarch_tensor import mailbox as _mailbox
 from monarch_tensor.messages import SendToPort
 
 from ._registry import registry
-from .messages import ConnectQueuePair, DropBuffer
+from .messages import ConnectQueuePair, DropBuffer, ReleasePayload
 
 log = logging.getLogger("monarch_tensor.rdma")
 
@@ -29,7 +29,14 @@ def handle_DropBuffer(mb: _mailbox.Mailbox, msg: DropBuffer) -> None:
         registry().drop(msg.buf_id)
 
 
-HANDLERS = {ConnectQueuePair: handle_ConnectQueuePair, DropBuffer: handle_DropBuffer}
+def handle_ReleasePayload(mb: _mailbox.Mailbox, msg: ReleasePayload) -> None:
+    from . import payload
+
+    payload.handle_release(msg.buf_id, msg.token)
+
+
+HANDLERS = {ConnectQueuePair: handle_ConnectQueuePair, DropBuffer: handle_DropBuffer,
+            ReleasePayload: handle_ReleasePayload}
 
 
 def install() -> None:

@@ -101,3 +101,21 @@ def test_sharded_bench_tiny(tmp_path):
     assert match["ours_vs_spmd"] and match["ours_vs_local"] and match["ours_vs_fsdp2"], data["losses"]
     assert data["value_match"]["ours_vs_spmd"] and data["value_match"]["ours_vs_local"], data["value_match"]
     assert "ours/spmd" in proc.stdout
+
+
+@pytest.mark.timeout(180)
+def test_payload_bench_tiny(tmp_path):
+    out = tmp_path / "payload.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "payload_bench.py"), "--tiny", "--json",
+                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=160)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["env"]["tiny"] is True
+    assert {r["way"] for r in data["results"]} == {"frames", "dp", "tcp"}
+    assert all(r["gib_s"] > 0 for r in data["results"])
+    # Each way really went its way: no pulls in the frames; pulls over cma, then over tcp, otherwise.
+    p = data["pulled"]
+    assert p["frames"]["payloads"] == 0
+    assert p["dp"]["payloads"] > 0 and p["dp"]["cma"] == p["dp"]["payloads"] and p["dp"]["tcp"] == 0
+    assert p["tcp"]["payloads"] > 0 and p["tcp"]["tcp"] > 0 and p["tcp"]["cma"] == 0
+    assert "data plane / frames" in proc.stdout

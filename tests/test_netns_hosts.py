@@ -76,6 +76,23 @@ class Where(Actor):
         """This proc's address on the route to the controller's side of the bridge."""
         return ip_towards(controller)
 
+    @endpoint
+    def echo(self, x):
+        return x
+
+    @endpoint
+    def publish(self, n: int):
+        from rdma import RDMABuffer
+
+        self.data = torch.arange(n, dtype=torch.float32)
+        return RDMABuffer(self.data.view(torch.uint8))
+
+    @endpoint
+    def pulled(self) -> tuple[int, int]:
+        from rdma import payload, transfer_stats
+
+        return payload.stats()["pulled"], transfer_stats()["tcp"]["reads"]
+
 
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory):
@@ -86,6 +103,7 @@ def hosts(tmp_path_factory):
     key = str(tmp / "job.key")
     JobKeys.generate().save(key)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # as a cluster's shared home
+    env["MONARCH_TENSOR_RDMA_BACKEND"] = "tcp"  # one kernel underneath: make pulls take the path between machines
     agents, addrs = [], []
     try:
         for ns, _, addr in HOSTS:
@@ -138,5 +156,32 @@ def test_actors_reduce_and_dtensors_across_network_namespaces(hosts):
         assert torch.equal(got, torch.full((4,), 10.0))
         assert torch.equal(got_hosts, torch.full((4,), 4.0))
         assert torch.allclose(prod, a @ a.T)
+    finally:
+        procs.stop().get(timeout=60)
+
+
+@pytest.mark.timeout(180)
+def test_large_payloads_are_pulled_across_network_namespaces_over_tcp(hosts, monkeypatch):
+    """The data servers are announced at each side's address on the route to the other: a 4 MiB argument
+    is pulled by a proc from this process, and its echo by this process from the proc, both over tcp."""
+    from rdma import payload
+
+    mesh, _ = hosts
+    monkeypatch.setenv("MONARCH_TENSOR_RDMA_BACKEND", "tcp")
+    procs = mesh.spawn_procs(per_host={"gpus": 1})
+    try:
+        w = procs.spawn("echo", Where)
+        x = torch.randn(1 << 20)
+        before = payload.stats()["pulled"]
+        y = w.slice(hosts=1, gpus=0).echo.call_one(x).get(timeout=120)
+        assert torch.equal(x, y)
+        assert payload.stats()["pulled"] == before + 1
+        assert w.slice(hosts=1, gpus=0).pulled.call_one().get(timeout=60) == (1, 1)
+        # A handle made by a proc names the proc's address on the route to whoever it was sent to.
+        buf = w.slice(hosts=0, gpus=0).publish.call_one(1000).get(timeout=60)
+        assert buf._desc.tcp[0] == HOSTS[0][2]
+        out = torch.empty(1000)
+        buf.read_into(out.view(torch.uint8), timeout=30).get(timeout=60)
+        assert torch.equal(out, torch.arange(1000.0)) and buf.backend == "tcp"
     finally:
         procs.stop().get(timeout=60)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from monarch_tensor.actor import Actor, current_rank, endpoint
-from monarch_tensor.mailbox import current_mailbox
+from monarch_tensor.mailbox import LOST_REWRITES, current_mailbox
 from monarch_tensor.messages import CallEndpoint, SendToPort
 
 from . import messages as m
@@ -133,9 +133,17 @@ class TensorWorker(Actor):
 
     @endpoint
     def deliver(self, xfer: int, value: Any) -> None:
+        self._put(xfer, value)
+
+    def _put(self, xfer: int, value: Any) -> None:
         with self.inbox_cv:
             self.inbox[xfer] = value
             self.inbox_cv.notify_all()
+
+    @endpoint
+    def deliver_failed(self, xfer: int, error: BaseException) -> None:
+        """``to_mesh`` data that never arrived (its payload could not be pulled): the receiving ref fails."""
+        self._put(xfer, RemoteException("to_mesh (recv)", None, self.rank, repr(error), "", _picklable(error)))
 
     def __cleanup__(self) -> None:
         for s in self.streams.values():
@@ -349,9 +357,17 @@ def _to_cpu(v):
 def send_tensor(mailbox, dest_addr: str, xfer: int, value) -> None:
     """The data path of ``to_mesh``: one function, so a faster transport can replace it.
 
-    Today: the proc mailbox (same-host buffers go through shared memory).
+    Today: the proc mailbox; a large tensor goes through shared memory to a proc of this host, and
+    is pulled over the data plane by a proc of another host (rdma/payload.py).
     """
     mailbox.send(dest_addr, CallEndpoint(WORKER_NAME, "deliver", (xfer, value), {}, None))
+
+
+def _lost_delivery(msg: CallEndpoint, error: BaseException) -> CallEndpoint:
+    return CallEndpoint(WORKER_NAME, "deliver_failed", (msg.args[0], error), {}, None)
+
+
+LOST_REWRITES[(WORKER_NAME, "deliver")] = _lost_delivery
 
 
 def _picklable(e: BaseException) -> BaseException | None:

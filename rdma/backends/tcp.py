@@ -57,11 +57,15 @@ class Server:
     """Serves this process's registered buffers; ``address`` is (host, port)."""
 
     def __init__(self) -> None:
-        host = os.environ.get("MONARCH_TENSOR_RDMA_HOST") or _default_host()
+        # Listen on every address (a buffer's token guards it), so that a descriptor may name whichever
+        # of this machine's addresses its reader can route to (message payloads do); announce the
+        # host's default one, or MONARCH_TENSOR_RDMA_HOST, which then is the only one listened on.
+        chosen = os.environ.get("MONARCH_TENSOR_RDMA_HOST")
+        host = chosen or _default_host()
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            self.sock.bind((host, 0))
+            self.sock.bind((chosen or "0.0.0.0", 0))
         except OSError:
             host = "127.0.0.1"
             self.sock.bind((host, 0))
