@@ -157,7 +157,15 @@ def test_handshake_with_an_owner_without_device_fails_clearly():
 MESSAGES = [
     messages.ConnectQueuePair("ipc:///tmp/x", "mlx5_0", b"\0" * 27, PortRef("ipc:///tmp/y", 3)),
     messages.DropBuffer(12, 2**62),
+    messages.ReleasePayload(13, 2**61),
 ]
+
+
+def test_every_data_plane_message_is_listed_above():
+    import dataclasses
+
+    defined = {c for c in vars(messages).values() if dataclasses.is_dataclass(c) and c.__module__ == messages.__name__}
+    assert defined == {type(m) for m in MESSAGES}
 
 
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
