@@ -8,6 +8,7 @@ reports are how the runtime learns, within milliseconds, that a proc died.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import subprocess
 import sys
@@ -22,6 +23,8 @@ from .future import Future
 from .mailbox import current_mailbox, new_ipc_address
 from .messages import SetLogging, StopProc
 from .shape import Shape
+
+log = logging.getLogger("monarch_tensor.host")
 
 SPAWN_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_SPAWN_TIMEOUT", "60"))
 
@@ -70,6 +73,7 @@ class LocalHost:
         os.close(req_r)
         os.close(rep_w)
         self._lock = threading.Lock()
+        self._warmed = on_exit is not None  # a host agent runs no tensor engine
         self._next = 0
         self._spawned: dict[int, Future] = {}
         self._by_pid: dict[int, ProcInfo] = {}
@@ -113,6 +117,9 @@ class LocalHost:
                 _zygote.write_msg(self._req_fd, ("spawn", self._next, "monarch_tensor._proc.run_proc",
                                                  (info.addr, client_addr, info.rank), env))
                 futs.append((info, fut))
+        if not self._warmed:  # the template is still importing torch: meanwhile, on another core, warm up
+            self._warmed = True
+            _warm_tensor_engine()
         for info, fut in futs:
             info.pid = fut.get(timeout=SPAWN_TIMEOUT)
             self._by_pid[info.pid] = info
@@ -134,6 +141,20 @@ class LocalHost:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+def _warm_tensor_engine() -> None:
+    """Build the tensor engine's fake-tensor mode now, while the first procs start: it imports
+    torch._dynamo, 1.6-2.2 s here, which the script's first mesh-tensor op would pay otherwise. Only in a
+    script that imported torch itself; a failure here is left for that op to report."""
+    if "torch" not in sys.modules or "torch._dynamo" in sys.modules or os.environ.get("MONARCH_TENSOR_NO_WARMUP"):
+        return
+    try:
+        from controller.tensor import fake_mode
+
+        fake_mode()
+    except Exception as e:  # noqa: BLE001
+        log.debug("tensor engine warm-up: %r", e)
 
 
 _local_host: LocalHost | None = None

@@ -167,3 +167,38 @@ def test_training_matches_local(procs, opt_name, foreach):
     torch.testing.assert_close(mesh_losses, local_losses, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(w, model[0].weight.detach(), rtol=1e-5, atol=1e-6)
     assert mesh_losses[-1] < mesh_losses[0]
+
+
+_WARM_SCRIPT = """
+import sys, time
+import torch
+from monarch_tensor import fetch_shard, this_host
+import controller.tensor as ct
+mesh = this_host().spawn_procs(per_host={"gpus": 1})
+warm = ct._fake_mode is not None and "torch._dynamo" in sys.modules
+with mesh.activate():
+    t = time.perf_counter()
+    x = torch.ones(3) * 2
+    first = time.perf_counter() - t
+    got = fetch_shard(x).result(timeout=60)
+assert torch.equal(got, torch.full((3,), 2.0)), got
+print("warm", warm, "first-op-s", round(first, 3))
+mesh.stop().get(timeout=30)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("off", ["", "1"])
+def test_the_first_spawn_builds_the_fake_tensor_mode_while_the_procs_start(off, tmp_path):
+    """The fake mode imports torch._dynamo (seconds): spawning the first procs builds it meanwhile, so the
+    script's first mesh op does not pay for it. ``MONARCH_TENSOR_NO_WARMUP=1`` turns that off."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, MONARCH_TENSOR_NO_WARMUP=off, PYTHONPATH=root)
+    p = subprocess.run([sys.executable, "-c", _WARM_SCRIPT], cwd=str(tmp_path), env=env, capture_output=True,
+                       text=True, timeout=100)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"warm {not off} " in p.stdout, p.stdout
