@@ -229,7 +229,7 @@ class Mailbox:
         try:
             msg = _wire.decode(frames)
         except _wire.PayloadLost as e:
-            self._lost(e.message, e.error)
+            self._lost(e.message, e.error, defer)
             return
         except ProtocolError as e:
             log.warning("dropped a malformed message on %s: %s", self.addr, e)
@@ -256,7 +256,7 @@ class Mailbox:
         except Exception:  # noqa: BLE001 - a bad message never kills the I/O thread
             log.exception("error while handling %s", type(msg).__name__)
 
-    def _lost(self, msg: object, error: BaseException) -> None:
+    def _lost(self, msg: object, error: BaseException, defer: Callable[[object], None] | None = None) -> None:
         """A message whose payload could not be pulled: fail whoever waits on it, never drop it silently."""
         from .messages import CallEndpoint, SpawnActor
 
@@ -272,8 +272,9 @@ class Mailbox:
                 self.send(reply.addr, SendToPort(reply.port_id, None, error, getattr(msg, "rank", -1)))
                 return
             rewrite = LOST_REWRITES.get((msg.actor, msg.method)) if isinstance(msg, CallEndpoint) else None
-            if rewrite is not None and self.on_message is not None:
-                self.on_message(rewrite(msg, error))
+            handle = defer if defer is not None else self.on_message
+            if rewrite is not None and handle is not None:
+                handle(rewrite(msg, error))
                 return
         except Exception:  # noqa: BLE001 - never kills the I/O thread
             log.exception("while failing a message whose payload was lost")
