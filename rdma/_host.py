@@ -5,6 +5,28 @@ from __future__ import annotations
 import functools
 import os
 import socket
+import threading
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+
+
+def per_process(make: Callable[[], T]) -> Callable[[], T]:
+    """A getter of ``make()``'s result, made on first use in each process: a forked child makes its own
+    (its parent's threads, sockets and registrations are not its own)."""
+    lock = threading.Lock()
+    held: list = [0, None]  # (pid, value)
+
+    @functools.wraps(make)
+    def get() -> T:
+        pid = os.getpid()
+        if held[0] != pid:
+            with lock:
+                if held[0] != pid:
+                    held[1], held[0] = make(), pid
+        return held[1]
+
+    return get
 
 
 @functools.lru_cache(maxsize=1)
@@ -32,16 +54,10 @@ def start_time(pid: int) -> int:
     return int(data[data.rindex(b")") + 2:].split()[19])
 
 
-_own: tuple[int, int] = (0, 0)
-
-
+@per_process
 def own_start_time() -> int:
     """``start_time`` of this process, read once per process (a registration needs it each time)."""
-    global _own
-    pid = os.getpid()
-    if _own[0] != pid:
-        _own = (pid, start_time(pid))
-    return _own[1]
+    return start_time(os.getpid())
 
 
 def alive(pid: int, started: int) -> bool:

@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._host import host_id, own_start_time
+from ._host import host_id, own_start_time, per_process
 from ._memory import Mem
 
 _SLOTS_PER_PAGE = 4096
@@ -97,13 +97,7 @@ class Registry:
         return True
 
 
-_registry: Registry | None = None
-_registry_pid = 0
-
-
+@per_process
 def registry() -> Registry:
     """This process's registry (a forked child starts with an empty one)."""
-    global _registry, _registry_pid
-    if _registry is None or _registry_pid != os.getpid():
-        _registry, _registry_pid = Registry(), os.getpid()
-    return _registry
+    return Registry()

@@ -31,7 +31,7 @@ from monarch_tensor._net import ip_towards
 from monarch_tensor.future import Future
 
 from ._future import TransferFuture
-from ._host import host_id
+from ._host import host_id, per_process
 from ._memory import Mem, as_mem
 from ._registry import Descriptor, registry
 from .backends.base import Backend
@@ -44,8 +44,6 @@ INLINE_BYTES = 64 << 20  # cma transfers up to this size run on the caller's thr
 
 _backends: list[Backend] | None = None
 _lock = threading.Lock()
-_executor: concurrent.futures.ThreadPoolExecutor | None = None
-_executor_pid = 0
 
 
 def backends() -> list[Backend]:
@@ -72,12 +70,9 @@ def backend_named(name: str) -> Backend:
     raise BackendUnavailableError(f"no data-plane backend named {name!r}; known: {[b.name for b in backends()]}")
 
 
+@per_process
 def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _executor, _executor_pid
-    if _executor is None or _executor_pid != os.getpid():
-        _executor = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="mt-rdma")
-        _executor_pid = os.getpid()
-    return _executor
+    return concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="mt-rdma")
 
 
 def get_rdma_backend() -> str:

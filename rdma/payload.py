@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._host import per_process
 from .errors import RDMAError
 
 log = logging.getLogger("monarch_tensor.rdma")
@@ -139,15 +140,7 @@ class _Published:
                 e[3].drop()
 
 
-_state: _Published | None = None
-_state_pid = 0
-
-
-def _published() -> _Published:
-    global _state, _state_pid
-    if _state is None or _state_pid != os.getpid():
-        _state, _state_pid = _Published(), os.getpid()
-    return _state
+_published = per_process(_Published)
 
 
 def stats() -> dict:

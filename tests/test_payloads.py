@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import threading
 import time
 
 import numpy as np
@@ -156,9 +155,6 @@ def test_to_mesh_data_whose_payload_is_lost_fails_the_receiving_tensor():
 
 # ---- real procs behind host agents ---------------------------------------------------------------
 class Echo(Actor):
-    def __init__(self) -> None:
-        self.gate = threading.Event()
-
     @endpoint
     def echo(self, x):
         return x

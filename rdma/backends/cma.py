@@ -24,7 +24,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from .._host import alive, host_id
+from .._host import alive, host_id, per_process
 from .._memory import Mem
 from .._registry import Descriptor
 from ..errors import BackendRefusedError, BufferDroppedError, OwnerDiedError, TransferError
@@ -56,15 +56,9 @@ def _lib():
     return _libc
 
 
-_allowed_pid = 0
-
-
+@per_process
 def allow_readers() -> None:
     """Let other processes of this user attach to our memory under Yama ``ptrace_scope=1`` (once per process)."""
-    global _allowed_pid
-    if _allowed_pid == os.getpid():
-        return
-    _allowed_pid = os.getpid()
     try:
         with open("/proc/sys/kernel/yama/ptrace_scope") as f:
             if f.read().strip() != "1":
@@ -96,17 +90,10 @@ def threads() -> int:
     return max(1, min(8, len(os.sched_getaffinity(0))))
 
 
-_pool: tuple[int, ThreadPoolExecutor] | None = None
-_pool_lock = threading.Lock()
-
-
+@per_process
 def _executor() -> ThreadPoolExecutor:
     """The helper threads of this process (a forked child makes its own)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid():
-            _pool = (os.getpid(), ThreadPoolExecutor(max(1, threads() - 1), thread_name_prefix="monarch-tensor-cma"))
-        return _pool[1]
+    return ThreadPoolExecutor(max(1, threads() - 1), thread_name_prefix="monarch-tensor-cma")
 
 
 def pieces(n: int, k: int, align: int = 4096) -> list[tuple[int, int]]:

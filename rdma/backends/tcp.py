@@ -16,7 +16,7 @@ import socket
 import struct
 import threading
 
-from .._host import alive, host_id
+from .._host import alive, host_id, per_process
 from .._memory import Mem
 from .._registry import Descriptor, registry
 from ..errors import BufferDroppedError, OwnerDiedError, TransferError, TransferTimeoutError
@@ -145,18 +145,12 @@ def _default_host() -> str:
         return "127.0.0.1"
 
 
-_server: Server | None = None
-_server_pid = 0
-_server_lock = threading.Lock()
+_server = per_process(Server)
 
 
 def server_address() -> tuple[str, int]:
     """This process's data server (started on first use)."""
-    global _server, _server_pid
-    with _server_lock:
-        if _server is None or _server_pid != os.getpid():
-            _server, _server_pid = Server(), os.getpid()
-        return _server.address
+    return _server().address
 
 
 # ---- reader side ----------------------------------------------------------------------
