@@ -27,6 +27,7 @@ import pickle
 import struct
 import sys
 import threading
+from typing import Callable
 
 import cloudpickle
 
@@ -38,8 +39,10 @@ log = logging.getLogger("monarch_tensor.wire")
 MAGIC = b"MT01"
 MAGIC_SHM = b"MT02"  # one extra frame: (name, layout) of a shared-memory file holding the buffers
 MAGIC_DP = b"MT03"  # one extra frame: a data-plane Payload to pull the buffers from (rdma/payload.py)
+MAGIC_BATCH = b"MT04"  # several small one-frame messages in one frame: header (count), then length-prefixed
 _MAGICS = (MAGIC, MAGIC_SHM, MAGIC_DP)
 _HEADER = struct.Struct("!4sI")
+_LEN = struct.Struct("!I")
 _MAIN = b"__main__"
 
 
@@ -67,14 +70,22 @@ def encode(msg: object, shm: bool | int = False, remote: tuple[int, str, str] | 
     return _encode(msg, shm, remote)
 
 
+# The hottest messages (calls and replies) travel as plain tuples whose first item is a tag string:
+# pickling a class by reference and calling its reducer costs several times more than the whole tuple.
+# messages.py registers them: type -> (tuple from message), tag -> (message from tuple).
+COMPACT_ENCODERS: dict[type, Callable[[object], tuple]] = {}
+COMPACT_DECODERS: dict[str, Callable[[tuple], object]] = {}
+
+
 def _encode(msg: object, shm: bool | int, remote: tuple[int, str, str] | None) -> list:
     buffers: list[pickle.PickleBuffer] = []
+    compact = COMPACT_ENCODERS.get(type(msg))
+    if compact is not None:
+        msg = compact(msg)
     try:
         if "torch" in sys.modules:
             f = io.BytesIO()
-            p = pickle.Pickler(f, protocol=5, buffer_callback=buffers.append)
-            p.dispatch_table = _torch_dispatch_table()
-            p.dump(msg)
+            _torch_pickler()(f, protocol=5, buffer_callback=buffers.append).dump(msg)
             body = f.getvalue()
         else:
             body = pickle.dumps(msg, protocol=5, buffer_callback=buffers.append)
@@ -145,22 +156,20 @@ def encode_for(msg: object, addrs: list[str], mailbox=None) -> list[list]:
     return [encode(msg, remote=remote)] * len(addrs)
 
 
-_dispatch: dict | None = None
+_pickler: type | None = None
 
 
-def _torch_dispatch_table() -> dict:
-    """copyreg's table plus a reducer that sends CPU tensors' bytes out of band.
-
-    torch's own pickling ignores protocol 5 and copies tensor bytes into the body.
-    """
-    global _dispatch
-    if _dispatch is None:
+def _torch_pickler() -> type:
+    """A Pickler whose dispatch table is copyreg's plus a reducer that sends CPU tensors' bytes out of
+    band (torch's own pickling ignores protocol 5 and copies tensor bytes into the body)."""
+    global _pickler
+    if _pickler is None:
         import torch
 
         table = dict(copyreg.dispatch_table)
         table[torch.Tensor] = _reduce_tensor
-        _dispatch = table
-    return _dispatch
+        _pickler = type("_TorchPickler", (pickle.Pickler,), {"dispatch_table": table})
+    return _pickler
 
 
 def _reduce_tensor(t):
@@ -186,6 +195,40 @@ def _rebuild_tensor(buf, dtype, shape):
 def is_small(frames: list) -> bool:
     """Whether copying the frames into zmq beats zero-copy (it does below ~64 KiB)."""
     return len(frames) == 1 and len(frames[0]) < 65536
+
+
+def pack_batch(frames: list) -> bytes:
+    """One frame holding several one-frame messages (see :func:`unpack_batch`)."""
+    parts = [_HEADER.pack(MAGIC_BATCH, len(frames))]
+    for f in frames:
+        parts.append(_LEN.pack(len(f)))
+        parts.append(f)
+    return b"".join(parts)
+
+
+def is_batch(first) -> bool:
+    return first[:4] == MAGIC_BATCH
+
+
+def unpack_batch(frame) -> list[memoryview]:
+    """The messages of a batch frame, each as its one frame; ``ProtocolError`` if malformed."""
+    view = memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
+    if len(view) < _HEADER.size:
+        raise ProtocolError("batch frame shorter than its header")
+    _, n = _HEADER.unpack_from(view)
+    pos, out = _HEADER.size, []
+    for _ in range(n):
+        if pos + _LEN.size > len(view):
+            raise ProtocolError(f"batch frame of {len(view)} bytes ends inside message {len(out)} of {n}")
+        (size,) = _LEN.unpack_from(view, pos)
+        pos += _LEN.size
+        if pos + size > len(view):
+            raise ProtocolError(f"batch frame of {len(view)} bytes ends inside message {len(out)} of {n}")
+        out.append(view[pos:pos + size])
+        pos += size
+    if pos != len(view):
+        raise ProtocolError(f"batch frame has {len(view) - pos} bytes after its {n} messages")
+    return out
 
 
 def buffer_count(first: bytes) -> int:
@@ -218,9 +261,18 @@ def decode(frames: list) -> object:
     elif magic == MAGIC_DP:
         bufs = _pull(body, bufs[0])
     try:
-        return pickle.loads(body, buffers=bufs)
+        return _loads(body, bufs)
     except Exception as e:  # noqa: BLE001 - any unpickling failure is a protocol error
         raise ProtocolError(f"cannot unpickle message body: {e!r}") from e
+
+
+def _loads(body, bufs) -> object:
+    msg = pickle.loads(body, buffers=bufs)
+    if type(msg) is tuple and msg and type(msg[0]) is str:  # (other tuples are messages of their own)
+        decoder = COMPACT_DECODERS.get(msg[0])
+        if decoder is not None:
+            return decoder(msg)
+    return msg
 
 
 def _pull(body: memoryview, desc) -> list:
@@ -232,7 +284,7 @@ def _pull(body: memoryview, desc) -> list:
         return _payload().pull(payload)
     except Exception as e:  # noqa: BLE001 - rebuild the message over zeros to fail whoever waits on it
         try:
-            msg = pickle.loads(body, buffers=_payload().placeholders(payload))
+            msg = _loads(body, _payload().placeholders(payload))
         except Exception:  # noqa: BLE001
             msg = None
         raise PayloadLost(e, msg) from e

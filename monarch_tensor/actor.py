@@ -125,6 +125,7 @@ class ActorMesh:
     def __init__(self, name: str, cls: type, procs: list[ProcInfo], shape: Shape,
                  spawned: Future | None = None, proc_mesh: ProcMesh | None = None) -> None:
         self._name, self._class, self._procs, self._shape = name, cls, procs, shape
+        self._rank_list = shape.ranks()
         self._spawned = spawned or Future.ready(None)
         self._proc_mesh = proc_mesh
 
@@ -162,7 +163,7 @@ class ActorMesh:
         return self
 
     def _ranks(self) -> list[int]:
-        return self._shape.ranks()
+        return self._rank_list
 
     def _check(self) -> None:
         if self._proc_mesh is not None and self._proc_mesh._alloc._stopped:
@@ -210,10 +211,12 @@ class Endpoint(Generic[R]):
 
     def __init__(self, mesh: ActorMesh, method: str) -> None:
         self._mesh, self._method = mesh, method
+        self._what = f"reply of {mesh._name}.{method}"
 
-    def _send(self, ranks: list[int], args, kwargs, port: PortRef | None) -> None:
+    def _send(self, ranks: list[int], args, kwargs, port: PortRef | None, addrs: list[str] | None = None) -> None:
         mailbox = current_mailbox()
-        addrs = [self._mesh._procs[r].addr for r in ranks]
+        if addrs is None:
+            addrs = [self._mesh._procs[r].addr for r in ranks]
         msg = CallEndpoint(self._mesh._name, self._method, args, kwargs, port)
         if len(addrs) > 1 and "|" in addrs[0]:  # procs behind host agents: down the fan-out tree
             from ._fanout import send_many
@@ -221,41 +224,39 @@ class Endpoint(Generic[R]):
             send_many(mailbox, addrs, _wire.encode_for(msg, addrs, mailbox)[0])
             return
         for addr, frames in zip(addrs, _wire.encode_for(msg, addrs, mailbox)):
-            mailbox.send_frames(addr, frames)
+            mailbox.send_frames(addr, frames, batch=True)
 
-    def _collect(self, ranks: list[int], args, kwargs, finish, what) -> Future:
+    def _collect(self, ranks: list[int], args, kwargs, finish) -> Future:
         try:
             self._mesh._check()
         except Exception as e:  # noqa: BLE001 - surfaces on .get()
             return Future.failed(e)
         mailbox = current_mailbox()
-        col = Collector([self._mesh._procs[r].addr for r in ranks], ranks, finish, what)
+        addrs = [self._mesh._procs[r].addr for r in ranks]
+        col = Collector(addrs, ranks, finish, self._what)
         port = mailbox.open_port(col)
-        self._send(ranks, args, kwargs, port)
+        self._send(ranks, args, kwargs, port, addrs)
         return col.future
 
     def call(self, *args, **kwargs) -> Future[ValueMesh[R]]:
         """Call every actor of the mesh; a ``ValueMesh`` of their results."""
         shape = self._mesh._shape
-        return self._collect(shape.ranks(), args, kwargs, lambda vs: ValueMesh(shape, vs),
-                             f"reply of {self._mesh._name}.{self._method}")
+        return self._collect(self._mesh._rank_list, args, kwargs, lambda vs: ValueMesh(shape, vs))
 
     def call_one(self, *args, **kwargs) -> Future[R]:
         """Call the single actor of a one-actor mesh (slice first)."""
-        n = len(self._mesh._shape)
-        if n != 1:
-            raise ValueError(f"call_one() needs a mesh of exactly one actor, but {self._mesh._name!r} has {n} "
-                             f"({self._mesh._shape}); slice it or use call()")
-        return self._collect(self._mesh._shape.ranks(), args, kwargs, lambda vs: vs[0],
-                             f"reply of {self._mesh._name}.{self._method}")
+        ranks = self._mesh._rank_list
+        if len(ranks) != 1:
+            raise ValueError(f"call_one() needs a mesh of exactly one actor, but {self._mesh._name!r} has "
+                             f"{len(ranks)} ({self._mesh._shape}); slice it or use call()")
+        return self._collect(ranks, args, kwargs, _first)
 
     def choose(self, *args, **kwargs) -> Future[R]:
         """Call one actor of the mesh, picked at random among the live ones."""
         live = [r for r in self._mesh._shape.ranks() if self._mesh._procs[r].alive]
         if not live:
             return Future.failed(SupervisionError(f"no live actor left in {self._mesh._name!r}"))
-        return self._collect([random.choice(live)], args, kwargs, lambda vs: vs[0],
-                             f"reply of {self._mesh._name}.{self._method}")
+        return self._collect([random.choice(live)], args, kwargs, _first)
 
     def broadcast(self, *args, **kwargs) -> None:
         """Call every actor without waiting for results."""
@@ -275,12 +276,17 @@ class Endpoint(Generic[R]):
         col = StreamCollector([self._mesh._procs[r].addr for r in ranks])
         port = mailbox.open_port(col)
         self._send(ranks, args, kwargs, port)
+        mailbox.flush()  # the caller waits on the queue below, not on a Future
         for _ in ranks:
             yield col.q.get()
 
     def __call__(self, *args, **kwargs):
         raise TypeError(f"call an endpoint through an adverb: {self._method}.call(...), .call_one(...), "
                         f".broadcast(...), .choose(...) or .stream(...)")
+
+
+def _first(values: list):
+    return values[0]
 
 
 class Accumulator(Generic[R]):

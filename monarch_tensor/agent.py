@@ -45,7 +45,7 @@ from .agent_messages import (
 )
 from .errors import AddressInUseError, JobKeyError
 from .host import LocalHost, ProcInfo, _gpu_count
-from .mailbox import new_ipc_address
+from .mailbox import _EVENTS, _POLLIN, new_ipc_address
 from .messages import SendToPort
 
 log = logging.getLogger("monarch_tensor.agent")
@@ -119,7 +119,7 @@ class HostAgent:
             while not self._stopping:
                 events = dict(poller.poll(250))
                 if self.router in events:
-                    while self.router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    while self.router.getsockopt(_EVENTS) & _POLLIN:
                         self._on_frames(self.router.recv_multipart(copy=False))
                 if self._wake_r in events:
                     os.read(self._wake_r, 4096)

@@ -41,6 +41,8 @@ class Future(Generic[R]):
         if not self._f.done():
             from .mailbox import _mailbox
 
+            if _mailbox is not None:
+                _mailbox.flush()  # a call this waits on may still sit in a batch
             if _mailbox is not None and _mailbox.receiver_ident == threading.get_ident():
                 # We are the thread that receives replies: receive until ours is in.
                 _mailbox.wait_until(self._f.done, timeout)
@@ -65,6 +67,10 @@ class Future(Generic[R]):
     def __await__(self):
         if self._f.done():
             return self._f.result()
+        from .mailbox import _mailbox
+
+        if _mailbox is not None:
+            _mailbox.flush()
         return (yield from asyncio.wrap_future(self._f).__await__())
 
     # set by the runtime

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from . import _wire
+
 
 def _fast_reduce(cls):
     """Pickle a frozen slots dataclass as (cls, field values): several times cheaper than the default."""
@@ -64,6 +66,26 @@ class SendToPort:
     value: Any
     error: BaseException | None
     rank: int
+
+
+def _compact_call(m: CallEndpoint) -> tuple | CallEndpoint:
+    r = m.reply
+    if r is None:
+        return ("\0call", m.actor, m.method, m.args, m.kwargs, None, 0)
+    if type(r) is PortRef:
+        return ("\0call", m.actor, m.method, m.args, m.kwargs, r.addr, r.port_id)
+    return m  # not a port: pickled as it is
+
+
+def _compact_reply(m: SendToPort) -> tuple:
+    return ("\0reply", m.port_id, m.value, m.error, m.rank)
+
+
+_wire.COMPACT_ENCODERS.update({CallEndpoint: _compact_call, SendToPort: _compact_reply})
+_wire.COMPACT_DECODERS.update({
+    "\0call": lambda t: CallEndpoint(t[1], t[2], t[3], t[4], None if t[5] is None else PortRef(t[5], t[6])),
+    "\0reply": lambda t: SendToPort(t[1], t[2], t[3], t[4]),
+})
 
 
 @_fast_reduce

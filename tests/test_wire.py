@@ -407,6 +407,11 @@ GARBAGE = {
     "call with a reply that is not a port": _wire.encode(messages.CallEndpoint("echo", "echo", (1,), {}, "nowhere")),
     "call with args that are not a tuple": _wire.encode(messages.CallEndpoint("echo", "echo", 5, {}, None)),
     "spawn with nonsense fields": _wire.encode(messages.SpawnActor("z", 3, None, None, "r", None, None)),
+    "batch: truncated": [_wire.pack_batch([bytes(GOOD[0]), bytes(GOOD[0])])[:-5]],
+    "batch: lying count": [_wire._HEADER.pack(_wire.MAGIC_BATCH, 99) + os.urandom(40)],
+    "batch: garbage inside": [_wire.pack_batch([os.urandom(30), b"", bytes(_wire.encode(12345)[0]),
+                                                 _wire.pack_batch([os.urandom(9)])])],
+    "compact tuple with missing fields": _wire.encode(("\0call", "echo")),
 }
 
 

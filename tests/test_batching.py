@@ -1,0 +1,225 @@
+"""Batching of calls and replies, and the compact envelope of the hottest messages.
+
+A burst of small calls to one proc (and their replies) leaves in a few frames
+instead of one each (``Mailbox.send_frames(..., batch=True)``). These tests
+check what must not change: every message arrives, in the order sent, even when
+nobody waits on a reply; a batched reply is not held back by a slow call behind
+it; malformed batches are dropped like any malformed message.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from monarch_tensor import _wire, mailbox as mailbox_mod
+from monarch_tensor.actor import Actor, endpoint, this_host
+from monarch_tensor.errors import ProtocolError
+from monarch_tensor.mailbox import Mailbox
+from monarch_tensor.messages import CallEndpoint, PortRef, SendToPort, StopProc
+
+pytestmark = pytest.mark.timeout(120)
+
+
+# ---- the frame format --------------------------------------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(max_size=300), max_size=40))
+def test_batch_frames_round_trip(parts):
+    assert [bytes(p) for p in _wire.unpack_batch(_wire.pack_batch(parts))] == parts
+    assert _wire.is_batch(_wire.pack_batch(parts))
+
+
+@pytest.mark.parametrize("cut", [1, 4, 9, 12])
+def test_truncated_batches_raise(cut):
+    frame = _wire.pack_batch([b"abcdef", b"ghij"])
+    with pytest.raises(ProtocolError):
+        _wire.unpack_batch(frame[:-cut])
+
+
+def test_batch_with_trailing_bytes_or_a_lying_count_raises():
+    frame = _wire.pack_batch([b"abc"])
+    with pytest.raises(ProtocolError, match="after"):
+        _wire.unpack_batch(frame + b"zz")
+    lying = _wire._HEADER.pack(_wire.MAGIC_BATCH, 5) + frame[_wire._HEADER.size:]
+    with pytest.raises(ProtocolError, match="ends inside"):
+        _wire.unpack_batch(lying)
+    with pytest.raises(ProtocolError):
+        _wire.unpack_batch(b"MT0")
+
+
+# ---- the compact envelope -------------------------------------------------------------------------
+@pytest.mark.parametrize("msg", [
+    CallEndpoint("a", "m", (1, "x"), {"k": [1]}, PortRef("ipc:///tmp/x", 7)),
+    CallEndpoint("a", "m", (), {}, None),
+    SendToPort(3, {"v": (1, 2)}, None, 5),
+    SendToPort(3, None, ValueError("boom"), -1),
+])
+def test_compact_messages_round_trip(msg):
+    frames = _wire.encode(msg)
+    got = _wire.decode(frames)
+    assert type(got) is type(msg)
+    if isinstance(msg, SendToPort) and msg.error is not None:
+        assert (got.port_id, got.value, got.rank, repr(got.error)) == (3, None, -1, repr(msg.error))
+    else:
+        assert got == msg
+    # the envelope holds no class reference: just the tag and the fields
+    assert b"CallEndpoint" not in bytes(frames[0]) and b"SendToPort" not in bytes(frames[0])
+
+
+def test_plain_tuples_are_not_taken_for_compact_messages():
+    for value in [("hello", 1), (1, "\0call"), ("\0nope", 1, 2)]:
+        assert _wire.decode(_wire.encode(value)) == value
+
+
+def test_a_call_whose_reply_is_not_a_port_still_round_trips():
+    msg = CallEndpoint("a", "m", (), {}, "nowhere")
+    assert _wire.decode(_wire.encode(msg)) == msg
+
+
+# ---- two mailboxes in this process ------------------------------------------------------------------
+class _Inbox:
+    def __init__(self) -> None:
+        self.got: list = []
+        self.cond = threading.Condition()
+
+    def __call__(self, msg) -> None:
+        with self.cond:
+            self.got.append(msg)
+            self.cond.notify_all()
+
+    def wait_for(self, n: int, timeout: float = 30.0) -> list:
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.got) >= n, timeout), f"got {len(self.got)} of {n}"
+            return list(self.got)
+
+
+@pytest.fixture
+def pair():
+    inbox, other = _Inbox(), _Inbox()
+    rx, rx2 = Mailbox(on_message=inbox), Mailbox(on_message=other)
+    tx = Mailbox()
+    try:
+        yield tx, rx, inbox, rx2, other
+    finally:
+        for mb in (tx, rx, rx2):
+            mb.close()
+
+
+def _call(i: int) -> CallEndpoint:
+    return CallEndpoint("a", "m", (i,), {}, None)
+
+
+def test_a_burst_arrives_whole_and_in_order_in_fewer_frames_without_anyone_flushing(pair):
+    tx, rx, inbox, _, _ = pair
+    n = 3000
+    for i in range(n):
+        tx.send(rx.addr, _call(i), batch=True)
+    got = inbox.wait_for(n)  # no flush(), no Future: the flush thread sends the tail
+    assert [m.args[0] for m in got] == list(range(n))
+    assert tx.batches_sent > 0, "a burst of 3,000 small messages went out one frame each"
+
+
+def test_order_holds_across_batched_and_plain_sends_and_destinations(pair):
+    tx, rx, inbox, rx2, other = pair
+    sent, sent2 = [], []
+    for i in range(600):
+        if i % 50 == 7:  # a plain send in the middle of a burst flushes the batch before it
+            tx.send(rx.addr, StopProc(f"plain {i}"))
+            sent.append(f"plain {i}")
+        elif i % 50 == 30:  # another destination too
+            tx.send(rx2.addr, _call(i), batch=True)
+            sent2.append(i)
+        else:
+            tx.send(rx.addr, _call(i), batch=True)
+            sent.append(i)
+    got = inbox.wait_for(len(sent))
+    assert [m.reason if isinstance(m, StopProc) else m.args[0] for m in got] == sent
+    assert [m.args[0] for m in other.wait_for(len(sent2))] == sent2
+
+
+def test_batching_off_sends_one_frame_per_message(pair, monkeypatch):
+    monkeypatch.setattr(mailbox_mod, "BATCH_GAP", 0.0)
+    tx, rx, inbox, _, _ = pair
+    for i in range(500):
+        tx.send(rx.addr, _call(i), batch=True)
+    assert [m.args[0] for m in inbox.wait_for(500)] == list(range(500))
+    assert tx.batches_sent == 0
+
+
+def test_large_messages_are_never_batched(pair):
+    tx, rx, inbox, _, _ = pair
+    big = b"x" * (mailbox_mod.BATCH_BYTES + 1)
+    for i in range(20):
+        tx.send(rx.addr, CallEndpoint("a", "m", (i, big if i % 2 else b""), {}, None), batch=True)
+    got = inbox.wait_for(20)
+    assert [m.args[0] for m in got] == list(range(20))
+    assert all(m.args[1] == (big if m.args[0] % 2 else b"") for m in got)
+
+
+def test_close_sends_what_is_still_batched():
+    inbox = _Inbox()
+    rx = Mailbox(on_message=inbox)
+    tx = Mailbox()
+    try:
+        for i in range(200):
+            tx.send(rx.addr, _call(i), batch=True)
+        tx.close()
+        assert [m.args[0] for m in inbox.wait_for(200)] == list(range(200))
+    finally:
+        tx.close()
+        rx.close()
+
+
+# ---- real procs ----------------------------------------------------------------------------------
+class Worker(Actor):
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    @endpoint
+    def quick(self, i: int) -> int:
+        self.seen.append(i)
+        return i
+
+    @endpoint
+    def slow(self, seconds: float) -> str:
+        time.sleep(seconds)
+        return "slow done"
+
+    @endpoint
+    def order(self) -> list[int]:
+        return self.seen
+
+
+@pytest.fixture(scope="module")
+def worker():
+    procs = this_host().spawn_procs({"gpus": 1})
+    try:
+        yield procs.spawn("w", Worker)
+    finally:
+        procs.stop().get(timeout=30)
+
+
+def test_pipelined_calls_run_in_order_and_every_reply_arrives(worker):
+    futs = [worker.quick.call_one(i) for i in range(2000)]
+    assert [f.get(timeout=60) for f in futs] == list(range(2000))
+    assert worker.order.call_one().get(timeout=30)[-2000:] == list(range(2000))
+
+
+def test_a_reply_is_not_held_back_by_a_slow_call_behind_it(worker):
+    futs = [worker.quick.call_one(i) for i in range(200)]
+    slow = worker.slow.call_one(8.0)  # in the same burst: the proc runs it right after the quick ones
+    # The quick replies arrive while the slow call still sleeps (8 s): a batched reply waits for
+    # at most the flush thread's delay, never for the calls after it.
+    assert [f.get(timeout=5) for f in futs] == list(range(200))
+    assert not slow.done()
+    assert slow.get(timeout=30) == "slow done"
+
+
+def test_stream_and_call_on_a_mesh_with_batching(worker):
+    futs = [worker.quick.call(i) for i in range(300)]
+    assert [f.get(timeout=60).item(gpus=0) for f in futs] == list(range(300))
+    assert [f.get(timeout=30) for f in worker.quick.stream(5)] == [5]
