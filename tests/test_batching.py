@@ -16,7 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from monarch_tensor import _wire, mailbox as mailbox_mod
+from monarch_tensor import _wire
+from monarch_tensor import mailbox as mailbox_mod
 from monarch_tensor.actor import Actor, endpoint, this_host
 from monarch_tensor.errors import ProtocolError
 from monarch_tensor.mailbox import Mailbox
