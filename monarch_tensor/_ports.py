@@ -52,6 +52,30 @@ class Collector:
         return False
 
 
+class OneReply:
+    """Waits for the reply of the one proc at ``addr`` (``call_one``, ``choose``): a Collector
+    without the bookkeeping for many."""
+
+    observing = True
+
+    def __init__(self, addr: str, what: str = "reply") -> None:
+        self.future: Future = Future(what)
+        self._addr = addr
+
+    def deliver(self, msg: SendToPort) -> bool:
+        if msg.error is not None:
+            self.future._set_exception(msg.error)
+        else:
+            self.future._set_result(msg.value)
+        return True
+
+    def proc_died(self, addr: str, error: SupervisionError) -> bool:
+        if addr == self._addr and not self.future.done():
+            self.future._set_exception(error)
+            return True
+        return False
+
+
 class StreamCollector:
     """Replies in arrival order, as a queue of ready futures."""
 

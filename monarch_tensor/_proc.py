@@ -99,6 +99,7 @@ class ProcRuntime:
         self.client_addr = client_addr
         self.loop = asyncio.new_event_loop()
         self.actors: dict[str, _Slot] = {}
+        self._handlers: dict[type, object] = {}  # message type -> its handle_X method (or None)
         # No I/O thread: the loop's own thread receives, so a call costs no thread hop here.
         self.mailbox = Mailbox(addr, on_message=self._handle, on_logs=self._relay_logs, io_thread=False)
         self.mailbox.on_deferred = self._defer
@@ -124,7 +125,9 @@ class ProcRuntime:
         self.loop.run_forever()
 
     def _handle(self, msg: object) -> None:
-        handler = getattr(self, f"handle_{type(msg).__name__}", None)
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            handler = self._handlers[type(msg)] = getattr(self, f"handle_{type(msg).__name__}", None)
         if handler is None:
             log.warning("proc %d dropped unknown message %s", self.rank, type(msg).__name__)
             return
@@ -199,7 +202,10 @@ class ProcRuntime:
             return
         token = _context.enter(slot.ctx)
         try:
-            if inspect.iscoroutinefunction(fn):
+            is_coro = getattr(fn, "_endpoint_coro", None)  # set by @endpoint
+            if is_coro is None:
+                is_coro = inspect.iscoroutinefunction(fn)
+            if is_coro:
                 slot.busy = True
                 self.loop.create_task(self._run_async(slot, msg, fn(*msg.args, **msg.kwargs)))
                 return

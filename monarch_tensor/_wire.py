@@ -146,6 +146,11 @@ def frames_for_reader(frames: list, i: int) -> list:
 def encode_for(msg: object, addrs: list[str], mailbox=None) -> list[list]:
     """Frames for each of ``addrs`` (encoded once): large buffers through shared memory when every
     receiver is on this host, else over the data plane (given the sending ``mailbox``)."""
+    if len(addrs) == 1 and mailbox is not None:  # the common case, without the lists
+        target = mailbox.route_of(addrs[0])
+        if target.startswith("ipc://"):
+            return [encode(msg, shm=True)]
+        return [encode(msg, remote=(1, target, mailbox.public_addr))]
     targets = [mailbox.route_of(a) if mailbox is not None else a for a in addrs]
     if all(t.startswith("ipc://") for t in targets):
         frames = encode(msg, shm=len(addrs) if len(addrs) <= _shm.MAX_READERS else False)

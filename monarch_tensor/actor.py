@@ -19,13 +19,14 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import random
 import sys
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
 from . import _context, _wire
-from ._ports import Collector, Receiver, StreamCollector
+from ._ports import Collector, OneReply, Receiver, StreamCollector
 from .errors import ActorError, MeshFailure, SupervisionError
 from .future import Future
 from .host import HostMesh, ProcInfo, ProcMesh, proc_mesh, this_host, this_proc
@@ -52,6 +53,7 @@ def endpoint(fn: Callable | None = None, **options):
     if fn is None:
         return functools.partial(endpoint, **options)
     fn._is_endpoint = True
+    fn._endpoint_coro = inspect.iscoroutinefunction(fn)  # so that procs need not ask on every call
     return fn
 
 
@@ -233,7 +235,7 @@ class Endpoint(Generic[R]):
             return Future.failed(e)
         mailbox = current_mailbox()
         addrs = [self._mesh._procs[r].addr for r in ranks]
-        col = Collector(addrs, ranks, finish, self._what)
+        col = OneReply(addrs[0], self._what) if finish is _first else Collector(addrs, ranks, finish, self._what)
         port = mailbox.open_port(col)
         self._send(ranks, args, kwargs, port, addrs)
         return col.future
