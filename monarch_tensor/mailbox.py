@@ -19,6 +19,7 @@ leave in the order they were sent.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import logging
@@ -418,6 +419,16 @@ def current_mailbox() -> Mailbox:
 
                 _mailbox = Mailbox(on_logs=client_log_sink)
     return _mailbox
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    """What a script sent last leaves before the interpreter goes (zmq then lingers to deliver it)."""
+    if _mailbox is not None:
+        try:
+            _mailbox.flush()
+        except Exception:  # noqa: BLE001 - closed already
+            pass
 
 
 def set_current_mailbox(mb: Mailbox) -> None:

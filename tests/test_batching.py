@@ -9,8 +9,12 @@ it; malformed batches are dropped like any malformed message.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -224,3 +228,25 @@ def test_stream_and_call_on_a_mesh_with_batching(worker):
     futs = [worker.quick.call(i) for i in range(300)]
     assert [f.get(timeout=60).item(gpus=0) for f in futs] == list(range(300))
     assert [f.get(timeout=30) for f in worker.quick.stream(5)] == [5]
+
+
+def test_a_script_that_exits_right_after_a_burst_still_delivers_it(tmp_path):
+    inbox = _Inbox()
+    rx = Mailbox(on_message=inbox)
+    script = tmp_path / "burst.py"
+    script.write_text(
+        "import sys\n"
+        "from monarch_tensor.mailbox import current_mailbox\n"
+        "from monarch_tensor.messages import CallEndpoint\n"
+        "mb = current_mailbox()\n"
+        "for i in range(50):\n"
+        "    mb.send(sys.argv[1], CallEndpoint('a', 'm', (i,), {}, None), batch=True)\n"
+        "print('batched' if mb._batch else 'sent', flush=True)\n")
+    try:
+        out = subprocess.run([sys.executable, str(script), rx.addr], capture_output=True, text=True, timeout=60,
+                             cwd=str(tmp_path), env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+        assert out.returncode == 0, out.stderr
+        assert [m.args[0] for m in inbox.wait_for(50)] == list(range(50))
+        assert out.stdout.strip() == "batched", "the script's last messages were still batched when it exited"
+    finally:
+        rx.close()
