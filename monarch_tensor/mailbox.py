@@ -39,8 +39,21 @@ from .messages import ForwardLogs, PortRef, SendToPort
 
 log = logging.getLogger("monarch_tensor.mailbox")
 
+
+def _gap_from_env() -> float:
+    raw = os.environ.get("MONARCH_TENSOR_BATCH_GAP_US", "200")
+    try:
+        gap = float(raw)
+    except ValueError:
+        raise ValueError(f"MONARCH_TENSOR_BATCH_GAP_US must be a number of microseconds (0: no batching), "
+                         f"got {raw!r}") from None
+    if gap < 0:
+        raise ValueError(f"MONARCH_TENSOR_BATCH_GAP_US must not be negative, got {raw!r}")
+    return gap * 1e-6
+
+
 # Batching of calls and replies (see Mailbox.send_frames); MONARCH_TENSOR_BATCH_GAP_US=0 turns it off.
-BATCH_GAP = float(os.environ.get("MONARCH_TENSOR_BATCH_GAP_US", "200")) * 1e-6
+BATCH_GAP = _gap_from_env()
 BATCH_DELAY = 0.001  # the longest a batched message waits
 BATCH_MAX = 512  # messages in one batch
 BATCH_BYTES = 1 << 18
@@ -219,8 +232,9 @@ class Mailbox:
             time.sleep(BATCH_DELAY)
             try:
                 self.flush()
-            except Exception:  # noqa: BLE001 - a closed socket at exit
-                log.debug("flush failed", exc_info=True)
+            except Exception:  # noqa: BLE001 - never kills the thread; the waiting callers time out
+                if not self._closed:
+                    log.warning("could not send a batch of calls or replies", exc_info=True)
 
     def forget(self, addr: str) -> None:
         """Close the outgoing socket to ``addr`` (a stopped or dead proc)."""
