@@ -127,7 +127,7 @@ class ActorMesh:
     def __init__(self, name: str, cls: type, procs: list[ProcInfo], shape: Shape,
                  spawned: Future | None = None, proc_mesh: ProcMesh | None = None) -> None:
         self._name, self._class, self._procs, self._shape = name, cls, procs, shape
-        self._rank_list = shape.ranks()
+        self._rank_list = shape.ranks()  # read on every call: computed once (never mutated)
         self._spawned = spawned or Future.ready(None)
         self._proc_mesh = proc_mesh
 
@@ -164,15 +164,12 @@ class ActorMesh:
         yield from self._spawned.__await__()
         return self
 
-    def _ranks(self) -> list[int]:
-        return self._rank_list
-
     def _check(self) -> None:
         if self._proc_mesh is not None and self._proc_mesh._alloc._stopped:
             from .errors import MeshStoppedError
 
             raise MeshStoppedError(f"the proc mesh of actor mesh {self._name!r} was stopped")
-        for r in self._ranks():
+        for r in self._rank_list:
             p = self._procs[r]
             if not p.alive:
                 raise SupervisionError(f"actor {self._name} rank {r}: its proc {p.addr} died: {p.exit_status}",
@@ -255,7 +252,7 @@ class Endpoint(Generic[R]):
 
     def choose(self, *args, **kwargs) -> Future[R]:
         """Call one actor of the mesh, picked at random among the live ones."""
-        live = [r for r in self._mesh._shape.ranks() if self._mesh._procs[r].alive]
+        live = [r for r in self._mesh._rank_list if self._mesh._procs[r].alive]
         if not live:
             return Future.failed(SupervisionError(f"no live actor left in {self._mesh._name!r}"))
         return self._collect([random.choice(live)], args, kwargs, _first)
@@ -263,17 +260,17 @@ class Endpoint(Generic[R]):
     def broadcast(self, *args, **kwargs) -> None:
         """Call every actor without waiting for results."""
         self._mesh._check()
-        self._send(self._mesh._shape.ranks(), args, kwargs, None)
+        self._send(self._mesh._rank_list, args, kwargs, None)
 
     def send(self, args: tuple = (), kwargs: dict | None = None, port: Port | None = None) -> None:
         """Low-level: call every actor; results (if ``port``) go to that port."""
         self._mesh._check()
-        self._send(self._mesh._shape.ranks(), tuple(args), dict(kwargs or {}), port._ref if port else None)
+        self._send(self._mesh._rank_list, tuple(args), dict(kwargs or {}), port._ref if port else None)
 
     def stream(self, *args, **kwargs) -> Iterator[Future[R]]:
         """Call every actor; yield a ready future per reply, in the order replies arrive."""
         self._mesh._check()
-        ranks = self._mesh._shape.ranks()
+        ranks = self._mesh._rank_list
         mailbox = current_mailbox()
         col = StreamCollector([self._mesh._procs[r].addr for r in ranks])
         port = mailbox.open_port(col)
