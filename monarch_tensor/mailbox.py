@@ -54,6 +54,7 @@ def _gap_from_env() -> float:
 
 # Batching of calls and replies (see Mailbox.send_frames); MONARCH_TENSOR_BATCH_GAP_US=0 turns it off.
 BATCH_GAP = _gap_from_env()
+_NEVER = float("-inf")  # a last-send time that no next send is within BATCH_GAP of
 BATCH_DELAY = 0.001  # the longest a batched message waits
 BATCH_MAX = 512  # messages in one batch
 BATCH_BYTES = 1 << 18
@@ -108,7 +109,7 @@ class Mailbox:
         self._batch: list = []
         self._batch_bytes = 0
         self._last_addr: str | None = None  # where the last batchable message went, and when
-        self._last_t = 0.0
+        self._last_t = _NEVER
         self._flusher: threading.Thread | None = None
         self._flush_wake = threading.Event()
         self.batches_sent = 0  # frames that carried more than one message
@@ -170,7 +171,8 @@ class Mailbox:
         same address within ``BATCH_GAP`` seconds waits to go out with the next ones in one frame:
         until someone waits on a reply (``flush``), the receiving loop has drained what came in, the
         batch is full, or at most ``BATCH_DELAY`` seconds. Any other send flushes it first, so
-        messages leave in the order they were sent.
+        messages leave in the order they were sent. A flush ends the burst: the next message leaves
+        at once (a loop of synchronous calls is never batched).
         """
         with self._send_lock:
             if self._closed:
@@ -202,11 +204,19 @@ class Mailbox:
         self._socket_for(addr).send_multipart(frames, copy=copy)
 
     def flush(self) -> None:
-        """Send the waiting batch now (cheap when there is none)."""
+        """Send the waiting batch now (cheap when there is none) and end the burst.
+
+        Callers are a thread about to wait on a reply, or a receiving loop with nothing left to
+        handle: either way the sends so far were all the burst had, so the next message leaves at
+        once instead of being taken for the burst's continuation. (In a loop of synchronous calls,
+        each call follows the last one within ``BATCH_GAP``; batching them only delayed each one
+        until its caller's wait flushed it, and woke the backstop thread every time.)
+        """
         if self._batch:
             with self._send_lock:
                 if self._batch and not self._closed:
                     self._flush_locked()
+        self._last_t = _NEVER
 
     def _flush_locked(self) -> None:
         addr, batch = self._batch_addr, self._batch

@@ -146,6 +146,26 @@ def test_order_holds_across_batched_and_plain_sends_and_destinations(pair):
     assert [m.args[0] for m in other.wait_for(len(sent2))] == sent2
 
 
+def test_a_send_after_a_flush_leaves_at_once_while_a_burst_is_held(pair, monkeypatch):
+    """A loop of synchronous calls: each call follows the last one within the gap, but its caller
+    waited for the reply (a flush) in between, so the burst had ended and the call must not wait for
+    a batch. Without a flush in between, the same send is held."""
+    monkeypatch.setattr(mailbox_mod, "BATCH_DELAY", 60.0)  # a held message would not arrive in this test
+    monkeypatch.setattr(mailbox_mod, "BATCH_GAP", 10.0)  # every send is within the gap of the last one
+    tx, rx, inbox, _, _ = pair
+    tx.send(rx.addr, _call(0), batch=True)
+    inbox.wait_for(1)
+    for i in range(1, 20):
+        tx.flush()  # what Future.get does before it waits
+        tx.send(rx.addr, _call(i), batch=True)
+        assert [m.args[0] for m in inbox.wait_for(i + 1, timeout=10)] == list(range(i + 1))
+    tx.send(rx.addr, _call(20), batch=True)  # no flush before it: the burst goes on, the message is held
+    time.sleep(0.3)
+    assert len(inbox.got) == 20
+    tx.flush()
+    assert inbox.wait_for(21)[-1].args[0] == 20
+
+
 def test_batching_off_sends_one_frame_per_message(pair, monkeypatch):
     monkeypatch.setattr(mailbox_mod, "BATCH_GAP", 0.0)
     tx, rx, inbox, _, _ = pair
