@@ -9,7 +9,6 @@ served meanwhile (the verbs handshake needs its replies).
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import threading
 import time
@@ -23,17 +22,17 @@ class TransferFuture(Future):
     __slots__ = ()
 
     def get(self, timeout: float | None = None):
-        if not self._f.done():
+        if not self.done():
             from monarch_tensor import mailbox as _mb
 
             mb = _mb._mailbox
             if mb is not None and mb.receiver_ident == threading.get_ident():
                 self._wait_serving(mb, timeout)
             else:
-                concurrent.futures.wait([self._f], timeout)
-        if self._f.done():
+                self._wait(timeout)
+        if self.done():
             # not Future.get: it would report a TransferTimeoutError (a TimeoutError) as its own timeout
-            return self._f.result()
+            return self._result()
         return super().get(0)
 
     result = get
@@ -41,12 +40,12 @@ class TransferFuture(Future):
     def _wait_serving(self, mb, timeout: float | None) -> None:
         r, w = os.pipe()
         try:
-            self._f.add_done_callback(lambda _f: os.write(w, b"x"))
+            self.add_done_callback(lambda _f: _poke(w))
             poller = zmq.Poller()
             poller.register(mb._router, zmq.POLLIN)
             poller.register(r, zmq.POLLIN)
             deadline = None if timeout is None else time.monotonic() + timeout
-            while not self._f.done():
+            while not self.done():
                 mb.drain(mb.on_deferred)
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -58,3 +57,10 @@ class TransferFuture(Future):
                 os.close(w)
             except OSError:
                 pass
+
+
+def _poke(fd: int) -> None:
+    try:
+        os.write(fd, b"x")
+    except OSError:  # the waiter gave up and closed the pipe
+        pass

@@ -392,7 +392,7 @@ def exchange_over_mailbox(owner: str, device_name: str, endpoint: bytes, timeout
     port = mb.open_port(_Reply())
     mb.send(owner, ConnectQueuePair(mb.addr, device_name, endpoint, port))
     try:
-        return fut._f.result(timeout)
+        return fut.get(timeout)
     except TimeoutError:
         raise TransferTimeoutError(f"no queue-pair handshake reply from {owner} within {timeout} s") from None
     finally:

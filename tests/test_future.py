@@ -1,0 +1,130 @@
+"""``Future`` on its own: settled from another thread, waited on by several, awaited, called back.
+
+Every call returns one and the mailbox's I/O thread settles it, so these check the
+hand-over between threads (and event loops) without any proc in the way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from monarch_tensor.future import Future
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _later(fn, delay: float = 0.05) -> threading.Thread:
+    t = threading.Timer(delay, fn)
+    t.start()
+    return t
+
+
+def test_get_blocks_until_another_thread_sets_the_result():
+    f: Future[int] = Future("answer")
+    _later(lambda: f._set_result(42))
+    assert not f.done()
+    assert f.get(timeout=10) == 42
+    assert f.done() and f.result() == 42 and f.exception() is None
+
+
+def test_the_remote_error_is_raised_by_get_and_returned_by_exception():
+    f: Future[int] = Future()
+    err = ValueError("boom")
+    _later(lambda: f._set_exception(err))
+    with pytest.raises(ValueError, match="boom"):
+        f.get(timeout=10)
+    assert f.exception() is err
+
+
+def test_a_timeout_names_what_was_awaited_and_a_later_result_still_arrives():
+    f: Future[str] = Future("reply of echo")
+    with pytest.raises(TimeoutError, match="no reply of echo within 0.05 s"):
+        f.get(timeout=0.05)
+    with pytest.raises(TimeoutError):
+        f.exception(timeout=0.01)
+    _later(lambda: f._set_result("late"))
+    assert f.get(timeout=10) == "late"
+
+
+def test_only_the_first_settlement_counts():
+    f: Future[int] = Future()
+    f._set_result(1)
+    f._set_result(2)
+    f._set_exception(RuntimeError("too late"))
+    assert f.get() == 1
+
+
+def test_every_thread_waiting_on_one_future_wakes():
+    f: Future[int] = Future()
+    got: list = []
+    waiters = [threading.Thread(target=lambda: got.append(f.get(timeout=10))) for _ in range(8)]
+    for w in waiters:
+        w.start()
+    time.sleep(0.1)  # most of them are blocked by now
+    f._set_result(7)
+    for w in waiters:
+        w.join(10)
+    assert got == [7] * 8
+
+
+def test_callbacks_run_once_whether_added_before_or_after_settling():
+    f: Future[int] = Future()
+    seen: list = []
+    f.add_done_callback(lambda g: seen.append(("before", g.get())))
+    f._set_result(5)
+    f.add_done_callback(lambda g: seen.append(("after", g.get())))
+    f._set_result(6)
+    assert seen == [("before", 5), ("after", 5)]
+
+
+def test_a_failing_callback_does_not_stop_the_others(caplog):
+    f: Future[int] = Future()
+    seen: list = []
+    f.add_done_callback(lambda g: 1 / 0)
+    f.add_done_callback(lambda g: seen.append(g.get()))
+    f._set_result(3)
+    assert seen == [3]
+    assert "ZeroDivisionError" in caplog.text
+
+
+def test_ready_and_failed_futures_are_settled_at_once():
+    assert Future.ready(9).get(timeout=0) == 9
+    with pytest.raises(KeyError):
+        Future.failed(KeyError("k")).get(timeout=0)
+
+
+def test_await_in_a_running_loop_while_another_thread_settles():
+    async def main():
+        ok: Future[int] = Future()
+        bad: Future[int] = Future()
+        _later(lambda: ok._set_result(11))
+        _later(lambda: bad._set_exception(LookupError("gone")), 0.1)
+        assert await ok == 11
+        with pytest.raises(LookupError, match="gone"):
+            await bad
+        assert await Future.ready(12) == 12
+        return "done"
+
+    assert asyncio.run(main()) == "done"
+
+
+def test_an_awaiting_task_can_be_cancelled_and_the_future_still_settles():
+    f: Future[int] = Future()
+
+    async def wait():
+        return await f
+
+    async def main():
+        task = asyncio.ensure_future(wait())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    f._set_result(1)  # the loop is closed: waking it must not raise
+    assert f.get(timeout=0) == 1
