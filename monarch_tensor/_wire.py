@@ -83,7 +83,7 @@ def _encode(msg: object, shm: bool | int, remote: tuple[int, str, str] | None) -
     if compact is not None:
         msg = compact(msg)
     try:
-        if "torch" in sys.modules:
+        if "torch" in sys.modules and not (compact is not None and _plain(msg, 3)):
             f = io.BytesIO()
             _torch_pickler()(f, protocol=5, buffer_callback=buffers.append).dump(msg)
             body = f.getvalue()
@@ -108,6 +108,30 @@ def _encode(msg: object, shm: bool | int, remote: tuple[int, str, str] | None) -
         if payload is not None:
             return [_HEADER.pack(MAGIC_DP, 1) + body, pickle.dumps(payload, protocol=5)]
     return [_HEADER.pack(MAGIC, len(raws)) + body, *raws]
+
+
+# Values that pickle the same with and without the tensor reducer (a call's or reply's usual payload).
+_PLAIN_TYPES = frozenset({int, float, str, bytes, bool, type(None)})
+
+
+def _plain(x, depth: int) -> bool:
+    """Whether ``x`` is built of plain values only (tuples, lists and dicts up to ``depth`` deep)."""
+    t = type(x)
+    if t in _PLAIN_TYPES:
+        return True
+    if not depth:
+        return False
+    if t is tuple or t is list:
+        for y in x:
+            if type(y) not in _PLAIN_TYPES and not _plain(y, depth - 1):
+                return False
+        return True
+    if t is dict:
+        for k, v in x.items():
+            if type(k) not in _PLAIN_TYPES or (type(v) not in _PLAIN_TYPES and not _plain(v, depth - 1)):
+                return False
+        return True
+    return False
 
 
 _local = threading.local()
