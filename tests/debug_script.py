@@ -20,6 +20,8 @@ class Debugee(Actor):
 if __name__ == "__main__":
     procs = this_host().spawn_procs(per_host={"gpus": 4})
     debugee = procs.spawn("debugee", Debugee)
-    print("RESULT", debugee.to_debug.call().get(timeout=300).values(), flush=True)
+    values = debugee.to_debug.call().get(timeout=300).values()
+    # one write: the debugger prompt's thread prints "released ..." to this terminal at about this time
+    print(f"RESULT {values}", flush=True)
     procs.stop()
     print("DONE", flush=True)
