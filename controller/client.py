@@ -1,11 +1,15 @@
 """One ``MeshClient`` per proc allocation: refs, instruction batches, flushing, fetch ports.
 
 Instructions are appended to a queue and sent as one message per flush: on a
-fetch, when the batch reaches ``MAX_BATCH``, when the target ranks change
+fetch, when the batch reaches its size bound, when the target ranks change
 (a sliced mesh), and when the script goes idle (a background flusher thread
-flushes a batch that stopped growing for ``IDLE_S``). A batch is encoded once
-and sent to every proc it targets; per-proc order is the issue order.
-Deletes of garbage-collected tensors ride on the next batch.
+flushes a batch that stopped growing for ``IDLE_S``). The size bound starts
+small and doubles with every batch sent for it, up to ``MAX_BATCH``: after a
+fetch or a pause the workers have nothing to do, so the first instructions of
+the next burst leave at once (``FIRST_BATCH`` of them) while later batches grow
+to amortise the per-message cost. A batch is encoded once and sent to every
+proc it targets; per-proc order is the issue order. Deletes of
+garbage-collected tensors ride on the next batch.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from worker import messages as m
 from worker.worker import WORKER_NAME, TensorWorker
 
 MAX_BATCH = int(os.environ.get("MONARCH_TENSOR_MAX_BATCH", "512"))
+FIRST_BATCH = min(MAX_BATCH, int(os.environ.get("MONARCH_TENSOR_FIRST_BATCH", "16")))
 IDLE_S = float(os.environ.get("MONARCH_TENSOR_IDLE_FLUSH_S", "0.001"))
 
 
@@ -109,6 +114,7 @@ class MeshClient:
         self._q: collections.deque = collections.deque()
         self._dels: collections.deque = collections.deque()
         self._ranks = self.all_ranks
+        self._limit = FIRST_BATCH  # the size bound of the batch being filled (see the module docstring)
         self._lock = threading.RLock()
         self._ctxs: dict = {}
         self._streams = {0}
@@ -142,8 +148,8 @@ class MeshClient:
         q = self._q
         q.append(instr)
         n = len(q)
-        if n >= MAX_BATCH:
-            self.flush()
+        if n >= self._limit:
+            self.flush(grow=True)
         elif n == 1:
             _flusher.wake(self)
 
@@ -162,9 +168,15 @@ class MeshClient:
             by_stream.setdefault(sid, []).append(ref)
         return [m.DeleteRefs(tuple(refs), sid) for sid, refs in by_stream.items()]
 
-    def flush(self) -> None:
-        """Send what was issued so far (one message per target proc)."""
+    def flush(self, grow: bool = False) -> None:
+        """Send what was issued so far (one message per target proc).
+
+        ``grow``: the batch was sent for its size, so the script is issuing a burst and the next bound
+        doubles; any other flush (a fetch, an idle script, a change of ranks) starts again from
+        ``FIRST_BATCH``.
+        """
         with self._lock:
+            self._limit = min(self._limit * 2, MAX_BATCH) if grow else FIRST_BATCH
             if self.closed:
                 self._q.clear()
                 return

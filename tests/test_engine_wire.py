@@ -132,3 +132,35 @@ def test_a_delete_never_overtakes_the_op_that_reads_its_ref():
     deletes = [i for i, x in enumerate(flat) if isinstance(x, m.DeleteRefs) and 5 in x.refs]
     assert flat.index(upload) < flat.index(reader) < deletes[0], flat
     assert len(deletes) == 1
+
+
+def test_batches_start_small_after_a_pause_and_double_during_a_burst(monkeypatch):
+    """After a fetch or a pause the workers are idle: the next burst's first instructions leave at once
+    (``FIRST_BATCH`` of them), and each batch sent for its size doubles the bound, up to ``MAX_BATCH``."""
+    from controller import client as cc
+
+    monkeypatch.setattr(cc, "_flusher", type("NoIdleFlush", (), {"wake": lambda self, c: None})())
+    monkeypatch.setattr(cc, "FIRST_BATCH", 16)
+    monkeypatch.setattr(cc, "MAX_BATCH", 128)
+    client = cc.MeshClient.__new__(cc.MeshClient)
+    sent: list = []
+    client._send = lambda batch, ranks: sent.append(len(batch))
+    client.all_ranks = client._ranks = (0, 1)
+    client._lock, client.closed = threading.RLock(), False
+    client._q, client._dels = collections.deque(), collections.deque()
+    client._limit = cc.FIRST_BATCH
+
+    def burst(n):
+        for i in range(n):
+            client.issue(m.CallOp("aten::add.Tensor", (1, 1), {}, (0,), (i + 2,), (), 0, None), client.all_ranks)
+
+    burst(500)
+    assert sent == [16, 32, 64, 128, 128, 128]  # 4 instructions still wait for the next flush
+    client.flush()  # a fetch
+    assert sent[-1] == 4
+    del sent[:]
+    burst(100)
+    assert sent == [16, 32]  # started small again; 52 wait
+    client.flush()
+    burst(20)
+    assert sent == [16, 32, 52, 16]
