@@ -19,9 +19,19 @@ from monarch_tensor.future import Future
 
 
 class TransferFuture(Future):
-    __slots__ = ()
+    __slots__ = ("_task",)
+
+    def __init__(self, what: str = "result") -> None:
+        super().__init__(what)
+        self._task = None  # a deferred transfer nobody has started yet (see buffer._Transfer)
 
     def get(self, timeout: float | None = None):
+        task, self._task = self._task, None
+        if task is not None and not self.done():
+            if timeout is None or timeout >= task.timeout:
+                task.run()  # on this thread (bounded by the transfer's own timeout), unless taken already
+            else:
+                task.start()  # a shorter wait than the transfer may take: wait for a pool thread
         if not self.done():
             from monarch_tensor import mailbox as _mb
 
@@ -36,6 +46,12 @@ class TransferFuture(Future):
         return super().get(0)
 
     result = get
+
+    def __await__(self):
+        task, self._task = self._task, None
+        if task is not None:
+            task.start()  # never on the event loop's thread
+        return (yield from super().__await__())
 
     def _wait_serving(self, mb, timeout: float | None) -> None:
         r, w = os.pipe()

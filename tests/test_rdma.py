@@ -386,3 +386,55 @@ def test_transfers_from_many_threads(owners):
     for t in ts:
         t.join(60)
     assert not errors, errors
+
+
+def test_who_runs_a_deferred_transfer(owners, monkeypatch):
+    """tcp transfers start on the first of: the thread that waits on the Future (no thread hop), a pool
+    thread when the Future is awaited or waited on with a shorter timeout than the transfer's, or a pool
+    thread after KICK_S when nobody waits at all (fire and forget)."""
+    from rdma import buffer as rdma_buffer
+    from rdma.backends import tcp
+
+    monkeypatch.setenv(ENV_BACKEND, "tcp")
+    o = _owner(owners)
+    buf = o.make.call_one("deferred", 4096, seed=3).get()
+    ref = o.value.call_one("deferred").get()
+    ran_on: list = []
+    real = tcp.TcpBackend._read
+
+    def spy(self, *args):
+        ran_on.append(threading.current_thread())
+        return real(self, *args)
+
+    monkeypatch.setattr(tcp.TcpBackend, "_read", spy)
+    out = torch.empty(4096, dtype=torch.uint8)
+    buf.read_into(out).get(timeout=120)  # waits longer than the transfer's own 60 s: runs here
+    assert ran_on[-1] is threading.current_thread() and torch.equal(out, ref)
+
+    out2 = torch.empty(4096, dtype=torch.uint8)
+    buf.read_into(out2, timeout=60).get(timeout=30)  # a shorter wait: a pool thread runs it
+    assert ran_on[-1] is not threading.current_thread() and torch.equal(out2, ref)
+
+    out3 = torch.empty(4096, dtype=torch.uint8)
+    fut = buf.read_into(out3)
+    deadline = time.monotonic() + 30
+    while not fut.done() and time.monotonic() < deadline:  # nobody waits: the kicker starts it
+        time.sleep(rdma_buffer.KICK_S)
+    assert fut.done() and ran_on[-1] is not threading.current_thread() and torch.equal(out3, ref)
+
+    async def awaited():
+        dst = torch.empty(4096, dtype=torch.uint8)
+        await buf.read_into(dst)
+        return dst
+
+    import asyncio
+
+    assert torch.equal(asyncio.run(awaited()), ref)
+    assert ran_on[-1] is not threading.current_thread()
+
+    src = torch.full((4096,), 7, dtype=torch.uint8)
+    buf.write_from(src)  # fire and forget: it lands without anyone waiting
+    deadline = time.monotonic() + 30
+    while not torch.equal(o.value.call_one("deferred").get(), src) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert torch.equal(o.value.call_one("deferred").get(), src)
