@@ -6,7 +6,8 @@
 
 The owner of the buffer is an actor on a proc; the reader is this process. For every size, every
 backend that can serve a CPU buffer here (forced with MONARCH_TENSOR_RDMA_BACKEND) reads and writes
-REPEATS times into a warm destination; the table shows the median as GiB/s, and as latency in µs.
+REPEATS times (more for small sizes: until 50 ms have passed, up to 500) into a warm destination; the
+table shows the median as GiB/s, and as latency in µs.
 Baselines in the same run, into warm destinations: memcpy (libc's, one thread, via ctypes.memmove),
 torch's copy_ (parallel over every core: the limit on one host; cma splits large transfers over the
 cores too, see rdma/backends/cma.py), one raw loopback TCP stream, a pyzmq copy (another process
@@ -38,49 +39,64 @@ MARKER = "RDMA_BENCH_RESULT "
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def median_time(fn, repeats):
+def median_time(fn, repeats, min_total=0.05, max_repeats=500):
+    """Median seconds of ``fn()`` after one warm-up: ``repeats`` runs, and more (up to ``max_repeats``)
+    until they add up to ``min_total`` seconds, so a small transfer's median is not five samples' noise."""
     fn()
     ts = []
-    for _ in range(repeats):
+    while len(ts) < repeats or (sum(ts) < min_total and len(ts) < max_repeats):
         t = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t)
     return statistics.median(ts)
 
 
+TCP_SERVER = r'''
+import socket, sys
+srv = socket.create_server(("127.0.0.1", 0))
+payload = memoryview(bytearray(int(sys.argv[1])))
+print(srv.getsockname()[1], flush=True)
+conn, _ = srv.accept()
+conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+with conn:
+    while True:
+        head = conn.recv(8)
+        if len(head) < 8:
+            break
+        conn.sendall(payload[:int.from_bytes(head, "big")])
+'''
+
+
 def raw_tcp_stream(sizes, repeats):
-    """Floor for tcp: one loopback stream from a server thread, received into a warm buffer."""
+    """Floor for tcp: a plain socket server in another process (as the buffer's owner is) sends n bytes on
+    one loopback connection for each 8-byte request; received into a warm buffer. (A server thread of this
+    process shares its GIL with the reader: its small-size figures swung between 16 and 80 µs run to run.)"""
     import socket
-    import threading
 
-    srv = socket.create_server(("127.0.0.1", 0))
-    payload = memoryview(bytearray(max(sizes)))
+    p = subprocess.Popen([sys.executable, "-c", TCP_SERVER, str(max(sizes))], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(p.stdout.readline())
+        c = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        out = {}
+        for n in sizes:
+            buf = memoryview(bytearray(n))
 
-    def serve():
-        conn, _ = srv.accept()
-        with conn:
-            while True:
-                head = conn.recv(8)
-                if len(head) < 8:
-                    return
-                conn.sendall(payload[:int.from_bytes(head, "big")])
+            def once(n=n, buf=buf):
+                c.sendall(n.to_bytes(8, "big"))
+                got = 0
+                while got < n:
+                    got += c.recv_into(buf[got:], n - got)
 
-    threading.Thread(target=serve, daemon=True).start()
-    c = socket.create_connection(srv.getsockname())
-    out = {}
-    for n in sizes:
-        buf = memoryview(bytearray(n))
-
-        def once(n=n, buf=buf):
-            c.sendall(n.to_bytes(8, "big"))
-            got = 0
-            while got < n:
-                got += c.recv_into(buf[got:], n - got)
-
-        out[n] = median_time(once, repeats)
-    c.close()
-    srv.close()
-    return out
+            out[n] = median_time(once, repeats)
+        c.close()
+        return out
+    finally:
+        try:
+            p.wait(timeout=5)  # it exits when the connection closes
+        except subprocess.TimeoutExpired:  # the run failed before that
+            p.kill()
+            p.wait()
 
 
 ZMQ_SERVER = r'''
