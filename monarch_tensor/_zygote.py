@@ -73,8 +73,9 @@ def describe_status(status: int) -> str:
     return f"exited with code {os.WEXITSTATUS(status)}"
 
 
-def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None) -> None:
-    """Fork procs on request until the client goes away; import ``idle_imports`` when idle."""
+def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None, idle_after: float = 0.0) -> None:
+    """Fork procs on request until the client goes away; import ``idle_imports`` once no request has
+    come for ``idle_after`` seconds."""
     idle_imports = list(idle_imports or [])
     children: dict[int, int] = {}  # pid -> request id
     sig_r, sig_w = os.pipe()
@@ -82,12 +83,16 @@ def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None) -> No
     signal.set_wakeup_fd(sig_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     write_msg(rep_fd, ("ready", os.getpid()))
+    last_request = time.monotonic()
     while True:
+        wait = 1.0
+        if idle_imports:
+            wait = max(0.0, last_request + idle_after - time.monotonic())
         try:
-            readable, _, _ = select.select([req_fd, sig_r], [], [], 0 if idle_imports else 1.0)
+            readable, _, _ = select.select([req_fd, sig_r], [], [], wait)
         except InterruptedError:
             readable = [sig_r]
-        if not readable and idle_imports:
+        if not readable and idle_imports and time.monotonic() >= last_request + idle_after:
             _try_import(idle_imports.pop(0))
             continue
         if sig_r in readable:
@@ -97,6 +102,7 @@ def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None) -> No
                 pass
         _reap(children, rep_fd)
         if req_fd in readable:
+            last_request = time.monotonic()
             req = read_msg(req_fd)
             if req is None or req[0] == "exit":
                 break
@@ -199,9 +205,12 @@ def main(req_fd: int, rep_fd: int) -> None:
 
     # torch._dynamo is imported by the first torch.optim optimizer (~2 s per proc, far
     # more when several procs do it at once): import it here once, whenever idle.
+    # (A client that has not imported torch starts us with MONARCH_TENSOR_PRELOAD empty, torch among
+    # these, and MONARCH_TENSOR_IDLE_AFTER_S: its first procs fork at once; see host.LocalHost.)
     idle = _modules("MONARCH_TENSOR_IDLE_PRELOAD", "torch._dynamo")
+    idle_after = float(os.environ.get("MONARCH_TENSOR_IDLE_AFTER_S", "0") or 0)
     try:
-        serve(req_fd, rep_fd, idle)
+        serve(req_fd, rep_fd, idle, idle_after)
     except OSError as e:
         if e.errno != errno.EPIPE:
             raise

@@ -64,6 +64,13 @@ class LocalHost:
         self._on_exit = on_exit or _proc_exited
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        if on_exit is None and "torch" not in sys.modules and "MONARCH_TENSOR_PRELOAD" not in env:
+            # A script that has not imported torch (actors only, so far): fork its procs at once, and
+            # let a proc that needs torch import it; the template imports torch once it has been idle
+            # for a while, so that later meshes start with it (see _zygote.main).
+            env["MONARCH_TENSOR_PRELOAD"] = ""
+            env.setdefault("MONARCH_TENSOR_IDLE_PRELOAD", "torch,torch._dynamo")
+            env.setdefault("MONARCH_TENSOR_IDLE_AFTER_S", "2")
         req_r, self._req_fd = os.pipe()
         self._rep_fd, rep_w = os.pipe()
         self.proc = subprocess.Popen(

@@ -145,6 +145,7 @@ SCRIPT = textwrap.dedent("""
     pids = procs.spawn("w", W).pid.call().get(timeout=60).values()
     print("PIDS", *pids, flush=True)
     mode = sys.argv[1]
+    sys.stdin.readline()  # the test has seen the procs alive
     if mode == "raise":
         raise RuntimeError("the script failed")
     if mode == "wait":
@@ -158,11 +159,13 @@ def test_no_orphans(tmp_path, mode):
     script = tmp_path / "client.py"
     script.write_text(SCRIPT.format(root=ROOT))
     p = subprocess.Popen([sys.executable, str(script), "wait" if mode == "sigkill" else mode],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = p.stdout.readline()
     assert line.startswith("PIDS"), p.stderr.read()
     pids = [int(x) for x in line.split()[1:]]
     assert len(pids) == 2 and all(_alive(pid) for pid in pids)
+    p.stdin.write("go\n")
+    p.stdin.flush()
     if mode == "sigkill":
         p.kill()
     p.wait(timeout=30)
@@ -194,3 +197,42 @@ def test_unhandled_failure_stops_the_script_by_default(tmp_path):
     assert p.returncode != 0
     assert "unhandled supervision failure" in p.stderr and "exited with code 9" in p.stderr
     assert "NOT REACHED" not in p.stdout
+
+
+TORCHLESS_SCRIPT = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {root!r})
+    from monarch_tensor.actor import Actor, endpoint, this_host
+    class A(Actor):
+        @endpoint
+        def has_torch(self):
+            return "torch" in sys.modules
+    def new_mesh_has_torch():
+        procs = this_host().spawn_procs({{"gpus": 1}})
+        try:
+            return procs.spawn("a", A).has_torch.call_one().get(timeout=60)
+        finally:
+            procs.stop().get(timeout=30)
+    print("FIRST", new_mesh_has_torch(), flush=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        time.sleep(1.0)  # longer than the template's idle wait: it imports torch meanwhile
+        if new_mesh_has_torch():
+            print("LATER True", "torch" in sys.modules, flush=True)
+            break
+""")
+
+
+@pytest.mark.timeout(120)
+def test_a_script_without_torch_gets_procs_at_once_and_later_meshes_with_torch(tmp_path):
+    """The template imports torch before forking only for a script that imported it: an actor-only
+    script's first procs fork at once (like Monarch's, they import torch if they use it), and the template
+    imports it once idle, so later meshes start with it loaded."""
+    script = tmp_path / "client.py"
+    script.write_text(TORCHLESS_SCRIPT.format(root=ROOT))
+    env = dict(os.environ, MONARCH_TENSOR_IDLE_AFTER_S="0.5")
+    env.pop("MONARCH_TENSOR_PRELOAD", None)
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100, env=env)
+    assert p.returncode == 0, p.stderr
+    assert "FIRST False" in p.stdout
+    assert "LATER True False" in p.stdout, p.stdout + p.stderr  # ... and the script itself never imported torch
