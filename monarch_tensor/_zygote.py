@@ -73,9 +73,8 @@ def describe_status(status: int) -> str:
     return f"exited with code {os.WEXITSTATUS(status)}"
 
 
-def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None, idle_after: float = 0.0) -> None:
-    """Fork procs on request until the client goes away; import ``idle_imports`` once no request has
-    come for ``idle_after`` seconds."""
+def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None) -> None:
+    """Fork procs on request until the client goes away; import ``idle_imports`` when idle."""
     idle_imports = list(idle_imports or [])
     children: dict[int, int] = {}  # pid -> request id
     sig_r, sig_w = os.pipe()
@@ -83,16 +82,12 @@ def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None, idle_
     signal.set_wakeup_fd(sig_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     write_msg(rep_fd, ("ready", os.getpid()))
-    last_request = time.monotonic()
     while True:
-        wait = 1.0
-        if idle_imports:
-            wait = max(0.0, last_request + idle_after - time.monotonic())
         try:
-            readable, _, _ = select.select([req_fd, sig_r], [], [], wait)
+            readable, _, _ = select.select([req_fd, sig_r], [], [], 0 if idle_imports else 1.0)
         except InterruptedError:
             readable = [sig_r]
-        if not readable and idle_imports and time.monotonic() >= last_request + idle_after:
+        if not readable and idle_imports:
             _try_import(idle_imports.pop(0))
             continue
         if sig_r in readable:
@@ -102,7 +97,6 @@ def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None, idle_
                 pass
         _reap(children, rep_fd)
         if req_fd in readable:
-            last_request = time.monotonic()
             req = read_msg(req_fd)
             if req is None or req[0] == "exit":
                 break
@@ -113,6 +107,10 @@ def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None, idle_
                     _child(req_fd, rep_fd, sig_r, sig_w, entry, args, env)
                 children[pid] = req_id
                 write_msg(rep_fd, ("spawned", req_id, pid))
+            elif req[0] == "preload":  # the client imported torch after its first procs: later ones get it
+                for mod in req[1]:
+                    _try_import(mod)
+                idle_imports.extend(m for m in req[2] if m not in idle_imports)
             elif req[0] == "kill":
                 _, pid, sig = req
                 if pid in children:
@@ -205,12 +203,11 @@ def main(req_fd: int, rep_fd: int) -> None:
 
     # torch._dynamo is imported by the first torch.optim optimizer (~2 s per proc, far
     # more when several procs do it at once): import it here once, whenever idle.
-    # (A client that has not imported torch starts us with MONARCH_TENSOR_PRELOAD empty, torch among
-    # these, and MONARCH_TENSOR_IDLE_AFTER_S: its first procs fork at once; see host.LocalHost.)
+    # (A client that has not imported torch starts us with both lists empty, and sends a "preload"
+    # request if it imports torch later: see host.LocalHost.)
     idle = _modules("MONARCH_TENSOR_IDLE_PRELOAD", "torch._dynamo")
-    idle_after = float(os.environ.get("MONARCH_TENSOR_IDLE_AFTER_S", "0") or 0)
     try:
-        serve(req_fd, rep_fd, idle, idle_after)
+        serve(req_fd, rep_fd, idle)
     except OSError as e:
         if e.errno != errno.EPIPE:
             raise

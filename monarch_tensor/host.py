@@ -64,13 +64,13 @@ class LocalHost:
         self._on_exit = on_exit or _proc_exited
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        if on_exit is None and "torch" not in sys.modules and "MONARCH_TENSOR_PRELOAD" not in env:
-            # A script that has not imported torch (actors only, so far): fork its procs at once, and
-            # let a proc that needs torch import it; the template imports torch once it has been idle
-            # for a while, so that later meshes start with it (see _zygote.main).
-            env["MONARCH_TENSOR_PRELOAD"] = ""
-            env.setdefault("MONARCH_TENSOR_IDLE_PRELOAD", "torch,torch._dynamo")
-            env.setdefault("MONARCH_TENSOR_IDLE_AFTER_S", "2")
+        # A script that has not imported torch (actors only, so far) gets its procs forked at once, and a
+        # proc that needs torch imports it (as Monarch's do); the template imports it before forking
+        # again once the script has imported it too (spawn() asks). Nothing imports in the background:
+        # on a small machine that competed with the script's first seconds of work.
+        self._bare = on_exit is None and "torch" not in sys.modules and "MONARCH_TENSOR_PRELOAD" not in env
+        if self._bare:
+            env["MONARCH_TENSOR_PRELOAD"] = env["MONARCH_TENSOR_IDLE_PRELOAD"] = ""
         req_r, self._req_fd = os.pipe()
         self._rep_fd, rep_w = os.pipe()
         self.proc = subprocess.Popen(
@@ -117,6 +117,9 @@ class LocalHost:
         # served before anything it would import while idle.
         futs = []
         with self._lock:
+            if self._bare and "torch" in sys.modules:
+                self._bare = False
+                _zygote.write_msg(self._req_fd, ("preload", ["torch"], ["torch._dynamo"]))
             for info, env in zip(infos, envs):
                 self._next += 1
                 fut = Future("proc spawn")
