@@ -339,7 +339,7 @@ def main():
         return n / t / 2**30 if t else float("nan")
 
     cols = ["memcpy", "copy_ (all cores)", "raw tcp stream", "pyzmq copy", "gloo send/recv", "cma read", "cma write", "tcp read", "tcp write", "Monarch read"]
-    print(f"RDMABuffer between two procs of this host, GiB/s (µs per transfer); median of {REPEATS}")
+    print(f"RDMABuffer between two procs of this host, GiB/s (µs per transfer); median of {REPEATS} or more (small sizes: until 50 ms)")
     print(f"control-plane round trip (call_one, small int): {ours['ctrl_rtt_us']:.0f} µs")
     print(f"{'size':>8} | " + " | ".join(f"{c:>20}" for c in cols))
     rows = []
