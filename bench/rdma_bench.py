@@ -10,7 +10,7 @@ REPEATS times (more for small sizes: until 50 ms have passed, up to 500) into a 
 table shows the median as GiB/s, and as latency in µs.
 Baselines in the same run, into warm destinations: memcpy (libc's, one thread, via ctypes.memmove),
 torch's copy_ (parallel over every core: the limit on one host; cma splits large transfers over the
-cores too, see rdma/backends/cma.py), one raw loopback TCP stream, a pyzmq copy (another process
+cores too, see rdma/backends/cma.py), one raw loopback TCP stream from a server process, a pyzmq copy (another process
 sends the bytes over a zmq ipc socket; recv_into here), torch.distributed gloo send/recv between two
 processes (timed on the receiver after a barrier), a control-plane round trip (call_one of a small
 int), and with --peers PyTorch Monarch's RDMABuffer (torchmonarch, TCP fallback: no RDMA NIC here),

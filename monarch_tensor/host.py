@@ -118,7 +118,7 @@ class LocalHost:
         futs = []
         with self._lock:
             if self._bare and "torch" in sys.modules:
-                self._bare = False
+                self._bare = self._warmed = False  # and warm up the tensor engine meanwhile, below
                 _zygote.write_msg(self._req_fd, ("preload", ["torch"], ["torch._dynamo"]))
             for info, env in zip(infos, envs):
                 self._next += 1

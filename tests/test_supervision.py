@@ -217,6 +217,7 @@ TORCHLESS_SCRIPT = textwrap.dedent("""
     print("SECOND", new_mesh_has_torch(), flush=True)
     import torch  # noqa: F401 - from now on the script works with torch
     print("AFTER IMPORT", new_mesh_has_torch(), flush=True)
+    print("WARMED", "torch._dynamo" in sys.modules, flush=True)  # the tensor engine's warm-up ran meanwhile
 """)
 
 
@@ -229,7 +230,8 @@ def test_a_script_without_torch_gets_procs_at_once_and_later_meshes_with_torch(t
     script.write_text(TORCHLESS_SCRIPT.format(root=ROOT))
     env = dict(os.environ)
     env.pop("MONARCH_TENSOR_PRELOAD", None)
+    env.pop("MONARCH_TENSOR_NO_WARMUP", None)
     p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100, env=env)
     assert p.returncode == 0, p.stderr
     assert "FIRST False" in p.stdout and "SECOND False" in p.stdout, p.stdout
-    assert "AFTER IMPORT True" in p.stdout, p.stdout
+    assert "AFTER IMPORT True" in p.stdout and "WARMED True" in p.stdout, p.stdout
