@@ -25,8 +25,8 @@ def _later(fn, delay: float = 0.05) -> threading.Thread:
 
 def test_get_blocks_until_another_thread_sets_the_result():
     f: Future[int] = Future("answer")
-    _later(lambda: f._set_result(42))
     assert not f.done()
+    _later(lambda: f._set_result(42))
     assert f.get(timeout=10) == 42
     assert f.done() and f.result() == 42 and f.exception() is None
 
