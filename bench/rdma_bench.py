@@ -20,6 +20,7 @@ against size when matplotlib is installed (``pip install -e .[bench]``); --json 
 """
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -67,16 +68,29 @@ with conn:
 '''
 
 
+@contextlib.contextmanager
+def server_process(code: str, *args: str):
+    """A baseline's server: ``python -c code args``, its stdout piped; left to exit on its own when the
+    client is done (the servers here end with their connection), killed if the run failed first."""
+    p = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True)
+    try:
+        yield p
+    finally:
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 def raw_tcp_stream(sizes, repeats):
     """Floor for tcp: a plain socket server in another process (as the buffer's owner is) sends n bytes on
     one loopback connection for each 8-byte request; received into a warm buffer. (A server thread of this
     process shares its GIL with the reader: its small-size figures swung between 16 and 80 µs run to run.)"""
     import socket
 
-    p = subprocess.Popen([sys.executable, "-c", TCP_SERVER, str(max(sizes))], stdout=subprocess.PIPE, text=True)
-    try:
-        port = int(p.stdout.readline())
-        c = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+    with server_process(TCP_SERVER, str(max(sizes))) as p:
+        c = socket.create_connection(("127.0.0.1", int(p.stdout.readline())), timeout=TIMEOUT)
         c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         out = {}
         for n in sizes:
@@ -89,14 +103,8 @@ def raw_tcp_stream(sizes, repeats):
                     got += c.recv_into(buf[got:], n - got)
 
             out[n] = median_time(once, repeats)
-        c.close()
+        c.close()  # the server exits
         return out
-    finally:
-        try:
-            p.wait(timeout=5)  # it exits when the connection closes
-        except subprocess.TimeoutExpired:  # the run failed before that
-            p.kill()
-            p.wait()
 
 
 ZMQ_SERVER = r'''
@@ -121,8 +129,7 @@ def zmq_copy(sizes, repeats):
     import zmq
 
     addr = f"ipc://{tempfile.mkdtemp(prefix='rdma-bench-')}/zmq"
-    p = subprocess.Popen([sys.executable, "-c", ZMQ_SERVER, addr, str(max(sizes))], stdout=subprocess.PIPE, text=True)
-    try:
+    with server_process(ZMQ_SERVER, addr, str(max(sizes))) as p:
         assert p.stdout.readline().strip() == "ready", "the zmq server did not start"
         s = zmq.Context.instance().socket(zmq.REQ)
         s.setsockopt(zmq.RCVTIMEO, int(TIMEOUT * 1000))
@@ -136,16 +143,10 @@ def zmq_copy(sizes, repeats):
                 assert s.recv_into(dst) == n
 
             out[n] = median_time(once, repeats)
-        s.send(b"-1")
+        s.send(b"-1")  # the server exits
         s.recv()
         s.close(linger=0)
         return out
-    finally:
-        try:
-            p.wait(timeout=5)  # it exits after the "-1" request
-        except subprocess.TimeoutExpired:  # the run failed before that
-            p.kill()
-            p.wait()
 
 
 GLOO_RANK = r'''
