@@ -27,6 +27,8 @@ import pickle
 import struct
 import sys
 import threading
+import types
+from collections import ChainMap
 from typing import Callable
 
 import cloudpickle
@@ -94,7 +96,9 @@ def _encode(msg: object, shm: bool | int, remote: tuple[int, str, str] | None) -
         by_value = True
     if by_value:
         buffers.clear()
-        body = cloudpickle.dumps(msg, protocol=5, buffer_callback=buffers.append)
+        f = io.BytesIO()
+        _ByValuePickler(f, protocol=5, buffer_callback=buffers.append).dump(msg)
+        body = f.getvalue()
     raws = [b.raw() for b in buffers]
     if shm and raws and sum(r.nbytes for r in raws) >= _shm.SHM_THRESHOLD and _shm.available():
         desc = pickle.dumps(_shm.write(raws, readers=int(shm)))
@@ -108,6 +112,25 @@ def _encode(msg: object, shm: bool | int, remote: tuple[int, str, str] | None) -
         if payload is not None:
             return [_HEADER.pack(MAGIC_DP, 1) + body, pickle.dumps(payload, protocol=5)]
     return [_HEADER.pack(MAGIC, len(raws)) + body, *raws]
+
+
+def _code_reduce(code: types.CodeType):
+    """cloudpickle's reducer of a code object, keeping the code's file name.
+
+    cloudpickle 3.1.3 writes ``<dynamic-code>`` in place of it (for payloads that do not depend on where
+    the code was defined); then tracebacks and the debugger on a proc could not show the script's file
+    and lines for an actor class defined in ``__main__``."""
+    rebuild, args = _CLOUD_CODE_REDUCE(code)
+    return rebuild, tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
+
+
+_CLOUD_CODE_REDUCE = cloudpickle.Pickler.dispatch_table[types.CodeType]
+
+
+class _ByValuePickler(cloudpickle.Pickler):
+    """cloudpickle's Pickler (code travels by value), with code objects that keep their file names."""
+
+    dispatch_table = ChainMap({types.CodeType: _code_reduce}, cloudpickle.Pickler.dispatch_table)
 
 
 # Values that pickle the same with and without the tensor reducer (a call's or reply's usual payload).

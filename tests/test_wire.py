@@ -14,6 +14,7 @@ import os
 import pickle
 import sys
 import threading
+import traceback
 import types
 import typing
 
@@ -284,6 +285,23 @@ def test_code_defined_here_travels_by_value():
     fn = lambda x: x * 3  # noqa: E731 - pickle refuses lambdas; cloudpickle takes them
     out = _roundtrip(messages.SendToPort(1, (fn, Local(4)), None, 0)).value
     assert out[0](5) == 15 and out[1].v == 4
+
+
+def test_code_sent_by_value_keeps_its_file_and_lines():
+    """A proc's tracebacks and debugger show the script's file and lines for code sent by value (cloudpickle
+    3.1.3 alone would name it ``<dynamic-code>``)."""
+
+    def fail():
+        raise ValueError("here")
+
+    out = _roundtrip(messages.SendToPort(1, fail, None, 0)).value
+    assert out is not fail and out.__code__ is not fail.__code__
+    assert out.__code__.co_filename == __file__
+    with pytest.raises(ValueError) as e:
+        out()
+    frame = traceback.extract_tb(e.value.__traceback__)[-1]
+    assert (frame.filename, frame.lineno, frame.line) == (__file__, fail.__code__.co_firstlineno + 1,
+                                                          'raise ValueError("here")')
 
 
 def test_importable_classes_travel_by_reference():
