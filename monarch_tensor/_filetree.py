@@ -144,8 +144,11 @@ class Writer:
 
     def __init__(self, root: str) -> None:
         self.root = root
-        self._open: dict[str, tuple[int, str]] = {}  # key -> (fd, temp path)
+        self._open: dict[str, list] = {}  # key -> [fd, temp path, destination, bytes written up to]
         self.ops: list[tuple] = []  # the finish/touch/delete ops applied, for the commit
+        self._dirs: set[str] = set()  # directories this writer made or found (a delete forgets them)
+        self._tag = f".sync-{os.getpid()}-{os.urandom(4).hex()}-"  # its temp files' names, then a count
+        self._count = 0
 
     def path(self, key: str) -> str:
         parts = key.split("/")
@@ -153,21 +156,39 @@ class Writer:
             raise ValueError(f"bad workspace path {key!r}: must be relative, without '.' or '..' parts")
         return os.path.join(self.root, *parts)
 
+    def _make_dir(self, d: str) -> None:
+        if d in self._dirs:
+            return
+        try:
+            os.makedirs(d, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):  # a file where a directory is now wanted
+            p = d
+            while len(p) > len(self.root):
+                if os.path.lexists(p) and not os.path.isdir(p):
+                    os.unlink(p)
+                    break
+                p = os.path.dirname(p)
+            os.makedirs(d, exist_ok=True)
+        self._dirs.add(d)
+
     def _fd(self, key: str, patch: bool) -> int:
-        if key in self._open:
-            return self._open[key][0]
+        got = self._open.get(key)
+        if got is not None:
+            return got[0]
         dest = self.path(key)
         d = os.path.dirname(dest)
-        if os.path.lexists(d) and not os.path.isdir(d):
-            os.unlink(d)  # a file where a directory is now wanted
-        os.makedirs(d, exist_ok=True)
-        if os.path.isdir(dest) and not os.path.islink(dest):
-            _rmtree(dest)  # a directory where a file is now wanted
-        fd, tmp = tempfile.mkstemp(prefix=".sync-", dir=d)
-        if patch and os.path.isfile(dest):
-            with open(dest, "rb") as src:
-                _copy_fd(src.fileno(), fd)
-        self._open[key] = (fd, tmp)
+        self._make_dir(d)
+        self._count += 1
+        tmp = os.path.join(d, f"{self._tag}{self._count}")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+        self._open[key] = [fd, tmp, dest, 0]
+        if patch:
+            try:
+                with open(dest, "rb") as src:
+                    self._open[key][3] = -1  # the old version's length: truncate at the end
+                    _copy_fd(src.fileno(), fd)
+            except (FileNotFoundError, IsADirectoryError):
+                pass
         return fd
 
     def write(self, key: str, offset: int, data, patch: bool = False) -> None:
@@ -177,19 +198,27 @@ class Writer:
         while view:
             n = os.pwrite(fd, view, offset)
             view, offset = view[n:], offset + n
+        entry = self._open[key]
+        if entry[3] != -1 and offset > entry[3]:
+            entry[3] = offset
 
     def finish(self, key: str, size: int, mtime_ns: int, mode: int, patch: bool = False) -> None:
         """Complete ``key``: truncate to ``size``, set mode and mtime, move into place."""
-        fd = self._fd(key, patch)
-        fd, tmp = self._open.pop(key)
+        self._fd(key, patch)
+        fd, tmp, dest, end = self._open.pop(key)
         try:
-            os.ftruncate(fd, size)
+            if end != size:
+                os.ftruncate(fd, size)
             os.fchmod(fd, mode & 0o7777)
+            os.utime(fd, ns=(mtime_ns, mtime_ns))
         finally:
             os.close(fd)
-        os.utime(tmp, ns=(mtime_ns, mtime_ns))
-        dest = self.path(key)
-        os.replace(tmp, dest)
+        try:
+            os.replace(tmp, dest)
+        except IsADirectoryError:  # a directory where a file is now wanted
+            _rmtree(dest)
+            self._dirs = {d for d in self._dirs if not (d == dest or d.startswith(dest + os.sep))}
+            os.replace(tmp, dest)
         if key.endswith(".py"):  # a stale .pyc with the same mtime/size would shadow the new source
             _remove_pyc(dest)
 
@@ -201,9 +230,10 @@ class Writer:
 
     def delete(self, key: str) -> None:
         dest = self.path(key)
+        self._dirs.clear()  # it may remove directories left empty
         try:
             os.unlink(dest)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):  # gone, or a file/directory swap
             return
         if key.endswith(".py"):
             _remove_pyc(dest)
@@ -219,7 +249,7 @@ class Writer:
 
     def abort(self) -> None:
         """Drop every unfinished file (a failed sync leaves the old versions in place)."""
-        for fd, tmp in self._open.values():
+        for fd, tmp, _, _ in self._open.values():
             os.close(fd)
             try:
                 os.unlink(tmp)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import time
 from unittest import mock
 
@@ -121,7 +122,8 @@ def tree(base: str) -> dict[str, bytes]:
     return out
 
 
-names = st.sampled_from(["a.py", "b.txt", "d/c.py", "d/e/f.bin", "g/h.cfg", "d/__init__.py"])
+# "k" and "k/l/m.py": a file becomes a directory and back
+names = st.sampled_from(["a.py", "b.txt", "d/c.py", "d/e/f.bin", "g/h.cfg", "d/__init__.py", "k", "k/l/m.py"])
 contents = st.binary(max_size=64) | st.just(b"same-size-1") | st.just(b"same-size-2")
 
 
@@ -135,9 +137,16 @@ def test_root_mirrors_source_after_every_sync(tmp_path_factory, steps, pull):
         for name, data in step.items():
             path = os.path.join(src, name)
             if data is None:
-                if os.path.exists(path):
+                if os.path.isfile(path):
                     os.unlink(path)
                 continue
+            parent = os.path.dirname(path)
+            while parent != src:  # a file where a directory is now wanted
+                if os.path.isfile(parent):
+                    os.unlink(parent)
+                parent = os.path.dirname(parent)
+            if os.path.isdir(path):  # a directory where a file is now wanted
+                shutil.rmtree(path)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "wb") as f:  # same size, same clock tick: only the racy rule catches this
                 f.write(data)
