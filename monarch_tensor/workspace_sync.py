@@ -43,6 +43,7 @@ from .tools.config.workspace import Workspace
 SYNC_TIMEOUT = _sync_proc.SYNC_TIMEOUT  # seconds ($MONARCH_TENSOR_SYNC_TIMEOUT), the procs' too
 CHUNK = 8 << 20  # bytes of file data per WriteFiles message
 PULL_MIN = int(os.environ.get("MONARCH_TENSOR_SYNC_PULL_MIN", 256 << 10))  # bytes: bigger files go on the data plane
+INBAND = 64 << 10  # bytes: smaller file data rides inside a message's body, not as one frame per file
 PULL_MAX = 2 << 30  # bytes registered for pulls at once in one sync; further files ride in messages
 # Writers on this client's own host get every file in the messages, which travel through shared
 # memory there: bench/sync_bench.py measured that 1.3x faster than pulling (the pull's cross-memory
@@ -189,6 +190,12 @@ def _ranges(blocks: list[int], size: int) -> list[tuple[int, int]]:
     return [(o, n) for o, n in out]
 
 
+def _carried(data: bytes):
+    """File data for a message: a small piece inside the pickle body, a larger one as its own buffer
+    (its own frame, or in shared memory) that is never copied into the body."""
+    return data if len(data) < INBAND else pickle.PickleBuffer(data)
+
+
 def _send_file(b: _Batcher, key: str, path: str, mtime_ns: int, mode: int, blocks: list[int] | None,
                pulls: _Pulls | None = None) -> None:
     """Whole file (``blocks`` None) or only the given blocks of it, then the op that finishes it."""
@@ -201,15 +208,15 @@ def _send_file(b: _Batcher, key: str, path: str, mtime_ns: int, mode: int, block
         b.add(("f", key, size, mtime_ns, mode, blocks is not None))
         b.files += 1
         return
-    with open(path, "rb") as f:
+    with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         if blocks is None:
             off = 0
-            while off < size or off == 0:
-                data = f.read(CHUNK)
+            while off < size:  # reads of exactly what is left: read(CHUNK) would allocate CHUNK for a small file
+                data = f.read(min(CHUNK, size - off))
                 if not data:
                     break
-                b.add(("w", key, off, pickle.PickleBuffer(data), False), len(data))
+                b.add(("w", key, off, _carried(data), False), len(data))
                 off += len(data)
             size = off
         else:
@@ -217,7 +224,7 @@ def _send_file(b: _Batcher, key: str, path: str, mtime_ns: int, mode: int, block
                 f.seek(i * _filetree.BLOCK)
                 data = f.read(_filetree.BLOCK)
                 if data:
-                    b.add(("w", key, i * _filetree.BLOCK, pickle.PickleBuffer(data), True), len(data))
+                    b.add(("w", key, i * _filetree.BLOCK, _carried(data), True), len(data))
     b.add(("f", key, size, mtime_ns, mode, blocks is not None))
     b.files += 1
 
