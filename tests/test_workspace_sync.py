@@ -155,6 +155,28 @@ def test_root_mirrors_source_after_every_sync(tmp_path_factory, steps, pull):
         assert tree(os.path.join(root, "ws")) == tree(src)
 
 
+def test_small_files_ride_in_the_message_body_and_large_ones_in_their_own_frames(tmp_path):
+    """One frame for many small files (not one per file); a large file's bytes are a frame of their own."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(50):
+        (src / f"m{i}.py").write_bytes(b"x = %d\n" % i)
+    big = os.urandom(ws_sync.INBAND)
+    (src / "big.bin").write_bytes(big)
+    ws = Workspace(dirs={str(src): "ws"})
+    manifest, sources = local_manifest(ws)
+    msgs = []
+    b = _Batcher(msgs.append, "t", "k", ("ws",), time.time_ns())
+    plan(b, _sync_proc.diff(str(tmp_path / "root"), ("ws",), manifest), manifest, sources)
+    b.flush(last=True, reply=None)
+    (msg,) = msgs
+    frames = _wire.encode(msg)
+    assert [bytes(f) for f in frames[1:]] == [big]  # the body holds the 50 small files
+    w = _filetree.Writer(str(tmp_path / "root"))
+    _sync_proc.apply_ops(w, _wire.decode(frames).ops)
+    assert tree(str(tmp_path / "root" / "ws")) == tree(str(src))
+
+
 @settings(max_examples=200, deadline=None)
 @given(size=st.integers(1, 12 * _filetree.BLOCK), blocks=st.sets(st.integers(0, 13)))
 def test_block_ranges_cover_exactly_the_changed_blocks(size, blocks):
