@@ -331,6 +331,34 @@ def test_tcp_timeout_when_the_owner_is_stopped(owners, monkeypatch):
     buf.read_into(out).get(timeout=10)
 
 
+@pytest.mark.parametrize("n", [4 << 10, 4 << 20])
+def test_tcp_reader_polls_then_blocks_for_a_slow_reply(owners, monkeypatch, n):
+    """A reply later than the reader's polling (the owner is stopped for 0.3 s) still arrives whole: the
+    reader went back to a blocking wait under its timeout (and a 4 MiB reply's rest after its first bytes)."""
+    from rdma.backends import tcp
+
+    monkeypatch.setenv(ENV_BACKEND, "tcp")
+    monkeypatch.setattr(tcp, "SPIN_S", 0.02)
+    o = _owner(owners, 1)
+    buf = o.make.call_one(f"slow{n}", n, seed=5).get()
+    want = o.value.call_one(f"slow{n}").get()
+    out = torch.empty(n, dtype=torch.uint8)
+    buf.read_into(out).get(timeout=10)  # a connection in the pool, before the owner stops
+    out.zero_()
+    pid = o.pid.call_one().get()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        fut = buf.read_into(out, timeout=20)
+        fut._task.start()  # on a pool thread, while this one resumes the owner
+        time.sleep(0.3)
+        assert not fut.done()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    fut.get(timeout=20)
+    assert torch.equal(out, want)
+    assert buf.backend == "tcp"
+
+
 def test_cma_refused_falls_back_to_tcp(owners, monkeypatch):
     """The kernel's EPERM (forced here) makes the pair fall back to tcp, with the right bytes."""
     monkeypatch.delenv(ENV_BACKEND, raising=False)
