@@ -86,8 +86,11 @@ def server_process(code: str, *args: str):
 def raw_tcp_stream(sizes, repeats):
     """Floor for tcp: a plain socket server in another process (as the buffer's owner is) sends n bytes on
     one loopback connection for each 8-byte request; received into a warm buffer. (A server thread of this
-    process shares its GIL with the reader: its small-size figures swung between 16 and 80 µs run to run.)"""
+    process shares its GIL with the reader: its small-size figures swung between 16 and 80 µs run to run.)
+    The first bytes are awaited as our tcp reader awaits them: polling up to its SPIN_S, then blocking."""
     import socket
+
+    from rdma.backends.tcp import _recv_first
 
     with server_process(TCP_SERVER, str(max(sizes))) as p:
         c = socket.create_connection(("127.0.0.1", int(p.stdout.readline())), timeout=TIMEOUT)
@@ -98,7 +101,7 @@ def raw_tcp_stream(sizes, repeats):
 
             def once(n=n, buf=buf):
                 c.sendall(n.to_bytes(8, "big"))
-                got = 0
+                got = _recv_first(c, [buf])  # polls before it blocks, as our tcp reader does
                 while got < n:
                     got += c.recv_into(buf[got:], n - got)
 

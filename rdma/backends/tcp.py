@@ -223,7 +223,8 @@ class TcpBackend(Backend):
             status = bytearray(1)
             if op == WRITE:
                 _send_parts(s, req, local.view(lo, n))
-                _recv_exact(s, memoryview(status))
+                if _recv_first(s, [status]) == 0:
+                    raise ConnectionError("connection closed before the owner answered")
             else:
                 s.sendall(req)
                 dst = local.view(lo, n)
