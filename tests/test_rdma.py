@@ -331,10 +331,11 @@ def test_tcp_timeout_when_the_owner_is_stopped(owners, monkeypatch):
     buf.read_into(out).get(timeout=10)
 
 
+@pytest.mark.parametrize("kind", ["read", "write"])
 @pytest.mark.parametrize("n", [4 << 10, 4 << 20])
-def test_tcp_reader_polls_then_blocks_for_a_slow_reply(owners, monkeypatch, n):
-    """A reply later than the reader's polling (the owner is stopped for 0.3 s) still arrives whole: the
-    reader went back to a blocking wait under its timeout (and a 4 MiB reply's rest after its first bytes)."""
+def test_tcp_polls_then_blocks_for_a_slow_owner(owners, monkeypatch, n, kind):
+    """An answer later than the tcp client's polling (the owner is stopped for 0.3 s) still arrives whole:
+    the client went back to a blocking wait under its timeout (and a 4 MiB read's rest after its first bytes)."""
     from rdma.backends import tcp
 
     monkeypatch.setenv(ENV_BACKEND, "tcp")
@@ -344,18 +345,21 @@ def test_tcp_reader_polls_then_blocks_for_a_slow_reply(owners, monkeypatch, n):
     want = o.value.call_one(f"slow{n}").get()
     out = torch.empty(n, dtype=torch.uint8)
     buf.read_into(out).get(timeout=10)  # a connection in the pool, before the owner stops
-    out.zero_()
+    if kind == "read":
+        out.zero_()
+    else:
+        want = torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(6)).to(torch.uint8)
     pid = o.pid.call_one().get()
     os.kill(pid, signal.SIGSTOP)
     try:
-        fut = buf.read_into(out, timeout=20)
+        fut = buf.read_into(out, timeout=20) if kind == "read" else buf.write_from(want, timeout=20)
         fut._task.start()  # on a pool thread, while this one resumes the owner
         time.sleep(0.3)
         assert not fut.done()
     finally:
         os.kill(pid, signal.SIGCONT)
     fut.get(timeout=20)
-    assert torch.equal(out, want)
+    assert torch.equal(out if kind == "read" else o.value.call_one(f"slow{n}").get(), want)
     assert buf.backend == "tcp"
 
 
