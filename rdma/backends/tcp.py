@@ -25,8 +25,8 @@ from .base import Backend, check_deadline
 
 STREAMS = int(os.environ.get("MONARCH_TENSOR_RDMA_TCP_STREAMS", "4"))
 MIN_STREAM_CHUNK = 4 << 20  # below this a transfer uses one connection
-# A reader polls its socket this long for the reply's first bytes before it blocks: blocked, it waited for
-# the scheduler to wake its core (65 µs for a 4 KiB read on this project's 2-core VM; 24 µs polling).
+# A client (reader or writer) polls its socket this long for the owner's answer before it blocks: blocked, it
+# waited for the scheduler to wake its core (65 µs for a 4 KiB read on this project's 2-core VM; 24 µs polling).
 SPIN_S = float(os.environ.get("MONARCH_TENSOR_RDMA_TCP_SPIN_US", "200")) * 1e-6
 _REQ = struct.Struct("!4sBQQQQ")
 _MAGIC = b"MTDP"
