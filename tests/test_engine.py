@@ -6,12 +6,13 @@ One mesh of two procs (``{"gpus": 2}``) is shared by the whole module.
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
 
 from controller.api import worker_stats
-from monarch_tensor import MeshTensorError, RemoteException, fetch_shard, inspect, no_mesh, this_host
+from monarch_tensor import MeshTensorError, RemoteException, fetch_shard, inspect, no_mesh, remote, this_host
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -141,6 +142,41 @@ def _train(model, opt, x, y, steps):
         opt.step()
         losses.append(loss.detach())
     return losses
+
+
+def _faults_reallocating(n_mib: int, rounds: int):
+    """This proc's minor page faults while it allocates ``n_mib`` tensors of 1 MiB and frees them, ``rounds``
+    times, after one round to warm up (on the worker's stream thread, like any op's outputs)."""
+    def burst():
+        ts = [torch.ones(1 << 18) for _ in range(n_mib)]
+        del ts
+
+    def minflt():
+        with open("/proc/self/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[7])
+
+    burst()
+    before = minflt()
+    for _ in range(rounds):
+        burst()
+    return torch.tensor(minflt() - before)
+
+
+def _glibc() -> bool:
+    try:
+        return bool(os.confstr("CS_GNU_LIBC_VERSION"))
+    except (ValueError, OSError):
+        return False
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat") or not _glibc(), reason="needs Linux with glibc")
+def test_a_worker_keeps_freed_tensor_memory_for_its_next_allocations(procs):
+    n_mib, rounds = 96, 3
+    faults = remote(_faults_reallocating, propagate=lambda n, r: torch.tensor(0))
+    with procs.activate():
+        got = [int(inspect(faults(n_mib, rounds), gpus=g)) for g in range(2)]
+    touched = n_mib * rounds * (1 << 20) // 4096
+    assert all(f < touched // 10 for f in got), f"page faults {got} for {touched} pages reallocated"
 
 
 @pytest.mark.parametrize("opt_name,foreach", [("SGD", True), ("AdamW", False)])

@@ -13,9 +13,11 @@ the same exception without running. Nothing an instruction does kills the worker
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib
 import logging
+import os
 import queue
 import threading
 import traceback
@@ -35,6 +37,33 @@ log = logging.getLogger("monarch_tensor.worker")
 
 WORKER_NAME = "tensor_engine_worker"
 RECV_TIMEOUT = TIMEOUT
+# Freed tensor memory a worker keeps for its next allocations, in MiB (0: glibc's defaults).
+KEEP_FREED_MB = int(os.environ.get("MONARCH_TENSOR_KEEP_FREED_MB", "1024"))
+
+
+def keep_freed_memory(keep_mb: int = KEEP_FREED_MB) -> bool:
+    """Make glibc's malloc keep freed tensor memory for reuse instead of giving it back to the kernel.
+
+    By default glibc serves large blocks with ``mmap`` (its threshold adapts, up to 32 MiB) and trims
+    free memory off its heaps, so a training step that frees its activations pays to fault the same
+    pages in again in the next step: a worker's GPT step took 1,000-2,500 page faults more than eager
+    torch's. Here every block up to 32 MiB comes from the heaps, up to ``keep_mb`` MiB free at a
+    heap's top stays there, and a thread's heap that empties is kept (like the CUDA caching allocator,
+    the process keeps its peak). Only on glibc; False where it does not apply.
+    """
+    try:
+        glibc = os.confstr("CS_GNU_LIBC_VERSION")
+    except (ValueError, OSError):  # not a glibc system
+        glibc = None
+    if keep_mb <= 0 or not glibc:
+        return False
+    M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
+    libc = ctypes.CDLL(None)
+    return all(libc.mallopt(opt, value) for opt, value in (
+        (M_MMAP_THRESHOLD, 32 << 20),  # glibc's largest
+        (M_TRIM_THRESHOLD, keep_mb << 20),
+        (M_TOP_PAD, 64 << 20),  # a thread's 64 MiB heap that empties is kept, not unmapped
+    ))
 
 
 def flat_leaves(obj: Any) -> list:
@@ -103,6 +132,7 @@ class TensorWorker(Actor):
     def __init__(self, store_addr: tuple[str, int] | None = None) -> None:
         self.rank = current_rank().rank
         self.mailbox = current_mailbox()
+        keep_freed_memory()
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         self.refs: dict[int, Any] = {}
         self.coll = Collectives(self.rank, store_addr, self.device)
