@@ -183,6 +183,40 @@ def fetch_shard(obj: Any, shard: dict[str, int] | None = None, **kwargs: int) ->
     return ctx.client.request(rank, lambda port: m.FetchValue(value, None, port, sid, loc))
 
 
+def call_actor(actors, ranks: list[int], method: str, args: tuple, kwargs: dict, port) -> None:
+    """An actor call whose arguments hold mesh tensors: each rank's actor gets its own local tensors.
+
+    The call goes down the tensor engine's instruction stream of the tensors' mesh, so it runs after the
+    ops issued before it, and the stream waits for the endpoint to return (the actor borrows the tensors
+    while it runs); calls sent to the actor later still run after it. The actor must live on procs of
+    the tensors' mesh.
+    """
+    from monarch_tensor import _wire
+
+    what = f"{actors._name}.{method}"
+    try:
+        leaves, ctx = _leaves_ctx((args, kwargs))
+    except MeshTensorError:
+        raise MeshTensorError(f"{what}: the mesh tensors passed live on different meshes") from None
+    if ctx is None:
+        raise MeshTensorError(f"{what}: mesh tensors inside objects other than tuples, lists and dicts cannot be "
+                              "passed to an actor")
+    client = ctx.client
+    index = {a: i for i, a in enumerate(client.addrs)}
+    targets = [index.get(actors._procs[r].addr) for r in ranks]
+    if None in targets or not set(targets) <= set(ctx.ranks):
+        raise MeshTensorError(f"{what}: the mesh tensors passed live on {ctx.pm._shape}, not on the procs of actor "
+                              f"mesh {actors._name!r}; move them with to_mesh() or fetch them with fetch_shard()")
+    instr = m.CallActor(actors._name, method, _to_wire(args), _to_wire(kwargs), port, ctx.sid, user_loc())
+    try:
+        _wire.encode(instr)  # before it joins a batch: a mesh tensor hidden in another object must not sink one
+    except MeshTensorError:
+        raise MeshTensorError(f"{what}: mesh tensors inside objects other than tuples, lists and dicts cannot be "
+                              "passed to an actor") from None
+    client.issue(instr, tuple(sorted(targets)))
+    client.flush()
+
+
 def inspect(obj: Any, shard: dict[str, int] | None = None, **kwargs: int) -> Any:
     """``fetch_shard(obj, ...).result()``: the value on one rank, now."""
     return fetch_shard(obj, shard, **kwargs).result()

@@ -1,4 +1,5 @@
-"""Mesh tensors in one script: rank tensors, reduce, fetch, slicing, to_mesh, and an error at its line.
+"""Mesh tensors in one script: rank tensors, reduce, fetch, slicing, to_mesh, an actor that gets each
+rank's tensor, and an error at its line.
 
     python examples/mesh_tensors.py
 
@@ -11,6 +12,16 @@ host the same script computes on the GPUs.
 import torch
 
 from monarch_tensor import RemoteException, fetch_shard, inspect, this_host
+from monarch_tensor.actor import Actor, current_rank, endpoint
+
+
+class Norms(Actor):
+    """An actor on the same procs: a mesh tensor passed to it arrives as its rank's local tensor."""
+
+    @endpoint
+    def norm(self, t: torch.Tensor) -> str:
+        return f"rank {current_rank().rank}: {type(t).__name__} {t.tolist()}, norm {t.norm().item():.1f}"
+
 
 # ---- settings -------------------------------------------------------------------------------
 HOSTS, GPUS = 2, 2  # mesh sizes ("hosts" is only a name here: all procs run on this machine)
@@ -38,6 +49,11 @@ with procs.activate():
     host0, host1 = procs.slice(hosts=0), procs.slice(hosts=1)
     moved = x.slice_mesh(hosts=0).to_mesh(host1)
     print(f"to_mesh hosts=0 -> hosts=1, gpus=1 now holds {inspect(moved, gpus=1).tolist()}")
+
+    # Actors on the mesh's procs get each rank's local tensor (after the ops issued before the call).
+    norms = procs.spawn("norms", Norms)
+    for line in norms.norm.call(x * 2).get(timeout=60).values():
+        print(f"actor got {line}")
 
     # A shape error is caught by the controller at once, at the line that made it.
     try:

@@ -37,6 +37,22 @@ class _Slot:
     init_error: BaseException | None = None
     queue: collections.deque = field(default_factory=collections.deque)
     busy: bool = False
+    done_events: list = field(default_factory=list)  # set when the running async call ends (Reserved.done)
+
+
+class Reserved:
+    """A call's place in its actor's queue, taken before the call can run (its arguments are still being
+    computed: mesh tensors on the tensor engine's stream). Calls queued after it wait for it.
+    ``fill`` (on the proc's loop) supplies the call, or the error to reply with instead;
+    ``done`` is set once the call has run."""
+
+    __slots__ = ("msg", "error", "ready", "done")
+
+    def __init__(self) -> None:
+        self.msg: CallEndpoint | None = None
+        self.error: BaseException | None = None
+        self.ready = False
+        self.done = threading.Event()
 
 
 class _LogForwarder:
@@ -162,6 +178,34 @@ class ProcRuntime:
         if not slot.busy:
             self._pump(slot)
 
+    def reserve(self, actor: str) -> Reserved:
+        """A place for a call to ``actor`` behind the calls queued so far (on the loop thread)."""
+        entry = Reserved()
+        slot = self.actors.get(actor)
+        if slot is not None:
+            slot.queue.append(entry)
+        return entry
+
+    def fill(self, actor: str, entry: Reserved, msg: CallEndpoint | None, error: BaseException | None) -> None:
+        """Runs ``msg`` (or replies ``error`` to it) in ``entry``'s place (on the loop thread)."""
+        entry.msg, entry.error, entry.ready = msg, error, True
+        slot = self.actors.get(actor)
+        if slot is None or entry not in slot.queue:  # no such actor: the call gets handle_CallEndpoint's error
+            self._settle(entry)
+            return
+        if not slot.busy:
+            self._pump(slot)
+
+    def _settle(self, entry: Reserved) -> None:
+        """Runs a reserved call whose actor does not exist (anymore)."""
+        try:
+            if entry.error is not None:
+                self._reply(entry.msg.reply, None, entry.error, -1)
+            else:
+                self.handle_CallEndpoint(entry.msg)
+        finally:
+            entry.done.set()
+
     def handle_SetLogging(self, msg: SetLogging) -> None:
         self.logs.enabled = msg.stream_to_client
         self._reply(msg.reply, None, None, self.rank)
@@ -185,12 +229,34 @@ class ProcRuntime:
 
     # ---- running endpoints ----------------------------------------------------
     def _pump(self, slot: _Slot) -> None:
-        while slot.queue and not slot.busy:
-            msg = slot.queue.popleft()
+        q = slot.queue
+        while q and not slot.busy:
+            msg = q[0]
+            if type(msg) is Reserved:
+                if not msg.ready:
+                    return  # the calls behind it wait for it
+                q.popleft()
+                if msg.error is not None:
+                    self._reply(msg.msg.reply, None, msg.error, slot.ctx.rank.rank)
+                    msg.done.set()
+                else:
+                    self._run(slot, msg.msg, msg.done)
+                continue
+            q.popleft()
             self._run(slot, msg)
 
-    def _run(self, slot: _Slot, msg: CallEndpoint) -> None:
+    def _run(self, slot: _Slot, msg: CallEndpoint, done: threading.Event | None = None) -> None:
+        """Runs one call; ``done`` (if given) is set when it has finished (after an async one's await)."""
         rank = slot.ctx.rank.rank
+        if done is not None:
+            try:
+                self._run(slot, msg)
+            finally:
+                if slot.busy:  # an async endpoint: done when its task ends
+                    slot.done_events.append(done)
+                else:
+                    done.set()
+            return
         if slot.init_error is not None:
             self._reply(msg.reply, None, slot.init_error, rank)
             return
@@ -235,6 +301,8 @@ class ProcRuntime:
             self._reply(msg.reply, value, None, rank)
         finally:
             slot.busy = False
+            while slot.done_events:
+                slot.done_events.pop().set()
             self._pump(slot)
 
     def _error(self, slot: _Slot, msg: CallEndpoint, e: BaseException) -> ActorError:

@@ -217,12 +217,23 @@ class Endpoint(Generic[R]):
         if addrs is None:
             addrs = [self._mesh._procs[r].addr for r in ranks]
         msg = CallEndpoint(self._mesh._name, self._method, args, kwargs, port)
+        try:
+            encoded = _wire.encode_for(msg, addrs, mailbox)
+        except Exception as e:
+            errors = sys.modules.get("controller.errors")
+            if errors is None or not isinstance(e, errors.MeshTensorError):
+                raise
+            # Mesh tensors among the arguments: each rank gets its own, through the tensor engine.
+            from controller.api import call_actor
+
+            call_actor(self._mesh, ranks, self._method, args, kwargs, port)
+            return
         if len(addrs) > 1 and "|" in addrs[0]:  # procs behind host agents: down the fan-out tree
             from ._fanout import send_many
 
-            send_many(mailbox, addrs, _wire.encode_for(msg, addrs, mailbox)[0])
+            send_many(mailbox, addrs, encoded[0])
             return
-        for addr, frames in zip(addrs, _wire.encode_for(msg, addrs, mailbox)):
+        for addr, frames in zip(addrs, encoded):
             mailbox.send_frames(addr, frames, batch=True)
 
     def _collect(self, ranks: list[int], args, kwargs, finish) -> Future:

@@ -5,14 +5,17 @@ One mesh of two procs (``{"gpus": 2}``) is shared by the whole module.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
+import time
 
 import pytest
 import torch
 
 from controller.api import worker_stats
 from monarch_tensor import MeshTensorError, RemoteException, fetch_shard, inspect, no_mesh, remote, this_host
+from monarch_tensor.actor import Actor, endpoint
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -238,3 +241,88 @@ def test_the_first_spawn_builds_the_fake_tensor_mode_while_the_procs_start(off, 
                        text=True, timeout=100)
     assert p.returncode == 0, p.stderr[-3000:]
     assert f"warm {not off} " in p.stdout, p.stdout
+
+
+# ---- mesh tensors passed to actor endpoints ------------------------------------------------------------
+class _Holder(Actor):
+    def __init__(self) -> None:
+        self.log = []
+
+    @endpoint
+    def describe(self, t, extra=None):
+        parts = extra or {}
+        return type(t).__name__, t.tolist(), {k: [v.tolist() for v in vs] for k, vs in parts.items()}
+
+    @endpoint
+    def record(self, tag, t=None):
+        self.log.append((tag, None if t is None else t.tolist()))
+
+    @endpoint
+    def history(self):
+        return self.log
+
+    @endpoint
+    async def scale_later(self, t, k):
+        await asyncio.sleep(0.2)
+        t.mul_(k)  # the rank's own tensor: ops issued after the call see this
+
+
+def _slow_plus(x, dt):
+    time.sleep(dt)
+    return x + 1
+
+
+class _Box:
+    def __init__(self, t) -> None:
+        self.t = t
+
+
+@pytest.fixture(scope="module")
+def holder(procs):
+    return procs.spawn("holder", _Holder)
+
+
+def test_mesh_tensors_passed_to_an_actor_arrive_as_each_ranks_local_tensor(procs, holder):
+    with procs.activate():
+        x = torch.zeros(2) + procs.rank_tensor("gpus")
+        got = holder.describe.call(x, extra={"twice": [x * 2, x + 10]}).get(timeout=60)
+    assert [v for _, v in sorted(got.items(), key=lambda pv: pv[0].rank)] == [
+        ("Tensor", [0.0, 0.0], {"twice": [[0.0, 0.0], [10.0, 10.0]]}),
+        ("Tensor", [1.0, 1.0], {"twice": [[2.0, 2.0], [11.0, 11.0]]}),
+    ]
+
+
+def test_an_actor_call_with_mesh_tensors_keeps_its_place_among_ops_and_calls(procs, holder):
+    slow = remote(_slow_plus, propagate=lambda x, dt: x)
+    with procs.activate():
+        x = torch.ones(1) * procs.rank_tensor("gpus")
+        y = slow(x, 0.3)  # the stream is busy for 0.3 s when the calls below arrive
+        first = holder.record.call("with tensor", y)
+        second = holder.record.call("plain")  # no tensors: sent directly, yet it runs second
+        first.get(timeout=60)
+        second.get(timeout=60)
+        z = torch.ones(1) * procs.rank_tensor("gpus")
+        done = holder.scale_later.call(z, 5.0)
+        w = z + 0  # issued after the call: runs after the (async) endpoint has returned
+        done.get(timeout=60)
+        after = inspect(w, gpus=1)
+        logs = holder.history.call().get(timeout=60)
+    for point, log in logs.items():
+        assert log[-2:] == [("with tensor", [point.rank + 1.0]), ("plain", None)]
+    assert after.tolist() == [5.0]
+
+
+def test_an_actor_call_with_a_failed_or_misplaced_mesh_tensor_is_an_error(procs, holder):
+    bad = remote(lambda x: x[100], propagate=lambda x: x)
+    with procs.activate():
+        x = torch.ones(3)
+        with pytest.raises(RemoteException, match="IndexError|out of bounds"):
+            holder.describe.call(bad(x)).get(timeout=60)
+        assert holder.describe.call(x).get(timeout=60).item(gpus=0)[1] == [1.0, 1.0, 1.0]  # still serving
+        one = procs.slice(gpus=0)
+        with one.activate():
+            only_rank0 = torch.ones(2)
+        with pytest.raises(MeshTensorError, match="not on the procs of actor mesh 'holder'"):
+            holder.describe.call(only_rank0)
+        with pytest.raises(MeshTensorError, match="other than tuples, lists and dicts"):
+            holder.describe.call(_Box(x))

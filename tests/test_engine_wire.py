@@ -35,6 +35,8 @@ SAMPLES = {
     m.BorrowCreate: m.BorrowCreate(1, 3, 9, 0, 2),
     m.BorrowDrop: m.BorrowDrop(1, 9, 0, 2),
     m.ReportRefs: m.ReportRefs(PortRef("ipc:///tmp/x", 5), 0),
+    m.CallActor: m.CallActor("trainer", "step", (m.Ref(3), 2), {"w": [m.Ref(4)]}, PortRef("ipc:///tmp/x", 6), 0,
+                             ("f.py", 12, "main")),
 }
 
 

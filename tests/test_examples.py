@@ -77,6 +77,9 @@ def test_mesh_tensors():
     assert "reduce over gpus, avg (hosts=1) -> [3.5, 3.5, 3.5, 3.5]" in lines
     assert "reduce over gpus, stack shape   -> (2, 4)" in lines
     assert "to_mesh hosts=0 -> hosts=1, gpus=1 now holds [2.0, 2.0, 2.0, 2.0]" in lines
+    for r in range(4):
+        v = 2.0 * (r + 1)
+        assert f"actor got rank {r}: Tensor {[v] * 4}, norm {2 * v:.1f}" in lines, out
     assert any(ln.startswith("shape error raised at once:") for ln in lines), out
     # the RemoteException names the op, the rank, and the example's own line
     i = lines.index("fetch raised RemoteException:")

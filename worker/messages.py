@@ -207,5 +207,21 @@ class ReportRefs:
     stream: int
 
 
+@_fast_reduce
+@dataclass(frozen=True, slots=True)
+class CallActor:
+    """Call endpoint ``method`` of this proc's actor ``actor`` with the refs in ``args`` and ``kwargs``
+    replaced by this rank's tensors; the stream waits until the endpoint has returned (the actor borrows
+    the tensors meanwhile). The result goes to ``reply``, as any call's does."""
+
+    actor: str
+    method: str
+    args: tuple
+    kwargs: dict
+    reply: PortRef | None
+    stream: int
+    loc: Loc
+
+
 INSTRUCTIONS = (CallOp, CallFunction, CreateValue, CreateRank, DeleteRefs, Reduce, FetchValue, SendTensor,
-                RecvTensor, CreateStream, BorrowCreate, BorrowDrop, ReportRefs)
+                RecvTensor, CreateStream, BorrowCreate, BorrowDrop, ReportRefs, CallActor)

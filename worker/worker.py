@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from monarch_tensor._proc import current_runtime
 from monarch_tensor.actor import Actor, current_rank, endpoint
 from monarch_tensor.mailbox import LOST_REWRITES, current_mailbox
 from monarch_tensor.messages import CallEndpoint, SendToPort
@@ -158,6 +159,8 @@ class TensorWorker(Actor):
             elif t is m.CreateStream:
                 if instr.stream not in streams:
                     streams[instr.stream] = _Stream(self, instr.stream, instr.name)
+            elif t is m.CallActor:  # its place in the actor's queue is taken now, in message order
+                streams[instr.stream].put(handlers[t], (instr, current_runtime().reserve(instr.actor)))
             else:
                 streams[instr.stream].put(handlers[t], instr)
 
@@ -365,6 +368,25 @@ class TensorWorker(Actor):
         if entry[2] is not None:
             torch.cuda.current_stream().wait_event(entry[2])
         self.borrows.pop(borrow, None)
+
+    def handle_CallActor(self, item: tuple) -> None:
+        """``item``: the instruction and the place in its actor's queue that ``execute`` took for it."""
+        msg, entry = item
+        call = CallEndpoint(msg.actor, msg.method, (), {}, msg.reply)
+        error = None
+        try:
+            call = CallEndpoint(msg.actor, msg.method, self._resolve(msg.args), self._resolve(msg.kwargs), msg.reply)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()  # the endpoint runs on another thread
+        except _Propagate as p:
+            error = p.failure
+        except Exception as e:  # noqa: BLE001
+            error = self._failure(f"{msg.actor}.{msg.method}", msg.loc, e)
+        rt = current_runtime()
+        rt.loop.call_soon_threadsafe(rt.fill, msg.actor, entry, call, error)
+        if not entry.done.wait(RECV_TIMEOUT):
+            log.warning("tensor worker: %s.%s still runs after %s s; stream %d goes on without waiting",
+                        msg.actor, msg.method, RECV_TIMEOUT, msg.stream)
 
     def handle_ReportRefs(self, msg: m.ReportRefs) -> None:
         self._reply(msg.reply, {"refs": len(self.refs), "streams": len(self.streams),
