@@ -202,6 +202,12 @@ class Writer:
         if entry[3] != -1 and offset > entry[3]:
             entry[3] = offset
 
+    def copied(self, key: str, n: int) -> None:
+        """``n`` bytes of ``key``'s new version were written at its start through its fd (``_fd``)."""
+        entry = self._open[key]
+        if entry[3] != -1 and n > entry[3]:
+            entry[3] = n
+
     def finish(self, key: str, size: int, mtime_ns: int, mode: int, patch: bool = False) -> None:
         """Complete ``key``: truncate to ``size``, set mode and mtime, move into place."""
         self._fd(key, patch)

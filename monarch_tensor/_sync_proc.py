@@ -12,6 +12,8 @@ and re-imports changed modules (``_reload.py``).
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import hashlib
 import importlib
 import os
@@ -21,6 +23,7 @@ import sys
 import threading
 import traceback
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 
 from . import _filetree, _reload
 from .mailbox import SYSTEM_HANDLERS, Mailbox, socket_dir
@@ -98,10 +101,27 @@ def diff(root: str, dirs, manifest: dict) -> WorkspaceDiff:
     return WorkspaceDiff(tuple(send), verify, blocks, delete, root)
 
 
+def sees_sources(sources) -> bool:
+    """Whether this proc sees the client's source dirs (same path, device and inode): then it can copy
+    the client's files itself instead of receiving their bytes."""
+    if not sources:
+        return False
+    for path, dev, ino in sources:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return False
+        if (st.st_dev, st.st_ino) != (dev, ino):
+            return False
+    return True
+
+
 def handle_diff(mailbox: Mailbox, msg: DiffWorkspace) -> None:
     try:
         root = workspace_root(msg.client_key)
         value = diff(root, msg.dirs, msg.manifest)
+        if sees_sources(msg.sources):
+            value = dataclasses.replace(value, local=True)
     except Exception as e:  # noqa: BLE001 - reported to the client
         _reply(mailbox, msg.reply, error=_failed("workspace diff", e))
         return
@@ -175,13 +195,71 @@ def _pieces(op: tuple) -> range:
     return range(0, op[4], PULL_PIECE)
 
 
+def _copy_file(src_path: str, fd: int, size: int) -> int:
+    """Copy up to ``size`` bytes of ``src_path`` into ``fd`` (in the kernel where it can); the bytes copied."""
+    with open(src_path, "rb", buffering=0) as src:
+        s = src.fileno()
+        off = 0
+        try:
+            while off < size:
+                n = os.sendfile(fd, s, off, size - off)
+                if n == 0:
+                    break
+                off += n
+            return off
+        except OSError as e:  # a file system without sendfile between these files
+            if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                raise
+        os.lseek(s, off, 0)
+        while off < size:
+            chunk = os.read(s, min(PULL_PIECE, size - off))
+            if not chunk:
+                break
+            os.pwrite(fd, chunk, off)
+            off += len(chunk)
+        return off
+
+
+def _copy_all(w: _filetree.Writer, copies: list[tuple]) -> None:
+    """The message's ``("c", key, path, size)`` ops, in two lanes (this thread and the helper): a
+    file copy is a kernel copy plus page allocation on one core, so two cores copy about 1.5x faster.
+    Destinations are opened here first (the Writer is not shared between threads)."""
+    jobs = [(w._fd(op[1], False), op[2], op[3], op[1]) for op in copies]
+    lanes: list[list] = [[], []]
+    loads = [0, 0]
+    for job in sorted(jobs, key=lambda j: -j[2]):
+        i = 0 if loads[0] <= loads[1] else 1
+        lanes[i].append(job)
+        loads[i] += job[2]
+
+    def run(lane: list) -> list:
+        return [(key, _copy_file(path, fd, size)) for fd, path, size, key in lane]
+
+    other = _reader().submit(run, lanes[1]) if lanes[1] else None
+    try:
+        done = run(lanes[0])
+    finally:
+        if other is not None:  # never leave it writing into fds that an abort closes
+            futures_wait([other], timeout=SYNC_TIMEOUT)
+    if other is not None:
+        done += other.result(timeout=0)  # its error, or TimeoutError
+    for key, n in done:
+        w.copied(key, n)
+
+
 def apply_ops(w: _filetree.Writer, ops) -> None:
-    """Apply a message's ops in order; ``("r", key, offset, buf, n, patch)`` pulls [offset, offset + n)."""
+    """Apply a message's ops in order; ``("r", key, offset, buf, n, patch)`` pulls [offset, offset + n),
+    ``("c", key, path, size)`` copies a file (all of a message's copies first: distinct new files)."""
     pulls = [(op[3], op[2] + o, min(PULL_PIECE, op[4] - o)) for op in ops if op[0] == "r" for o in _pieces(op)]
+    copies = [op for op in ops if op[0] == "c"]
+    if copies:
+        _copy_all(w, copies)
     pre = _Prefetch(pulls) if pulls else None
     try:
         for op in ops:
             kind = op[0]
+            if kind == "c":
+                continue
             if kind == "w":
                 w.write(op[1], op[2], op[3], op[4])
             elif kind == "r":

@@ -25,13 +25,18 @@ class DescribeWorkspace:
 @_fast_reduce
 @dataclass(frozen=True, slots=True)
 class DiffWorkspace:
-    """Client -> writer proc: compare ``manifest`` ({key: (size, mtime_ns, mode)}) with the root under ``dirs``."""
+    """Client -> writer proc: compare ``manifest`` ({key: (size, mtime_ns, mode)}) with the root under ``dirs``.
+
+    ``sources``: the client's source dirs as ``(absolute path, st_dev, st_ino)``; a writer that sees
+    the same directories there says so (``WorkspaceDiff.local``) and may be sent files to copy by path.
+    """
 
     sync_id: str
     client_key: str
     dirs: tuple[str, ...]
     manifest: dict
     reply: PortRef
+    sources: tuple = ()
 
 
 @_fast_reduce
@@ -39,7 +44,8 @@ class DiffWorkspace:
 class WriteFiles:
     """Client -> writer proc: apply ``ops`` to the root; the message with ``last`` commits and replies.
 
-    Ops are tuples: ``("w", key, offset, buffer, patch)`` write bytes;
+    Ops are tuples: ``("w", key, offset, buffer, patch)`` write bytes; ``("c", key, path, size)``
+    copy a whole file of the client's (a writer that sees its sources) from ``path``;
     ``("f", key, size, mtime_ns, mode, patch)`` finish a file; ``("t", key,
     mtime_ns, mode)`` same content, new metadata; ``("d", key)`` delete.
     ``scan_ns`` is the client's clock when it scanned (for the racy rule).
@@ -76,3 +82,4 @@ class WorkspaceDiff:
     blocks: dict  # key -> remote block digests, for large files to patch
     delete: tuple[str, ...]
     root: str
+    local: bool = False  # this writer sees the client's source dirs: files may be copied by path

@@ -13,6 +13,9 @@
    (``rdma/``: its TCP streams across hosts; cross-memory attach when
    ``PULL_SAME_HOST`` makes writers of this host pull too), until ``PULL_MAX``
    bytes are registered; the buffers are dropped when every writer has committed.
+   A writer that sees the client's source dirs itself (this host, same directories:
+   ``WorkspaceDiff.local``) is sent no bytes of whole files of ``INBAND`` bytes and more,
+   only their paths: it copies them in the kernel, two at a time (``COPY_LOCAL``).
 4. Every proc puts the dirs on ``sys.path`` and, with ``auto_reload``,
    re-imports the changed modules.
 
@@ -49,6 +52,9 @@ PULL_MAX = 2 << 30  # bytes registered for pulls at once in one sync; further fi
 # memory there: bench/sync_bench.py measured that 1.3x faster than pulling (the pull's cross-memory
 # read and the file write both run in the writer; the messages' copy runs in the client, in parallel).
 PULL_SAME_HOST = os.environ.get("MONARCH_TENSOR_SYNC_PULL_SAME_HOST", "") == "1"
+# A writer that sees the client's source dirs (same host and file system) copies whole files of INBAND
+# bytes and more from them itself, two at a time: one kernel copy per byte, no message or pull at all.
+COPY_LOCAL = os.environ.get("MONARCH_TENSOR_SYNC_COPY_LOCAL", "1") != "0"
 
 _roots: dict[str, tuple[str, str]] = {}  # proc addr -> (hostname, workspace root)
 
@@ -60,6 +66,7 @@ class SyncResult:
     files_sent: int = 0
     bytes_sent: int = 0  # file data to every writer, in messages or pulled
     bytes_pulled: int = 0  # the part of bytes_sent the writers pulled over the data plane
+    bytes_copied: int = 0  # the part of bytes_sent the writers copied from this host's files themselves
     unchanged: int = 0
     deleted: int = 0
     roots: list[str] = field(default_factory=list)
@@ -111,6 +118,19 @@ def local_manifest(workspace: Workspace) -> tuple[dict, dict[str, str]]:
     return manifest, sources
 
 
+def _source_ids(workspace: Workspace) -> tuple:
+    """``(absolute path, st_dev, st_ino)`` of each source dir (a writer that sees the same may copy)."""
+    out = []
+    for src in workspace.dirs:
+        path = os.path.abspath(str(src))
+        try:
+            st = os.stat(path)
+        except OSError:
+            return ()
+        out.append((path, st.st_dev, st.st_ino))
+    return tuple(out)
+
+
 class _Batcher:
     """Packs ops into ``WriteFiles`` messages of about ``CHUNK`` bytes (carried or to pull) for one writer."""
 
@@ -118,7 +138,7 @@ class _Batcher:
         self.send, self.sync_id, self.key, self.dirs, self.scan_ns = send, sync_id, key, dirs, scan_ns
         self.ops: list = []
         self.nbytes = 0
-        self.files = self.bytes = self.pulled = 0
+        self.files = self.bytes = self.pulled = self.copied = 0
 
     def add(self, op: tuple, nbytes: int = 0) -> None:
         self.ops.append(op)
@@ -197,8 +217,17 @@ def _carried(data: bytes):
 
 
 def _send_file(b: _Batcher, key: str, path: str, mtime_ns: int, mode: int, blocks: list[int] | None,
-               pulls: _Pulls | None = None) -> None:
-    """Whole file (``blocks`` None) or only the given blocks of it, then the op that finishes it."""
+               pulls: _Pulls | None = None, copy: bool = False) -> None:
+    """Whole file (``blocks`` None) or only the given blocks of it, then the op that finishes it
+    (``copy``: the writer sees this file and copies a whole one of ``INBAND`` bytes or more itself)."""
+    if copy and blocks is None:
+        size = os.stat(path).st_size
+        if size >= INBAND:
+            b.copied += size
+            b.add(("c", key, os.path.abspath(path), size), size)
+            b.add(("f", key, size, mtime_ns, mode, False))
+            b.files += 1
+            return
     buf = pulls.buffer(key, path) if pulls is not None else None
     if buf is not None:
         size = buf.size()
@@ -230,14 +259,15 @@ def _send_file(b: _Batcher, key: str, path: str, mtime_ns: int, mode: int, block
 
 
 def plan(b: _Batcher, diff: WorkspaceDiff, manifest: dict, sources: dict[str, str],
-         pulls: _Pulls | None = None) -> list[str]:
-    """Turn a writer's diff into ops on ``b``; return the keys whose content changes."""
+         pulls: _Pulls | None = None, copy: bool = False) -> list[str]:
+    """Turn a writer's diff into ops on ``b``; return the keys whose content changes (``copy``: the
+    writer copies whole files from ``sources`` itself)."""
     changed = []
     for key in diff.send:
         _, mtime_ns, mode = manifest[key]
         theirs = diff.blocks.get(key)
         blocks = _filetree.changed_blocks(sources[key], theirs) if theirs is not None else None
-        _send_file(b, key, sources[key], mtime_ns, mode, blocks, pulls)
+        _send_file(b, key, sources[key], mtime_ns, mode, blocks, pulls, copy)
         changed.append(key)
     for key, theirs in diff.verify.items():
         size, mtime_ns, mode = manifest[key]
@@ -248,7 +278,7 @@ def plan(b: _Batcher, diff: WorkspaceDiff, manifest: dict, sources: dict[str, st
         blocks = None
         if isinstance(theirs, list):
             blocks = [i for i, d in enumerate(ours) if i >= len(theirs) or theirs[i] != d]
-        _send_file(b, key, sources[key], mtime_ns, mode, blocks, pulls)
+        _send_file(b, key, sources[key], mtime_ns, mode, blocks, pulls, copy)
         changed.append(key)
     for key in diff.delete:
         b.add(("d", key))
@@ -273,7 +303,8 @@ def _sync(procs: list, workspace: Workspace, auto_reload: bool) -> SyncResult:
     scan_ns = time.time_ns()
     manifest, sources = local_manifest(workspace)
     sync_id = uuid.uuid4().hex[:12]
-    diffs: list[WorkspaceDiff] = _ask(writers, lambda port: DiffWorkspace(sync_id, key, dirs, manifest, port),
+    where = _source_ids(workspace) if COPY_LOCAL else ()
+    diffs: list[WorkspaceDiff] = _ask(writers, lambda port: DiffWorkspace(sync_id, key, dirs, manifest, port, where),
                                       "workspace diff") if writers else []
     col = Collector([w.addr for w in writers], [w.rank for w in writers], list, "workspace write")
     port = mailbox.open_port(col)
@@ -283,11 +314,13 @@ def _sync(procs: list, workspace: Workspace, auto_reload: bool) -> SyncResult:
         for w, diff in zip(writers, diffs):
             b = _Batcher(lambda msg, addr=w.addr: mailbox.send(addr, msg), sync_id, key, dirs, scan_ns)
             remote = PULL_SAME_HOST or _roots[w.addr][0] != socket.gethostname()
-            changed.update(plan(b, diff, manifest, sources, pulls if remote else None))
+            copy = diff.local and not PULL_SAME_HOST
+            changed.update(plan(b, diff, manifest, sources, pulls if remote and not copy else None, copy))
             b.flush(last=True, reply=port)
             result.files_sent += b.files
             result.bytes_sent += b.bytes
             result.bytes_pulled += b.pulled
+            result.bytes_copied += b.copied
             result.deleted = max(result.deleted, len(diff.delete))
             result.unchanged = max(result.unchanged, len(manifest) - len(diff.send) - len(diff.verify))
         result.roots = col.future.get(timeout=SYNC_TIMEOUT) if writers else []

@@ -84,10 +84,11 @@ def test_module_names_and_bad_paths(tmp_path):
 
 
 # ---- the sync rules, in-process ------------------------------------------------------------------
-def sync_in_process(src: str, root: str, pull: bool = False) -> list[str]:
+def sync_in_process(src: str, root: str, pull: bool = False, copy: bool = False) -> list[str]:
     """One sync of ``src`` into ``root`` through the same diff/plan/apply code the procs run.
 
     ``pull``: files of ``PULL_MIN`` bytes and more go through ``RDMABuffer``s, as to procs.
+    ``copy``: whole files of ``INBAND`` bytes and more are copied by the writer from ``src``.
     """
     ws = Workspace(dirs={src: "ws"})
     scan_ns = time.time_ns()
@@ -96,7 +97,9 @@ def sync_in_process(src: str, root: str, pull: bool = False) -> list[str]:
     msgs = []
     b = _Batcher(msgs.append, "t", "k", ("ws",), scan_ns)
     pulls = _Pulls() if pull else None
-    changed = plan(b, diff, manifest, sources, pulls)
+    changed = plan(b, diff, manifest, sources, pulls, copy)
+    if not copy:
+        assert b.copied == 0
     b.flush(last=True, reply=None)
     w = _filetree.Writer(root)
     try:
@@ -129,9 +132,10 @@ contents = st.binary(max_size=64) | st.just(b"same-size-1") | st.just(b"same-siz
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=st.lists(st.dictionaries(names, st.none() | contents, max_size=4), min_size=1, max_size=4),
-       pull=st.booleans())
-def test_root_mirrors_source_after_every_sync(tmp_path_factory, steps, pull):
-    """Hypothesis: after any edits, the root equals the source, with file data in messages or pulled."""
+       how=st.sampled_from(["messages", "pull", "copy"]))
+def test_root_mirrors_source_after_every_sync(tmp_path_factory, steps, how):
+    """Hypothesis: after any edits, the root equals the source, with file data in messages, pulled, or
+    copied by the writer from the source."""
     src, root = str(tmp_path_factory.mktemp("src")), str(tmp_path_factory.mktemp("root"))
     for step in steps:
         for name, data in step.items():
@@ -150,8 +154,8 @@ def test_root_mirrors_source_after_every_sync(tmp_path_factory, steps, pull):
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "wb") as f:  # same size, same clock tick: only the racy rule catches this
                 f.write(data)
-        with mock.patch.object(ws_sync, "PULL_MIN", 1):  # every non-empty file is pulled
-            sync_in_process(src, root, pull)
+        with mock.patch.object(ws_sync, "PULL_MIN", 1), mock.patch.object(ws_sync, "INBAND", 1):
+            sync_in_process(src, root, how == "pull", how == "copy")  # every non-empty file pulled or copied
         assert tree(os.path.join(root, "ws")) == tree(src)
 
 
@@ -190,30 +194,30 @@ def test_block_ranges_cover_exactly_the_changed_blocks(size, blocks):
     assert all(o1 + n1 < o2 for (o1, n1), (o2, _) in zip(ranges, ranges[1:]))  # sorted, never adjacent
 
 
-@pytest.mark.parametrize("pull", [False, True])
-def test_only_changed_content_moves_and_large_files_patch_by_blocks(tmp_path, pull):
+@pytest.mark.parametrize("pull,copy", [(False, False), (True, False), (False, True)])
+def test_only_changed_content_moves_and_large_files_patch_by_blocks(tmp_path, pull, copy):
     src, root = tmp_path / "src", str(tmp_path / "root")
     src.mkdir()
     (src / "a.py").write_text("x = 1\n")
     big = bytearray(os.urandom(6 * _filetree.BLOCK + 123))
     (src / "big.bin").write_bytes(big)
-    changed, nbytes = sync_in_process(str(src), root, pull)
+    changed, nbytes = sync_in_process(str(src), root, pull, copy)
     assert sorted(changed) == ["ws/a.py", "ws/big.bin"] and nbytes == len(big) + 6
     old = time.time_ns() - 10 * _filetree.RACY_COARSE_NS + 7  # age the files past the racy window
     for p in (src / "a.py", src / "big.bin"):
         os.utime(p, ns=(old, old))
-    changed, nbytes = sync_in_process(str(src), root, pull)  # metadata only
+    changed, nbytes = sync_in_process(str(src), root, pull, copy)  # metadata only
     assert changed == [] and nbytes == 0
     os.utime(src / "a.py", ns=(old + 5, old + 5))  # touched, same content: verified by hash, nothing moves
-    changed, nbytes = sync_in_process(str(src), root, pull)
+    changed, nbytes = sync_in_process(str(src), root, pull, copy)
     assert changed == [] and nbytes == 0
     big[3 * _filetree.BLOCK + 10] ^= 0xFF  # one byte of one block
     (src / "big.bin").write_bytes(big)
-    changed, nbytes = sync_in_process(str(src), root, pull)
+    changed, nbytes = sync_in_process(str(src), root, pull, copy)
     assert changed == ["ws/big.bin"] and nbytes == _filetree.BLOCK
     assert (tmp_path / "root" / "ws" / "big.bin").read_bytes() == bytes(big)
     (src / "a.py").unlink()
-    changed, nbytes = sync_in_process(str(src), root, pull)
+    changed, nbytes = sync_in_process(str(src), root, pull, copy)
     assert changed == ["ws/a.py"] and not (tmp_path / "root" / "ws" / "a.py").exists()
 
 
@@ -339,6 +343,49 @@ def test_large_files_are_pulled_over_the_data_plane(tmp_path, monkeypatch, backe
         assert third.bytes_pulled == 0 and third.bytes_sent == 2 * _filetree.BLOCK
         for r in roots:
             assert (r / "proj" / "weights.bin").read_bytes() == bytes(big)
+    finally:
+        procs.stop()
+
+
+def test_a_writer_copies_by_path_only_the_sources_it_sees_and_fails_cleanly(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    st_ = os.stat(src)
+    assert _sync_proc.sees_sources(((str(src), st_.st_dev, st_.st_ino),))
+    assert not _sync_proc.sees_sources(((str(src), st_.st_dev, st_.st_ino + 1),))  # another directory there
+    assert not _sync_proc.sees_sources(((str(tmp_path / "nowhere"), st_.st_dev, st_.st_ino),))
+    assert not _sync_proc.sees_sources(())
+    root = tmp_path / "root"
+    (root / "ws").mkdir(parents=True)
+    (root / "ws" / "keep.bin").write_bytes(b"old")
+    w = _filetree.Writer(str(root))
+    with pytest.raises(FileNotFoundError):  # the file went away after the client planned the copy
+        _sync_proc.apply_ops(w, [("c", "ws/keep.bin", str(src / "gone.bin"), 10),
+                                 ("f", "ws/keep.bin", 10, 0, 0o644, False)])
+    w.abort()
+    assert (root / "ws" / "keep.bin").read_bytes() == b"old"
+    assert sorted(os.listdir(root / "ws")) == ["keep.bin"]  # no temp file left behind
+
+
+@pytest.mark.timeout(120)
+def test_writers_on_this_host_copy_large_files_from_the_source(tmp_path):
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    files = {f"w{i}.bin": os.urandom(ws_sync.INBAND + 1000 * i) for i in range(5)}
+    for name, data in files.items():
+        (proj / name).write_bytes(data)
+    (proj / "small.py").write_text("X = 1\n")
+    roots = [tmp_path / "host0", tmp_path / "host1"]
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    try:
+        procs.env.set("WORKSPACE_DIR", [str(r) for r in roots]).get(timeout=30)
+        first = procs.sync_workspace(Workspace(dirs=[proj])).get(timeout=60)
+        big = sum(len(d) for d in files.values())
+        assert first.bytes_copied == 2 * big and first.bytes_pulled == 0
+        assert first.bytes_sent == 2 * (big + len("X = 1\n"))
+        for r in roots:
+            assert tree(str(r / "proj")) == tree(str(proj))
+            assert [n for n in os.listdir(r / "proj") if n.startswith(".sync")] == []
     finally:
         procs.stop()
 
