@@ -195,7 +195,7 @@ def call_actor(actors, ranks: list[int], method: str, args: tuple, kwargs: dict,
 
     what = f"{actors._name}.{method}"
     try:
-        leaves, ctx = _leaves_ctx((args, kwargs))
+        _, ctx = _leaves_ctx((args, kwargs))
     except MeshTensorError:
         raise MeshTensorError(f"{what}: the mesh tensors passed live on different meshes") from None
     if ctx is None:

@@ -48,9 +48,10 @@ CHUNK = 8 << 20  # bytes of file data per WriteFiles message
 PULL_MIN = int(os.environ.get("MONARCH_TENSOR_SYNC_PULL_MIN", 256 << 10))  # bytes: bigger files go on the data plane
 INBAND = 64 << 10  # bytes: smaller file data rides inside a message's body, not as one frame per file
 PULL_MAX = 2 << 30  # bytes registered for pulls at once in one sync; further files ride in messages
-# Writers on this client's own host get every file in the messages, which travel through shared
-# memory there: bench/sync_bench.py measured that 1.3x faster than pulling (the pull's cross-memory
-# read and the file write both run in the writer; the messages' copy runs in the client, in parallel).
+# Writers on this client's own host that cannot copy the files themselves (COPY_LOCAL below) get every
+# file in the messages, which travel through shared memory there: bench/sync_bench.py measured that 1.3x
+# faster than pulling (the pull's cross-memory read and the file write both run in the writer; the
+# messages' copy runs in the client, in parallel).
 PULL_SAME_HOST = os.environ.get("MONARCH_TENSOR_SYNC_PULL_SAME_HOST", "") == "1"
 # A writer that sees the client's source dirs (same host and file system) copies whole files of INBAND
 # bytes and more from them itself, two at a time: one kernel copy per byte, no message or pull at all.
