@@ -5,8 +5,9 @@ variable; a host agent or job sets it per host) or, by default, a directory per
 client session on this host. The writer proc of a root compares and writes,
 in its message handlers. Large files for writers on other hosts arrive as
 ``RDMABuffer`` handles of the client's files and are pulled over the data
-plane (``_Prefetch``, overlapping the reads with the file writes); the rest
-ride in the messages. Every proc puts the synced dirs first on ``sys.path``
+plane; a writer that sees the client's source dirs copies large files from
+them itself; both in two lanes (``_in_two_lanes``); the rest rides in the
+messages. Every proc puts the synced dirs first on ``sys.path``
 and re-imports changed modules (``_reload.py``).
 """
 
@@ -17,7 +18,6 @@ import errno
 import hashlib
 import importlib
 import os
-import queue
 import socket
 import sys
 import threading
@@ -130,69 +130,17 @@ def handle_diff(mailbox: Mailbox, msg: DiffWorkspace) -> None:
 
 SYNC_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_SYNC_TIMEOUT", "120"))  # every wait of a sync, both sides
 PULL_PIECE = 8 << 20  # bytes per data-plane read
-PULL_SLOTS = 3  # pieces read ahead of the file writes
 
 _local = threading.local()
 _helper: tuple[int, ThreadPoolExecutor] | None = None
 
 
 def _reader() -> ThreadPoolExecutor:
+    """The second lane's thread (one per process, made again after a fork)."""
     global _helper
     if _helper is None or _helper[0] != os.getpid():
-        _helper = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="monarch-tensor-sync-pull"))
+        _helper = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="monarch-tensor-sync-lane"))
     return _helper[1]
-
-
-class _Prefetch:
-    """Reads a message's pulls, piece by piece and in order, on a helper thread into a ring of
-    ``PULL_SLOTS`` buffers while the handler writes the pieces already read: the copy from the
-    client and the file write run on two cores. ``next()`` gives the next piece; ``release()``
-    hands its buffer back once written."""
-
-    def __init__(self, pieces: list[tuple]) -> None:
-        size = max(n for _, _, n in pieces)
-        slots = getattr(_local, "slots", None)  # kept per handler thread: fresh memory costs page faults
-        if slots is None or len(slots[0]) < size:
-            slots = _local.slots = [memoryview(bytearray(max(size, 1 << 20))) for _ in range(PULL_SLOTS)]
-        self.pieces, self.slots = pieces, slots
-        self.free = threading.Semaphore(PULL_SLOTS)
-        self.ready: queue.SimpleQueue = queue.SimpleQueue()
-        self.stopped = False
-        _reader().submit(self._run)
-
-    def _run(self) -> None:
-        for i, (buf, offset, n) in enumerate(self.pieces):
-            while not self.free.acquire(timeout=0.5):
-                if self.stopped:
-                    return
-            if self.stopped:
-                return
-            view = self.slots[i % PULL_SLOTS][:n]
-            try:
-                buf.read_into(view, offset=offset, timeout=SYNC_TIMEOUT).get(timeout=SYNC_TIMEOUT)
-            except BaseException as e:  # noqa: BLE001 - raised by next() in the handler
-                self.ready.put(e)
-                return
-            self.ready.put(view)
-
-    def next(self) -> memoryview:
-        try:
-            v = self.ready.get(timeout=SYNC_TIMEOUT + 5)
-        except queue.Empty:
-            raise TimeoutError(f"no data-plane read finished within {SYNC_TIMEOUT + 5} s") from None
-        if isinstance(v, BaseException):
-            raise v
-        return v
-
-    def release(self) -> None:
-        self.free.release()
-
-    def close(self) -> None:
-        self.stopped = True
-
-
-def _pieces(op: tuple) -> range:
-    return range(0, op[4], PULL_PIECE)
 
 
 def _copy_file(src_path: str, fd: int, size: int) -> int:
@@ -220,63 +168,83 @@ def _copy_file(src_path: str, fd: int, size: int) -> int:
         return off
 
 
-def _copy_all(w: _filetree.Writer, copies: list[tuple]) -> None:
-    """The message's ``("c", key, path, size)`` ops, in two lanes (this thread and the helper): a
-    file copy is a kernel copy plus page allocation on one core, so two cores copy about 1.5x faster.
-    Destinations are opened here first (the Writer is not shared between threads)."""
-    jobs = [(w._fd(op[1], False), op[2], op[3], op[1]) for op in copies]
+def _pull_piece(buf, offset: int, n: int, fd: int) -> None:
+    """Read [offset, offset + n) of ``buf`` over the data plane into this thread's scratch memory, then
+    write it at the same offset of ``fd``."""
+    scratch = getattr(_local, "scratch", None)  # kept per thread: fresh memory costs page faults
+    if scratch is None or len(scratch) < n:
+        scratch = _local.scratch = memoryview(bytearray(max(n, PULL_PIECE)))
+    view = scratch[:n]
+    buf.read_into(view, offset=offset, timeout=SYNC_TIMEOUT).get(timeout=SYNC_TIMEOUT)
+    while view:
+        k = os.pwrite(fd, view, offset)
+        view, offset = view[k:], offset + k
+
+
+def _in_two_lanes(w: _filetree.Writer, ops: list[tuple]) -> None:
+    """A message's copies ``("c", key, path, size)`` and pulls ``("r", key, offset, buf, n, patch)``, in two
+    lanes (this thread and the helper), whole files to a lane: a lane copies or pulls a file and writes
+    it, so the two cores each move different files (a copy is a kernel copy plus page allocation on one
+    core; a pull is a data-plane read, then a file write). Destinations are opened here first (the
+    Writer is not shared between threads)."""
+    jobs, ends = [], []
+    for op in ops:
+        if op[0] == "c":
+            jobs.append((op[3], w._fd(op[1], False), op))
+            continue
+        fd = w._fd(op[1], op[5])
+        for o in range(0, op[4], PULL_PIECE):  # a big file's pieces may go to both lanes
+            jobs.append((min(PULL_PIECE, op[4] - o), fd, ("piece", op[3], op[2] + o)))
+        ends.append((op[1], op[2] + op[4]))
     lanes: list[list] = [[], []]
     loads = [0, 0]
-    for job in sorted(jobs, key=lambda j: -j[2]):
+    for job in sorted(jobs, key=lambda j: -j[0]):
         i = 0 if loads[0] <= loads[1] else 1
         lanes[i].append(job)
-        loads[i] += job[2]
+        loads[i] += job[0]
 
     def run(lane: list) -> list:
-        return [(key, _copy_file(path, fd, size)) for fd, path, size, key in lane]
+        copied = []
+        for n, fd, job in lane:
+            if job[0] == "c":
+                copied.append((job[1], _copy_file(job[2], fd, job[3])))
+            else:
+                _pull_piece(job[1], job[2], n, fd)
+        return copied
 
     other = _reader().submit(run, lanes[1]) if lanes[1] else None
     try:
-        done = run(lanes[0])
+        ends += run(lanes[0])
     finally:
         if other is not None:  # never leave it writing into fds that an abort closes
             futures_wait([other], timeout=SYNC_TIMEOUT)
     if other is not None:
-        done += other.result(timeout=0)  # its error, or TimeoutError
-    for key, n in done:
-        w.copied(key, n)
+        ends += other.result(timeout=0)  # its error, or TimeoutError
+    for key, end in ends:
+        w.copied(key, end)
 
 
 def apply_ops(w: _filetree.Writer, ops) -> None:
     """Apply a message's ops in order; ``("r", key, offset, buf, n, patch)`` pulls [offset, offset + n),
-    ``("c", key, path, size)`` copies a file (all of a message's copies first: distinct new files)."""
-    pulls = [(op[3], op[2] + o, min(PULL_PIECE, op[4] - o)) for op in ops if op[0] == "r" for o in _pieces(op)]
-    copies = [op for op in ops if op[0] == "c"]
-    if copies:
-        _copy_all(w, copies)
-    pre = _Prefetch(pulls) if pulls else None
-    try:
-        for op in ops:
-            kind = op[0]
-            if kind == "c":
-                continue
-            if kind == "w":
-                w.write(op[1], op[2], op[3], op[4])
-            elif kind == "r":
-                for o in _pieces(op):
-                    w.write(op[1], op[2] + o, pre.next(), op[5])
-                    pre.release()
-            elif kind == "f":
-                w.finish(*op[1:])
-            elif kind == "t":
-                w.touch(*op[1:])
-            elif kind == "d":
-                w.delete(op[1])
-            else:
-                raise ValueError(f"unknown workspace op {kind!r}")
-    finally:
-        if pre is not None:
-            pre.close()
+    ``("c", key, path, size)`` copies a file. A message's pulls and copies run first, in two lanes: they
+    write distinct files, or distinct ranges of one (the other ops finish, touch or delete files)."""
+    moves = [op for op in ops if op[0] in ("c", "r")]
+    if moves:
+        _in_two_lanes(w, moves)
+    for op in ops:
+        kind = op[0]
+        if kind == "c" or kind == "r":
+            continue
+        if kind == "w":
+            w.write(op[1], op[2], op[3], op[4])
+        elif kind == "f":
+            w.finish(*op[1:])
+        elif kind == "t":
+            w.touch(*op[1:])
+        elif kind == "d":
+            w.delete(op[1])
+        else:
+            raise ValueError(f"unknown workspace op {kind!r}")
 
 
 def commit(root: str, dirs, ops, scan_ns: int) -> None:
