@@ -292,6 +292,17 @@ def test_mesh_tensors_passed_to_an_actor_arrive_as_each_ranks_local_tensor(procs
     ]
 
 
+def test_mesh_tensors_to_a_slice_of_the_actors_and_to_broadcast(procs, holder):
+    with procs.activate():
+        x = torch.zeros(1) + procs.rank_tensor("gpus")
+        one = holder.slice(gpus=1).describe.call_one(x).get(timeout=60)  # only rank 1's proc is called
+        holder.record.broadcast("broadcast", x * 3)  # no reply: it still runs in its place
+        logs = holder.history.call().get(timeout=60)
+    assert one == ("Tensor", [1.0], {})
+    for point, log in logs.items():
+        assert log[-1] == ("broadcast", [3.0 * point.rank])
+
+
 def test_an_actor_call_with_mesh_tensors_keeps_its_place_among_ops_and_calls(procs, holder):
     slow = remote(_slow_plus, propagate=lambda x, dt: x)
     with procs.activate():
