@@ -59,9 +59,15 @@ class Future(Generic[R]):
                 # We are the thread that receives replies: receive until ours is in.
                 _mailbox.wait_until(self.done, timeout)
                 settled = self._state != _PENDING
+            elif _mailbox is not None and _mailbox.can_lead():
+                # A client's thread: receive ourselves while we wait (one thread hand-off less).
+                _mailbox.lead(self, timeout)
+                settled = self._state != _PENDING
             else:
                 settled = self._wait(timeout)
             if not settled:
+                if timeout is None:  # only a receiving wait returns unsettled without a timeout
+                    raise RuntimeError(f"no {self._what}: this process's mailbox closed while waiting for it")
                 raise TimeoutError(f"no {self._what} within {timeout} s")
         return self._result()
 

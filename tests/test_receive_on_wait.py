@@ -1,0 +1,111 @@
+"""A client thread that waits on a reply receives it itself (``Mailbox.lead``), and hands the socket back.
+
+The I/O thread receives while nobody waits; a waiting thread takes the socket over (one thread
+hand-off less per synchronous call). These check who dispatched what, several waiters at once, a
+wait nested inside a callback, the I/O thread taking over again, and a close during a wait.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from monarch_tensor import mailbox as mb_mod
+from monarch_tensor.actor import Actor, endpoint, this_host
+from monarch_tensor.future import Future
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Echo(Actor):
+    @endpoint
+    def echo(self, x):
+        return x
+
+    @endpoint
+    def slow(self, x, dt: float):
+        time.sleep(dt)
+        return x
+
+
+@pytest.fixture(scope="module")
+def echo():
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    yield procs.spawn("echo", Echo)
+    procs.stop()
+
+
+def _settled_on(fut: Future) -> list:
+    where: list = []
+    fut.add_done_callback(lambda _f: where.append(threading.current_thread()))
+    return where
+
+
+def test_the_waiting_thread_dispatches_its_own_reply(echo, monkeypatch):
+    assert echo.echo.call_one(0).get(timeout=30) == 0
+    fut = echo.slow.call_one(1, 0.2)  # still running when get() starts: its reply comes during the wait
+    where = _settled_on(fut)
+    assert fut.get(timeout=30) == 1
+    assert where == [threading.current_thread()]
+
+    monkeypatch.setattr(mb_mod, "RECEIVE_ON_WAIT", False)  # the switch: the I/O thread receives
+    fut = echo.slow.call_one(2, 0.2)
+    where = _settled_on(fut)
+    assert fut.get(timeout=30) == 2
+    assert where and where[0] is not threading.current_thread() and where[0].name == "monarch-tensor-io"
+
+
+def test_several_threads_wait_at_once_and_each_gets_its_reply(echo):
+    results: dict = {}
+    errors: list = []
+
+    def worker(i: int) -> None:
+        try:
+            for k in range(30):
+                results[(i, k)] = echo.slow.call_one((i, k), 0.001 * (k % 3)).get(timeout=60)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert not errors, errors
+    assert results == {(i, k): (i, k) for i in range(4) for k in range(30)}
+
+
+def test_a_callback_that_waits_runs_on_the_receiving_thread_without_deadlock(echo):
+    inner: list = []
+    fut = echo.slow.call_one("outer", 0.1)
+    fut.add_done_callback(lambda f: inner.append(echo.echo.call_one(f.get() + "+inner").get(timeout=30)))
+    assert fut.get(timeout=30) == "outer"
+    deadline = time.monotonic() + 30
+    while not inner and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert inner == ["outer+inner"]
+
+
+def test_the_io_thread_takes_over_again_when_nobody_waits(echo):
+    assert echo.echo.call_one(1).get(timeout=30) == 1  # this thread received; the I/O thread parked
+    futs = [echo.echo.call_one(i) for i in range(20)]
+    deadline = time.monotonic() + 30
+    while not all(f.done() for f in futs) and time.monotonic() < deadline:
+        time.sleep(0.005)  # nobody calls get(): only the I/O thread can settle these
+    assert [f.get(timeout=0) for f in futs] == list(range(20))
+
+
+@pytest.mark.timeout(30)
+def test_a_wait_without_timeout_ends_when_its_mailbox_closes():
+    mb = mb_mod.Mailbox()
+    fut: Future = Future("reply that never comes")
+    saved = mb_mod._mailbox
+    try:
+        mb_mod._mailbox = mb
+        threading.Timer(0.2, mb.close).start()
+        with pytest.raises(RuntimeError, match="no reply that never comes: this process's mailbox closed"):
+            fut.get()  # it used to wait forever
+    finally:
+        mb_mod._mailbox = saved
