@@ -22,6 +22,9 @@ log = logging.getLogger("monarch_tensor.future")
 
 _PENDING, _DONE, _FAILED = 0, 1, 2
 _lock = threading.Lock()  # settling, and adding waiters or callbacks (all short)
+# Called after every settlement: the mailbox wakes a thread that receives while it waits (its poll
+# does not see a Future settled by another thread). Set by mailbox.py.
+_settle_hook: Callable[[], None] | None = None
 
 
 class Future(Generic[R]):
@@ -140,6 +143,8 @@ class Future(Generic[R]):
             waiter, callbacks, self._callbacks = self._waiter, self._callbacks, None
         if waiter is not None:
             waiter.release()
+        if _settle_hook is not None:
+            _settle_hook()
         if callbacks:
             for fn in callbacks:
                 _call(fn, self)

@@ -36,6 +36,7 @@ from typing import Callable, Protocol
 import zmq
 
 from . import _wire
+from . import future as _future
 from ._fanout import ROUTE_SEP, routed_frames
 from .errors import ProtocolError, SupervisionError
 from .messages import ForwardLogs, PortRef, SendToPort
@@ -371,21 +372,15 @@ class Mailbox:
 
     def lead(self, fut, timeout: float | None) -> None:
         """Receive on this thread until ``fut`` is settled (or ``timeout``), then give the socket back to
-        the I/O thread. Messages for others are dispatched here as the I/O thread would; a ``fut``
-        settled by another thread pokes this one awake."""
+        the I/O thread. Messages for others are dispatched here as the I/O thread would; a Future
+        settled by another thread pokes this one awake (``_wake_leader``)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         me = threading.get_ident()
-
-        def poke(_f) -> None:
-            if threading.get_ident() != self.receiver_ident:
-                _poke(self._lead_wake_w)
-
         with self._lead_cv:
             self._wanted += 1
         try:
             if not self._io_parked:
                 _poke(self._io_wake_w)  # it parks now, while the request travels, not when the reply comes
-            fut.add_done_callback(poke)
             while not fut.done() and not self._closed:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -559,6 +554,13 @@ class Mailbox:
                 pass
 
 
+def _wake_leader() -> None:
+    """After a Future settled: wake a thread that receives while it waits, unless it settled it."""
+    mb = _mailbox
+    if mb is not None and mb._wanted and threading.get_ident() != mb.receiver_ident:
+        _poke(mb._lead_wake_w)
+
+
 def _pipe() -> tuple[int, int]:
     r, w = os.pipe()
     os.set_blocking(r, False)
@@ -583,6 +585,7 @@ def _drain_pipe(fd: int) -> None:
 
 _mailbox: Mailbox | None = None
 _mailbox_lock = threading.Lock()
+_future._settle_hook = _wake_leader
 
 
 def current_mailbox() -> Mailbox:
