@@ -91,6 +91,26 @@ def backend(request, monkeypatch):
     return request.param
 
 
+def _stop(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and wait until every one of its threads is stopped: the signal takes effect a few
+    ms later on a busy 2-core machine, and a thread still running meanwhile could serve a transfer."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for t in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{t}/stat") as f:
+                    states.append(f.read().rsplit(") ", 1)[1][0])
+            except FileNotFoundError:  # a thread that ended meanwhile
+                pass
+        if all(s in "tT" for s in states):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pid {pid} still has running threads ({states}) {timeout} s after SIGSTOP")
+        time.sleep(0.001)
+
+
 def _owner(owners, i=0):
     return owners.slice(gpus=i)
 
@@ -320,7 +340,7 @@ def test_tcp_timeout_when_the_owner_is_stopped(owners, monkeypatch):
     o = _owner(owners, 1)
     buf = o.make.call_one("frozen", 1 << 20).get()
     pid = o.pid.call_one().get()
-    os.kill(pid, signal.SIGSTOP)
+    _stop(pid)
     try:
         with pytest.raises(TransferTimeoutError):
             buf.read_into(torch.empty(1 << 20, dtype=torch.uint8), timeout=1.0).get(timeout=10)
@@ -350,7 +370,7 @@ def test_tcp_polls_then_blocks_for_a_slow_owner(owners, monkeypatch, n, kind):
     else:
         want = torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(6)).to(torch.uint8)
     pid = o.pid.call_one().get()
-    os.kill(pid, signal.SIGSTOP)
+    _stop(pid)
     try:
         fut = buf.read_into(out, timeout=20) if kind == "read" else buf.write_from(want, timeout=20)
         fut._task.start()  # on a pool thread, while this one resumes the owner
