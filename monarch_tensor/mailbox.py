@@ -7,9 +7,11 @@ else goes to the process's ``on_message`` hook (a proc's actor runtime). In a
 client, a thread that blocks on a reply (``Future.get``) takes the socket over
 and receives itself until its reply is in (``lead``): the I/O thread lets go
 while it waits, and takes over again once nobody has waited for ``_LINGER_S``.
-Sending happens on the caller's thread under a lock, so a call costs no thread
-hop on the way out. Messages from one sender to one address arrive in order
-(one DEALER per destination).
+A thread about to block for the next message first polls the socket for up to
+``SPIN_S`` (200 µs) while messages lately came that soon (``Spin``): an idle
+virtual CPU takes tens of µs to wake. Sending happens on the caller's thread
+under a lock, so a call costs no thread hop on the way out. Messages from one
+sender to one address arrive in order (one DEALER per destination).
 
 Calls and their replies may be batched: a small one that follows another to
 the same address within ``BATCH_GAP`` (200 µs) joins a batch that leaves as one
@@ -44,20 +46,20 @@ from .messages import ForwardLogs, PortRef, SendToPort
 log = logging.getLogger("monarch_tensor.mailbox")
 
 
-def _gap_from_env() -> float:
-    raw = os.environ.get("MONARCH_TENSOR_BATCH_GAP_US", "200")
+def _us_from_env(name: str, default: str, zero: str) -> float:
+    """Seconds from an environment variable that holds microseconds."""
+    raw = os.environ.get(name, default)
     try:
-        gap = float(raw)
+        us = float(raw)
     except ValueError:
-        raise ValueError(f"MONARCH_TENSOR_BATCH_GAP_US must be a number of microseconds (0: no batching), "
-                         f"got {raw!r}") from None
-    if gap < 0:
-        raise ValueError(f"MONARCH_TENSOR_BATCH_GAP_US must not be negative, got {raw!r}")
-    return gap * 1e-6
+        raise ValueError(f"{name} must be a number of microseconds ({zero}), got {raw!r}") from None
+    if us < 0:
+        raise ValueError(f"{name} must not be negative, got {raw!r}")
+    return us * 1e-6
 
 
 # Batching of calls and replies (see Mailbox.send_frames); MONARCH_TENSOR_BATCH_GAP_US=0 turns it off.
-BATCH_GAP = _gap_from_env()
+BATCH_GAP = _us_from_env("MONARCH_TENSOR_BATCH_GAP_US", "200", "0: no batching")
 _NEVER = float("-inf")  # a last-send time that no next send is within BATCH_GAP of
 BATCH_DELAY = 0.001  # the longest a batched message waits
 BATCH_MAX = 512  # messages in one batch
@@ -69,6 +71,9 @@ _EVENTS, _POLLIN, _RCVMORE, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq
 # waiting for the I/O thread to hand the reply over: a synchronous call then pays one thread wake-up
 # less (measured 230-240 -> 158 µs a round trip on a 2-core VM). 0 turns it off.
 RECEIVE_ON_WAIT = os.environ.get("MONARCH_TENSOR_RECEIVE_ON_WAIT", "1") != "0"
+# Polling before blocking for the next message (see Spin); 0 turns it off.
+SPIN_S = _us_from_env("MONARCH_TENSOR_SPIN_US", "200", "0: block at once")
+_sched_yield = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))  # both release the GIL
 _LEAD_SLICE_MS = 100  # a receiving waiter's longest poll before it looks at the clock and the mailbox
 _LINGER_S = 0.002  # after a waiter received, the I/O thread waits this long for the next one before it takes over
 
@@ -101,6 +106,46 @@ def socket_dir() -> str:
 
 def new_ipc_address(kind: str) -> str:
     return f"ipc://{socket_dir()}/{kind}-{os.getpid()}-{uuid.uuid4().hex[:10]}"
+
+
+class Spin:
+    """Polls a socket for up to ``SPIN_S`` before its thread blocks for the next message, as long as the
+    last wait ended within ``SPIN_S`` (a loop of synchronous calls, a reply due soon); after a longer one
+    it blocks at once until a short one is seen again, so an idle or slow peer costs no CPU.
+
+    Blocked, a thread waits for the scheduler to wake its core: tens of µs on an idle virtual CPU, on each
+    side of every round trip. Polling, it releases the GIL at each try (``os.sched_yield``), so the
+    process's other threads run meanwhile. One thread uses a Spin at a time.
+    """
+
+    __slots__ = ("_sock", "_seconds", "_on", "_since")
+
+    def __init__(self, sock: zmq.Socket, seconds: float = -1.0) -> None:
+        self._sock = sock
+        self._seconds = SPIN_S if seconds < 0 else seconds
+        self._on = True
+        self._since = 0.0
+
+    def poll(self, until: Callable[[], bool] | None = None) -> bool:
+        """Before blocking: True when a message came while polling (receive it instead of blocking), or
+        ``until()`` became true (what the thread waits for happened elsewhere)."""
+        now = time.perf_counter()
+        self._since = now
+        if not self._on or self._seconds <= 0:
+            return False
+        end = now + self._seconds
+        get, yield_ = self._sock.getsockopt, _sched_yield
+        while True:
+            if get(_EVENTS) & _POLLIN or (until is not None and until()):
+                return True
+            if time.perf_counter() >= end:
+                self._on = False  # until a blocked wait shows the gaps are short again (woke)
+                return False
+            yield_()
+
+    def woke(self) -> None:
+        """After the blocking wait that followed ``poll``."""
+        self._on = time.perf_counter() - self._since <= self._seconds
 
 
 class Mailbox:
@@ -148,6 +193,7 @@ class Mailbox:
         self._lead_until = _NEVER  # the I/O thread stays parked until then (see _loop)
         self._io_parked = False
         self._io_ident: int | None = None
+        self._spin = Spin(self._router)  # used by whoever holds _rx_lock (lead), or by a proc's loop
         self._io_wake_r = self._io_wake_w = self._lead_wake_r = self._lead_wake_w = -1
         if io_thread:
             self._io_wake_r, self._io_wake_w = _pipe()
@@ -403,17 +449,21 @@ class Mailbox:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._lead_wake_r, zmq.POLLIN)
+        spin = self._spin
         while not self._closed:
             if not self._receive_ready() or done():
                 return
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return
+            if spin.poll(done):
+                continue
             ms = _LEAD_SLICE_MS if left is None else max(1, min(_LEAD_SLICE_MS, int(left * 1000) + 1))
             try:
                 ready = poller.poll(ms)
             except zmq.ZMQError:
                 return
+            spin.woke()
             if any(fd == self._lead_wake_r for fd, _ in ready):
                 _drain_pipe(self._lead_wake_r)
 

@@ -105,11 +105,16 @@ class _Stream:
     def __init__(self, worker: TensorWorker, sid: int, name: str) -> None:
         self.worker, self.sid, self.name = worker, sid, name
         self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.puts = self.dones = 0  # each written by one thread only (the proc's loop, this stream's)
         self.thread = threading.Thread(target=self._run, daemon=True, name=f"tensor-stream-{name}")
         self.thread.start()
 
     def put(self, handler, arg) -> None:
+        self.puts += 1
         self.q.put((handler, arg))
+
+    def idle(self) -> bool:
+        return self.dones == self.puts
 
     def _run(self) -> None:
         w = self.worker
@@ -125,6 +130,8 @@ class _Stream:
                 handler(arg)
             except BaseException:  # noqa: BLE001 - handlers store errors; this is a bug, keep serving
                 log.exception("tensor worker: handler %s failed", getattr(handler, "__name__", handler))
+            finally:
+                self.dones += 1
 
 
 class TensorWorker(Actor):
@@ -142,6 +149,12 @@ class TensorWorker(Actor):
         self.borrows: dict[int, list] = {}
         self.streams = {0: _Stream(self, 0, "main")}
         self._handlers = {cls: getattr(self, f"handle_{cls.__name__}") for cls in m.INSTRUCTIONS}
+        rt = current_runtime()
+        if rt is not None:  # the proc's loop polls for messages only while no stream computes
+            rt.spin_gates.append(self._idle)
+
+    def _idle(self) -> bool:
+        return all(s.idle() for s in list(self.streams.values()))
 
     # ---- endpoints (run on the proc's loop thread: queue only, never block) -----------
     @endpoint
