@@ -108,6 +108,28 @@ def new_ipc_address(kind: str) -> str:
     return f"ipc://{socket_dir()}/{kind}-{os.getpid()}-{uuid.uuid4().hex[:10]}"
 
 
+_loadavg_fd: int | None = None
+_NCPU = os.cpu_count() or 1
+
+
+def _crowded() -> bool:
+    """Whether more than twice as many threads want to run as this machine has cores (Linux's count of
+    runnable tasks, in /proc/loadavg): then a polling thread takes a core from one that has work (8 procs
+    on 2 cores). Twice: zmq's own I/O threads are runnable for a moment around every message."""
+    global _loadavg_fd
+    if _loadavg_fd is None:
+        try:
+            _loadavg_fd = os.open("/proc/loadavg", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            _loadavg_fd = -1
+    if _loadavg_fd < 0:
+        return False
+    try:
+        return int(os.pread(_loadavg_fd, 64, 0).split()[3].partition(b"/")[0]) > 2 * _NCPU
+    except (OSError, ValueError, IndexError):
+        return False
+
+
 class Spin:
     """Polls a socket for up to ``SPIN_S`` before its thread blocks for the next message, as long as the
     last wait ended within ``SPIN_S`` (a loop of synchronous calls, a reply due soon); after a longer one
@@ -115,7 +137,8 @@ class Spin:
 
     Blocked, a thread waits for the scheduler to wake its core: tens of µs on an idle virtual CPU, on each
     side of every round trip. Polling, it releases the GIL at each try (``os.sched_yield``), so the
-    process's other threads run meanwhile. One thread uses a Spin at a time.
+    process's other threads run meanwhile; on a crowded machine (``_crowded``) it blocks at once. One
+    thread uses a Spin at a time.
     """
 
     __slots__ = ("_sock", "_seconds", "_on", "_since")
@@ -135,12 +158,16 @@ class Spin:
             return False
         end = now + self._seconds
         get, yield_ = self._sock.getsockopt, _sched_yield
+        tries = 0
         while True:
             if get(_EVENTS) & _POLLIN or (until is not None and until()):
                 return True
             if time.perf_counter() >= end:
                 self._on = False  # until a blocked wait shows the gaps are short again (woke)
                 return False
+            if tries & 31 == 0 and _crowded():
+                return False  # polling would take a core from a thread that has work
+            tries += 1
             yield_()
 
     def woke(self) -> None:

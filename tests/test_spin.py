@@ -8,6 +8,7 @@ refused, and a tensor worker's streams report when they compute (the proc's loop
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -158,3 +159,39 @@ def test_sync_calls_async_calls_and_gaps_on_a_polling_proc():
         assert [f.get(timeout=30) for f in futs] == list(range(total + 1, total + 201))
     finally:
         procs.stop()
+
+
+@pytest.fixture
+def fake_loadavg(tmp_path, monkeypatch):
+    """Points the runnable-task count at a file of ours (``/proc/loadavg``'s format)."""
+
+    fds = []
+
+    def runnable(n: int) -> None:
+        path = tmp_path / f"loadavg{len(fds)}"
+        path.write_text(f"0.50 0.40 0.30 {n}/321 4242\n")
+        fds.append(os.open(path, os.O_RDONLY))
+        monkeypatch.setattr(mb_mod, "_loadavg_fd", fds[-1])
+
+    monkeypatch.setattr(mb_mod, "_NCPU", 2)
+    yield runnable
+    monkeypatch.undo()
+    for fd in fds:
+        os.close(fd)
+
+
+def test_crowded_counts_runnable_threads_against_the_cores(fake_loadavg):
+    fake_loadavg(3)
+    assert not mb_mod._crowded()
+    fake_loadavg(5)  # more than twice the cores want to run
+    assert mb_mod._crowded()
+
+
+def test_a_crowded_machine_blocks_instead_of_polling(pair, fake_loadavg):
+    rx, tx = pair
+    fake_loadavg(9)
+    spin = Spin(rx, seconds=30.0)  # would poll for 30 s if nothing stopped it
+    assert spin.poll() is False
+    fake_loadavg(1)
+    threading.Timer(0.05, tx.send, (b"d",)).start()
+    assert spin.poll() is True  # still on: crowding ends one poll, it does not switch polling off
