@@ -21,11 +21,9 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
-import zmq
-
 from . import _context, _proc_ext
 from .errors import ActorError
-from .mailbox import Mailbox, set_current_mailbox
+from .mailbox import _EVENTS, _POLLIN, Mailbox, set_current_mailbox
 from .messages import CallEndpoint, ForwardLogs, SendToPort, SetLogging, SpawnActor, StopProc
 from .shape import Point, Shape
 
@@ -151,7 +149,7 @@ class ProcRuntime:
         poll for the next message a while before the loop blocks (``mailbox.Spin``): in a loop of
         synchronous calls the next one comes within a few tens of µs of the reply."""
         mb, spin = self.mailbox, self.mailbox._spin
-        came = mb._router.getsockopt(zmq.EVENTS) & zmq.POLLIN  # not every wake-up of zmq's descriptor is one
+        came = mb._router.getsockopt(_EVENTS) & _POLLIN  # not every wake-up of zmq's descriptor is one
         if came:
             spin.woke()
         mb.drain()

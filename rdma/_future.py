@@ -16,6 +16,7 @@ import time
 import zmq
 
 from monarch_tensor.future import Future
+from monarch_tensor.mailbox import _poke
 
 
 class TransferFuture(Future):
@@ -73,10 +74,3 @@ class TransferFuture(Future):
                 os.close(w)
             except OSError:
                 pass
-
-
-def _poke(fd: int) -> None:
-    try:
-        os.write(fd, b"x")
-    except OSError:  # the waiter gave up and closed the pipe
-        pass

@@ -154,7 +154,7 @@ class TensorWorker(Actor):
             rt.spin_gates.append(self._idle)
 
     def _idle(self) -> bool:
-        return all(s.idle() for s in list(self.streams.values()))
+        return all(s.idle() for s in self.streams.values())  # on the loop thread, which alone adds streams
 
     # ---- endpoints (run on the proc's loop thread: queue only, never block) -----------
     @endpoint
