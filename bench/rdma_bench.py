@@ -90,11 +90,10 @@ def raw_tcp_stream(sizes, repeats):
     The first bytes are awaited as our tcp reader awaits them: polling up to its SPIN_S, then blocking."""
     import socket
 
-    from rdma.backends.tcp import _recv_first
+    from rdma.backends.tcp import _recv_first, client_socket
 
     with server_process(TCP_SERVER, str(max(sizes))) as p:
-        c = socket.create_connection(("127.0.0.1", int(p.stdout.readline())), timeout=TIMEOUT)
-        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        c = client_socket(socket.create_connection(("127.0.0.1", int(p.stdout.readline())), timeout=TIMEOUT))
         out = {}
         for n in sizes:
             buf = memoryview(bytearray(n))

@@ -9,24 +9,34 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 
-@dataclass
 class Mem:
-    ptr: int
-    nbytes: int
-    device: str  # "cpu" or "cuda:N"
-    writable: bool
-    flat: Any  # 1-D uint8 torch.Tensor or np.ndarray over exactly these bytes
-    obj: Any  # what the user gave (kept alive)
+    """Where the bytes are: ``ptr`` and ``nbytes``, on ``device`` ("cpu" or "cuda:N"), whether they may be
+    written; ``flat`` is a 1-D uint8 torch.Tensor or np.ndarray over exactly these bytes, made on first use
+    (a CPU transfer over a socket or cross-memory attach needs only the address); ``obj`` is what the user
+    gave (kept alive)."""
+
+    __slots__ = ("ptr", "nbytes", "device", "writable", "_flat", "obj")
+
+    def __init__(self, ptr: int, nbytes: int, device: str, writable: bool, flat: Any, obj: Any) -> None:
+        self.ptr, self.nbytes, self.device, self.writable, self._flat, self.obj = ptr, nbytes, device, writable, flat, obj
+
+    def __repr__(self) -> str:
+        return f"Mem({self.nbytes} bytes at {self.ptr:#x} on {self.device})"
 
     @property
     def is_cuda(self) -> bool:
         return self.device.startswith("cuda")
+
+    @property
+    def flat(self) -> Any:
+        if self._flat is None and self.obj is not None:
+            self._flat = _flatten(self.obj)
+        return self._flat
 
     def view(self, offset: int, n: int) -> memoryview:
         """A writable memoryview of CPU bytes [offset, offset + n)."""
@@ -41,23 +51,34 @@ def _torch():
     return sys.modules.get("torch")
 
 
+def _flatten(obj: Any) -> Any:
+    torch = _torch()
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return obj.detach().reshape(-1).view(torch.uint8)
+    if isinstance(obj, np.ndarray):
+        return obj.reshape(-1).view(np.uint8)
+    return np.frombuffer(memoryview(obj), dtype=np.uint8)
+
+
 def as_mem(obj: Any, what: str = "data") -> Mem:
     """Check ``obj`` and describe its bytes; raise ``TypeError``/``ValueError`` saying what is wrong."""
     torch = _torch()
     if torch is not None and isinstance(obj, torch.Tensor):
-        if obj.is_sparse or obj.layout != torch.strided:
+        if obj.layout != torch.strided:
             raise ValueError(f"{what} must be a dense tensor, got layout {obj.layout}")
         if not obj.is_contiguous():
             raise ValueError(f"{what} must be contiguous (got strides {tuple(obj.stride())} for shape "
                              f"{tuple(obj.shape)}); call .contiguous() first")
-        if obj.numel() == 0:
+        nbytes = obj.nbytes
+        if nbytes == 0:
             raise ValueError(f"{what} is empty (shape {tuple(obj.shape)}): nothing to transfer")
-        t = obj.detach()
-        flat = t.reshape(-1).view(torch.uint8)
-        dev = "cpu" if t.device.type == "cpu" else f"{t.device.type}:{t.device.index or 0}"
-        if t.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"{what} lives on {t.device}; only CPU and CUDA memory can be transferred")
-        return Mem(flat.data_ptr(), flat.numel(), dev, True, flat, obj)
+        if obj.is_cpu:
+            dev = "cpu"
+        elif obj.is_cuda:
+            dev = f"cuda:{obj.device.index or 0}"
+        else:
+            raise ValueError(f"{what} lives on {obj.device}; only CPU and CUDA memory can be transferred")
+        return Mem(obj.data_ptr(), nbytes, dev, True, None, obj)
     if isinstance(obj, np.ndarray):
         if not obj.flags.c_contiguous:
             raise ValueError(f"{what} must be C-contiguous (got strides {obj.strides}); use np.ascontiguousarray")
@@ -73,8 +94,7 @@ def as_mem(obj: Any, what: str = "data") -> Mem:
         arr = np.frombuffer(mv, dtype=np.uint8) if mv.nbytes else np.empty(0, np.uint8)
     if arr.nbytes == 0:
         raise ValueError(f"{what} is empty: nothing to transfer")
-    flat = arr.reshape(-1).view(np.uint8)
-    return Mem(flat.ctypes.data, flat.nbytes, "cpu", bool(flat.flags.writeable), flat, obj)
+    return Mem(arr.ctypes.data, arr.nbytes, "cpu", bool(arr.flags.writeable), None, arr)
 
 
 def copy(dst, src) -> None:

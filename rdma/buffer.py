@@ -50,6 +50,8 @@ _lock = threading.Lock()
 def backends() -> list[Backend]:
     """Every backend, in order of preference."""
     global _backends
+    if _backends is not None:
+        return _backends
     with _lock:
         if _backends is None:
             from .backends.cma import CmaBackend
@@ -226,11 +228,15 @@ class RDMABuffer:
 
     def _submit(self, kind: str, local: Mem, offset: int, timeout: float, defer: bool = True) -> Future[None]:
         fut: Future[None] = TransferFuture(f"RDMA {kind} of {local.nbytes} bytes")
-        if local.nbytes <= INLINE_BYTES and self._desc.host == host_id() and not local.is_cuda \
-                and self._inline_ok(local):
-            self._run(fut, kind, local, offset, timeout)  # a few µs of syscall: no thread hop
+        try:
+            cands = candidates(self._desc, local)
+        except Exception as e:  # noqa: BLE001 - delivered to the waiter
+            fut._set_exception(e)
             return fut
-        task = _Transfer(self, fut, kind, local, offset, timeout)
+        if cands[0].name == "cma" and local.nbytes <= INLINE_BYTES and not local.is_cuda:
+            self._run(fut, kind, local, offset, timeout, cands)  # a few µs of syscall: no thread hop
+            return fut
+        task = _Transfer(self, fut, kind, local, offset, timeout, cands)
         if defer:  # see _Transfer
             fut._task = task
             _kicker().add(task)
@@ -238,26 +244,23 @@ class RDMABuffer:
             task.start()
         return fut
 
-    def _inline_ok(self, local: Mem) -> bool:
+    def _run(self, fut: Future, kind: str, local: Mem, offset: int, timeout: float,
+             cands: list[Backend] | None = None) -> None:
         try:
-            return candidates(self._desc, local)[0].name == "cma"
-        except Exception:  # noqa: BLE001 - reported by the transfer itself
-            return False
-
-    def _run(self, fut: Future, kind: str, local: Mem, offset: int, timeout: float) -> None:
-        try:
-            self.transfer(kind, local, offset, timeout)
+            self.transfer(kind, local, offset, timeout, cands)
         except BaseException as e:  # noqa: BLE001 - delivered to the waiter
             fut._set_exception(e)
         else:
             fut._set_result(None)
 
-    def transfer(self, kind: str, local: Mem, offset: int, timeout: float) -> None:
-        """Run one transfer on this thread (the Future-less form; ``kind`` is "read" or "write")."""
+    def transfer(self, kind: str, local: Mem, offset: int, timeout: float,
+                 cands: list[Backend] | None = None) -> None:
+        """Run one transfer on this thread (the Future-less form; ``kind`` is "read" or "write"), with the
+        first of ``cands`` (default: ``candidates``) that does not refuse it."""
         d = self._desc
         _check_owner(d)
         last: Exception | None = None
-        for b in candidates(d, local):
+        for b in candidates(d, local) if cands is None else cands:
             try:
                 (b.read if kind == "read" else b.write)(d, offset, local, timeout)
                 self._last_backend = b.name
@@ -279,16 +282,18 @@ class _Transfer:
     the transfer runs. ``RDMAAction`` starts its transfers on the pool at once: they run in parallel.
     """
 
-    __slots__ = ("buf", "fut", "kind", "local", "offset", "timeout", "_claim")
+    __slots__ = ("buf", "fut", "kind", "local", "offset", "timeout", "cands", "_claim")
 
-    def __init__(self, buf: RDMABuffer, fut: Future, kind: str, local: Mem, offset: int, timeout: float) -> None:
+    def __init__(self, buf: RDMABuffer, fut: Future, kind: str, local: Mem, offset: int, timeout: float,
+                 cands: list[Backend]) -> None:
         self.buf, self.fut, self.kind, self.local, self.offset, self.timeout = buf, fut, kind, local, offset, timeout
+        self.cands = cands
         self._claim = threading.Lock()
 
     def run(self) -> None:
         """Run it here, unless another thread took it already."""
         if self._claim.acquire(blocking=False):
-            self.buf._run(self.fut, self.kind, self.local, self.offset, self.timeout)
+            self.buf._run(self.fut, self.kind, self.local, self.offset, self.timeout, self.cands)
 
     def start(self) -> None:
         """Run it on a pool thread, unless someone took it already."""

@@ -490,3 +490,95 @@ def test_who_runs_a_deferred_transfer(owners, monkeypatch):
     while not torch.equal(o.value.call_one("deferred").get(), src) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert torch.equal(o.value.call_one("deferred").get(), src)
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=3), dtype=st.sampled_from(["float32", "int16", "uint8"]),
+       row=st.integers(0, 4), kind=st.sampled_from(["tensor", "ndarray", "bytearray"]))
+def test_mem_describes_exactly_the_bytes_given(shape, dtype, row, kind):
+    """``as_mem``: address and length of exactly the bytes (a row of a bigger tensor included), and its
+    flat uint8 view, made on first use, holds those bytes."""
+    from rdma._memory import as_mem
+
+    base = torch.arange(int(np.prod(shape)) * 5, dtype=torch.int64).to(getattr(torch, dtype)).reshape(5, *shape)
+    t = base[row % 5]  # a view at an offset into its storage
+    if kind == "tensor":
+        obj, want, ptr = t, t.contiguous().view(-1).view(torch.uint8).numpy().tobytes(), t.data_ptr()
+    elif kind == "ndarray":
+        obj = t.numpy()
+        want, ptr = obj.tobytes(), obj.ctypes.data
+    else:
+        obj = bytearray(t.numpy().tobytes())
+        want, ptr = bytes(obj), None
+    mem = as_mem(obj)
+    assert mem.nbytes == len(want) and mem.device == "cpu" and mem.writable
+    if ptr is not None:
+        assert mem.ptr == ptr
+    assert bytes(mem.view(0, mem.nbytes)) == want
+    flat = mem.flat
+    assert tuple(flat.shape) == (len(want),) and bytes(np.asarray(flat)) == want
+
+
+def test_mem_of_a_tensor_that_needs_grad_and_of_other_devices():
+    from rdma._memory import as_mem
+
+    w = torch.ones(4, requires_grad=True)
+    assert not as_mem(w).flat.requires_grad  # detached: backends copy into it
+    with pytest.raises(ValueError, match="only CPU and CUDA"):
+        as_mem(torch.empty(4, device="meta"))
+
+
+def _tcp_pair():
+    """A connected (reader, owner) pair of loopback TCP sockets, the reader's set up as the data plane's."""
+    import socket as _socket
+
+    from rdma.backends import tcp
+
+    srv = _socket.create_server(("127.0.0.1", 0))
+    with srv:
+        reader = tcp.client_socket(_socket.create_connection(srv.getsockname(), timeout=5))
+        owner, _ = srv.accept()
+    return reader, owner
+
+
+def test_tcp_client_socket_setup():
+    import socket as _socket
+
+    from rdma.backends import tcp
+
+    reader, owner = _tcp_pair()
+    with reader, owner:
+        assert reader.gettimeout() is None and reader.getblocking()
+        assert reader.getsockopt(_socket.IPPROTO_TCP, _socket.TCP_NODELAY)
+        sec, usec = tcp.struct.unpack("@ll", reader.getsockopt(_socket.SOL_SOCKET, _socket.SO_RCVTIMEO, 16))
+        assert sec + usec / 1e6 == pytest.approx(tcp.TICK_S, abs=0.01)
+
+
+def test_tcp_client_socket_waits_under_its_deadline(monkeypatch):
+    """A reader's socket blocks with the kernel's timeouts (no Python socket timeout): a silent owner
+    times the receive out at the deadline, an owner that reads nothing times the send out, and bytes
+    that come in pieces, with pauses longer than the kernel's timeout, are received whole."""
+    from rdma.backends import tcp
+
+    monkeypatch.setattr(tcp, "TICK_S", 0.05)
+    reader, owner = _tcp_pair()
+    with reader, owner:
+        with pytest.raises(TimeoutError, match="sent nothing"):
+            tcp._recv_first(reader, [bytearray(1)], time.monotonic() + 0.3)
+        with pytest.raises(TimeoutError, match="took no bytes"):
+            tcp._send_parts(reader, b"head", bytes(64 << 20), time.monotonic() + 0.3)
+    reader, owner = _tcp_pair()
+    with reader, owner:
+        data = os.urandom(1 << 20)
+
+        def trickle():
+            for i in range(0, len(data), 1 << 18):
+                owner.sendall(data[i:i + (1 << 18)])
+                time.sleep(0.08)
+
+        threading.Thread(target=trickle, daemon=True).start()
+        out = bytearray(len(data))
+        tcp._recv_exact(reader, memoryview(out), time.monotonic() + 20)
+        assert out == data
+        with pytest.raises(TimeoutError, match="had not come"):
+            tcp._recv_exact(reader, memoryview(bytearray(10)), time.monotonic() + 0.2)

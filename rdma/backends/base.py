@@ -45,7 +45,7 @@ class Backend:
     def can_serve(self, desc: Descriptor, local: Mem) -> bool:
         if self.remote_cpu_only and desc.device != "cpu":
             return False
-        return self.available() and self.usable(desc, local)
+        return self.usable(desc, local) and self.available()  # usable: a few comparisons, cheaper
 
     def read(self, desc: Descriptor, offset: int, local: Mem, timeout: float) -> None:
         self._transfer("reads", self._read, desc, offset, local, timeout)

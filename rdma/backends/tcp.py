@@ -27,7 +27,11 @@ STREAMS = int(os.environ.get("MONARCH_TENSOR_RDMA_TCP_STREAMS", "4"))
 MIN_STREAM_CHUNK = 4 << 20  # below this a transfer uses one connection
 # A client (reader or writer) polls its socket this long for the owner's answer before it blocks: blocked, it
 # waited for the scheduler to wake its core (65 µs for a 4 KiB read on this project's 2-core VM; 24 µs polling).
+# (The owner's thread does not poll for the next request: it then ran 4 KiB reads in 23 µs on a quiet
+# machine, but once another thread held its core, it stayed queued behind it, where a blocked thread is
+# woken on an idle core: after a 1 GiB transfer, some runs' 4 KiB reads took 0.2-4 ms.)
 SPIN_S = float(os.environ.get("MONARCH_TENSOR_RDMA_TCP_SPIN_US", "200")) * 1e-6
+TICK_S = 0.1  # a reader's socket waits in the kernel at most this long at a time, then checks its deadline
 _REQ = struct.Struct("!4sBQQQQ")
 _MAGIC = b"MTDP"
 READ, WRITE = 1, 2
@@ -36,42 +40,70 @@ _STATUS = {UNKNOWN: "was dropped by its owner (or never existed there)", RANGE: 
            READONLY: "is read-only", FAILED: "failed on the owner's side"}
 
 
-def _send_parts(sock: socket.socket, head: bytes, data) -> None:
+def _send_parts(sock: socket.socket, head: bytes, data=None, deadline: float | None = None) -> None:
     """``head`` then ``data`` in one system call where the kernel takes both (small transfers)."""
-    view = memoryview(data).cast("B")
-    sent = sock.sendmsg([head, view])
-    if sent < len(head):
-        sock.sendall(head[sent:])
-        sent = len(head)
-    if sent - len(head) < len(view):
-        sock.sendall(view[sent - len(head):])
+    parts = [head] if data is None else [head, memoryview(data).cast("B")]
+    sent = sock.sendmsg(parts)
+    for part in parts:
+        if sent >= len(part):
+            sent -= len(part)
+            continue
+        view = memoryview(part)[sent:]
+        sent = 0
+        while view:
+            try:
+                view = view[sock.send(view):]
+            except BlockingIOError:  # a reader's kernel send timeout (TICK_S): is the deadline past?
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError("the owner took no bytes before the deadline") from None
 
 
-def _recv_first(sock: socket.socket, bufs: list) -> int:
-    """``recvmsg_into(bufs)``, polling up to ``SPIN_S`` before a blocking wait (under the socket's timeout)."""
+def _recv_first(sock: socket.socket, bufs: list, deadline: float | None = None) -> int:
+    """``recvmsg_into(bufs)``, polling up to ``SPIN_S`` before a blocking wait under ``deadline``. ``sock``
+    is in blocking mode (``client_socket``)."""
     if SPIN_S > 0:
-        timeout = sock.gettimeout()
-        sock.settimeout(0.0)
+        end = time.perf_counter() + SPIN_S
+        while True:
+            try:
+                return sock.recvmsg_into(bufs, 0, socket.MSG_DONTWAIT)[0]
+            except BlockingIOError:
+                if time.perf_counter() >= end:
+                    break
+    while True:
         try:
-            end = time.perf_counter() + SPIN_S
-            while True:
-                try:
-                    return sock.recvmsg_into(bufs)[0]
-                except BlockingIOError:
-                    if time.perf_counter() >= end:
-                        break
-        finally:
-            sock.settimeout(timeout)
-    return sock.recvmsg_into(bufs)[0]
+            return sock.recvmsg_into(bufs)[0]
+        except BlockingIOError:  # the kernel's receive timeout (TICK_S): is the deadline past?
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError("the owner sent nothing before the deadline") from None
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill ``view``: one system call per 1 GiB (``MSG_WAITALL``) unless the sender pauses longer than the
+    socket's kernel timeout, after which the deadline is checked."""
     got = 0
     while got < len(view):
-        n = sock.recv_into(view[got:], min(len(view) - got, 1 << 24))
+        try:
+            n = sock.recv_into(view[got:], min(len(view) - got, 1 << 30), socket.MSG_WAITALL)
+        except BlockingIOError:
+            n = -1
         if n == 0:
             raise ConnectionError("connection closed mid-transfer")
-        got += n
+        if n > 0:
+            got += n
+        if got < len(view) and deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError(f"{len(view) - got} bytes had not come at the deadline")
+
+
+def client_socket(s: socket.socket) -> socket.socket:
+    """Set up a connected socket for ``_send_parts``/``_recv_first``/``_recv_exact`` with deadlines: no
+    Nagle delay, blocking mode, and the kernel's timeouts (``TICK_S``) on its waits. (A Python socket
+    timeout would poll() before every send and receive, and a poll that waits defeats the polling.)"""
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    s.settimeout(None)
+    tick = struct.pack("@ll", int(TICK_S), int(TICK_S % 1 * 1e6))
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tick)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tick)
+    return s
 
 
 # ---- owner side -----------------------------------------------------------------------
@@ -198,8 +230,7 @@ class TcpBackend(Backend):
             s = socket.create_connection(addr, timeout=check_deadline(deadline, "connecting to the owner"))
         except (ConnectionRefusedError, socket.timeout, OSError) as e:
             raise self._lost(desc, e) from e
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return s
+        return client_socket(s)
 
     def _release(self, addr, s: socket.socket) -> None:
         with self._lock:
@@ -218,21 +249,21 @@ class TcpBackend(Backend):
         s = self._conn(addr, desc, deadline)
         ok = False
         try:
-            s.settimeout(check_deadline(deadline, "tcp transfer"))
+            check_deadline(deadline, "tcp transfer")
             req = _REQ.pack(_MAGIC, op, desc.buf_id, desc.token, offset + lo, n)
             status = bytearray(1)
             if op == WRITE:
-                _send_parts(s, req, local.view(lo, n))
-                if _recv_first(s, [status]) == 0:
+                _send_parts(s, req, local.view(lo, n), deadline)
+                if _recv_first(s, [status], deadline) == 0:
                     raise ConnectionError("connection closed before the owner answered")
             else:
-                s.sendall(req)
+                _send_parts(s, req, None, deadline)
                 dst = local.view(lo, n)
-                got = _recv_first(s, [status, dst])  # the status and the first bytes in one call
+                got = _recv_first(s, [status, dst], deadline)  # the status and the first bytes in one call
                 if got == 0:
                     raise ConnectionError("connection closed mid-transfer")
                 if status[0] == OK and got - 1 < n:
-                    _recv_exact(s, dst[got - 1:])
+                    _recv_exact(s, dst[got - 1:], deadline)
             ok = True
         except (OSError, ConnectionError) as e:
             raise self._lost(desc, e) from e
