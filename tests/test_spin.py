@@ -161,9 +161,11 @@ def test_sync_calls_async_calls_and_gaps_on_a_polling_proc():
         procs.stop()
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def fake_loadavg(tmp_path, monkeypatch):
-    """Points the runnable-task count at a file of ours (``/proc/loadavg``'s format)."""
+    """Points the runnable-task count at a file of ours (``/proc/loadavg``'s format): one runnable task
+    unless a test says otherwise, so that a busy machine (the rest of the suite's procs exiting) does not
+    end a poll that a test expects to go on."""
 
     fds = []
 
@@ -174,6 +176,7 @@ def fake_loadavg(tmp_path, monkeypatch):
         monkeypatch.setattr(mb_mod, "_loadavg_fd", fds[-1])
 
     monkeypatch.setattr(mb_mod, "_NCPU", 2)
+    runnable(1)
     yield runnable
     monkeypatch.undo()
     for fd in fds:
