@@ -676,9 +676,9 @@ def test_tcp_streams_start_at_aligned_offsets(monkeypatch):
     pieces = []
     real = tcp.TcpBackend._one
 
-    def spy(self, op, desc, offset, local, lo, k, deadline):
+    def spy(self, op, desc, offset, local, lo, k, deadline, **kw):
         pieces.append((lo, k))
-        return real(self, op, desc, offset, local, lo, k, deadline)
+        return real(self, op, desc, offset, local, lo, k, deadline, **kw)
 
     monkeypatch.setattr(tcp.TcpBackend, "_one", spy)
     try:
@@ -690,3 +690,99 @@ def test_tcp_streams_start_at_aligned_offsets(monkeypatch):
     pieces.sort()
     assert len(pieces) > 1 and all(lo % tcp.ALIGN == 0 for lo, _ in pieces)
     assert [lo for lo, _ in pieces[1:]] == [lo + k for lo, k in pieces[:-1]] and sum(k for _, k in pieces) == n
+
+
+@pytest.mark.parametrize("spin_us", [0, 300])
+def test_tcp_reader_polls_for_the_rest_then_blocks(monkeypatch, spin_us):
+    """``_recv_rest`` (the rest of a read on one connection): bytes that come in pieces, with pauses both
+    shorter and longer than its polling, arrive whole; a sender that stops times it out at the deadline;
+    a sender that hangs up mid-transfer is a ConnectionError."""
+    from rdma.backends import tcp
+
+    monkeypatch.setattr(tcp, "SPIN_S", spin_us * 1e-6)
+    monkeypatch.setattr(tcp, "TICK_S", 0.05)
+    reader, owner = _tcp_pair()
+    with reader, owner:
+        data = os.urandom(3 << 20)
+
+        def trickle():
+            for k, i in enumerate(range(0, len(data), 1 << 18)):
+                owner.sendall(data[i:i + (1 << 18)])
+                time.sleep(0.0001 if k % 2 else 0.06)
+
+        threading.Thread(target=trickle, daemon=True).start()
+        out = bytearray(len(data))
+        tcp._recv_rest(reader, memoryview(out), time.monotonic() + 20)
+        assert out == data
+        owner.sendall(b"x" * 10)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="had not come"):
+            tcp._recv_rest(reader, memoryview(bytearray(20)), t0 + 0.3)
+        assert time.monotonic() - t0 < 5
+    reader, owner = _tcp_pair()
+    with reader:
+        owner.sendall(b"y" * 5)
+        owner.close()
+        with pytest.raises(ConnectionError, match="closed mid-transfer"):
+            tcp._recv_rest(reader, memoryview(bytearray(10)), time.monotonic() + 5)
+
+
+def test_tcp_polls_for_the_rest_only_on_one_connection(owners, monkeypatch):
+    """A read on one connection polls for its rest (``_recv_rest``); a read cut over several connections
+    does not (they would poll at once); both get the right bytes."""
+    from rdma.backends import tcp
+
+    monkeypatch.setenv(ENV_BACKEND, "tcp")
+    o = _owner(owners)
+    small, big = 1 << 20, 2 * tcp.MIN_STREAM_CHUNK
+    bufs = {n: o.make.call_one(f"rest{n}", n, seed=12).get() for n in (small, big)}
+    calls = []
+    real = tcp._recv_rest
+
+    def spy(sock, view, deadline=None):
+        calls.append(len(view))
+        return real(sock, view, deadline)
+
+    real_first = tcp._recv_first
+
+    def first_byte_only(sock, bufs, deadline=None):  # the answer and one byte: a rest is always left
+        return real_first(sock, bufs if len(bufs) < 2 else [bufs[0], bufs[1][:1]], deadline)
+
+    monkeypatch.setattr(tcp, "_recv_rest", spy)
+    monkeypatch.setattr(tcp, "_recv_first", first_byte_only)
+    for n, buf in bufs.items():
+        calls.clear()
+        out = torch.empty(n, dtype=torch.uint8)
+        buf.read_into(out).get(timeout=60)
+        assert torch.equal(out, o.value.call_one(f"rest{n}").get())
+        assert calls == ([n - 1] if n == small else []), (n, calls)
+
+
+def test_tcp_reader_stops_polling_a_trickle(monkeypatch):
+    """Bytes that keep trickling in (never a pause as long as its polling) are polled for ten times
+    ``SPIN_S`` at most; then ``_recv_rest`` waits for the rest blocked (``_recv_exact``), whole."""
+    from rdma.backends import tcp
+
+    monkeypatch.setattr(tcp, "SPIN_S", 0.002)
+    handed = []
+    real = tcp._recv_exact
+
+    def spy(sock, view, deadline=None):
+        handed.append(len(view))
+        return real(sock, view, deadline)
+
+    monkeypatch.setattr(tcp, "_recv_exact", spy)
+    reader, owner = _tcp_pair()
+    with reader, owner:
+        data = os.urandom(200 << 10)
+
+        def trickle():
+            for i in range(0, len(data), 1 << 10):
+                owner.sendall(data[i:i + (1 << 10)])
+                time.sleep(0.0002)
+
+        threading.Thread(target=trickle, daemon=True).start()
+        out = bytearray(len(data))
+        tcp._recv_rest(reader, memoryview(out), time.monotonic() + 20)
+        assert out == data
+    assert handed and 0 < handed[0] < len(data)

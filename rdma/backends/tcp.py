@@ -100,6 +100,32 @@ def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = 
             raise TimeoutError(f"{len(view) - got} bytes had not come at the deadline")
 
 
+def _recv_rest(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill ``view`` as ``_recv_exact`` does, but poll while bytes keep coming (each try within ``SPIN_S``
+    of the last bytes): a reader blocked in the middle of a transfer is woken once per batch of segments the
+    owner sends, and each wake of an idle core costs tens of µs on a VM (a plain client's 1 MiB reads:
+    235-279 µs polling, 315-384 blocking; ``read_into``, interleaved: 5-12% faster at 1 MiB, 14-24% at 3 MiB). It polls ten times ``SPIN_S`` at most: on a slow link the bytes
+    trickle in for long, and the rest is waited for blocked. Used by a transfer on one connection: several
+    would poll at once."""
+    got = 0
+    if SPIN_S > 0:
+        now = time.perf_counter()
+        end, stop = now + SPIN_S, now + 10 * SPIN_S
+        while got < len(view):
+            try:
+                n = sock.recv_into(view[got:], len(view) - got, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                if time.perf_counter() >= end:
+                    break
+                continue
+            if n == 0:
+                raise ConnectionError("connection closed mid-transfer")
+            got += n
+            end = min(time.perf_counter() + SPIN_S, stop)
+    if got < len(view):
+        _recv_exact(sock, view[got:], deadline)
+
+
 def client_socket(s: socket.socket) -> socket.socket:
     """Set up a connected socket for ``_send_parts``/``_recv_first``/``_recv_exact`` with deadlines: no
     Nagle delay, blocking mode, and the kernel's timeouts (``TICK_S``) on its waits. (A Python socket
@@ -250,7 +276,9 @@ class TcpBackend(Backend):
         return OwnerDiedError(f"the owner of buffer {desc.buf_id} (pid {desc.pid} on {desc.host.split('/')[0]}) "
                               f"cannot be reached at {desc.tcp}: {e!r} (it died, or the network failed)")
 
-    def _one(self, op: int, desc: Descriptor, offset: int, local: Mem, lo: int, n: int, deadline: float) -> None:
+    def _one(self, op: int, desc: Descriptor, offset: int, local: Mem, lo: int, n: int, deadline: float,
+             alone: bool = False) -> None:
+        """Move [lo, lo + n) of ``local`` on one connection (``alone``: the only one of its transfer)."""
         addr = tuple(desc.tcp)
         s = self._conn(addr, desc, deadline)
         ok = False
@@ -275,7 +303,7 @@ class TcpBackend(Backend):
                     _recv_exact(s, memoryview(status)[got:], deadline)
                     got = HEAD
                 if status[0] == OK and got - HEAD < n:
-                    _recv_exact(s, dst[got - HEAD:], deadline)
+                    (_recv_rest if alone else _recv_exact)(s, dst[got - HEAD:], deadline)
             ok = True
         except (OSError, ConnectionError) as e:
             raise self._lost(desc, e) from e
@@ -293,7 +321,7 @@ class TcpBackend(Backend):
         n = local.nbytes
         streams = max(1, min(STREAMS, n // MIN_STREAM_CHUNK))
         if streams == 1:
-            self._one(op, desc, offset, local, 0, n, deadline)
+            self._one(op, desc, offset, local, 0, n, deadline, alone=True)
             return
         step = -(-n // streams // ALIGN) * ALIGN  # each stream's data starts aligned in ``local``
         futs = [self._pool.submit(self._one, op, desc, offset, local, lo, min(step, n - lo), deadline)
