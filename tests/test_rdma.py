@@ -608,15 +608,15 @@ def test_tcp_headers_keep_the_data_aligned():
     d = buf._desc
     try:
         with _socket.create_connection(tuple(d.tcp), timeout=10) as s:
-            s.sendall(tcp._REQ.pack(tcp._MAGIC, tcp.READ, d.buf_id, d.token, 100, 5000))
+            s.sendall(tcp._REQ.pack(tcp._MAGIC, tcp.READ, 0, d.buf_id, d.token, 100, 5000))
             got = _answer(s, tcp.HEAD + 5000)
             assert got[0] == tcp.OK and got[1:tcp.HEAD] == bytes(tcp.HEAD - 1)
             assert got[tcp.HEAD:] == data[100:5100].tobytes()
-            s.sendall(tcp._REQ.pack(tcp._MAGIC, tcp.WRITE, d.buf_id, d.token, 0, 3) + b"abc")
+            s.sendall(tcp._REQ.pack(tcp._MAGIC, tcp.WRITE, tcp.ALONE, d.buf_id, d.token, 0, 3) + b"abc")
             assert _answer(s, tcp.HEAD)[0] == tcp.OK and bytes(data[:3]) == b"abc"
-            s.sendall(tcp._REQ.pack(tcp._MAGIC, tcp.READ, d.buf_id, d.token + 1, 0, 10))
+            s.sendall(tcp._REQ.pack(tcp._MAGIC, tcp.READ, 0, d.buf_id, d.token + 1, 0, 10))
             assert _answer(s, tcp.HEAD)[0] == tcp.UNKNOWN
-            s.sendall(tcp._REQ.pack(tcp._MAGIC, tcp.READ, d.buf_id, d.token, 9999, 10))
+            s.sendall(tcp._REQ.pack(tcp._MAGIC, tcp.READ, tcp.ALONE, d.buf_id, d.token, 9999, 10))
             assert _answer(s, tcp.HEAD)[0] == tcp.RANGE
             s.settimeout(0.2)
             with pytest.raises(TimeoutError):  # nothing follows a failure's answer
@@ -786,3 +786,39 @@ def test_tcp_reader_stops_polling_a_trickle(monkeypatch):
         tcp._recv_rest(reader, memoryview(out), time.monotonic() + 20)
         assert out == data
     assert handed and 0 < handed[0] < len(data)
+
+
+@pytest.mark.parametrize("flags", [0, 1])
+def test_tcp_owner_polls_for_a_lone_writes_bytes(monkeypatch, flags):
+    """A write request flagged ALONE (the only connection of its transfer) has the owner poll for its
+    bytes (``_recv_rest``), one without the flag not; bytes sent in pieces, with short and long pauses,
+    land whole either way."""
+    import socket as _socket
+
+    from rdma.backends import tcp
+
+    assert tcp.ALONE == 1
+    used = []
+    real = tcp._recv_rest
+
+    def spy(sock, view, deadline=None):
+        used.append(len(view))
+        return real(sock, view, deadline)
+
+    monkeypatch.setattr(tcp, "_recv_rest", spy)
+    n = 1 << 20
+    target = bytearray(n)
+    buf = RDMABuffer(target)
+    d = buf._desc
+    data = os.urandom(n)
+    try:
+        with _socket.create_connection(tuple(d.tcp), timeout=10) as s:
+            s.sendall(tcp._REQ.pack(tcp._MAGIC, tcp.WRITE, flags, d.buf_id, d.token, 0, n))
+            for k, i in enumerate(range(0, n, 1 << 17)):
+                s.sendall(data[i:i + (1 << 17)])
+                time.sleep(0.0001 if k % 2 else 0.02)
+            assert _answer(s, tcp.HEAD)[0] == tcp.OK
+        assert target == data
+        assert used == ([n] if flags else [])
+    finally:
+        buf.drop()

@@ -36,9 +36,10 @@ TICK_S = 0.1  # a reader's socket waits in the kernel at most this long at a tim
 # its buffers in stream order, so data behind a header of another length (a 1-byte status before) is
 # misaligned in both copies, which made 1 and 4 MiB reads 1.6x slower on this project's VM.
 HEAD = 64
-_REQ = struct.Struct(f"!4sBQQQQ{HEAD - 37}x")  # magic, op, buffer id, token, offset, length; padding
+_REQ = struct.Struct(f"!4sBBQQQQ{HEAD - 38}x")  # magic, op, flags, buffer id, token, offset, length; padding
 _MAGIC = b"MTDP"
 READ, WRITE = 1, 2
+ALONE = 1  # a request's flag: the only connection of its transfer (the owner polls for a write's bytes)
 OK, UNKNOWN, RANGE, READONLY, FAILED = 0, 1, 2, 3, 4
 _ANSWER = [bytes([code]) + bytes(HEAD - 1) for code in range(5)]  # the owner's answer: a status, padded
 ALIGN = 4096  # a transfer over several connections is cut at multiples of this
@@ -173,7 +174,7 @@ class Server:
         try:
             while True:
                 _recv_exact(conn, memoryview(head))
-                magic, op, buf_id, token, offset, length = _REQ.unpack(head)
+                magic, op, flags, buf_id, token, offset, length = _REQ.unpack(head)
                 if magic != _MAGIC or op not in (READ, WRITE):
                     return  # a stray client: hang up
                 reg = registry().lookup(buf_id, token)
@@ -187,7 +188,7 @@ class Server:
                 if op == READ:
                     self._serve_read(conn, reg, status, offset, length)
                 else:
-                    self._serve_write(conn, reg, status, offset, length)
+                    self._serve_write(conn, reg, status, offset, length, flags & ALONE)
         except (OSError, ConnectionError):
             pass
         finally:
@@ -201,7 +202,7 @@ class Server:
         data = mem.slice(offset, length).cpu().numpy() if mem.is_cuda else mem.view(offset, length)
         _send_parts(conn, _ANSWER[OK], data)
 
-    def _serve_write(self, conn, reg, status, offset, length) -> None:
+    def _serve_write(self, conn, reg, status, offset, length, alone) -> None:
         if status != OK:
             sink = bytearray(min(length, 1 << 20))
             left = length
@@ -220,7 +221,7 @@ class Server:
             _recv_exact(conn, memoryview(stage.numpy()))
             mem.slice(offset, length).copy_(stage)
         else:
-            _recv_exact(conn, mem.view(offset, length))
+            (_recv_rest if alone else _recv_exact)(conn, mem.view(offset, length))
         conn.sendall(_ANSWER[OK])
 
 
@@ -284,7 +285,7 @@ class TcpBackend(Backend):
         ok = False
         try:
             check_deadline(deadline, "tcp transfer")
-            req = _REQ.pack(_MAGIC, op, desc.buf_id, desc.token, offset + lo, n)
+            req = _REQ.pack(_MAGIC, op, ALONE if alone else 0, desc.buf_id, desc.token, offset + lo, n)
             status = bytearray(HEAD)
             if op == WRITE:
                 _send_parts(s, req, local.view(lo, n), deadline)
