@@ -782,6 +782,9 @@ def test_tcp_reader_stops_polling_a_trickle(monkeypatch):
                 time.sleep(0.0002)
 
         threading.Thread(target=trickle, daemon=True).start()
+        import select
+
+        assert select.select([reader], [], [], 10)[0]  # the first bytes are in: polling starts with bytes
         out = bytearray(len(data))
         tcp._recv_rest(reader, memoryview(out), time.monotonic() + 20)
         assert out == data
