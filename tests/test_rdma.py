@@ -631,8 +631,8 @@ def test_tcp_reader_takes_an_answer_in_pieces():
     import dataclasses
     import socket as _socket
 
-    from rdma.backends import tcp
     from rdma._memory import as_mem
+    from rdma.backends import tcp
 
     data = os.urandom(20000)
     srv = _socket.create_server(("127.0.0.1", 0))

@@ -32,9 +32,9 @@ MIN_STREAM_CHUNK = 4 << 20  # below this a transfer uses one connection
 # woken on an idle core: after a 1 GiB transfer, some runs' 4 KiB reads took 0.2-4 ms.)
 SPIN_S = float(os.environ.get("MONARCH_TENSOR_RDMA_TCP_SPIN_US", "200")) * 1e-6
 TICK_S = 0.1  # a reader's socket waits in the kernel at most this long at a time, then checks its deadline
-# Every header on a data connection is HEAD bytes: the kernel copies a socket's bytes into and out of
-# its buffers in stream order, so data behind a header of another length (a 1-byte status before) is
-# misaligned in both copies, which made 1 and 4 MiB reads 1.6x slower on this project's VM.
+# Every header on a data connection is HEAD bytes. Data behind a header of another length (a 1-byte
+# status before) lay misaligned against the reader's memory, and the kernel's copy out of the socket
+# slowed down: 1-4 MiB reads were 1.6x slower on this project's VM.
 HEAD = 64
 _REQ = struct.Struct(f"!4sBBQQQQ{HEAD - 38}x")  # magic, op, flags, buffer id, token, offset, length; padding
 _MAGIC = b"MTDP"
@@ -103,11 +103,11 @@ def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = 
 
 def _recv_rest(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
     """Fill ``view`` as ``_recv_exact`` does, but poll while bytes keep coming (each try within ``SPIN_S``
-    of the last bytes): a reader blocked in the middle of a transfer is woken once per batch of segments the
-    owner sends, and each wake of an idle core costs tens of µs on a VM (a plain client's 1 MiB reads:
-    235-279 µs polling, 315-384 blocking; ``read_into``, interleaved: 5-12% faster at 1 MiB, 14-24% at 3 MiB). It polls ten times ``SPIN_S`` at most: on a slow link the bytes
-    trickle in for long, and the rest is waited for blocked. Used by a transfer on one connection: several
-    would poll at once."""
+    of the last bytes). Blocked in the middle of a transfer, a thread is woken once per batch of segments,
+    and each wake of an idle core costs tens of µs on a VM: a plain client's 1 MiB reads took 235-279 µs
+    polling, 315-384 blocked; ``read_into`` got 5-12% faster at 1 MiB and 14-24% at 3 MiB (interleaved).
+    It polls ten times ``SPIN_S`` at most: on a slow link the bytes trickle in for long, and the rest is
+    waited for blocked. Only for a transfer's only connection: several would poll at once."""
     got = 0
     if SPIN_S > 0:
         now = time.perf_counter()
