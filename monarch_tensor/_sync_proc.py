@@ -28,7 +28,7 @@ from concurrent.futures import wait as futures_wait
 from . import _filetree, _reload
 from .mailbox import SYSTEM_HANDLERS, Mailbox, socket_dir
 from .messages import SendToPort
-from .sync_messages import DescribeWorkspace, DiffWorkspace, ReloadWorkspace, WorkspaceDiff, WriteFiles
+from .sync_messages import DescribeWorkspace, DiffWorkspace, ReloadWorkspace, ScanWorkspace, WorkspaceDiff, WriteFiles
 
 
 def client_key(client_addr: str) -> str:
@@ -80,22 +80,33 @@ def handle_describe(mailbox: Mailbox, msg: DescribeWorkspace) -> None:
     _reply(mailbox, msg.reply, (socket.gethostname(), workspace_root(msg.client_key)))
 
 
-def diff(root: str, dirs, manifest: dict) -> WorkspaceDiff:
-    """Compare the client's manifest with ``root`` (see ``_filetree`` for the rules)."""
-    ours: dict[str, _filetree.Entry] = {}
+def scan_root(root: str, dirs) -> dict[str, tuple[int, int, int]]:
+    """The files of ``root`` under the synced ``dirs`` (``_filetree.scan``)."""
+    ours: dict[str, tuple[int, int, int]] = {}
     for d in dirs:
         ours.update(_filetree.scan(os.path.join(root, d) if d else root, f"{d}/" if d else ""))
+    return ours
+
+
+def diff(root: str, dirs, manifest: dict, ours: dict | None = None) -> WorkspaceDiff:
+    """Compare the client's manifest with ``root`` (see ``_filetree`` for the rules); ``ours``: the root's
+    scan, when it was made already (``ScanWorkspace``)."""
+    if ours is None:
+        ours = scan_root(root, dirs)
     racy = set(_filetree.read_meta(root, "racy.json", []))
     send, verify, blocks = [], {}, {}
-    for key, (size, mtime_ns, mode) in manifest.items():
+    for key, theirs in manifest.items():
         mine = ours.get(key)
+        if mine == theirs and key not in racy:  # (size, mtime_ns, mode) alike: unchanged
+            continue
+        size = theirs[0]
         if mine is None:
             send.append(key)
-        elif mine.size != size:
+        elif mine[0] != size:
             send.append(key)
-            if size >= _filetree.LARGE and mine.size >= _filetree.BLOCK:
+            if size >= _filetree.LARGE and mine[0] >= _filetree.BLOCK:
                 blocks[key] = _filetree.block_digests(os.path.join(root, key))
-        elif mine.mtime_ns != mtime_ns or key in racy or mine.mode != mode:
+        else:  # same size; another mtime or mode, or racy
             verify[key] = _filetree.fingerprint(os.path.join(root, key), size)
     delete = tuple(k for k in ours if k not in manifest)
     return WorkspaceDiff(tuple(send), verify, blocks, delete, root)
@@ -116,10 +127,27 @@ def sees_sources(sources) -> bool:
     return True
 
 
+_scans: dict[str, tuple] = {}  # sync_id -> (root, dirs, scan) made by ScanWorkspace, for its DiffWorkspace
+KEEP_SCANS = 8  # scans kept for diffs not come yet (a client that died between the two leaves one behind)
+
+
+def handle_scan(mailbox: Mailbox, msg: ScanWorkspace) -> None:
+    try:
+        root = workspace_root(msg.client_key)
+        found = scan_root(root, msg.dirs)
+    except Exception:  # noqa: BLE001 - the diff scans again and reports what fails
+        return
+    _scans[msg.sync_id] = (root, tuple(msg.dirs), found)
+    while len(_scans) > KEEP_SCANS:
+        _scans.pop(next(iter(_scans)))
+
+
 def handle_diff(mailbox: Mailbox, msg: DiffWorkspace) -> None:
     try:
         root = workspace_root(msg.client_key)
-        value = diff(root, msg.dirs, msg.manifest)
+        scanned = _scans.pop(msg.sync_id, None)
+        ours = scanned[2] if scanned is not None and scanned[:2] == (root, tuple(msg.dirs)) else None
+        value = diff(root, msg.dirs, msg.manifest, ours)
         if sees_sources(msg.sources):
             value = dataclasses.replace(value, local=True)
     except Exception as e:  # noqa: BLE001 - reported to the client
@@ -320,6 +348,7 @@ def on_start(client_addr: str) -> None:
 
 SYSTEM_HANDLERS.update({
     DescribeWorkspace: handle_describe,
+    ScanWorkspace: handle_scan,
     DiffWorkspace: handle_diff,
     WriteFiles: handle_write,
     ReloadWorkspace: handle_reload,

@@ -1,8 +1,9 @@
 """The workspace-sync protocol, client -> procs; handlers are in ``_sync_proc.py``.
 
 A sync is three rounds: ``DescribeWorkspace`` to every proc (once per mesh:
-which host and root each proc has), ``DiffWorkspace`` then ``WriteFiles`` to
-one writer proc per distinct root, and ``ReloadWorkspace`` to every proc.
+which host and root each proc has), ``ScanWorkspace``, ``DiffWorkspace`` then
+``WriteFiles`` to one writer proc per distinct root, and ``ReloadWorkspace``
+to every proc.
 Replies are ``SendToPort`` values (``WorkspaceDiff``, tuples).
 """
 
@@ -20,6 +21,17 @@ class DescribeWorkspace:
 
     client_key: str
     reply: PortRef
+
+
+@_fast_reduce
+@dataclass(frozen=True, slots=True)
+class ScanWorkspace:
+    """Client -> writer proc, just before it scans its own dirs: scan the root under ``dirs`` now, for the
+    ``DiffWorkspace`` of ``sync_id`` that follows (the two scans run at once). No reply."""
+
+    sync_id: str
+    client_key: str
+    dirs: tuple[str, ...]
 
 
 @_fast_reduce

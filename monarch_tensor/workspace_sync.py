@@ -2,8 +2,9 @@
 
 1. Ask each proc (once per proc) for its host and workspace root; procs sharing
    a root form a group, served by one writer proc.
-2. Scan the local dirs (size, mtime, mode per file) and send that manifest to
-   every writer; each replies with what differs (``_sync_proc.diff``).
+2. Scan the local dirs (size, mtime, mode per file) while the writers scan their
+   roots (``ScanWorkspace``), and send that manifest to every writer; each replies
+   with what differs (``_sync_proc.diff``).
 3. Hash locally only the files the writer asked to verify; send whole files,
    changed blocks of large files, metadata-only updates and deletions in
    ``WriteFiles`` messages of up to ``CHUNK`` bytes, all writers at once.
@@ -40,7 +41,7 @@ from . import _filetree, _sync_proc
 from ._ports import Collector
 from .future import Future
 from .mailbox import current_mailbox
-from .sync_messages import DescribeWorkspace, DiffWorkspace, ReloadWorkspace, WorkspaceDiff, WriteFiles
+from .sync_messages import DescribeWorkspace, DiffWorkspace, ReloadWorkspace, ScanWorkspace, WorkspaceDiff, WriteFiles
 from .tools.config.workspace import Workspace
 
 SYNC_TIMEOUT = _sync_proc.SYNC_TIMEOUT  # seconds ($MONARCH_TENSOR_SYNC_TIMEOUT), the procs' too
@@ -108,14 +109,31 @@ def _ask(procs: list, make, what: str) -> list:
     return col.future.get(timeout=SYNC_TIMEOUT)
 
 
-def local_manifest(workspace: Workspace) -> tuple[dict, dict[str, str]]:
-    """``({key: (size, mtime_ns, mode)}, {key: local path})`` of the workspace dirs."""
-    manifest, sources = {}, {}
+class _Sources:
+    """``sources[key]``: the local path of a manifest key, made when asked (a sync reads few of them)."""
+
+    def __init__(self) -> None:
+        self._dirs: list[tuple[str, str, dict]] = []  # (prefix, local dir, its scan), later dirs win
+
+    def add(self, prefix: str, src: str, scanned: dict) -> None:
+        self._dirs.append((prefix, src, scanned))
+
+    def __getitem__(self, key: str) -> str:
+        for prefix, src, scanned in reversed(self._dirs):
+            if key in scanned:
+                return os.path.join(src, key[len(prefix):])
+        raise KeyError(key)
+
+
+def local_manifest(workspace: Workspace) -> tuple[dict, _Sources]:
+    """``({key: (size, mtime_ns, mode)}, sources)`` of the workspace dirs (``sources[key]``: its local path)."""
+    manifest: dict = {}
+    sources = _Sources()
     for src, dst in workspace.dirs.items():
         prefix = f"{dst}/" if dst else ""
-        for key, e in _filetree.scan(str(src), prefix).items():
-            manifest[key] = (e.size, e.mtime_ns, e.mode)
-            sources[key] = os.path.join(str(src), key[len(prefix):])
+        scanned = _filetree.scan(str(src), prefix)
+        manifest.update(scanned)
+        sources.add(prefix, str(src), scanned)
     return manifest, sources
 
 
@@ -259,7 +277,7 @@ def _send_file(b: _Batcher, key: str, path: str, mtime_ns: int, mode: int, block
     b.files += 1
 
 
-def plan(b: _Batcher, diff: WorkspaceDiff, manifest: dict, sources: dict[str, str],
+def plan(b: _Batcher, diff: WorkspaceDiff, manifest: dict, sources: _Sources,
          pulls: _Pulls | None = None, copy: bool = False) -> list[str]:
     """Turn a writer's diff into ops on ``b``; return the keys whose content changes (``copy``: the
     writer copies whole files from ``sources`` itself)."""
@@ -301,9 +319,11 @@ def _sync(procs: list, workspace: Workspace, auto_reload: bool) -> SyncResult:
     for p in procs:
         groups.setdefault(_roots[p.addr], []).append(p)
     writers = [members[0] for members in groups.values()]
+    sync_id = uuid.uuid4().hex[:12]
+    for w in writers:  # they scan their roots while this process scans the dirs
+        mailbox.send(w.addr, ScanWorkspace(sync_id, key, dirs))
     scan_ns = time.time_ns()
     manifest, sources = local_manifest(workspace)
-    sync_id = uuid.uuid4().hex[:12]
     where = _source_ids(workspace) if COPY_LOCAL else ()
     diffs: list[WorkspaceDiff] = _ask(writers, lambda port: DiffWorkspace(sync_id, key, dirs, manifest, port, where),
                                       "workspace diff") if writers else []

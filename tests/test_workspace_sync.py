@@ -431,3 +431,74 @@ def test_racy_window_follows_timestamp_granularity():
     coarse = now - now % 1_000_000_000  # whole seconds: a coarse filesystem
     assert _filetree.racy(coarse - 1_000_000_000, now)
     assert not _filetree.racy(coarse - 3_000_000_000, now)
+
+
+def test_a_writer_scans_its_root_once_while_the_client_scans(tmp_path, monkeypatch):
+    """``ScanWorkspace`` makes the scan of the root that the ``DiffWorkspace`` of the same sync then uses
+    (a file added in between is not seen: the diff did not scan again); a diff without its scan, or whose
+    root or dirs differ from the scan's, scans itself; only the last KEEP_SCANS scans are kept."""
+    root = tmp_path / "root"
+    (root / "ws").mkdir(parents=True)
+    (root / "ws" / "a.py").write_text("a = 1\n")
+    monkeypatch.setenv("WORKSPACE_DIR", str(root))
+    monkeypatch.setattr(_sync_proc, "_scans", {})
+    scans = []
+    real = _sync_proc.scan_root
+    monkeypatch.setattr(_sync_proc, "scan_root", lambda r, d: scans.append((r, tuple(d))) or real(r, d))
+
+    class Mailbox:
+        def __init__(self):
+            self.sent = []
+
+        def send(self, addr, msg):
+            self.sent.append(msg)
+
+    mb, port = Mailbox(), PortRef("ipc:///tmp/x", 1)
+
+    def diff(sync_id, dirs=("ws",)):
+        _sync_proc.handle_diff(mb, sync_messages.DiffWorkspace(sync_id, "k", dirs, {}, port))
+        reply = mb.sent.pop()
+        assert reply.error is None, reply.error
+        return reply.value
+
+    _sync_proc.handle_scan(mb, sync_messages.ScanWorkspace("s1", "k", ("ws",)))
+    (root / "ws" / "b.py").write_text("b = 1\n")
+    assert diff("s1").delete == ("ws/a.py",) and len(scans) == 1 and not mb.sent  # the scan of s1, reused
+    assert sorted(diff("s2").delete) == ["ws/a.py", "ws/b.py"] and len(scans) == 2  # no scan came: it scans
+    _sync_proc.handle_scan(mb, sync_messages.ScanWorkspace("s3", "k", ("ws",)))
+    assert diff("s3", ("other",)).delete == () and scans[-1] == (str(root), ("other",)) and len(scans) == 4
+    for i in range(_sync_proc.KEEP_SCANS + 3):
+        _sync_proc.handle_scan(mb, sync_messages.ScanWorkspace(f"t{i}", "k", ("ws",)))
+    assert list(_sync_proc._scans) == [f"t{i}" for i in range(3, _sync_proc.KEEP_SCANS + 3)]
+
+
+def test_writers_are_asked_to_scan_before_the_client_scans(tmp_path, monkeypatch):
+    """The client sends each writer its ``ScanWorkspace`` before it scans its own dirs, and the diff after."""
+    from monarch_tensor.mailbox import current_mailbox
+
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "a.py").write_text("a = 1\n")
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    try:
+        procs.env.set("WORKSPACE_DIR", [str(tmp_path / "r0"), str(tmp_path / "r1")]).get(timeout=30)
+        events = []
+        mb = current_mailbox()
+        real_send, real_manifest = mb.send, ws_sync.local_manifest
+
+        def send(addr, msg, *a, **k):
+            events.append(type(msg).__name__)
+            return real_send(addr, msg, *a, **k)
+
+        def manifest(ws):
+            events.append("client scan")
+            return real_manifest(ws)
+
+        monkeypatch.setattr(mb, "send", send)
+        monkeypatch.setattr(ws_sync, "local_manifest", manifest)
+        res = procs.sync_workspace(Workspace(dirs=[proj])).get(timeout=60)
+        assert res.files_sent == 2
+        sync_events = [e for e in events if e in ("ScanWorkspace", "client scan", "DiffWorkspace")]
+        assert sync_events == ["ScanWorkspace", "ScanWorkspace", "client scan", "DiffWorkspace", "DiffWorkspace"]
+    finally:
+        procs.stop()
