@@ -37,10 +37,6 @@ EXCLUDED_NAMES = frozenset({"__pycache__", ".git", ".hg", ".svn", META_DIR, ".my
 EXCLUDED_SUFFIXES = (".pyc", ".pyo", ".swp")
 
 
-def excluded(name: str) -> bool:
-    return name in EXCLUDED_NAMES or name.endswith(EXCLUDED_SUFFIXES)
-
-
 def scan(base: str, prefix: str = "") -> dict[str, tuple[int, int, int]]:
     """Every regular file under ``base`` as ``{prefix + relpath: (size, mtime_ns, permission bits)}``;
     symlinks to files are followed. (Plain tuples: a scan of a 5,000-file workspace is on the critical
