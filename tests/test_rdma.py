@@ -519,6 +519,24 @@ def test_mem_describes_exactly_the_bytes_given(shape, dtype, row, kind):
     assert tuple(flat.shape) == (len(want),) and bytes(np.asarray(flat)) == want
 
 
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 5000), data=st.data())
+def test_mem_view_is_a_writable_window_on_the_bytes(n, data):
+    """``Mem.view(offset, k)``: a flat, writable memoryview of exactly bytes [offset, offset + k), any
+    offset and length; bytes written through it land in the object."""
+    from rdma._memory import as_mem
+
+    buf = bytearray(np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes())
+    offset = data.draw(st.integers(0, n - 1))
+    k = data.draw(st.integers(1, n - offset))
+    v = as_mem(buf).view(offset, k)
+    assert v.format == "B" and v.ndim == 1 and len(v) == k and not v.readonly
+    assert bytes(v) == bytes(buf[offset:offset + k])
+    want = bytes(255 - x for x in buf[offset:offset + k])
+    v[:] = want
+    assert bytes(buf[offset:offset + k]) == want
+
+
 def test_mem_of_a_tensor_that_needs_grad_and_of_other_devices():
     from rdma._memory import as_mem
 
