@@ -31,8 +31,10 @@ class TransferFuture(Future):
         if task is not None and not self.done():
             if timeout is None or timeout >= task.timeout:
                 task.run()  # on this thread (bounded by the transfer's own timeout), unless taken already
-            else:
-                task.start()  # a shorter wait than the transfer may take: wait for a pool thread
+            else:  # on this thread until the wait ends; then on a pool thread, for the rest of its timeout
+                start = time.monotonic()
+                task.run_until(timeout)
+                timeout = max(0.0, timeout - (time.monotonic() - start))
         if not self.done():
             from monarch_tensor import mailbox as _mb
 

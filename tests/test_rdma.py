@@ -441,9 +441,9 @@ def test_transfers_from_many_threads(owners):
 
 
 def test_who_runs_a_deferred_transfer(owners, monkeypatch):
-    """tcp transfers start on the first of: the thread that waits on the Future (no thread hop), a pool
-    thread when the Future is awaited or waited on with a shorter timeout than the transfer's, or a pool
-    thread after KICK_S when nobody waits at all (fire and forget)."""
+    """tcp transfers start on the first of: the thread that waits on the Future (no thread hop, also for a
+    wait shorter than the transfer's timeout), a pool thread when the Future is awaited, or a pool thread
+    after KICK_S when nobody waits at all (fire and forget)."""
     from rdma import buffer as rdma_buffer
     from rdma.backends import tcp
 
@@ -464,8 +464,8 @@ def test_who_runs_a_deferred_transfer(owners, monkeypatch):
     assert ran_on[-1] is threading.current_thread() and torch.equal(out, ref)
 
     out2 = torch.empty(4096, dtype=torch.uint8)
-    buf.read_into(out2, timeout=60).get(timeout=30)  # a shorter wait: a pool thread runs it
-    assert ran_on[-1] is not threading.current_thread() and torch.equal(out2, ref)
+    buf.read_into(out2, timeout=60).get(timeout=30)  # a shorter wait: runs here too, until the wait ends
+    assert ran_on[-1] is threading.current_thread() and torch.equal(out2, ref)
 
     out3 = torch.empty(4096, dtype=torch.uint8)
     fut = buf.read_into(out3)
@@ -490,6 +490,39 @@ def test_who_runs_a_deferred_transfer(owners, monkeypatch):
     while not torch.equal(o.value.call_one("deferred").get(), src) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert torch.equal(o.value.call_one("deferred").get(), src)
+
+
+@pytest.mark.parametrize("kind", ["read", "write"])
+def test_a_shorter_wait_runs_the_transfer_then_hands_it_over(owners, monkeypatch, kind):
+    """``get(timeout)`` shorter than the transfer's timeout runs the transfer on the waiting thread until
+    the wait ends (the owner is stopped here): the wait times out on time, the transfer goes on on a pool
+    thread, and once the owner runs again the Future settles with the right bytes."""
+    from rdma.errors import TransferTimeoutError
+
+    monkeypatch.setenv(ENV_BACKEND, "tcp")
+    o = _owner(owners, 1)
+    n = 1 << 16
+    buf = o.make.call_one(f"handoff-{kind}", n, seed=13).get()
+    want = o.value.call_one(f"handoff-{kind}").get()
+    out = torch.empty(n, dtype=torch.uint8)
+    buf.read_into(out).get(timeout=10)  # a connection in the pool, before the owner stops
+    if kind == "read":
+        out.zero_()
+    else:
+        want = torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(14)).to(torch.uint8)
+    pid = o.pid.call_one().get()
+    _stop(pid)
+    try:
+        fut = buf.read_into(out, timeout=30) if kind == "read" else buf.write_from(want, timeout=30)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError) as err:
+            fut.get(timeout=0.5)
+        assert not isinstance(err.value, TransferTimeoutError)  # the wait ended; the transfer did not fail
+        assert time.monotonic() - t0 < 5 and not fut.done()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    fut.get(timeout=30)
+    assert torch.equal(out if kind == "read" else o.value.call_one(f"handoff-{kind}").get(), want)
 
 
 @settings(max_examples=40, deadline=None)
