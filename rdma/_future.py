@@ -31,10 +31,12 @@ class TransferFuture(Future):
         if task is not None and not self.done():
             if timeout is None or timeout >= task.timeout:
                 task.run()  # on this thread (bounded by the transfer's own timeout), unless taken already
-            else:  # on this thread until the wait ends; then on a pool thread, for the rest of its timeout
+            elif task.kind == "read":  # on this thread until the wait ends; then again on a pool thread
                 start = time.monotonic()
                 task.run_until(timeout)
                 timeout = max(0.0, timeout - (time.monotonic() - start))
+            else:  # a write is not started twice (see _Transfer.run_until): a pool thread runs it
+                task.start()
         if not self.done():
             from monarch_tensor import mailbox as _mb
 

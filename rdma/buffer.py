@@ -281,7 +281,7 @@ class _Transfer:
     """A transfer that runs on the first of: the thread that waits on its Future (``get`` runs it there),
     or a pool thread once someone awaits it, or once it has waited ``KICK_S`` unclaimed (nobody waited:
     fire-and-forget, or a caller busy with other work). A ``get`` with a shorter timeout than the
-    transfer's runs it too, until that timeout (``run_until``).
+    transfer's runs a read too, until that timeout (``run_until``).
 
     ``read_into(...).get()`` is the common case: waking a pool thread for it cost more than the
     transfer itself on this 2-core VM (a 4 KiB tcp read took 92 µs through the pool, 55 µs run by the
@@ -303,10 +303,11 @@ class _Transfer:
             self.buf._run(self.fut, self.kind, self.local, self.offset, self.timeout, self.cands)
 
     def run_until(self, wait: float) -> None:
-        """Run it here with ``wait`` seconds as its deadline, unless another thread took it already. If the
-        wait ends first, it starts again on a pool thread with what is left of its own timeout: the same
-        bytes move again, which leaves the same result (``read_into(...).get(timeout=10)``, a wait shorter
-        than the transfer's 60 s, ran through the pool at 2-3x the latency of a small read before)."""
+        """Run a read here with ``wait`` seconds as its deadline, unless another thread took it already. If
+        the wait ends first, it starts again on a pool thread with what is left of its own timeout: the
+        same bytes are read again (``read_into(...).get(timeout=10)``, a wait shorter than the transfer's
+        60 s, ran through the pool at 2-3x the latency of a small read before). Not for writes: the
+        owner may still apply an abandoned attempt's bytes after the retry, and after a later write."""
         if not self._claim.acquire(blocking=False):
             return
         start = time.monotonic()

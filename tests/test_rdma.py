@@ -464,8 +464,20 @@ def test_who_runs_a_deferred_transfer(owners, monkeypatch):
     assert ran_on[-1] is threading.current_thread() and torch.equal(out, ref)
 
     out2 = torch.empty(4096, dtype=torch.uint8)
-    buf.read_into(out2, timeout=60).get(timeout=30)  # a shorter wait: runs here too, until the wait ends
+    buf.read_into(out2, timeout=60).get(timeout=30)  # a shorter wait: a read runs here too, until it ends
     assert ran_on[-1] is threading.current_thread() and torch.equal(out2, ref)
+    wrote_on: list = []
+    real_write = tcp.TcpBackend._write
+
+    def write_spy(self, *args):
+        wrote_on.append(threading.current_thread())
+        return real_write(self, *args)
+
+    monkeypatch.setattr(tcp.TcpBackend, "_write", write_spy)
+    buf.write_from(ref, timeout=60).get(timeout=30)  # ... but a write goes to a pool thread
+    assert wrote_on[-1] is not threading.current_thread()
+    buf.write_from(ref).get()
+    assert wrote_on[-1] is threading.current_thread()
 
     out3 = torch.empty(4096, dtype=torch.uint8)
     fut = buf.read_into(out3)
@@ -494,9 +506,10 @@ def test_who_runs_a_deferred_transfer(owners, monkeypatch):
 
 @pytest.mark.parametrize("kind", ["read", "write"])
 def test_a_shorter_wait_runs_the_transfer_then_hands_it_over(owners, monkeypatch, kind):
-    """``get(timeout)`` shorter than the transfer's timeout runs the transfer on the waiting thread until
-    the wait ends (the owner is stopped here): the wait times out on time, the transfer goes on on a pool
-    thread, and once the owner runs again the Future settles with the right bytes."""
+    """``get(timeout)`` shorter than the transfer's timeout (the owner is stopped here): the wait times out
+    on time, the transfer goes on on a pool thread (a read ran on the waiting thread until the wait ended,
+    then again there; a write runs there from the start), and once the owner runs again the Future
+    settles with the right bytes."""
     from rdma.errors import TransferTimeoutError
 
     monkeypatch.setenv(ENV_BACKEND, "tcp")
