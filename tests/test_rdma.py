@@ -115,6 +115,34 @@ def _owner(owners, i=0):
     return owners.slice(gpus=i)
 
 
+def _transfer_with_the_owner_stopped(owners, key: str, n: int, seed: int, kind: str, timeout: float):
+    """Owner 1's buffer ``key`` (``n`` bytes, ``seed``), a connection to it in the pool, then the owner
+    stopped and a read of it (into zeroed memory) or a write (of other bytes) submitted: ``(buffer, future,
+    owner pid, holds)``. SIGCONT the pid when done; then ``holds()`` says whether the read's destination or the
+    buffer has the bytes it should."""
+    o = _owner(owners, 1)
+    buf = o.make.call_one(key, n, seed=seed).get()
+    want = o.value.call_one(key).get()
+    out = torch.empty(n, dtype=torch.uint8)
+    buf.read_into(out).get(timeout=10)  # a connection in the pool, before the owner stops
+    if kind == "read":
+        out.zero_()
+    else:
+        want = torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(seed + 1)).to(torch.uint8)
+    pid = o.pid.call_one().get()
+    _stop(pid)
+    try:
+        fut = buf.read_into(out, timeout=timeout) if kind == "read" else buf.write_from(want, timeout=timeout)
+    except BaseException:
+        os.kill(pid, signal.SIGCONT)
+        raise
+
+    def holds() -> bool:
+        return torch.equal(out if kind == "read" else o.value.call_one(key).get(), want)
+
+    return buf, fut, pid, holds
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
 
@@ -360,26 +388,15 @@ def test_tcp_polls_then_blocks_for_a_slow_owner(owners, monkeypatch, n, kind):
 
     monkeypatch.setenv(ENV_BACKEND, "tcp")
     monkeypatch.setattr(tcp, "SPIN_S", 0.02)
-    o = _owner(owners, 1)
-    buf = o.make.call_one(f"slow{n}", n, seed=5).get()
-    want = o.value.call_one(f"slow{n}").get()
-    out = torch.empty(n, dtype=torch.uint8)
-    buf.read_into(out).get(timeout=10)  # a connection in the pool, before the owner stops
-    if kind == "read":
-        out.zero_()
-    else:
-        want = torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(6)).to(torch.uint8)
-    pid = o.pid.call_one().get()
-    _stop(pid)
+    buf, fut, pid, holds = _transfer_with_the_owner_stopped(owners, f"slow{n}", n, 5, kind, timeout=20)
     try:
-        fut = buf.read_into(out, timeout=20) if kind == "read" else buf.write_from(want, timeout=20)
         fut._task.start()  # on a pool thread, while this one resumes the owner
         time.sleep(0.3)
         assert not fut.done()
     finally:
         os.kill(pid, signal.SIGCONT)
     fut.get(timeout=20)
-    assert torch.equal(out if kind == "read" else o.value.call_one(f"slow{n}").get(), want)
+    assert holds()
     assert buf.backend == "tcp"
 
 
@@ -513,20 +530,8 @@ def test_a_shorter_wait_runs_the_transfer_then_hands_it_over(owners, monkeypatch
     from rdma.errors import TransferTimeoutError
 
     monkeypatch.setenv(ENV_BACKEND, "tcp")
-    o = _owner(owners, 1)
-    n = 1 << 16
-    buf = o.make.call_one(f"handoff-{kind}", n, seed=13).get()
-    want = o.value.call_one(f"handoff-{kind}").get()
-    out = torch.empty(n, dtype=torch.uint8)
-    buf.read_into(out).get(timeout=10)  # a connection in the pool, before the owner stops
-    if kind == "read":
-        out.zero_()
-    else:
-        want = torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(14)).to(torch.uint8)
-    pid = o.pid.call_one().get()
-    _stop(pid)
+    _, fut, pid, holds = _transfer_with_the_owner_stopped(owners, f"handoff-{kind}", 1 << 16, 13, kind, timeout=30)
     try:
-        fut = buf.read_into(out, timeout=30) if kind == "read" else buf.write_from(want, timeout=30)
         t0 = time.monotonic()
         with pytest.raises(TimeoutError) as err:
             fut.get(timeout=0.5)
@@ -535,7 +540,7 @@ def test_a_shorter_wait_runs_the_transfer_then_hands_it_over(owners, monkeypatch
     finally:
         os.kill(pid, signal.SIGCONT)
     fut.get(timeout=30)
-    assert torch.equal(out if kind == "read" else o.value.call_one(f"handoff-{kind}").get(), want)
+    assert holds()
 
 
 @settings(max_examples=40, deadline=None)
