@@ -315,7 +315,7 @@ class _Transfer:
             self.buf.transfer(self.kind, self.local, self.offset, wait, self.cands)
         except TransferTimeoutError as e:
             left = self.timeout - (time.monotonic() - start)
-            if left > 0 and wait < self.timeout:
+            if left > 0:
                 _pool().submit(self.buf._run, self.fut, self.kind, self.local, self.offset, left, self.cands)
             else:
                 self.fut._set_exception(e)

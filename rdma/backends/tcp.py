@@ -289,22 +289,18 @@ class TcpBackend(Backend):
             status = bytearray(HEAD)
             if op == WRITE:
                 _send_parts(s, req, local.view(lo, n), deadline)
-                got = _recv_first(s, [status], deadline)
-                if got == 0:
-                    raise ConnectionError("connection closed before the owner answered")
-                if got < HEAD:
-                    _recv_exact(s, memoryview(status)[got:], deadline)
+                bufs = [status]
             else:
                 _send_parts(s, req, None, deadline)
-                dst = local.view(lo, n)
-                got = _recv_first(s, [status, dst], deadline)  # the status and the first bytes in one call
-                if got == 0:
-                    raise ConnectionError("connection closed mid-transfer")
-                if got < HEAD:  # the answer came in pieces
-                    _recv_exact(s, memoryview(status)[got:], deadline)
-                    got = HEAD
-                if status[0] == OK and got - HEAD < n:
-                    (_recv_rest if alone else _recv_exact)(s, dst[got - HEAD:], deadline)
+                bufs = [status, local.view(lo, n)]  # the answer and the first bytes in one call
+            got = _recv_first(s, bufs, deadline)
+            if got == 0:
+                raise ConnectionError("connection closed before the owner answered")
+            if got < HEAD:  # the answer came in pieces
+                _recv_exact(s, memoryview(status)[got:], deadline)
+                got = HEAD
+            if op == READ and status[0] == OK and got - HEAD < n:
+                (_recv_rest if alone else _recv_exact)(s, bufs[1][got - HEAD:], deadline)
             ok = True
         except (OSError, ConnectionError) as e:
             raise self._lost(desc, e) from e
