@@ -6,8 +6,11 @@
 
 The owner of the buffer is an actor on a proc; the reader is this process. For every size, every
 backend that can serve a CPU buffer here (forced with MONARCH_TENSOR_RDMA_BACKEND) reads and writes
-REPEATS times (more for small sizes: until 50 ms have passed, up to 500) into a warm destination; the
-table shows the median as GiB/s, and as latency in µs.
+into a warm destination, taking turns with memcpy, copy_ and the raw tcp stream below: ROUNDS rounds,
+each of REPEATS runs of every measure (more for small sizes: until 50 ms have passed in all, up to 500);
+the table shows the median as GiB/s, and as latency in µs. (The machine's speed drifts over seconds:
+the raw stream's 4 KiB median swung between 20 and 33 µs from one round of 2,000 requests to the next,
+so measures compared as ratios are taken side by side rather than a minute apart.)
 Baselines in the same run, into warm destinations: memcpy (libc's, one thread, via ctypes.memmove),
 torch's copy_ (parallel over every core: the limit on one host; cma splits large transfers over the
 cores too, see rdma/backends/cma.py), one raw loopback TCP stream from a server process, a pyzmq copy (another process
@@ -31,25 +34,49 @@ import time
 
 # ---- settings ------------------------------------------------------------------------------
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30]
-REPEATS = 5          # timed transfers per size and direction (after one warm-up)
+REPEATS = 5          # timed transfers per size and direction (after one warm-up) in each round
+ROUNDS = 3           # rounds in which a size's measures in this process take turns (``in_turns``)
 PEER_MAX = 64 << 20  # Monarch's TCP fallback is slow: sizes above this are skipped for it
 TIMEOUT = 120.0
-TINY = dict(SIZES=[4 << 10, 1 << 20], REPEATS=2, PEER_MAX=1 << 20)
+TINY = dict(SIZES=[4 << 10, 1 << 20], REPEATS=2, ROUNDS=2, PEER_MAX=1 << 20)
 PEER_PATH = os.environ.get("MT_BENCH_PEER_PATH", "")
 MARKER = "RDMA_BENCH_RESULT "
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def median_time(fn, repeats, min_total=0.05, max_repeats=500):
-    """Median seconds of ``fn()`` after one warm-up: ``repeats`` runs, and more (up to ``max_repeats``)
-    until they add up to ``min_total`` seconds, so a small transfer's median is not five samples' noise."""
+def _times(fn, repeats, min_total, max_repeats):
+    """Seconds of ``repeats`` runs of ``fn()`` after one warm-up, and more (up to ``max_repeats``) until they
+    add up to ``min_total`` seconds, so a small transfer's median is not five samples' noise."""
     fn()
     ts = []
     while len(ts) < repeats or (sum(ts) < min_total and len(ts) < max_repeats):
         t = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+    return ts
+
+
+def median_time(fn, repeats, min_total=0.05, max_repeats=500):
+    """Median seconds of ``fn()`` (``_times``)."""
+    return statistics.median(_times(fn, repeats, min_total, max_repeats))
+
+
+def in_turns(measures: dict, repeats, min_total=0.05, max_repeats=500) -> dict:
+    """Median seconds of each measure, sampled in turns: ``ROUNDS`` rounds, in each of which every measure
+    runs as ``_times`` does (``repeats`` runs, and a ``ROUNDS``-th of the seconds and the most runs). ``measures`` maps a name to
+    ``(backend, fn)``: the backend is forced (ENV_BACKEND) while that measure's runs go on, None for none."""
+    from rdma.buffer import ENV_BACKEND
+
+    samples = {name: [] for name in measures}
+    for _ in range(ROUNDS):
+        for name, (backend, fn) in measures.items():
+            if backend:
+                os.environ[ENV_BACKEND] = backend
+            try:
+                samples[name] += _times(fn, repeats, min_total / ROUNDS, max_repeats // ROUNDS)
+            finally:
+                os.environ.pop(ENV_BACKEND, None)
+    return {name: statistics.median(ts) for name, ts in samples.items()}
 
 
 TCP_SERVER = r'''
@@ -83,30 +110,31 @@ def server_process(code: str, *args: str):
             p.wait()
 
 
-def raw_tcp_stream(sizes, repeats):
+@contextlib.contextmanager
+def raw_tcp_stream(max_size):
     """Floor for tcp: a plain socket server in another process (as the buffer's owner is) sends n bytes on
-    one loopback connection for each 8-byte request; received into a warm buffer. (A server thread of this
-    process shares its GIL with the reader: its small-size figures swung between 16 and 80 µs run to run.)
-    The first bytes are awaited as our tcp reader awaits them: polling up to its SPIN_S, then blocking."""
+    one loopback connection for each 8-byte request. Yields ``read(buf)``, which asks for ``len(buf)``
+    bytes and receives them into ``buf``. (A server thread of this process shares its GIL with the reader:
+    its small-size figures swung between 16 and 80 µs run to run.) The first bytes are awaited as our tcp
+    reader awaits them: polling up to its SPIN_S, then blocking."""
     import socket
 
     from rdma.backends.tcp import _recv_first, client_socket
 
-    with server_process(TCP_SERVER, str(max(sizes))) as p:
+    with server_process(TCP_SERVER, str(max_size)) as p:
         c = client_socket(socket.create_connection(("127.0.0.1", int(p.stdout.readline())), timeout=TIMEOUT))
-        out = {}
-        for n in sizes:
-            buf = memoryview(bytearray(n))
 
-            def once(n=n, buf=buf):
-                c.sendall(n.to_bytes(8, "big"))
-                got = _recv_first(c, [buf])  # polls before it blocks, as our tcp reader does
-                while got < n:
-                    got += c.recv_into(buf[got:], n - got)
+        def read(buf):
+            n = len(buf)
+            c.sendall(n.to_bytes(8, "big"))
+            got = _recv_first(c, [buf])  # polls before it blocks, as our tcp reader does
+            while got < n:
+                got += c.recv_into(buf[got:], n - got)
 
-            out[n] = median_time(once, repeats)
-        c.close()  # the server exits
-        return out
+        try:
+            yield read
+        finally:
+            c.close()  # the server exits
 
 
 ZMQ_SERVER = r'''
@@ -190,13 +218,36 @@ def gloo_send_recv(sizes, repeats):
     raise RuntimeError(f"gloo send/recv failed: {(outs[0][1] + outs[1][1]).strip()[-500:]}")
 
 
+def one_size(n, buf, raw_read) -> dict:
+    """Median seconds of every measure of this process at ``n`` bytes, taking turns (``in_turns``); ``buf``
+    is the owner's buffer, ``raw_read`` the raw tcp stream's reader."""
+    import torch
+
+    from rdma.buffer import transfer_stats
+
+    a, b = torch.empty(n, dtype=torch.uint8), torch.ones(n, dtype=torch.uint8)
+    dst, raw_dst = torch.empty(n, dtype=torch.uint8), memoryview(bytearray(n))
+    before = transfer_stats()
+    got = in_turns({
+        "memcpy": (None, lambda: ctypes.memmove(a.data_ptr(), b.data_ptr(), n)),
+        "copy_": (None, lambda: a.copy_(b)),
+        "raw_tcp": (None, lambda: raw_read(raw_dst)),
+        **{f"{name} read": (name, lambda: buf.read_into(dst).get(timeout=TIMEOUT)) for name in ("cma", "tcp")},
+        **{f"{name} write": (name, lambda: buf.write_from(dst).get(timeout=TIMEOUT)) for name in ("cma", "tcp")},
+    }, REPEATS)
+    after = transfer_stats()
+    assert int(dst[-1]) == 1, "a read brought the wrong bytes"
+    for name in ("cma", "tcp"):  # the forced backends moved the bytes
+        assert after[name]["reads"] > before[name]["reads"] and after[name]["writes"] > before[name]["writes"], name
+    return got
+
+
 def run_ours():
     import torch
 
     sys.path.insert(0, ROOT)
     from monarch_tensor.actor import Actor, endpoint, this_host
     from monarch_tensor.rdma import RDMABuffer
-    from rdma.buffer import ENV_BACKEND
 
     class Owner(Actor):
         def __init__(self, n):
@@ -212,25 +263,17 @@ def run_ours():
             return x
 
     procs = this_host().spawn_procs(per_host={"gpus": 1})
-    res = {"memcpy": {}, "copy_": {}, "ctrl_rtt_us": None, "raw_tcp": raw_tcp_stream(SIZES, REPEATS),
-           "zmq": zmq_copy(SIZES, REPEATS), "gloo": gloo_send_recv(SIZES, REPEATS)}
+    res = {"ctrl_rtt_us": None, "zmq": zmq_copy(SIZES, REPEATS), "gloo": gloo_send_recv(SIZES, REPEATS)}
+    for name in ("memcpy", "copy_", "raw_tcp", "cma read", "cma write", "tcp read", "tcp write"):
+        res[name] = {}
     try:
         owner = procs.spawn("owner", Owner, max(SIZES))
         buf = owner.buf_.call_one().get(timeout=TIMEOUT)
         res["ctrl_rtt_us"] = 1e6 * median_time(lambda: owner.ping.call_one(1).get(timeout=TIMEOUT), 50)
-        for n in SIZES:
-            a, b = torch.empty(n, dtype=torch.uint8), torch.ones(n, dtype=torch.uint8)
-            res["memcpy"][n] = median_time(lambda a=a, b=b, n=n: ctypes.memmove(a.data_ptr(), b.data_ptr(), n), REPEATS)
-            res["copy_"][n] = median_time(lambda a=a, b=b: a.copy_(b), REPEATS)
-        for name in ("cma", "tcp"):
-            os.environ[ENV_BACKEND] = name
-            res[name] = {"read": {}, "write": {}}
+        with raw_tcp_stream(max(SIZES)) as raw_read:
             for n in SIZES:
-                dst = torch.empty(n, dtype=torch.uint8)
-                res[name]["read"][n] = median_time(lambda dst=dst: buf.read_into(dst).get(timeout=TIMEOUT), REPEATS)
-                assert buf.backend == name and int(dst[-1]) == 1
-                res[name]["write"][n] = median_time(lambda dst=dst: buf.write_from(dst).get(timeout=TIMEOUT), REPEATS)
-        del os.environ[ENV_BACKEND]
+                for name, t in one_size(n, buf, raw_read).items():
+                    res[name][n] = t
     finally:
         procs.stop().get(timeout=TIMEOUT)
     return res
@@ -325,7 +368,7 @@ def fmt_size(n):
 
 
 def main():
-    global SIZES, REPEATS, PEER_MAX
+    global SIZES, REPEATS, ROUNDS, PEER_MAX
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--peers", action="store_true", help="also run PyTorch Monarch's RDMABuffer (TCP fallback)")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (smoke test)")
@@ -334,7 +377,7 @@ def main():
                     help="write a PNG of GiB/s against size here (needs matplotlib; default: %(default)s)")
     args = ap.parse_args()
     if args.tiny:
-        SIZES, REPEATS, PEER_MAX = TINY["SIZES"], TINY["REPEATS"], TINY["PEER_MAX"]
+        SIZES, REPEATS, ROUNDS, PEER_MAX = TINY["SIZES"], TINY["REPEATS"], TINY["ROUNDS"], TINY["PEER_MAX"]
     ours = run_ours()
     monarch, monarch_err = run_monarch() if args.peers else (None, "not run (--peers)")
 
@@ -342,35 +385,36 @@ def main():
         return n / t / 2**30 if t else float("nan")
 
     cols = ["memcpy", "copy_ (all cores)", "raw tcp stream", "pyzmq copy", "gloo send/recv", "cma read", "cma write", "tcp read", "tcp write", "Monarch read"]
-    print(f"RDMABuffer between two procs of this host, GiB/s (µs per transfer); median of {REPEATS} or more (small sizes: until 50 ms)")
+    print(f"RDMABuffer between two procs of this host, GiB/s (µs per transfer); median of {ROUNDS} rounds of {REPEATS} "
+          "or more (small sizes: until 50 ms in all); memcpy, copy_, the raw tcp stream, cma and tcp take turns")
     print(f"control-plane round trip (call_one, small int): {ours['ctrl_rtt_us']:.0f} µs")
     print(f"{'size':>8} | " + " | ".join(f"{c:>20}" for c in cols))
     rows = []
     for n in SIZES:
-        times = [ours["memcpy"][n], ours["copy_"][n], ours["raw_tcp"][n], ours["zmq"][n], ours["gloo"][n], ours["cma"]["read"][n], ours["cma"]["write"][n], ours["tcp"]["read"][n],
-                 ours["tcp"]["write"][n], (monarch or {}).get(n)]
+        times = [ours["memcpy"][n], ours["copy_"][n], ours["raw_tcp"][n], ours["zmq"][n], ours["gloo"][n], ours["cma read"][n], ours["cma write"][n], ours["tcp read"][n],
+                 ours["tcp write"][n], (monarch or {}).get(n)]
         cells = [f"{gib(n, t):8.2f} ({t * 1e6:8.0f})" if t else f"{'-':>20}" for t in times]
         print(f"{fmt_size(n):>8} | " + " | ".join(f"{c:>20}" for c in cells))
         rows.append({"size": n, **{c: t for c, t in zip(cols, times)}})
     big = [n for n in SIZES if n >= 64 << 20]
     for n in big:
         for d in ("read", "write"):
-            t = ours["cma"][d][n]
+            t = ours[f"cma {d}"][n]
             print(f"cma {d} {fmt_size(n)}: {ours['memcpy'][n] / t:.0%} of memcpy, "
                   f"{ours['copy_'][n] / t:.0%} of copy_ on all cores")
     for n in SIZES:
-        print(f"tcp read {fmt_size(n)}: {ours['raw_tcp'][n] / ours['tcp']['read'][n]:.0%} of a raw tcp stream")
+        print(f"tcp read {fmt_size(n)}: {ours['raw_tcp'][n] / ours['tcp read'][n]:.0%} of a raw tcp stream")
     for n in SIZES:
         if monarch and n in monarch:
-            print(f"{fmt_size(n)} read: cma {monarch[n] / ours['cma']['read'][n]:.1f}x, "
-                  f"tcp {monarch[n] / ours['tcp']['read'][n]:.1f}x Monarch's")
+            print(f"{fmt_size(n)} read: cma {monarch[n] / ours['cma read'][n]:.1f}x, "
+                  f"tcp {monarch[n] / ours['tcp read'][n]:.1f}x Monarch's")
     if monarch_err:
         print(f"Monarch: {monarch_err}")
     print(plot(args.plot, rows, cols))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"settings": {"SIZES": SIZES, "REPEATS": REPEATS, "PEER_MAX": PEER_MAX, "tiny": args.tiny},
+            json.dump({"settings": {"SIZES": SIZES, "REPEATS": REPEATS, "ROUNDS": ROUNDS, "PEER_MAX": PEER_MAX, "tiny": args.tiny},
                        "ctrl_rtt_us": ours["ctrl_rtt_us"], "seconds": rows, "monarch_error": monarch_err}, f,
                       indent=1)
 
