@@ -894,3 +894,80 @@ def test_tcp_owner_polls_for_a_lone_writes_bytes(monkeypatch, flags):
         assert used == ([n] if flags else [])
     finally:
         buf.drop()
+
+
+@pytest.mark.parametrize("flags", [0, 1])
+def test_tcp_owner_polls_for_the_next_request_after_a_lone_transfer(monkeypatch, flags):
+    """After a transfer flagged ALONE (the only connection of its transfer), the owner's thread polls for
+    the next request while requests keep coming within ``SPIN_S``; after one without the flag, or after a
+    request that came later than that, it blocks at once. The answers are right either way."""
+    import socket as _socket
+
+    from rdma.backends import tcp
+
+    monkeypatch.setattr(tcp, "SPIN_S", 0.5)
+    calls = []
+    real = tcp._next_request
+    data = os.urandom(4096)
+    buf = RDMABuffer(bytearray(data))
+    d = buf._desc
+    try:
+        with _socket.create_connection(tuple(d.tcp), timeout=10) as s:
+            ours = s.getsockname()
+
+            def spy(conn, head, poll):
+                got = real(conn, head, poll)
+                if conn.getpeername() == ours:  # not another test's pooled connection
+                    calls.append((poll, got))
+                return got
+
+            monkeypatch.setattr(tcp, "_next_request", spy)
+
+            def read():
+                s.sendall(tcp._REQ.pack(tcp._MAGIC, tcp.READ, flags, d.buf_id, d.token, 0, len(data)))
+                answer = _answer(s, tcp.HEAD + len(data))
+                assert answer[0] == tcp.OK and answer[tcp.HEAD:] == data
+
+            read()
+            read()  # at once: polled for after a flagged transfer
+            time.sleep(0.7)  # longer than SPIN_S: the poll gives up, the blocked wait is long
+            read()
+            read()  # after a long wait the thread blocks at once, and the wait is short again
+    finally:
+        buf.drop()
+    assert calls == [(False, True), (bool(flags), True), (bool(flags), False), (False, True)]
+
+
+def test_tcp_owner_next_request_polls_then_blocks(monkeypatch):
+    """``_next_request``: a header that comes in pieces while the thread polls, or after its polling
+    ended, arrives whole; polling yields the core between tries, and does not start on a crowded machine;
+    a client that hangs up while it polls is a ConnectionError."""
+    from rdma.backends import tcp
+
+    monkeypatch.setattr(tcp, "SPIN_S", 0.05)
+    yields = []
+    monkeypatch.setattr(tcp, "_sched_yield", lambda: yields.append(1))
+    for pause, crowded in ((0.01, False), (0.2, False), (0.01, True)):
+        monkeypatch.setattr(tcp, "_crowded", lambda crowded=crowded: crowded)
+        yields.clear()
+        reader, owner = _tcp_pair()
+        with reader, owner:
+            head = os.urandom(tcp.HEAD)
+
+            def send(head=head, reader=reader, pause=pause):
+                time.sleep(pause)
+                reader.sendall(head[:10])
+                time.sleep(0.005)
+                reader.sendall(head[10:])
+
+            threading.Thread(target=send, daemon=True).start()
+            got = memoryview(bytearray(tcp.HEAD))
+            short = tcp._next_request(owner, got, True)
+            assert bytes(got) == head
+            assert short == (pause < tcp.SPIN_S), (pause, crowded)
+            assert (len(yields) > 0) == (not crowded), (pause, crowded, len(yields))
+    reader, owner = _tcp_pair()
+    with owner:
+        threading.Timer(0.01, reader.close).start()
+        with pytest.raises(ConnectionError):
+            tcp._next_request(owner, memoryview(bytearray(tcp.HEAD)), True)

@@ -17,6 +17,8 @@ import struct
 import threading
 import time
 
+from monarch_tensor.mailbox import _crowded, _sched_yield
+
 from .._host import alive, host_id, per_process
 from .._memory import Mem
 from .._registry import Descriptor, registry
@@ -27,9 +29,8 @@ STREAMS = int(os.environ.get("MONARCH_TENSOR_RDMA_TCP_STREAMS", "4"))
 MIN_STREAM_CHUNK = 4 << 20  # below this a transfer uses one connection
 # A client (reader or writer) polls its socket this long for the owner's answer before it blocks: blocked, it
 # waited for the scheduler to wake its core (65 µs for a 4 KiB read on this project's 2-core VM; 24 µs polling).
-# (The owner's thread does not poll for the next request: it then ran 4 KiB reads in 23 µs on a quiet
-# machine, but once another thread held its core, it stayed queued behind it, where a blocked thread is
-# woken on an idle core: after a 1 GiB transfer, some runs' 4 KiB reads took 0.2-4 ms.)
+# The owner's thread polls as long for the next request after a transfer that had one connection, while
+# such requests keep coming within that time (see _next_request).
 SPIN_S = float(os.environ.get("MONARCH_TENSOR_RDMA_TCP_SPIN_US", "200")) * 1e-6
 TICK_S = 0.1  # a reader's socket waits in the kernel at most this long at a time, then checks its deadline
 # Every header on a data connection is HEAD bytes. Data behind a header of another length (a 1-byte
@@ -76,6 +77,7 @@ def _recv_first(sock: socket.socket, bufs: list, deadline: float | None = None) 
             except BlockingIOError:
                 if time.perf_counter() >= end:
                     break
+                _sched_yield()
     while True:
         try:
             return sock.recvmsg_into(bufs)[0]
@@ -127,6 +129,37 @@ def _recv_rest(sock: socket.socket, view: memoryview, deadline: float | None = N
         _recv_exact(sock, view[got:], deadline)
 
 
+def _next_request(conn: socket.socket, head: memoryview, poll: bool) -> bool:
+    """Receive the next request's header into ``head`` (an owner's server thread). With ``poll``, poll for it
+    first, for up to ``SPIN_S``, yielding the core and the GIL at each try, and not on a crowded machine
+    (the control plane's ``mailbox.Spin`` does the same). Returns whether to poll before the next one: the
+    request came within ``SPIN_S`` of the wait's start.
+
+    Blocked, the thread waits for the VM to wake its core, and the longer the core has been idle the
+    longer that takes: a reader's next 4 KiB request 0-2 µs after the last answer got its bytes in 29-30
+    µs, 10-100 µs after in 40-45 µs, and a reader spends 10-15 µs of Python between two transfers. The
+    server polls only after a transfer that had one connection (``ALONE``): after a transfer cut over
+    several, all their threads would poll at once, and a small transfer after a 1 GiB one took 0.2-4 ms
+    when every owner thread polled."""
+    start = time.perf_counter()
+    got = 0
+    if poll and SPIN_S > 0:
+        end, tries = start + SPIN_S, 0
+        while True:
+            try:
+                got = conn.recv_into(head, len(head), socket.MSG_DONTWAIT)
+                if got == 0:
+                    raise ConnectionError("closed")
+                break
+            except BlockingIOError:
+                if time.perf_counter() >= end or (tries & 31 == 0 and _crowded()):
+                    break
+                tries += 1
+                _sched_yield()
+    _recv_exact(conn, head[got:])
+    return time.perf_counter() - start <= SPIN_S
+
+
 def client_socket(s: socket.socket) -> socket.socket:
     """Set up a connected socket for ``_send_parts``/``_recv_first``/``_recv_exact`` with deadlines: no
     Nagle delay, blocking mode, and the kernel's timeouts (``TICK_S``) on its waits. (A Python socket
@@ -170,10 +203,11 @@ class Server:
             threading.Thread(target=self._serve, args=(conn,), daemon=True, name="mt-rdma-tcp-conn").start()
 
     def _serve(self, conn: socket.socket) -> None:
-        head = bytearray(_REQ.size)
+        head = memoryview(bytearray(_REQ.size))
+        poll = False
         try:
             while True:
-                _recv_exact(conn, memoryview(head))
+                poll = _next_request(conn, head, poll)
                 magic, op, flags, buf_id, token, offset, length = _REQ.unpack(head)
                 if magic != _MAGIC or op not in (READ, WRITE):
                     return  # a stray client: hang up
@@ -189,6 +223,7 @@ class Server:
                     self._serve_read(conn, reg, status, offset, length)
                 else:
                     self._serve_write(conn, reg, status, offset, length, flags & ALONE)
+                poll = poll and bool(flags & ALONE)
         except (OSError, ConnectionError):
             pass
         finally:
