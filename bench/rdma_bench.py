@@ -63,8 +63,9 @@ def median_time(fn, repeats, min_total=0.05, max_repeats=500):
 
 def in_turns(measures: dict, repeats, min_total=0.05, max_repeats=500) -> dict:
     """Median seconds of each measure, sampled in turns: ``ROUNDS`` rounds, in each of which every measure
-    runs as ``_times`` does (``repeats`` runs, and a ``ROUNDS``-th of the seconds and the most runs). ``measures`` maps a name to
-    ``(backend, fn)``: the backend is forced (ENV_BACKEND) while that measure's runs go on, None for none."""
+    runs as ``_times`` does (``repeats`` runs, and a ``ROUNDS``-th of the seconds and of the most runs).
+    ``measures`` maps a name to ``(backend, fn)``: the backend is forced (ENV_BACKEND) while that
+    measure's runs go on, None for none."""
     from rdma.buffer import ENV_BACKEND
 
     samples = {name: [] for name in measures}
