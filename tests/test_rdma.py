@@ -417,6 +417,53 @@ def test_cma_refused_falls_back_to_tcp(owners, monkeypatch):
         backend_obj.refused.clear()
 
 
+def test_cma_read_checks_the_slot_in_the_same_call(owners, monkeypatch):
+    """A cma read of up to ONE_CALL_MAX bytes is one system call (the registration's slot, then the
+    data); a larger read, and a write, read the slot in a call of their own first; a small read the
+    kernel cut short goes on from where it stopped; a dropped buffer's read fails."""
+    monkeypatch.setenv(ENV_BACKEND, "cma")
+    o = _owner(owners)
+    n, big = 10000, cma.ONE_CALL_MAX + 1
+    assert n <= cma.ONE_CALL_MAX
+    buf = o.make.call_one("onecall", n, seed=13).get()
+    ref = o.value.call_one("onecall").get()
+    big_buf = o.make.call_one("onecall-big", big, seed=14).get()
+    big_ref = o.value.call_one("onecall-big").get()
+    calls = []
+    real = cma._call
+
+    def spy(write, pid, local, remote, k, slot=None):
+        calls.append(("w" if write else "r", k, slot is not None))
+        return real(write, pid, local, remote, k, slot)
+
+    monkeypatch.setattr(cma, "_call", spy)
+    out = torch.zeros(n, dtype=torch.uint8)
+    buf.read_into(out).get(timeout=30)
+    assert torch.equal(out, ref) and calls == [("r", n, True)]
+    calls.clear()
+    buf.write_from(out).get(timeout=30)
+    assert calls == [("r", 8, False), ("w", n, False)]
+    calls.clear()
+    big_out = torch.zeros(big, dtype=torch.uint8)
+    big_buf.read_into(big_out).get(timeout=30)
+    assert torch.equal(big_out, big_ref) and calls == [("r", 8, False), ("r", big, False)]
+
+    def short(write, pid, local, remote, k, slot=None):  # the kernel moves 1000 bytes of the data at most
+        calls.append(("r", k, slot is not None))
+        return real(write, pid, local, remote, min(k, 1000), slot)
+
+    monkeypatch.setattr(cma, "_call", short)
+    calls.clear()
+    out.zero_()
+    buf.read_into(out).get(timeout=30)
+    assert torch.equal(out, ref)
+    assert calls[0] == ("r", n, True) and [c[1] for c in calls[1:]] == list(range(n - 1000, 0, -1000))
+    monkeypatch.setattr(cma, "_call", real)
+    o.drop.call_one("onecall").get()
+    with pytest.raises(BufferDroppedError):
+        buf.read_into(out).get(timeout=30)
+
+
 def test_forced_backend_that_cannot_serve_is_a_clear_error(owners, monkeypatch):
     monkeypatch.setenv(ENV_BACKEND, "cuda_ipc")
     buf = _owner(owners).make.call_one("forced", 100).get()
