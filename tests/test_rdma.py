@@ -952,7 +952,7 @@ def test_tcp_owner_polls_for_the_next_request_after_a_lone_transfer(monkeypatch,
 
     from rdma.backends import tcp
 
-    monkeypatch.setattr(tcp, "SPIN_S", 0.5)
+    monkeypatch.setattr(tcp, "SPIN_S", 1.0)  # long: a slow machine's delays stay well within it
     calls = []
     real = tcp._next_request
     data = os.urandom(4096)
@@ -977,7 +977,7 @@ def test_tcp_owner_polls_for_the_next_request_after_a_lone_transfer(monkeypatch,
 
             read()
             read()  # at once: polled for after a flagged transfer
-            time.sleep(0.7)  # longer than SPIN_S: the poll gives up, the blocked wait is long
+            time.sleep(1.5)  # longer than SPIN_S: the poll gives up, the blocked wait is long
             read()
             read()  # after a long wait the thread blocks at once, and the wait is short again
     finally:
@@ -991,10 +991,10 @@ def test_tcp_owner_next_request_polls_then_blocks(monkeypatch):
     a client that hangs up while it polls is a ConnectionError."""
     from rdma.backends import tcp
 
-    monkeypatch.setattr(tcp, "SPIN_S", 0.05)
+    monkeypatch.setattr(tcp, "SPIN_S", 0.5)  # long against the pieces' pauses, even on a slow machine
     yields = []
     monkeypatch.setattr(tcp, "_sched_yield", lambda: yields.append(1))
-    for pause, crowded in ((0.01, False), (0.2, False), (0.01, True)):
+    for pause, crowded in ((0.01, False), (1.0, False), (0.01, True)):
         monkeypatch.setattr(tcp, "_crowded", lambda crowded=crowded: crowded)
         yields.clear()
         reader, owner = _tcp_pair()

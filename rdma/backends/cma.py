@@ -1,14 +1,14 @@
 """``cma``: cross-memory attach (``process_vm_readv`` / ``process_vm_writev``) for CPU memory on one host.
 
-One-sided: the owner does nothing during a transfer. Every transfer reads
-the registration's 8-byte slot in the owner, which holds the buffer's id
-until it is dropped, and a dropped buffer is refused before any byte reaches
-the destination: a small read reads the slot in the same system call as its
-data (another iovec, ahead of the data, into scratch memory copied out once
-the slot checks), any other transfer in a call of its own first. The kernel may transfer
-less than asked: the loop goes on from where it stopped. When the kernel
-refuses (EPERM: another uid, a non-dumpable owner, Yama ptrace_scope), the
-owner is remembered as refused and the transfer falls back to the next
+One-sided: the owner does nothing during a transfer. Every transfer reads the
+registration's 8-byte slot in the owner, which holds the buffer's id until it
+is dropped, and a dropped buffer is refused before any byte reaches the
+destination: a small read reads the slot in the same system call as its data
+(another iovec, ahead of the data, into scratch memory copied out once the
+slot checks), any other transfer in a call of its own first. The kernel may
+transfer less than asked: the loop goes on from where it stopped. When the
+kernel refuses (EPERM: another uid, a non-dumpable owner, Yama ptrace_scope),
+the owner is remembered as refused and the transfer falls back to the next
 backend (``BackendRefusedError``). Within one process it is a plain memmove.
 
 A large transfer is split into pieces (``pieces``) that up to ``threads()``
