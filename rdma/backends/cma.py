@@ -83,8 +83,8 @@ def _call(write: bool, pid: int, local: int, remote: int, n: int, slot: tuple[in
     if slot is None:
         r = fn(pid, ctypes.byref(_IOVec(local, n)), 1, ctypes.byref(_IOVec(remote, n)), 1, 0)
     else:
-        liov, riov = _pairs()
-        liov[0].iov_base, liov[1].iov_base, liov[1].iov_len = slot[0], local, n
+        _, liov, riov, _ = _one_call()
+        liov[0].iov_base, liov[1].iov_base, liov[1].iov_len = slot[0], local, n  # ([0] is 8 bytes long)
         riov[0].iov_base, riov[1].iov_base, riov[1].iov_len = slot[1], remote, n
         r = fn(pid, liov, 2, riov, 2, 0)
     return r if r >= 0 else -ctypes.get_errno()
@@ -94,21 +94,16 @@ _tls = threading.local()
 ONE_CALL_MAX = 32 << 10  # bytes: a read up to this size takes the slot and the data in one call (_read)
 
 
-def _scratch() -> tuple[int, int]:
-    """This thread's scratch memory for a one-call read: the slot word's address, then the data's."""
-    mem = getattr(_tls, "scratch", None)
-    if mem is None:
-        mem = _tls.scratch = ctypes.create_string_buffer(8 + ONE_CALL_MAX)
-    base = ctypes.addressof(mem)
-    return base, base + 8
-
-
-def _pairs():
-    """This thread's two 2-entry iovec arrays (made once: a ctypes array costs about a µs to build)."""
-    pairs = getattr(_tls, "pairs", None)
-    if pairs is None:
-        pairs = _tls.pairs = ((_IOVec * 2)(_IOVec(0, 8), _IOVec(0, 0)), (_IOVec * 2)(_IOVec(0, 8), _IOVec(0, 0)))
-    return pairs
+def _one_call():
+    """This thread's memory for one-call reads, made once (a ctypes array costs about a µs to build): the
+    scratch address (the slot's word, then ``ONE_CALL_MAX`` bytes of data), two 2-entry iovec arrays, and
+    the scratch itself (kept alive)."""
+    held = getattr(_tls, "one_call", None)
+    if held is None:
+        scratch = ctypes.create_string_buffer(8 + ONE_CALL_MAX)
+        liov, riov = (_IOVec * 2)(_IOVec(0, 8), _IOVec(0, 0)), (_IOVec * 2)(_IOVec(0, 8), _IOVec(0, 0))
+        held = _tls.one_call = (ctypes.addressof(scratch), liov, riov, scratch)
+    return held
 
 
 @functools.lru_cache(maxsize=1)
@@ -226,7 +221,8 @@ class CmaBackend(Backend):
         # A small read: the slot and the data in one call (a call is about 4 µs of a 4 KiB read's 11 here),
         # into this thread's scratch memory, copied out once the slot shows the buffer alive (a failed
         # read leaves the destination as it was).
-        word, data = _scratch()
+        word = _one_call()[0]
+        data = word + 8
         r = _call(False, desc.pid, data, remote, n, (word, desc.slot_addr))
         if r < 8:
             self._failed(False, desc, r, 0)  # (a result of 1-7 bytes cannot be: the slot is one word)
