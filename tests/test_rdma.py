@@ -687,17 +687,19 @@ def test_tcp_client_socket_waits_under_its_deadline(monkeypatch):
     with reader, owner:
         data = os.urandom(1 << 20)
 
-        def trickle():
-            for i in range(0, len(data), 1 << 18):
-                owner.sendall(data[i:i + (1 << 18)])
-                time.sleep(0.08)
-
-        threading.Thread(target=trickle, daemon=True).start()
+        threading.Thread(target=_send_in_pieces, args=(owner, data, 1 << 18, (0.08,)), daemon=True).start()
         out = bytearray(len(data))
         tcp._recv_exact(reader, memoryview(out), time.monotonic() + 20)
         assert out == data
         with pytest.raises(TimeoutError, match="had not come"):
             tcp._recv_exact(reader, memoryview(bytearray(10)), time.monotonic() + 0.2)
+
+
+def _send_in_pieces(sock, data: bytes, piece: int, pauses: tuple[float, ...]) -> None:
+    """Send ``data`` on ``sock`` ``piece`` bytes at a time, pausing after each piece for ``pauses`` in turn."""
+    for k, i in enumerate(range(0, len(data), piece)):
+        sock.sendall(data[i:i + piece])
+        time.sleep(pauses[k % len(pauses)])
 
 
 def _answer(sock, n: int) -> bytes:
@@ -821,12 +823,7 @@ def test_tcp_reader_polls_for_the_rest_then_blocks(monkeypatch, spin_us):
     with reader, owner:
         data = os.urandom(3 << 20)
 
-        def trickle():
-            for k, i in enumerate(range(0, len(data), 1 << 18)):
-                owner.sendall(data[i:i + (1 << 18)])
-                time.sleep(0.0001 if k % 2 else 0.06)
-
-        threading.Thread(target=trickle, daemon=True).start()
+        threading.Thread(target=_send_in_pieces, args=(owner, data, 1 << 18, (0.06, 0.0001)), daemon=True).start()
         out = bytearray(len(data))
         tcp._recv_rest(reader, memoryview(out), time.monotonic() + 20)
         assert out == data
@@ -892,12 +889,7 @@ def test_tcp_reader_stops_polling_a_trickle(monkeypatch):
     with reader, owner:
         data = os.urandom(200 << 10)
 
-        def trickle():
-            for i in range(0, len(data), 1 << 10):
-                owner.sendall(data[i:i + (1 << 10)])
-                time.sleep(0.0002)
-
-        threading.Thread(target=trickle, daemon=True).start()
+        threading.Thread(target=_send_in_pieces, args=(owner, data, 1 << 10, (0.0002,)), daemon=True).start()
         import select
 
         assert select.select([reader], [], [], 10)[0]  # the first bytes are in: polling starts with bytes
@@ -933,9 +925,7 @@ def test_tcp_owner_polls_for_a_lone_writes_bytes(monkeypatch, flags):
     try:
         with _socket.create_connection(tuple(d.tcp), timeout=10) as s:
             s.sendall(tcp._REQ.pack(tcp._MAGIC, tcp.WRITE, flags, d.buf_id, d.token, 0, n))
-            for k, i in enumerate(range(0, n, 1 << 17)):
-                s.sendall(data[i:i + (1 << 17)])
-                time.sleep(0.0001 if k % 2 else 0.02)
+            _send_in_pieces(s, data, 1 << 17, (0.02, 0.0001))
             assert _answer(s, tcp.HEAD)[0] == tcp.OK
         assert target == data
         assert used == ([n] if flags else [])
