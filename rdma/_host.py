@@ -9,6 +9,21 @@ import threading
 from typing import Callable, TypeVar
 
 T = TypeVar("T")
+_pid = os.getpid()
+
+
+def _forked() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def my_pid() -> int:
+    """``os.getpid()``, kept up to date across forks: ``os.getpid`` is a system call (0.18 µs on this
+    project's VM), and a transfer asked it twice."""
+    return _pid
 
 
 def per_process(make: Callable[[], T]) -> Callable[[], T]:
@@ -19,7 +34,7 @@ def per_process(make: Callable[[], T]) -> Callable[[], T]:
 
     @functools.wraps(make)
     def get() -> T:
-        pid = os.getpid()
+        pid = _pid
         if held[0] != pid:
             with lock:
                 if held[0] != pid:

@@ -27,17 +27,14 @@ class Mem:
     (a CPU transfer over a socket or cross-memory attach needs only the address); ``obj`` is what the user
     gave (kept alive)."""
 
-    __slots__ = ("ptr", "nbytes", "device", "writable", "_flat", "obj")
+    __slots__ = ("ptr", "nbytes", "device", "is_cuda", "writable", "_flat", "obj")
 
     def __init__(self, ptr: int, nbytes: int, device: str, writable: bool, flat: Any, obj: Any) -> None:
         self.ptr, self.nbytes, self.device, self.writable, self._flat, self.obj = ptr, nbytes, device, writable, flat, obj
+        self.is_cuda = device.startswith("cuda")
 
     def __repr__(self) -> str:
         return f"Mem({self.nbytes} bytes at {self.ptr:#x} on {self.device})"
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.device.startswith("cuda")
 
     @property
     def flat(self) -> Any:

@@ -19,12 +19,10 @@ cma, tcp; ``MONARCH_TENSOR_RDMA_BACKEND=tcp`` (or another name) forces one.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
 import os
 import threading
-import time
 from typing import Any
 
 from monarch_tensor import _wire
@@ -32,7 +30,7 @@ from monarch_tensor._net import ip_towards
 from monarch_tensor.future import Future
 
 from ._future import TransferFuture
-from ._host import host_id, per_process
+from ._host import host_id, my_pid
 from ._memory import Mem, as_mem
 from ._registry import Descriptor, registry
 from .backends.base import Backend
@@ -41,7 +39,6 @@ from .errors import (
     BackendUnavailableError,
     BufferDroppedError,
     OwnerDiedError,
-    TransferTimeoutError,
 )
 
 log = logging.getLogger("monarch_tensor.rdma")
@@ -79,14 +76,25 @@ def backend_named(name: str) -> Backend:
     raise BackendUnavailableError(f"no data-plane backend named {name!r}; known: {[b.name for b in backends()]}")
 
 
-@per_process
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="mt-rdma")
+def _forced() -> str | None:
+    """``$MONARCH_TENSOR_RDMA_BACKEND``, read at every transfer (a test or a notebook may set it at any time),
+    from the environment's own dict where there is one: ``os.environ.get`` of a name that is not set raises
+    and catches a KeyError inside, 0.7 µs on this project's VM, a tenth of a small transfer's Python."""
+    if _ENV_DATA is None:
+        return os.environ.get(ENV_BACKEND)
+    v = _ENV_DATA.get(_ENV_KEY)
+    return None if v is None else os.fsdecode(v)
+
+
+_ENV_DATA = getattr(os.environ, "_data", None)  # CPython's os.environ keeps its items in a dict of bytes
+if not isinstance(_ENV_DATA, dict) or not hasattr(os.environ, "encodekey"):
+    _ENV_DATA = None
+_ENV_KEY = os.environ.encodekey(ENV_BACKEND) if _ENV_DATA is not None else None
 
 
 def get_rdma_backend() -> str:
     """Name of the backend this process prefers for CPU memory (``"verbs"`` where a NIC is found)."""
-    forced = os.environ.get(ENV_BACKEND)
+    forced = _forced()
     if forced:
         return backend_named(forced).name
     for b in backends():
@@ -109,7 +117,7 @@ def transfer_stats() -> dict[str, dict]:
 
 def candidates(desc: Descriptor, local: Mem) -> list[Backend]:
     """Backends that can serve the pair (``desc``'s owner, this process), best first."""
-    forced = os.environ.get(ENV_BACKEND)
+    forced = _forced()
     if forced:
         b = backend_named(forced)
         if not b.can_serve(desc, local):
@@ -209,7 +217,7 @@ class RDMABuffer:
     def drop(self) -> None:
         """End the registration (from the owner, or from anywhere holding the handle)."""
         d = self._desc
-        if d.pid == os.getpid() and d.host == host_id():
+        if d.pid == my_pid() and d.host == host_id():
             registry().drop(d.buf_id)
             return
         from monarch_tensor.mailbox import current_mailbox
@@ -242,12 +250,7 @@ class RDMABuffer:
         if cands[0].name == "cma" and local.nbytes <= INLINE_BYTES and not local.is_cuda:
             self._run(fut, kind, local, offset, timeout, cands)  # a few µs of syscall: no thread hop
             return fut
-        task = _Transfer(self, fut, kind, local, offset, timeout, cands)
-        if defer:  # see _Transfer
-            fut._task = task
-            _kicker().add(task)
-        else:
-            task.start()
+        fut.defer((self, kind, local, offset, timeout, cands), kick=defer)  # who runs it: see _future
         return fut
 
     def _run(self, fut: Future, kind: str, local: Mem, offset: int, timeout: float,
@@ -277,101 +280,6 @@ class RDMABuffer:
         raise BackendUnavailableError(f"every backend refused buffer {d.buf_id}: {last}")
 
 
-class _Transfer:
-    """A transfer that runs on the first of: the thread that waits on its Future (``get`` runs it there),
-    or a pool thread once someone awaits it, or once it has waited ``KICK_S`` unclaimed (nobody waited:
-    fire-and-forget, or a caller busy with other work). A ``get`` with a shorter timeout than the
-    transfer's runs a read too, until that timeout (``run_until``).
-
-    ``read_into(...).get()`` is the common case: waking a pool thread for it cost more than the
-    transfer itself on this 2-core VM (a 4 KiB tcp read took 92 µs through the pool, 55 µs run by the
-    waiter; 1 MiB 400 against 210 µs), because the woken thread competes for the cores and the GIL while
-    the transfer runs. ``RDMAAction`` starts its transfers on the pool at once: they run in parallel.
-    """
-
-    __slots__ = ("buf", "fut", "kind", "local", "offset", "timeout", "cands", "_claim")
-
-    def __init__(self, buf: RDMABuffer, fut: Future, kind: str, local: Mem, offset: int, timeout: float,
-                 cands: list[Backend]) -> None:
-        self.buf, self.fut, self.kind, self.local, self.offset, self.timeout = buf, fut, kind, local, offset, timeout
-        self.cands = cands
-        self._claim = threading.Lock()
-
-    def run(self) -> None:
-        """Run it here, unless another thread took it already."""
-        if self._claim.acquire(blocking=False):
-            self.buf._run(self.fut, self.kind, self.local, self.offset, self.timeout, self.cands)
-
-    def run_until(self, wait: float) -> None:
-        """Run a read here with ``wait`` seconds as its deadline, unless another thread took it already. If
-        the wait ends first, it starts again on a pool thread with what is left of its own timeout: the
-        same bytes are read again (``read_into(...).get(timeout=10)``, a wait shorter than the transfer's
-        60 s, ran through the pool at 2-3x the latency of a small read before). Not for writes: the
-        owner may still apply an abandoned attempt's bytes after the retry, and after a later write."""
-        if not self._claim.acquire(blocking=False):
-            return
-        start = time.monotonic()
-        try:
-            self.buf.transfer(self.kind, self.local, self.offset, wait, self.cands)
-        except TransferTimeoutError as e:
-            left = self.timeout - (time.monotonic() - start)
-            if left > 0:
-                _pool().submit(self.buf._run, self.fut, self.kind, self.local, self.offset, left, self.cands)
-            else:
-                self.fut._set_exception(e)
-        except BaseException as e:  # noqa: BLE001 - delivered to the waiter
-            self.fut._set_exception(e)
-        else:
-            self.fut._set_result(None)
-
-    def start(self) -> None:
-        """Run it on a pool thread, unless someone took it already."""
-        if not self._claim.locked():
-            _pool().submit(self.run)
-
-
-KICK_S = 0.001  # how long a transfer nobody waits on may wait before a pool thread takes it
-
-
-class _Kicker:
-    """One thread per process that starts, after ``KICK_S``, the deferred transfers nobody took. It wakes
-    once per burst of transfers and then once per ``KICK_S`` while new ones keep coming, not per transfer."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pending: list[_Transfer] = []
-        self._active = False
-        self._wake = threading.Event()
-        threading.Thread(target=self._loop, daemon=True, name="mt-rdma-kick").start()
-
-    def add(self, task: _Transfer) -> None:
-        with self._lock:
-            self._pending.append(task)
-            idle, self._active = not self._active, True
-        if idle:
-            self._wake.set()
-
-    def _loop(self) -> None:
-        while True:
-            self._wake.wait()
-            self._wake.clear()
-            while True:
-                time.sleep(KICK_S)
-                with self._lock:
-                    tasks, self._pending = self._pending, []
-                    if not tasks:
-                        self._active = False
-                        break
-                for t in tasks:
-                    try:
-                        t.start()
-                    except Exception as e:  # noqa: BLE001 - e.g. the pool is shut down at exit
-                        t.fut._set_exception(e)
-
-
-_kicker = per_process(_Kicker)
-
-
 def _probe_cuda() -> Mem:
     return Mem(0, 0, "cuda:0", True, None, None)
 
@@ -379,7 +287,7 @@ def _probe_cuda() -> Mem:
 def _check_owner(d: Descriptor) -> None:
     # (Whether a same-host owner still runs is checked by the backends when a transfer fails:
     # reading /proc up front would cost more than a small transfer.)
-    if d.pid == os.getpid() and d.host == host_id() and registry().lookup(d.buf_id, d.token) is None:
+    if d.pid == my_pid() and d.host == host_id() and registry().lookup(d.buf_id, d.token) is None:
         raise BufferDroppedError(f"buffer {d.buf_id} was dropped")
     if d.owner:
         from monarch_tensor import mailbox as _mb

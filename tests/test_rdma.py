@@ -390,7 +390,7 @@ def test_tcp_polls_then_blocks_for_a_slow_owner(owners, monkeypatch, n, kind):
     monkeypatch.setattr(tcp, "SPIN_S", 0.02)
     buf, fut, pid, holds = _transfer_with_the_owner_stopped(owners, f"slow{n}", n, 5, kind, timeout=20)
     try:
-        fut._task.start()  # on a pool thread, while this one resumes the owner
+        fut.start()  # on a pool thread, while this one resumes the owner
         time.sleep(0.3)
         assert not fut.done()
     finally:
@@ -474,6 +474,52 @@ def test_forced_backend_that_cannot_serve_is_a_clear_error(owners, monkeypatch):
         get_rdma_backend()
 
 
+def test_forced_backend_is_read_at_every_transfer(owners, monkeypatch):
+    """$MONARCH_TENSOR_RDMA_BACKEND set, changed and unset between transfers of one handle takes effect at
+    the next transfer (it is read from the environment's own dict, not cached)."""
+    monkeypatch.delenv(ENV_BACKEND, raising=False)
+    o = _owner(owners)
+    buf = o.make.call_one("reread", 5000, seed=4).get()
+    ref = o.value.call_one("reread").get()
+    out = torch.empty(5000, dtype=torch.uint8)
+    for forced, used in [(None, "cma"), ("tcp", "tcp"), ("cma", "cma"), (None, "cma"), ("tcp", "tcp")]:
+        if forced is None:
+            monkeypatch.delenv(ENV_BACKEND, raising=False)
+        else:
+            monkeypatch.setenv(ENV_BACKEND, forced)
+        out.zero_()
+        buf.read_into(out).get(timeout=30)
+        assert torch.equal(out, ref) and buf.backend == used
+    assert get_rdma_backend() == "tcp"
+    monkeypatch.delenv(ENV_BACKEND)
+    assert get_rdma_backend() != "tcp" or not cma.CmaBackend().available()
+
+
+def test_pid_and_per_process_values_follow_a_fork():
+    """A forked child's cached pid is its own (``my_pid`` stands for ``os.getpid``), and a ``per_process``
+    value is made again there."""
+    from rdma._host import my_pid, per_process
+
+    made: list = []
+    get = per_process(lambda: made.append(os.getpid()) or os.getpid())
+    assert my_pid() == os.getpid() and get() == os.getpid()
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through the pipe and exits at once
+        try:
+            os.write(w, f"{my_pid()} {os.getpid()} {get()}".encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        with os.fdopen(r, "rb") as f:
+            cached, real, value = map(int, f.read().split())
+    finally:
+        os.waitpid(child, 0)
+    assert cached == real == value == child != os.getpid()
+    assert my_pid() == os.getpid() and get() == os.getpid() and made == [os.getpid()]
+
+
 def test_no_ibverbs_here_is_reported_cleanly():
     assert is_ibverbs_available() in (True, False)
     from rdma.backends import verbs
@@ -508,7 +554,7 @@ def test_who_runs_a_deferred_transfer(owners, monkeypatch):
     """tcp transfers start on the first of: the thread that waits on the Future (no thread hop, also for a
     wait shorter than the transfer's timeout), a pool thread when the Future is awaited, or a pool thread
     after KICK_S when nobody waits at all (fire and forget)."""
-    from rdma import buffer as rdma_buffer
+    from rdma import _future as rdma_future
     from rdma.backends import tcp
 
     monkeypatch.setenv(ENV_BACKEND, "tcp")
@@ -547,7 +593,7 @@ def test_who_runs_a_deferred_transfer(owners, monkeypatch):
     fut = buf.read_into(out3)
     deadline = time.monotonic() + 30
     while not fut.done() and time.monotonic() < deadline:  # nobody waits: the kicker starts it
-        time.sleep(rdma_buffer.KICK_S)
+        time.sleep(rdma_future.KICK_S)
     assert fut.done() and ran_on[-1] is not threading.current_thread() and torch.equal(out3, ref)
 
     async def awaited():

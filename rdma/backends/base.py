@@ -54,8 +54,8 @@ class Backend:
         self._transfer("writes", self._write, desc, offset, local, timeout)
 
     def _transfer(self, kind: str, fn, desc: Descriptor, offset: int, local: Mem, timeout: float) -> None:
-        t0 = time.perf_counter()
-        deadline = time.monotonic() + timeout
+        t0 = time.monotonic()
+        deadline = t0 + timeout
         if self.cpu_only and local.is_cuda:
             import torch
 
@@ -68,7 +68,7 @@ class Backend:
                 local.flat.copy_(staging.flat)
         else:
             fn(desc, offset, local, deadline)
-        dt = time.perf_counter() - t0
+        dt = time.monotonic() - t0
         with self._stats_lock:
             self.stats[kind] += 1
             self.stats["bytes"] += local.nbytes

@@ -27,7 +27,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from .._host import alive, host_id, per_process
+from .._host import alive, host_id, my_pid, per_process
 from .._memory import Mem
 from .._registry import Descriptor
 from ..errors import BackendRefusedError, BufferDroppedError, OwnerDiedError, TransferError
@@ -157,7 +157,7 @@ class CmaBackend(Backend):
             raise BufferDroppedError(f"buffer {desc.buf_id} of pid {desc.pid} was dropped by its owner")
 
     def _move(self, write: bool, desc: Descriptor, local: int, remote: int, n: int, deadline: float = 0.0) -> None:
-        if desc.pid == os.getpid() and FORCE_ERRNO is None:
+        if desc.pid == my_pid() and FORCE_ERRNO is None:
             ctypes.memmove(remote, local, n) if write else ctypes.memmove(local, remote, n)
             return
         parts = pieces(n, threads())
@@ -214,7 +214,7 @@ class CmaBackend(Backend):
 
     def _read(self, desc: Descriptor, offset: int, local: Mem, deadline: float) -> None:
         n, remote = local.nbytes, desc.addr + offset
-        if n > ONE_CALL_MAX or desc.pid == os.getpid():
+        if n > ONE_CALL_MAX or desc.pid == my_pid():
             self._check_slot(desc)
             self._move(False, desc, local.ptr, remote, n, deadline)
             return
