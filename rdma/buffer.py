@@ -83,13 +83,19 @@ def _forced() -> str | None:
     if _ENV_DATA is None:
         return os.environ.get(ENV_BACKEND)
     v = _ENV_DATA.get(_ENV_KEY)
-    return None if v is None else os.fsdecode(v)
+    if v is None:
+        return None
+    name = _DECODED.get(v)
+    if name is None:  # (os.fsdecode costs as much again: the names seen are kept, a handful at most)
+        name = _DECODED[v] = os.fsdecode(v)
+    return name
 
 
 _ENV_DATA = getattr(os.environ, "_data", None)  # CPython's os.environ keeps its items in a dict of bytes
 if not isinstance(_ENV_DATA, dict) or not hasattr(os.environ, "encodekey"):
     _ENV_DATA = None
 _ENV_KEY = os.environ.encodekey(ENV_BACKEND) if _ENV_DATA is not None else None
+_DECODED: dict[bytes, str] = {}
 
 
 def get_rdma_backend() -> str:

@@ -158,7 +158,8 @@ def _next_request(conn: socket.socket, head: memoryview, poll: bool) -> bool:
                     break
                 tries += 1
                 _sched_yield()
-    _recv_exact(conn, head[got:])
+    if got < len(head):
+        _recv_exact(conn, head[got:])
     return time.perf_counter() - start <= SPIN_S
 
 
