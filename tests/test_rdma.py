@@ -772,15 +772,15 @@ def test_tcp_headers_keep_the_data_aligned():
     d = buf._desc
     try:
         with _socket.create_connection(tuple(d.tcp), timeout=10) as s:
-            s.sendall(tcp._REQ.pack(tcp._MAGIC, tcp.READ, 0, d.buf_id, d.token, 100, 5000))
+            s.sendall(tcp.request(tcp.READ, 0, d.buf_id, d.token, 100, 5000))
             got = _answer(s, tcp.HEAD + 5000)
             assert got[0] == tcp.OK and got[1:tcp.HEAD] == bytes(tcp.HEAD - 1)
             assert got[tcp.HEAD:] == data[100:5100].tobytes()
-            s.sendall(tcp._REQ.pack(tcp._MAGIC, tcp.WRITE, tcp.ALONE, d.buf_id, d.token, 0, 3) + b"abc")
+            s.sendall(tcp.request(tcp.WRITE, tcp.ALONE, d.buf_id, d.token, 0, 3) + b"abc")
             assert _answer(s, tcp.HEAD)[0] == tcp.OK and bytes(data[:3]) == b"abc"
-            s.sendall(tcp._REQ.pack(tcp._MAGIC, tcp.READ, 0, d.buf_id, d.token + 1, 0, 10))
+            s.sendall(tcp.request(tcp.READ, 0, d.buf_id, d.token + 1, 0, 10))
             assert _answer(s, tcp.HEAD)[0] == tcp.UNKNOWN
-            s.sendall(tcp._REQ.pack(tcp._MAGIC, tcp.READ, tcp.ALONE, d.buf_id, d.token, 9999, 10))
+            s.sendall(tcp.request(tcp.READ, tcp.ALONE, d.buf_id, d.token, 9999, 10))
             assert _answer(s, tcp.HEAD)[0] == tcp.RANGE
             s.settimeout(0.2)
             with pytest.raises(TimeoutError):  # nothing follows a failure's answer
@@ -970,7 +970,7 @@ def test_tcp_owner_polls_for_a_lone_writes_bytes(monkeypatch, flags):
     data = os.urandom(n)
     try:
         with _socket.create_connection(tuple(d.tcp), timeout=10) as s:
-            s.sendall(tcp._REQ.pack(tcp._MAGIC, tcp.WRITE, flags, d.buf_id, d.token, 0, n))
+            s.sendall(tcp.request(tcp.WRITE, flags, d.buf_id, d.token, 0, n))
             _send_in_pieces(s, data, 1 << 17, (0.02, 0.0001))
             assert _answer(s, tcp.HEAD)[0] == tcp.OK
         assert target == data
@@ -979,16 +979,19 @@ def test_tcp_owner_polls_for_a_lone_writes_bytes(monkeypatch, flags):
         buf.drop()
 
 
-@pytest.mark.parametrize("flags", [0, 1])
-def test_tcp_owner_polls_for_the_next_request_after_a_lone_transfer(monkeypatch, flags):
+@pytest.mark.parametrize("flags, cpu", [(0, None), (1, None), (1, 6), (1, 5)])
+def test_tcp_owner_polls_for_the_next_request_after_a_lone_transfer(monkeypatch, flags, cpu):
     """After a transfer flagged ALONE (the only connection of its transfer), the owner's thread polls for
-    the next request while requests keep coming within ``SPIN_S``; after one without the flag, or after a
-    request that came later than that, it blocks at once. The answers are right either way."""
+    the next request while requests keep coming within ``SPIN_S``, unless the request said the reader runs
+    on the CPU the owner's thread is on (5 here; None: the reader's CPU is not known); after one without
+    the flag, or after a request that came later than that, it blocks at once. The answers are right
+    either way."""
     import socket as _socket
 
     from rdma.backends import tcp
 
     monkeypatch.setattr(tcp, "SPIN_S", 1.0)  # long: a slow machine's delays stay well within it
+    monkeypatch.setattr(tcp, "_cpu", lambda: 5)
     calls = []
     real = tcp._next_request
     data = os.urandom(4096)
@@ -1007,7 +1010,8 @@ def test_tcp_owner_polls_for_the_next_request_after_a_lone_transfer(monkeypatch,
             monkeypatch.setattr(tcp, "_next_request", spy)
 
             def read():
-                s.sendall(tcp._REQ.pack(tcp._MAGIC, tcp.READ, flags, d.buf_id, d.token, 0, len(data)))
+                s.sendall(tcp.request(tcp.READ, flags, d.buf_id, d.token, 0, len(data),
+                                      tcp.NO_CPU if cpu is None else cpu))
                 answer = _answer(s, tcp.HEAD + len(data))
                 assert answer[0] == tcp.OK and answer[tcp.HEAD:] == data
 
@@ -1018,7 +1022,40 @@ def test_tcp_owner_polls_for_the_next_request_after_a_lone_transfer(monkeypatch,
             read()  # after a long wait the thread blocks at once, and the wait is short again
     finally:
         buf.drop()
-    assert calls == [(False, True), (bool(flags), True), (bool(flags), False), (False, True)]
+    polls = bool(flags) and cpu != 5
+    assert calls == [(False, True), (polls, True), (polls, False), (False, True)]
+
+
+def test_tcp_reader_tells_its_cpu_only_on_the_owners_host(monkeypatch):
+    """A reader puts the CPU it runs on in its request when the owner is on its host, and NO_CPU when not
+    (another host's CPU numbers say nothing about sharing a core)."""
+    import dataclasses
+
+    from rdma.backends import tcp
+
+    monkeypatch.setenv(ENV_BACKEND, "tcp")
+    monkeypatch.setattr(tcp, "_cpu", lambda: 3)
+    sent = []
+    real = tcp.request
+
+    def spy(*args):
+        sent.append(args[6])
+        return real(*args)
+
+    monkeypatch.setattr(tcp, "request", spy)
+    data = os.urandom(5000)
+    buf = RDMABuffer(bytearray(data))
+    try:
+        d = buf._desc
+        here = RDMABuffer._from_desc(dataclasses.replace(d, pid=d.pid + 1))
+        away = RDMABuffer._from_desc(dataclasses.replace(d, pid=d.pid + 1, host="elsewhere/boot/1"))
+        for b in (here, away):
+            out = bytearray(5000)
+            b.read_into(out).get(timeout=30)
+            assert bytes(out) == data and b.backend == "tcp"
+    finally:
+        buf.drop()
+    assert sent == [3, tcp.NO_CPU]
 
 
 def test_tcp_owner_next_request_polls_then_blocks(monkeypatch):

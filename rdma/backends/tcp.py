@@ -11,6 +11,7 @@ on both sides.
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import os
 import socket
 import struct
@@ -37,7 +38,9 @@ TICK_S = 0.1  # a reader's socket waits in the kernel at most this long at a tim
 # status before) lay misaligned against the reader's memory, and the kernel's copy out of the socket
 # slowed down: 1-4 MiB reads were 1.6x slower on this project's VM.
 HEAD = 64
-_REQ = struct.Struct(f"!4sBBQQQQ{HEAD - 38}x")  # magic, op, flags, buffer id, token, offset, length; padding
+# magic, op, flags, buffer id, token, offset, length, the reader's CPU (NO_CPU: unknown, or another host); padding
+_REQ = struct.Struct(f"!4sBBQQQQH{HEAD - 40}x")
+NO_CPU = 0xFFFF
 _MAGIC = b"MTDP"
 READ, WRITE = 1, 2
 ALONE = 1  # a request's flag: the only connection of its transfer (the owner polls for a write's bytes)
@@ -142,7 +145,8 @@ def _next_request(conn: socket.socket, head: memoryview, poll: bool) -> bool:
     µs, 10-100 µs after in 40-45 µs, and a reader spends 10-15 µs of Python between two transfers. The
     server polls only after a transfer that had one connection (``ALONE``): after a transfer cut over
     several, all their threads would poll at once, and a small transfer after a 1 GiB one took 0.2-4 ms
-    when every owner thread polled."""
+    when every owner thread polled. Nor does it poll when its reader runs on the same CPU (the request
+    says which; ``_serve``): the two would take turns on one core."""
     start = time.perf_counter()
     got = 0
     if poll and SPIN_S > 0:
@@ -161,6 +165,26 @@ def _next_request(conn: socket.socket, head: memoryview, poll: bool) -> bool:
     if got < len(head):
         _recv_exact(conn, head[got:])
     return time.perf_counter() - start <= SPIN_S
+
+
+_sched_getcpu = None
+
+
+def _cpu() -> int:
+    """The CPU this thread runs on (``sched_getcpu``, 80 ns), or ``NO_CPU``."""
+    global _sched_getcpu
+    if _sched_getcpu is None:
+        f = getattr(ctypes.CDLL(None), "sched_getcpu", None)
+        if f is not None:
+            f.restype, f.argtypes = ctypes.c_int, []
+        _sched_getcpu = f or (lambda: -1)
+    c = _sched_getcpu()
+    return c if 0 <= c < NO_CPU else NO_CPU
+
+
+def request(op: int, flags: int, buf_id: int, token: int, offset: int, length: int, cpu: int = NO_CPU) -> bytes:
+    """A request's header: ``cpu`` is the reader's CPU when it runs on the owner's host (see ``_serve``)."""
+    return _REQ.pack(_MAGIC, op, flags, buf_id, token, offset, length, cpu)
 
 
 def client_socket(s: socket.socket) -> socket.socket:
@@ -211,7 +235,7 @@ class Server:
         try:
             while True:
                 poll = _next_request(conn, head, poll)
-                magic, op, flags, buf_id, token, offset, length = _REQ.unpack(head)
+                magic, op, flags, buf_id, token, offset, length, cpu = _REQ.unpack(head)
                 if magic != _MAGIC or op not in (READ, WRITE):
                     return  # a stray client: hang up
                 reg = registry().lookup(buf_id, token)
@@ -226,7 +250,9 @@ class Server:
                     self._serve_read(conn, reg, status, offset, length)
                 else:
                     self._serve_write(conn, reg, status, offset, length, flags & ALONE)
-                poll = poll and bool(flags & ALONE)
+                # Poll again only if the reader runs on another CPU: on a core the two share (the other one
+                # busy), a polling owner took turns with its reader, and 4 KiB reads took 32 µs, 24 blocked.
+                poll = poll and bool(flags & ALONE) and (cpu == NO_CPU or cpu != _cpu())
         except (OSError, ConnectionError):
             pass
         finally:
@@ -323,7 +349,8 @@ class TcpBackend(Backend):
         ok = False
         try:
             check_deadline(deadline, "tcp transfer")
-            req = _REQ.pack(_MAGIC, op, ALONE if alone else 0, desc.buf_id, desc.token, offset + lo, n)
+            req = request(op, ALONE if alone else 0, desc.buf_id, desc.token, offset + lo, n,
+                          _cpu() if desc.host == host_id() else NO_CPU)
             status = bytearray(HEAD)
             if op == WRITE:
                 _send_parts(s, req, local.view(lo, n), deadline)
