@@ -83,7 +83,8 @@ def in_turns(measures: dict, repeats, min_total=0.05, max_repeats=500) -> dict:
 TCP_SERVER = r'''
 import socket, sys
 srv = socket.create_server(("127.0.0.1", 0))
-payload = memoryview(bytearray(int(sys.argv[1])))
+payload = memoryview(bytearray(b"\x01" * int(sys.argv[1])))  # real pages, as the buffers read (a bare
+# bytearray(n) of zeros maps the kernel's zero page: every byte sent came from one cache-hot page)
 print(srv.getsockname()[1], flush=True)
 conn, _ = srv.accept()
 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
