@@ -133,11 +133,13 @@ class _Published:
                 entries = [self.live.pop(k) for k in gone]
                 for e in entries:
                     self.nbytes -= e[2]
-                self.stats["expired"] += len(entries)
             for e in entries:  # their memory is not reused: a receiver may still be reading it
                 log.warning("a message payload of %d bytes was not pulled by %d receiver(s) within %.0f s; "
                             "dropped", e[2], e[0], TTL)
                 e[3].drop()
+            if entries:  # counted once dropped: whoever sees the count sees the registrations gone
+                with self.lock:
+                    self.stats["expired"] += len(entries)
 
 
 _published = per_process(_Published)
