@@ -550,6 +550,19 @@ def test_transfers_from_many_threads(owners):
     assert not errors, errors
 
 
+def _threads_running(monkeypatch, cls, name: str) -> list:
+    """Spy on the method ``cls.name``: the list, filled as it runs, of the threads that ran it."""
+    ran: list = []
+    real = getattr(cls, name)
+
+    def spy(self, *args):
+        ran.append(threading.current_thread())
+        return real(self, *args)
+
+    monkeypatch.setattr(cls, name, spy)
+    return ran
+
+
 def test_who_runs_a_deferred_transfer(owners, monkeypatch):
     """tcp transfers start on the first of: the thread that waits on the Future (no thread hop, also for a
     wait shorter than the transfer's timeout), a pool thread when the Future is awaited, or a pool thread
@@ -561,14 +574,7 @@ def test_who_runs_a_deferred_transfer(owners, monkeypatch):
     o = _owner(owners)
     buf = o.make.call_one("deferred", 4096, seed=3).get()
     ref = o.value.call_one("deferred").get()
-    ran_on: list = []
-    real = tcp.TcpBackend._read
-
-    def spy(self, *args):
-        ran_on.append(threading.current_thread())
-        return real(self, *args)
-
-    monkeypatch.setattr(tcp.TcpBackend, "_read", spy)
+    ran_on = _threads_running(monkeypatch, tcp.TcpBackend, "_read")
     out = torch.empty(4096, dtype=torch.uint8)
     buf.read_into(out).get(timeout=120)  # waits longer than the transfer's own 60 s: runs here
     assert ran_on[-1] is threading.current_thread() and torch.equal(out, ref)
@@ -576,14 +582,7 @@ def test_who_runs_a_deferred_transfer(owners, monkeypatch):
     out2 = torch.empty(4096, dtype=torch.uint8)
     buf.read_into(out2, timeout=60).get(timeout=30)  # a shorter wait: a read runs here too, until it ends
     assert ran_on[-1] is threading.current_thread() and torch.equal(out2, ref)
-    wrote_on: list = []
-    real_write = tcp.TcpBackend._write
-
-    def write_spy(self, *args):
-        wrote_on.append(threading.current_thread())
-        return real_write(self, *args)
-
-    monkeypatch.setattr(tcp.TcpBackend, "_write", write_spy)
+    wrote_on = _threads_running(monkeypatch, tcp.TcpBackend, "_write")
     buf.write_from(ref, timeout=60).get(timeout=30)  # ... but a write goes to a pool thread
     assert wrote_on[-1] is not threading.current_thread()
     buf.write_from(ref).get()
