@@ -4,7 +4,9 @@
     MT_BENCH_PEER_PATH=bench/out/peer-site python bench/rdma_bench.py --peers --json bench/out/rdma_bench.json
     python bench/rdma_bench.py --tiny --json /tmp/tiny.json      # smoke test (~10 s)
 
-The owner of the buffer is an actor on a proc; the reader is this process. For every size, every
+The owner of the buffer is an actor on a proc, its buffer a torch tensor of the largest size made there as a
+user's would be (the table's header says how much of it sits on 2 MiB pages: procs allocate large tensors on
+them, see monarch_tensor/host.py); the reader is this process. For every size, every
 backend that can serve a CPU buffer here (forced with MONARCH_TENSOR_RDMA_BACKEND) reads and writes
 into a warm destination, taking turns with memcpy, copy_ and the raw tcp stream below: ROUNDS rounds,
 each of REPEATS runs of every measure (more for small sizes: until 50 ms have passed in all, up to 500);
@@ -264,6 +266,20 @@ def run_ours():
         def ping(self, x):
             return x
 
+        @endpoint
+        def huge_mib(self):
+            """MiB of the mappings that hold the buffer that sit on 2 MiB pages, and the proc's THP switch."""
+            lo, hi, kb, inside = self.t.data_ptr(), self.t.data_ptr() + self.t.numel(), 0, False
+            with open("/proc/self/smaps") as f:
+                for line in f:
+                    head = line.split(maxsplit=1)[0]
+                    if "-" in head and not head.endswith(":"):
+                        a, b = (int(x, 16) for x in head.split("-"))
+                        inside = a < hi and lo < b
+                    elif inside and head == "AnonHugePages:":
+                        kb += int(line.split()[1])
+            return kb / 1024, os.environ.get("THP_MEM_ALLOC_ENABLE")
+
     procs = this_host().spawn_procs(per_host={"gpus": 1})
     res = {"ctrl_rtt_us": None, "zmq": zmq_copy(SIZES, REPEATS), "gloo": gloo_send_recv(SIZES, REPEATS)}
     for name in ("memcpy", "copy_", "raw_tcp", "cma read", "cma write", "tcp read", "tcp write"):
@@ -271,6 +287,7 @@ def run_ours():
     try:
         owner = procs.spawn("owner", Owner, max(SIZES))
         buf = owner.buf_.call_one().get(timeout=TIMEOUT)
+        res["owner_huge_mib"], res["owner_thp_env"] = owner.huge_mib.call_one().get(timeout=TIMEOUT)
         res["ctrl_rtt_us"] = 1e6 * median_time(lambda: owner.ping.call_one(1).get(timeout=TIMEOUT), 50)
         with raw_tcp_stream(max(SIZES)) as raw_read:
             for n in SIZES:
@@ -390,6 +407,8 @@ def main():
     print(f"RDMABuffer between two procs of this host, GiB/s (µs per transfer); median of {ROUNDS} rounds of {REPEATS} "
           "or more (small sizes: until 50 ms in all); memcpy, copy_, the raw tcp stream, cma and tcp take turns")
     print(f"control-plane round trip (call_one, small int): {ours['ctrl_rtt_us']:.0f} µs")
+    print(f"the owner's buffer: {fmt_size(max(SIZES))}, {ours['owner_huge_mib']:.0f} MiB of it on 2 MiB pages "
+          f"(THP_MEM_ALLOC_ENABLE={ours['owner_thp_env']} in the owner's proc)")
     print(f"{'size':>8} | " + " | ".join(f"{c:>20}" for c in cols))
     rows = []
     for n in SIZES:
@@ -417,7 +436,8 @@ def main():
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"settings": {"SIZES": SIZES, "REPEATS": REPEATS, "ROUNDS": ROUNDS, "PEER_MAX": PEER_MAX, "tiny": args.tiny},
-                       "ctrl_rtt_us": ours["ctrl_rtt_us"], "seconds": rows, "monarch_error": monarch_err}, f,
+                       "ctrl_rtt_us": ours["ctrl_rtt_us"], "owner_huge_mib": ours["owner_huge_mib"],
+                       "owner_thp_env": ours["owner_thp_env"], "seconds": rows, "monarch_error": monarch_err}, f,
                       indent=1)
 
 

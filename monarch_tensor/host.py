@@ -27,6 +27,12 @@ from .shape import Shape
 log = logging.getLogger("monarch_tensor.host")
 
 SPAWN_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_SPAWN_TIMEOUT", "60"))
+# PyTorch's switch for transparent huge pages: with it, CPU tensors of 2 MiB and more are allocated with
+# madvise(MADV_HUGEPAGE) (NumPy does this for its arrays by default). Procs get it unless the script's
+# environment sets it: their large tensors are what the data plane moves, and the kernel pins a cma
+# transfer's memory page by page, so 2 MiB pages made reads of a proc's tensor 1.4-2x faster from
+# 1 MiB up (bench/rdma_bench.py, README). It goes in the template's environment: c10 reads it when torch loads.
+THP_ENV = "THP_MEM_ALLOC_ENABLE"
 
 
 @dataclass
@@ -64,6 +70,7 @@ class LocalHost:
         self._on_exit = on_exit or _proc_exited
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env.setdefault(THP_ENV, "1")
         # A script that has not imported torch (actors only, so far) gets its procs forked at once, and a
         # proc that needs torch imports it (as Monarch's do); the template imports it before forking
         # again once the script has imported it too (spawn() asks). Nothing imports in the background:

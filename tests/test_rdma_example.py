@@ -38,6 +38,7 @@ def test_rdma_bench_tiny(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["settings"]["tiny"] is True and data["ctrl_rtt_us"] > 0
+    assert data["owner_thp_env"] == os.environ.get("THP_MEM_ALLOC_ENABLE", "1")  # the owner proc's THP switch
     for row in data["seconds"]:
         for col in ("memcpy", "copy_ (all cores)", "raw tcp stream", "pyzmq copy", "gloo send/recv",
                     "cma read", "cma write", "tcp read", "tcp write"):
