@@ -30,7 +30,7 @@ SPAWN_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_SPAWN_TIMEOUT", "60"))
 # PyTorch's switch for transparent huge pages: with it, CPU tensors of 2 MiB and more are allocated with
 # madvise(MADV_HUGEPAGE) (NumPy does the same for its large arrays by default). Procs get it unless the script's
 # environment sets it: their large tensors are what the data plane moves, and the kernel pins a cma
-# transfer's memory page by page, so 2 MiB pages made reads of a proc's tensor 1.4-2x faster from
+# transfer's memory page by page, so 2 MiB pages made reads of a proc's tensor 1.3-2x faster from
 # 1 MiB up (bench/rdma_bench.py, README). It goes in the template's environment: c10 reads it when torch loads.
 THP_ENV = "THP_MEM_ALLOC_ENABLE"
 
