@@ -416,7 +416,8 @@ class HostMesh:
         """
         from .workspace_sync import sync_local, sync_workspace
 
-        procs = [p for mesh in list(_live_meshes) for p in mesh._procs if p.alive]
+        procs = [p for mesh in list(_live_meshes) for p in mesh._procs
+                 if p.alive and getattr(p, "agent", None) is None]  # (a host agent's procs are on its host)
         if not procs:  # nothing runs yet: write this host's root directly
             try:
                 return Future.ready(sync_local(workspace))

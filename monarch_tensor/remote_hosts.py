@@ -30,6 +30,7 @@ from . import _curve, _fanout, _wire
 from ._net import ip_towards
 from .agent_messages import EndSession, KeepSession, KillProcs, OpenSession, ReportExit, ShutdownAgent, SpawnProcs
 from .errors import HostUnreachableError, JobKeyError, SupervisionError
+from .future import Future
 from .host import HostMesh, ProcInfo, ProcMesh, _live_meshes, _proc_exited
 from .mailbox import current_mailbox
 from .messages import SendToPort, StopProc
@@ -340,6 +341,21 @@ class RemoteHostMesh(HostMesh):
         mesh._procs = infos
         _live_meshes.add(mesh)
         return mesh
+
+    def sync_workspace(self, workspace, conda: bool = False, auto_reload: bool = False) -> Future:
+        """Mirror ``workspace`` onto these hosts' workspace roots and reload the procs running there. A host
+        where no proc runs yet gets one for the sync, stopped after it; procs spawned there later start
+        with the synced dirs on ``sys.path``.
+
+        >>> await job.state().trainers.sync_workspace(Workspace(dirs=["./proj"]))  # doctest: +SKIP
+        """
+        from .workspace_sync import sync_workspace
+
+        procs = [p for mesh in list(_live_meshes) for p in mesh._procs
+                 if p.alive and getattr(p, "agent", None) in self._agents]
+        idle = [a for a in self._agents if not any(p.agent is a for p in procs)]
+        spawn = (lambda: RemoteHostMesh(idle).spawn_procs(name="workspace-sync")) if idle else None
+        return sync_workspace(procs, workspace, auto_reload, spawn)
 
     def __repr__(self) -> str:
         return f"<HostMesh {self._shape} on {len(self._agents)} agents>"

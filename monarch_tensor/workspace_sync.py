@@ -28,6 +28,7 @@
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import pickle
@@ -43,6 +44,8 @@ from .future import Future
 from .mailbox import current_mailbox
 from .sync_messages import DescribeWorkspace, DiffWorkspace, ReloadWorkspace, ScanWorkspace, WorkspaceDiff, WriteFiles
 from .tools.config.workspace import Workspace
+
+log = logging.getLogger("monarch_tensor.workspace_sync")
 
 SYNC_TIMEOUT = _sync_proc.SYNC_TIMEOUT  # seconds ($MONARCH_TENSOR_SYNC_TIMEOUT), the procs' too
 CHUNK = 8 << 20  # bytes of file data per WriteFiles message
@@ -83,21 +86,41 @@ def forget_roots(addrs) -> None:
         _roots.pop(a, None)
 
 
-def sync_workspace(procs: list, workspace: Workspace, auto_reload: bool = False) -> Future[SyncResult]:
-    """Sync ``workspace`` to the roots of ``procs`` (``ProcInfo``s); see the module docstring."""
+def sync_workspace(procs: list, workspace: Workspace, auto_reload: bool = False,
+                   spawn_helpers=None) -> Future[SyncResult]:
+    """Sync ``workspace`` to the roots of ``procs`` (``ProcInfo``s); see the module docstring.
+    ``spawn_helpers()``, when given, makes a proc mesh on the hosts where no proc runs yet: it is called in
+    the sync's thread, synced through with ``procs``, and stopped before the result is set."""
     if not isinstance(workspace, Workspace):
         raise TypeError(f"sync_workspace needs a Workspace, got {workspace!r}")
     workspace.check()
     fut: Future[SyncResult] = Future("workspace sync")
 
     def run() -> None:
+        helpers = None
         try:
-            fut._set_result(_sync([p for p in procs if p.alive], workspace, auto_reload))
+            if spawn_helpers is not None:
+                helpers = spawn_helpers()
+            targets = [p for p in procs if p.alive] + (list(helpers._procs) if helpers is not None else [])
+            result = _sync(targets, workspace, auto_reload)
         except BaseException as e:  # noqa: BLE001 - surfaces on .get() / await
+            _stop(helpers)
             fut._set_exception(e)
+            return
+        _stop(helpers)
+        fut._set_result(result)
 
     threading.Thread(target=run, daemon=True, name="monarch-tensor-sync").start()
     return fut
+
+
+def _stop(helpers) -> None:
+    if helpers is None:
+        return
+    try:
+        helpers.stop().get(timeout=SYNC_TIMEOUT)
+    except Exception as e:  # noqa: BLE001 - the sync's outcome stands; the procs' hosts reap them
+        log.warning("stopping the workspace sync's helper procs: %r", e)
 
 
 def _ask(procs: list, make, what: str) -> list:

@@ -416,6 +416,55 @@ def test_host_sync_before_procs_then_procs_import_it(tmp_path):
         procs.stop()
 
 
+def _agents_live_procs() -> list:
+    from monarch_tensor.host import _live_meshes
+
+    return [p for m in list(_live_meshes) for p in m._procs if p.alive and getattr(p, "agent", None) is not None]
+
+
+@pytest.mark.timeout(240)
+def test_a_local_jobs_hosts_have_roots_of_their_own(tmp_path):
+    from monarch_tensor.job import LocalJob
+
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "helper.py").write_text(HELPER.format(v=3))
+    (proj / "data.txt").write_text("x\n")
+    ws = Workspace(dirs=[proj])
+    job = LocalJob(meshes={"m": 2}, root_dir=str(tmp_path / "job"), ttl=120)
+    try:
+        hosts = job.state().m
+        roots = [os.path.join(w, "workspace") for w in hosts.workdirs]
+        # No proc runs on these hosts yet: the host mesh syncs through a proc on each, stopped after.
+        first = hosts.sync_workspace(ws).get(timeout=120)
+        assert sorted(first.roots) == sorted(roots)
+        assert first.files_sent == 2 * 2  # both files, to each host's root
+        for r in roots:
+            assert open(os.path.join(r, "proj", "data.txt")).read() == "x\n"
+        assert _agents_live_procs() == []
+        procs = hosts.spawn_procs(per_host={"gpus": 1})
+        assert procs.env.get("WORKSPACE_DIR").get(timeout=30).values() == roots
+        probes = procs.spawn("probe", Probe)
+        vals = probes.run.call().get(timeout=60).values()  # on sys.path from the start, each from its root
+        assert vals == [(3, "version 3", os.path.join(r, "proj", "helper.py")) for r in roots]
+
+        (proj / "helper.py").write_text(HELPER.format(v=4))
+        second = hosts.sync_workspace(ws, auto_reload=True).get(timeout=60)  # now through the running procs
+        assert second.changed == ["proj/helper.py"] and sorted(second.roots) == sorted(roots)
+        assert sorted(second.reloaded) == [0, 1]
+        assert [v[:2] for v in probes.run.call().get(timeout=60).values()] == [(4, "version 4")] * 2
+
+        # This host's own mesh syncs to this host only, not to the procs of the job's agents.
+        other = tmp_path / "other"
+        other.mkdir()
+        (other / "o.txt").write_text("o\n")
+        mine = this_host().sync_workspace(Workspace(dirs=[other])).get(timeout=60)
+        assert not set(mine.roots) & set(roots)
+        assert not any(os.path.exists(os.path.join(r, "other")) for r in roots)
+    finally:
+        job.kill()
+
+
 class Early(Actor):
     @endpoint
     def answer(self):

@@ -28,6 +28,9 @@ class LocalJob(JobTrait):
     >>> hosts.workdirs                       # one working directory per "host"
     ['/tmp/monarch-tensor-job-x/trainers-0', '/tmp/monarch-tensor-job-x/trainers-1']
     >>> job.kill()
+
+    Each agent's ``$WORKSPACE_DIR`` (the root that ``sync_workspace`` writes its procs' files to) is
+    ``workspace`` in its working directory, unless the script's environment sets one.
     """
 
     kind = "local"
@@ -53,9 +56,11 @@ class LocalJob(JobTrait):
                 os.makedirs(workdir, exist_ok=True)
                 addr_file = os.path.join(root, f"{name}-{i}.addr")
                 log = os.path.join(root, f"{name}-{i}.log")
+                # Each "host" has a workspace root of its own (Monarch's variable; the script's wins if it has one).
+                agent_env = env if "WORKSPACE_DIR" in env else {**env, "WORKSPACE_DIR": os.path.join(workdir, "workspace")}
                 with open(log, "ab") as out:
                     p = subprocess.Popen(agent_command(self.python_exe, "tcp://127.0.0.1:0", addr_file, self.ttl,
-                                                       key_file), cwd=workdir, env=env, stdout=out, stderr=out,
+                                                       key_file), cwd=workdir, env=agent_env, stdout=out, stderr=out,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
                 self.pids.append(p.pid)
                 started.append((name, p, addr_file, log))
