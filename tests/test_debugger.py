@@ -68,6 +68,9 @@ def test_debug_cli_in_another_terminal():
         cli.sendline("l")
         cli.expect_exact("(Pdb) ")
         assert "17  ->\t        return value" in cli.before
+        cli.sendline("s")  # step: the function returns
+        cli.expect_exact("(Pdb) ")
+        assert "--Return--" in cli.before and "to_debug()->12" in cli.before
         cli.sendline("detach")
         cli.expect_exact("monarch_dbg> ")
 
@@ -84,6 +87,17 @@ def test_debug_cli_in_another_terminal():
         cli.sendline("attach debugee 9")
         cli.expect_exact("monarch_dbg> ")
         assert "no paused rank 9 of actor 'debugee'" in cli.before
+
+        cli.sendline("quit")  # leaves the ranks paused for the next debugger
+        cli.expect(pexpect.EOF)
+        cli.close()
+        cli = pexpect.spawn(sys.executable, ["-m", "monarch_tensor.cli", "debug", "--pid", str(script.pid)],
+                            cwd=ROOT, env=ENV, encoding="utf-8", timeout=60)
+        cli.expect_exact("monarch_dbg> ")
+        listing = _until_all_listed(cli)
+        assert [r.split("|")[2].strip() for r in listing.splitlines() if r.startswith("| debugee")] == \
+            ["0", "1", "2", "3"], listing
+        assert script.poll() is None
 
         cli.sendline("continue")
         cli.expect(pexpect.EOF)
@@ -107,9 +121,9 @@ def test_prompt_in_the_scripts_own_terminal():
         p.sendline("attach debugee 0")
         p.expect_exact("(Pdb) ")
         assert "debug_script.py(13)to_debug()" in p.before
-        p.sendline("p value + 100")
+        p.sendline("p value * 7 + 3")
         p.expect_exact("(Pdb) ")
-        assert "100" in p.before
+        assert p.before.splitlines()[-1].strip() == "3"  # (the line before it is the command's echo)
         p.sendline("c")  # this rank goes on; back to monarch_dbg>
         p.expect_exact("monarch_dbg> ")
         assert "rank 0 of 'debugee' continued" in p.before
@@ -155,9 +169,12 @@ def test_debug_link_refuses_a_wrong_token(tmp_path):
     with pytest.raises(PermissionError, match="refused"):
         _debug_cli.connect(dict(info, token="0" * 64))
     s = _debug_cli.connect(info)  # the right token gets the prompt
+    s.settimeout(30)
     data = b""
     while b"monarch_dbg> " not in data:
-        data += s.recv(4096)
+        chunk = s.recv(4096)
+        assert chunk, f"the debug server closed the link before its prompt: {data!r}"
+        data += chunk
     s.sendall(b"quit\n")
     s.close()
     with socket.create_connection((host, port)) as raw:  # a client that never answers is dropped
