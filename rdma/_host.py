@@ -61,12 +61,8 @@ def host_id() -> str:
 
 def start_time(pid: int) -> int:
     """The process's start time in clock ticks (tells a reused pid apart); -1 if there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return -1
-    return int(data[data.rindex(b")") + 2:].split()[19])
+    fields = _stat(pid)
+    return -1 if fields is None else int(fields[19])
 
 
 @per_process
@@ -76,5 +72,17 @@ def own_start_time() -> int:
 
 
 def alive(pid: int, started: int) -> bool:
-    """Whether the process ``pid`` that started at ``started`` still runs (same host only)."""
-    return start_time(pid) == started
+    """Whether the process ``pid`` that started at ``started`` still runs (same host only): not gone, not
+    another process with its pid, and not a zombie (dead, its memory released, its parent yet to reap it)."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] not in (b"Z", b"X") and int(fields[19]) == started
+
+
+def _stat(pid: int) -> list[bytes] | None:
+    """The fields of ``/proc/PID/stat`` after the command's name (state first), or None if there is no such pid."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    return data[data.rindex(b")") + 2:].split()

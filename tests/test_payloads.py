@@ -88,6 +88,16 @@ def test_beyond_the_memory_bound_or_the_threshold_buffers_stay_in_the_frames(mon
 
 
 @pytest.mark.timeout(60)
+def test_the_threshold_is_the_first_size_that_rides_the_data_plane():
+    at = torch.ones(payload.THRESHOLD, dtype=torch.uint8)  # 1 MiB or more go on the data plane
+    frames = _wire.encode(at, remote=_remote())
+    assert bytes(frames[0][:4]) == _wire.MAGIC_DP and torch.equal(_wire.decode(frames), at)
+    under = torch.ones(payload.THRESHOLD - 1, dtype=torch.uint8)
+    frames = _wire.encode(under, remote=_remote())
+    assert bytes(frames[0][:4]) == _wire.MAGIC and torch.equal(_wire.decode(frames), under)
+
+
+@pytest.mark.timeout(60)
 def test_a_payload_nobody_pulls_is_dropped_after_its_ttl(monkeypatch):
     monkeypatch.setattr(payload, "TTL", 0.3)
     frames = _wire.encode(torch.randn(MiB), remote=_remote())

@@ -65,6 +65,12 @@ class Owner(Actor):
         return os.getpid()
 
     @endpoint
+    def addr(self) -> str:
+        from monarch_tensor.mailbox import current_mailbox
+
+        return current_mailbox().addr
+
+    @endpoint
     def read(self, buf: RDMABuffer, n: int) -> tuple[torch.Tensor, str]:
         out = torch.empty(n, dtype=torch.uint8)
         buf.read_into(out).get(timeout=30)
@@ -150,14 +156,18 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def test_read_and_write_whole_buffer(owners, backend):
     o = _owner(owners)
     buf = o.make.call_one("whole", N).get()
-    assert buf.size() == N and buf.backend == backend
+    assert buf.size() == N and buf.owner == o.addr.call_one().get()
+    before = transfer_stats()[backend]
     out = torch.empty(N, dtype=torch.uint8)
     buf.read_into(out).get(timeout=30)
+    assert buf.backend == backend  # the one that moved the bytes
     assert torch.equal(out, o.value.call_one("whole").get())
     src = torch.arange(N, dtype=torch.int64).to(torch.uint8).flip(0).contiguous()
     buf.write_from(src).get(timeout=30)
     assert torch.equal(o.value.call_one("whole").get(), src)
-    assert transfer_stats()[backend]["reads"] >= 1
+    after = transfer_stats()[backend]
+    assert (after["reads"] - before["reads"], after["writes"] - before["writes"]) == (1, 1)
+    assert after["bytes"] - before["bytes"] == 2 * N
 
 
 @pytest.mark.parametrize("dtype", ["float32", "int64", "bfloat16", "uint8", "bool"])
@@ -343,8 +353,14 @@ def _wait_dead(pid: int, timeout: float = 10.0) -> None:
     raise AssertionError(f"pid {pid} still runs {timeout} s after SIGKILL")
 
 
-def test_owner_death_fails_within_the_timeout(backend, monkeypatch):
+@pytest.mark.parametrize("who", ["backend", "mailbox"])
+def test_owner_death_fails_within_the_timeout(backend, monkeypatch, who):
+    """A read of a dead owner's buffer fails with OwnerDiedError: found by the backend itself when the
+    death's report has not reached this process (``death_of`` hidden), and before any transfer once it has."""
+    import re
+
     import monarch_tensor.actor as actor_mod
+    from monarch_tensor.mailbox import Mailbox, current_mailbox
 
     faults: list = []  # the owner's death is expected here, not a failure that should stop the script
     monkeypatch.setattr(actor_mod, "unhandled_fault_hook", faults.append)
@@ -356,8 +372,17 @@ def test_owner_death_fails_within_the_timeout(backend, monkeypatch):
         os.kill(pid, signal.SIGKILL)
         _wait_dead(pid)  # SIGKILL is asynchronous: a read that wins the race with it succeeds, rightly
         out = torch.empty(1 << 20, dtype=torch.uint8)
-        with pytest.raises(OwnerDiedError, match="died"):
-            buf.read_into(out).get(timeout=20)
+        if who == "backend":
+            with monkeypatch.context() as m, pytest.raises(OwnerDiedError, match=rf"\(pid {pid}\) died"):
+                m.setattr(Mailbox, "death_of", lambda self, addr: None)
+                buf.read_into(out).get(timeout=20)
+        else:
+            deadline = time.monotonic() + 30
+            while current_mailbox().death_of(buf.owner) is None:
+                assert time.monotonic() < deadline, "the owner's death was never reported"
+                time.sleep(0.01)
+            with pytest.raises(OwnerDiedError, match=re.escape(f"({buf.owner}) died")):
+                buf.read_into(out).get(timeout=20)
     finally:
         procs.stop().get(timeout=30)
 
@@ -520,15 +545,40 @@ def test_pid_and_per_process_values_follow_a_fork():
     assert my_pid() == os.getpid() and get() == os.getpid() and made == [os.getpid()]
 
 
-def test_no_ibverbs_here_is_reported_cleanly():
-    assert is_ibverbs_available() in (True, False)
+def test_a_zombie_owner_is_not_alive():
+    """A process that exited and that its parent has not reaped yet still has its /proc entry and start
+    time: it is dead all the same (a reader's tcp connection to it was reset, and the error says so)."""
+    from rdma._host import alive, start_time
+
+    assert alive(os.getpid(), start_time(os.getpid()))
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    try:
+        started = start_time(child)
+        deadline = time.monotonic() + 30
+        while open(f"/proc/{child}/stat").read().rpartition(")")[2].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the child never became a zombie"
+            time.sleep(0.005)
+        assert start_time(child) == started != -1  # still listed, with its start time
+        assert not alive(child, started)
+    finally:
+        os.waitpid(child, 0)
+    assert not alive(child, started) and start_time(child) == -1
+
+
+def test_no_ibverbs_here_is_reported_cleanly(monkeypatch):
     from rdma.backends import verbs
 
-    if not is_ibverbs_available():
-        assert verbs.unavailable_reason()
+    monkeypatch.delenv(ENV_BACKEND, raising=False)
+    reason = verbs.unavailable_reason()
+    assert is_ibverbs_available() == (reason is None)
+    if reason is not None:  # (no machine of this project has an RDMA NIC)
+        assert reason.startswith(("no RDMA device", "pyverbs does not import")), reason
+        assert get_rdma_backend() != "verbs"
 
 
-def test_transfers_from_many_threads(owners):
+def test_transfers_from_many_threads(owners, backend):
     buf = _owner(owners).make.call_one("threads", 10000, seed=11).get()
     ref = _owner(owners).value.call_one("threads").get()
     errors = []
@@ -548,6 +598,7 @@ def test_transfers_from_many_threads(owners):
     for t in ts:
         t.join(60)
     assert not errors, errors
+    assert buf.backend == backend
 
 
 def _threads_running(monkeypatch, cls, name: str) -> list:
@@ -745,6 +796,32 @@ def _send_in_pieces(sock, data: bytes, piece: int, pauses: tuple[float, ...]) ->
     for k, i in enumerate(range(0, len(data), piece)):
         sock.sendall(data[i:i + piece])
         time.sleep(pauses[k % len(pauses)])
+
+
+class _JumpClock:
+    """A ``time`` for rdma/backends/tcp.py whose ``perf_counter`` jumps ahead on request, so a wait looks long
+    or short whatever the machine's speed: after ``jump(s, after)``, the ``after``-th next reading is the
+    real clock's and every later one ``s`` seconds ahead. ``jumped`` is set once it has."""
+
+    def __init__(self) -> None:
+        self.offset, self.armed, self.jumped = 0.0, None, threading.Event()
+
+    def jump(self, seconds: float, after: int = 1) -> None:
+        self.jumped.clear()
+        self.armed = [after, seconds]
+
+    def perf_counter(self) -> float:
+        t = time.perf_counter() + self.offset
+        if self.armed is not None:
+            self.armed[0] -= 1
+            if self.armed[0] == 0:
+                self.offset += self.armed[1]
+                self.armed = None
+                self.jumped.set()
+        return t
+
+    def __getattr__(self, name):
+        return getattr(time, name)
 
 
 def _answer(sock, n: int) -> bytes:
@@ -989,8 +1066,10 @@ def test_tcp_owner_polls_for_the_next_request_after_a_lone_transfer(monkeypatch,
 
     from rdma.backends import tcp
 
-    monkeypatch.setattr(tcp, "SPIN_S", 1.0)  # long: a slow machine's delays stay well within it
+    monkeypatch.setattr(tcp, "SPIN_S", 20.0)  # long: a slow machine's delays stay well within it
     monkeypatch.setattr(tcp, "_cpu", lambda: 5)
+    clock = _JumpClock()
+    monkeypatch.setattr(tcp, "time", clock)
     calls = []
     real = tcp._next_request
     data = os.urandom(4096)
@@ -1002,6 +1081,8 @@ def test_tcp_owner_polls_for_the_next_request_after_a_lone_transfer(monkeypatch,
             peer = conn.getpeername()
         except OSError:
             peer = None
+        if [c[0] for c in calls].count(peer) == 2:  # the third wait on a connection: make it a long one
+            clock.jump(60.0)  # once the wait has read its start time
         got = real(conn, head, poll)
         calls.append((peer, poll, got))
         return got
@@ -1019,8 +1100,7 @@ def test_tcp_owner_polls_for_the_next_request_after_a_lone_transfer(monkeypatch,
 
             read()
             read()  # at once: polled for after a flagged transfer
-            time.sleep(1.5)  # longer than SPIN_S: the poll gives up, the blocked wait is long
-            read()
+            read()  # 60 s after the wait began, by the server's clock: the poll gives up, the wait is long
             read()  # after a long wait the thread blocks at once, and the wait is short again
     finally:
         buf.drop()
@@ -1067,18 +1147,24 @@ def test_tcp_owner_next_request_polls_then_blocks(monkeypatch):
     a client that hangs up while it polls is a ConnectionError."""
     from rdma.backends import tcp
 
-    monkeypatch.setattr(tcp, "SPIN_S", 0.5)  # long against the pieces' pauses, even on a slow machine
+    monkeypatch.setattr(tcp, "SPIN_S", 20.0)  # long against the pieces' pauses, even on a slow machine
+    clock = _JumpClock()
+    monkeypatch.setattr(tcp, "time", clock)
     yields = []
     monkeypatch.setattr(tcp, "_sched_yield", lambda: yields.append(1))
-    for pause, crowded in ((0.01, False), (1.0, False), (0.01, True)):
+    for long, crowded in ((False, False), (True, False), (False, True)):
         monkeypatch.setattr(tcp, "_crowded", lambda crowded=crowded: crowded)
         yields.clear()
         reader, owner = _tcp_pair()
         with reader, owner:
             head = os.urandom(tcp.HEAD)
+            if long:  # the header comes 60 s into the wait by the clock, after two polls that found nothing
+                clock.jump(60.0, after=3)
 
-            def send(head=head, reader=reader, pause=pause):
-                time.sleep(pause)
+            def send(head=head, reader=reader, long=long):
+                if long:
+                    assert clock.jumped.wait(30), "the poll never read the clock three times"
+                time.sleep(0.01)
                 reader.sendall(head[:10])
                 time.sleep(0.005)
                 reader.sendall(head[10:])
@@ -1087,8 +1173,8 @@ def test_tcp_owner_next_request_polls_then_blocks(monkeypatch):
             got = memoryview(bytearray(tcp.HEAD))
             short = tcp._next_request(owner, got, True)
             assert bytes(got) == head
-            assert short == (pause < tcp.SPIN_S), (pause, crowded)
-            assert (len(yields) > 0) == (not crowded), (pause, crowded, len(yields))
+            assert short == (not long), (long, crowded)
+            assert (len(yields) > 0) == (not crowded), (long, crowded, len(yields))
     reader, owner = _tcp_pair()
     with owner:
         threading.Timer(0.01, reader.close).start()
