@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import shutil
@@ -283,8 +284,11 @@ def test_sync_to_two_roots_with_hot_reload(tmp_path):
         assert probes.read.call("proj/conf/train.toml").get(timeout=30).values() == ["lr = 0.01\n"] * 4
         assert probes.read.call("proj/old.txt").get(timeout=30).values() == [None] * 4
 
-        third = procs.sync_workspace(ws, auto_reload=True).get(timeout=60)  # nothing changed
-        assert third.changed == [] and third.bytes_sent == 0
+        async def sync_again():  # the seeds' form: awaited
+            return await asyncio.wait_for(procs.sync_workspace(ws, auto_reload=True), 60)
+
+        third = asyncio.run(sync_again())  # nothing changed
+        assert third.changed == [] and third.bytes_sent == 0 and sorted(third.reloaded) == [0, 1, 2, 3]
     finally:
         procs.stop()
 
