@@ -140,6 +140,7 @@ def test_point_is_a_mapping_and_an_int():
     assert p == 4 and int(p) == 4 and [10, 11, 12, 13, 14][p] == 14
     assert p == Point(4, {"hosts": 1, "gpus": 1}, 6)
     assert hash(p) == hash(Point(4, {"hosts": 1, "gpus": 1}, 6))
+    assert hash(p) == hash(4) and {4: "x"}[p] == "x" and p in {4} and 4 in {p}  # equal, so hashed alike
     with pytest.raises(KeyError, match="'tp'.*hosts.*gpus"):
         p["tp"]
 
