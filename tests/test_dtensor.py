@@ -77,7 +77,7 @@ def test_random_chains_and_grads_match_local(mesh1d, mesh2d, two_d, m, n, data, 
     if grad:
         ref.sum().backward()
         out.sum().backward()
-        assert dt.grad.placements == tuple(placements) or dt.grad.shape == dt.shape
+        assert dt.grad.shape == dt.shape  # (its placements may differ from the input's: a chain can leave it Partial)
         _close(dt.grad.full_tensor(), ref_x.grad)
 
 

@@ -94,7 +94,10 @@ def test_shape_cache_hits_and_user_frame():
         v = fake(((2,), (3,), 1, torch.float32))
         assert v.stride() == (3,) and v.storage_offset() == 1
     assert ct.contiguous_meta((2, 3, 4), torch.float16) == ((2, 3, 4), (12, 4, 1), 0, torch.float16)
-    assert ct.intern_meta(((5,), (1,), 0, torch.int8)) == ct.intern_meta(((5,), (1,), 0, torch.int8))
+    a, b = ((5,), (1,), 0, torch.int8), ((5,), (1,), 0, torch.int16)
+    ids = ct.intern_meta(a), ct.intern_meta(b)
+    assert ids[0] != ids[1]  # a meta's id names it alone
+    assert (ct.intern_meta(((5,), (1,), 0, torch.int8)), ct.intern_meta(b)) == ids  # an equal meta: the same id
 
 
 class _RacyQueue(collections.deque):
