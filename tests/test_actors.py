@@ -87,6 +87,15 @@ class Counter(Actor):
         await asyncio.sleep(seconds)
         return seconds
 
+    @endpoint
+    async def gated(self, gate: str) -> str:
+        """Returns once the file ``gate`` exists (at most 60 s)."""
+        for _ in range(6000):
+            if os.path.exists(gate):
+                return "open"
+            await asyncio.sleep(0.01)
+        return "never opened"
+
     def helper(self) -> None:
         """Not an endpoint."""
 
@@ -469,13 +478,15 @@ def test_sync_endpoint_can_call_another_actor_on_its_own_proc(procs):
 
 
 # ---- futures -------------------------------------------------------------------------------------
-def test_get_with_timeout_raises_timeout_error(procs):
+def test_get_with_timeout_raises_timeout_error(procs, tmp_path):
     c = procs.spawn("slow_counter", Counter)
-    fut = c.slice(hosts=0, gpus=1).slow.call_one(1.0)
+    gate = str(tmp_path / "gate")
+    fut = c.slice(hosts=0, gpus=1).gated.call_one(gate)  # cannot return before the gate opens below
     with pytest.raises(TimeoutError, match="within"):
         fut.get(timeout=0.05)
     assert not fut.done()
-    assert fut.get(timeout=T) == 1.0
+    open(gate, "w").close()
+    assert fut.get(timeout=T) == "open"
 
 
 def test_await_futures_in_asyncio_run(procs):

@@ -183,6 +183,7 @@ def test_large_messages_are_never_batched(pair):
     got = inbox.wait_for(20)
     assert [m.args[0] for m in got] == list(range(20))
     assert all(m.args[1] == (big if m.args[0] % 2 else b"") for m in got)
+    assert tx.batches_sent == 0  # (the small ones each sat between two large ones: nothing to batch with)
 
 
 def test_close_sends_what_is_still_batched():
@@ -210,9 +211,12 @@ class Worker(Actor):
         return i
 
     @endpoint
-    def slow(self, seconds: float) -> str:
-        time.sleep(seconds)
-        return "slow done"
+    def slow(self, gate: str) -> str:
+        """Returns once the file ``gate`` exists (at most 60 s)."""
+        deadline = time.monotonic() + 60
+        while not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return "slow done" if os.path.exists(gate) else "gate never opened"
 
     @endpoint
     def order(self) -> list[int]:
@@ -234,14 +238,16 @@ def test_pipelined_calls_run_in_order_and_every_reply_arrives(worker):
     assert worker.order.call_one().get(timeout=30)[-2000:] == list(range(2000))
 
 
-def test_a_reply_is_not_held_back_by_a_slow_call_behind_it(worker):
+def test_a_reply_is_not_held_back_by_a_slow_call_behind_it(worker, tmp_path):
+    gate = str(tmp_path / "gate")
     futs = [worker.quick.call_one(i) for i in range(200)]
-    slow = worker.slow.call_one(8.0)  # in the same burst: the proc runs it right after the quick ones
-    # The quick replies arrive while the slow call still sleeps (8 s): a batched reply waits for
-    # at most the flush thread's delay, never for the calls after it.
-    assert [f.get(timeout=5) for f in futs] == list(range(200))
+    slow = worker.slow.call_one(gate)  # in the same burst: the proc runs it right after the quick ones
+    # The quick replies arrive while the slow call still waits for its gate, which opens only after
+    # them: a batched reply waits for at most the flush thread's delay, never for the calls after it.
+    assert [f.get(timeout=50) for f in futs] == list(range(200))
     assert not slow.done()
-    assert slow.get(timeout=30) == "slow done"
+    open(gate, "w").close()
+    assert slow.get(timeout=60) == "slow done"
 
 
 def test_stream_and_call_on_a_mesh_with_batching(worker):

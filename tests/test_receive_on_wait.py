@@ -7,6 +7,7 @@ wait nested inside a callback, the I/O thread taking over again, and a close dur
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -29,6 +30,14 @@ class Echo(Actor):
         time.sleep(dt)
         return x
 
+    @endpoint
+    def gated(self, x, gate: str):
+        """Returns ``x`` once the file ``gate`` exists (at most 60 s)."""
+        deadline = time.monotonic() + 60
+        while not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return x
+
 
 @pytest.fixture(scope="module")
 def echo():
@@ -43,9 +52,30 @@ def _settled_on(fut: Future) -> list:
     return where
 
 
-def test_the_waiting_thread_dispatches_its_own_reply(echo, monkeypatch):
+def _open_once_waiting(monkeypatch, gate: str) -> None:
+    """Create the file ``gate`` from another thread as soon as a thread starts waiting on a reply
+    (``Mailbox.lead``): a gated call's reply then comes during the wait, however slow the machine."""
+    entered = threading.Event()
+    real = mb_mod.Mailbox.lead
+
+    def lead(self, fut, timeout):
+        entered.set()
+        return real(self, fut, timeout)
+
+    monkeypatch.setattr(mb_mod.Mailbox, "lead", lead)
+
+    def opener() -> None:
+        if entered.wait(60):
+            open(gate, "w").close()
+
+    threading.Thread(target=opener, daemon=True).start()
+
+
+def test_the_waiting_thread_dispatches_its_own_reply(echo, monkeypatch, tmp_path):
     assert echo.echo.call_one(0).get(timeout=30) == 0
-    fut = echo.slow.call_one(1, 0.2)  # still running when get() starts: its reply comes during the wait
+    gate = str(tmp_path / "gate")
+    fut = echo.gated.call_one(1, gate)  # replies once get() below waits: the reply comes during the wait
+    _open_once_waiting(monkeypatch, gate)
     where = _settled_on(fut)
     assert fut.get(timeout=30) == 1
     assert where == [threading.current_thread()]

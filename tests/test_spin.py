@@ -48,7 +48,33 @@ def test_a_message_that_comes_while_polling_ends_the_poll(pair):
     assert rx.recv(zmq.NOBLOCK) == b"x"
 
 
-def test_a_poll_that_saw_nothing_switches_polling_off_until_a_short_wait(pair):
+class _StepClock:
+    """``time`` for the mailbox module whose ``perf_counter`` moves 1 ms at each reading (and ``advance``
+    moves it on): a polling window of 20 ms ends after 20 tries, whatever the machine's speed."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        self.now += 0.001
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = _StepClock()
+    monkeypatch.setattr(mb_mod, "time", c)
+    monkeypatch.setattr(mb_mod, "_crowded", lambda: False)  # (a busy machine would end a poll early)
+    return c
+
+
+def test_a_poll_that_saw_nothing_switches_polling_off_until_a_short_wait(pair, clock):
     rx, tx = pair
     spin = Spin(rx, seconds=0.02)
     assert spin.poll() is False  # nothing came: off
@@ -60,12 +86,12 @@ def test_a_poll_that_saw_nothing_switches_polling_off_until_a_short_wait(pair):
     assert rx.recv(zmq.NOBLOCK) == b"a"
 
 
-def test_a_long_blocked_wait_keeps_polling_off(pair):
+def test_a_long_blocked_wait_keeps_polling_off(pair, clock):
     rx, tx = pair
     spin = Spin(rx, seconds=0.02)
     assert spin.poll() is False
     assert spin.poll() is False  # still off; this one starts the blocked wait below
-    time.sleep(0.1)  # the blocked wait, longer than the polling window
+    clock.advance(0.1)  # the blocked wait, longer than the polling window
     spin.woke()
     tx.send(b"b")
     _readable(rx)
