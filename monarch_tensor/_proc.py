@@ -57,11 +57,17 @@ class Reserved:
 
 
 class _LogForwarder:
-    """Routes fds 1 and 2 through pipes and sends their lines to the client."""
+    """Routes fds 1 and 2 through pipes and sends their lines to the client.
+
+    ``set_enabled`` switches the forwarding in order with the output: it writes a marker into each pipe,
+    and a pump switches its stream when it reads the marker, so lines written before the switch are
+    handled as before it, however late the pump reads them."""
+
+    _MARKS = {b"\0monarch-tensor logs off\0": False, b"\0monarch-tensor logs on\0": True}
 
     def __init__(self, mailbox: Mailbox, client_addr: str, rank: int) -> None:
         self.mailbox, self.client_addr, self.rank = mailbox, client_addr, rank
-        self.enabled = True
+        self.enabled = {1: True, 2: True}  # per stream, as its pump has read the switches
         self.threads = []
         self.originals = {}
         for stream in (1, 2):
@@ -86,14 +92,35 @@ class _LogForwarder:
                 break
             pending += chunk
             *lines, pending = pending.split(b"\n")
-            if lines:
-                self._emit(stream, lines)
+            start = 0
+            for i, ln in enumerate(lines):
+                mark = next((m for m in self._MARKS if ln.endswith(m)), None)
+                if mark is None:
+                    continue
+                before = lines[start:i] + ([ln[:-len(mark)]] if len(ln) > len(mark) else [])
+                if before:  # (a partial line the marker came behind ends here)
+                    self._emit(stream, before)
+                self.enabled[stream] = self._MARKS[mark]
+                start = i + 1
+            if lines[start:]:
+                self._emit(stream, lines[start:])
         if pending:
             self._emit(stream, [pending])
 
+    def set_enabled(self, on: bool) -> None:
+        """Forward what is written from now on (``on``), or leave it on the proc's own terminal."""
+        mark = next(m for m, v in self._MARKS.items() if v == on) + b"\n"
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for stream in (1, 2):
+            try:
+                os.write(stream, mark)
+            except OSError:  # the pipes are gone (the proc is stopping): nothing is forwarded any more
+                self.enabled[stream] = on
+
     def _emit(self, stream: int, lines: list[bytes]) -> None:
         text = tuple(ln.decode(errors="replace") for ln in lines)
-        if self.enabled:
+        if self.enabled[stream]:
             try:
                 self.mailbox.send(self.client_addr, ForwardLogs(self.rank, stream, text))
                 return
@@ -225,7 +252,7 @@ class ProcRuntime:
             entry.done.set()
 
     def handle_SetLogging(self, msg: SetLogging) -> None:
-        self.logs.enabled = msg.stream_to_client
+        self.logs.set_enabled(msg.stream_to_client)
         self._reply(msg.reply, None, None, self.rank)
 
     def handle_StopProc(self, msg: StopProc) -> None:

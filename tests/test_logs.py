@@ -167,9 +167,7 @@ def test_stream_to_client_false_stops_forwarding_and_true_resumes_it(tmp_path):
             talkers = procs.spawn("talker", Talker)
             procs.logging_option(stream_to_client=False).get(timeout=30)
             talkers.talk.call("muted").get(timeout=30)
-            # The flag is read when a proc's pump thread forwards a line, so give
-            # the muted lines time to leave the pipe before switching back on.
-            time.sleep(0.5)
+            # At once: the switch goes through the pipes behind the muted lines.
             procs.logging_option(stream_to_client=True).get(timeout=30)
             talkers.talk.call("unmuted").get(timeout=30)
             for r in (0, 1):
@@ -190,3 +188,30 @@ def test_stream_to_client_false_stops_forwarding_and_true_resumes_it(tmp_path):
     for r in (0, 1):
         assert f"[{r}] unmuted print rank {r}" in lines(out.stdout)
         assert f"[{r}] unmuted print-stderr rank {r}" in lines(out.stderr)
+
+
+@pytest.mark.timeout(30)
+def test_a_switch_applies_in_order_with_the_lines_around_it():
+    """A proc's forwarder switches a stream when its pump reads the switch's marker in the pipe: lines
+    written before the switch are handled as before it, however late the pump reads them (here all at
+    once, after every write), and a partial line that the marker comes behind ends there."""
+    from monarch_tensor._proc import _LogForwarder
+
+    sent: list = []
+    fw = _LogForwarder.__new__(_LogForwarder)  # no fds taken over: the pump reads a pipe of the test's own
+    fw.mailbox = type("M", (), {"send": staticmethod(lambda addr, msg: sent.extend(msg.lines))})()
+    fw.client_addr, fw.rank, fw.enabled = "client", 0, {1: True, 2: True}
+    term_r, term_w = os.pipe()  # stands for the proc's own terminal
+    fw.originals = {1: term_w}
+    off, on = (next(m for m, v in _LogForwarder._MARKS.items() if v is x) + b"\n" for x in (False, True))
+    r, w = os.pipe()
+    os.write(w, b"before\npartial" + off + b"muted\n" + on + b"after\n")
+    os.close(w)
+    fw._pump(r, 1)
+    os.close(r)
+    os.close(term_w)
+    with os.fdopen(term_r, "rb") as f:
+        terminal = f.read()
+    assert sent == ["before", "partial", "after"]
+    assert terminal == b"muted\n"
+    assert fw.enabled == {1: True, 2: True}
