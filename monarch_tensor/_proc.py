@@ -68,6 +68,7 @@ class _LogForwarder:
     def __init__(self, mailbox: Mailbox, client_addr: str, rank: int) -> None:
         self.mailbox, self.client_addr, self.rank = mailbox, client_addr, rank
         self.enabled = {1: True, 2: True}  # per stream, as its pump has read the switches
+        self.flushed = False
         self.threads = []
         self.originals = {}
         for stream in (1, 2):
@@ -113,9 +114,12 @@ class _LogForwarder:
         sys.stdout.flush()
         sys.stderr.flush()
         for stream in (1, 2):
+            if self.flushed:  # fds 1 and 2 are the terminal's again: no pump reads a marker any more
+                self.enabled[stream] = on
+                continue
             try:
                 os.write(stream, mark)
-            except OSError:  # the pipes are gone (the proc is stopping): nothing is forwarded any more
+            except OSError:
                 self.enabled[stream] = on
 
     def _emit(self, stream: int, lines: list[bytes]) -> None:
@@ -129,6 +133,7 @@ class _LogForwarder:
         os.write(self.originals[stream], ("\n".join(text) + "\n").encode())
 
     def flush(self, timeout: float = 2.0) -> None:
+        self.flushed = True
         sys.stdout.flush()
         sys.stderr.flush()
         for stream in (1, 2):

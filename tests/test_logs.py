@@ -200,7 +200,7 @@ def test_a_switch_applies_in_order_with_the_lines_around_it():
     sent: list = []
     fw = _LogForwarder.__new__(_LogForwarder)  # no fds taken over: the pump reads a pipe of the test's own
     fw.mailbox = type("M", (), {"send": staticmethod(lambda addr, msg: sent.extend(msg.lines))})()
-    fw.client_addr, fw.rank, fw.enabled = "client", 0, {1: True, 2: True}
+    fw.client_addr, fw.rank, fw.enabled, fw.flushed = "client", 0, {1: True, 2: True}, False
     term_r, term_w = os.pipe()  # stands for the proc's own terminal
     fw.originals = {1: term_w}
     off, on = (next(m for m, v in _LogForwarder._MARKS.items() if v is x) + b"\n" for x in (False, True))
