@@ -210,15 +210,15 @@ class RDMABuffer:
     # ---- transfers --------------------------------------------------------------------
     def read_into(self, dst: Any, *, offset: int = 0, timeout: float = DEFAULT_TIMEOUT) -> Future[None]:
         """Copy ``dst.nbytes`` bytes of the buffer, from ``offset``, into ``dst``; a Future of None."""
-        local = self._check(dst, offset, "read_into destination")
-        return self._submit("read", local, offset, timeout)
+        local = self._check(dst, offset, "read_into destination", into=True)
+        return self._submit("read", local, offset, _check_timeout(timeout))
 
     def write_from(self, src: Any, *, offset: int = 0, timeout: float = DEFAULT_TIMEOUT) -> Future[None]:
         """Copy ``src`` into the buffer at ``offset``; a Future of None."""
         local = self._check(src, offset, "write_from source")
         if not self._desc.writable:
             raise ValueError(f"{self!r} wraps read-only memory: it cannot be written")
-        return self._submit("write", local, offset, timeout)
+        return self._submit("write", local, offset, _check_timeout(timeout))
 
     def drop(self) -> None:
         """End the registration (from the owner, or from anywhere holding the handle)."""
@@ -236,8 +236,10 @@ class RDMABuffer:
             except Exception as e:  # noqa: BLE001 - a dead owner has nothing left to drop
                 log.debug("drop of %r: %s", self, e)
 
-    def _check(self, obj: Any, offset: int, what: str) -> Mem:
+    def _check(self, obj: Any, offset: int, what: str, into: bool = False) -> Mem:
         local = as_mem(obj, what)
+        if into and not local.writable:
+            raise ValueError(f"{what} is read-only ({type(obj).__name__}): a read needs memory it may write")
         if not isinstance(offset, int) or offset < 0:
             raise ValueError(f"offset must be a non-negative int, got {offset!r}")
         if offset + local.nbytes > self._desc.nbytes:
@@ -302,6 +304,12 @@ def _check_owner(d: Descriptor) -> None:
             raise OwnerDiedError(f"the owner of buffer {d.buf_id} ({d.owner}) died")
 
 
+def _check_timeout(timeout: Any) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return timeout
+
+
 class RDMAAction:
     """Several transfers submitted together; ``submit()`` is a Future of None that fails if any fails.
 
@@ -312,7 +320,7 @@ class RDMAAction:
         self._ops: list[tuple[str, RDMABuffer, Mem, int]] = []
 
     def read_remote(self, buf: RDMABuffer, dst: Any, *, offset: int = 0) -> RDMAAction:
-        self._ops.append(("read", buf, buf._check(dst, offset, "read_remote destination"), offset))
+        self._ops.append(("read", buf, buf._check(dst, offset, "read_remote destination", into=True), offset))
         return self
 
     def write_remote(self, buf: RDMABuffer, src: Any, *, offset: int = 0) -> RDMAAction:
@@ -322,6 +330,7 @@ class RDMAAction:
         return self
 
     def submit(self, *, timeout: float = DEFAULT_TIMEOUT) -> Future[None]:
+        _check_timeout(timeout)
         futs = [buf._submit(kind, mem, off, timeout, defer=False) for kind, buf, mem, off in self._ops]
         out: Future[None] = TransferFuture(f"RDMAAction of {len(futs)} transfers")
         left = [len(futs)]

@@ -545,6 +545,26 @@ def test_pid_and_per_process_values_follow_a_fork():
     assert my_pid() == os.getpid() and get() == os.getpid() and made == [os.getpid()]
 
 
+def test_a_read_into_read_only_memory_or_with_a_bad_timeout_is_refused(owners, backend):
+    buf = _owner(owners).make.call_one("ro", 16).get()
+    ro = np.zeros(16, dtype=np.uint8)
+    ro.setflags(write=False)
+    for dst in (bytes(16), ro, memoryview(bytearray(16)).toreadonly()):
+        with pytest.raises(ValueError, match="is read-only"):
+            buf.read_into(dst)
+        with pytest.raises(ValueError, match="is read-only"):
+            RDMAAction().read_remote(buf, dst)
+    assert bytes(ro) == bytes(16)  # untouched
+    for timeout in (None, 0, -1, "5", True):
+        with pytest.raises(ValueError, match="timeout must be a positive number"):
+            buf.read_into(bytearray(16), timeout=timeout)
+        with pytest.raises(ValueError, match="timeout must be a positive number"):
+            buf.write_from(bytearray(16), timeout=timeout)
+    out = bytearray(16)
+    buf.read_into(out, timeout=30).get(timeout=30)
+    assert torch.equal(torch.frombuffer(out, dtype=torch.uint8), _owner(owners).value.call_one("ro").get())
+
+
 def test_a_zombie_owner_is_not_alive():
     """A process that exited and that its parent has not reaped yet still has its /proc entry and start
     time: it is dead all the same (a reader's tcp connection to it was reset, and the error says so)."""
