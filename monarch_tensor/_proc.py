@@ -197,12 +197,23 @@ class ProcRuntime:
         if handler is None:
             log.warning("proc %d dropped unknown message %s", self.rank, type(msg).__name__)
             return
-        handler(msg)
+        try:
+            handler(msg)
+        except Exception as e:  # noqa: BLE001 - its sender hears of it, and does not wait forever
+            if not self.mailbox.fail_reply(msg, e):
+                raise
 
     # ---- handlers, one per message ------------------------------------------
     def handle_SpawnActor(self, msg: SpawnActor) -> None:
         shape: Shape = msg.shape
         point = shape.point(msg.rank) if len(shape.names) else Point(0, {}, 1)
+        old = self.actors.get(msg.name)
+        if old is not None and old.init_error is None:  # (one whose constructor failed may be spawned again)
+            err = ValueError(f"an actor named {msg.name!r} already runs on proc {self.rank}: spawn it under "
+                             f"another name (the running one keeps its state)")
+            self._reply(msg.reply, None, ActorError(msg.name, point.rank, "__init__", repr(err), "", err),
+                        point.rank)
+            return
         ctx = _context.ActorContext(msg.name, point, self.rank, sizes=shape.sizes)
         slot = _Slot(msg.name, None, ctx)
         token = _context.enter(ctx)
@@ -360,7 +371,11 @@ class ProcRuntime:
         if tb is not None and tb.tb_frame.f_code.co_filename == __file__:
             tb = tb.tb_next  # the user's frames only, not the runtime's
         text = "".join(traceback.format_exception(type(e), e, tb))
-        return ActorError(slot.name, slot.ctx.rank.rank, msg.method, repr(e), text, _picklable(e))
+        try:
+            shown = repr(e)
+        except Exception:  # noqa: BLE001 - user code: an exception whose __repr__ raises
+            shown = f"{type(e).__name__} (its repr() raised)"
+        return ActorError(slot.name, slot.ctx.rank.rank, msg.method, shown, text, _picklable(e))
 
     def _reply(self, port, value, error, rank) -> None:
         if port is None:

@@ -189,6 +189,10 @@ def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs
         raise ValueError(f"actor name must be a non-empty string, got {name!r}")
     procs._check_alive()
     members = procs._members()
+    taken = [p.rank for p in members if name in p.actors]
+    if taken:
+        raise ValueError(f"an actor named {name!r} already runs on proc(s) of rank {taken} of this mesh: spawn "
+                         f"it under another name (the running one keeps its state)")
     shape = Shape(procs._shape.names, procs._shape.dims)
     mailbox = current_mailbox()
     if mailbox.on_message is None and any(p.addr == mailbox.addr for p in members):
@@ -200,6 +204,15 @@ def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs
                     observing=False)
     port = mailbox.open_port(col)
     mesh = ActorMesh(name, cls, members, shape, col.future, procs)
+    for p in members:
+        p.actors.add(name)
+
+    def failed(f: Future) -> None:  # a constructor that raised: the name may be used again
+        if f.exception() is not None:
+            for p in members:
+                p.actors.discard(name)
+
+    col.future.add_done_callback(failed)
     for i, p in enumerate(members):
         mailbox.send(p.addr, SpawnActor(name, cls, args, kwargs, i, shape, port))
     return mesh
@@ -303,6 +316,8 @@ class Accumulator(Generic[R]):
     """Fold the results of ``endpoint.call`` with ``combine``, starting from ``identity``."""
 
     def __init__(self, endpoint: Endpoint, identity: Any, combine: Callable[[Any, Any], Any]) -> None:
+        if not callable(combine):
+            raise TypeError(f"Accumulator(combine=...) must be callable, got {combine!r}")
         self._endpoint, self._identity, self._combine = endpoint, identity, combine
 
     def accumulate(self, *args, **kwargs) -> Future:
@@ -313,8 +328,12 @@ class Accumulator(Generic[R]):
                 out._set_exception(f.exception())
                 return
             acc = self._identity
-            for v in f.get().values():
-                acc = self._combine(acc, v)
+            try:
+                for v in f.get().values():
+                    acc = self._combine(acc, v)
+            except Exception as e:  # noqa: BLE001 - user code: the waiter gets it
+                out._set_exception(e)
+                return
             out._set_result(acc)
 
         self._endpoint.call(*args, **kwargs).add_done_callback(done)

@@ -23,6 +23,14 @@ from .mailbox import current_mailbox
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
+def _check_values(values) -> None:
+    for v in values:
+        if v is not None and not isinstance(v, str):
+            raise TypeError(f"environment values must be str or None, got {v!r}")
+        if v is not None and "\0" in v:
+            raise ValueError(f"environment values cannot hold a NUL character, got {v!r}")
+
+
 def _check_name(name: str) -> None:
     if not isinstance(name, str) or not _NAME.match(name):
         raise ValueError(f"bad environment variable name {name!r}: letters, digits and '_', not starting with a digit")
@@ -76,6 +84,8 @@ class ProcEnv:
 
     def list(self, prefix: str = "") -> Future:
         """``{name: value}`` of the variables starting with ``prefix``, per rank, as a ``ValueMesh``."""
+        if not isinstance(prefix, str):
+            raise TypeError(f"env.list(prefix): prefix must be a str, got {prefix!r}")
         return self._call(lambda i, port: ReadEnv(None, prefix, port), self._values, f"env.list({prefix!r})")
 
     def set(self, name: str, value: str | None | Mapping[int, str | None] | list) -> Future:
@@ -93,16 +103,12 @@ class ProcEnv:
             return self._set_some(name, dict(value))
         else:
             per = [value] * n
-        for v in per:
-            if v is not None and not isinstance(v, str):
-                raise TypeError(f"environment values must be str or None, got {v!r}")
+        _check_values(per)
         self._moved_roots(name, self._mesh._members())
         return self._call(lambda i, port: WriteEnv({name: per[i]}, port), lambda vs: None, f"env.set({name!r})")
 
     def _set_some(self, name: str, values: dict) -> Future:
-        for v in values.values():
-            if v is not None and not isinstance(v, str):
-                raise TypeError(f"environment values must be str or None, got {v!r}")
+        _check_values(values.values())
         mesh = self._mesh
         members = mesh._members()
         mailbox = current_mailbox()

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from . import _context, _zygote
@@ -46,6 +46,7 @@ class ProcInfo:
     stopping: bool = False
     exit_status: str = ""
     owner: Any = None  # the ProcMesh allocation that made it
+    actors: set = field(default_factory=set)  # names of the actors spawned on it from here (not pickled)
 
     def __getstate__(self):
         return {"addr": self.addr, "rank": self.rank, "pid": self.pid, "alive": self.alive}
@@ -308,6 +309,8 @@ class ProcMesh:
         from . import logs
         from ._ports import Collector
 
+        if not isinstance(stream_to_client, bool):
+            raise TypeError(f"logging_option(stream_to_client=...) must be True or False, got {stream_to_client!r}")
         logs.configure(aggregate_window_sec)
         members = [p for p in self._members() if p.alive]
         addrs = [p.addr for p in members]

@@ -557,7 +557,11 @@ class Mailbox:
                 if self.on_logs is not None:
                     self.on_logs(msg)
             elif type(msg) in SYSTEM_HANDLERS:
-                SYSTEM_HANDLERS[type(msg)](self, msg)
+                try:
+                    SYSTEM_HANDLERS[type(msg)](self, msg)
+                except Exception as e:  # noqa: BLE001 - its sender hears of it, and does not wait forever
+                    if not self.fail_reply(msg, e):
+                        raise
             elif defer is not None:
                 defer(msg)
             elif self.on_message is not None:
@@ -566,6 +570,17 @@ class Mailbox:
                 log.warning("dropped unexpected %s on %s", type(msg).__name__, self.addr)
         except Exception:  # noqa: BLE001 - a bad message never kills the I/O thread
             log.exception("error while handling %s", type(msg).__name__)
+
+    def fail_reply(self, msg: object, error: BaseException) -> bool:
+        """Answer ``msg``'s reply port (a ``reply`` field) with ``error``, raised where this process handled
+        ``msg``; False when ``msg`` has no reply port."""
+        reply = getattr(msg, "reply", None)
+        if not isinstance(reply, PortRef):
+            return False
+        log.warning("%s failed on %s: %r", type(msg).__name__, self.addr, error)
+        failure = RuntimeError(f"{type(msg).__name__} failed on {self.addr}: {type(error).__name__}: {error}")
+        self.send(reply.addr, SendToPort(reply.port_id, None, failure, -1))
+        return True
 
     def _lost(self, msg: object, error: BaseException, defer: Callable[[object], None] | None = None) -> None:
         """A message whose payload could not be pulled: fail whoever waits on it, never drop it silently."""

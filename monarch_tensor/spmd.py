@@ -48,6 +48,13 @@ def elastic_env(sizes: dict[str, int], index: int, master_addr: str, master_port
 def _setup(proc_mesh, master_addr: str | None, master_port: int | None) -> Future:
     if (master_addr is None) != (master_port is None):
         raise ValueError("give both master_addr and master_port, or neither (rank 0's host and a free port)")
+    if master_addr is not None and (not isinstance(master_addr, str) or not master_addr or "\0" in master_addr):
+        raise TypeError(f"master_addr must be a host name or address (a str), got {master_addr!r}")
+    if master_port is not None and (isinstance(master_port, bool) or not isinstance(master_port, int)
+                                    or not 1 <= master_port <= 65535):
+        raise ValueError(f"master_port must be an int in 1..65535, got {master_port!r}")
+    if not hasattr(proc_mesh, "_check_alive"):
+        raise TypeError(f"the torch elastic env is set on a ProcMesh, got {proc_mesh!r}")
     proc_mesh._check_alive()
     members = proc_mesh._members()
     mailbox = current_mailbox()

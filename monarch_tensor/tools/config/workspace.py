@@ -23,6 +23,8 @@ class Workspace:
     def __init__(self, dirs: list[Path | str] | dict[Path | str, str] | None = None, env: object = None) -> None:
         self.env = env  # Monarch's conda environment option; environments are not synced here
         self.dirs: dict[Path, str] = {}
+        if dirs is not None and not isinstance(dirs, (list, tuple, dict)):
+            raise TypeError(f"Workspace(dirs=...) takes a list of dirs or a {{dir: remote name}} dict, got {dirs!r}")
         items = [(d, None) for d in dirs] if isinstance(dirs, (list, tuple)) else list((dirs or {}).items())
         for src, dst in items:
             if not src:

@@ -1,0 +1,116 @@
+"""Bad input gets a clear error, and a failure on a proc answers its caller instead of leaving it waiting.
+
+Each case here once hung (a proc's handler raised and never replied, or a callback's error was only
+logged) or failed late with an unrelated message; found by probing the public API.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from monarch_tensor import Workspace
+from monarch_tensor.actor import Accumulator, Actor, ActorError, endpoint, this_host
+from monarch_tensor.env_messages import ReadEnv
+from monarch_tensor.messages import SetLogging
+from monarch_tensor.utils import setup_env_for_distributed
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Counter(Actor):
+    def __init__(self, start: int = 0) -> None:
+        self.n = start
+
+    @endpoint
+    def incr(self) -> int:
+        self.n += 1
+        return self.n
+
+    @endpoint
+    def bad_repr(self) -> None:
+        class Odd(Exception):
+            def __repr__(self):
+                raise RuntimeError("no repr")
+
+        raise Odd("odd")
+
+
+@pytest.fixture(scope="module")
+def procs():
+    mesh = this_host().spawn_procs(per_host={"gpus": 2})
+    yield mesh
+    mesh.stop().get(timeout=30)
+
+
+def _send_to_all(procs, make, what: str):
+    """Send ``make(port)`` to every proc of ``procs`` past the client's checks; the Future of their replies."""
+    from monarch_tensor._ports import Collector
+    from monarch_tensor.mailbox import current_mailbox
+
+    members = procs._members()
+    col = Collector([p.addr for p in members], [p.rank for p in members], list, what)
+    port = current_mailbox().open_port(col)
+    for p in members:
+        current_mailbox().send(p.addr, make(port))
+    return col.future
+
+
+def test_a_handler_that_fails_on_a_proc_answers_its_caller(procs):
+    # Past the client's checks: the procs' handlers raise, and the caller hears of it.
+    with pytest.raises(RuntimeError, match="ReadEnv failed on .*TypeError"):
+        _send_to_all(procs, lambda port: ReadEnv(None, None, port), "env read").get(timeout=30)
+    with pytest.raises(RuntimeError, match="SetLogging failed on"):
+        _send_to_all(procs, lambda port: SetLogging("yes", port), "logging").get(timeout=30)
+    assert procs.env.list("MONARCH_TENSOR_RANK").get(timeout=30).values() == [
+        {"MONARCH_TENSOR_RANK": "0"}, {"MONARCH_TENSOR_RANK": "1"}]  # the procs still serve
+
+
+def test_env_and_logging_input_is_checked_on_the_client(procs):
+    with pytest.raises(TypeError, match="prefix must be a str"):
+        procs.env.list(None)
+    with pytest.raises(ValueError, match="NUL character"):
+        procs.env.set("MT_BAD", "a\0b")
+    with pytest.raises(ValueError, match="NUL character"):
+        procs.env.set("MT_BAD", {1: "a\0b"})
+    with pytest.raises(TypeError, match="True or False"):
+        procs.logging_option(stream_to_client="yes")
+    with pytest.raises(TypeError, match="master_addr must be"):
+        setup_env_for_distributed(procs, master_addr=5, master_port=1234)
+    with pytest.raises(ValueError, match="master_port must be an int in 1..65535"):
+        setup_env_for_distributed(procs, master_addr="h", master_port=70000)
+    with pytest.raises(TypeError, match="on a ProcMesh"):
+        setup_env_for_distributed("not a mesh")
+    with pytest.raises(TypeError, match="list of dirs"):
+        Workspace(dirs="/tmp")
+
+
+def test_an_accumulator_whose_combine_fails_fails_its_future(procs):
+    c = procs.spawn("acc_counter", Counter)
+    with pytest.raises(TypeError, match="unsupported operand"):
+        Accumulator(c.incr, 0, lambda a, b: a + "x").accumulate().get(timeout=30)
+    with pytest.raises(TypeError, match="must be callable"):
+        Accumulator(c.incr, 0, 5)
+    assert Accumulator(c.incr, 0, lambda a, b: a + b).accumulate().get(timeout=30) == 2 + 2
+
+
+def test_an_exception_whose_repr_raises_still_fails_the_call(procs):
+    c = procs.spawn("odd_counter", Counter)
+    with pytest.raises(ActorError, match="its repr\\(\\) raised"):
+        c.slice(gpus=0).bad_repr.call_one().get(timeout=30)
+
+
+def test_a_second_actor_of_the_same_name_is_refused_and_the_first_keeps_its_state(procs):
+    first = procs.spawn("named_once", Counter, 10)
+    assert first.incr.call().get(timeout=30).values() == [11, 11]
+    with pytest.raises(ValueError, match="already runs on proc"):
+        procs.spawn("named_once", Counter, 100)
+    with pytest.raises(ValueError, match="already runs on proc"):
+        procs.slice(gpus=1).spawn("named_once", Counter, 100)
+    assert first.incr.call().get(timeout=30).values() == [12, 12]
+    # Past the client's check, the proc refuses it too.
+    from monarch_tensor.host import ProcMesh
+
+    again = ProcMesh([type(p)(p.addr, p.rank) for p in procs._members()], procs._shape)
+    with pytest.raises(ActorError, match="already runs on proc"):
+        again.spawn("named_once", Counter, 100).initialized.get(timeout=30)
+    assert first.incr.call().get(timeout=30).values() == [13, 13]
