@@ -37,7 +37,7 @@ class Shape:
         for n, d in zip(self.names, self.dims):
             if not isinstance(n, str) or not n:
                 raise ValueError(f"dimension names must be non-empty strings, got {n!r}")
-            if not isinstance(d, int) or d < 1:
+            if not isinstance(d, int) or isinstance(d, bool) or d < 1:
                 raise ValueError(f"dimension {n!r} must have a positive int size, got {d!r}")
         if self.strides is None:
             strides, acc = [], 1

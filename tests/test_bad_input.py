@@ -114,3 +114,17 @@ def test_a_second_actor_of_the_same_name_is_refused_and_the_first_keeps_its_stat
     with pytest.raises(ActorError, match="already runs on proc"):
         again.spawn("named_once", Counter, 100).initialized.get(timeout=30)
     assert first.incr.call().get(timeout=30).values() == [13, 13]
+
+
+def test_mesh_sizes_and_job_mesh_names_are_checked():
+    from monarch_tensor.job import LocalJob
+    from monarch_tensor.shape import Shape
+
+    with pytest.raises(ValueError, match="positive int size"):
+        Shape(("gpus",), (True,))
+    for meshes in ({"m": True}, [2], {"m": 0}):  # (none at all: one mesh "hosts" of one host)
+        with pytest.raises(ValueError, match="host counts >= 1"):
+            LocalJob(meshes=meshes)
+    for name in (5, "_meshes", "../esc", "a b"):
+        with pytest.raises(ValueError, match="mesh names must be Python identifiers"):
+            LocalJob(meshes={name: 1})

@@ -45,8 +45,12 @@ class JobTrait:
     kind = "base"
 
     def __init__(self, meshes: dict[str, int]) -> None:
-        if not meshes or any(not isinstance(n, int) or n < 1 for n in meshes.values()):
+        if not isinstance(meshes, dict) or not meshes or any(
+                not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in meshes.values()):
             raise ValueError(f"meshes must map names to host counts >= 1, e.g. {{'mesh0': 2}}, got {meshes!r}")
+        for name in meshes:  # (a name is an attribute of the job's state, and a file name in its directory)
+            if not isinstance(name, str) or not name.isidentifier() or name.startswith("_"):
+                raise ValueError(f"mesh names must be Python identifiers not starting with '_', got {name!r}")
         self.meshes = dict(meshes)
         self.keys = _curve.JobKeys.generate()
         self.addrs: dict[str, list[str]] | None = None
