@@ -64,6 +64,7 @@ class _LogForwarder:
     handled as before it, however late the pump reads them."""
 
     _MARKS = {b"\0monarch-tensor logs off\0": False, b"\0monarch-tensor logs on\0": True}
+    _MARK_OF = {on: mark + b"\n" for mark, on in _MARKS.items()}
 
     def __init__(self, mailbox: Mailbox, client_addr: str, rank: int) -> None:
         self.mailbox, self.client_addr, self.rank = mailbox, client_addr, rank
@@ -92,7 +93,12 @@ class _LogForwarder:
             if not chunk:
                 break
             pending += chunk
+            marked = b"\0" in pending  # (a marker starts with one; output rarely holds any)
             *lines, pending = pending.split(b"\n")
+            if not marked:
+                if lines:
+                    self._emit(stream, lines)
+                continue
             start = 0
             for i, ln in enumerate(lines):
                 mark = next((m for m in self._MARKS if ln.endswith(m)), None)
@@ -110,7 +116,7 @@ class _LogForwarder:
 
     def set_enabled(self, on: bool) -> None:
         """Forward what is written from now on (``on``), or leave it on the proc's own terminal."""
-        mark = next(m for m, v in self._MARKS.items() if v == on) + b"\n"
+        mark = self._MARK_OF[on]
         sys.stdout.flush()
         sys.stderr.flush()
         for stream in (1, 2):
