@@ -17,8 +17,9 @@ owner's pages in small batches and copies them page by page, so the owner's
 page size matters. On this project's 2-core test machine, at 64 and 256 MiB:
 one thread moved 37-50% of memcpy's bytes per second from 4 KiB pages and
 about 100% from 2 MiB pages (a scratch loop of ``process_vm_readv``); two
-threads, in bench/rdma_bench.py at 64 MiB, 72-81% and 90-130%. Procs allocate large tensors on
-2 MiB pages (``THP_MEM_ALLOC_ENABLE``, monarch_tensor/host.py).
+threads, in bench/rdma_bench.py at 64 MiB, 72-81% and 90-130%. Procs
+allocate large tensors on 2 MiB pages (``THP_MEM_ALLOC_ENABLE``,
+monarch_tensor/host.py).
 """
 
 from __future__ import annotations
