@@ -48,13 +48,18 @@ _LEN = struct.Struct("!I")
 _MAIN = b"__main__"
 
 
-class PayloadLost(ProtocolError):
-    """A message's buffers could not be pulled from its sender; ``message`` is the message rebuilt over
-    zeroed buffers (None if even that failed), so that whoever waits on it can be told."""
+class Unreadable(ProtocolError):
+    """A message arrived whole but could not be read; ``message`` is its envelope, rebuilt as far as it
+    can be (None if not even that), so that whoever waits on it can be told ``error``."""
 
     def __init__(self, error: BaseException, message: object) -> None:
         super().__init__(str(error))
         self.error, self.message = error, message
+
+
+class PayloadLost(Unreadable):
+    """A message's buffers could not be pulled from its sender; ``message`` is the message rebuilt over
+    zeroed buffers."""
 
 
 def encode(msg: object, shm: bool | int = False, remote: tuple[int, str, str] | None = None) -> list:
@@ -315,7 +320,13 @@ def decode(frames: list) -> object:
     try:
         return _loads(body, bufs)
     except Exception as e:  # noqa: BLE001 - any unpickling failure is a protocol error
-        raise ProtocolError(f"cannot unpickle message body: {e!r}") from e
+        try:
+            envelope = _salvage(body, bufs)
+        except Exception:  # noqa: BLE001 - not even the envelope: a malformed message
+            raise ProtocolError(f"cannot unpickle message body: {e!r}") from e
+        error = ProtocolError(f"cannot unpickle {_describe(envelope)} where it arrived: {e!r}")
+        error.__cause__ = e
+        raise Unreadable(error, envelope) from e
 
 
 def _loads(body, bufs) -> object:
@@ -325,6 +336,171 @@ def _loads(body, bufs) -> object:
         if decoder is not None:
             return decoder(msg)
     return msg
+
+
+class _Stub:
+    """Stands for whatever in a message could not be rebuilt where it arrived (a class its receiver cannot
+    import, a reducer that raises there), so that the rest of the message, its reply port, can be read."""
+
+    def __new__(cls, *args, **kwargs):
+        return object.__new__(cls)
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def __call__(self, *args, **kwargs) -> "_Stub":
+        return _Stub()
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Stub()
+
+    def __setstate__(self, state) -> None:
+        pass
+
+    def append(self, item) -> None:
+        pass
+
+    def extend(self, items) -> None:
+        pass
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+    def add(self, item) -> None:
+        pass
+
+
+# Modules of the records that carry messages (their reply ports): what a salvage rebuilds when nothing
+# else can be. A protocol module adds its own name.
+ENVELOPE_MODULES = {"builtins", "copyreg", "monarch_tensor.messages", "monarch_tensor.agent_messages",
+                    "monarch_tensor.sync_messages", "monarch_tensor.errors"}
+
+
+class _SalvageUnpickler(pickle._Unpickler):
+    """Reads a message whose body failed to unpickle, leaving out only what failed: a global its receiver
+    cannot import, and whatever a reducer or ``__setstate__`` that raises here was rebuilding, become
+    :class:`_Stub`. Pure Python (its opcodes can be wrapped): only for messages that already failed."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def find_class(self, module: str, name: str):
+        try:
+            return super().find_class(module, name)
+        except Exception:  # noqa: BLE001
+            return _Stub
+
+    def _made(self, make: Callable, *args, **kwargs) -> object:
+        try:
+            return make(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - this piece of the message stays unreadable
+            return _Stub()
+
+    def load_reduce(self) -> None:
+        args = self.stack.pop()
+        self.stack[-1] = self._made(self.stack[-1], *args)
+
+    def load_newobj(self) -> None:
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        self.append(self._made(lambda: cls.__new__(cls, *args)))
+
+    def load_newobj_ex(self) -> None:
+        kwargs = self.stack.pop()
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        self.append(self._made(lambda: cls.__new__(cls, *args, **kwargs)))
+
+    def load_build(self) -> None:
+        try:
+            pickle._Unpickler.load_build(self)  # pops the state first, then sets it on the object below
+        except Exception:  # noqa: BLE001
+            self.stack[-1] = _Stub()
+
+    def _instantiate(self, klass, args) -> None:
+        try:
+            pickle._Unpickler._instantiate(self, klass, args)  # appends the object once it is made
+        except Exception:  # noqa: BLE001
+            self.append(_Stub())
+
+    dispatch[pickle.REDUCE[0]] = load_reduce
+    dispatch[pickle.NEWOBJ[0]] = load_newobj
+    dispatch[pickle.NEWOBJ_EX[0]] = load_newobj_ex
+    dispatch[pickle.BUILD[0]] = load_build
+
+
+class _EnvelopeUnpickler(pickle.Unpickler):
+    """The last resort: everything but builtins and the runtime's own records is a stub."""
+
+    def find_class(self, module: str, name: str):
+        if module not in ENVELOPE_MODULES:
+            return _Stub
+        return super().find_class(module, name)
+
+
+def _salvage(body, bufs) -> object:
+    """The message as far as it can be read; raises when not even its envelope can."""
+    try:
+        msg = _SalvageUnpickler(io.BytesIO(body), buffers=bufs).load()
+    except Exception:  # noqa: BLE001 - keep only the envelope
+        msg = _EnvelopeUnpickler(io.BytesIO(body), buffers=bufs).load()
+    if type(msg) is tuple and msg and type(msg[0]) is str:
+        decoder = COMPACT_DECODERS.get(msg[0])
+        if decoder is not None:
+            return decoder(msg)
+    return msg
+
+
+def holds(obj: object, kinds: tuple[type, ...] = (_Stub,), budget: int = 100_000) -> bool:
+    """Whether ``obj`` (a piece of a message that could not be read whole) holds an instance of ``kinds``
+    (by default: something that could not be unpickled here); True also when it is too large to look
+    through in ``budget`` steps."""
+    stack, seen = [obj], set()
+    while stack:
+        budget -= 1
+        if budget < 0:
+            return True
+        o = stack.pop()
+        if isinstance(o, kinds):
+            return True
+        t = type(o)
+        if t in (str, bytes, int, float, bool, type(None)) or id(o) in seen:
+            continue
+        seen.add(id(o))
+        if t in (tuple, list, set, frozenset):
+            stack.extend(o)
+        elif t is dict:
+            stack.extend(o.keys())
+            stack.extend(o.values())
+        elif isinstance(o, (type, types.ModuleType)):
+            continue
+        elif isinstance(o, types.FunctionType):
+            stack.extend(o.__defaults__ or ())
+            for cell in o.__closure__ or ():
+                try:
+                    stack.append(cell.cell_contents)
+                except ValueError:  # an empty cell
+                    pass
+        else:
+            d = getattr(o, "__dict__", None)
+            if type(d) is dict:
+                stack.extend(d.values())
+            for k in t.__mro__:
+                slots = k.__dict__.get("__slots__", ())
+                for slot in (slots,) if isinstance(slots, str) else slots:
+                    if slot not in ("__dict__", "__weakref__") and hasattr(o, slot):
+                        stack.append(getattr(o, slot))
+    return False
+
+
+def _describe(msg: object) -> str:
+    actor, method = getattr(msg, "actor", None), getattr(msg, "method", None)
+    if isinstance(actor, str) and isinstance(method, str):
+        return f"the arguments of {actor}.{method}"
+    if hasattr(msg, "port_id") and hasattr(msg, "value"):
+        return "a reply"
+    return f"a {type(msg).__name__} message"
 
 
 def _pull(body: memoryview, desc) -> list:

@@ -83,9 +83,11 @@ _LINGER_S = 0.002  # after a waiter received, the I/O thread waits this long for
 SYSTEM_HANDLERS: dict[type, Callable[[Mailbox, object], None]] = {}
 
 
-# Messages that have no reply port but a waiter all the same (the tensor engine's to_mesh data): on a lost
-# payload, ``rewrite(msg, error)`` gives the message to handle instead. Keyed by (actor, method).
-LOST_REWRITES: dict[tuple[str, str], Callable[[object, BaseException], object]] = {}
+# Messages that have no reply port but waiters all the same (the tensor engine's batches and to_mesh data):
+# when one cannot be read whole, ``rewrite(msg, error, payload_lost)`` gives the message to handle instead;
+# ``payload_lost``: its buffers could not be pulled (the message holds zeros for them), else the pieces that
+# could not be unpickled are stubs (``_wire.holds_stub``). Keyed by (actor, method).
+LOST_REWRITES: dict[tuple[str, str], Callable[[object, BaseException, bool], object]] = {}
 
 
 class PortHandler(Protocol):
@@ -539,8 +541,11 @@ class Mailbox:
             return
         try:
             msg = _wire.decode(frames)
-        except _wire.PayloadLost as e:
-            self._lost(e.message, e.error, defer)
+        except _wire.Unreadable as e:
+            if e.message is None:
+                log.warning("dropped a malformed message on %s: %s", self.addr, e)
+                return
+            self._lost(e.message, e.error, defer, payload_lost=isinstance(e, _wire.PayloadLost))
             return
         except ProtocolError as e:
             log.warning("dropped a malformed message on %s: %s", self.addr, e)
@@ -582,9 +587,11 @@ class Mailbox:
         self.send(reply.addr, SendToPort(reply.port_id, None, failure, -1))
         return True
 
-    def _lost(self, msg: object, error: BaseException, defer: Callable[[object], None] | None = None) -> None:
-        """A message whose payload could not be pulled: fail whoever waits on it, never drop it silently."""
-        from .messages import CallEndpoint, SpawnActor
+    def _lost(self, msg: object, error: BaseException, defer: Callable[[object], None] | None = None,
+              payload_lost: bool = True) -> None:
+        """A message that could not be read whole (its payload could not be pulled, or a piece of it could
+        not be unpickled here): fail whoever waits on it, never drop it silently."""
+        from .messages import CallEndpoint
 
         try:
             if isinstance(msg, SendToPort):  # a reply or channel value: its port gets the error
@@ -593,14 +600,14 @@ class Mailbox:
                 if h is not None and h.deliver(SendToPort(msg.port_id, None, error, msg.rank)):
                     self.close_port(msg.port_id)
                 return
-            reply = getattr(msg, "reply", None) if isinstance(msg, (CallEndpoint, SpawnActor)) else None
-            if reply is not None:  # a call: its caller gets the error
+            reply = getattr(msg, "reply", None)
+            if isinstance(reply, PortRef):  # a call or request: its caller gets the error
                 self.send(reply.addr, SendToPort(reply.port_id, None, error, getattr(msg, "rank", -1)))
                 return
             rewrite = LOST_REWRITES.get((msg.actor, msg.method)) if isinstance(msg, CallEndpoint) else None
             handle = defer if defer is not None else self.on_message
             if rewrite is not None and handle is not None:
-                handle(rewrite(msg, error))
+                handle(rewrite(msg, error, payload_lost))
                 return
         except Exception:  # noqa: BLE001 - never kills the I/O thread
             log.exception("while failing a message whose payload was lost")

@@ -14,6 +14,7 @@ import operator
 from dataclasses import dataclass, fields
 from typing import Any
 
+from monarch_tensor import _wire
 from monarch_tensor.messages import PortRef
 
 
@@ -225,3 +226,4 @@ class CallActor:
 
 INSTRUCTIONS = (CallOp, CallFunction, CreateValue, CreateRank, DeleteRefs, Reduce, FetchValue, SendTensor,
                 RecvTensor, CreateStream, BorrowCreate, BorrowDrop, ReportRefs, CallActor)
+_wire.ENVELOPE_MODULES.add(__name__)  # a batch that cannot be read whole is still read instruction by instruction

@@ -18,13 +18,16 @@ import functools
 import importlib
 import logging
 import os
+import pickle
 import queue
 import threading
 import traceback
 from typing import Any
 
+import numpy as np
 import torch
 
+from monarch_tensor import _wire
 from monarch_tensor._proc import current_runtime
 from monarch_tensor.actor import Actor, current_rank, endpoint
 from monarch_tensor.mailbox import LOST_REWRITES, current_mailbox
@@ -162,7 +165,9 @@ class TensorWorker(Actor):
         handlers, streams = self._handlers, self.streams
         for instr in batch:
             t = type(instr)
-            if t is m.BorrowCreate:
+            if t is tuple:  # (an instruction that could not be read, why): see execute_unreadable
+                streams[instr[0].stream].put(self._unreadable, instr)
+            elif t is m.BorrowCreate:
                 self.borrows[instr.borrow] = [threading.Event(), threading.Event(), None]
                 streams[instr.from_stream].put(self._borrow_ready, instr.borrow)
                 streams[instr.to_stream].put(handlers[t], instr)
@@ -176,6 +181,32 @@ class TensorWorker(Actor):
                 streams[instr.stream].put(handlers[t], (instr, current_runtime().reserve(instr.actor)))
             else:
                 streams[instr.stream].put(handlers[t], instr)
+
+    @endpoint
+    def execute_unreadable(self, batch: list, error: BaseException, payload_lost: bool) -> None:
+        """A batch that arrived but could not be read whole (``_lost_batch``): its instructions that hold
+        what could not be read (pieces that could not be unpickled here, or with ``payload_lost`` any
+        tensor or array, whose bytes could not be pulled) fail their results with ``error``, in their
+        places on their streams; the others run."""
+        kinds = (torch.Tensor, np.ndarray, memoryview, pickle.PickleBuffer) if payload_lost else (_wire._Stub,)
+        self.execute([(instr, error) if type(instr) in _VALUE_INSTRUCTIONS and _wire.holds(instr, kinds)
+                      else instr for instr in batch])
+
+    def _unreadable(self, item: tuple) -> None:
+        msg, error = item
+        name = type(msg).__name__
+        op = msg.op if name == "CallOp" else f"{msg.actor}.{msg.method}" if name == "CallActor" else \
+            getattr(msg.fn, "__qualname__", str(msg.fn)) if name == "CallFunction" else name
+        failure = RemoteException(op if isinstance(op, str) else name, getattr(msg, "loc", None), self.rank,
+                                  f"cannot unpickle it on this proc: {error.__cause__ or error!r}", "",
+                                  _picklable(error))
+        if name == "CreateValue":
+            self.refs[msg.ref] = failure
+        elif name in ("FetchValue", "CallActor"):
+            if msg.reply is not None:
+                self._reply(msg.reply, None, failure)
+        else:
+            self._fail(msg.outs + msg.mutates, failure)
 
     @endpoint
     def deliver(self, xfer: int, value: Any) -> None:
@@ -428,11 +459,21 @@ def send_tensor(mailbox, dest_addr: str, xfer: int, value) -> None:
     mailbox.send(dest_addr, CallEndpoint(WORKER_NAME, "deliver", (xfer, value), {}, None))
 
 
-def _lost_delivery(msg: CallEndpoint, error: BaseException) -> CallEndpoint:
+def _lost_delivery(msg: CallEndpoint, error: BaseException, payload_lost: bool) -> CallEndpoint:
     return CallEndpoint(WORKER_NAME, "deliver_failed", (msg.args[0], error), {}, None)
 
 
+# Instructions that carry values from the controller (constants, functions, actor-call arguments).
+_VALUE_INSTRUCTIONS = (m.CallOp, m.CallFunction, m.CreateValue, m.FetchValue, m.CallActor)
+
+
+def _lost_batch(msg: CallEndpoint, error: BaseException, payload_lost: bool) -> CallEndpoint:
+    batch = msg.args[0] if msg.args and type(msg.args[0]) is list else []
+    return CallEndpoint(WORKER_NAME, "execute_unreadable", (batch, error, payload_lost), {}, None)
+
+
 LOST_REWRITES[(WORKER_NAME, "deliver")] = _lost_delivery
+LOST_REWRITES[(WORKER_NAME, "execute")] = _lost_batch
 
 
 def _picklable(e: BaseException) -> BaseException | None:
