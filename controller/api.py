@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -32,6 +33,8 @@ RECV_TIMEOUT = 300.0
 def client_for(pm) -> MeshClient:
     alloc = pm._alloc
     c = getattr(alloc, "_tensor_client", None)
+    if alloc._stopped:
+        pm._check_alive()  # raises MeshStoppedError
     if c is None:
         pm._check_alive()
         c = alloc._tensor_client = MeshClient(alloc)
@@ -159,6 +162,9 @@ def _to_wire(obj):
 
 
 def _rank_of(ctx: Ctx, shard: dict | None, kwargs: dict) -> int:
+    if shard is not None and not isinstance(shard, Mapping):
+        raise TypeError(f"shard must be a dict of coordinates such as {{'gpus': 1}} (or keywords: gpus=1), "
+                        f"not {type(shard).__name__} {shard!r}")
     coords = dict(shard or {})
     coords.update(kwargs)
     shape = ctx.pm._shape
@@ -249,7 +255,12 @@ def _reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool) -> Te
         raise TypeError(f"reduce needs a mesh tensor, got {type(t).__name__}")
     if reduction not in _REDUCTIONS:
         raise ValueError(f"unknown reduction {reduction!r}; use one of {list(_REDUCTIONS)}")
-    dims = (dims,) if isinstance(dims, str) else tuple(dims)
+    if isinstance(dims, str):
+        dims = (dims,)
+    elif isinstance(dims, (tuple, list)) and all(isinstance(d, str) for d in dims):
+        dims = tuple(dims)
+    else:
+        raise TypeError(f"reduce's dims must be a dimension name or a list of them, such as 'gpus', not {dims!r}")
     ctx = t._ctx
     active = state.stream
     if (active.id if active else 0) != ctx.sid:
@@ -315,6 +326,13 @@ def slice_mesh(t: Tensor, **kwargs) -> Tensor:
 
 def to_mesh(t: Tensor, mesh) -> Tensor:
     """Copy ``t`` to ``mesh`` (same sizes): rank i of ``t``'s mesh sends to rank i of ``mesh``."""
+    if type(t) is not Tensor:
+        raise TypeError(f"to_mesh needs a mesh tensor, got {type(t).__name__}")
+    from monarch_tensor.host import ProcMesh
+
+    if not isinstance(mesh, ProcMesh):
+        raise TypeError(f"to_mesh needs a proc mesh to copy to, such as this_host().spawn_procs(...), "
+                        f"not {type(mesh).__name__} {mesh!r}")
     src = t._ctx
     if tuple(src.pm._shape.dims) != tuple(mesh._shape.dims):
         raise ValueError(f"to_mesh needs meshes of the same sizes: {src.pm._shape} vs {mesh._shape}")

@@ -141,7 +141,17 @@ class MeshClient:
         return c
 
     # ---- issuing -------------------------------------------------------------------------
+    def stopped_error(self):
+        """``MeshStoppedError`` once the procs were stopped (``procs.stop()``), else None."""
+        if not self.alloc._stopped:
+            return None
+        from monarch_tensor.errors import MeshStoppedError
+
+        return MeshStoppedError(f"the proc mesh of these tensors was stopped ({len(self.addrs)} procs)")
+
     def issue(self, instr, ranks: tuple) -> None:
+        if self.alloc._stopped:
+            raise self.stopped_error()
         if ranks is not self._ranks:
             self.flush()
             self._ranks = ranks
@@ -213,6 +223,8 @@ class MeshClient:
     def request(self, rank: int, make_instr, what: str = "fetch") -> Future:
         """Issue ``make_instr(port)`` to proc ``rank`` and flush; a future of its reply."""
         fut: Future = Future(what)
+        if self.alloc._stopped:
+            return Future.failed(self.stopped_error())
         spawned = self.workers._spawned
         if spawned.done() and spawned.exception() is not None:
             return Future.failed(spawned.exception())

@@ -337,3 +337,42 @@ def test_an_actor_call_with_a_failed_or_misplaced_mesh_tensor_is_an_error(procs,
             holder.describe.call(only_rank0)
         with pytest.raises(MeshTensorError, match="other than tuples, lists and dicts"):
             holder.describe.call(_Box(x))
+
+
+def test_tensor_work_on_a_stopped_mesh_is_refused():
+    from monarch_tensor.errors import MeshStoppedError
+
+    mesh = this_host().spawn_procs(per_host={"gpus": 2})
+    try:
+        with mesh.activate():
+            x = torch.ones(3)
+            assert fetch_shard(x).result(timeout=60).tolist() == [1.0, 1.0, 1.0]
+    finally:
+        mesh.stop().get(timeout=60)
+    with pytest.raises(MeshStoppedError):
+        x + 1
+    with pytest.raises(MeshStoppedError):
+        fetch_shard(x).result(timeout=60)
+    with pytest.raises(MeshStoppedError):
+        inspect(x)
+    with pytest.raises(MeshStoppedError):
+        with mesh.activate():
+            pass
+    with pytest.raises(MeshStoppedError):
+        mesh.rank_tensor("gpus")
+    del x  # its delete is queued, never sent
+
+
+def test_bad_arguments_to_fetch_reduce_and_to_mesh_are_clear_errors(procs):
+    with procs.activate():
+        x = torch.ones(3)
+        with pytest.raises(TypeError, match="shard must be a dict of coordinates .* not int 0"):
+            fetch_shard(x, 0)
+        with pytest.raises(TypeError, match="reduce's dims must be a dimension name .* not 5"):
+            x.reduce(5)
+        with pytest.raises(TypeError, match="reduce's dims .* not \\['gpus', 3\\]"):
+            x.reduce(["gpus", 3])
+        with pytest.raises(TypeError, match="to_mesh needs a proc mesh to copy to, .* not str 'x'"):
+            x.to_mesh("x")
+        assert fetch_shard(x, {"gpus": 1}).result(timeout=60).tolist() == [1.0, 1.0, 1.0]
+        assert fetch_shard(x.reduce(["gpus"])).result(timeout=60).tolist() == [2.0, 2.0, 2.0]

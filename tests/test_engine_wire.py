@@ -9,6 +9,7 @@ import collections
 import dataclasses
 import inspect as pyinspect
 import threading
+import types
 
 import pytest
 import torch
@@ -152,6 +153,7 @@ def test_batches_start_small_after_a_pause_and_double_during_a_burst(monkeypatch
     client._send = lambda batch, ranks: sent.append(len(batch))
     client.all_ranks = client._ranks = (0, 1)
     client._lock, client.closed = threading.RLock(), False
+    client.alloc = types.SimpleNamespace(_stopped=False)
     client._q, client._dels = collections.deque(), collections.deque()
     client._limit = cc.FIRST_BATCH
 
