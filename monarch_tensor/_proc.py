@@ -356,7 +356,7 @@ class ProcRuntime:
             return
         finally:
             _context.leave(token)
-        self._reply(msg.reply, value, None, rank)
+        self._reply(msg.reply, value, None, rank, slot, msg.method)
 
     async def _run_async(self, slot: _Slot, msg: CallEndpoint, aw) -> None:
         rank = slot.ctx.rank.rank
@@ -365,7 +365,7 @@ class ProcRuntime:
         except BaseException as e:  # noqa: BLE001 - user code
             self._reply(msg.reply, None, self._error(slot, msg, e), rank)
         else:
-            self._reply(msg.reply, value, None, rank)
+            self._reply(msg.reply, value, None, rank, slot, msg.method)
         finally:
             slot.busy = False
             while slot.done_events:
@@ -383,7 +383,8 @@ class ProcRuntime:
             shown = f"{type(e).__name__} (its repr() raised)"
         return ActorError(slot.name, slot.ctx.rank.rank, msg.method, shown, text, _picklable(e))
 
-    def _reply(self, port, value, error, rank) -> None:
+    def _reply(self, port, value, error, rank, slot: _Slot | None = None, method: str = "?") -> None:
+        """Send ``value`` (or ``error``) to ``port``; ``slot`` and ``method``: the endpoint that made it."""
         if port is None:
             if error is not None:
                 print(f"[monarch_tensor] unawaited error: {error}", file=sys.stderr)
@@ -391,7 +392,8 @@ class ProcRuntime:
         try:
             self.mailbox.send(port.addr, SendToPort(port.port_id, value, error, rank), batch=True)
         except Exception as e:  # noqa: BLE001 - e.g. an unpicklable result
-            err = ActorError("?", rank, "?", f"cannot send the result back: {e!r}", traceback.format_exc())
+            err = ActorError("?" if slot is None else slot.name, rank, method, f"cannot send the result back: {e!r}",
+                             traceback.format_exc())
             try:
                 self.mailbox.send(port.addr, SendToPort(port.port_id, None, err, rank))
             except Exception:  # noqa: BLE001 - not a usable port at all

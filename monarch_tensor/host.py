@@ -375,6 +375,22 @@ class ProcMesh:
 
 _live_meshes: set[ProcMesh] = set()
 
+# The most procs one ``spawn_procs`` starts on each host unless the environment says otherwise: a guard
+# against a typo such as ``{"gpus": 10**6}`` forking until the machine gives out.
+DEFAULT_MAX_PROCS_PER_HOST = 1024
+
+
+def check_procs_per_host(per_host: dict, n: int) -> None:
+    """Refuse ``n`` procs on each host above ``MONARCH_TENSOR_MAX_PROCS_PER_HOST`` (default 1024)."""
+    raw = os.environ.get("MONARCH_TENSOR_MAX_PROCS_PER_HOST", "")
+    try:
+        limit = int(raw) if raw else DEFAULT_MAX_PROCS_PER_HOST
+    except ValueError:
+        raise ValueError(f"MONARCH_TENSOR_MAX_PROCS_PER_HOST must be an integer, not {raw!r}") from None
+    if n > limit:
+        raise ValueError(f"spawn_procs(per_host={per_host}) asks for {n} procs on each host, more than the limit of "
+                         f"{limit}; set MONARCH_TENSOR_MAX_PROCS_PER_HOST to allow more")
+
 
 def _spawn_procs(shape: Shape) -> ProcMesh:
     mailbox = current_mailbox()
@@ -406,6 +422,7 @@ class HostMesh:
         per_host = dict(per_host or {"procs": 1})
         shape = Shape(tuple(self._shape.names) + tuple(per_host),
                       tuple(self._shape.dims) + tuple(per_host.values()))
+        check_procs_per_host(per_host, len(shape))
         return _spawn_procs(shape)
 
     @property

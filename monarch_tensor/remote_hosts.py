@@ -31,7 +31,7 @@ from ._net import ip_towards
 from .agent_messages import EndSession, KeepSession, KillProcs, OpenSession, ReportExit, ShutdownAgent, SpawnProcs
 from .errors import HostUnreachableError, JobKeyError, SupervisionError
 from .future import Future
-from .host import HostMesh, ProcInfo, ProcMesh, _live_meshes, _proc_exited
+from .host import HostMesh, ProcInfo, ProcMesh, _live_meshes, _proc_exited, check_procs_per_host
 from .mailbox import current_mailbox
 from .messages import SendToPort, StopProc
 from .shape import Shape
@@ -313,6 +313,7 @@ class RemoteHostMesh(HostMesh):
             raise ValueError("per_host cannot have a 'hosts' dimension: the host mesh provides it")
         shape = Shape(("hosts", *per_host), (len(self._agents), *per_host.values()))
         per = len(shape) // len(self._agents)
+        check_procs_per_host(per_host, per)
         mailbox = current_mailbox()
         infos: list[ProcInfo] = []
         pending = []

@@ -544,8 +544,9 @@ def test_actor_error_from_async_endpoints_and_odd_exceptions(procs):
     with pytest.raises(ActorError, match="defined inside the endpoint") as ei:
         f.local_exception.call_one().get(timeout=T)
     assert "NotImportable" in str(ei.value)
-    with pytest.raises(ActorError, match="cannot send the result back"):
+    with pytest.raises(ActorError, match="cannot send the result back") as ei:
         f.unpicklable_result.call_one().get(timeout=T)
+    assert (ei.value.actor, ei.value.method) == ("faulty_odd", "unpicklable_result")
     assert f.calls_made.call_one().get(timeout=T) == 0
 
 

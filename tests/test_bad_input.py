@@ -128,3 +128,35 @@ def test_mesh_sizes_and_job_mesh_names_are_checked():
     for name in (5, "_meshes", "../esc", "a b"):
         with pytest.raises(ValueError, match="mesh names must be Python identifiers"):
             LocalJob(meshes={name: 1})
+
+
+def test_spawn_procs_refuses_more_procs_per_host_than_its_limit(monkeypatch):
+    with pytest.raises(ValueError, match=r"asks for 2000000 procs on each host, more than the limit of 1024"):
+        this_host().spawn_procs(per_host={"nodes": 1000, "gpus": 2000})
+    monkeypatch.setenv("MONARCH_TENSOR_MAX_PROCS_PER_HOST", "1")
+    with pytest.raises(ValueError, match="limit of 1; set MONARCH_TENSOR_MAX_PROCS_PER_HOST"):
+        this_host().spawn_procs(per_host={"gpus": 2})
+    monkeypatch.setenv("MONARCH_TENSOR_MAX_PROCS_PER_HOST", "lots")
+    with pytest.raises(ValueError, match="must be an integer, not 'lots'"):
+        this_host().spawn_procs(per_host={"gpus": 2})
+    monkeypatch.setenv("MONARCH_TENSOR_MAX_PROCS_PER_HOST", "2")
+    mesh = this_host().spawn_procs(per_host={"gpus": 2})  # at the limit: allowed
+    try:
+        assert mesh.spawn("at_limit", Counter).incr.call().get(timeout=60).values() == [1, 1]
+    finally:
+        mesh.stop().get(timeout=60)
+
+
+def test_job_load_of_a_file_that_is_no_job_file_says_so(tmp_path):
+    from monarch_tensor._curve import write_private
+    from monarch_tensor.job import job_load
+
+    path = str(tmp_path / "job.json")
+    for text, match in [("{not json", "not a monarch-tensor job file \\(not JSON"),
+                        ("[1, 2]", "not a monarch-tensor job file \\(kind None\\)"),
+                        ('{"kind": "local"}', "damaged local job file: KeyError: 'meshes'"),
+                        ('{"kind": "local", "meshes": {"m": 1}, "keys": 3, "addrs": {}}',
+                         "damaged local job file: TypeError")]:
+        write_private(path, text)
+        with pytest.raises(ValueError, match=match):
+            job_load(path)

@@ -109,20 +109,28 @@ class JobTrait:
 
 def job_load(path: str) -> JobTrait:
     """Reattach to a job from its job file: ``job_load("job.json").state().mesh0``."""
-    data = json.loads(_curve.read_private(path))
+    text = _curve.read_private(path)
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{path} is not a monarch-tensor job file (not JSON: {e})") from None
     from .hosts import HostListJob
     from .local import LocalJob
     from .slurm import SlurmJob
 
     kinds = {c.kind: c for c in (LocalJob, SlurmJob, HostListJob)}
-    cls = kinds.get(data.get("kind"))
+    cls = kinds.get(data.get("kind")) if isinstance(data, dict) else None
     if cls is None:
-        raise ValueError(f"{path} is not a monarch-tensor job file (kind {data.get('kind')!r})")
+        kind = data.get("kind") if isinstance(data, dict) else None
+        raise ValueError(f"{path} is not a monarch-tensor job file (kind {kind!r})")
     job = cls.__new__(cls)
-    JobTrait.__init__(job, data["meshes"])
-    job.keys = _curve.JobKeys(data["keys"]["public"], data["keys"]["secret"]).checked()
-    job.addrs = {k: list(v) for k, v in data["addrs"].items()}
-    job._restore(data)
+    try:
+        JobTrait.__init__(job, data["meshes"])
+        job.keys = _curve.JobKeys(data["keys"]["public"], data["keys"]["secret"]).checked()
+        job.addrs = {k: list(v) for k, v in data["addrs"].items()}
+        job._restore(data)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path} is a damaged {cls.kind} job file: {type(e).__name__}: {e}") from None
     return job
 
 
