@@ -495,6 +495,8 @@ def holds(obj: object, kinds: tuple[type, ...] = (_Stub,), budget: int = 100_000
 
 
 def _describe(msg: object) -> str:
+    if isinstance(msg, _Stub):
+        return "a message"
     actor, method = getattr(msg, "actor", None), getattr(msg, "method", None)
     if isinstance(actor, str) and isinstance(method, str):
         return f"the arguments of {actor}.{method}"

@@ -86,7 +86,7 @@ SYSTEM_HANDLERS: dict[type, Callable[[Mailbox, object], None]] = {}
 # Messages that have no reply port but waiters all the same (the tensor engine's batches and to_mesh data):
 # when one cannot be read whole, ``rewrite(msg, error, payload_lost)`` gives the message to handle instead;
 # ``payload_lost``: its buffers could not be pulled (the message holds zeros for them), else the pieces that
-# could not be unpickled are stubs (``_wire.holds_stub``). Keyed by (actor, method).
+# could not be unpickled are stubs (``_wire.holds``). Keyed by (actor, method).
 LOST_REWRITES: dict[tuple[str, str], Callable[[object, BaseException, bool], object]] = {}
 
 

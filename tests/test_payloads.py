@@ -22,7 +22,7 @@ from monarch_tensor._ports import Collector
 from monarch_tensor.actor import Actor, endpoint
 from monarch_tensor.job import LocalJob
 from monarch_tensor.mailbox import LOST_REWRITES, Mailbox, current_mailbox
-from monarch_tensor.messages import CallEndpoint, SendToPort
+from monarch_tensor.messages import CallEndpoint, PortRef, SendToPort
 from rdma import payload, transfer_stats
 from rdma._registry import registry
 
@@ -161,6 +161,34 @@ def test_to_mesh_data_whose_payload_is_lost_fails_the_receiving_tensor():
     [msg] = got
     assert (msg.method, msg.args[0]) == ("deliver_failed", 7)
     assert isinstance(msg.args[1], payload.PayloadError)
+
+
+@pytest.mark.timeout(60)
+def test_a_tensor_batch_whose_payload_is_lost_fails_the_instructions_that_carried_tensors():
+    import worker.worker as ww
+    from worker import messages as wm
+
+    const = wm.CreateValue(5, torch.randn(MiB), 0)  # its bytes ride the payload
+    op = wm.CallOp("aten::add.Tensor", (wm.Ref(5), 1), {}, (0,), (6,), (), 0, None)  # no data of its own
+    fetch = wm.FetchValue(wm.Ref(6), None, PortRef("ipc:///elsewhere", 3), 0, None)
+    mb = Mailbox(io_thread=False)
+    got = []
+    mb.on_message = got.append
+    try:
+        mb._dispatch(_lost(CallEndpoint(ww.WORKER_NAME, "execute", ([const, op, wm.DeleteRefs((4,), 0), fetch],), {},
+                                        None)))
+    finally:
+        mb.close()
+    [msg] = got
+    assert msg.method == "execute_unreadable"
+    batch, error, payload_lost = msg.args
+    assert payload_lost and isinstance(error, payload.PayloadError)
+    marked = ww.mark_unreadable(batch, error, payload_lost)
+    assert [type(i).__name__ for i in marked] == ["tuple", "CallOp", "DeleteRefs", "FetchValue"]
+    assert marked[0][0].ref == 5 and marked[0][1:] == (error, True)
+    # The same batch with a piece that could not be unpickled fails only the instruction holding it.
+    stubbed = ww.mark_unreadable([op, wm.CreateValue(7, [1, _wire._Stub()], 0)], error, False)
+    assert stubbed[0] is op and stubbed[1][0].ref == 7
 
 
 # ---- real procs behind host agents ---------------------------------------------------------------

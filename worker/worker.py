@@ -165,7 +165,7 @@ class TensorWorker(Actor):
         handlers, streams = self._handlers, self.streams
         for instr in batch:
             t = type(instr)
-            if t is tuple:  # (an instruction that could not be read, why): see execute_unreadable
+            if t is tuple:  # an instruction that could not be read, and why: see mark_unreadable
                 streams[instr[0].stream].put(self._unreadable, instr)
             elif t is m.BorrowCreate:
                 self.borrows[instr.borrow] = [threading.Event(), threading.Event(), None]
@@ -188,18 +188,17 @@ class TensorWorker(Actor):
         what could not be read (pieces that could not be unpickled here, or with ``payload_lost`` any
         tensor or array, whose bytes could not be pulled) fail their results with ``error``, in their
         places on their streams; the others run."""
-        kinds = (torch.Tensor, np.ndarray, memoryview, pickle.PickleBuffer) if payload_lost else (_wire._Stub,)
-        self.execute([(instr, error) if type(instr) in _VALUE_INSTRUCTIONS and _wire.holds(instr, kinds)
-                      else instr for instr in batch])
+        self.execute(mark_unreadable(batch, error, payload_lost))
 
     def _unreadable(self, item: tuple) -> None:
-        msg, error = item
+        msg, error, payload_lost = item
+        why = f"its data could not be pulled from the controller: {error!r}" if payload_lost else \
+            f"cannot unpickle it on this proc: {error.__cause__ or error!r}"
         name = type(msg).__name__
         op = msg.op if name == "CallOp" else f"{msg.actor}.{msg.method}" if name == "CallActor" else \
             getattr(msg.fn, "__qualname__", str(msg.fn)) if name == "CallFunction" else name
-        failure = RemoteException(op if isinstance(op, str) else name, getattr(msg, "loc", None), self.rank,
-                                  f"cannot unpickle it on this proc: {error.__cause__ or error!r}", "",
-                                  _picklable(error))
+        failure = RemoteException(op if isinstance(op, str) else name, getattr(msg, "loc", None), self.rank, why,
+                                  "", _picklable(error))
         if name == "CreateValue":
             self.refs[msg.ref] = failure
         elif name in ("FetchValue", "CallActor"):
@@ -465,6 +464,16 @@ def _lost_delivery(msg: CallEndpoint, error: BaseException, payload_lost: bool) 
 
 # Instructions that carry values from the controller (constants, functions, actor-call arguments).
 _VALUE_INSTRUCTIONS = (m.CallOp, m.CallFunction, m.CreateValue, m.FetchValue, m.CallActor)
+
+
+def mark_unreadable(batch: list, error: BaseException, payload_lost: bool) -> list:
+    """``batch`` with each instruction that holds what could not be read replaced by ``(instruction, error,
+    payload_lost)``, which fails its results: with ``payload_lost``, those that carry a tensor or an array
+    (their bytes were never pulled: they hold zeros), else those holding a piece that could not be
+    unpickled (``_wire.holds``). Instructions that carry no values from the controller always run."""
+    kinds = (torch.Tensor, np.ndarray, memoryview, pickle.PickleBuffer) if payload_lost else (_wire._Stub,)
+    return [(instr, error, payload_lost) if type(instr) in _VALUE_INSTRUCTIONS and _wire.holds(instr, kinds)
+            else instr for instr in batch]
 
 
 def _lost_batch(msg: CallEndpoint, error: BaseException, payload_lost: bool) -> CallEndpoint:
