@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import collections
-import queue
 import threading
 from typing import Callable
 
 from .errors import SupervisionError
-from .future import Future
+from .future import _FAILED, Future
 from .messages import SendToPort
 
 
@@ -76,29 +76,12 @@ class OneReply:
         return False
 
 
-class StreamCollector:
-    """Replies in arrival order, as a queue of ready futures."""
-
-    def __init__(self, addrs: list[str]) -> None:
-        self.q: queue.Queue = queue.Queue()
-        self._left = len(addrs)
-        self._waiting = set(addrs)
-
-    def deliver(self, msg: SendToPort) -> bool:
-        self.q.put(Future.failed(msg.error) if msg.error is not None else Future.ready(msg.value))
-        self._left -= 1
-        return self._left == 0
-
-    def proc_died(self, addr: str, error: SupervisionError) -> bool:
-        if addr in self._waiting:
-            self._waiting.discard(addr)
-            self.q.put(Future.failed(error))
-            self._left -= 1
-        return self._left <= 0
-
-
 class Receiver:
-    """An open channel's receiving end: values in order, each to the oldest waiting ``recv()``."""
+    """An open channel's receiving end: values in order, each to the oldest waiting ``recv()``.
+
+    A ``recv()`` whose wait times out (``get(timeout=)``) or is cancelled (``asyncio.wait_for``) gives
+    its place back, so the next value goes to the next ``recv()`` instead of to a future nobody waits
+    on; waited on again, it queues again."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -110,7 +93,7 @@ class Receiver:
             if self._values:
                 msg = self._values.popleft()
             else:
-                fut = Future("channel value")
+                fut = _ChannelValue(self)
                 self._waiters.append(fut)
                 return fut
         return Future.failed(msg.error) if msg.error is not None else Future.ready(msg.value)
@@ -121,11 +104,106 @@ class Receiver:
                 self._values.append(msg)
                 return False
             fut = self._waiters.popleft()
-        if msg.error is not None:
-            fut._set_exception(msg.error)
-        else:
-            fut._set_result(msg.value)
+        _settle(fut, msg)
         return False
 
     def proc_died(self, addr: str, error: SupervisionError) -> bool:
         return False
+
+    def _withdraw(self, fut: Future) -> bool:
+        """Take back a waiting ``recv()``; False when a value was handed to it already."""
+        with self._lock:
+            try:
+                self._waiters.remove(fut)
+                return True
+            except ValueError:
+                return False
+
+    def _rearm(self, fut: Future) -> None:
+        """A withdrawn ``recv()`` waited on again: it takes the next value, or waits in line for one."""
+        with self._lock:
+            if fut.done() or fut in self._waiters:
+                return
+            if not self._values:
+                self._waiters.append(fut)
+                return
+            msg = self._values.popleft()
+        _settle(fut, msg)
+
+    def _give_back(self, fut: Future) -> None:
+        """The value handed to a ``recv()`` whose waiter was cancelled meanwhile: first in line again."""
+        failed = fut._state == _FAILED
+        msg = SendToPort(-1, None if failed else fut._value, fut._value if failed else None, -1)
+        with self._lock:
+            if not self._waiters:
+                self._values.appendleft(msg)
+                return
+            nxt = self._waiters.popleft()
+        _settle(nxt, msg)
+
+
+def _settle(fut: Future, msg: SendToPort) -> None:
+    if msg.error is not None:
+        fut._set_exception(msg.error)
+    else:
+        fut._set_result(msg.value)
+
+
+class _ChannelValue(Future):
+    """A ``recv()`` still waiting for its value (see ``Receiver``)."""
+
+    __slots__ = ("_receiver", "_withdrawn")
+
+    def __init__(self, receiver: Receiver) -> None:
+        super().__init__("channel value")
+        self._receiver, self._withdrawn = receiver, False
+
+    def get(self, timeout: float | None = None):
+        if self._withdrawn:
+            self._withdrawn = False
+            self._receiver._rearm(self)
+        try:
+            return Future.get(self, timeout)
+        except TimeoutError:
+            if self.done() or not self._receiver._withdraw(self):
+                # The value is a TimeoutError, or one was handed over as the wait ended (being set now).
+                return Future.get(self, 5.0)
+            self._withdrawn = True
+            raise
+
+    result = get
+
+    def __await__(self):
+        if self._withdrawn:
+            self._withdrawn = False
+            self._receiver._rearm(self)
+        try:
+            return (yield from Future.__await__(self))
+        except asyncio.CancelledError as e:  # asyncio.wait_for gave up: give the place, or the value, back
+            if e is self._value:
+                raise  # the value itself
+            if not self.done() and self._receiver._withdraw(self):
+                self._withdrawn = True
+            else:
+                self.add_done_callback(self._receiver._give_back)
+            raise
+
+
+class StreamCollector(Receiver):
+    """``stream()``'s replies: one value per rank, each to the oldest waiting ``recv()`` (arrival order);
+    a rank whose proc dies before it replied delivers the proc's failure."""
+
+    def __init__(self, addrs: list[str], ranks: list[int]) -> None:
+        super().__init__()
+        self._waiting = dict(zip(ranks, addrs))  # rank -> addr, until its reply comes
+
+    def deliver(self, msg: SendToPort) -> bool:
+        self._waiting.pop(msg.rank, None)
+        super().deliver(msg)
+        return not self._waiting
+
+    def proc_died(self, addr: str, error: SupervisionError) -> bool:
+        for rank in [r for r, a in self._waiting.items() if a == addr]:
+            del self._waiting[rank]
+            super().deliver(SendToPort(-1, None, error, rank))
+        return not self._waiting

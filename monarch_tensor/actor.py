@@ -292,16 +292,16 @@ class Endpoint(Generic[R]):
         self._send(self._mesh._rank_list, tuple(args), dict(kwargs or {}), port._ref if port else None)
 
     def stream(self, *args, **kwargs) -> Iterator[Future[R]]:
-        """Call every actor; yield a ready future per reply, in the order replies arrive."""
+        """Call every actor now; the returned generator yields a future per reply, in the order replies
+        arrive (Monarch's): ``for f in counters.value.stream(): print(f.get(timeout=10))``."""
         self._mesh._check()
         ranks = self._mesh._rank_list
         mailbox = current_mailbox()
-        col = StreamCollector([self._mesh._procs[r].addr for r in ranks])
+        col = StreamCollector([self._mesh._procs[r].addr for r in ranks], ranks)
         port = mailbox.open_port(col)
         self._send(ranks, args, kwargs, port)
-        mailbox.flush()  # the caller waits on the queue below, not on a Future
-        for _ in ranks:
-            yield col.q.get()
+        mailbox.flush()
+        return (col.recv() for _ in ranks)
 
     def __call__(self, *args, **kwargs):
         raise TypeError(f"call an endpoint through an adverb: {self._method}.call(...), .call_one(...), "

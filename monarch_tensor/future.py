@@ -80,8 +80,13 @@ class Future(Generic[R]):
         return self._state != _PENDING
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        if not self._wait(timeout):
-            raise TimeoutError(f"no {self._what} within {timeout} s")
+        """The error once settled (None for a value); waits as ``get`` does, ``TimeoutError`` if unsettled."""
+        if not self._state:
+            try:
+                self.get(timeout)
+            except BaseException:
+                if not self._state:
+                    raise
         return self._value if self._state == _FAILED else None
 
     def add_done_callback(self, fn: Callable[[Future], None]) -> None:

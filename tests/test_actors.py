@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 
 import pytest
 
@@ -376,6 +377,50 @@ def test_stream_yields_futures_for_every_reply(counter):
     assert sorted(got) == [2, 3]
 
 
+class Relay(Actor):
+    """Waits on other actors from inside its (sync) endpoints."""
+
+    @endpoint
+    def stream_from(self, other) -> list:
+        return sorted(f.get(timeout=T)["rank"] for f in other.who.stream())
+
+    @endpoint
+    def exception_of(self, other):
+        return other.fail_on.call_one(2).exception(timeout=T), other.fail_on.call_one(0).exception(timeout=T)
+
+    @endpoint
+    def slow(self, gate: str) -> str:
+        deadline = time.monotonic() + T
+        while not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return "done"
+
+
+def test_stream_sends_at_once_and_its_futures_take_timeouts(procs, counter, tmp_path):
+    c = procs.spawn("stream_counter", Counter)
+    pending = c.set.stream(5)  # sent now, before anything is taken from the generator
+    assert c.value.call().get(timeout=T).values() == [5] * 4
+    assert [f.get(timeout=T) for f in pending] == [None] * 4
+    relay = procs.spawn("stream_relay", Relay)
+    gate = str(tmp_path / "gate")
+    futs = relay.slow.stream(gate)
+    first = next(futs)
+    with pytest.raises(TimeoutError):
+        first.get(timeout=0.2)  # nobody answers before the gate opens
+    open(gate, "w").close()
+    assert [first.get(timeout=T)] + [f.get(timeout=T) for f in futs] == ["done"] * 4
+
+
+def test_stream_and_exception_inside_an_endpoint_receive_their_replies(procs, counter):
+    relay = procs.spawn("relay", Relay).slice(hosts=0, gpus=0)
+    assert relay.stream_from.call_one(counter).get(timeout=T) == [0, 1, 2, 3]
+    faulty = procs.spawn("relay_faulty", Faulty).slice(hosts=1, gpus=0)  # rank 2
+    error, none = relay.exception_of.call_one(faulty).get(timeout=T)
+    assert isinstance(error, ActorError) and "rank 2 fails on purpose" in str(error)
+    assert none is None
+    assert counter.slice(hosts=0, gpus=0).value.call_one().get(timeout=T) is not None  # the proc still serves
+
+
 def test_send_with_a_port(counter):
     port, receiver = Channel.open()
     counter.who.send((), {}, port=port)
@@ -443,6 +488,29 @@ def test_channel_port_passed_to_an_actor(procs):
     em.slice(hosts=0, gpus=0).emit_error.call_one(port).get(timeout=T)
     with pytest.raises(ValueError, match="through the port"):
         receiver.recv().get(timeout=T)
+
+
+def test_a_recv_that_timed_out_does_not_swallow_the_next_value():
+    port, receiver = Channel.open()
+    with pytest.raises(TimeoutError):
+        receiver.recv().get(timeout=0.2)
+    port.send("first")
+    assert receiver.recv().get(timeout=T) == "first"
+    waited = receiver.recv()
+    with pytest.raises(TimeoutError):
+        waited.get(timeout=0.2)
+    port.send("second")
+    port.send("third")
+    assert waited.get(timeout=T) == "second"  # waited on again, it takes its turn again
+    assert receiver.recv().get(timeout=T) == "third"
+
+    async def cancelled_then_again():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(receiver.recv(), 0.2)
+        port.send("fourth")
+        return await asyncio.wait_for(receiver.recv(), T)
+
+    assert asyncio.run(cancelled_then_again()) == "fourth"
 
 
 def test_channel_receives_in_order_when_recv_comes_first(procs):
@@ -624,6 +692,8 @@ def test_calls_on_a_stopped_mesh_are_refused():
         mesh.spawn("again", Counter)
     with pytest.raises(MeshStoppedError):
         c.value.call().get(timeout=T)
+    with pytest.raises(MeshStoppedError):
+        c.value.stream()
 
 
 @pytest.mark.timeout(30)
