@@ -283,11 +283,13 @@ def _reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool) -> Te
         out_shape = shape
     client = ctx.client
     if inplace:
-        client.issue(m.Reduce(t._ref, t._ref, groups, reduction, scatter, True, ctx.sid, user_loc()), ctx.ranks)
+        client.issue(m.Reduce(t._ref, t._ref, groups, reduction, scatter, True, t.numel(), t.dtype, ctx.sid,
+                              user_loc()), ctx.ranks)
         return t
     ref = next(client.refs)
     meta = contiguous_meta(out_shape, t.dtype)
-    client.issue(m.Reduce(ref, t._ref, groups, reduction, scatter, False, ctx.sid, user_loc()), ctx.ranks)
+    client.issue(m.Reduce(ref, t._ref, groups, reduction, scatter, False, t.numel(), t.dtype, ctx.sid, user_loc()),
+                 ctx.ranks)
     return Tensor(meta, intern_meta(meta), ctx, ref)
 
 

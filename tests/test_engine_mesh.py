@@ -167,6 +167,51 @@ def test_stream_borrow_overlaps_and_orders(mesh):
     assert stats["streams"] >= 2 and stats["borrows"] == 0
 
 
+def _fail_on_rank(x, rank_t, bad_rank):
+    if int(rank_t) == bad_rank:
+        raise ValueError(f"rank {bad_rank} fails on purpose")
+    return x * 1
+
+
+def test_a_collective_whose_input_failed_on_one_rank_fails_on_every_rank_without_waiting(mesh):
+    # Before, the other members waited in the collective for the failed one until the collective timeout
+    # (300 s), and the group was broken after.
+    fail = remote(_fail_on_rank, propagate=lambda x, r, b: x)
+    with mesh.activate():
+        x = _per_rank(mesh)
+        y = fail(x, mesh.rank_tensor("gpus") + 2 * mesh.rank_tensor("hosts"), 1)  # fails on rank 1 only
+        z = y.reduce("gpus", "sum")
+        with pytest.raises(RemoteException, match="its input failed on another rank of the group \\(0, 1\\)"):
+            fetch_shard(z, hosts=0, gpus=0).result(timeout=60)
+        with pytest.raises(RemoteException, match="rank 1 fails on purpose"):
+            fetch_shard(z, hosts=0, gpus=1).result(timeout=60)
+        other_group = fetch_shard(z, hosts=1, gpus=0).result(timeout=60)  # ranks 2 and 3 had their inputs
+        again = fetch_shard(x.reduce("gpus", "sum"), hosts=0, gpus=0).result(timeout=60)
+    torch.testing.assert_close(other_group, _local(2) + _local(3))
+    torch.testing.assert_close(again, _local(0) + _local(1))
+
+
+def test_collectives_on_two_streams_keep_to_their_own_tensors(mesh):
+    # The streams' threads used one process group: their collectives interleaved differently on each
+    # rank, and a rank's tensor of one stream was summed with another rank's of the other (or hung).
+    comms = Stream("comms_collectives")
+    with mesh.activate():
+        r = mesh.rank_tensor("gpus").to(torch.float32)
+        a = torch.ones(1000) * (r + 1)
+        b = torch.ones(1000) * (r + 1) * 100
+        bb, borrow = comms.borrow(b)
+        on_main, on_comms = [], []
+        for _ in range(5):
+            on_main.append(a.reduce("gpus", "sum"))
+            with comms.activate():
+                on_comms.append(bb.reduce("gpus", "sum").sum())
+        main_sums = [inspect(t.sum(), hosts=0, gpus=0).item() for t in on_main]
+        with comms.activate():
+            comms_sums = [inspect(t, hosts=1, gpus=1).item() for t in on_comms]
+        borrow.drop()
+    assert main_sums == [3000.0] * 5 and comms_sums == [300000.0] * 5
+
+
 def test_failed_collective_input_propagates(mesh):
     bad = remote(lambda x: x[100], propagate=lambda x: x)
     with mesh.activate():

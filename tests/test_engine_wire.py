@@ -28,7 +28,7 @@ SAMPLES = {
     m.CreateValue: m.CreateValue(4, torch.arange(6.0).reshape(2, 3), 0),
     m.CreateRank: m.CreateRank(5, {0: 0, 1: 1}, 0),
     m.DeleteRefs: m.DeleteRefs((1, 2, 3), 0),
-    m.Reduce: m.Reduce(6, 5, ((0, 1), (2, 3)), "sum", False, True, 0, ("f.py", 9, "g")),
+    m.Reduce: m.Reduce(6, 5, ((0, 1), (2, 3)), "sum", False, True, 12, torch.float32, 0, ("f.py", 9, "g")),
     m.FetchValue: m.FetchValue({"a": m.Ref(3)}, None, PortRef("ipc:///tmp/x", 4), 0, None),
     m.SendTensor: m.SendTensor(3, 11, {0: "ipc:///tmp/a"}, 0, None),
     m.RecvTensor: m.RecvTensor(8, 11, 30.0, 0, None),

@@ -118,7 +118,8 @@ class DeleteRefs:
 class Reduce:
     """Collective over the group of ``groups`` that holds this proc: all-reduce, gather, reduce-scatter.
 
-    ``reduction`` is sum/avg/max/min/product/stack; ``inplace`` writes into ``src``.
+    ``reduction`` is sum/avg/max/min/product/stack; ``inplace`` writes into ``src``; ``numel`` and
+    ``dtype`` are ``src``'s (a rank whose ``src`` failed takes part with a stand-in of that size).
     """
 
     out: int
@@ -127,6 +128,8 @@ class Reduce:
     reduction: str
     scatter: bool
     inplace: bool
+    numel: int
+    dtype: Any
     stream: int
     loc: Loc
 

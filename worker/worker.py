@@ -334,8 +334,17 @@ class TensorWorker(Actor):
         try:
             if group is None:
                 raise RuntimeError(f"rank {self.rank} is in none of the reduce groups {msg.groups}")
-            src = self._get(msg.src)
-            out = self.coll.reduce(src, group, msg.reduction, msg.scatter, msg.inplace)
+            try:
+                src, failure = self._get(msg.src), None
+            except _Propagate as p:
+                src, failure = None, p.failure  # it takes part all the same: the others must not wait for it
+            out = self.coll.reduce(src, group, msg.reduction, msg.scatter, msg.inplace, msg.stream, msg.numel,
+                                   msg.dtype)
+            if failure is not None:
+                raise _Propagate(failure)
+            if out is None:
+                raise _Propagate(RemoteException(f"reduce({msg.reduction!r})", msg.loc, self.rank,
+                                                 f"its input failed on another rank of the group {group}", ""))
         except _Propagate as p:
             self._fail((msg.out, msg.src) if msg.inplace else (msg.out,), p.failure)
             return
