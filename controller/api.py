@@ -24,7 +24,7 @@ from worker import messages as m
 
 from .client import Ctx, MeshClient, user_loc
 from .errors import BorrowError, MeshTensorError
-from .tensor import Tensor, contiguous_meta, intern_meta, record, state
+from .tensor import Tensor, contiguous_meta, forget_value, intern_meta, record, state
 
 RECV_TIMEOUT = 300.0
 
@@ -220,6 +220,7 @@ def call_actor(actors, ranks: list[int], method: str, args: tuple, kwargs: dict,
         raise MeshTensorError(f"{what}: mesh tensors inside objects other than tuples, lists and dicts cannot be "
                               "passed to an actor") from None
     client.issue(instr, tuple(sorted(targets)))
+    forget_value((args, kwargs))  # the actor may write the tensors it is lent
     client.flush()
 
 
@@ -283,6 +284,7 @@ def _reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool) -> Te
         out_shape = shape
     client = ctx.client
     if inplace:
+        forget_value(t)
         client.issue(m.Reduce(t._ref, t._ref, groups, reduction, scatter, True, t.numel(), t.dtype, ctx.sid,
                               user_loc()), ctx.ranks)
         return t
@@ -320,6 +322,7 @@ def slice_mesh(t: Tensor, **kwargs) -> Tensor:
     """``t`` on a slice of its mesh (the ranks of the slice keep their data)."""
     ctx = t._ctx
     sub = ctx.pm.slice(**kwargs)
+    forget_value(t)  # the slice shares its memory
     sctx = sub._alloc._tensor_client.ctx(sub, ctx.stream)
     ref = next(ctx.client.refs)
     ctx.client.issue(m.CallOp("aten::alias", (t._ref,), {}, (0,), (ref,), (), ctx.sid, user_loc()), sctx.ranks)
@@ -390,6 +393,7 @@ class Stream:
         bid = next(_borrow_ids)
         ref = next(src.client.refs)
         src.client.issue(m.BorrowCreate(bid, t._ref, ref, src.sid, self.id), src.ranks)
+        forget_value(t)  # the other stream shares its memory
         bt = Tensor(t._meta, t._mid, dst, ref)
         return bt, Borrow(bid, bt, src, dst, mutable)
 
@@ -499,6 +503,7 @@ class Remote:
         from .tensor import _rebuild
 
         client.issue(m.CallFunction(self.fn, wire[0], wire[1], tuple(outs), (), ctx.sid, user_loc()), ctx.ranks)
+        forget_value(tensors)  # the function may write its arguments
         return _rebuild(struct, iter(vals))
 
     def _describe(self, args, kwargs, tensors, ctx, to_fake, describe_outputs, meta_of):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 
 import torch
 from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
@@ -187,11 +188,11 @@ def _scan(a, key: list, tensors: list, local: list):
 class _Template:
     """What a (op, input metadata) key produces: per output leaf, a new tensor, an alias or a value."""
 
-    __slots__ = ("name", "leaves", "struct", "single", "mutates", "fold")
+    __slots__ = ("name", "leaves", "struct", "single", "mutates", "fold", "view")
 
-    def __init__(self, name, leaves, struct, single, mutates, fold) -> None:
+    def __init__(self, name, leaves, struct, single, mutates, fold, view=False) -> None:
         self.name, self.leaves, self.struct = name, leaves, struct
-        self.single, self.mutates, self.fold = single, mutates, fold
+        self.single, self.mutates, self.fold, self.view = single, mutates, fold, view
 
 
 _cache: dict = {}
@@ -299,9 +300,11 @@ def _propagate(func, args, kwargs, tensors) -> _Template:
         _fake_log.disabled = quiet
     leaves, struct, single = describe_outputs(out, fakes)
     pos, names = _mutated(func)
+    # A view shares its input's memory on the workers (see _link_views).
+    view = any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
     fold = (torch.Tag.nondeterministic_seeded not in func.tags
             and all(_numel(leaf[1][0]) <= FOLD_NUMEL for leaf in leaves if leaf[0] == "new"))
-    return _Template(func.name(), leaves, struct, single, (pos, names), fold)
+    return _Template(func.name(), leaves, struct, single, (pos, names), fold, view)
 
 
 FOLD_NUMEL = 64
@@ -448,6 +451,10 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
         mutates = _mutated_refs(pos, names, args, kwargs)
     else:
         mutates = ()
+    if tpl.view:
+        _link_views(tensors, out)
+    if mutates:
+        _forget_aliases(pos, names, args, kwargs)
     if tpl.fold:
         _fold_into(func, args, kwargs, tensors, out, pos, names)
     elif mutates:
@@ -540,6 +547,54 @@ def _fold_into(func, args, kwargs, tensors, out, pos, names) -> None:
         if type(o) is Tensor and isinstance(r, torch.Tensor):
             if not hasattr(o, "_val"):
                 o._val = r.clone() if any(r is x for x in locs) else r
+
+
+# A view shares its base's memory on the workers, so a write through either changes both. A view of a
+# tensor that has a known value (or of another such view) joins its alias group (``_aliases``, a WeakSet
+# shared by the group), and a write to any member drops the others' known values.
+def _link_views(tensors, out) -> None:
+    group = None
+    for t in tensors:
+        if type(t) is Tensor and (hasattr(t, "_val") or hasattr(t, "_aliases")):
+            group = getattr(t, "_aliases", None)
+            if group is None:
+                group = t._aliases = weakref.WeakSet((t,))
+            break
+    if group is None:
+        return
+    for o in flat_leaves(out):
+        if type(o) is Tensor and not hasattr(o, "_aliases"):
+            o._aliases = group
+            group.add(o)
+
+
+def _forget_aliases(pos, names, args, kwargs) -> None:
+    for a in [args[p] for p in pos if p < len(args)] + [kwargs[n] for n in names if n in kwargs]:
+        for t in (a if type(a) in (list, tuple) else (a,)):
+            group = getattr(t, "_aliases", None) if type(t) is Tensor else None
+            if group is not None:
+                for other in list(group):
+                    if other is not t and hasattr(other, "_val"):
+                        del other._val
+
+
+def forget_value(obj) -> None:
+    """The mesh tensors in ``obj`` (a tensor, or tuples, lists and dicts of them) may be written where the
+    controller cannot follow (a remote function, an actor, a collective, a borrow): their known values,
+    and those of their views and bases, are dropped, and reading one fetches it again."""
+    t = type(obj)
+    if t is Tensor:
+        if hasattr(obj, "_val"):
+            del obj._val
+        for other in list(getattr(obj, "_aliases", ())):
+            if hasattr(other, "_val"):
+                del other._val
+    elif t in (list, tuple):
+        for x in obj:
+            forget_value(x)
+    elif t is dict:
+        for x in obj.values():
+            forget_value(x)
 
 
 def _forget_values(pos, names, args, kwargs) -> None:

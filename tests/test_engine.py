@@ -376,3 +376,42 @@ def test_bad_arguments_to_fetch_reduce_and_to_mesh_are_clear_errors(procs):
             x.to_mesh("x")
         assert fetch_shard(x, {"gpus": 1}).result(timeout=60).tolist() == [1.0, 1.0, 1.0]
         assert fetch_shard(x.reduce(["gpus"])).result(timeout=60).tolist() == [2.0, 2.0, 2.0]
+
+
+def _add_one_in_place(t):
+    return t.add_(1)
+
+
+def test_a_known_value_is_dropped_when_the_tensor_may_be_written_where_the_controller_cannot_follow(procs):
+    # Small tensors made from constants carry their value on the controller (t.item() needs no fetch). A
+    # write the controller cannot compute used to leave that value stale: item() gave the old one.
+    inc = remote(_add_one_in_place, propagate=lambda t: t)
+    stale = "the value lives on the workers"
+    with procs.activate():
+        x = torch.ones(())
+        assert x.item() == 1.0  # known here
+        x.reduce_("gpus", "sum")
+        with pytest.raises(MeshTensorError, match=stale):
+            x.item()
+        assert inspect(x).item() == 2.0
+        base = torch.zeros(4)
+        view = base[:2]
+        view.add_(procs.rank_tensor("gpus") * 0 + 1)  # an unknown value, written through a view
+        with pytest.raises(MeshTensorError, match=stale):
+            base.sum().item()
+        assert inspect(base.sum()).item() == 2.0
+        y = torch.zeros(3)
+        inc(y)
+        with pytest.raises(MeshTensorError, match=stale):
+            y.sum().item()
+        assert inspect(y.sum()).item() == 3.0
+        other = torch.zeros(4)
+        part = other[:2]
+        part.add_(1)  # a known value written through a view: the view knows it, its base no longer does
+        assert part.sum().item() == 2.0
+        with pytest.raises(MeshTensorError, match=stale):
+            other.sum().item()
+        assert inspect(other).tolist() == [1.0, 1.0, 0.0, 0.0]
+        step = torch.zeros(())
+        step += 1  # optimizers' step counters keep their known values
+        assert step.item() == 1.0
