@@ -19,12 +19,13 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from monarch_tensor import _wire
 from monarch_tensor.future import Future
 from worker import messages as m
 
 from .client import Ctx, MeshClient, user_loc
 from .errors import BorrowError, MeshTensorError
-from .tensor import Tensor, contiguous_meta, forget_value, intern_meta, record, state
+from .tensor import Tensor, _refuse_write, contiguous_meta, forget_value, intern_meta, record, state
 
 RECV_TIMEOUT = 300.0
 
@@ -123,7 +124,7 @@ def _install_factories() -> None:
             @functools.wraps(orig)
             def factory(*args, **kwargs):
                 pm = state.ctx_mesh
-                if pm is None or state.internal:
+                if pm is None or state.internal or _wire.decoding():  # (a message's tensors being rebuilt)
                     return orig(*args, **kwargs)
                 if any(type(a) is Tensor for a in args):  # *_like of a mesh tensor: dispatches already
                     return orig(*args, **kwargs)
@@ -148,13 +149,24 @@ def _install_factories() -> None:
 
 
 # ---- fetching ----------------------------------------------------------------------------------------
-def _leaves_ctx(obj) -> tuple[list, Ctx | None]:
+def _leaves_ctx(obj, what: str = "fetch_shard") -> tuple[list, Ctx | None]:
     leaves = [x for x in pytree.tree_leaves(obj) if type(x) is Tensor]
     ctx = leaves[0]._ctx if leaves else None
     for t in leaves:
+        _check_live(t, what)
         if t._ctx.client is not ctx.client or t._ctx.ranks != ctx.ranks:
-            raise MeshTensorError("fetch_shard: the tensors live on different meshes")
+            raise MeshTensorError(f"{what}: the tensors live on different meshes ({ctx.pm._shape} and "
+                                  f"{t._ctx.pm._shape}); move one with t.to_mesh(mesh)")
+        if t._ctx.sid != ctx.sid:
+            raise MeshTensorError(f"{what}: the tensors live on different streams ({ctx.stream.name!r} and "
+                                  f"{t._ctx.stream.name!r}); borrow one with stream.borrow(t)")
     return leaves, ctx
+
+
+def _check_live(t, what: str) -> None:
+    """A borrowed tensor after ``borrow.drop()`` is refused (its instructions would name no stream)."""
+    if type(t._ctx) is _Dropped:
+        raise BorrowError(f"{what}: this borrowed tensor was dropped (borrow.drop()); it cannot be used any more")
 
 
 def _to_wire(obj):
@@ -200,10 +212,7 @@ def call_actor(actors, ranks: list[int], method: str, args: tuple, kwargs: dict,
     from monarch_tensor import _wire
 
     what = f"{actors._name}.{method}"
-    try:
-        _, ctx = _leaves_ctx((args, kwargs))
-    except MeshTensorError:
-        raise MeshTensorError(f"{what}: the mesh tensors passed live on different meshes") from None
+    _, ctx = _leaves_ctx((args, kwargs), what)
     if ctx is None:
         raise MeshTensorError(f"{what}: mesh tensors inside objects other than tuples, lists and dicts cannot be "
                               "passed to an actor")
@@ -254,6 +263,7 @@ _REDUCTIONS = ("sum", "avg", "max", "min", "product", "stack")
 def _reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool) -> Tensor:
     if type(t) is not Tensor:
         raise TypeError(f"reduce needs a mesh tensor, got {type(t).__name__}")
+    _check_live(t, "reduce")
     if reduction not in _REDUCTIONS:
         raise ValueError(f"unknown reduction {reduction!r}; use one of {list(_REDUCTIONS)}")
     if isinstance(dims, str):
@@ -284,6 +294,8 @@ def _reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool) -> Te
         out_shape = shape
     client = ctx.client
     if inplace:
+        if hasattr(t, "_lent") or hasattr(t, "_read_only"):
+            _refuse_write("reduce_", t)
         forget_value(t)
         client.issue(m.Reduce(t._ref, t._ref, groups, reduction, scatter, True, t.numel(), t.dtype, ctx.sid,
                               user_loc()), ctx.ranks)
@@ -320,6 +332,7 @@ _xfers = itertools.count(1)
 
 def slice_mesh(t: Tensor, **kwargs) -> Tensor:
     """``t`` on a slice of its mesh (the ranks of the slice keep their data)."""
+    _check_live(t, "slice_mesh")
     ctx = t._ctx
     sub = ctx.pm.slice(**kwargs)
     forget_value(t)  # the slice shares its memory
@@ -338,6 +351,7 @@ def to_mesh(t: Tensor, mesh) -> Tensor:
     if not isinstance(mesh, ProcMesh):
         raise TypeError(f"to_mesh needs a proc mesh to copy to, such as this_host().spawn_procs(...), "
                         f"not {type(mesh).__name__} {mesh!r}")
+    _check_live(t, "to_mesh")
     src = t._ctx
     if tuple(src.pm._shape.dims) != tuple(mesh._shape.dims):
         raise ValueError(f"to_mesh needs meshes of the same sizes: {src.pm._shape} vs {mesh._shape}")
@@ -385,7 +399,11 @@ class Stream:
             state.stream = prev
 
     def borrow(self, t: Tensor, mutable: bool = False) -> tuple[Tensor, Borrow]:
-        """``t`` (of another stream) usable on this one until ``borrow.drop()``."""
+        """``t`` (of another stream) usable on this one until ``borrow.drop()``. Until then ``t`` cannot be
+        written, and the borrowed tensor only with ``mutable=True``."""
+        if type(t) is not Tensor:
+            raise TypeError(f"borrow needs a mesh tensor, got {type(t).__name__}")
+        _check_live(t, "borrow")
         src = t._ctx
         if src.sid == self.id:
             raise BorrowError(f"the tensor already lives on stream {self.name!r}")
@@ -395,7 +413,13 @@ class Stream:
         src.client.issue(m.BorrowCreate(bid, t._ref, ref, src.sid, self.id), src.ranks)
         forget_value(t)  # the other stream shares its memory
         bt = Tensor(t._meta, t._mid, dst, ref)
-        return bt, Borrow(bid, bt, src, dst, mutable)
+        if not mutable:
+            bt._read_only = True
+        lent = getattr(t, "_lent", None)
+        if lent is None:
+            lent = t._lent = []
+        lent.append(self.name)
+        return bt, Borrow(bid, bt, src, dst, mutable, t)
 
     def __repr__(self) -> str:
         return f"Stream({self.name!r})"
@@ -422,9 +446,12 @@ class _Dropped:
 class Borrow:
     """A lent tensor; ``drop()`` ends the loan (also ``with borrow:``)."""
 
-    def __init__(self, bid: int, tensor: Tensor, src: Ctx, dst: Ctx, mutable: bool) -> None:
+    def __init__(self, bid: int, tensor: Tensor, src: Ctx, dst: Ctx, mutable: bool, origin: Tensor) -> None:
         self.id, self._tensor, self._src, self._dst, self.mutable = bid, tensor, src, dst, mutable
         self._dropped = False
+        # The lent tensor stays alive while the borrow lasts, even if the script lets go of it: the other
+        # stream reads it when it gets there.
+        self._origin = tensor._origin = origin
 
     def drop(self) -> None:
         if self._dropped:
@@ -434,6 +461,12 @@ class Borrow:
         self._src.client.issue(m.BorrowDrop(self.id, t._ref, self._src.sid, self._dst.sid), self._src.ranks)
         t._ctx = _Dropped(self._dst)
         self._tensor = None
+        lent = getattr(self._origin, "_lent", None)
+        if lent is not None:
+            lent.remove(self._dst.stream.name)
+            if not lent:
+                del self._origin._lent
+        self._origin = t._origin = None
 
     def __enter__(self):
         return self
@@ -462,7 +495,7 @@ class Remote:
         return resolve_function(self.fn)
 
     def __call__(self, *args, **kwargs):
-        leaves, ctx = _leaves_ctx((args, kwargs))
+        leaves, ctx = _leaves_ctx((args, kwargs), f"remote({getattr(self.fn, '__name__', self.fn)!r})")
         if ctx is None:
             pm = state.ctx_mesh
             if pm is None:

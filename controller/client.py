@@ -164,8 +164,10 @@ class MeshClient:
             _flusher.wake(self)
 
     def delete(self, ref: int, sid: int) -> None:
-        """Called from ``Tensor.__del__`` (any thread, any time): queue the delete."""
-        self._dels.append((ref, sid))
+        """Called from ``Tensor.__del__`` (any thread, any time): queue the delete. (A dropped borrow's
+        tensor, stream -1, was deleted on the workers by the drop.)"""
+        if sid >= 0:
+            self._dels.append((ref, sid))
 
     def _take_deletes(self, n: int) -> list:
         """The first ``n`` queued deletes, as one ``DeleteRefs`` per stream."""

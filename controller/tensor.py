@@ -94,6 +94,14 @@ class Tensor(DistributedMethods, torch.Tensor):
     def __reduce_ex__(self, proto):
         raise MeshTensorError("a mesh tensor cannot be pickled on the controller; fetch it with fetch_shard(t)")
 
+    def tolist(self):
+        raise MeshTensorError("t.tolist() of a mesh tensor is not possible on the controller: the value lives on "
+                              "the workers; fetch it with fetch_shard(t).result().tolist()")
+
+    def numpy(self, *, force: bool = False):
+        raise MeshTensorError("t.numpy() of a mesh tensor is not possible on the controller: the value lives on "
+                              "the workers; fetch it with fetch_shard(t).result().numpy()")
+
     # ---- Monarch's tensor methods ---------------------------------------------------------------
     @property
     def mesh(self):
@@ -429,6 +437,11 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
         if tkey is not None:
             _cache[tkey] = tpl
         stats["misses"] += 1
+    pos, names = tpl.mutates
+    if pos or names:  # checked before anything is issued
+        mutates = _mutated_refs(pos, names, args, kwargs, func)
+    else:
+        mutates = ()
     client = ctx.client
     loc = user_loc()
     if local:
@@ -446,11 +459,6 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
             outs = (out._ref,)
     else:
         out, outs = _outputs(tpl, tensors, ctx)
-    pos, names = tpl.mutates
-    if pos or names:
-        mutates = _mutated_refs(pos, names, args, kwargs)
-    else:
-        mutates = ()
     if tpl.view:
         _link_views(tensors, out)
     if mutates:
@@ -497,15 +505,31 @@ def _outputs(tpl: _Template, tensors: list, ctx: Ctx):
     return _rebuild(tpl.struct, iter(vals)), tuple(outl)
 
 
-def _mutated_refs(pos, names, args, kwargs) -> tuple:
+def _mutated_refs(pos, names, args, kwargs, func=None) -> tuple:
     mut = []
-    for p in pos:
-        if p < len(args):
-            mut.extend(_refs_of(args[p]))
-    for n in names:
-        if n in kwargs:
-            mut.extend(_refs_of(kwargs[n]))
+    for a in [args[p] for p in pos if p < len(args)] + [kwargs[n] for n in names if n in kwargs]:
+        for t in (a if type(a) in (list, tuple) else (a,)):
+            if type(t) is Tensor:
+                if hasattr(t, "_lent") or hasattr(t, "_read_only"):
+                    _refuse_write(func, t)
+                mut.append(t._ref)
+            elif isinstance(t, torch.Tensor):
+                raise MeshTensorError(f"{func}: a local tensor cannot receive the result of an op on mesh tensors "
+                                      f"(its value lives on the workers); fetch it with fetch_shard(t).result(), "
+                                      f"or make the target inside activate()")
     return tuple(mut)
+
+
+def _refuse_write(func, t) -> None:
+    from .errors import BorrowError
+
+    lent = getattr(t, "_lent", None)
+    if lent:
+        raise BorrowError(f"{func}: this tensor is lent to stream(s) {sorted(lent)} (stream.borrow(t)); it cannot be "
+                          f"written until the borrow is dropped")
+    if getattr(t, "_read_only", False):
+        raise BorrowError(f"{func}: this tensor was borrowed with mutable=False; borrow it with "
+                          f"stream.borrow(t, mutable=True) to write it")
 
 
 # ---- known values --------------------------------------------------------------------------------

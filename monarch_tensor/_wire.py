@@ -329,8 +329,21 @@ def decode(frames: list) -> object:
         raise Unreadable(error, envelope) from e
 
 
+_decoding = threading.local()
+
+
+def decoding() -> bool:
+    """Whether this thread is unpickling a message (the tensor engine's factories then make plain tensors)."""
+    return getattr(_decoding, "on", False)
+
+
 def _loads(body, bufs) -> object:
-    msg = pickle.loads(body, buffers=bufs)
+    prev = getattr(_decoding, "on", False)
+    _decoding.on = True
+    try:
+        msg = pickle.loads(body, buffers=bufs)
+    finally:
+        _decoding.on = prev
     if type(msg) is tuple and msg and type(msg[0]) is str:  # (other tuples are messages of their own)
         decoder = COMPACT_DECODERS.get(msg[0])
         if decoder is not None:

@@ -19,6 +19,7 @@ from monarch_tensor import (
     call_on_shard_and_fetch,
     fetch_shard,
     inspect,
+    no_mesh,
     reduce,
     remote,
     this_host,
@@ -222,3 +223,69 @@ def test_failed_collective_input_propagates(mesh):
         ok = inspect(x.reduce("gpus", "sum"))  # the mesh and its process groups stay usable
     torch.testing.assert_close(ok, _local(0) + _local(1))
     gc.collect()
+
+
+def test_borrow_rules_are_enforced_and_a_dropped_borrow_is_refused_everywhere(mesh):
+    from controller.errors import BorrowError
+
+    comms = Stream("comms_rules")
+    other = this_host().spawn_procs(per_host={"hosts": 2, "gpus": 2})
+    try:
+        with mesh.activate():
+            x = _per_rank(mesh)
+            bx, borrow = comms.borrow(x)
+            with pytest.raises(BorrowError, match="lent to stream"):
+                x.add_(1)  # the original cannot be written while lent
+            with pytest.raises(BorrowError, match="lent to stream"):
+                x.reduce_("gpus")
+            with comms.activate():
+                with pytest.raises(BorrowError, match="mutable=False"):
+                    bx.mul_(2)
+                s = bx * 2  # reading is fine
+            borrow.drop()
+            x.add_(1)  # writable again
+            for use in (lambda t: fetch_shard(t).result(timeout=60), inspect, lambda t: t.to_mesh(other),
+                        lambda t: t.reduce("gpus"), lambda t: t.slice_mesh(gpus=0), comms.borrow):
+                with pytest.raises(BorrowError, match="was dropped"):  # these used to hang, or fail later
+                    use(bx)
+            with comms.activate():
+                got_s = inspect(s, hosts=0, gpus=1)
+            got_x = inspect(x, hosts=0, gpus=1)
+            y = _per_rank(mesh) * 3
+            by, b2 = comms.borrow(y, mutable=True)
+            del y
+            gc.collect()  # the borrow keeps the lent tensor alive for the other stream
+            with comms.activate():
+                by.add_(1)
+                got_by = inspect(by, hosts=1, gpus=0)
+            b2.drop()
+            del by, bx, s
+            gc.collect()
+            stats = worker_stats(mesh)  # dropped borrows' tensors send no deletes of their own
+    finally:
+        other.stop()
+    torch.testing.assert_close(got_s, _local(1) * 2)
+    torch.testing.assert_close(got_x, _local(1) + 1)
+    torch.testing.assert_close(got_by, _local(2) * 3 + 1)
+    assert stats["borrows"] == 0
+
+
+def test_mixing_streams_in_a_fetch_and_local_targets_are_clear_errors(mesh):
+    comms = Stream("comms_mixing")
+    with mesh.activate():
+        x = _per_rank(mesh)
+        bx, borrow = comms.borrow(x)
+        with comms.activate():
+            s = bx * 10
+        with pytest.raises(MeshTensorError, match="different streams \\('main' and 'comms_mixing'\\)"):
+            fetch_shard((x, s))
+        with pytest.raises(MeshTensorError, match="different streams"):
+            remote(lambda a, b: a + b, propagate=lambda a, b: a)(x, s)
+        with no_mesh():
+            local = torch.zeros(tuple(x.shape))
+        with pytest.raises(MeshTensorError, match="a local tensor cannot receive the result"):
+            local.copy_(x)
+        with pytest.raises(MeshTensorError, match="fetch it with fetch_shard"):
+            x.tolist()
+        assert inspect(torch.ones(2, 3).t()).shape == (3, 2)  # a strided reply unpickles inside activate()
+        borrow.drop()
