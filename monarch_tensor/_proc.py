@@ -172,6 +172,8 @@ class ProcRuntime:
         """A message that came while an endpoint blocks waiting for a reply."""
         if isinstance(msg, CallEndpoint) and msg.actor in self.actors:
             self._handle(msg)  # runs now unless its actor is the busy one (then it queues)
+        elif isinstance(msg, SpawnActor):  # an endpoint that spawns a sibling here and waits for it
+            self._handle(msg)
         else:
             self.loop.call_soon(self._handle, msg)
 
@@ -334,38 +336,46 @@ class ProcRuntime:
             self._reply(msg.reply, None, err, rank)
             return
         token = _context.enter(slot.ctx)
+        args = msg.args
+        explicit = getattr(fn, "_explicit_port", False)
+        if explicit:  # @endpoint(explicit_response_port=True): the endpoint answers through a port of its own
+            from .actor import Port
+
+            args = (Port(msg.reply),) + tuple(args)
         try:
             is_coro = getattr(fn, "_endpoint_coro", None)  # set by @endpoint
             if is_coro is None:
                 is_coro = inspect.iscoroutinefunction(fn)
             if is_coro:
                 slot.busy = True
-                self.loop.create_task(self._run_async(slot, msg, fn(*msg.args, **msg.kwargs)))
+                self.loop.create_task(self._run_async(slot, msg, fn(*args, **msg.kwargs), explicit))
                 return
             slot.busy = True
             try:
-                value = fn(*msg.args, **msg.kwargs)
+                value = fn(*args, **msg.kwargs)
             finally:
                 slot.busy = False
             if type(value) not in _PLAIN and inspect.isawaitable(value):  # a sync def returned a coroutine
                 slot.busy = True
-                self.loop.create_task(self._run_async(slot, msg, value))
+                self.loop.create_task(self._run_async(slot, msg, value, explicit))
                 return
         except BaseException as e:  # noqa: BLE001 - user code
             self._reply(msg.reply, None, self._error(slot, msg, e), rank)
             return
         finally:
             _context.leave(token)
-        self._reply(msg.reply, value, None, rank, slot, msg.method)
+        if not explicit:
+            self._reply(msg.reply, value, None, rank, slot, msg.method)
 
-    async def _run_async(self, slot: _Slot, msg: CallEndpoint, aw) -> None:
+    async def _run_async(self, slot: _Slot, msg: CallEndpoint, aw, explicit: bool = False) -> None:
         rank = slot.ctx.rank.rank
         try:
             value = await aw
         except BaseException as e:  # noqa: BLE001 - user code
             self._reply(msg.reply, None, self._error(slot, msg, e), rank)
         else:
-            self._reply(msg.reply, value, None, rank, slot, msg.method)
+            if not explicit:
+                self._reply(msg.reply, value, None, rank, slot, msg.method)
         finally:
             slot.busy = False
             while slot.done_events:

@@ -23,9 +23,11 @@ import inspect
 import os
 import random
 import sys
+import threading
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
 from . import _context, _wire
+from . import host as _host
 from ._ports import Collector, OneReply, Receiver, StreamCollector
 from .errors import ActorError, MeshFailure, SupervisionError
 from .future import Future
@@ -52,8 +54,17 @@ def endpoint(fn: Callable | None = None, **options):
     """Mark a method (sync or ``async def``) as callable from other processes."""
     if fn is None:
         return functools.partial(endpoint, **options)
+    unknown = set(options) - {"explicit_response_port", "propagator", "propagate", "instrument"}
+    if unknown:
+        raise TypeError(f"@endpoint got unknown option(s) {sorted(unknown)}; it takes explicit_response_port=")
+    if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+        raise TypeError(f"endpoint {fn.__qualname__} is a generator: endpoints return one value; return a list, "
+                        f"or send values through a port (Channel.open(), or explicit_response_port=True)")
     fn._is_endpoint = True
     fn._endpoint_coro = inspect.iscoroutinefunction(fn)  # so that procs need not ask on every call
+    # With explicit_response_port=True the endpoint gets the caller's reply port as its first argument
+    # (after self) and answers with port.send(value) instead of returning it (Monarch's).
+    fn._explicit_port = bool(options.get("explicit_response_port", False))
     return fn
 
 
@@ -116,6 +127,23 @@ class ValueMesh(Generic[R]):
     def sizes(self) -> dict[str, int]:
         return self._shape.sizes
 
+    @property
+    def shape(self) -> Shape:
+        return self._shape
+
+    def slice(self, **coords) -> ValueMesh[R]:
+        """The values of a slice: ``values.slice(hosts=0).item(gpus=1)`` (an int drops its dimension)."""
+        sub = self._shape.slice(**coords)
+        return ValueMesh(sub, [self._values[r] for r in sub.ranks()])
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, ValueMesh):
+            return NotImplemented
+        return (tuple(self._shape.names), tuple(self._shape.dims), self._values) == \
+            (tuple(other._shape.names), tuple(other._shape.dims), other._values)
+
+    __hash__ = None  # values may change meaning; equal meshes need not hash alike
+
     def __repr__(self) -> str:
         return f"ValueMesh({self._shape}, {self._values!r})"
 
@@ -147,7 +175,16 @@ class ActorMesh:
                          self._spawned, self._proc_mesh)
 
     def size(self, dim: str | None = None) -> int:
-        return len(self._shape) if dim is None else self._shape.sizes[dim]
+        if dim is None:
+            return len(self._shape)
+        if dim not in self._shape.names:
+            raise KeyError(f"actor mesh {self._name!r} has no dimension {dim!r}; its dimensions are "
+                           f"{list(self._shape.names)}")
+        return self._shape.sizes[dim]
+
+    @property
+    def shape(self) -> Shape:
+        return self._shape
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -165,12 +202,17 @@ class ActorMesh:
         return self
 
     def _check(self) -> None:
-        if self._proc_mesh is not None and self._proc_mesh._alloc._stopped:
+        pm = self._proc_mesh
+        if pm is not None and pm._alloc._stopped:
             from .errors import MeshStoppedError
 
             raise MeshStoppedError(f"the proc mesh of actor mesh {self._name!r} was stopped")
         for r in self._rank_list:
             p = self._procs[r]
+            if pm is None and p.addr in _host.stopped_addrs:
+                from .errors import MeshStoppedError
+
+                raise MeshStoppedError(f"the proc mesh of actor mesh {self._name!r} was stopped")
             if not p.alive:
                 raise SupervisionError(f"actor {self._name} rank {r}: its proc {p.addr} died: {p.exit_status}",
                                        proc=p.addr, rank=r, exit_status=p.exit_status)
@@ -213,8 +255,15 @@ def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs
                 p.actors.discard(name)
 
     col.future.add_done_callback(failed)
-    for i, p in enumerate(members):
-        mailbox.send(p.addr, SpawnActor(name, cls, args, kwargs, i, shape, port))
+    try:
+        for i, p in enumerate(members):
+            mailbox.send(p.addr, SpawnActor(name, cls, args, kwargs, i, shape, port))
+    except BaseException:  # e.g. arguments that cannot be pickled: nothing was spawned, the name is free
+        if i == 0:
+            for p in members:
+                p.actors.discard(name)
+            mailbox.close_port(port.port_id)
+        raise
     return mesh
 
 
@@ -256,6 +305,11 @@ class Endpoint(Generic[R]):
             return Future.failed(e)
         mailbox = current_mailbox()
         addrs = [self._mesh._procs[r].addr for r in ranks]
+        if not _context.in_client() and _context.current().actor_name == self._mesh._name and mailbox.addr in addrs:
+            return Future.failed(RuntimeError(
+                f"{self._mesh._name}.{self._method}: an actor calls itself and would wait for its own reply, which "
+                f"can only come after the running endpoint returns (a deadlock); call the method directly, or queue "
+                f"the call with broadcast()"))
         col = OneReply(addrs[0], self._what) if finish is _first else Collector(addrs, ranks, finish, self._what)
         port = mailbox.open_port(col)
         self._send(ranks, args, kwargs, port, addrs)
@@ -288,6 +342,8 @@ class Endpoint(Generic[R]):
 
     def send(self, args: tuple = (), kwargs: dict | None = None, port: Port | None = None) -> None:
         """Low-level: call every actor; results (if ``port``) go to that port."""
+        if port is not None and not isinstance(port, Port):
+            raise TypeError(f"send(port=...) needs a Port (from Channel.open()), got {type(port).__name__} {port!r}")
         self._mesh._check()
         self._send(self._mesh._rank_list, tuple(args), dict(kwargs or {}), port._ref if port else None)
 
@@ -344,14 +400,18 @@ class Accumulator(Generic[R]):
 class Port:
     """The sending end of a channel; picklable, so it can be passed to actors."""
 
-    def __init__(self, ref: PortRef) -> None:
-        self._ref = ref
+    def __init__(self, ref: PortRef | None) -> None:
+        self._ref = ref  # None: nobody listens (an explicit response port of a broadcast)
 
     def send(self, value: Any) -> None:
-        current_mailbox().send(self._ref.addr, SendToPort(self._ref.port_id, value, None, current_rank().rank))
+        if self._ref is not None:
+            current_mailbox().send(self._ref.addr, SendToPort(self._ref.port_id, value, None, current_rank().rank))
 
     def exception(self, error: BaseException) -> None:
-        current_mailbox().send(self._ref.addr, SendToPort(self._ref.port_id, None, error, current_rank().rank))
+        if not isinstance(error, BaseException):
+            raise TypeError(f"port.exception() needs an exception, got {type(error).__name__} {error!r}")
+        if self._ref is not None:
+            current_mailbox().send(self._ref.addr, SendToPort(self._ref.port_id, None, error, current_rank().rank))
 
     def __repr__(self) -> str:
         return f"Port({self._ref.addr}, {self._ref.port_id})"
@@ -385,9 +445,22 @@ def get_or_spawn_controller(name: str, actor_class: type, *args, **kwargs) -> Fu
     """One actor named ``name`` per client process, spawned on its own proc the first time."""
     mesh = _controllers.get(name)
     if mesh is None:
+        if not (isinstance(actor_class, type) and issubclass(actor_class, Actor)):
+            raise TypeError(f"get_or_spawn_controller() needs a subclass of Actor, got {actor_class!r}")
         procs = this_host().spawn_procs(per_host={"procs": 1})
-        mesh = procs.spawn(name, actor_class, *args, **kwargs).slice(procs=0)
+        try:
+            mesh = procs.spawn(name, actor_class, *args, **kwargs).slice(procs=0)
+        except BaseException:
+            procs.stop()
+            raise
         _controllers[name] = mesh
+
+        def forget_failed(f: Future) -> None:  # a constructor that raised: the next call spawns afresh
+            if f.exception() is not None and _controllers.get(name) is mesh:
+                del _controllers[name]
+                threading.Thread(target=procs.stop, daemon=True, name="mt-stop-controller").start()
+
+        mesh._spawned.add_done_callback(forget_failed)
     out: Future[ActorMesh] = Future(f"spawn of controller {name!r}")
     mesh._spawned.add_done_callback(
         lambda f: out._set_exception(f.exception()) if f.exception() else out._set_result(mesh))

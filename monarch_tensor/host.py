@@ -283,6 +283,7 @@ class ProcMesh:
         mailbox = current_mailbox()
         for p in alloc._procs:
             p.stopping = True
+            stopped_addrs.add(p.addr)
             if p.alive:
                 try:
                     mailbox.send(p.addr, StopProc("stop() called"))
@@ -374,6 +375,9 @@ class ProcMesh:
 
 
 _live_meshes: set[ProcMesh] = set()
+# Procs this process stopped (ProcMesh.stop()): an actor mesh that came back through pickling has lost its
+# proc mesh, and checks these.
+stopped_addrs: set[str] = set()
 
 # The most procs one ``spawn_procs`` starts on each host unless the environment says otherwise: a guard
 # against a typo such as ``{"gpus": 10**6}`` forking until the machine gives out.

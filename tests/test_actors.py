@@ -30,6 +30,7 @@ from monarch_tensor.actor import (
     get_or_spawn_controller,
     proc_mesh,
     this_host,
+    this_proc,
 )
 from monarch_tensor.errors import MeshStoppedError
 
@@ -702,3 +703,98 @@ def test_spawn_on_the_client_process_is_a_clear_error():
 
     with pytest.raises(RuntimeError, match="client script's own process"):
         this_proc().spawn("nope", Actor)
+
+
+# ---- found by probing: each once hung, lost a value or gave a raw error ---------------------------
+class Reentrant(Actor):
+    @endpoint
+    def f(self, x):
+        return x
+
+    @endpoint
+    def me(self, mesh):
+        return mesh
+
+    @endpoint
+    def calls_itself(self, me):
+        return me.f.call_one(1).get(timeout=T)
+
+    @endpoint
+    async def awaits_itself(self, me):
+        return await me.f.call_one(1)
+
+    @endpoint
+    def spawns_a_sibling(self, name: str):
+        sibling = this_proc().spawn(name, Reentrant)
+        sibling.initialized.get(timeout=T)
+        return sibling.f.call_one(12).get(timeout=T)
+
+    @endpoint(explicit_response_port=True)
+    def answers_through_a_port(self, port, x):
+        port.send(x + 1)
+
+
+class FailingInit(Actor):
+    def __init__(self) -> None:
+        raise ValueError("init fails on purpose")
+
+
+def test_an_actor_waiting_on_itself_fails_at_once_and_a_sibling_spawned_in_an_endpoint_works(procs):
+    r = procs.spawn("reentrant", Reentrant)
+    one = r.slice(hosts=0, gpus=0)
+    for method in (one.calls_itself, one.awaits_itself):
+        with pytest.raises(ActorError, match="an actor calls itself and would wait for its own reply"):
+            method.call_one(one).get(timeout=T)
+    assert one.spawns_a_sibling.call_one("sibling").get(timeout=T) == 12
+    assert r.answers_through_a_port.call(1).get(timeout=T).values() == [2] * 4
+
+
+def test_spawn_errors_leave_nothing_behind(procs):
+    with pytest.raises(TypeError, match="pickle"):
+        procs.spawn("unpicklable_args", Counter, threading.Lock())
+    assert procs.spawn("unpicklable_args", Counter, 5).value.call().get(timeout=T).values() == [5] * 4
+    name = "failing_controller"
+    try:
+        with pytest.raises(ActorError, match="init fails on purpose"):
+            get_or_spawn_controller(name, FailingInit).get(timeout=T)
+        assert get_or_spawn_controller(name, Counter, 3).get(timeout=T).value.call_one().get(timeout=T) == 3
+    finally:
+        mesh = actor_mod._controllers.pop(name, None)
+        if mesh is not None:
+            mesh._proc_mesh.stop().get(timeout=T)
+    with pytest.raises(TypeError, match="needs a subclass of Actor"):
+        get_or_spawn_controller("not_an_actor", int)
+
+
+def test_bad_input_to_meshes_and_endpoints_is_a_clear_error(counter):
+    with pytest.raises(KeyError, match="has no dimension 'nope'; its dimensions are"):
+        counter.size("nope")
+    with pytest.raises(TypeError, match="needs a Port"):
+        counter.value.send((), port="x")
+    port, _ = Channel.open()
+    with pytest.raises(TypeError, match="needs an exception"):
+        port.exception("not an exception")
+    with pytest.raises(TypeError, match="is a generator"):
+        endpoint(lambda self: (yield 1))
+    with pytest.raises(TypeError, match="unknown option"):
+        endpoint(lambda self: 1, explicit_port=True)
+
+
+def test_value_mesh_slices_and_compares(counter):
+    who = counter.who.call().get(timeout=T)
+    ranks = ValueMesh(who.shape, [w["rank"] for w in who.values()])
+    assert ranks.slice(hosts=1).item(gpus=0) == 2
+    assert ranks.slice(gpus=1).values() == [1, 3]
+    assert ranks == ValueMesh(who.shape, [0, 1, 2, 3]) and ranks != ValueMesh(who.shape, [0, 1, 2, 4])
+
+
+def test_an_actor_mesh_that_came_back_through_pickling_knows_its_procs_stopped():
+    mesh = this_host().spawn_procs({"gpus": 1})
+    try:
+        r = mesh.spawn("round_trip", Reentrant)
+        back = r.me.call_one(r).get(timeout=T)
+        assert back.f.call_one(3).get(timeout=T) == 3
+    finally:
+        mesh.stop().get(timeout=T)
+    with pytest.raises(MeshStoppedError):
+        back.f.call_one(3).get(timeout=T)
