@@ -600,6 +600,17 @@ def remote(fn=None, *, propagate=None):
     """
     if fn is None:
         return functools.partial(remote, propagate=propagate)
+    if isinstance(fn, str):
+        module, _, name = fn.rpartition(".")
+        if not module or not name:
+            raise ValueError(f"remote({fn!r}): a function's dotted path needs a module and a name, "
+                             f"such as 'torch.linalg.qr'")
+    elif not callable(fn):
+        raise TypeError(f"remote() needs a function or a dotted path such as 'torch.linalg.qr', got "
+                        f"{type(fn).__name__} {fn!r}")
+    if not (propagate is None or propagate == "inspect" or callable(propagate)):
+        raise ValueError(f"remote(propagate=...) must be a function of the same arguments, 'inspect', or None; "
+                         f"got {propagate!r}")
     return Remote(fn, propagate)
 
 

@@ -415,3 +415,21 @@ def test_a_known_value_is_dropped_when_the_tensor_may_be_written_where_the_contr
         step = torch.zeros(())
         step += 1  # optimizers' step counters keep their known values
         assert step.item() == 1.0
+
+
+def _double(t):
+    return t * 2
+
+
+def test_remote_checks_its_arguments_and_what_propagate_promised(procs):
+    with pytest.raises(ValueError, match="needs a module and a name"):
+        remote("foo")
+    with pytest.raises(TypeError, match="needs a function or a dotted path"):
+        remote(5)
+    with pytest.raises(ValueError, match="propagate=...\\) must be"):
+        remote(_double, propagate="bogus")
+    pair = remote(_double, propagate=lambda t: (t, t))  # the function returns one tensor, not two
+    with procs.activate():
+        a, b = pair(torch.ones(3))
+        with pytest.raises(RemoteException, match="returned 1 value\\(s\\) where its propagate said 2"):
+            inspect(b)

@@ -313,7 +313,12 @@ class TensorWorker(Actor):
     def handle_CallFunction(self, msg: m.CallFunction) -> None:
         def call():
             fn = resolve_function(msg.fn)
-            return fn(*self._resolve(msg.args), **self._resolve(msg.kwargs))
+            result = fn(*self._resolve(msg.args), **self._resolve(msg.kwargs))
+            got = len(flat_leaves(result))
+            if msg.outs and got != len(msg.outs):  # (no outs: called for its effect, e.g. torch.manual_seed)
+                raise TypeError(f"it returned {got} value(s) where its propagate said {len(msg.outs)}: "
+                                f"propagate must return what the function returns, with the same structure")
+            return result
 
         self._run(getattr(msg.fn, "__qualname__", str(msg.fn)), msg, call)
 
