@@ -25,7 +25,7 @@ from worker import messages as m
 
 from .client import Ctx, MeshClient, user_loc
 from .errors import BorrowError, MeshTensorError
-from .tensor import Tensor, _refuse_write, contiguous_meta, forget_value, intern_meta, record, state
+from .tensor import Tensor, check_writable, contiguous_meta, forget_value, intern_meta, record, state
 
 RECV_TIMEOUT = 300.0
 
@@ -294,8 +294,7 @@ def _reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool) -> Te
         out_shape = shape
     client = ctx.client
     if inplace:
-        if hasattr(t, "_lent") or hasattr(t, "_read_only"):
-            _refuse_write("reduce_", t)
+        check_writable("reduce_", t)
         forget_value(t)
         client.issue(m.Reduce(t._ref, t._ref, groups, reduction, scatter, True, t.numel(), t.dtype, ctx.sid,
                               user_loc()), ctx.ranks)

@@ -325,14 +325,6 @@ def _numel(shape) -> int:
     return n
 
 
-def _refs_of(a) -> list:
-    if type(a) is Tensor:
-        return [a._ref]
-    if type(a) in (list, tuple):
-        return [x._ref for x in a if type(x) is Tensor]
-    return []
-
-
 _UNSUPPORTED = {
     "aten::_local_scalar_dense": "reading a mesh tensor's value on the controller (t.item(), float(t), if t: ...)",
     "aten::is_nonzero": "using a mesh tensor as a Python bool",
@@ -439,9 +431,10 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
         stats["misses"] += 1
     pos, names = tpl.mutates
     if pos or names:  # checked before anything is issued
-        mutates = _mutated_refs(pos, names, args, kwargs, func)
+        written = _mutated_tensors(pos, names, args, kwargs, func)
+        mutates = tuple(t._ref for t in written)
     else:
-        mutates = ()
+        written, mutates = (), ()
     client = ctx.client
     loc = user_loc()
     if local:
@@ -461,8 +454,8 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
         out, outs = _outputs(tpl, tensors, ctx)
     if tpl.view:
         _link_views(tensors, out)
-    if mutates:
-        _forget_aliases(pos, names, args, kwargs)
+    if written:
+        _forget_aliases(written)
     if tpl.fold:
         _fold_into(func, args, kwargs, tensors, out, pos, names)
     elif mutates:
@@ -505,22 +498,25 @@ def _outputs(tpl: _Template, tensors: list, ctx: Ctx):
     return _rebuild(tpl.struct, iter(vals)), tuple(outl)
 
 
-def _mutated_refs(pos, names, args, kwargs, func=None) -> tuple:
+def _mutated_tensors(pos, names, args, kwargs, func) -> list:
+    """The mesh tensors ``func`` writes in place (at ``pos``/``names``), each checked to be writable."""
     mut = []
     for a in [args[p] for p in pos if p < len(args)] + [kwargs[n] for n in names if n in kwargs]:
         for t in (a if type(a) in (list, tuple) else (a,)):
             if type(t) is Tensor:
-                if hasattr(t, "_lent") or hasattr(t, "_read_only"):
-                    _refuse_write(func, t)
-                mut.append(t._ref)
+                check_writable(func, t)
+                mut.append(t)
             elif isinstance(t, torch.Tensor):
                 raise MeshTensorError(f"{func}: a local tensor cannot receive the result of an op on mesh tensors "
                                       f"(its value lives on the workers); fetch it with fetch_shard(t).result(), "
                                       f"or make the target inside activate()")
-    return tuple(mut)
+    return mut
 
 
-def _refuse_write(func, t) -> None:
+def check_writable(func, t) -> None:
+    """Refuse a write to ``t`` while it is lent to another stream, or when it is a read-only borrow."""
+    if not (hasattr(t, "_lent") or hasattr(t, "_read_only")):
+        return
     from .errors import BorrowError
 
     lent = getattr(t, "_lent", None)
@@ -592,14 +588,14 @@ def _link_views(tensors, out) -> None:
             group.add(o)
 
 
-def _forget_aliases(pos, names, args, kwargs) -> None:
-    for a in [args[p] for p in pos if p < len(args)] + [kwargs[n] for n in names if n in kwargs]:
-        for t in (a if type(a) in (list, tuple) else (a,)):
-            group = getattr(t, "_aliases", None) if type(t) is Tensor else None
-            if group is not None:
-                for other in list(group):
-                    if other is not t and hasattr(other, "_val"):
-                        del other._val
+def _forget_aliases(written: list) -> None:
+    """Tensors were written in place: their views' and bases' known values are stale."""
+    for t in written:
+        group = getattr(t, "_aliases", None)
+        if group is not None:
+            for other in list(group):
+                if other is not t and hasattr(other, "_val"):
+                    del other._val
 
 
 def forget_value(obj) -> None:
