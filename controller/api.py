@@ -25,7 +25,7 @@ from worker import messages as m
 
 from .client import Ctx, MeshClient, user_loc
 from .errors import BorrowError, MeshTensorError
-from .tensor import Tensor, check_writable, contiguous_meta, forget_value, intern_meta, record, state
+from .tensor import Tensor, check_live, check_writable, contiguous_meta, forget_value, intern_meta, record, state
 
 RECV_TIMEOUT = 300.0
 
@@ -153,7 +153,7 @@ def _leaves_ctx(obj, what: str = "fetch_shard") -> tuple[list, Ctx | None]:
     leaves = [x for x in pytree.tree_leaves(obj) if type(x) is Tensor]
     ctx = leaves[0]._ctx if leaves else None
     for t in leaves:
-        _check_live(t, what)
+        check_live(t._ctx, what)
         if t._ctx.client is not ctx.client or t._ctx.ranks != ctx.ranks:
             raise MeshTensorError(f"{what}: the tensors live on different meshes ({ctx.pm._shape} and "
                                   f"{t._ctx.pm._shape}); move one with t.to_mesh(mesh)")
@@ -161,12 +161,6 @@ def _leaves_ctx(obj, what: str = "fetch_shard") -> tuple[list, Ctx | None]:
             raise MeshTensorError(f"{what}: the tensors live on different streams ({ctx.stream.name!r} and "
                                   f"{t._ctx.stream.name!r}); borrow one with stream.borrow(t)")
     return leaves, ctx
-
-
-def _check_live(t, what: str) -> None:
-    """A borrowed tensor after ``borrow.drop()`` is refused (its instructions would name no stream)."""
-    if type(t._ctx) is _Dropped:
-        raise BorrowError(f"{what}: this borrowed tensor was dropped (borrow.drop()); it cannot be used any more")
 
 
 def _to_wire(obj):
@@ -263,7 +257,7 @@ _REDUCTIONS = ("sum", "avg", "max", "min", "product", "stack")
 def _reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool) -> Tensor:
     if type(t) is not Tensor:
         raise TypeError(f"reduce needs a mesh tensor, got {type(t).__name__}")
-    _check_live(t, "reduce")
+    check_live(t._ctx, "reduce")
     if reduction not in _REDUCTIONS:
         raise ValueError(f"unknown reduction {reduction!r}; use one of {list(_REDUCTIONS)}")
     if isinstance(dims, str):
@@ -331,7 +325,7 @@ _xfers = itertools.count(1)
 
 def slice_mesh(t: Tensor, **kwargs) -> Tensor:
     """``t`` on a slice of its mesh (the ranks of the slice keep their data)."""
-    _check_live(t, "slice_mesh")
+    check_live(t._ctx, "slice_mesh")
     ctx = t._ctx
     sub = ctx.pm.slice(**kwargs)
     forget_value(t)  # the slice shares its memory
@@ -350,7 +344,7 @@ def to_mesh(t: Tensor, mesh) -> Tensor:
     if not isinstance(mesh, ProcMesh):
         raise TypeError(f"to_mesh needs a proc mesh to copy to, such as this_host().spawn_procs(...), "
                         f"not {type(mesh).__name__} {mesh!r}")
-    _check_live(t, "to_mesh")
+    check_live(t._ctx, "to_mesh")
     src = t._ctx
     if tuple(src.pm._shape.dims) != tuple(mesh._shape.dims):
         raise ValueError(f"to_mesh needs meshes of the same sizes: {src.pm._shape} vs {mesh._shape}")
@@ -402,7 +396,7 @@ class Stream:
         written, and the borrowed tensor only with ``mutable=True``."""
         if type(t) is not Tensor:
             raise TypeError(f"borrow needs a mesh tensor, got {type(t).__name__}")
-        _check_live(t, "borrow")
+        check_live(t._ctx, "borrow")
         src = t._ctx
         if src.sid == self.id:
             raise BorrowError(f"the tensor already lives on stream {self.name!r}")

@@ -651,11 +651,16 @@ def _mismatch(func, a: Ctx, b: Ctx):
                           f"{b.stream.name!r}); borrow one with stream.borrow(t)")
 
 
-def _wrong_stream(func, ctx: Ctx, active):
-    name = active.name if active is not None else "main"
+def check_live(ctx: Ctx, what) -> None:
+    """A borrowed tensor after ``borrow.drop()`` (its context's stream is -1) is refused."""
     if ctx.sid < 0:
         from .errors import BorrowError
 
-        raise BorrowError(f"{func}: this borrowed tensor was dropped (borrow.drop()); it cannot be used any more")
+        raise BorrowError(f"{what}: this borrowed tensor was dropped (borrow.drop()); it cannot be used any more")
+
+
+def _wrong_stream(func, ctx: Ctx, active):
+    name = active.name if active is not None else "main"
+    check_live(ctx, func)
     raise MeshTensorError(f"{func}: a tensor of stream {ctx.stream.name!r} used while stream {name!r} is active; "
                           f"borrow it with stream.borrow(t)")

@@ -158,10 +158,14 @@ class _ChannelValue(Future):
         super().__init__("channel value")
         self._receiver, self._withdrawn = receiver, False
 
-    def get(self, timeout: float | None = None):
+    def _rejoin(self) -> None:
+        """Waited on again after a timeout or a cancellation: in line for a value again."""
         if self._withdrawn:
             self._withdrawn = False
             self._receiver._rearm(self)
+
+    def get(self, timeout: float | None = None):
+        self._rejoin()
         try:
             return Future.get(self, timeout)
         except TimeoutError:
@@ -174,9 +178,7 @@ class _ChannelValue(Future):
     result = get
 
     def __await__(self):
-        if self._withdrawn:
-            self._withdrawn = False
-            self._receiver._rearm(self)
+        self._rejoin()
         try:
             return (yield from Future.__await__(self))
         except asyncio.CancelledError as e:  # asyncio.wait_for gave up: give the place, or the value, back

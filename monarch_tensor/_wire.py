@@ -344,6 +344,11 @@ def _loads(body, bufs) -> object:
         msg = pickle.loads(body, buffers=bufs)
     finally:
         _decoding.on = prev
+    return _expand(msg)
+
+
+def _expand(msg: object) -> object:
+    """A compact envelope (a tuple tagged with a string) as its message; anything else as it is."""
     if type(msg) is tuple and msg and type(msg[0]) is str:  # (other tuples are messages of their own)
         decoder = COMPACT_DECODERS.get(msg[0])
         if decoder is not None:
@@ -458,11 +463,7 @@ def _salvage(body, bufs) -> object:
         msg = _SalvageUnpickler(io.BytesIO(body), buffers=bufs).load()
     except Exception:  # noqa: BLE001 - keep only the envelope
         msg = _EnvelopeUnpickler(io.BytesIO(body), buffers=bufs).load()
-    if type(msg) is tuple and msg and type(msg[0]) is str:
-        decoder = COMPACT_DECODERS.get(msg[0])
-        if decoder is not None:
-            return decoder(msg)
-    return msg
+    return _expand(msg)
 
 
 def holds(obj: object, kinds: tuple[type, ...] = (_Stub,), budget: int = 100_000) -> bool:

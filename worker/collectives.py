@@ -79,12 +79,17 @@ class Collectives:
                                                self.store_addr[0])
         return pg
 
-    def _flag(self, dtype: torch.dtype, value: int) -> torch.Tensor:
-        key = (dtype, value)
-        f = self._flags.get(key)
-        if f is None:
-            f = self._flags[key] = torch.full((1,), value, dtype=dtype, device=self.device)
-        return f
+    def _flagged(self, t: torch.Tensor | None, numel: int, dtype: torch.dtype, ok: int, failed: int) -> torch.Tensor:
+        """``t`` flattened, one flag element after it: ``ok``; or, for a failed input (None), zeros and ``failed``."""
+        if t is None:
+            buf = torch.zeros(numel + 1, dtype=dtype, device=self.device)
+            buf[numel] = failed
+            return buf
+        key = (dtype, ok)
+        flag = self._flags.get(key)
+        if flag is None:
+            flag = self._flags[key] = torch.full((1,), ok, dtype=dtype, device=self.device)
+        return torch.cat((t.reshape(-1), flag))
 
     def reduce(self, t: torch.Tensor | None, ranks: tuple[int, ...], reduction: str, scatter: bool,
                inplace: bool, stream: int, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
@@ -104,11 +109,7 @@ class Collectives:
         else:
             shape = t.shape
         if reduction == "stack":
-            if t is None:
-                buf = torch.zeros(numel + 1, dtype=dtype, device=self.device)
-                buf[numel] = 1
-            else:
-                buf = torch.cat((t.reshape(-1), self._flag(dtype, 0)))
+            buf = self._flagged(t, numel, dtype, 0, 1)
             if n == 1:
                 return buf[:numel].view(shape).unsqueeze(0)
             outs = [torch.empty_like(buf) for _ in range(n)]
@@ -121,11 +122,7 @@ class Collectives:
         if op is None:
             raise ValueError(f"unknown reduction {reduction!r}; use one of {sorted(_OPS) + ['stack']}")
         ok, failed = _FLAGS[reduction]
-        if t is None:
-            work = torch.zeros(numel + 1, dtype=dtype, device=self.device)
-            work[numel] = failed
-        else:
-            work = torch.cat((t.reshape(-1), self._flag(dtype, ok)))
+        work = self._flagged(t, numel, dtype, ok, failed)
         if n > 1:
             opts = dist.AllreduceOptions()
             opts.reduceOp = op
