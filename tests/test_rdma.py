@@ -821,16 +821,21 @@ def _send_in_pieces(sock, data: bytes, piece: int, pauses: tuple[float, ...]) ->
 class _JumpClock:
     """A ``time`` for rdma/backends/tcp.py whose ``perf_counter`` jumps ahead on request, so a wait looks long
     or short whatever the machine's speed: after ``jump(s, after)``, the ``after``-th next reading is the
-    real clock's and every later one ``s`` seconds ahead. ``jumped`` is set once it has."""
+    real clock's and every later one ``s`` seconds ahead. ``jumped`` is set once it has. Only the thread
+    that called ``jump`` sees it: other threads (the server threads of earlier tests, still polling) read
+    the real clock, and used to take the readings the test counted on."""
 
     def __init__(self) -> None:
-        self.offset, self.armed, self.jumped = 0.0, None, threading.Event()
+        self.offset, self.armed, self.jumped, self.owner = 0.0, None, threading.Event(), None
 
     def jump(self, seconds: float, after: int = 1) -> None:
         self.jumped.clear()
+        self.owner = threading.get_ident()
         self.armed = [after, seconds]
 
     def perf_counter(self) -> float:
+        if threading.get_ident() != self.owner:
+            return time.perf_counter()
         t = time.perf_counter() + self.offset
         if self.armed is not None:
             self.armed[0] -= 1
