@@ -34,12 +34,12 @@ from .future import Future
 from .host import HostMesh, ProcInfo, ProcMesh, proc_mesh, this_host, this_proc
 from .mailbox import current_mailbox
 from .messages import CallEndpoint, PortRef, SendToPort, SpawnActor
-from .shape import Point, Shape
+from .shape import Extent, MeshTrait, Point, Shape
 
 R = TypeVar("R")
 
 __all__ = [
-    "Actor", "ActorError", "ActorMesh", "Accumulator", "Channel", "Future", "HostMesh", "MeshFailure",
+    "Actor", "ActorError", "ActorMesh", "Accumulator", "Channel", "Extent", "Future", "HostMesh", "MeshFailure",
     "Point", "Port", "PortReceiver", "ProcMesh", "SupervisionError", "ValueMesh", "context",
     "current_rank", "current_size", "endpoint", "get_or_spawn_controller", "proc_mesh", "this_host",
     "this_proc", "unhandled_fault_hook",
@@ -98,7 +98,7 @@ def current_size() -> dict[str, int]:
 
 
 # ---- results ---------------------------------------------------------------------
-class ValueMesh(Generic[R]):
+class ValueMesh(MeshTrait, Generic[R]):
     """One value per rank of a mesh: ``item(gpus=1)``, ``items()``, ``values()``."""
 
     def __init__(self, shape: Shape, values: list[R]) -> None:
@@ -120,21 +120,12 @@ class ValueMesh(Generic[R]):
     def __iter__(self):
         return self.items()
 
-    def __len__(self) -> int:
-        return len(self._values)
+    def _new_with_shape(self, shape: Shape) -> ValueMesh[R]:
+        """The values of a slice (``values.slice(hosts=0).item(gpus=1)``), or of a split, rename or flatten."""
+        return ValueMesh(shape, [self._values[r] for r in shape.ranks()])
 
-    @property
-    def sizes(self) -> dict[str, int]:
-        return self._shape.sizes
-
-    @property
-    def shape(self) -> Shape:
-        return self._shape
-
-    def slice(self, **coords) -> ValueMesh[R]:
-        """The values of a slice: ``values.slice(hosts=0).item(gpus=1)`` (an int drops its dimension)."""
-        sub = self._shape.slice(**coords)
-        return ValueMesh(sub, [self._values[r] for r in sub.ranks()])
+    def _what(self) -> str:
+        return f"value mesh {self._shape}"
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, ValueMesh):
@@ -149,7 +140,7 @@ class ValueMesh(Generic[R]):
 
 
 # ---- actor meshes ------------------------------------------------------------------
-class ActorMesh:
+class ActorMesh(MeshTrait):
     """Actors of one class on a proc mesh; attribute access gives endpoints."""
 
     def __init__(self, name: str, cls: type, procs: list[ProcInfo], shape: Shape,
@@ -170,28 +161,11 @@ class ActorMesh:
             raise AttributeError(f"{self._class.__name__} has no endpoint {method!r}")
         return Endpoint(self, method)
 
-    def slice(self, **kwargs) -> ActorMesh:
-        return ActorMesh(self._name, self._class, self._procs, self._shape.slice(**kwargs),
-                         self._spawned, self._proc_mesh)
+    def _new_with_shape(self, shape: Shape) -> ActorMesh:
+        return ActorMesh(self._name, self._class, self._procs, shape, self._spawned, self._proc_mesh)
 
-    def size(self, dim: str | None = None) -> int:
-        if dim is None:
-            return len(self._shape)
-        if dim not in self._shape.names:
-            raise KeyError(f"actor mesh {self._name!r} has no dimension {dim!r}; its dimensions are "
-                           f"{list(self._shape.names)}")
-        return self._shape.sizes[dim]
-
-    @property
-    def shape(self) -> Shape:
-        return self._shape
-
-    @property
-    def sizes(self) -> dict[str, int]:
-        return self._shape.sizes
-
-    def __len__(self) -> int:
-        return len(self._shape)
+    def _what(self) -> str:
+        return f"actor mesh {self._name!r}"
 
     @property
     def initialized(self) -> Future:

@@ -22,7 +22,7 @@ from .errors import MeshStoppedError, SupervisionError
 from .future import Future
 from .mailbox import current_mailbox, new_ipc_address
 from .messages import SetLogging, StopProc
-from .shape import Shape
+from .shape import MeshTrait, Shape
 
 log = logging.getLogger("monarch_tensor.host")
 
@@ -206,7 +206,7 @@ def _proc_exited(info: ProcInfo, status: str) -> None:
         mesh._failed(err)
 
 
-class ProcMesh:
+class ProcMesh(MeshTrait):
     """Procs with a named shape; ``spawn`` actors on them, ``slice`` them like arrays.
 
     >>> procs = this_host().spawn_procs(per_host={"gpus": 2})
@@ -224,27 +224,12 @@ class ProcMesh:
             self._stopped = False
             self._failures: list[SupervisionError] = []
 
-    # ---- shape ------------------------------------------------------------------
-    @property
-    def sizes(self) -> dict[str, int]:
-        return self._shape.sizes
+    # ---- shape (slice, split, rename, flatten, size, sizes, extent: MeshTrait) ----------------------------
+    def _new_with_shape(self, shape: Shape) -> ProcMesh:
+        return ProcMesh(self._procs, shape, self._alloc)
 
-    @property
-    def shape(self) -> Shape:
-        return self._shape
-
-    def size(self, dim: str | None = None) -> int:
-        if dim is None:
-            return len(self._shape)
-        if dim not in self._shape.names:
-            raise KeyError(f"mesh has no dimension {dim!r}; its dimensions are {list(self._shape.names)}")
-        return self._shape.sizes[dim]
-
-    def __len__(self) -> int:
-        return len(self._shape)
-
-    def slice(self, **kwargs) -> ProcMesh:
-        return ProcMesh(self._procs, self._shape.slice(**kwargs), self._alloc)
+    def _what(self) -> str:
+        return f"proc mesh {self._shape}"
 
     def _members(self) -> list[ProcInfo]:
         return [self._procs[r] for r in self._shape.ranks()]

@@ -9,14 +9,20 @@ underlying flat list of procs, like a strided numpy view over ``arange(n)``::
     >>> s.slice(hosts=slice(0, 1)).sizes
     {'hosts': 1, 'gpus': 4}
 
-Indexing a dim with an int removes that dim; with a slice keeps it.
+Indexing a dim with an int removes that dim; with a slice keeps it. ``split``, ``rename`` and
+``flatten`` relabel the same ranks (Monarch's ``MeshTrait``)::
+
+    >>> s.split(gpus=("pairs", "pos"), pos=2).sizes
+    {'hosts': 2, 'pairs': 2, 'pos': 2}
+    >>> s.slice(gpus=1).flatten("replicas").ranks()
+    [1, 5]
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -102,6 +108,86 @@ class Shape:
             names.append(n), dims.append(count), strides.append(s * step)
         return Shape(tuple(names), tuple(dims), offset, tuple(strides))
 
+    def split(self, **kwargs) -> Shape:
+        """Split dims into several: ``split(hosts=("dp", "pp"), pp=2)``. A keyword naming one of this shape's
+        dims gives the names it becomes; any other keyword gives the size of one of those new names (one
+        name per split dim may be left out: its size is what remains). Dims not named stay as they are."""
+        splits: dict[str, tuple[str, ...]] = {}
+        sizes: dict[str, int] = {}
+        for k, v in kwargs.items():
+            if k in self.names:
+                if isinstance(v, str) or not isinstance(v, Sequence) or not v:
+                    raise ValueError(f"split({k}=...) takes a non-empty sequence of new dimension names, such "
+                                     f"as ('{k}_a', '{k}_b'); got {v!r}")
+                splits[k] = tuple(v)
+            elif isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{k!r} is not a dimension of mesh {self}: split() expected an int size for a "
+                                 f"new dimension, got {v!r}")
+            elif v < 1:
+                raise ValueError(f"split(): the size of the new dimension {k!r} must be positive, got {v}")
+            else:
+                sizes[k] = v
+        names: list[str] = []
+        dims: list[int] = []
+        strides: list[int] = []
+        assert self.strides is not None
+        for n, d, s in zip(self.names, self.dims, self.strides):
+            to = splits.get(n, (n,))
+            unknown = [t for t in to if t not in sizes]
+            if len(unknown) > 1:
+                raise ValueError(f"split(): cannot infer the sizes of both {unknown[0]!r} and {unknown[1]!r} "
+                                 f"from dimension {n!r}; give one, e.g. {unknown[1]}=2")
+            known = 1
+            for t in to:
+                known *= sizes.get(t, 1)
+            if unknown:
+                if d % known:
+                    raise ValueError(f"split(): dimension {n!r} of size {d} is not divisible into {to} "
+                                     f"with sizes {tuple(sizes.get(t, '?') for t in to)}")
+                sizes[unknown[0]] = d // known
+            elif known != d:
+                raise ValueError(f"split(): dimension {n!r} of size {d} does not split into {to} with sizes "
+                                 f"{tuple(sizes[t] for t in to)} (their product is {known})")
+            step = s
+            new = []
+            for t in reversed(to):
+                new.append((t, sizes.pop(t), step))
+                step *= new[-1][1]
+            for t, size, stride in reversed(new):
+                if t in names:
+                    raise ValueError(f"split(): duplicate dimension name {t!r}")
+                names.append(t), dims.append(size), strides.append(stride)
+        if sizes:
+            raise ValueError(f"split(): sizes given for dimensions that no split made: {sorted(sizes)}")
+        return Shape(tuple(names), tuple(dims), self.offset, tuple(strides))
+
+    def rename(self, **kwargs: str) -> Shape:
+        """``rename(hosts="dp", gpus="tp")``: the same dims under new names."""
+        for k, v in kwargs.items():
+            if not isinstance(v, str):
+                raise ValueError(f"rename({k}=...) takes the dimension's new name (a str), got {v!r}")
+            if k not in self.names:
+                raise KeyError(f"mesh {self} has no dimension {k!r} to rename")
+        return self.split(**{k: (v,) for k, v in kwargs.items()})
+
+    def flatten(self, name: str) -> Shape:
+        """All dims as one, ``name``, in row-major order. The ranks must lie evenly spaced (any slice of
+        the last dim, or whole rows): ``Shape`` cannot hold other sets of ranks as one dim."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"flatten() takes the new dimension's name (a non-empty str), got {name!r}")
+        assert self.strides is not None
+        kept = [(d, s) for d, s in zip(self.dims, self.strides) if d > 1]
+        stride = kept[-1][1] if kept else 1
+        for (_, s), (d2, s2) in zip(kept, kept[1:]):
+            if s != s2 * d2:
+                raise ValueError(f"cannot flatten mesh {self}: its ranks are not evenly spaced (a slice of a "
+                                 f"dimension other than the first; flatten before slicing, or slice that way)")
+        return Shape((name,), (len(self),), self.offset, (stride,))
+
+    @property
+    def extent(self) -> Extent:
+        return Extent(self.names, self.dims)
+
     def index_of(self, rank: int) -> int:
         """Position of flat ``rank`` in this shape's row-major order."""
         try:
@@ -171,3 +257,104 @@ class Point(Mapping):
 
     def __repr__(self) -> str:
         return f"Point(rank={self.rank}, {self._coords})"
+
+
+class Extent(Mapping):
+    """The sizes of a mesh's dims, as Monarch's ``mesh.extent``: ``extent["gpus"]``, ``extent.labels``,
+    ``extent.sizes``, ``extent.nelements``."""
+
+    __slots__ = ("labels", "sizes")
+
+    def __init__(self, labels: Sequence[str], sizes: Sequence[int]) -> None:
+        if len(labels) != len(sizes):
+            raise ValueError(f"Extent has {len(labels)} labels but {len(sizes)} sizes")
+        self.labels = list(labels)
+        self.sizes = list(sizes)
+
+    @property
+    def nelements(self) -> int:
+        n = 1
+        for d in self.sizes:
+            n *= d
+        return n
+
+    def __getitem__(self, label: str) -> int:
+        try:
+            return self.sizes[self.labels.index(label)]
+        except ValueError:
+            raise KeyError(f"no dimension {label!r}; dimensions are {self.labels}") from None
+
+    def __iter__(self):
+        return iter(self.labels)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Extent):
+            return (self.labels, self.sizes) == (other.labels, other.sizes)
+        return Mapping.__eq__(self, other)
+
+    __hash__ = None  # like a dict
+
+    def __repr__(self) -> str:
+        return "{" + ", ".join(f"'{n}': {d}" for n, d in zip(self.labels, self.sizes)) + "}"
+
+
+class MeshTrait:
+    """What every mesh (procs, actors, values) offers over its ``_shape``: ``slice``, ``split``, ``rename``,
+    ``flatten``, ``size``, ``sizes``, ``extent``, ``len``. A mesh says how to make itself over another
+    shape of the same ranks (``_new_with_shape``) and what to call itself in errors (``_what``)."""
+
+    _shape: Shape
+
+    def _new_with_shape(self, shape: Shape):
+        raise NotImplementedError
+
+    def _what(self) -> str:
+        return f"mesh {self._shape}"
+
+    def slice(self, **kwargs):
+        """Select along named dims: ``mesh.slice(hosts=0, gpus=slice(0, 2))`` (an int drops its dim)."""
+        return self._new_with_shape(self._shape.slice(**kwargs))
+
+    def split(self, **kwargs):
+        """``mesh.split(hosts=("dp", "pp"), gpus=("tp", "cp"), pp=2, cp=2)``: the same ranks, more dims."""
+        return self._new_with_shape(self._shape.split(**kwargs))
+
+    def rename(self, **kwargs: str):
+        """``mesh.rename(hosts="dp", gpus="tp")``."""
+        return self._new_with_shape(self._shape.rename(**kwargs))
+
+    def flatten(self, name: str):
+        """The same ranks as one dim ``name``."""
+        return self._new_with_shape(self._shape.flatten(name))
+
+    def size(self, dim: str | Sequence[str] | None = None) -> int:
+        """The number of ranks: in all (``dim`` None), along ``dim``, or over several dims."""
+        if dim is None:
+            return len(self._shape)
+        if isinstance(dim, str):
+            if dim not in self._shape.names:
+                raise KeyError(f"{self._what()} has no dimension {dim!r}; its dimensions are "
+                               f"{list(self._shape.names)}")
+            return self._shape.dims[self._shape.names.index(dim)]
+        n = 1
+        for d in dim:
+            n *= self.size(d)
+        return n
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return self._shape.sizes
+
+    @property
+    def shape(self) -> Shape:
+        return self._shape
+
+    @property
+    def extent(self) -> Extent:
+        return self._shape.extent
+
+    def __len__(self) -> int:
+        return len(self._shape)

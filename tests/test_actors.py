@@ -788,6 +788,36 @@ def test_value_mesh_slices_and_compares(counter):
     assert ranks == ValueMesh(who.shape, [0, 1, 2, 3]) and ranks != ValueMesh(who.shape, [0, 1, 2, 4])
 
 
+def test_meshes_split_rename_and_flatten_like_monarchs(procs, counter, pids):
+    sp = procs.split(gpus=("gpus_a", "gpus_b"), gpus_b=1)
+    assert sp.sizes == {"hosts": 2, "gpus_a": 2, "gpus_b": 1} and len(sp) == 4 and sp.size(("hosts", "gpus_a")) == 4
+    assert sp.extent == {"hosts": 2, "gpus_a": 2, "gpus_b": 1} and sp.extent.nelements == 4
+    flat = procs.flatten("all")
+    assert flat.sizes == {"all": 4}
+    # actors spawned on a relabelled mesh run on the same procs, ranked by its shape
+    who = flat.spawn("flat_counter", Counter).who.call().get(timeout=T)
+    assert [w["pid"] for w in who.values()] == pids.values()
+    assert [w["coords"] for w in who.values()] == [{"all": i} for i in range(4)]
+    dp = counter.rename(hosts="dp", gpus="tp")
+    assert dp.sizes == {"dp": 2, "tp": 2} and dp.size("tp") == 2
+    vm = dp.slice(tp=1).pid.call().get(timeout=T)
+    assert vm.sizes == {"dp": 2} and vm.values() == [pids.item(hosts=0, gpus=1), pids.item(hosts=1, gpus=1)]
+    assert counter.flatten("all").slice(all=slice(1, 3)).pid.call().get(timeout=T).values() == pids.values()[1:3]
+    # a value mesh relabels its values in the same order
+    assert pids.flatten("r").values() == pids.values() and pids.flatten("r").sizes == {"r": 4}
+    assert pids.rename(gpus="g").item(hosts=1, g=0) == pids.item(hosts=1, gpus=0)
+    assert pids.split(hosts=("x", "y"), y=1).slice(y=0, gpus=1).values() == pids.slice(gpus=1).values()
+    assert pids.extent == procs.extent and pids.size("gpus") == 2
+    with pytest.raises(KeyError, match="actor mesh 'counter' has no dimension 'gpu'"):
+        counter.size("gpu")
+    with pytest.raises(KeyError, match="value mesh .* has no dimension 'gpu'"):
+        pids.size("gpu")
+    with pytest.raises(KeyError, match="no dimension 'gpu' to rename"):
+        procs.rename(gpu="g")
+    with pytest.raises(ValueError, match="cannot infer the sizes"):
+        counter.split(gpus=("a", "b"))
+
+
 def test_an_actor_mesh_that_came_back_through_pickling_knows_its_procs_stopped():
     mesh = this_host().spawn_procs({"gpus": 1})
     try:

@@ -86,6 +86,23 @@ def test_reduce_multi_dim_inplace_and_scatter(mesh):
     torch.testing.assert_close(got_x, torch.maximum(_local(1), _local(3)))
 
 
+def test_tensors_on_a_split_or_flattened_mesh_reduce_over_its_dims(mesh):
+    """``mesh.split``/``flatten``/``rename`` give meshes of the same procs whose dims reductions name."""
+    sp = mesh.split(gpus=("g_a", "g_b"), g_b=1).rename(hosts="dp")
+    with sp.activate():
+        r = sp.rank_tensor("dp") * 2 + sp.rank_tensor("g_a")  # the flat rank, as in _per_rank
+        y = reduce(torch.tensor(BASE.tolist()) * (r + 1).to(torch.float32), "dp", "sum")
+        got = [fetch_shard(y, dp=h, g_a=g, g_b=0).result(timeout=60) for h in range(2) for g in range(2)]
+    for h in range(2):
+        for g in range(2):
+            torch.testing.assert_close(got[2 * h + g], _local(g) + _local(2 + g))
+    flat = mesh.flatten("all")
+    with flat.activate():
+        z = reduce(torch.tensor(BASE.tolist()) * (flat.rank_tensor("all") + 1).to(torch.float32), "all", "sum")
+        got = fetch_shard(z, all=3).result(timeout=60)
+    torch.testing.assert_close(got, sum(_local(r) for r in range(4)))
+
+
 def test_slice_and_to_mesh(mesh):
     h0, h1 = mesh.slice(hosts=0), mesh.slice(hosts=1)
     with mesh.activate():

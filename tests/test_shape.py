@@ -226,3 +226,115 @@ def test_point_out_of_range_is_an_index_error():
     for bad in (6, 7, 100):
         with pytest.raises(IndexError):
             s.point(bad)
+
+
+# ---- split, rename and flatten relabel the same ranks (Monarch's MeshTrait) ------------------------
+@st.composite
+def splits(draw):
+    """A sliced shape, one of its dims split in two (a factorisation of its size), and a selection of the
+    result: ``(shape, dim, (a, b), sizes_given, selection)``."""
+    shape, chain = draw(slicing_chains())
+    for sel in chain:
+        shape = shape.slice(**sel)
+    assume(shape.names)
+    dim = draw(st.sampled_from(shape.names))
+    size = shape.sizes[dim]
+    outer = draw(st.sampled_from([d for d in range(1, size + 1) if size % d == 0]))
+    a, b = draw(st.lists(st.sampled_from(["x", "y", "z"]), min_size=2, max_size=2, unique=True))
+    given = draw(st.sampled_from([{a: outer}, {b: size // outer}, {a: outer, b: size // outer}]))
+    names = [n for n in shape.names if n != dim]
+    new_names = names[:shape.names.index(dim)] + [a, b] + names[shape.names.index(dim):]
+    new_dims = {**shape.sizes, a: outer, b: size // outer}
+    picked = draw(st.lists(st.sampled_from(new_names), max_size=len(new_names), unique=True))
+    return shape, dim, (a, b), given, {n: _selection(draw, new_dims[n]) for n in picked}
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(splits())
+def test_split_then_slice_matches_numpy_reshape(case):
+    shape, dim, (a, b), given, sel = case
+    s = shape.split(**{dim: (a, b)}, **given)
+    i = shape.names.index(dim)
+    arr = np.array(shape.ranks()).reshape(shape.dims)
+    outer = given[a] if a in given else shape.sizes[dim] // given[b]
+    arr = arr.reshape(shape.dims[:i] + (outer, shape.dims[i] // outer) + shape.dims[i + 1:])
+    names = list(shape.names[:i]) + [a, b] + list(shape.names[i + 1:])
+    assert list(s.names) == names and s.dims == arr.shape
+    assert s.ranks() == arr.flatten().tolist()
+    sub, sub_arr = s.slice(**sel), _numpy_select(arr, names, sel)[0]
+    assert sub.ranks() == sub_arr.flatten().tolist()
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(slicing_chains(), st.data())
+def test_flatten_keeps_the_ranks_or_says_they_are_not_evenly_spaced(case, data):
+    shape, chain = case
+    for sel in chain:
+        shape = shape.slice(**sel)
+    ranks = shape.ranks()
+    even = len({q - p for p, q in zip(ranks, ranks[1:])}) <= 1
+    if not even:
+        with pytest.raises(ValueError, match="not evenly spaced"):
+            shape.flatten("all")
+        return
+    flat = shape.flatten("all")
+    assert flat.names == ("all",) and flat.ranks() == ranks
+    sel = _selection(data.draw, len(ranks))
+    assert flat.slice(all=sel).ranks() == np.array(ranks)[sel].flatten().tolist()
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(slicing_chains())
+def test_rename_keeps_ranks_and_sizes(case):
+    shape, chain = case
+    for sel in chain:
+        shape = shape.slice(**sel)
+    assume(shape.names)
+    new = {n: n.upper() for n in shape.names[:1]}
+    r = shape.rename(**new)
+    assert r.ranks() == shape.ranks() and r.dims == shape.dims
+    assert list(r.names) == [new.get(n, n) for n in shape.names]
+
+
+def test_split_examples_and_extent():
+    s = Shape(("hosts", "gpus"), (2, 8))
+    t = s.split(hosts=("dp", "pp"), gpus=("tp", "cp"), pp=2, cp=2)
+    assert t.sizes == {"dp": 1, "pp": 2, "tp": 4, "cp": 2} and t.ranks() == list(range(16))
+    assert t.slice(cp=1, tp=0).ranks() == [1, 9]
+    assert s.rename(gpus="g").slice(g=3).ranks() == [3, 11]
+    e = s.extent
+    assert e["gpus"] == 8 and e.labels == ["hosts", "gpus"] and e.sizes == [2, 8] and e.nelements == 16
+    assert dict(e) == {"hosts": 2, "gpus": 8} and e == Shape(("hosts", "gpus"), (2, 8)).extent
+    assert e != s.rename(gpus="g").extent and repr(e) == "{'hosts': 2, 'gpus': 8}"
+    with pytest.raises(KeyError, match="no dimension 'x'"):
+        e["x"]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(gpus=("a", "b")), "cannot infer the sizes of both 'a' and 'b'"),
+    (dict(gpus=("a", "b"), a=3), "not divisible into"),
+    (dict(gpus=("a", "b"), a=2, b=2), r"does not split into \('a', 'b'\) with sizes \(2, 2\)"),
+    (dict(gpus="ab"), "a non-empty sequence of new dimension names"),
+    (dict(gpus=()), "a non-empty sequence of new dimension names"),
+    (dict(gpus=("hosts", "b"), b=2), "duplicate dimension name 'hosts'"),
+    (dict(x=2), r"sizes given for dimensions that no split made: \['x'\]"),
+    (dict(x="a"), "'x' is not a dimension of mesh"),
+    (dict(gpus=("a", "b"), a=0), "must be positive"),
+])
+def test_bad_splits_say_what_was_wrong(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Shape(("hosts", "gpus"), (2, 8)).split(**kwargs)
+
+
+def test_bad_renames_and_flattens_say_what_was_wrong():
+    s = Shape(("hosts", "gpus"), (2, 4))
+    with pytest.raises(KeyError, match="no dimension 'zz' to rename"):
+        s.rename(zz="a")
+    with pytest.raises(ValueError, match="duplicate dimension name 'hosts'"):
+        s.rename(gpus="hosts")
+    with pytest.raises(ValueError, match="new name"):
+        s.rename(gpus=3)
+    with pytest.raises(ValueError, match="non-empty str"):
+        s.flatten("")
+    with pytest.raises(ValueError, match="not evenly spaced"):
+        s.slice(gpus=slice(0, 2)).flatten("all")
