@@ -139,11 +139,17 @@ def _install_factories() -> None:
     def manual_seed(value):
         """Inside ``activate()``, also seeds every worker of the mesh (same random numbers as a local run)."""
         pm = state.ctx_mesh
-        if pm is not None and not state.internal:
-            ctx = ctx_for(pm)
-            ctx.client.issue(m.CallFunction("torch.manual_seed", (int(value),), {}, (), (), ctx.sid, user_loc()),
-                             ctx.ranks)
-        return seed(value)
+        if pm is None or state.internal:
+            return seed(value)
+        try:  # here first: a seed torch refuses must not reach the workers
+            gen = seed(value)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise type(e)(f"torch.manual_seed({value!r}) inside activate(): the seed must be an int in "
+                          f"[-2**63, 2**64) ({e})") from None
+        ctx = ctx_for(pm)
+        ctx.client.issue(m.CallFunction("torch.manual_seed", (int(value),), {}, (), (), ctx.sid, user_loc()),
+                         ctx.ranks)
+        return gen
 
     torch.manual_seed = manual_seed
 
@@ -155,8 +161,8 @@ def _leaves_ctx(obj, what: str = "fetch_shard") -> tuple[list, Ctx | None]:
     for t in leaves:
         check_live(t._ctx, what)
         if t._ctx.client is not ctx.client or t._ctx.ranks != ctx.ranks:
-            raise MeshTensorError(f"{what}: the tensors live on different meshes ({ctx.pm._shape} and "
-                                  f"{t._ctx.pm._shape}); move one with t.to_mesh(mesh)")
+            raise MeshTensorError(f"{what}: the tensors live on different meshes ({ctx.pm._label()} and "
+                                  f"{t._ctx.pm._label()}); move one with t.to_mesh(mesh)")
         if t._ctx.sid != ctx.sid:
             raise MeshTensorError(f"{what}: the tensors live on different streams ({ctx.stream.name!r} and "
                                   f"{t._ctx.stream.name!r}); borrow one with stream.borrow(t)")
@@ -214,7 +220,7 @@ def call_actor(actors, ranks: list[int], method: str, args: tuple, kwargs: dict,
     index = {a: i for i, a in enumerate(client.addrs)}
     targets = [index.get(actors._procs[r].addr) for r in ranks]
     if None in targets or not set(targets) <= set(ctx.ranks):
-        raise MeshTensorError(f"{what}: the mesh tensors passed live on {ctx.pm._shape}, not on the procs of actor "
+        raise MeshTensorError(f"{what}: the mesh tensors passed live on {ctx.pm._label()}, not on the procs of actor "
                               f"mesh {actors._name!r}; move them with to_mesh() or fetch them with fetch_shard()")
     instr = m.CallActor(actors._name, method, _to_wire(args), _to_wire(kwargs), port, ctx.sid, user_loc())
     try:
@@ -514,21 +520,25 @@ class Remote:
                 self._cache[tkey] = tpl
         leaves_spec, struct = tpl
         client = ctx.client
-        vals, outs = [], []
+        vals, outs, metas = [], [], []
         for leaf in leaves_spec:
             if leaf[0] == "new":
                 ref = next(client.refs)
                 vals.append(Tensor(leaf[1], leaf[2], ctx, ref))
                 outs.append(ref)
+                metas.append((leaf[1][0], leaf[1][3]))  # (shape, dtype): the worker checks its result
             elif leaf[0] == "alias":
                 vals.append(tensors[leaf[1]])
                 outs.append(tensors[leaf[1]]._ref)
+                metas.append(None)
             else:
                 vals.append(leaf[1])
                 outs.append(None)
+                metas.append(None)
         from .tensor import _rebuild
 
-        client.issue(m.CallFunction(self.fn, wire[0], wire[1], tuple(outs), (), ctx.sid, user_loc()), ctx.ranks)
+        client.issue(m.CallFunction(self.fn, wire[0], wire[1], tuple(outs), (), ctx.sid, user_loc(), tuple(metas)),
+                     ctx.ranks)
         forget_value(tensors)  # the function may write its arguments
         return _rebuild(struct, iter(vals))
 

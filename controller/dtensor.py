@@ -134,7 +134,7 @@ def distribute(tensor: torch.Tensor, mesh=None, placements: Sequence[Placement] 
     info = _mesh_info(mesh, places)
     if type(tensor) is Tensor:
         if tensor._ctx.client is not ctx.client or tensor._ctx.ranks != ctx.ranks:
-            raise ShardingError(f"distribute: the mesh tensor lives on {tensor.mesh._shape}, not on {shape}; "
+            raise ShardingError(f"distribute: the mesh tensor lives on {tensor.mesh._label()}, not on {mesh._label()}; "
                                 f"move it with t.to_mesh(mesh)")
         src = tensor.detach()
     else:

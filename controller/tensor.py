@@ -645,7 +645,7 @@ def _upload(client, ctx: Ctx, local: list, wargs, wkwargs):
 
 def _mismatch(func, a: Ctx, b: Ctx):
     if a.client is not b.client or a.ranks != b.ranks:
-        raise MeshTensorError(f"{func}: its tensors live on different meshes ({a.pm._shape} and {b.pm._shape}); "
+        raise MeshTensorError(f"{func}: its tensors live on different meshes ({a.pm._label()} and {b.pm._label()}); "
                               f"move one with t.to_mesh(mesh)")
     raise MeshTensorError(f"{func}: its tensors live on different streams ({a.stream.name!r} and "
                           f"{b.stream.name!r}); borrow one with stream.borrow(t)")

@@ -8,6 +8,7 @@ reports are how the runtime learns, within milliseconds, that a proc died.
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
 import os
 import subprocess
@@ -223,6 +224,7 @@ class ProcMesh(MeshTrait):
             self._owner = _context.current()
             self._stopped = False
             self._failures: list[SupervisionError] = []
+            self._seq = next(_mesh_seq)  # names it in errors (``_label``)
 
     # ---- shape (slice, split, rename, flatten, size, sizes, extent: MeshTrait) ----------------------------
     def _new_with_shape(self, shape: Shape) -> ProcMesh:
@@ -230,6 +232,16 @@ class ProcMesh(MeshTrait):
 
     def _what(self) -> str:
         return f"proc mesh {self._shape}"
+
+    def _label(self) -> str:
+        """How errors name it, so that two meshes of the same sizes read apart: its shape, the allocation
+        (the n-th ``spawn_procs`` of this process) and, for a slice, which of its procs."""
+        alloc = self._alloc
+        label = f"{self._shape} of proc mesh #{alloc._seq}"
+        ranks = self._shape.ranks()
+        if ranks != list(range(len(alloc._procs))):
+            label += f" (its procs {ranks})" if len(ranks) <= 8 else f" ({len(ranks)} of its procs)"
+        return label
 
     def _members(self) -> list[ProcInfo]:
         return [self._procs[r] for r in self._shape.ranks()]
@@ -360,6 +372,7 @@ class ProcMesh(MeshTrait):
 
 
 _live_meshes: set[ProcMesh] = set()
+_mesh_seq = itertools.count(1)
 # Procs this process stopped (ProcMesh.stop()): an actor mesh that came back through pickling has lost its
 # proc mesh, and checks these.
 stopped_addrs: set[str] = set()

@@ -182,6 +182,22 @@ def test_a_worker_keeps_freed_tensor_memory_for_its_next_allocations(procs):
     assert all(f < touched // 10 for f in got), f"page faults {got} for {touched} pages reallocated"
 
 
+@pytest.mark.parametrize("bad", ["a", 2**70])
+def test_manual_seed_inside_activate_refuses_a_bad_seed_before_the_workers_see_it(procs, bad):
+    with procs.activate():
+        torch.manual_seed(5)
+        with pytest.raises(ValueError, match=rf"torch.manual_seed\({bad!r}\) inside activate\(\): the seed must "
+                                             r"be an int"):
+            torch.manual_seed(bad)
+        x = torch.rand(3)  # the workers kept seed 5, as this process did
+        got = inspect(x, gpus=1)
+        torch.manual_seed(5)
+    with no_mesh():
+        torch.manual_seed(5)
+        want = torch.rand(3)
+    torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("opt_name,foreach", [("SGD", True), ("AdamW", False)])
 def test_training_matches_local(procs, opt_name, foreach):
     """nn.Module, autograd and torch.optim run unchanged; the result equals local training."""
@@ -421,6 +437,10 @@ def _double(t):
     return t * 2
 
 
+def _as_float(t):
+    return float(t.sum())
+
+
 def test_remote_checks_its_arguments_and_what_propagate_promised(procs):
     with pytest.raises(ValueError, match="needs a module and a name"):
         remote("foo")
@@ -433,3 +453,18 @@ def test_remote_checks_its_arguments_and_what_propagate_promised(procs):
         a, b = pair(torch.ones(3))
         with pytest.raises(RemoteException, match="returned 1 value\\(s\\) where its propagate said 2"):
             inspect(b)
+    shape_lie = remote(_double, propagate=lambda t: t[:2])  # says 2 elements; the function returns 3
+    dtype_lie = remote(_double, propagate=lambda t: t.to(torch.int64))
+    not_tensor = remote(_as_float, propagate=lambda t: t.sum())
+    with procs.activate():
+        x = torch.ones(3)
+        bad = [shape_lie(x), dtype_lie(x), not_tensor(x), shape_lie(x) + 1]
+        good = remote(_double, propagate=lambda t: t)(x)
+        for y, match in zip(bad, [r"result 0 is a tensor of shape \(3,\) and torch.float32, where its propagate said "
+                                  r"a tensor of shape \(2,\) and torch.float32",
+                                  r"shape \(3,\) and torch.float32, where its propagate said a tensor of shape "
+                                  r"\(3,\) and torch.int64", "result 0 is a float, where its propagate said",
+                                  "where its propagate said"]):
+            with pytest.raises(RemoteException, match=match):
+                inspect(y)
+        assert inspect(good).tolist() == [2.0, 2.0, 2.0]

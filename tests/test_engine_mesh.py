@@ -136,8 +136,20 @@ def test_mixing_meshes_is_a_clear_error(mesh):
     with mesh.activate():
         a = torch.ones(2)
         b = a.slice_mesh(hosts=0)
-        with pytest.raises(MeshTensorError, match="different meshes"):
+        with pytest.raises(MeshTensorError, match="different meshes") as e:
             a.slice_mesh(hosts=1) + b
+    # two meshes of the same sizes read apart: which allocation, which of its procs
+    n = mesh._seq
+    assert (f"({{'gpus': 2}} of proc mesh #{n} (its procs [2, 3]) and {{'gpus': 2}} of proc mesh #{n} "
+            f"(its procs [0, 1]))") in str(e.value)
+    other = this_host().spawn_procs({"gpus": 2})
+    try:
+        with other.activate():
+            c = torch.ones(2)
+        with pytest.raises(MeshTensorError, match=f"{{'gpus': 2}} of proc mesh #{other._seq} and"):
+            fetch_shard((c, b), gpus=0)
+    finally:
+        other.stop()
 
 
 def _scaled(x, k):

@@ -73,7 +73,9 @@ class CallOp:
 @_fast_reduce
 @dataclass(frozen=True, slots=True)
 class CallFunction:
-    """Run a user function (an object, or a dotted path) on every rank; store tensor results at ``outs``."""
+    """Run a user function (an object, or a dotted path) on every rank; store tensor results at ``outs``.
+    ``metas`` holds ``(shape, dtype)`` for each out its propagate made a new tensor (None elsewhere; empty:
+    nothing to check): a result that differs fails."""
 
     fn: Any
     args: tuple
@@ -82,6 +84,7 @@ class CallFunction:
     mutates: tuple
     stream: int
     loc: Loc
+    metas: tuple = ()
 
 
 @_fast_reduce

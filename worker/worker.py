@@ -314,10 +314,17 @@ class TensorWorker(Actor):
         def call():
             fn = resolve_function(msg.fn)
             result = fn(*self._resolve(msg.args), **self._resolve(msg.kwargs))
-            got = len(flat_leaves(result))
-            if msg.outs and got != len(msg.outs):  # (no outs: called for its effect, e.g. torch.manual_seed)
-                raise TypeError(f"it returned {got} value(s) where its propagate said {len(msg.outs)}: "
+            leaves = flat_leaves(result)
+            if msg.outs and len(leaves) != len(msg.outs):  # (no outs: called for its effect, e.g. manual_seed)
+                raise TypeError(f"it returned {len(leaves)} value(s) where its propagate said {len(msg.outs)}: "
                                 f"propagate must return what the function returns, with the same structure")
+            for i, (want, got) in enumerate(zip(msg.metas, leaves)):
+                if want is not None and not (isinstance(got, torch.Tensor) and tuple(got.shape) == want[0]
+                                             and got.dtype == want[1]):
+                    what = (f"a tensor of shape {tuple(got.shape)} and {got.dtype}" if isinstance(got, torch.Tensor)
+                            else f"a {type(got).__name__}")
+                    raise TypeError(f"its result {i} is {what}, where its propagate said a tensor of shape "
+                                    f"{want[0]} and {want[1]}: propagate must return what the function returns")
             return result
 
         self._run(getattr(msg.fn, "__qualname__", str(msg.fn)), msg, call)
