@@ -171,8 +171,8 @@ class Shape:
         return self.split(**{k: (v,) for k, v in kwargs.items()})
 
     def flatten(self, name: str) -> Shape:
-        """All dims as one, ``name``, in row-major order. The ranks must lie evenly spaced (any slice of
-        the last dim, or whole rows): ``Shape`` cannot hold other sets of ranks as one dim."""
+        """All dims as one, ``name``, in row-major order. The ranks must lie evenly spaced (one dim is an
+        offset, a size and a stride): flatten before slicing where a slice would leave gaps."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"flatten() takes the new dimension's name (a non-empty str), got {name!r}")
         assert self.strides is not None
@@ -180,8 +180,8 @@ class Shape:
         stride = kept[-1][1] if kept else 1
         for (_, s), (d2, s2) in zip(kept, kept[1:]):
             if s != s2 * d2:
-                raise ValueError(f"cannot flatten mesh {self}: its ranks are not evenly spaced (a slice of a "
-                                 f"dimension other than the first; flatten before slicing, or slice that way)")
+                raise ValueError(f"cannot flatten mesh {self}: its ranks are not evenly spaced, as one "
+                                 f"dimension's are (flatten before slicing)")
         return Shape((name,), (len(self),), self.offset, (stride,))
 
     @property
