@@ -25,7 +25,7 @@ class ActorContext:
         return self
 
 
-_CLIENT = ActorContext("client", Point(0, {}, 1), 0)
+_CLIENT = ActorContext("client", Point(0, {}), 0)
 _current: contextvars.ContextVar[ActorContext] = contextvars.ContextVar("monarch_tensor_actor", default=_CLIENT)
 
 

@@ -214,7 +214,7 @@ class ProcRuntime:
     # ---- handlers, one per message ------------------------------------------
     def handle_SpawnActor(self, msg: SpawnActor) -> None:
         shape: Shape = msg.shape
-        point = shape.point(msg.rank) if len(shape.names) else Point(0, {}, 1)
+        point = shape.point(msg.rank) if len(shape.names) else Point(0, {})
         old = self.actors.get(msg.name)
         if old is not None and old.init_error is None:  # (one whose constructor failed may be spawned again)
             err = ValueError(f"an actor named {msg.name!r} already runs on proc {self.rank}: spawn it under "
@@ -329,15 +329,16 @@ class ProcRuntime:
         if slot.init_error is not None:
             self._reply(msg.reply, None, slot.init_error, rank)
             return
-        fn = getattr(slot.instance, msg.method, None)
-        if fn is None or not getattr(fn, "_is_endpoint", False):
-            err = ActorError(slot.name, rank, msg.method,
-                             f"{type(slot.instance).__name__} has no endpoint {msg.method!r}", "")
+        method, _, plain = msg.method.partition("/")  # "name/plain", "name/port": as_endpoint() of a method
+        fn = None if plain and method.startswith("_") else getattr(slot.instance, method, None)
+        if fn is None or not (plain or getattr(fn, "_is_endpoint", False)) or not callable(fn):
+            err = ActorError(slot.name, rank, method,
+                             f"{type(slot.instance).__name__} has no {'method' if plain else 'endpoint'} {method!r}", "")
             self._reply(msg.reply, None, err, rank)
             return
         token = _context.enter(slot.ctx)
         args = msg.args
-        explicit = getattr(fn, "_explicit_port", False)
+        explicit = plain == "port" if plain else getattr(fn, "_explicit_port", False)
         if explicit:  # @endpoint(explicit_response_port=True): the endpoint answers through a port of its own
             from .actor import Port
 
@@ -365,7 +366,7 @@ class ProcRuntime:
         finally:
             _context.leave(token)
         if not explicit:
-            self._reply(msg.reply, value, None, rank, slot, msg.method)
+            self._reply(msg.reply, value, None, rank, slot, msg.method.partition("/")[0])
 
     async def _run_async(self, slot: _Slot, msg: CallEndpoint, aw, explicit: bool = False) -> None:
         rank = slot.ctx.rank.rank
@@ -375,7 +376,7 @@ class ProcRuntime:
             self._reply(msg.reply, None, self._error(slot, msg, e), rank)
         else:
             if not explicit:
-                self._reply(msg.reply, value, None, rank, slot, msg.method)
+                self._reply(msg.reply, value, None, rank, slot, msg.method.partition("/")[0])
         finally:
             slot.busy = False
             while slot.done_events:
@@ -391,7 +392,7 @@ class ProcRuntime:
             shown = repr(e)
         except Exception:  # noqa: BLE001 - user code: an exception whose __repr__ raises
             shown = f"{type(e).__name__} (its repr() raised)"
-        return ActorError(slot.name, slot.ctx.rank.rank, msg.method, shown, text, _picklable(e))
+        return ActorError(slot.name, slot.ctx.rank.rank, msg.method.partition("/")[0], shown, text, _picklable(e))
 
     def _reply(self, port, value, error, rank, slot: _Slot | None = None, method: str = "?") -> None:
         """Send ``value`` (or ``error``) to ``port``; ``slot`` and ``method``: the endpoint that made it."""

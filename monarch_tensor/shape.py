@@ -199,11 +199,7 @@ class Shape:
         """The ``i``-th point (row-major) of this shape."""
         if not 0 <= i < len(self):
             raise IndexError(f"point {i} out of range for shape {self} of {len(self)} points")
-        coords, rem = {}, i
-        for n, d in reversed(list(zip(self.names, self.dims))):
-            coords[n] = rem % d
-            rem //= d
-        return Point(i, {n: coords[n] for n in self.names}, len(self))
+        return Point(i, self.extent)
 
     def __str__(self) -> str:
         return "{" + ", ".join(f"'{n}': {d}" for n, d in zip(self.names, self.dims)) + "}"
@@ -218,14 +214,30 @@ def _ranks(shape: Shape) -> tuple[int, ...]:
 
 
 class Point(Mapping):
-    """A rank within a mesh: ``p.rank`` is its flat index, ``p["gpus"]`` a coordinate."""
+    """A rank within a mesh, as Monarch's ``Point(rank, extent)``: ``p.rank`` is its row-major index in
+    ``p.extent``, ``p["gpus"]`` a coordinate, ``p.size("gpus")`` that dim's size (``p.size()``: all ranks)."""
 
-    __slots__ = ("rank", "_coords", "size")
+    __slots__ = ("rank", "extent", "_coords")
 
-    def __init__(self, rank: int, coords: dict[str, int], size: int) -> None:
+    def __init__(self, rank: int, extent: Extent | Mapping[str, int]) -> None:
+        if not isinstance(extent, Extent):
+            if not isinstance(extent, Mapping):
+                raise TypeError(f"Point(rank, extent): extent must be an Extent or a dict of dim -> size, "
+                                f"got {extent!r}")
+            extent = Extent(list(extent), list(extent.values()))
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < extent.nelements:
+            raise IndexError(f"Point: rank {rank!r} is not in extent {extent} of {extent.nelements} ranks")
         self.rank = rank
-        self._coords = coords
-        self.size = size
+        self.extent = extent
+        coords, rem = {}, rank
+        for n, d in reversed(list(zip(extent.labels, extent.sizes))):
+            coords[n] = rem % d
+            rem //= d
+        self._coords = {n: coords[n] for n in extent.labels}
+
+    def size(self, label: str | None = None) -> int:
+        """The size of dim ``label`` of this point's mesh; with no label, the number of its ranks."""
+        return self.extent.nelements if label is None else self.extent[label]
 
     def __getitem__(self, name: str) -> int:
         try:
@@ -249,11 +261,14 @@ class Point(Mapping):
         if isinstance(other, int):
             return self.rank == other
         if isinstance(other, Point):
-            return self.rank == other.rank and self._coords == other._coords
+            return self.rank == other.rank and self.extent == other.extent
         return NotImplemented
 
     def __hash__(self) -> int:
         return hash(self.rank)  # equal to its rank, so hashed as it: ``{4: "x"}[point]`` finds it
+
+    def __reduce__(self):
+        return Point, (self.rank, self.extent)
 
     def __repr__(self) -> str:
         return f"Point(rank={self.rank}, {self._coords})"

@@ -6,12 +6,14 @@ exactly what the same selection selects from ``np.arange(n).reshape(dims)``.
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from monarch_tensor.shape import Point, Shape
+from monarch_tensor.shape import Extent, Point, Shape
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -95,7 +97,9 @@ def test_point_coordinates_and_index_of_agree(case):
     for i in range(len(s)):
         p = s.point(i)
         assert isinstance(p, Point)
-        assert p.rank == i and int(p) == i and p.size == len(s)
+        assert p.rank == i and int(p) == i and p.size() == len(s) and p.extent == s.extent
+        assert all(p.size(n) == d for n, d in s.sizes.items())
+        assert p == Point(i, s.extent) == Point(i, s.sizes)  # Monarch's constructor gives the same point
         assert dict(p) == coords[i]
         assert s.index_of(ranks[i]) == i
         # a point's coordinates select exactly its rank
@@ -138,11 +142,25 @@ def test_point_is_a_mapping_and_an_int():
     assert p["hosts"] == 1 and p["gpus"] == 1
     assert dict(p) == {"hosts": 1, "gpus": 1} and list(p) == ["hosts", "gpus"] and len(p) == 2
     assert p == 4 and int(p) == 4 and [10, 11, 12, 13, 14][p] == 14
-    assert p == Point(4, {"hosts": 1, "gpus": 1}, 6)
-    assert hash(p) == hash(Point(4, {"hosts": 1, "gpus": 1}, 6))
+    assert p == Point(4, Extent(["hosts", "gpus"], [2, 3]))
+    assert p != Point(4, {"hosts": 3, "gpus": 2})  # the same rank of another extent
+    assert hash(p) == hash(Point(4, {"hosts": 2, "gpus": 3}))
     assert hash(p) == hash(4) and {4: "x"}[p] == "x" and p in {4} and 4 in {p}  # equal, so hashed alike
     with pytest.raises(KeyError, match="'tp'.*hosts.*gpus"):
         p["tp"]
+    assert p.size("gpus") == 3 and p.size() == 6 and p.extent.labels == ["hosts", "gpus"]
+    assert pickle.loads(pickle.dumps(p)) == p and dict(pickle.loads(pickle.dumps(p))) == dict(p)
+
+
+def test_point_refuses_a_rank_outside_its_extent():
+    with pytest.raises(IndexError, match="rank 6 is not in extent.*6 ranks"):
+        Point(6, {"hosts": 2, "gpus": 3})
+    with pytest.raises(IndexError, match="rank -1"):
+        Point(-1, {"gpus": 3})
+    with pytest.raises(TypeError, match="Extent or a dict"):
+        Point(0, [2, 3])
+    with pytest.raises(KeyError, match="'tp'"):
+        Point(0, {"gpus": 3}).size("tp")
 
 
 # ---- clear errors ---------------------------------------------------------------------
