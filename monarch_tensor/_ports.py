@@ -81,31 +81,36 @@ class Receiver:
 
     A ``recv()`` whose wait times out (``get(timeout=)``) or is cancelled (``asyncio.wait_for``) gives
     its place back, so the next value goes to the next ``recv()`` instead of to a future nobody waits
-    on; waited on again, it queues again."""
+    on; waited on again, it queues again. With ``once``, the port closes after its first value (later
+    ones are dropped, as values for any closed port are)."""
 
-    def __init__(self) -> None:
+    def __init__(self, once: bool = False) -> None:
         self._lock = threading.Lock()
         self._values: collections.deque = collections.deque()
         self._waiters: collections.deque = collections.deque()
+        self._once = once
 
-    def recv(self) -> Future:
+    def recv(self, ranked: bool = False) -> Future:
+        """The next value; with ``ranked``, ``(rank of its sender, value)``."""
         with self._lock:
             if self._values:
                 msg = self._values.popleft()
             else:
-                fut = _ChannelValue(self)
+                fut = _ChannelValue(self, ranked)
                 self._waiters.append(fut)
                 return fut
-        return Future.failed(msg.error) if msg.error is not None else Future.ready(msg.value)
+        if msg.error is not None:
+            return Future.failed(msg.error)
+        return Future.ready((msg.rank, msg.value) if ranked else msg.value)
 
     def deliver(self, msg: SendToPort) -> bool:
         with self._lock:
             if not self._waiters:
                 self._values.append(msg)
-                return False
+                return self._once
             fut = self._waiters.popleft()
         _settle(fut, msg)
-        return False
+        return self._once
 
     def proc_died(self, addr: str, error: SupervisionError) -> bool:
         return False
@@ -132,8 +137,11 @@ class Receiver:
 
     def _give_back(self, fut: Future) -> None:
         """The value handed to a ``recv()`` whose waiter was cancelled meanwhile: first in line again."""
-        failed = fut._state == _FAILED
-        msg = SendToPort(-1, None if failed else fut._value, fut._value if failed else None, -1)
+        if fut._state == _FAILED:
+            msg = SendToPort(-1, None, fut._value, -1)
+        else:
+            rank, value = fut._value if fut._ranked else (-1, fut._value)
+            msg = SendToPort(-1, value, None, rank)
         with self._lock:
             if not self._waiters:
                 self._values.appendleft(msg)
@@ -146,17 +154,17 @@ def _settle(fut: Future, msg: SendToPort) -> None:
     if msg.error is not None:
         fut._set_exception(msg.error)
     else:
-        fut._set_result(msg.value)
+        fut._set_result((msg.rank, msg.value) if getattr(fut, "_ranked", False) else msg.value)
 
 
 class _ChannelValue(Future):
     """A ``recv()`` still waiting for its value (see ``Receiver``)."""
 
-    __slots__ = ("_receiver", "_withdrawn")
+    __slots__ = ("_receiver", "_withdrawn", "_ranked")
 
-    def __init__(self, receiver: Receiver) -> None:
+    def __init__(self, receiver: Receiver, ranked: bool = False) -> None:
         super().__init__("channel value")
-        self._receiver, self._withdrawn = receiver, False
+        self._receiver, self._withdrawn, self._ranked = receiver, False, ranked
 
     def _rejoin(self) -> None:
         """Waited on again after a timeout or a cancellation: in line for a value again."""

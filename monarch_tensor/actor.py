@@ -40,9 +40,9 @@ R = TypeVar("R")
 
 __all__ = [
     "Actor", "ActorError", "ActorMesh", "Accumulator", "Channel", "Extent", "Future", "HostMesh", "MeshFailure",
-    "Point", "Port", "PortReceiver", "ProcMesh", "SupervisionError", "ValueMesh", "context",
-    "current_rank", "current_size", "endpoint", "get_or_spawn_controller", "proc_mesh", "this_host",
-    "this_proc", "unhandled_fault_hook",
+    "NotAnEndpoint", "Point", "Port", "PortReceiver", "ProcMesh", "RankedPortReceiver", "SupervisionError",
+    "ValueMesh", "as_endpoint", "context", "current_actor_name", "current_rank", "current_size", "endpoint",
+    "get_or_spawn_controller", "proc_mesh", "send", "this_host", "this_proc", "unhandled_fault_hook",
 ]
 
 
@@ -92,6 +92,12 @@ def current_rank() -> Point:
     return _context.current().rank
 
 
+def current_actor_name() -> str:
+    """The running actor's name and rank (``"counter[3]"``); ``"client"`` in the script."""
+    ctx = _context.current()
+    return "client" if _context.in_client() else f"{ctx.actor_name}[{ctx.rank.rank}]"
+
+
 def current_size() -> dict[str, int]:
     """Sizes of the mesh the running actor belongs to."""
     return dict(_context.current().sizes)
@@ -116,6 +122,14 @@ class ValueMesh(MeshTrait, Generic[R]):
 
     def values(self) -> list[R]:
         return list(self._values)
+
+    def get(self, rank: int) -> R:
+        """The value of the ``rank``-th point of this mesh (row-major, as ``items()`` counts)."""
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise TypeError(f"ValueMesh.get() takes an int rank, got {rank!r}")
+        if not 0 <= rank < len(self._values):
+            raise IndexError(f"rank {rank} is out of range for value mesh {self._shape} of {len(self._values)} values")
+        return self._values[rank]
 
     def __iter__(self):
         return self.items()
@@ -157,8 +171,10 @@ class ActorMesh(MeshTrait):
         if method.startswith("_"):
             raise AttributeError(method)
         fn = getattr(self._class, method, None)
-        if fn is None or not getattr(fn, "_is_endpoint", False):
+        if fn is None or not callable(fn):
             raise AttributeError(f"{self._class.__name__} has no endpoint {method!r}")
+        if not getattr(fn, "_is_endpoint", False):
+            return NotAnEndpoint(self, method)
         return Endpoint(self, method)
 
     def _new_with_shape(self, shape: Shape) -> ActorMesh:
@@ -244,15 +260,18 @@ def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs
 class Endpoint(Generic[R]):
     """``mesh.method``: call it with an adverb (``call``, ``call_one``, ``broadcast`` ...)."""
 
-    def __init__(self, mesh: ActorMesh, method: str) -> None:
+    def __init__(self, mesh: ActorMesh, method: str, plain: str = "") -> None:
         self._mesh, self._method = mesh, method
         self._what = f"reply of {mesh._name}.{method}"
+        # as_endpoint(): the method is not an @endpoint, and the proc is told so ("name/plain", or
+        # "name/port" for explicit_response_port), since it otherwise refuses to run one.
+        self._wire_method = f"{method}/{plain}" if plain else method
 
     def _send(self, ranks: list[int], args, kwargs, port: PortRef | None, addrs: list[str] | None = None) -> None:
         mailbox = current_mailbox()
         if addrs is None:
             addrs = [self._mesh._procs[r].addr for r in ranks]
-        msg = CallEndpoint(self._mesh._name, self._method, args, kwargs, port)
+        msg = CallEndpoint(self._mesh._name, self._wire_method, args, kwargs, port)
         try:
             encoded = _wire.encode_for(msg, addrs, mailbox)
         except Exception as e:
@@ -262,7 +281,7 @@ class Endpoint(Generic[R]):
             # Mesh tensors among the arguments: each rank gets its own, through the tensor engine.
             from controller.api import call_actor
 
-            call_actor(self._mesh, ranks, self._method, args, kwargs, port)
+            call_actor(self._mesh, ranks, self._wire_method, args, kwargs, port)
             return
         if len(addrs) > 1 and "|" in addrs[0]:  # procs behind host agents: down the fan-out tree
             from ._fanout import send_many
@@ -338,6 +357,62 @@ class Endpoint(Generic[R]):
                         f".broadcast(...), .choose(...) or .stream(...)")
 
 
+class NotAnEndpoint:
+    """``mesh.method`` where ``method`` is not an ``@endpoint``: ``as_endpoint(mesh.method)`` makes it one."""
+
+    def __init__(self, mesh: ActorMesh, method: str) -> None:
+        self._mesh, self._method = mesh, method
+
+    def _why(self) -> str:
+        return (f"{self._mesh._class.__name__}.{self._method} is not annotated as an endpoint: add @endpoint to it, "
+                f"or wrap it: as_endpoint({self._mesh._name}.{self._method}).call(...)")
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(self._why())
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise AttributeError(self._why())
+
+    def __repr__(self) -> str:
+        return f"<not an endpoint: {self._mesh._name}.{self._method}>"
+
+
+def as_endpoint(not_an_endpoint: NotAnEndpoint, *, propagate=None, explicit_response_port: bool = False) -> Endpoint:
+    """Call a spawned actor's method that is not an ``@endpoint`` through the adverbs (Monarch's):
+    ``as_endpoint(mesh.method).call(...)``. With ``explicit_response_port=True`` the method gets the
+    caller's port as its first argument and answers with ``port.send(v)``. (``propagate`` is accepted
+    for Monarch's signature; actor endpoints need no shape propagation here.)"""
+    if isinstance(not_an_endpoint, Endpoint):
+        raise ValueError(f"{not_an_endpoint._mesh._name}.{not_an_endpoint._method} is an @endpoint already: "
+                         f"call it directly")
+    if not isinstance(not_an_endpoint, NotAnEndpoint):
+        raise ValueError(f"as_endpoint() expects a method of a spawned actor mesh (mesh.method), got "
+                         f"{not_an_endpoint!r}")
+    return Endpoint(not_an_endpoint._mesh, not_an_endpoint._method, "port" if explicit_response_port else "plain")
+
+
+def send(endpoint: Endpoint, args: tuple, kwargs: dict, port: Port | None = None, selection: str = "all") -> None:
+    """Fire-and-forget call of ``endpoint`` on its mesh (Monarch's ``send``): results, if ``port`` is given,
+    go to that port (``Channel.open()``). ``selection``: ``"all"`` the whole mesh, ``"choose"`` one live rank."""
+    if not isinstance(endpoint, Endpoint):
+        raise TypeError(f"send() needs an endpoint (mesh.method), got {endpoint!r}")
+    if selection == "all":
+        endpoint.send(args, kwargs, port)
+        return
+    if selection != "choose":
+        raise ValueError(f"send(selection=...) takes 'all' or 'choose', got {selection!r}")
+    if port is not None and not isinstance(port, Port):
+        raise TypeError(f"send(port=...) needs a Port (from Channel.open()), got {type(port).__name__} {port!r}")
+    mesh = endpoint._mesh
+    mesh._check()
+    live = [r for r in mesh._rank_list if mesh._procs[r].alive]
+    if not live:
+        raise SupervisionError(f"no live actor left in {mesh._name!r}")
+    endpoint._send([random.choice(live)], tuple(args), dict(kwargs or {}), port._ref if port else None)
+
+
 def _first(values: list):
     return values[0]
 
@@ -394,21 +469,40 @@ class Port:
 class PortReceiver(Generic[R]):
     """The receiving end of a channel: ``recv()`` returns a Future of the next value, in order."""
 
+    _ranked = False
+
     def __init__(self, receiver: Receiver) -> None:
         self._r = receiver
 
     def recv(self) -> Future[R]:
-        return self._r.recv()
+        return self._r.recv(self._ranked)
+
+    def ranked(self) -> RankedPortReceiver:
+        """A receiver of the same channel whose ``recv()`` gives ``(rank, value)``: the rank of the sender in
+        its actor mesh (0 for the client script)."""
+        return RankedPortReceiver(self._r)
+
+
+class RankedPortReceiver(PortReceiver):
+    """``recv()`` gives ``(sender's rank, value)``."""
+
+    _ranked = True
 
 
 class Channel(Generic[R]):
-    """``port, receiver = Channel.open()``."""
+    """``port, receiver = Channel.open()``; ``Channel.open(once=True)`` takes one value;
+    ``Channel.open_ranked()`` receives ``(sender's rank, value)``."""
 
     @staticmethod
-    def open() -> tuple[Port, PortReceiver]:
-        r = Receiver()
+    def open(once: bool = False) -> tuple[Port, PortReceiver]:
+        r = Receiver(once=bool(once))
         ref = current_mailbox().open_port(r)
         return Port(ref), PortReceiver(r)
+
+    @staticmethod
+    def open_ranked(once: bool = False) -> tuple[Port, RankedPortReceiver]:
+        port, receiver = Channel.open(once)
+        return port, receiver.ranked()
 
 
 # ---- singletons --------------------------------------------------------------------------

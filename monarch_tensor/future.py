@@ -119,6 +119,29 @@ class Future(Generic[R]):
             yield from woken.__await__()
         return self._result()
 
+    def as_asyncio(self) -> asyncio.Future:
+        """An ``asyncio.Future`` of the running loop that resolves as this one does (Monarch's); off a loop,
+        a ``RuntimeError``. Each call gives a new one, observing the same result."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise RuntimeError("as_asyncio() needs a running asyncio event loop; use .get() outside one") from None
+        out = loop.create_future()
+        if not self._state:
+            from .mailbox import _mailbox
+
+            if _mailbox is not None:
+                _mailbox.flush()
+
+        def settle(f: Future) -> None:
+            try:
+                loop.call_soon_threadsafe(_copy_into, f, out)
+            except RuntimeError:  # the loop closed meanwhile: nobody awaits any more
+                pass
+
+        self.add_done_callback(settle)
+        return out
+
     # ---- internals --------------------------------------------------------------------------
     def _result(self) -> R:
         if self._state == _FAILED:
@@ -175,3 +198,14 @@ def _call(fn: Callable[[Future], None], fut: Future) -> None:
 def _resolve(f: asyncio.Future) -> None:
     if not f.done():
         f.set_result(None)
+
+
+def _copy_into(f: Future, out: asyncio.Future) -> None:
+    if out.done():  # cancelled by its waiter
+        return
+    if f._state == _FAILED:
+        err = f._value
+        # asyncio refuses StopIteration as an exception (PEP 479): hand it over as `raise` would.
+        out.set_exception(RuntimeError(repr(err)) if isinstance(err, StopIteration) else err)
+    else:
+        out.set_result(f._value)

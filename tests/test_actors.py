@@ -23,12 +23,15 @@ from monarch_tensor.actor import (
     Future,
     ProcMesh,
     ValueMesh,
+    as_endpoint,
     context,
+    current_actor_name,
     current_rank,
     current_size,
     endpoint,
     get_or_spawn_controller,
     proc_mesh,
+    send,
     this_host,
     this_proc,
 )
@@ -100,6 +103,18 @@ class Counter(Actor):
 
     def helper(self) -> None:
         """Not an endpoint."""
+
+    def plain_add(self, k: int) -> dict:
+        """Not an endpoint either: called through as_endpoint()."""
+        self.n += k
+        return {"n": self.n, "point": current_rank(), "name": current_actor_name()}
+
+    async def aplain(self) -> int:
+        await asyncio.sleep(0)
+        return self.n
+
+    def answer_via(self, port, v: int) -> None:
+        port.send(v * 10 + current_rank().rank)
 
 
 class Recorder(Actor):
@@ -514,6 +529,51 @@ def test_a_recv_that_timed_out_does_not_swallow_the_next_value():
     assert asyncio.run(cancelled_then_again()) == "fourth"
 
 
+def test_ranked_and_once_channels(procs):
+    em = procs.spawn("emitter_ranked", Emitter)
+    port, ranked = Channel.open_ranked()
+    em.slice(hosts=1).emit.call(port, 2).get(timeout=T)
+    got = sorted(ranked.recv().get(timeout=T) for _ in range(4))
+    assert got == [(2, (2, 0)), (2, (2, 1)), (3, (3, 0)), (3, (3, 1))]  # the senders' ranks in their mesh
+    port.send("from the client")
+    assert ranked.recv().get(timeout=T) == (0, "from the client")
+    port2, plain = Channel.open()
+    both = plain.ranked()  # the same channel, read either way
+    port2.send("a")
+    port2.send("b")
+    assert plain.recv().get(timeout=T) == "a" and both.recv().get(timeout=T) == (0, "b")
+
+    waiter = both.recv()  # a value handed to a waiter that was cancelled meanwhile goes back whole
+    port2.send("c")
+    assert waiter.get(timeout=T) == (0, "c")
+    both._r._give_back(waiter)  # what a cancelled await does with it
+    assert plain.recv().get(timeout=T) == "c"
+    once_port, once = Channel.open(once=True)
+    once_port.send(1)
+    once_port.send(2)  # the port closed after its first value
+    assert once.recv().get(timeout=T) == 1
+    with pytest.raises(TimeoutError):
+        once.recv().get(timeout=0.3)
+
+
+def test_future_as_asyncio(counter):
+    with pytest.raises(RuntimeError, match="running asyncio event loop"):
+        counter.value.call().as_asyncio()
+
+    async def main():
+        one = counter.slice(hosts=0, gpus=0)
+        fut = one.value.call_one()
+        a, b = fut.as_asyncio(), fut.as_asyncio()
+        assert isinstance(a, asyncio.Future)
+        done = await asyncio.gather(a, b, asyncio.wait_for(one.value.call_one().as_asyncio(), T))
+        with pytest.raises(ActorError):
+            await asyncio.wait_for(one.slow.call_one("not a number").as_asyncio(), T)
+        return done
+
+    got = asyncio.run(main())
+    assert got[0] == got[1] == got[2] and isinstance(got[0], int)
+
+
 def test_channel_receives_in_order_when_recv_comes_first(procs):
     em = procs.spawn("emitter_early", Emitter)
     port, receiver = Channel.open()
@@ -646,11 +706,52 @@ def test_constructor_failure_on_one_rank(procs):
 def test_unknown_endpoint_is_an_attribute_error(counter):
     with pytest.raises(AttributeError, match="no endpoint 'nope'"):
         _ = counter.nope
-    with pytest.raises(AttributeError, match="helper"):
-        _ = counter.helper  # a method, but not an endpoint
+    with pytest.raises(AttributeError, match=r"Counter.helper is not annotated as an endpoint.*as_endpoint"):
+        counter.helper.call()  # a method, but not an endpoint
+    with pytest.raises(RuntimeError, match="not annotated as an endpoint"):
+        counter.helper()
     with pytest.raises(AttributeError):
         _ = counter._private
+    with pytest.raises(AttributeError, match="no endpoint 'n'"):
+        _ = counter.n  # an instance attribute, not a method
     assert not hasattr(counter, "nope")
+
+
+def test_as_endpoint_calls_a_method_that_is_not_an_endpoint(procs):
+    c = procs.spawn("as_endpoint_counter", Counter, 1)
+    got = as_endpoint(c.plain_add).call(2).get(timeout=T)
+    assert [v["n"] for v in got.values()] == [3] * 4
+    assert [v["name"] for v in got.values()] == [f"as_endpoint_counter[{r}]" for r in range(4)]
+    point = got.get(3)["point"]  # Monarch's Point: extent and size(label) of the actor's mesh
+    assert point.rank == 3 and dict(point) == {"hosts": 1, "gpus": 1}
+    assert point.extent == c.extent and point.size("gpus") == 2 and point.size() == 4
+    assert as_endpoint(c.slice(hosts=1, gpus=0).aplain).call_one().get(timeout=T) == 3  # async def
+    answers = as_endpoint(c.answer_via, explicit_response_port=True).call(4).get(timeout=T)
+    assert answers.values() == [40, 41, 42, 43]
+    with pytest.raises(ValueError, match="is an @endpoint already"):
+        as_endpoint(c.value)
+    with pytest.raises(ValueError, match="method of a spawned actor mesh"):
+        as_endpoint(Counter.plain_add)
+    with pytest.raises(ActorError, match="TypeError.*plain_add"):  # the method's own error, by its name
+        as_endpoint(c.slice(hosts=0, gpus=0).plain_add).call_one().get(timeout=T)
+
+
+def test_send_function_and_value_mesh_get(procs):
+    c = procs.spawn("send_fn_counter", Counter, 5)
+    port, receiver = Channel.open_ranked()
+    send(c.who, (), {}, port=port)
+    got = sorted(receiver.recv().get(timeout=T) for _ in range(4))
+    assert [r for r, _ in got] == [0, 1, 2, 3] and all(w["rank"] == r for r, w in got)
+    send(c.set, (7,), {}, selection="choose")
+    values = c.value.call().get(timeout=T)
+    assert sorted(values.values()) == [5, 5, 5, 7]
+    assert [values.get(i) for i in range(4)] == values.values()
+    with pytest.raises(IndexError, match="rank 4 is out of range"):
+        values.get(4)
+    with pytest.raises(ValueError, match="'all' or 'choose'"):
+        send(c.set, (1,), {}, selection="some")
+    with pytest.raises(TypeError, match="needs an endpoint"):
+        send(c.helper, (), {})
 
 
 @pytest.mark.parametrize("cls", [object, int, Counter(), lambda: None, "Counter"],
