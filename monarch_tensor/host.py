@@ -254,6 +254,28 @@ class ProcMesh(MeshTrait):
             yield
         return self
 
+    @property
+    def initialized(self) -> Future:
+        """Resolves to True once the procs are up (they are, once ``spawn_procs`` returned)."""
+        return Future.ready(True)
+
+    @property
+    def host_mesh(self) -> HostMesh:
+        """The hosts this mesh's procs run on: this machine, or the job's hosts that hold them (in rank
+        order, one each)."""
+        agents = []
+        for p in self._members():
+            agent = getattr(p, "agent", None)
+            if agent is not None and agent not in agents:
+                agents.append(agent)
+        if not agents:
+            return HostMesh()
+        if any(getattr(p, "agent", None) is None for p in self._members()):
+            raise ValueError(f"{self._what()} has procs on this machine and on a job's hosts: it has no one host mesh")
+        from .remote_hosts import RemoteHostMesh
+
+        return RemoteHostMesh(agents)
+
     # ---- actors -----------------------------------------------------------------
     def spawn(self, name: str, actor_class: type, *args, **kwargs):
         """Construct ``actor_class(*args, **kwargs)`` on every proc; returns an ``ActorMesh``."""
@@ -413,23 +435,28 @@ def _spawn_procs(shape: Shape) -> ProcMesh:
     return mesh
 
 
-class HostMesh:
-    """Hosts you can spawn procs on. ``this_host()`` is the local machine."""
+class HostMesh(MeshTrait):
+    """Hosts you can spawn procs on. ``this_host()`` is the local machine (a mesh of one host, no dims);
+    a job's hosts have a ``hosts`` dim, and slice, split and rename like any mesh."""
 
     def __init__(self, shape: Shape | None = None) -> None:
         self._shape = shape or Shape((), ())
 
+    def _new_with_shape(self, shape: Shape) -> HostMesh:
+        return HostMesh(shape)
+
+    def _what(self) -> str:
+        return f"host mesh {self._shape}"
+
     def spawn_procs(self, per_host: Mapping[str, int] | None = None, *, name: str | None = None) -> ProcMesh:
         """``spawn_procs(per_host={"gpus": 4})`` -> ProcMesh of shape {hosts..., "gpus": 4}."""
         per_host = dict(per_host or {"procs": 1})
-        shape = Shape(tuple(self._shape.names) + tuple(per_host),
-                      tuple(self._shape.dims) + tuple(per_host.values()))
+        shape = _procs_shape(self._shape, per_host)
         check_procs_per_host(per_host, len(shape))
         return _spawn_procs(shape)
 
-    @property
-    def sizes(self) -> dict[str, int]:
-        return self._shape.sizes
+    def _runs_here(self, p: ProcInfo) -> bool:
+        return getattr(p, "agent", None) is None  # (a host agent's procs are on its host)
 
     def sync_workspace(self, workspace, conda: bool = False, auto_reload: bool = False) -> Future:
         """Mirror ``workspace`` onto these hosts' workspace roots and reload the procs running there.
@@ -438,8 +465,7 @@ class HostMesh:
         """
         from .workspace_sync import sync_local, sync_workspace
 
-        procs = [p for mesh in list(_live_meshes) for p in mesh._procs
-                 if p.alive and getattr(p, "agent", None) is None]  # (a host agent's procs are on its host)
+        procs = [p for mesh in list(_live_meshes) for p in mesh._procs if p.alive and self._runs_here(p)]
         if not procs:  # nothing runs yet: write this host's root directly
             try:
                 return Future.ready(sync_local(workspace))
@@ -447,8 +473,38 @@ class HostMesh:
                 return Future.failed(e)
         return sync_workspace(procs, workspace, auto_reload)
 
+    @property
+    def initialized(self) -> Future:
+        """Resolves to True once the hosts are up (they are, once the mesh exists)."""
+        return Future.ready(True)
+
+    def stop(self) -> Future:
+        """Stop every proc mesh this script spawned on these hosts; the hosts stay usable."""
+        for mesh in [m for m in list(_live_meshes) if any(self._runs_here(p) for p in m._procs)]:
+            mesh.stop()
+        return Future.ready(None)
+
+    def shutdown(self) -> Future:
+        """Stop the procs on these hosts, and the hosts' agents where a job started them (the local
+        machine itself stays, of course). Also what leaving ``async with hosts:`` does."""
+        return self.stop()
+
+    async def __aenter__(self) -> HostMesh:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.shutdown()
+
     def __repr__(self) -> str:
         return f"<HostMesh {self._shape}>"
+
+
+def _procs_shape(hosts: Shape, per_host: Mapping[str, int]) -> Shape:
+    """The shape of procs spawned ``per_host`` on a host mesh of shape ``hosts``: its dims, then theirs."""
+    for n in per_host:
+        if n in hosts.names:
+            raise ValueError(f"per_host cannot have a {n!r} dimension: the host mesh {hosts} has it")
+    return Shape((*hosts.names, *per_host), (*hosts.dims, *per_host.values()))
 
 
 def this_host() -> HostMesh:

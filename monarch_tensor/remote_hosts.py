@@ -31,7 +31,7 @@ from ._net import ip_towards
 from .agent_messages import EndSession, KeepSession, KillProcs, OpenSession, ReportExit, ShutdownAgent, SpawnProcs
 from .errors import HostUnreachableError, JobKeyError, SupervisionError
 from .future import Future
-from .host import HostMesh, ProcInfo, ProcMesh, _live_meshes, _proc_exited, check_procs_per_host
+from .host import HostMesh, ProcInfo, ProcMesh, _live_meshes, _proc_exited, _procs_shape, check_procs_per_host
 from .mailbox import current_mailbox
 from .messages import SendToPort, StopProc
 from .shape import Shape
@@ -290,9 +290,19 @@ class RemoteHostMesh(HostMesh):
     ``workdirs[i]`` is host i's working directory (where its procs start).
     """
 
-    def __init__(self, agents: list[AgentClient]) -> None:
-        super().__init__(Shape(("hosts",), (len(agents),)))
+    def __init__(self, agents: list[AgentClient], shape: Shape | None = None) -> None:
+        shape = shape or Shape(("hosts",), (len(agents),))
+        if len(shape) != len(agents):
+            raise ValueError(f"a host mesh of shape {shape} needs {len(shape)} agents, got {len(agents)}")
+        super().__init__(Shape(shape.names, shape.dims))
         self._agents = agents
+
+    def _new_with_shape(self, shape: Shape) -> RemoteHostMesh:
+        """A slice, split, rename or flatten: ``hosts.slice(hosts=0)`` is one host (no dim left)."""
+        return RemoteHostMesh([self._agents[r] for r in shape.ranks()], shape)
+
+    def _runs_here(self, p) -> bool:
+        return getattr(p, "agent", None) in self._agents
 
     @property
     def workdirs(self) -> list[str]:
@@ -302,16 +312,9 @@ class RemoteHostMesh(HostMesh):
     def addresses(self) -> list[str]:
         return [a.addr for a in self._agents]
 
-    def slice(self, hosts) -> RemoteHostMesh:
-        """``hosts.slice(hosts=0)`` or ``hosts.slice(hosts=slice(0, 2))``."""
-        picked = self._agents[hosts] if isinstance(hosts, slice) else [self._agents[hosts]]
-        return RemoteHostMesh(picked)
-
     def spawn_procs(self, per_host: Mapping[str, int] | None = None, *, name: str | None = None) -> ProcMesh:
         per_host = dict(per_host or {"procs": 1})
-        if "hosts" in per_host:
-            raise ValueError("per_host cannot have a 'hosts' dimension: the host mesh provides it")
-        shape = Shape(("hosts", *per_host), (len(self._agents), *per_host.values()))
+        shape = _procs_shape(self._shape, per_host)  # the hosts' dims first: host h has ranks [h * per, ...)
         per = len(shape) // len(self._agents)
         check_procs_per_host(per_host, per)
         mailbox = current_mailbox()
@@ -352,11 +355,16 @@ class RemoteHostMesh(HostMesh):
         """
         from .workspace_sync import sync_workspace
 
-        procs = [p for mesh in list(_live_meshes) for p in mesh._procs
-                 if p.alive and getattr(p, "agent", None) in self._agents]
+        procs = [p for mesh in list(_live_meshes) for p in mesh._procs if p.alive and self._runs_here(p)]
         idle = [a for a in self._agents if not any(p.agent is a for p in procs)]
         spawn = (lambda: RemoteHostMesh(idle).spawn_procs(name="workspace-sync")) if idle else None
         return sync_workspace(procs, workspace, auto_reload, spawn)
+
+    def shutdown(self) -> Future:
+        """Stop the procs on these hosts, then their agents: the hosts take no new procs afterwards."""
+        self.stop()
+        shutdown_agents(self._agents, "shutdown() called")
+        return Future.ready(None)
 
     def __repr__(self) -> str:
         return f"<HostMesh {self._shape} on {len(self._agents)} agents>"

@@ -21,7 +21,7 @@ from monarch_tensor import _curve, _fanout, _wire
 from monarch_tensor.actor import Actor, SupervisionError, current_rank, endpoint
 from monarch_tensor.agent import HostAgent
 from monarch_tensor.agent_messages import REPORTS, REQUESTS, OpenSession
-from monarch_tensor.errors import AddressInUseError, HostUnreachableError, JobKeyError, JobStartError
+from monarch_tensor.errors import AddressInUseError, HostUnreachableError, JobKeyError, JobStartError, MeshStoppedError
 from monarch_tensor.job import HostListJob, LocalJob, job_load
 from monarch_tensor.remote_hosts import AgentClient, attach_to_workers
 
@@ -93,6 +93,62 @@ def test_spawn_procs_on_every_host_and_call_them(job):
     procs.stop().get(timeout=30)
     for _, _, pid in got:
         _wait_gone(pid)
+
+
+@pytest.mark.timeout(180)
+def test_host_meshes_slice_rename_and_split_like_other_meshes(job):
+    hosts = job.state().mesh0
+    assert hosts.size() == 2 and hosts.extent.labels == ["hosts"] and len(hosts) == 2
+    assert hosts.initialized.get(timeout=5) is True
+    one = hosts.slice(hosts=1)  # an int drops the dim, as on every mesh
+    assert one.sizes == {} and one.workdirs == [hosts.workdirs[1]]
+    procs = one.spawn_procs(per_host={"gpus": 2})
+    assert procs.sizes == {"gpus": 2}
+    assert procs.spawn("w", Where).where.call().get(timeout=60).values()[1][1] == hosts.workdirs[1]
+    assert procs.host_mesh.workdirs == [hosts.workdirs[1]]
+    dp = hosts.rename(hosts="dp")
+    renamed = dp.spawn_procs(per_host={"gpus": 1})
+    assert renamed.sizes == {"dp": 2, "gpus": 1}
+    w = renamed.spawn("w", Where)
+    assert [d for _, d, _ in w.where.call().get(timeout=60).values()] == hosts.workdirs
+    assert renamed.slice(dp=1).host_mesh.workdirs == [hosts.workdirs[1]]
+    assert renamed.host_mesh.workdirs == hosts.workdirs
+    assert hosts.split(hosts=("racks", "nodes"), nodes=1).sizes == {"racks": 2, "nodes": 1}
+    with pytest.raises(ValueError, match="'dp' dimension: the host mesh"):
+        dp.spawn_procs(per_host={"dp": 2})
+    one.stop().get(timeout=30)  # every proc mesh with procs on host 1 stops, the one across both hosts too
+    with pytest.raises(MeshStoppedError):
+        w.slice(dp=0).where.call_one().get(timeout=30)
+    with pytest.raises(MeshStoppedError):
+        procs.spawn("w2", Where)
+    again = one.spawn_procs(per_host={"gpus": 1})  # the host itself stays usable
+    assert again.spawn("w", Where).where.call_one().get(timeout=60)[1] == hosts.workdirs[1]
+    again.stop()
+
+
+@pytest.mark.timeout(120)
+def test_leaving_async_with_a_host_mesh_shuts_its_hosts_down(tmp_path):
+    import asyncio
+
+    j = LocalJob(meshes={"m": 1}, root_dir=str(tmp_path / "j"), ttl=60)
+    try:
+        hosts = j.state().m
+
+        async def use() -> list:
+            async with hosts as h:
+                procs = h.spawn_procs(per_host={"gpus": 2})
+                got = await procs.spawn("w", Where).where.call()
+            return procs, [pid for _, _, pid in got.values()]
+
+        procs, pids = asyncio.run(use())
+        for pid in pids:
+            _wait_gone(pid)
+        with pytest.raises(MeshStoppedError):
+            procs.spawn("w2", Where)
+        with pytest.raises(SupervisionError, match="was lost: shut down"):
+            hosts.spawn_procs(per_host={"gpus": 1})
+    finally:
+        j.kill()
 
 
 @pytest.mark.timeout(120)

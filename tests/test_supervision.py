@@ -235,3 +235,56 @@ def test_a_script_without_torch_gets_procs_at_once_and_later_meshes_with_torch(t
     assert p.returncode == 0, p.stderr
     assert "FIRST False" in p.stdout and "SECOND False" in p.stdout, p.stdout
     assert "AFTER IMPORT True" in p.stdout and "WARMED True" in p.stdout, p.stdout
+
+
+THIS_HOST_SCRIPT = textwrap.dedent("""
+    import asyncio, sys
+    sys.path.insert(0, {root!r})
+    from monarch_tensor.actor import Actor, HostMesh, endpoint, this_host
+    from monarch_tensor.errors import MeshStoppedError
+
+    class W(Actor):
+        @endpoint
+        def ping(self):
+            return "pong"
+
+    host = this_host()
+    print("SHAPE", host.size(), dict(host.extent), host.initialized.get(timeout=5))
+    a = host.spawn_procs({{"gpus": 2}})
+    b = host.spawn_procs({{"gpus": 1}})
+    w = a.spawn("w", W)
+    print("PING", w.ping.call().get(timeout=60).values())
+    print("HOST", type(a.slice(gpus=1).host_mesh).__name__, a.host_mesh.sizes)
+    host.stop().get(timeout=30)
+    for mesh in (a, b):
+        try:
+            mesh.spawn("w2", W)
+        except MeshStoppedError:
+            print("STOPPED")
+
+    async def scoped():
+        async with this_host() as h:
+            c = h.spawn_procs({{"gpus": 1}})
+            print("SCOPED", await c.spawn("w", W).ping.call_one())
+        return c
+
+    c = asyncio.run(scoped())
+    try:
+        c.spawn("w3", W)
+    except MeshStoppedError:
+        print("STOPPED AFTER WITH")
+    d = this_host().spawn_procs({{"gpus": 1}})  # this machine stays usable
+    print("AGAIN", d.spawn("w", W).ping.call_one().get(timeout=60))
+""")
+
+
+@pytest.mark.timeout(120)
+def test_this_host_is_a_mesh_whose_stop_stops_every_local_proc_mesh(tmp_path):
+    script = tmp_path / "client.py"
+    script.write_text(THIS_HOST_SCRIPT.format(root=ROOT))
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100)
+    assert p.returncode == 0, p.stderr
+    assert "SHAPE 1 {} True" in p.stdout, p.stdout
+    assert "PING ['pong', 'pong']" in p.stdout and "HOST HostMesh {}" in p.stdout, p.stdout
+    assert p.stdout.count("STOPPED\n") == 2, p.stdout
+    assert "SCOPED pong" in p.stdout and "STOPPED AFTER WITH" in p.stdout and "AGAIN pong" in p.stdout, p.stdout
