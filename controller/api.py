@@ -78,6 +78,13 @@ class _NoMesh:
 no_mesh = _NoMesh()
 
 
+def get_active_mesh():
+    """The proc mesh of the innermost ``with procs.activate():`` (Monarch's); a ValueError outside one."""
+    if state.ctx_mesh is None:
+        raise ValueError("no mesh is active: get_active_mesh() works inside `with procs.activate():`")
+    return state.ctx_mesh
+
+
 def rank_tensor(pm, dim: str) -> Tensor:
     """Each rank's coordinate along ``dim`` as a 0-dim int64 mesh tensor: ``procs.rank_tensor("gpus")``."""
     if dim not in pm._shape.names:
@@ -329,7 +336,33 @@ def reduce_(t: Tensor, dims, reduction: str = "sum", scatter: bool = False, mesh
 _xfers = itertools.count(1)
 
 
-def slice_mesh(t: Tensor, **kwargs) -> Tensor:
+def _tree_of_mesh_tensors(fn, tensors, what: str):
+    """``fn`` applied to every mesh tensor of a pytree (a tensor, or lists, tuples and dicts of them, as
+    Monarch's ``to_mesh`` and ``slice_mesh`` take); other leaves stay, but a local torch tensor is an error."""
+    def one(leaf):
+        if type(leaf) is Tensor:
+            return fn(leaf)
+        if isinstance(leaf, torch.Tensor):
+            raise TypeError(f"{what} moves mesh tensors; this one is a local torch tensor (of shape "
+                            f"{tuple(leaf.shape)}): make it inside `with procs.activate():`")
+        return leaf
+
+    return pytree.tree_map(one, tensors)
+
+
+def slice_mesh(tensors, **kwargs):
+    """Each mesh tensor of ``tensors`` (a tensor or a pytree of them) on a slice of its mesh (the ranks of the
+    slice keep their data): ``slice_mesh(t, gpus=0)``, ``slice_mesh({"w": w, "b": b}, hosts=1)``."""
+    return _tree_of_mesh_tensors(lambda t: _slice_mesh(t, **kwargs), tensors, "slice_mesh")
+
+
+def to_mesh(tensors, mesh, stream: Stream | None = None):
+    """Copy each mesh tensor of ``tensors`` (a tensor or a pytree of them) to ``mesh`` (same sizes): rank i of
+    a tensor's mesh sends to rank i of ``mesh``; ``stream`` (default: the tensor's) orders it there."""
+    return _tree_of_mesh_tensors(lambda t: _to_mesh(t, mesh, stream), tensors, "to_mesh")
+
+
+def _slice_mesh(t: Tensor, **kwargs) -> Tensor:
     """``t`` on a slice of its mesh (the ranks of the slice keep their data)."""
     check_live(t._ctx, "slice_mesh")
     ctx = t._ctx
@@ -341,7 +374,7 @@ def slice_mesh(t: Tensor, **kwargs) -> Tensor:
     return Tensor(t._meta, t._mid, sctx, ref)
 
 
-def to_mesh(t: Tensor, mesh) -> Tensor:
+def _to_mesh(t: Tensor, mesh, stream: Stream | None = None) -> Tensor:
     """Copy ``t`` to ``mesh`` (same sizes): rank i of ``t``'s mesh sends to rank i of ``mesh``."""
     if type(t) is not Tensor:
         raise TypeError(f"to_mesh needs a mesh tensor, got {type(t).__name__}")
@@ -354,7 +387,9 @@ def to_mesh(t: Tensor, mesh) -> Tensor:
     src = t._ctx
     if tuple(src.pm._shape.dims) != tuple(mesh._shape.dims):
         raise ValueError(f"to_mesh needs meshes of the same sizes: {src.pm._shape} vs {mesh._shape}")
-    dst = ctx_for(mesh, src.stream)
+    if stream is not None and not isinstance(stream, Stream):
+        raise TypeError(f"to_mesh(stream=...) takes a Stream, got {stream!r}")
+    dst = ctx_for(mesh, stream or src.stream)
     # Data goes proc to proc: the receiving workers must exist before the senders' messages arrive.
     dst.client.workers.initialized.get(timeout=60)
     dst_addrs = [dst.client.addrs[r] for r in dst.ranks]
@@ -432,14 +467,16 @@ def get_active_stream() -> Stream:
 
 
 class _Dropped:
-    """The context of a borrowed tensor after ``drop()``: any use fails with a clear error."""
+    """The context of a dropped tensor (``t.drop()``, or a borrowed one after ``borrow.drop()``): any use
+    fails with a clear error."""
 
     sid = -1
     client = None
     ranks = ()
 
-    def __init__(self, ctx: Ctx) -> None:
+    def __init__(self, ctx: Ctx, dropped_by: str = "borrow.drop()") -> None:
         self.pm, self.stream, self.client = ctx.pm, ctx.stream, ctx.client
+        self.dropped_by = dropped_by
 
 
 class Borrow:

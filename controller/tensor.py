@@ -124,17 +124,41 @@ class Tensor(DistributedMethods, torch.Tensor):
 
         return reduce_(self, dims, reduction, scatter, mesh)
 
-    def to_mesh(self, mesh):
+    def to_mesh(self, mesh, stream=None):
         """This tensor's data on another mesh of the same shape (rank i sends to rank i)."""
-        from .api import to_mesh
+        from .api import _to_mesh
 
-        return to_mesh(self, mesh)
+        return _to_mesh(self, mesh, stream)
 
     def slice_mesh(self, **kwargs):
         """This tensor on a slice of its mesh: ``t.slice_mesh(gpus=0)``."""
-        from .api import slice_mesh
+        from .api import _slice_mesh
 
-        return slice_mesh(self, **kwargs)
+        return _slice_mesh(self, **kwargs)
+
+    def drop(self) -> None:
+        """Free this tensor on the workers now, rather than when the script lets go of it (Monarch's); any
+        later use of it is a clear error. Dropping it twice does nothing."""
+        ctx = self._ctx
+        if ctx.sid < 0:
+            return
+        lent = getattr(self, "_lent", None)
+        if lent:
+            from .errors import BorrowError
+
+            raise BorrowError(f"this tensor is lent to stream(s) {sorted(lent)}: drop their borrows before the tensor")
+        if hasattr(self, "_val"):  # a value the controller knew: not readable either
+            del self._val
+        ctx.client.issue(m.DeleteRefs((self._ref,), ctx.sid), ctx.ranks)  # in order after its last use
+        ctx.client.flush()
+        from .api import _Dropped
+
+        self._ctx = _Dropped(ctx, "t.drop()")
+
+    @property
+    def dropped(self) -> bool:
+        """Whether ``drop()`` freed this tensor (or, for a borrowed one, ``borrow.drop()``)."""
+        return self._ctx.sid < 0
 
 
 _wrap = torch.Tensor._make_wrapper_subclass
@@ -652,10 +676,13 @@ def _mismatch(func, a: Ctx, b: Ctx):
 
 
 def check_live(ctx: Ctx, what) -> None:
-    """A borrowed tensor after ``borrow.drop()`` (its context's stream is -1) is refused."""
+    """A dropped tensor (its context's stream is -1: ``t.drop()``, or a borrowed one after ``borrow.drop()``)
+    is refused."""
     if ctx.sid < 0:
         from .errors import BorrowError
 
+        if getattr(ctx, "dropped_by", None) == "t.drop()":
+            raise MeshTensorError(f"{what}: this tensor was dropped (t.drop()); it cannot be used any more")
         raise BorrowError(f"{what}: this borrowed tensor was dropped (borrow.drop()); it cannot be used any more")
 
 

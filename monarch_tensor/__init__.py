@@ -28,7 +28,7 @@ from .actor import (  # noqa: F401
     this_host,
     this_proc,
 )
-from .shape import Shape  # noqa: F401
+from .shape import Extent, Shape  # noqa: F401
 from .tools.config import Workspace  # noqa: F401
 
 __version__ = "0.1.0"
@@ -38,7 +38,8 @@ _ENGINE = {
     "fetch_shard": "controller.api", "inspect": "controller.api", "remote": "controller.api",
     "reduce": "controller.api", "reduce_": "controller.api", "Stream": "controller.api",
     "no_mesh": "controller.api", "call_on_shard_and_fetch": "controller.api",
-    "get_active_stream": "controller.api", "Tensor": "controller.tensor",
+    "get_active_stream": "controller.api", "get_active_mesh": "controller.api", "to_mesh": "controller.api",
+    "slice_mesh": "controller.api", "Tensor": "controller.tensor",
     "RemoteException": "controller.errors", "MeshTensorError": "controller.errors",
     # global sharded tensors (controller/dtensor.py, controller/placements.py, controller/sharding.py)
     "distribute": "controller.dtensor", "from_local": "controller.dtensor", "Shard": "controller.placements",

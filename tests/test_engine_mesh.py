@@ -118,6 +118,44 @@ def test_slice_and_to_mesh(mesh):
     torch.testing.assert_close(back, _local(1) * 2)
 
 
+def test_module_level_to_mesh_and_slice_mesh_take_pytrees_and_drop_frees(mesh):
+    import monarch_tensor
+
+    h1 = mesh.slice(hosts=1)
+    with pytest.raises(ValueError, match="no mesh is active"):
+        monarch_tensor.get_active_mesh()
+    with mesh.activate():
+        assert monarch_tensor.get_active_mesh() is mesh
+        with h1.activate():
+            assert monarch_tensor.get_active_mesh() is h1
+        x = _per_rank(mesh)
+        tree = {"x": x, "pair": (x * 2, "kept"), "n": 3}
+        sliced = monarch_tensor.slice_mesh(tree, hosts=0)
+        assert sliced["n"] == 3 and sliced["pair"][1] == "kept"
+        assert sliced["x"].mesh.sizes == {"gpus": 2}
+        moved = monarch_tensor.to_mesh(sliced, h1)
+        got = [inspect(moved["pair"][0], gpus=g) for g in range(2)]
+        with pytest.raises(TypeError, match="local torch tensor.*activate"):
+            with monarch_tensor.no_mesh.activate():
+                local = torch.ones(2)
+            monarch_tensor.to_mesh([moved["x"], local], mesh.slice(hosts=0))
+        y = x + 1
+        gc.collect()
+        worker_stats(mesh)  # the deletes of earlier temporaries are flushed by now
+        before = worker_stats(mesh)
+        assert not y.dropped
+        y.drop()
+        y.drop()  # twice: nothing more
+        assert y.dropped
+        for use in (lambda t: t + 1, lambda t: inspect(t), lambda t: t.to_mesh(h1), lambda t: t.reduce("gpus")):
+            with pytest.raises(MeshTensorError, match=r"this tensor was dropped \(t.drop\(\)\)"):
+                use(y)
+        after = worker_stats(mesh)
+    for g in range(2):
+        torch.testing.assert_close(got[g], _local(g) * 2)
+    assert after["refs"] == before["refs"] - 1, (before, after)
+
+
 def test_to_mesh_between_allocations(mesh):
     other = this_host().spawn_procs(per_host={"gpus": 2})
     try:
