@@ -6,6 +6,7 @@ from rdma import (  # noqa: F401
     TensorHandle,
     get_rdma_backend,
     is_ibverbs_available,
+    is_rdma_available,
     publish_tensor,
     transfer_stats,
 )
@@ -14,5 +15,8 @@ from rdma.errors import (  # noqa: F401
     BufferDroppedError,
     OwnerDiedError,
     RDMAError,
+    RDMAReadTransferWarning,
+    RDMATcpFallbackWarning,
+    RDMAWriteTransferWarning,
     TransferTimeoutError,
 )

@@ -10,6 +10,8 @@ from .buffer import (  # noqa: F401
     backends,
     get_rdma_backend,
     is_ibverbs_available,
+    is_rdma_available,
     transfer_stats,
 )
+from .errors import RDMAReadTransferWarning, RDMATcpFallbackWarning, RDMAWriteTransferWarning  # noqa: F401
 from .tensors import TensorHandle, publish_tensor  # noqa: F401

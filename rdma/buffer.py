@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import os
 import threading
+import warnings
 from typing import Any
 
 from monarch_tensor import _wire
@@ -39,9 +40,14 @@ from .errors import (
     BackendUnavailableError,
     BufferDroppedError,
     OwnerDiedError,
+    RDMAReadTransferWarning,
+    RDMATcpFallbackWarning,
+    RDMAWriteTransferWarning,
 )
 
 log = logging.getLogger("monarch_tensor.rdma")
+for _w in (RDMATcpFallbackWarning, RDMAReadTransferWarning, RDMAWriteTransferWarning):
+    warnings.simplefilter("once", _w)  # as Monarch: once per process
 ENV_BACKEND = "MONARCH_TENSOR_RDMA_BACKEND"
 DEFAULT_TIMEOUT = 60.0
 INLINE_BYTES = 64 << 20  # cma transfers up to this size run on the caller's thread: a bounded copy, no thread hop
@@ -134,7 +140,20 @@ def candidates(desc: Descriptor, local: Mem) -> list[Backend]:
     if not found:
         raise BackendUnavailableError(f"no backend can reach buffer {desc.buf_id} ({desc.device} in pid "
                                       f"{desc.pid} on {desc.host.split('/')[0]}) from here")
+    if found[0].name == "tcp" and desc.host != host_id():
+        warnings.warn(f"buffer {desc.buf_id} of {desc.host.split('/')[0]} moves over TCP: no RDMA device (verbs) "
+                      f"serves this pair of hosts, and TCP has far lower throughput and higher latency; "
+                      f"{ENV_BACKEND}=tcp chooses it on purpose (and silences this)", RDMATcpFallbackWarning,
+                      stacklevel=2)
     return found
+
+
+def is_rdma_available() -> bool:
+    """Monarch's older name for ``is_ibverbs_available()`` (deprecated there, as here: several backends
+    make it ambiguous; ``get_rdma_backend()`` says which one this process prefers)."""
+    warnings.warn("is_rdma_available() is deprecated: it says whether RDMA over ibverbs is available; use "
+                  "is_ibverbs_available() or get_rdma_backend()", DeprecationWarning, stacklevel=2)
+    return is_ibverbs_available()
 
 
 class RDMABuffer:

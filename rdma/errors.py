@@ -30,3 +30,17 @@ class BackendRefusedError(RDMAError):
 
 class TransferError(RDMAError):
     """A transfer failed in the backend (I/O error, bad completion); the message says where."""
+
+
+# Monarch's warnings, by its names. Each is shown once per process (``warnings.simplefilter("once", ...)``
+# in buffer.py); filter them by class as Monarch's users do.
+class RDMATcpFallbackWarning(Warning):
+    """Bytes of a buffer on another host moved over TCP: no RDMA device (verbs) serves the pair."""
+
+
+class RDMAReadTransferWarning(Warning):
+    """(Monarch's name; this data plane issues none: kept so that code filtering it imports.)"""
+
+
+class RDMAWriteTransferWarning(Warning):
+    """(Monarch's name; this data plane issues none: kept so that code filtering it imports.)"""

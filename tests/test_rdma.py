@@ -28,9 +28,11 @@ from monarch_tensor.rdma import (
     OwnerDiedError,
     RDMAAction,
     RDMABuffer,
+    RDMATcpFallbackWarning,
     TransferTimeoutError,
     get_rdma_backend,
     is_ibverbs_available,
+    is_rdma_available,
     transfer_stats,
 )
 from rdma.backends import cma
@@ -336,6 +338,28 @@ def test_buffers_of_bytes_and_memoryviews_in_process():
     buf2 = pickle.loads(pickle.dumps(buf))
     buf2.write_from(b"HELLO", offset=0).get(timeout=10)
     assert src.startswith(b"HELLO")
+    buf.drop()
+
+
+def test_a_buffer_of_another_host_read_over_tcp_warns_as_monarch_does(monkeypatch):
+    import dataclasses
+    import warnings
+
+    src = bytearray(b"bytes from another host")
+    buf = RDMABuffer(memoryview(src))
+    # The same buffer as a reader on another host sees it: only tcp can reach it (no NIC here).
+    far = RDMABuffer._from_desc(dataclasses.replace(buf._desc, host="elsewhere/boot-id"))
+    out = bytearray(len(src))
+    with pytest.warns(RDMATcpFallbackWarning, match="moves over TCP: no RDMA device"):
+        far.read_into(out).get(timeout=10)
+    assert out == src and far.backend == "tcp"
+    monkeypatch.setenv(ENV_BACKEND, "tcp")  # chosen on purpose: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RDMATcpFallbackWarning)
+        far.read_into(out).get(timeout=10)
+        buf.read_into(out).get(timeout=10)  # (same host)
+    with pytest.warns(DeprecationWarning, match="is_ibverbs_available"):
+        assert is_rdma_available() == is_ibverbs_available()
     buf.drop()
 
 
