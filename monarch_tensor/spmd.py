@@ -9,14 +9,24 @@ torchrun-style training function runs unchanged inside an actor.
 >>> procs = this_host().spawn_procs(per_host={"gpus": 4})
 >>> setup_torch_elastic_env(procs)
 >>> trainers = procs.spawn("trainer", Trainer)   # its endpoints may call init_process_group("gloo")
+
+``SPMDActor`` runs a whole torchrun-style script (or ``-m module``) on every proc, as Monarch's does:
+
+>>> spmd = procs.spawn("spmd", SPMDActor)
+>>> addr, port = spmd.slice(gpus=0).get_host_port.call_one(None).get()
+>>> spmd.main.call(addr, port, ["train.py", "--lr", "0.001"]).get()
 """
 
 from __future__ import annotations
 
 import math
+import os
+import runpy
 import socket
+import sys
 
 from ._ports import Collector
+from .actor import Actor, current_rank, current_size, endpoint
 from .env_messages import ReserveMasterPort, WriteEnv
 from .future import Future
 from .mailbox import current_mailbox
@@ -83,3 +93,56 @@ async def setup_torch_elastic_env_async(proc_mesh, master_addr: str | None = Non
                                         use_ipaddr: object = None) -> None:
     """``await`` form of :func:`setup_torch_elastic_env`."""
     await _setup(proc_mesh, master_addr, master_port)
+
+
+class SPMDActor(Actor):
+    """Runs a torchrun-style training script on every proc of its mesh (Monarch's ``monarch.spmd.SPMDActor``):
+    ``main(master_addr, master_port, ["train.py", *args])`` (or ``["-m", "module", *args]``) sets torchrun's
+    variables for this rank (``elastic_env``: the last dim is the one within a host) and runs the script as
+    ``__main__``, with ``sys.argv`` set; ``setup_env(...)`` only sets the variables. ``get_host_port()`` on
+    one rank picks the master: this host's name (its address with ``use_ipaddr``) and a free port."""
+
+    def __init__(self) -> None:
+        self._sizes = dict(current_size())
+        self._index = current_rank().rank  # row-major in the mesh it was spawned on
+
+    def _env(self, master_addr: str, master_port: int) -> dict[str, str]:
+        if not isinstance(master_addr, str) or not master_addr:
+            raise TypeError(f"master_addr must be a host name or address (a str), got {master_addr!r}")
+        if isinstance(master_port, bool) or not isinstance(master_port, int) or not 1 <= master_port <= 65535:
+            raise ValueError(f"master_port must be an int in 1..65535, got {master_port!r}")
+        return elastic_env(self._sizes, self._index, master_addr, master_port)
+
+    @endpoint
+    def get_host_port(self, use_ipaddr: object = None) -> tuple[str, int]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        host = socket.gethostname()
+        return (socket.gethostbyname(host) if use_ipaddr else host), port
+
+    @endpoint
+    def setup_env(self, master_addr: str, master_port: int) -> None:
+        os.environ.update(self._env(master_addr, master_port))
+
+    @endpoint
+    def main(self, master_addr: str, master_port: int, script_args: list[str]) -> bool:
+        env = self._env(master_addr, master_port)
+        args = list(script_args or ())
+        if not args or (args[0] == "-m" and len(args) < 2):
+            raise ValueError(f"SPMDActor.main needs a script path or '-m module' followed by its arguments, "
+                             f"got {script_args!r}")
+        if args[0] != "-m" and not os.path.isfile(args[0]):
+            raise FileNotFoundError(f"SPMDActor.main: no script {args[0]!r} on this proc (cwd {os.getcwd()})")
+        os.environ.update(env)
+        old_argv = sys.argv
+        try:
+            if args[0] == "-m":
+                sys.argv = [args[1], *args[2:]]
+                runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = args
+                runpy.run_path(args[0], run_name="__main__")
+        finally:
+            sys.argv = old_argv
+        return True

@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 
-from monarch_tensor.actor import Actor, endpoint, this_host
-from monarch_tensor.spmd import elastic_env, setup_torch_elastic_env
+from monarch_tensor.actor import Actor, ActorError, endpoint, this_host
+from monarch_tensor.spmd import SPMDActor, elastic_env, setup_torch_elastic_env
 from monarch_tensor.utils import setup_env_for_distributed
 
 pytestmark = pytest.mark.timeout(120)
@@ -112,6 +112,28 @@ def test_init_process_group_in_actors(procs):
     assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in env}) == 1
     results = procs.spawn("spmd", SPMD).main.call().get(timeout=90).values()
     assert results == [(10.0, r % 2, 2, 4) for r in range(4)]  # 1+2+3+4 on every rank
+
+
+@pytest.mark.timeout(180)
+def test_spmd_actor_runs_a_torchrun_style_script_and_module(procs, tmp_path):
+    script = os.path.join(ROOT, "tests", "_spmd_train.py")
+    spmd = procs.spawn("spmd_actor", SPMDActor)
+    addr, port = spmd.slice(hosts=0, gpus=0).get_host_port.call_one(None).get(timeout=30)
+    assert isinstance(addr, str) and 0 < port < 65536
+    assert spmd.main.call(addr, port, [script, str(tmp_path), "path"]).get(timeout=120).values() == [True] * 4
+    addr, port = spmd.slice(hosts=0, gpus=0).get_host_port.call_one(True).get(timeout=30)
+    done = spmd.main.call(addr, port, ["-m", "tests._spmd_train", str(tmp_path), "module"]).get(timeout=120)
+    assert done.values() == [True] * 4
+    for tag in ("path", "module"):  # (under -m, as `python -m`, sys.argv[0] becomes the module's file)
+        got = [(tmp_path / f"{tag}-rank{r}").read_text().split() for r in range(4)]
+        assert got == [["10.0", str(r % 2), "4", script] for r in range(4)], tag  # 1+2+3+4 everywhere
+    one = spmd.slice(hosts=1, gpus=1)
+    with pytest.raises(ActorError, match="needs a script path or '-m module'"):
+        one.main.call_one(addr, port, []).get(timeout=30)
+    with pytest.raises(ActorError, match="no script '/nonexistent.py' on this proc"):
+        one.main.call_one(addr, port, ["/nonexistent.py"]).get(timeout=30)
+    with pytest.raises(ActorError, match="master_port must be an int"):
+        one.setup_env.call_one(addr, "29500").get(timeout=30)
 
 
 @pytest.mark.skipif(not THP, reason="this kernel has no transparent huge pages")
