@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import os
 import random
 import sys
@@ -48,6 +49,14 @@ __all__ = [
 
 class Actor:
     """Base class of actors. Methods marked ``@endpoint`` can be called remotely."""
+
+    @property
+    def logger(self) -> logging.Logger:
+        """A logger named for the actor's class, at DEBUG (Monarch's ``self.logger``). With no handler set up,
+        Python prints WARNING and above to the proc's stderr, which reaches the script as its output does."""
+        lgr = logging.getLogger(type(self).__name__)
+        lgr.setLevel(logging.DEBUG)
+        return lgr
 
 
 def endpoint(fn: Callable | None = None, **options):

@@ -392,6 +392,11 @@ class ProcMesh(MeshTrait):
         """Monarch's name for ``rank_tensor``: ``mesh.rank("gpus")``."""
         return self.rank_tensor(dim)
 
+    @property
+    def rank_tensors(self) -> dict:
+        """Every dim's ``rank_tensor``: ``procs.rank_tensors["gpus"]`` (Monarch's)."""
+        return {dim: self.rank_tensor(dim) for dim in self._shape.names}
+
 
 _live_meshes: set[ProcMesh] = set()
 _mesh_seq = itertools.count(1)

@@ -116,6 +116,11 @@ class Counter(Actor):
     def answer_via(self, port, v: int) -> None:
         port.send(v * 10 + current_rank().rank)
 
+    @endpoint
+    def log_something(self) -> tuple:
+        self.logger.debug("debug from an actor")
+        return self.logger.name, self.logger.getEffectiveLevel()
+
 
 class Recorder(Actor):
     def __init__(self) -> None:
@@ -734,6 +739,12 @@ def test_as_endpoint_calls_a_method_that_is_not_an_endpoint(procs):
         as_endpoint(Counter.plain_add)
     with pytest.raises(ActorError, match="TypeError.*plain_add"):  # the method's own error, by its name
         as_endpoint(c.slice(hosts=0, gpus=0).plain_add).call_one().get(timeout=T)
+
+
+def test_actor_logger_is_named_for_its_class(counter):
+    import logging
+
+    assert counter.slice(hosts=0, gpus=1).log_something.call_one().get(timeout=T) == ("Counter", logging.DEBUG)
 
 
 def test_send_function_and_value_mesh_get(procs):

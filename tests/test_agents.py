@@ -22,7 +22,7 @@ from monarch_tensor.actor import Actor, SupervisionError, current_rank, endpoint
 from monarch_tensor.agent import HostAgent
 from monarch_tensor.agent_messages import REPORTS, REQUESTS, OpenSession
 from monarch_tensor.errors import AddressInUseError, HostUnreachableError, JobKeyError, JobStartError, MeshStoppedError
-from monarch_tensor.job import HostListJob, LocalJob, job_load
+from monarch_tensor.job import HostListJob, LocalJob, job_load, job_loads
 from monarch_tensor.remote_hosts import AgentClient, attach_to_workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -147,8 +147,10 @@ def test_leaving_async_with_a_host_mesh_shuts_its_hosts_down(tmp_path):
             procs.spawn("w2", Where)
         with pytest.raises(SupervisionError, match="was lost: shut down"):
             hosts.spawn_procs(per_host={"gpus": 1})
+        assert j.active
     finally:
         j.kill()
+    assert not j.active
 
 
 @pytest.mark.timeout(120)
@@ -437,6 +439,14 @@ def test_attach_to_workers_and_job_load_give_the_same_hosts(job, tmp_path):
     hosts = attach_to_workers(workers=job.addrs["mesh0"], key_file=key)
     listed = HostListJob({"m": job.addrs["mesh0"]}, key_file=key).state().m
     assert hosts.workdirs == listed.workdirs == job.state().mesh0.workdirs == job_load(path).state().mesh0.workdirs
+    data = job.dumps()
+    again = job_loads(data)
+    assert again.active and job.active and type(again) is type(job)
+    assert again.state().mesh0.workdirs == hosts.workdirs and again.state().spare.workdirs == job.state().spare.workdirs
+    with pytest.raises(ValueError, match="not a monarch-tensor job file"):
+        job_loads(b"{not json")
+    with pytest.raises(TypeError, match="what job.dumps\\(\\) returned"):
+        job_loads(None)
     procs = listed.slice(hosts=1).spawn_procs(per_host={"gpus": 1})
     assert procs.spawn("w", Where).where.call_one().get(timeout=60)[1] == listed.workdirs[1]
     procs.stop()

@@ -7,9 +7,9 @@
 >>> job.kill()
 """
 
-from ._base import JobState, JobTrait, job_load
+from ._base import JobState, JobTrait, job_load, job_loads
 from .hosts import HostListJob
 from .local import LocalJob, ProcessJob
 from .slurm import SlurmJob
 
-__all__ = ["HostListJob", "JobState", "JobTrait", "LocalJob", "ProcessJob", "SlurmJob", "job_load"]
+__all__ = ["HostListJob", "JobState", "JobTrait", "LocalJob", "ProcessJob", "SlurmJob", "job_load", "job_loads"]

@@ -98,18 +98,39 @@ class JobTrait:
         shutdown_agents(agents, "job killed")
         self._release()
         self._state = None
+        self._killed = True
 
-    def dump(self, path: str) -> None:
-        """Write the job file (0600: it holds the job's secret key)."""
+    @property
+    def active(self) -> bool:
+        """Whether the job's hosts were started (``apply()``, or a job file's) and not killed since."""
+        return self.addrs is not None and not getattr(self, "_killed", False)
+
+    def dumps(self) -> bytes:
+        """The job file's contents (Monarch's ``dumps``; ``job_loads`` reattaches). It holds the job's secret
+        key: keep it as private as the file."""
         self.apply()
         data = {"kind": self.kind, "meshes": self.meshes, "addrs": self.addrs,
                 "keys": {"public": self.keys.public, "secret": self.keys.secret}, **self._extra()}
-        _curve.write_private(path, json.dumps(data, indent=1))
+        return json.dumps(data, indent=1).encode()
+
+    def dump(self, path: str) -> None:
+        """Write the job file (0600: it holds the job's secret key)."""
+        _curve.write_private(path, self.dumps().decode())
 
 
 def job_load(path: str) -> JobTrait:
     """Reattach to a job from its job file: ``job_load("job.json").state().mesh0``."""
-    text = _curve.read_private(path)
+    return _job_from_text(_curve.read_private(path), path)
+
+
+def job_loads(data: bytes | str) -> JobTrait:
+    """Reattach to a job from ``job.dumps()`` (Monarch's ``job_loads``)."""
+    if not isinstance(data, (bytes, str)):
+        raise TypeError(f"job_loads() takes what job.dumps() returned (bytes), got {type(data).__name__}")
+    return _job_from_text(data.decode() if isinstance(data, bytes) else data, "the data given to job_loads()")
+
+
+def _job_from_text(text: str, path: str) -> JobTrait:
     try:
         data = json.loads(text)
     except ValueError as e:
