@@ -240,6 +240,67 @@ def call_actor(actors, ranks: list[int], method: str, args: tuple, kwargs: dict,
     client.flush()
 
 
+def actor_rref(actors, method: str, wire_method: str, propagate, args: tuple, kwargs: dict):
+    """``actors.method.rref(*args)`` (Monarch's): call the endpoint on every rank of the tensor engine's mesh as
+    an instruction of its stream, and give its tensor results back as mesh tensors, shaped by the endpoint's
+    ``propagate`` (called on fake tensors of the arguments' shapes). The mesh is the arguments' mesh, else the
+    active one, else the actors' own procs; every proc of it must hold one of the actors."""
+    from monarch_tensor import _wire
+
+    what = f"{actors._name}.{method}.rref"
+    if not callable(propagate):
+        raise MeshTensorError(f"{what}: rref needs the shapes of the endpoint's results before it runs: declare "
+                              f"@endpoint(propagate=fn), where fn takes the endpoint's arguments (fake tensors) and "
+                              f"returns tensors of the result's shapes" +
+                              ("" if propagate is None else f" (got propagate={propagate!r})"))
+    _, ctx = _leaves_ctx((args, kwargs), what)
+    if ctx is None:
+        pm = state.ctx_mesh or actors._proc_mesh
+        if pm is None:
+            raise MeshTensorError(f"{what}: no mesh to make the results on: activate one (with procs.activate():)")
+        ctx = ctx_for(pm)
+    client = ctx.client
+    index = {a: i for i, a in enumerate(client.addrs)}
+    targets = sorted(i for i in (index.get(actors._procs[r].addr) for r in actors._rank_list) if i is not None)
+    if targets != sorted(ctx.ranks):
+        raise MeshTensorError(f"{what}: its results would live on {ctx.pm._label()}, but actor mesh "
+                              f"{actors._name!r} is not on exactly those procs: slice the actors (or the mesh) "
+                              f"so that every proc holds one actor")
+    from .tensor import _rebuild, _scan, describe_outputs, meta_of, to_fake
+
+    key: list = []
+    tensors: list = []
+    local: list = []
+    _scan((args, kwargs), key, tensors, local)
+    if local:
+        raise MeshTensorError(f"{what}: pass mesh tensors, not local tensors (create them inside activate())")
+    leaves_spec, struct = Remote(method, propagate)._describe(args, kwargs, tensors, ctx, to_fake, describe_outputs,
+                                                              meta_of)
+    vals, outs, metas = [], [], []
+    for leaf in leaves_spec:
+        if leaf[0] == "new":
+            ref = next(client.refs)
+            vals.append(Tensor(leaf[1], leaf[2], ctx, ref))
+            outs.append(ref)
+            metas.append((leaf[1][0], leaf[1][3]))
+        else:
+            raise MeshTensorError(f"{what}: propagate must return only new tensors (each result is a tensor the "
+                                  f"endpoint makes), got {leaf[0]} {leaf[1]!r}")
+    if not outs:
+        raise MeshTensorError(f"{what}: propagate returned no tensor; call endpoints without tensor results "
+                              f"with call() or broadcast()")
+    instr = m.CallActor(actors._name, wire_method, _to_wire(args), _to_wire(kwargs), None, ctx.sid, user_loc(),
+                        tuple(outs), tuple(metas))
+    try:
+        _wire.encode(instr)
+    except MeshTensorError:
+        raise MeshTensorError(f"{what}: mesh tensors inside objects other than tuples, lists and dicts cannot be "
+                              "passed to an actor") from None
+    client.issue(instr, tuple(ctx.ranks))
+    forget_value((args, kwargs))  # the actor may write the tensors it is lent
+    return _rebuild(struct, iter(vals))
+
+
 def inspect(obj: Any, shard: dict[str, int] | None = None, **kwargs: int) -> Any:
     """``fetch_shard(obj, ...).result()``: the value on one rank, now."""
     return fetch_shard(obj, shard, **kwargs).result()

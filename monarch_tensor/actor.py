@@ -74,6 +74,7 @@ def endpoint(fn: Callable | None = None, **options):
     # With explicit_response_port=True the endpoint gets the caller's reply port as its first argument
     # (after self) and answers with port.send(value) instead of returning it (Monarch's).
     fn._explicit_port = bool(options.get("explicit_response_port", False))
+    fn._propagate = options.get("propagate", options.get("propagator"))  # the result's shapes, for rref()
     return fn
 
 
@@ -275,6 +276,7 @@ class Endpoint(Generic[R]):
         # as_endpoint(): the method is not an @endpoint, and the proc is told so ("name/plain", or
         # "name/port" for explicit_response_port), since it otherwise refuses to run one.
         self._wire_method = f"{method}/{plain}" if plain else method
+        self._propagate = None  # as_endpoint(propagate=...); else the @endpoint's
 
     def _send(self, ranks: list[int], args, kwargs, port: PortRef | None, addrs: list[str] | None = None) -> None:
         mailbox = current_mailbox()
@@ -361,9 +363,20 @@ class Endpoint(Generic[R]):
         mailbox.flush()
         return (col.recv() for _ in ranks)
 
+    def rref(self, *args, **kwargs):
+        """Call the endpoint on every rank as a tensor-engine instruction; its tensor results come back as mesh
+        tensors (shapes from ``@endpoint(propagate=...)``), used by later ops without a round trip (Monarch's)."""
+        from controller.api import actor_rref
+
+        self._mesh._check()
+        propagate = self._propagate
+        if propagate is None:
+            propagate = getattr(getattr(self._mesh._class, self._method, None), "_propagate", None)
+        return actor_rref(self._mesh, self._method, self._wire_method, propagate, args, kwargs)
+
     def __call__(self, *args, **kwargs):
         raise TypeError(f"call an endpoint through an adverb: {self._method}.call(...), .call_one(...), "
-                        f".broadcast(...), .choose(...) or .stream(...)")
+                        f".broadcast(...), .choose(...), .stream(...) or .rref(...)")
 
 
 class NotAnEndpoint:
@@ -391,15 +404,17 @@ class NotAnEndpoint:
 def as_endpoint(not_an_endpoint: NotAnEndpoint, *, propagate=None, explicit_response_port: bool = False) -> Endpoint:
     """Call a spawned actor's method that is not an ``@endpoint`` through the adverbs (Monarch's):
     ``as_endpoint(mesh.method).call(...)``. With ``explicit_response_port=True`` the method gets the
-    caller's port as its first argument and answers with ``port.send(v)``. (``propagate`` is accepted
-    for Monarch's signature; actor endpoints need no shape propagation here.)"""
+    caller's port as its first argument and answers with ``port.send(v)``; ``propagate`` gives its
+    results' shapes for ``rref()``, as ``@endpoint(propagate=...)`` does."""
     if isinstance(not_an_endpoint, Endpoint):
         raise ValueError(f"{not_an_endpoint._mesh._name}.{not_an_endpoint._method} is an @endpoint already: "
                          f"call it directly")
     if not isinstance(not_an_endpoint, NotAnEndpoint):
         raise ValueError(f"as_endpoint() expects a method of a spawned actor mesh (mesh.method), got "
                          f"{not_an_endpoint!r}")
-    return Endpoint(not_an_endpoint._mesh, not_an_endpoint._method, "port" if explicit_response_port else "plain")
+    ep = Endpoint(not_an_endpoint._mesh, not_an_endpoint._method, "port" if explicit_response_port else "plain")
+    ep._propagate = propagate
+    return ep
 
 
 def send(endpoint: Endpoint, args: tuple, kwargs: dict, port: Port | None = None, selection: str = "all") -> None:

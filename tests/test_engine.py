@@ -15,7 +15,7 @@ import torch
 
 from controller.api import worker_stats
 from monarch_tensor import MeshTensorError, RemoteException, fetch_shard, inspect, no_mesh, remote, this_host
-from monarch_tensor.actor import Actor, endpoint
+from monarch_tensor.actor import Actor, as_endpoint, current_rank, endpoint
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -282,6 +282,31 @@ class _Holder(Actor):
         await asyncio.sleep(0.2)
         t.mul_(k)  # the rank's own tensor: ops issued after the call see this
 
+    @endpoint(propagate=lambda t, k: t)
+    def scaled(self, t, k):  # rref: a new tensor per rank, kept on the workers
+        self.log.append(("scaled", k))
+        return t * k + current_rank().rank
+
+    @endpoint(propagate=lambda t: (t.sum(), torch.zeros(3, dtype=torch.int64)))
+    async def two(self, t):
+        await asyncio.sleep(0)
+        return t.sum(), torch.arange(3) * current_rank().rank
+
+    @endpoint(propagate=lambda t: t)
+    def wrong_shape(self, t):
+        return t[:1]
+
+    @endpoint(propagate=lambda t: t)
+    def fails(self, t):
+        raise ValueError("rref endpoint fails on purpose")
+
+    @endpoint
+    def no_propagate(self, t):
+        return t
+
+    def plain_doubled(self, t):  # not an endpoint: as_endpoint(..., propagate=...).rref
+        return t * 2
+
 
 def _slow_plus(x, dt):
     time.sleep(dt)
@@ -306,6 +331,32 @@ def test_mesh_tensors_passed_to_an_actor_arrive_as_each_ranks_local_tensor(procs
         ("Tensor", [0.0, 0.0], {"twice": [[0.0, 0.0], [10.0, 10.0]]}),
         ("Tensor", [1.0, 1.0], {"twice": [[2.0, 2.0], [11.0, 11.0]]}),
     ]
+
+
+def test_rref_keeps_an_endpoints_tensor_results_on_the_workers(procs, holder):
+    with procs.activate():
+        x = torch.ones(2) + procs.rank_tensor("gpus")
+        y = holder.scaled.rref(x, 3.0)  # issued in order with the ops around it; no round trip
+        z = y + 1
+        s, r = holder.two.rref(z)
+        got = [inspect(z, gpus=g) for g in range(2)]
+        got_s, got_r = inspect(s, gpus=1), inspect(r, gpus=1)
+        assert tuple(y.shape) == (2,) and s.shape == () and r.dtype == torch.int64
+        with pytest.raises(RemoteException, match="its result 0 is a tensor of shape \\(1,\\).*propagate said"):
+            inspect(holder.wrong_shape.rref(x) * 2, gpus=0)
+        with pytest.raises(RemoteException, match="rref endpoint fails on purpose"):
+            inspect(holder.fails.rref(x), gpus=1)
+        with pytest.raises(MeshTensorError, match="propagate=fn"):
+            holder.no_propagate.rref(x)
+        with pytest.raises(MeshTensorError, match="not on exactly those procs"):
+            holder.slice(gpus=0).scaled.rref(x, 2.0)
+        doubled = as_endpoint(holder.plain_doubled, propagate=lambda t: t).rref(x)
+        after = inspect(x + 0, gpus=0)  # the stream goes on after the failures
+        got_doubled = inspect(doubled, gpus=1)
+    assert [g.tolist() for g in got] == [[4.0, 4.0], [8.0, 8.0]]  # (1 + g) * 3 + g + 1
+    assert got_s.item() == 16.0 and got_r.tolist() == [0, 1, 2]
+    assert after.tolist() == [1.0, 1.0] and got_doubled.tolist() == [4.0, 4.0]
+    assert ("scaled", 3.0) in holder.history.call().get(timeout=60).item(gpus=0)
 
 
 def test_mesh_tensors_to_a_slice_of_the_actors_and_to_broadcast(procs, holder):

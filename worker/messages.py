@@ -219,7 +219,9 @@ class ReportRefs:
 class CallActor:
     """Call endpoint ``method`` of this proc's actor ``actor`` with the refs in ``args`` and ``kwargs``
     replaced by this rank's tensors; the stream waits until the endpoint has returned (the actor borrows
-    the tensors meanwhile). The result goes to ``reply``, as any call's does."""
+    the tensors meanwhile). The result goes to ``reply``, as any call's does; or, with ``outs``
+    (``endpoint.rref``), its tensors are stored at those refs, checked against ``metas`` as
+    ``CallFunction``'s are."""
 
     actor: str
     method: str
@@ -228,6 +230,8 @@ class CallActor:
     reply: PortRef | None
     stream: int
     loc: Loc
+    outs: tuple = ()
+    metas: tuple = ()
 
 
 INSTRUCTIONS = (CallOp, CallFunction, CreateValue, CreateRank, DeleteRefs, Reduce, FetchValue, SendTensor,

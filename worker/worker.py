@@ -314,17 +314,7 @@ class TensorWorker(Actor):
         def call():
             fn = resolve_function(msg.fn)
             result = fn(*self._resolve(msg.args), **self._resolve(msg.kwargs))
-            leaves = flat_leaves(result)
-            if msg.outs and len(leaves) != len(msg.outs):  # (no outs: called for its effect, e.g. manual_seed)
-                raise TypeError(f"it returned {len(leaves)} value(s) where its propagate said {len(msg.outs)}: "
-                                f"propagate must return what the function returns, with the same structure")
-            for i, (want, got) in enumerate(zip(msg.metas, leaves)):
-                if want is not None and not (isinstance(got, torch.Tensor) and tuple(got.shape) == want[0]
-                                             and got.dtype == want[1]):
-                    what = (f"a tensor of shape {tuple(got.shape)} and {got.dtype}" if isinstance(got, torch.Tensor)
-                            else f"a {type(got).__name__}")
-                    raise TypeError(f"its result {i} is {what}, where its propagate said a tensor of shape "
-                                    f"{want[0]} and {want[1]}: propagate must return what the function returns")
+            _check_result(result, msg.outs, msg.metas)
             return result
 
         self._run(getattr(msg.fn, "__qualname__", str(msg.fn)), msg, call)
@@ -436,21 +426,45 @@ class TensorWorker(Actor):
     def handle_CallActor(self, item: tuple) -> None:
         """``item``: the instruction and the place in its actor's queue that ``execute`` took for it."""
         msg, entry = item
-        call = CallEndpoint(msg.actor, msg.method, (), {}, msg.reply)
+        what = f"{msg.actor}.{msg.method.partition('/')[0]}"
+        result = _Result() if msg.outs else None  # rref: the endpoint's tensors become this stream's refs
+        reply = self.mailbox.open_port(result) if result is not None else msg.reply
+        call = CallEndpoint(msg.actor, msg.method, (), {}, reply)
         error = None
         try:
-            call = CallEndpoint(msg.actor, msg.method, self._resolve(msg.args), self._resolve(msg.kwargs), msg.reply)
+            call = CallEndpoint(msg.actor, msg.method, self._resolve(msg.args), self._resolve(msg.kwargs), reply)
             if self.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()  # the endpoint runs on another thread
         except _Propagate as p:
             error = p.failure
         except Exception as e:  # noqa: BLE001
-            error = self._failure(f"{msg.actor}.{msg.method}", msg.loc, e)
+            error = self._failure(what, msg.loc, e)
         rt = current_runtime()
         rt.loop.call_soon_threadsafe(rt.fill, msg.actor, entry, call, error)
         if not entry.done.wait(RECV_TIMEOUT):
-            log.warning("tensor worker: %s.%s still runs after %s s; stream %d goes on without waiting",
-                        msg.actor, msg.method, RECV_TIMEOUT, msg.stream)
+            log.warning("tensor worker: %s still runs after %s s; stream %d goes on without waiting",
+                        what, RECV_TIMEOUT, msg.stream)
+        if result is None:
+            return
+        if error is not None:
+            self._fail(msg.outs, error)
+            return
+        if not result.ready.wait(RECV_TIMEOUT):
+            self._fail(msg.outs, RemoteException(what, msg.loc, self.rank, f"no result within {RECV_TIMEOUT} s", ""))
+            return
+        if result.error is not None:
+            e = result.error
+            if not isinstance(e, RemoteException):  # the endpoint raised (an ActorError), or its proc failed
+                e = RemoteException(what, msg.loc, self.rank, getattr(e, "exc_repr", None) or repr(e),
+                                    getattr(e, "traceback", "") or "", _picklable(getattr(e, "exception", None) or e))
+            self._fail(msg.outs, e)
+            return
+        try:
+            _check_result(result.value, msg.outs, msg.metas)
+        except Exception as e:  # noqa: BLE001
+            self._fail(msg.outs, self._failure(what, msg.loc, e))
+            return
+        self._store(msg.outs, result.value)
 
     def handle_ReportRefs(self, msg: m.ReportRefs) -> None:
         self._reply(msg.reply, {"refs": len(self.refs), "streams": len(self.streams),
@@ -462,6 +476,39 @@ class TensorWorker(Actor):
         except Exception as e:  # noqa: BLE001 - e.g. an unpicklable value
             err = RemoteException("fetch", None, self.rank, f"cannot send the value back: {e!r}", "")
             self.mailbox.send(port.addr, SendToPort(port.port_id, None, err, self.rank))
+
+
+class _Result:
+    """The reply port of an ``rref`` call on this worker: holds the endpoint's result (or error)."""
+
+    observing = True
+
+    def __init__(self) -> None:
+        self.ready = threading.Event()
+        self.value = self.error = None
+
+    def deliver(self, msg: SendToPort) -> bool:
+        self.value, self.error = msg.value, msg.error
+        self.ready.set()
+        return True  # the port closes
+
+    def proc_died(self, addr: str, error) -> bool:
+        return False
+
+
+def _check_result(result, outs: tuple, metas: tuple) -> None:
+    """A remote function's or an rref endpoint's result against what its propagate said."""
+    leaves = flat_leaves(result)
+    if outs and len(leaves) != len(outs):  # (no outs: called for its effect, e.g. manual_seed)
+        raise TypeError(f"it returned {len(leaves)} value(s) where its propagate said {len(outs)}: "
+                        f"propagate must return what the function returns, with the same structure")
+    for i, (want, got) in enumerate(zip(metas, leaves)):
+        if want is not None and not (isinstance(got, torch.Tensor) and tuple(got.shape) == want[0]
+                                     and got.dtype == want[1]):
+            what = (f"a tensor of shape {tuple(got.shape)} and {got.dtype}" if isinstance(got, torch.Tensor)
+                    else f"a {type(got).__name__}")
+            raise TypeError(f"its result {i} is {what}, where its propagate said a tensor of shape "
+                            f"{want[0]} and {want[1]}: propagate must return what the function returns")
 
 
 def _to_cpu(v):
