@@ -464,6 +464,8 @@ class TensorWorker(Actor):
         except Exception as e:  # noqa: BLE001
             self._fail(msg.outs, self._failure(what, msg.loc, e))
             return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # the endpoint's kernels ran on its own thread's stream: done before use here
         self._store(msg.outs, result.value)
 
     def handle_ReportRefs(self, msg: m.ReportRefs) -> None:
