@@ -72,6 +72,19 @@ def test_workspace_config_paths_and_errors(tmp_path):
         Workspace(dirs=[tmp_path / "missing"]).check()
 
 
+def test_merge_lays_the_dirs_out_as_a_root_gets_them(tmp_path):
+    (tmp_path / "proj" / "pkg").mkdir(parents=True)
+    (tmp_path / "proj" / "pkg" / "m.py").write_text("X = 1\n")
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "data.txt").write_text("d")
+    Workspace(dirs={tmp_path / "proj": "code", tmp_path / "lib": "lib"}).merge(tmp_path / "out")
+    assert (tmp_path / "out" / "code" / "pkg" / "m.py").read_text() == "X = 1\n"
+    assert (tmp_path / "out" / "lib" / "data.txt").read_text() == "d"
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Workspace(dirs=[tmp_path / "missing"]).merge(tmp_path / "out2")
+    assert not (tmp_path / "out2").exists()
+
+
 def test_module_names_and_bad_paths(tmp_path):
     assert _filetree.module_name("proj/pkg/mod.py", ["proj"]) == "pkg.mod"
     assert _filetree.module_name("proj/pkg/__init__.py", ["proj"]) == "pkg"

@@ -47,6 +47,17 @@ class Workspace:
             if not path.is_dir():
                 raise FileNotFoundError(f"workspace dir {path} does not exist or is not a directory")
 
+    def merge(self, outdir: str | Path) -> None:
+        """Copy every dir into ``outdir`` at its remote name, as a host's root gets it (Monarch's ``merge``:
+        e.g. to build an image of the workspace)."""
+        import shutil
+
+        self.check()
+        out = Path(outdir)
+        out.mkdir(parents=True, exist_ok=True)
+        for src, dst in self.dirs.items():
+            shutil.copytree(src, out / dst, dirs_exist_ok=True, symlinks=True)
+
     @staticmethod
     def null() -> Workspace:
         """A workspace with no dirs."""
