@@ -35,7 +35,27 @@ class SupervisionError(Exception):
     def __init__(self, message: str, *, proc: str = "", rank: int | None = None,
                  exit_status: str = "") -> None:
         self.proc, self.rank, self.exit_status = proc, rank, exit_status
+        self.mesh = None  # the proc mesh it happened on, where known here (Monarch's ``failure.mesh``)
         super().__init__(message)
+
+    @property
+    def mesh_name(self) -> str:
+        """Which mesh failed (Monarch's): ``"proc mesh #N"`` for this script's N-th proc mesh; "" if unknown."""
+        seq = getattr(getattr(self.mesh, "_alloc", None), "_seq", None)
+        return f"proc mesh #{seq}" if seq is not None else ""
+
+    def report(self) -> str:
+        """A readable account of the failure: what failed, on which mesh and rank, and why."""
+        lines = [str(self)]
+        if self.mesh is not None:
+            lines.append(f"  mesh: {self.mesh._label()}")
+        if self.rank is not None:
+            lines.append(f"  rank: {self.rank}")
+        if self.proc:
+            lines.append(f"  proc: {self.proc}")
+        if self.exit_status:
+            lines.append(f"  exit: {self.exit_status}")
+        return "\n".join(lines)
 
     def __reduce__(self):
         return (_make_supervision_error, (str(self), self.proc, self.rank, self.exit_status))

@@ -346,6 +346,8 @@ class ProcMesh(MeshTrait):
         """A proc of this allocation died unexpectedly: tell the owner, or the fault hook."""
         from . import actor
 
+        if err.mesh is None:
+            err.mesh = self
         self._failures.append(err)
         owner = self._owner
         handler = getattr(owner.instance, "__supervise__", None) if owner is not None else None
@@ -354,7 +356,9 @@ class ProcMesh(MeshTrait):
                 if handler(err):
                     return
             except Exception as e:  # noqa: BLE001
-                err = SupervisionError(f"{err} (and __supervise__ raised {e!r})", proc=err.proc, rank=err.rank)
+                err2 = SupervisionError(f"{err} (and __supervise__ raised {e!r})", proc=err.proc, rank=err.rank,
+                                        exit_status=err.exit_status)
+                err2.mesh, err = self, err2
         actor.unhandled_fault_hook(err)
 
     # ---- interactive tools (workspace_sync.py, env.py) ---------------------------------

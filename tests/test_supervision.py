@@ -105,7 +105,8 @@ def test_owner_supervise_handles_failure_of_its_procs(faults):
             self.child = self.procs.spawn("child", Worker)
 
         def __supervise__(self, failure):
-            self.failures.append(str(failure))
+            mine = failure.mesh is self.procs and failure.mesh_name == f"proc mesh #{self.procs._seq}"
+            self.failures.append((str(failure), mine, failure.report()))
             return True
 
         @endpoint
@@ -127,7 +128,9 @@ def test_owner_supervise_handles_failure_of_its_procs(faults):
         while time.monotonic() < deadline and not seen:
             seen = owner.failures_seen.call_one().get(timeout=10)
             time.sleep(0.05)
-        assert seen and "SIGKILL" in seen[0]
+        assert seen and "SIGKILL" in seen[0][0]
+        assert seen[0][1], "failure.mesh is the proc mesh that failed, and mesh_name names it"
+        assert "mesh: {'gpus': 1} of proc mesh #" in seen[0][2] and "rank: 0" in seen[0][2], seen[0][2]
         assert faults == []
     finally:
         procs.stop().get(timeout=30)
