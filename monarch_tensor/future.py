@@ -100,6 +100,8 @@ class Future(Generic[R]):
                     return
         _call(fn, self)
 
+    add_callback = add_done_callback  # the tensor engine's name in Monarch (``monarch.Future``)
+
     def __await__(self):
         if not self._state:
             from .mailbox import _mailbox

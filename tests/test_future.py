@@ -78,8 +78,9 @@ def test_callbacks_run_once_whether_added_before_or_after_settling():
     f.add_done_callback(lambda g: seen.append(("before", g.get())))
     f._set_result(5)
     f.add_done_callback(lambda g: seen.append(("after", g.get())))
+    f.add_callback(lambda g: seen.append(("monarch's name", g.get())))
     f._set_result(6)
-    assert seen == [("before", 5), ("after", 5)]
+    assert seen == [("before", 5), ("after", 5), ("monarch's name", 5)]
 
 
 def test_a_failing_callback_does_not_stop_the_others(caplog):
