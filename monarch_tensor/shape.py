@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -73,10 +73,41 @@ class Shape:
         """Flat ranks of the underlying list, in row-major order of this shape."""
         return list(_ranks(self))
 
-    def coordinates(self) -> Iterator[dict[str, int]]:
-        """Every point's coordinates, row-major."""
-        for idx in itertools.product(*(range(d) for d in self.dims)):
-            yield dict(zip(self.names, idx))
+    def coordinates(self, rank: int | None = None):
+        """Where flat ``rank`` lies in this shape, as ``{dim: index}`` (Monarch's); with no rank, every point's
+        coordinates, row-major (an iterator)."""
+        if rank is None:
+            return (dict(zip(self.names, idx)) for idx in itertools.product(*(range(d) for d in self.dims)))
+        return dict(self.point(self.index_of(rank)))
+
+    @property
+    def labels(self) -> list[str]:
+        """The dims' names (Monarch's name for ``names``)."""
+        return list(self.names)
+
+    def at(self, label: str, index: int) -> Shape:
+        """One index of dim ``label``; the dim goes (Monarch's)."""
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(f"at({label!r}, ...) takes an int index, got {index!r}; select() takes a slice")
+        return self.slice(**{label: index})
+
+    def select(self, label: str, sel: slice) -> Shape:
+        """Dim ``label`` restricted to the slice ``sel``; the dim stays (Monarch's)."""
+        if not isinstance(sel, slice):
+            raise TypeError(f"select({label!r}, ...) takes a slice, got {sel!r}; at() takes an int")
+        return self.slice(**{label: sel})
+
+    def index(self, **kwargs: int) -> Shape:
+        """``shape.index(hosts=0, gpus=3)``: those dims fixed, and gone (Monarch's)."""
+        for k, v in kwargs.items():
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"index({k}=...) takes an int, got {v!r}")
+        return self.slice(**kwargs)
+
+    @staticmethod
+    def unity() -> Shape:
+        """The shape of one rank and no dims."""
+        return Shape((), ())
 
     def slice(self, **kwargs: int | slice) -> Shape:
         """Select along named dims: an int drops the dim, a slice keeps it."""

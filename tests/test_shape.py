@@ -106,6 +106,24 @@ def test_point_coordinates_and_index_of_agree(case):
         assert s.slice(**dict(p)).ranks() == [ranks[i]]
 
 
+def test_monarchs_shape_methods():
+    s = Shape(("hosts", "gpus"), (2, 4))
+    assert s.labels == ["hosts", "gpus"] and s.coordinates(6) == {"hosts": 1, "gpus": 2}
+    assert s.at("gpus", 1).ranks() == [1, 5] and s.at("gpus", 1).labels == ["hosts"]
+    assert s.select("gpus", slice(1, 3)).sizes == {"hosts": 2, "gpus": 2}
+    assert s.index(hosts=1, gpus=3).ranks() == [7] and s.index(hosts=1, gpus=3).labels == []
+    assert s.slice(gpus=slice(0, None, 2)).coordinates(6) == {"hosts": 1, "gpus": 1}
+    assert Shape.unity().ranks() == [0] and len(Shape.unity()) == 1
+    with pytest.raises(TypeError, match="select\\(\\) takes a slice"):
+        s.at("gpus", slice(0, 1))
+    with pytest.raises(TypeError, match="at\\(\\) takes an int"):
+        s.select("gpus", 1)
+    with pytest.raises(TypeError, match="takes an int"):
+        s.index(gpus=slice(0, 1))
+    with pytest.raises(ValueError, match="rank 1 is not in"):
+        s.slice(gpus=0).coordinates(1)
+
+
 def test_docstring_example():
     s = Shape(("hosts", "gpus"), (2, 4))
     assert s.slice(gpus=1).ranks() == [1, 5]
