@@ -15,6 +15,7 @@ garbage-collected tensors ride on the next batch.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import os
 import sys
@@ -157,6 +158,9 @@ class MeshClient:
             self._ranks = ranks
         q = self._q
         q.append(instr)
+        if _held:  # inside coalescing(): the batch leaves at its end (or at a fetch, or a change of ranks)
+            _held.add(self)
+            return
         n = len(q)
         if n >= self._limit:
             self.flush(grow=True)
@@ -242,6 +246,31 @@ class MeshClient:
         return fut
 
 
+# coalescing(): the clients that issued while it holds ({None} marks a hold with nothing issued yet), and
+# how many coalescing() blocks are open.
+_held: set = set()
+_hold_depth = 0
+
+
+@contextlib.contextmanager
+def coalescing():
+    """``with coalescing():`` (Monarch's): the ops issued inside leave as one batch per mesh when the block
+    ends, however many there are and however long the script takes between them (outside, a batch leaves
+    at a size bound or when the script pauses). A fetch inside still sends what came before it."""
+    global _hold_depth
+    _hold_depth += 1
+    _held.add(None)
+    try:
+        yield
+    finally:
+        _hold_depth -= 1
+        if _hold_depth == 0:
+            clients = [c for c in _held if c is not None]
+            _held.clear()
+            for c in clients:
+                c.flush()
+
+
 class _Flusher:
     """One background thread: flushes clients whose batch stopped growing (the script is idle)."""
 
@@ -265,7 +294,9 @@ class _Flusher:
                 sizes = {c: len(c._q) for c in list(self._pending)}
                 time.sleep(IDLE_S)
                 for c, n in sizes.items():
-                    if len(c._q) == n:  # no growth: the script paused
+                    if c in _held:  # coalescing(): its end sends the batch
+                        self._pending.discard(c)
+                    elif len(c._q) == n:  # no growth: the script paused
                         self._pending.discard(c)
                         try:
                             c.flush()

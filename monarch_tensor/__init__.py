@@ -39,7 +39,7 @@ _ENGINE = {
     "reduce": "controller.api", "reduce_": "controller.api", "Stream": "controller.api",
     "no_mesh": "controller.api", "call_on_shard_and_fetch": "controller.api",
     "get_active_stream": "controller.api", "get_active_mesh": "controller.api", "to_mesh": "controller.api",
-    "slice_mesh": "controller.api", "Tensor": "controller.tensor",
+    "slice_mesh": "controller.api", "coalescing": "controller.client", "Tensor": "controller.tensor",
     "RemoteException": "controller.errors", "MeshTensorError": "controller.errors",
     # global sharded tensors (controller/dtensor.py, controller/placements.py, controller/sharding.py)
     "distribute": "controller.dtensor", "from_local": "controller.dtensor", "Shard": "controller.placements",

@@ -259,6 +259,32 @@ def test_the_first_spawn_builds_the_fake_tensor_mode_while_the_procs_start(off, 
     assert f"warm {not off} " in p.stdout, p.stdout
 
 
+def test_coalescing_sends_the_ops_of_its_block_as_one_batch(procs, monkeypatch):
+    import monarch_tensor
+    from controller.api import client_for
+
+    client = client_for(procs)
+    sent = []
+    real_send = client._send
+    monkeypatch.setattr(client, "_send", lambda batch, ranks: (batch and sent.append(len(batch)), real_send(batch, ranks)))
+    with procs.activate():
+        x = torch.zeros(4)
+        inspect(x)
+        sent.clear()
+        with monarch_tensor.coalescing():
+            for _ in range(100):  # outside, these would leave in batches of 16, 32, 64 ... (the size bound)
+                x = x + 1
+            time.sleep(0.3)  # a pause: outside, the idle flusher would send them now
+            assert sent == []
+        assert len(sent) == 1 and sent[0] >= 100
+        assert inspect(x, gpus=1).tolist() == [100.0] * 4
+        sent.clear()
+        for _ in range(100):
+            x = x + 1
+        inspect(x)
+    assert len(sent) > 2  # without coalescing(): several batches
+
+
 # ---- mesh tensors passed to actor endpoints ------------------------------------------------------------
 class _Holder(Actor):
     def __init__(self) -> None:
