@@ -28,6 +28,13 @@ from .actor import (  # noqa: F401
     this_host,
     this_proc,
 )
+from .config import (  # noqa: F401
+    clear_runtime_config,
+    configure,
+    configured,
+    get_global_config,
+    get_runtime_config,
+)
 from .shape import Extent, Shape  # noqa: F401
 from .tools.config import Workspace  # noqa: F401
 

@@ -68,7 +68,10 @@ class _LogForwarder:
 
     def __init__(self, mailbox: Mailbox, client_addr: str, rank: int) -> None:
         self.mailbox, self.client_addr, self.rank = mailbox, client_addr, rank
-        self.enabled = {1: True, 2: True}  # per stream, as its pump has read the switches
+        from . import config
+
+        on = config.get("enable_log_forwarding")  # as the client's configure() had it when it spawned us
+        self.enabled = {1: on, 2: on}  # per stream, as its pump has read the switches
         self.flushed = False
         self.threads = []
         self.originals = {}

@@ -431,8 +431,11 @@ def _spawn_procs(shape: Shape) -> ProcMesh:
     infos = [ProcInfo(new_ipc_address("proc"), r) for r in range(n)]
     gpus = _gpu_count()
     envs = []
+    from . import config
+
+    settings = config.proc_env()  # configure()'s settings that procs act on
     for point in (shape.point(i) for i in range(n)):
-        env = {"MONARCH_TENSOR_RANK": str(point.rank)}
+        env = {"MONARCH_TENSOR_RANK": str(point.rank), **settings}
         if gpus and "gpus" in shape.names:
             env["CUDA_VISIBLE_DEVICES"] = str(point["gpus"] % gpus)
         envs.append(env)

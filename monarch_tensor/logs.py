@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 
+from . import config
 from .messages import ForwardLogs
 
 _lock = threading.Lock()
@@ -39,7 +40,8 @@ def client_log_sink(msg: ForwardLogs) -> None:
     with _lock:
         if _window is None:
             out = _out(msg.stream)
-            out.write("".join(f"[{msg.rank}] {line}\n" for line in msg.lines))
+            prefix = f"[{msg.rank}] " if config.get("prefix_with_rank") else ""
+            out.write("".join(f"{prefix}{line}\n" for line in msg.lines))
             out.flush()
             return
         now = time.monotonic()
@@ -60,12 +62,14 @@ def flush(older_than: float | None = None) -> None:
         now = time.monotonic()
         keys = [k for k, (t, _) in _pending.items() if older_than is None or now - t >= older_than]
         items = [(k, _pending.pop(k)[1]) for k in keys]
+    prefixed = config.get("prefix_with_rank")
     for (stream, line), ranks in items:
         out = _out(stream)
         if len(ranks) > 1:
-            out.write(f"[{len(ranks)} similar lines] [rank {_ranks_text(ranks)}] {line}\n")
+            where = f"[rank {_ranks_text(ranks)}] " if prefixed else ""
+            out.write(f"[{len(ranks)} similar lines] {where}{line}\n")
         else:
-            out.write(f"[{ranks[0]}] {line}\n")
+            out.write(f"[{ranks[0]}] {line}\n" if prefixed else f"{line}\n")
         out.flush()
 
 

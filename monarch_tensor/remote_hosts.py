@@ -320,13 +320,16 @@ class RemoteHostMesh(HostMesh):
         mailbox = current_mailbox()
         infos: list[ProcInfo] = []
         pending = []
+        from . import config
+
+        settings = config.proc_env()  # configure()'s settings that procs act on
         for h, agent in enumerate(self._agents):
             gateway = _gateway_for(agent.keys, agent.addr)
             events = mailbox.open_port(_Events(agent))
             ranks, envs = [], []
             for r in range(h * per, (h + 1) * per):
                 point = shape.point(r)
-                env = {"MONARCH_TENSOR_RANK": str(r)}
+                env = {"MONARCH_TENSOR_RANK": str(r), **settings}
                 if "gpus" in shape.names:
                     env["MONARCH_TENSOR_LOCAL_GPU"] = str(point["gpus"])
                 ranks.append(r)

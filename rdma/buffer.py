@@ -141,9 +141,16 @@ def candidates(desc: Descriptor, local: Mem) -> list[Backend]:
         raise BackendUnavailableError(f"no backend can reach buffer {desc.buf_id} ({desc.device} in pid "
                                       f"{desc.pid} on {desc.host.split('/')[0]}) from here")
     if found[0].name == "tcp" and desc.host != host_id():
+        from monarch_tensor import config
+
+        if not config.get("rdma_allow_tcp_fallback"):
+            raise BackendUnavailableError(
+                f"buffer {desc.buf_id} of {desc.host.split('/')[0]} can only move over TCP here (no RDMA device "
+                f"serves this pair of hosts), and configure(rdma_allow_tcp_fallback=False) forbids that")
         warnings.warn(f"buffer {desc.buf_id} of {desc.host.split('/')[0]} moves over TCP: no RDMA device (verbs) "
                       f"serves this pair of hosts, and TCP has far lower throughput and higher latency; "
-                      f"{ENV_BACKEND}=tcp chooses it on purpose (and silences this)", RDMATcpFallbackWarning,
+                      f"{ENV_BACKEND}=tcp chooses it on purpose (and silences this; "
+                      f"configure(rdma_allow_tcp_fallback=False) makes it an error)", RDMATcpFallbackWarning,
                       stacklevel=2)
     return found
 

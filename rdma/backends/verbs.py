@@ -186,7 +186,9 @@ def unavailable_reason() -> str | None:
 
 
 def available() -> bool:
-    return unavailable_reason() is None
+    from monarch_tensor import config
+
+    return not config.get("rdma_disable_ibverbs") and unavailable_reason() is None
 
 
 def enum(name: str) -> int:

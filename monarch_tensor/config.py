@@ -1,0 +1,131 @@
+"""Runtime settings, by Monarch's names: ``configure(...)``, ``configured(...)``, ``get_global_config()``.
+
+>>> from monarch_tensor.config import configure, configured
+>>> configure(rdma_allow_tcp_fallback=False)   # a buffer on another host without RDMA: an error, not TCP
+>>> with configured(prefix_with_rank=False):
+...     procs.spawn("w", W).hello.call().get()  # its output reaches the script without the [rank] prefix
+
+Layers, as in Monarch: the defaults, then the environment (``MONARCH_TENSOR_<NAME>``, which procs inherit),
+then what ``configure`` set in this process (the runtime layer). Settings that procs read are handed to the
+procs spawned afterwards through their environment. Monarch's other keys configure its Rust runtime
+(hyperactor), which this project does not have: ``configure`` refuses them with a clear error rather
+than ignoring them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterator
+
+# name: (default, where it acts, what it does)
+SETTINGS: dict[str, tuple[Any, str, str]] = {
+    "enable_log_forwarding": (True, "procs", "procs' stdout and stderr reach the script (procs spawned "
+                                             "afterwards; procs.logging_option() switches a running mesh)"),
+    "prefix_with_rank": (True, "client", "forwarded lines start with their proc's [rank]"),
+    "rdma_allow_tcp_fallback": (True, "procs", "a buffer on another host that no RDMA device serves moves over "
+                                               "TCP, with an RDMATcpFallbackWarning; False: that transfer fails"),
+    "rdma_disable_ibverbs": (False, "procs", "never use the verbs backend, even where an RDMA device is found"),
+}
+# Monarch's keys for its Rust runtime: named in the error, so that a port from Monarch reads why.
+_HYPERACTOR = {
+    "default_transport", "enable_file_capture", "tail_log_lines", "codec_max_frame_length",
+    "message_delivery_timeout", "host_spawn_ready_timeout", "mesh_proc_spawn_max_idle", "process_exit_timeout",
+    "message_ack_time_interval", "message_ack_every_n_messages", "message_ttl_default", "split_max_buffer_size",
+    "split_max_buffer_age", "stop_actor_timeout", "cleanup_timeout", "default_encoding",
+    "channel_net_rx_buffer_full_check_interval", "channel_tcp_congestion", "message_latency_sampling_rate",
+    "enable_dest_actor_reordering_buffer", "mesh_bootstrap_enable_pdeathsig", "mesh_terminate_concurrency",
+    "mesh_terminate_timeout", "small_write_threshold", "max_cast_dimension_size", "remote_alloc_bind_to_inaddr_any",
+    "remote_alloc_bootstrap_addr", "remote_alloc_allowed_port_range", "read_log_buffer", "force_file_log",
+    "actor_spawn_max_idle", "get_actor_state_max_idle", "supervision_watchdog_timeout", "proc_stop_max_idle",
+    "get_proc_state_max_idle", "mesh_admin_addr", "mesh_attach_config_timeout", "mesh_orphan_timeout", "pyspy_bin",
+    "rdma_max_chunk_size_mb", "rdma_ibverbs_target", "rdma_peer_device_affinity", "rdma_max_nics_per_buffer",
+    "rdma_min_stripe_size_kb", "rdma_qps_per_cq", "rdma_cq_poller_per_device", "rdma_runtime_worker_threads",
+}
+_runtime: dict[str, Any] = {}
+
+
+def _env_name(name: str) -> str:
+    return f"MONARCH_TENSOR_{name.upper()}"
+
+
+def _check(name: str, value: Any) -> None:
+    if name not in SETTINGS:
+        why = ("a setting of Monarch's Rust runtime (hyperactor), which has no counterpart here"
+               if name in _HYPERACTOR else "no such setting")
+        raise ValueError(f"configure({name}=...): {why}; the settings are {sorted(SETTINGS)}")
+    default = SETTINGS[name][0]
+    if type(value) is not type(default):
+        raise TypeError(f"configure({name}=...) takes a {type(default).__name__}, got {value!r}")
+
+
+def _from_env(name: str) -> Any:
+    raw = os.environ.get(_env_name(name))
+    if raw is None:
+        return None
+    default = SETTINGS[name][0]
+    if isinstance(default, bool):
+        if raw.strip().lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.strip().lower() in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError(f"{_env_name(name)} must be 1 or 0 (true or false), not {raw!r}")
+    return type(default)(raw)
+
+
+def get(name: str) -> Any:
+    """The value in effect here: the runtime layer's, else the environment's, else the default."""
+    if name in _runtime:
+        return _runtime[name]
+    if name not in SETTINGS:
+        raise KeyError(f"no setting {name!r}; the settings are {sorted(SETTINGS)}")
+    v = _from_env(name)
+    return SETTINGS[name][0] if v is None else v
+
+
+def configure(**kwargs: Any) -> None:
+    """Set runtime settings of this process (Monarch's ``configure``); procs spawned afterwards inherit the
+    ones they act on. Unknown names and wrong types are refused before anything changes."""
+    for name, value in kwargs.items():
+        _check(name, value)
+    _runtime.update(kwargs)
+
+
+def get_runtime_config() -> dict[str, Any]:
+    """What ``configure`` set in this process."""
+    return dict(_runtime)
+
+
+def get_global_config() -> dict[str, Any]:
+    """Every setting's value in effect here (defaults, environment and runtime layer merged)."""
+    return {name: get(name) for name in SETTINGS}
+
+
+def clear_runtime_config() -> None:
+    """Forget what ``configure`` set (the environment and the defaults stay)."""
+    _runtime.clear()
+
+
+@contextlib.contextmanager
+def configured(**overrides: Any) -> Iterator[dict[str, Any]]:
+    """``configure(**overrides)`` for the block, then the runtime layer as it was; yields the merged view."""
+    prev = get_runtime_config()
+    configure(**overrides)
+    try:
+        yield get_global_config()
+    finally:
+        clear_runtime_config()
+        _runtime.update(prev)
+
+
+def proc_env() -> dict[str, str]:
+    """The environment that hands this process's procs-side settings to a proc spawned now."""
+    out = {}
+    for name, (default, where, _) in SETTINGS.items():
+        if where == "procs":
+            v = get(name)
+            out[_env_name(name)] = ("1" if v else "0") if isinstance(default, bool) else str(v)
+    return out
+
+
+__all__ = ["clear_runtime_config", "configure", "configured", "get_global_config", "get_runtime_config"]

@@ -1,0 +1,111 @@
+"""Runtime settings by Monarch's names (monarch_tensor.config): the layers, bad input, and each setting's
+effect: on the script's log lines, on procs spawned afterwards, and on the data plane."""
+
+import dataclasses
+import warnings
+
+import pytest
+from test_logs import lines, run_script
+
+import monarch_tensor
+from monarch_tensor import config
+from monarch_tensor.rdma import RDMABuffer, RDMATcpFallbackWarning
+from rdma.backends import verbs
+from rdma.errors import BackendUnavailableError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def _clean_runtime_layer():
+    config.clear_runtime_config()
+    yield
+    config.clear_runtime_config()
+
+
+def test_layers_defaults_environment_runtime_and_configured(monkeypatch):
+    assert monarch_tensor.configure is config.configure and monarch_tensor.configured is config.configured
+    assert config.get_global_config() == {"enable_log_forwarding": True, "prefix_with_rank": True,
+                                          "rdma_allow_tcp_fallback": True, "rdma_disable_ibverbs": False}
+    monkeypatch.setenv("MONARCH_TENSOR_PREFIX_WITH_RANK", "0")
+    assert config.get("prefix_with_rank") is False and config.get_runtime_config() == {}
+    config.configure(prefix_with_rank=True)  # the runtime layer wins over the environment
+    assert config.get("prefix_with_rank") is True and config.get_runtime_config() == {"prefix_with_rank": True}
+    with config.configured(rdma_allow_tcp_fallback=False) as merged:
+        assert merged["rdma_allow_tcp_fallback"] is False and merged["prefix_with_rank"] is True
+        assert config.proc_env()["MONARCH_TENSOR_RDMA_ALLOW_TCP_FALLBACK"] == "0"
+    assert config.get_runtime_config() == {"prefix_with_rank": True}  # as it was before the block
+    config.clear_runtime_config()
+    assert config.get("prefix_with_rank") is False
+
+
+def test_bad_settings_are_refused_before_anything_changes(monkeypatch):
+    with pytest.raises(ValueError, match="no such setting; the settings are"):
+        config.configure(prefix_with_rank=False, colour=True)
+    with pytest.raises(ValueError, match="tail_log_lines.*Monarch's Rust runtime"):
+        config.configure(tail_log_lines=100)
+    with pytest.raises(TypeError, match="takes a bool, got 'no'"):
+        config.configure(enable_log_forwarding="no")
+    assert config.get_runtime_config() == {}
+    monkeypatch.setenv("MONARCH_TENSOR_ENABLE_LOG_FORWARDING", "maybe")
+    with pytest.raises(ValueError, match="must be 1 or 0"):
+        config.get("enable_log_forwarding")
+    with pytest.raises(KeyError, match="no setting 'colour'"):
+        config.get("colour")
+
+
+def test_tcp_fallback_to_another_host_can_be_forbidden():
+    src = bytearray(b"across hosts")
+    buf = RDMABuffer(memoryview(src))
+    far = RDMABuffer._from_desc(dataclasses.replace(buf._desc, host="elsewhere/boot-id"))
+    out = bytearray(len(src))
+    try:
+        with config.configured(rdma_allow_tcp_fallback=False):
+            with pytest.raises(BackendUnavailableError, match=r"rdma_allow_tcp_fallback=False\) forbids"):
+                far.read_into(out).get(timeout=10)
+            buf.read_into(out).get(timeout=10)  # this host's buffers move as before
+        with pytest.warns(RDMATcpFallbackWarning):
+            far.read_into(out).get(timeout=10)
+        assert out == src
+    finally:
+        buf.drop()
+
+
+def test_ibverbs_can_be_disabled(monkeypatch):
+    monkeypatch.setattr(verbs, "unavailable_reason", lambda: None)  # as on a machine with an RDMA NIC
+    assert verbs.available()
+    with config.configured(rdma_disable_ibverbs=True):
+        assert not verbs.available() and not monarch_tensor.rdma.is_ibverbs_available()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert verbs.available()
+
+
+def test_log_settings_reach_the_script_and_procs_spawned_afterwards(tmp_path):
+    out = run_script(tmp_path, '''
+        from monarch_tensor import configure, configured
+        procs = this_host().spawn_procs(per_host={"gpus": 2})
+        talkers = procs.spawn("talker", Talker)
+        with configured(prefix_with_rank=False):
+            talkers.say.call("no prefix here").get(timeout=30)
+            deadline = time.monotonic() + 15
+            while sys.stdout.text.count("no prefix here\\n") < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)  # both ranks' lines, printed while the setting holds
+        configure(enable_log_forwarding=False)
+        quiet = this_host().spawn_procs(per_host={"gpus": 1})
+        quiet.spawn("talker", Talker).say.call("from a quiet proc").get(timeout=30)
+        talkers.say.call("still forwarded").get(timeout=30)  # spawned before: forwarding as it was
+        wait_for(sys.stdout, "[1] still forwarded\\n")
+        quiet.logging_option(stream_to_client=True).get(timeout=30)  # switched on for a running mesh
+        quiet.spawn("talker2", Talker).say.call("now forwarded").get(timeout=30)
+        wait_for(sys.stdout, "[0] now forwarded\\n")  # (its proc wrote the quiet line before this one)
+        print("QUIET LINE FORWARDED" if "from a quiet proc" in sys.stdout.text else "QUIET LINE KEPT")
+        procs.stop().get(timeout=30)
+        quiet.stop().get(timeout=30)
+        print("SCRIPT DONE")
+    ''')
+    stdout = lines(out.stdout)
+    assert stdout.count("no prefix here") == 2 and "[0] no prefix here" not in stdout
+    # Not forwarded: the quiet proc's line went to its own stdout (here the same pipe), without a prefix.
+    assert "QUIET LINE KEPT" in stdout and "from a quiet proc" in stdout and "[0] from a quiet proc" not in stdout
+    assert "SCRIPT DONE" in stdout
