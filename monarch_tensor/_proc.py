@@ -39,6 +39,7 @@ class _Slot:
     queue: collections.deque = field(default_factory=collections.deque)
     busy: bool = False
     done_events: list = field(default_factory=list)  # set when the running async call ends (Reserved.done)
+    tasks: set = field(default_factory=set)  # running @concurrent_endpoint calls
 
 
 class Reserved:
@@ -284,6 +285,8 @@ class ProcRuntime:
 
     def handle_StopProc(self, msg: StopProc) -> None:
         for slot in self.actors.values():
+            for task in list(slot.tasks):  # concurrent endpoints still running: cancelled before __cleanup__
+                task.cancel()
             stop = getattr(slot.instance, "__cleanup__", None)
             if callable(stop):
                 try:
@@ -321,11 +324,14 @@ class ProcRuntime:
         """Runs one call; ``done`` (if given) is set when it has finished (after an async one's await)."""
         rank = slot.ctx.rank.rank
         if done is not None:
+            task = None
             try:
-                self._run(slot, msg)
+                task = self._run(slot, msg)
             finally:
                 if slot.busy:  # an async endpoint: done when its task ends
                     slot.done_events.append(done)
+                elif task is not None:  # a concurrent endpoint: likewise, though the actor goes on meanwhile
+                    task.add_done_callback(lambda _t: done.set())
                 else:
                     done.set()
             return
@@ -351,6 +357,11 @@ class ProcRuntime:
             if is_coro is None:
                 is_coro = inspect.iscoroutinefunction(fn)
             if is_coro:
+                if getattr(fn, "_concurrent", False):  # @concurrent_endpoint: the actor takes its next message now
+                    task = self.loop.create_task(self._run_concurrent(slot, msg, fn(*args, **msg.kwargs), explicit))
+                    slot.tasks.add(task)
+                    task.add_done_callback(slot.tasks.discard)
+                    return task
                 slot.busy = True
                 self.loop.create_task(self._run_async(slot, msg, fn(*args, **msg.kwargs), explicit))
                 return
@@ -385,6 +396,18 @@ class ProcRuntime:
             while slot.done_events:
                 slot.done_events.pop().set()
             self._pump(slot)
+
+    async def _run_concurrent(self, slot: _Slot, msg: CallEndpoint, aw, explicit: bool) -> None:
+        rank = slot.ctx.rank.rank
+        try:
+            value = await aw
+        except asyncio.CancelledError:
+            raise  # the proc stops
+        except BaseException as e:  # noqa: BLE001 - user code
+            self._reply(msg.reply, None, self._error(slot, msg, e), rank)
+        else:
+            if not explicit:
+                self._reply(msg.reply, value, None, rank, slot, msg.method.partition("/")[0])
 
     def _error(self, slot: _Slot, msg: CallEndpoint, e: BaseException) -> ActorError:
         tb = e.__traceback__

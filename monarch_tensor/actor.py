@@ -42,7 +42,8 @@ R = TypeVar("R")
 __all__ = [
     "Actor", "ActorError", "ActorMesh", "Accumulator", "Channel", "Extent", "Future", "HostMesh", "MeshFailure",
     "NotAnEndpoint", "Point", "Port", "PortReceiver", "ProcMesh", "RankedPortReceiver", "SupervisionError",
-    "ValueMesh", "as_endpoint", "context", "current_actor_name", "current_rank", "current_size", "endpoint",
+    "ValueMesh", "as_endpoint", "concurrent_endpoint", "context", "current_actor_name", "current_rank",
+    "current_size", "endpoint",
     "get_or_spawn_controller", "proc_mesh", "send", "this_host", "this_proc", "unhandled_fault_hook",
 ]
 
@@ -75,6 +76,21 @@ def endpoint(fn: Callable | None = None, **options):
     # (after self) and answers with port.send(value) instead of returning it (Monarch's).
     fn._explicit_port = bool(options.get("explicit_response_port", False))
     fn._propagate = options.get("propagate", options.get("propagator"))  # the result's shapes, for rref()
+    return fn
+
+
+def concurrent_endpoint(fn: Callable | None = None, **options):
+    """An ``async def`` endpoint whose calls run as background tasks (Monarch's): the actor takes its next
+    message as soon as one starts, so calls overlap at their ``await``s (plain endpoints of an actor run one
+    at a time). Calls start in the order they arrive. An exception reaches the caller as ``ActorError``, as
+    any endpoint's does. Takes ``@endpoint``'s options."""
+    if fn is None:
+        return functools.partial(concurrent_endpoint, **options)
+    if not inspect.iscoroutinefunction(fn):
+        raise TypeError(f"@concurrent_endpoint needs an async def: {getattr(fn, '__qualname__', fn)} is not one "
+                        f"(a plain def blocks the actor however it is marked)")
+    fn = endpoint(fn, **options)
+    fn._concurrent = True
     return fn
 
 

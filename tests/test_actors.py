@@ -24,6 +24,7 @@ from monarch_tensor.actor import (
     ProcMesh,
     ValueMesh,
     as_endpoint,
+    concurrent_endpoint,
     context,
     current_actor_name,
     current_rank,
@@ -745,6 +746,45 @@ def test_actor_logger_is_named_for_its_class(counter):
     import logging
 
     assert counter.slice(hosts=0, gpus=1).log_something.call_one().get(timeout=T) == ("Counter", logging.DEBUG)
+
+
+class Gate(Actor):
+    def __init__(self) -> None:
+        self.opened: asyncio.Event | None = None
+        self.order: list = []
+
+    def _event(self) -> asyncio.Event:
+        if self.opened is None:
+            self.opened = asyncio.Event()
+        return self.opened
+
+    @concurrent_endpoint
+    async def wait_open(self, tag: str) -> str:
+        self.order.append(tag)
+        await asyncio.wait_for(self._event().wait(), 10)  # a plain async endpoint would hold the actor here
+        return tag
+
+    @endpoint
+    async def open(self) -> list:
+        self._event().set()
+        return list(self.order)
+
+    @concurrent_endpoint
+    async def fails(self) -> None:
+        await asyncio.sleep(0)
+        raise ValueError("a concurrent endpoint fails on purpose")
+
+
+def test_concurrent_endpoints_overlap_and_start_in_order(procs):
+    gate = procs.slice(hosts=0, gpus=1).spawn("gate", Gate)
+    first, second = gate.wait_open.call_one("a"), gate.wait_open.call_one("b")
+    assert gate.open.call_one().get(timeout=T) == ["a", "b"]  # ran while both waited, after both started
+    assert (first.get(timeout=T), second.get(timeout=T)) == ("a", "b")
+    with pytest.raises(ActorError, match="a concurrent endpoint fails on purpose"):
+        gate.fails.call_one().get(timeout=T)
+    assert gate.wait_open.call_one("c").get(timeout=T) == "c"  # the actor keeps serving
+    with pytest.raises(TypeError, match="needs an async def"):
+        concurrent_endpoint(lambda self: None)
 
 
 def test_send_function_and_value_mesh_get(procs):
