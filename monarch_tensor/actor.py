@@ -43,8 +43,8 @@ __all__ = [
     "Actor", "ActorError", "ActorMesh", "Accumulator", "Channel", "Extent", "Future", "HostMesh", "MeshFailure",
     "NotAnEndpoint", "Point", "Port", "PortReceiver", "ProcMesh", "RankedPortReceiver", "SupervisionError",
     "ValueMesh", "as_endpoint", "concurrent_endpoint", "context", "current_actor_name", "current_rank",
-    "current_size", "endpoint",
-    "get_or_spawn_controller", "proc_mesh", "send", "this_host", "this_proc", "unhandled_fault_hook",
+    "current_size", "endpoint", "get_or_spawn_controller", "proc_mesh", "send", "this_host", "this_proc",
+    "unhandled_fault_hook",
 ]
 
 

@@ -138,6 +138,11 @@ def test_module_level_to_mesh_and_slice_mesh_take_pytrees_and_drop_frees(mesh):
         assert sliced["x"].mesh.sizes == {"gpus": 2}
         moved = monarch_tensor.to_mesh(sliced, h1)
         got = [inspect(moved["pair"][0], gpus=g) for g in range(2)]
+        on_side = monarch_tensor.to_mesh(sliced["x"], h1, stream=Stream("to_mesh_side"))
+        assert on_side.stream.name == "to_mesh_side"
+        got_side = inspect(on_side, gpus=1)
+        with pytest.raises(TypeError, match="takes a Stream"):
+            monarch_tensor.to_mesh(sliced["x"], h1, stream="side")
         with pytest.raises(TypeError, match="local torch tensor.*activate"):
             with monarch_tensor.no_mesh.activate():
                 local = torch.ones(2)
@@ -156,6 +161,7 @@ def test_module_level_to_mesh_and_slice_mesh_take_pytrees_and_drop_frees(mesh):
         after = worker_stats(mesh)
     for g in range(2):
         torch.testing.assert_close(got[g], _local(g) * 2)
+    torch.testing.assert_close(got_side, _local(1))
     assert after["refs"] == before["refs"] - 1, (before, after)
 
 
