@@ -24,6 +24,11 @@ class ActorContext:
     def actor_instance(self):
         return self
 
+    @property
+    def message_rank(self) -> Point:
+        """The rank the current message is for (Monarch's name; this actor's rank in its mesh)."""
+        return self.rank
+
 
 _CLIENT = ActorContext("client", Point(0, {}), 0)
 _current: contextvars.ContextVar[ActorContext] = contextvars.ContextVar("monarch_tensor_actor", default=_CLIENT)

@@ -29,10 +29,11 @@ from typing import Any, Callable, Generic, Iterator, TypeVar
 
 from . import _context, _wire
 from . import host as _host
+from ._context import ActorContext as Context
 from ._ports import Collector, OneReply, Receiver, StreamCollector
 from .errors import ActorError, MeshFailure, SupervisionError
 from .future import Future
-from .host import HostMesh, ProcInfo, ProcMesh, proc_mesh, this_host, this_proc
+from .host import HostMesh, ProcInfo, ProcMesh, proc_mesh, shutdown_context, this_host, this_proc
 from .mailbox import current_mailbox
 from .messages import CallEndpoint, PortRef, SendToPort, SpawnActor
 from .shape import Extent, MeshTrait, Point, Shape
@@ -40,11 +41,12 @@ from .shape import Extent, MeshTrait, Point, Shape
 R = TypeVar("R")
 
 __all__ = [
-    "Actor", "ActorError", "ActorMesh", "Accumulator", "Channel", "Extent", "Future", "HostMesh", "MeshFailure",
-    "NotAnEndpoint", "Point", "Port", "PortReceiver", "ProcMesh", "RankedPortReceiver", "SupervisionError",
+    "Actor", "ActorError", "ActorMesh", "Accumulator", "Channel", "Context", "Extent", "Future", "HostMesh",
+    "MeshFailure", "NotAnEndpoint", "Point", "Port", "PortReceiver", "ProcMesh", "RankedPortReceiver",
+    "SupervisionError",
     "ValueMesh", "as_endpoint", "concurrent_endpoint", "context", "current_actor_name", "current_rank",
-    "current_size", "endpoint", "get_or_spawn_controller", "proc_mesh", "send", "this_host", "this_proc",
-    "unhandled_fault_hook",
+    "current_size", "endpoint", "get_or_spawn_controller", "proc_mesh", "send", "shutdown_context", "this_host",
+    "this_proc", "unhandled_fault_hook",
 ]
 
 

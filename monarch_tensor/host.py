@@ -396,6 +396,16 @@ class ProcMesh(MeshTrait):
         """Monarch's name for ``rank_tensor``: ``mesh.rank("gpus")``."""
         return self.rank_tensor(dim)
 
+    def to_table(self) -> str:
+        """A table of the mesh's procs: rank, coordinates, pid, address (Monarch's ``to_table``)."""
+        rows = [("rank", *self._shape.names, "pid", "address")]
+        for i, p in enumerate(self._members()):
+            point = self._shape.point(i)
+            rows.append((str(i), *(str(point[n]) for n in self._shape.names), str(p.pid or "?"), p.addr))
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+        return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
+
     @property
     def rank_tensors(self) -> dict:
         """Every dim's ``rank_tensor``: ``procs.rank_tensors["gpus"]`` (Monarch's)."""
@@ -554,3 +564,13 @@ def _shutdown() -> None:
             pass
     if _local_host is not None:
         _local_host.close()
+
+
+def shutdown_context(host_timeout: float | None = None) -> Future:
+    """Stop every proc mesh this process spawned, and this machine's template process (Monarch's; it also
+    runs at exit). The script goes on; a later ``spawn_procs`` starts a new template."""
+    global _local_host
+    _shutdown()
+    with _local_lock:
+        _local_host = None
+    return Future.ready(None)

@@ -20,6 +20,7 @@ from monarch_tensor.actor import (
     ActorError,
     ActorMesh,
     Channel,
+    Context,
     Future,
     ProcMesh,
     ValueMesh,
@@ -48,7 +49,8 @@ def _whoami() -> dict:
     r = current_rank()
     ctx = context()
     return {"rank": r.rank, "coords": dict(r), "name": ctx.actor_name, "sizes": current_size(),
-            "ctx_rank": int(ctx.rank), "ctx_same": ctx.actor_instance.rank == r, "pid": os.getpid()}
+            "ctx_rank": int(ctx.rank), "ctx_same": ctx.actor_instance.rank == r == ctx.message_rank,
+            "is_context": isinstance(ctx, Context), "pid": os.getpid()}
 
 
 class Counter(Actor):
@@ -342,9 +344,17 @@ def test_context_and_current_rank_inside_endpoints(counter):
         vm = getattr(counter, adverb).call().get(timeout=T)
         for point, w in vm.items():
             assert w["name"] == "counter"
-            assert w["rank"] == w["ctx_rank"] == point.rank and w["ctx_same"]
+            assert w["rank"] == w["ctx_rank"] == point.rank and w["ctx_same"] and w["is_context"]
             assert w["sizes"] == {"hosts": 2, "gpus": 2}
             assert w["coords"] == dict(point)
+
+
+def test_proc_mesh_to_table(procs):
+    table = procs.to_table().splitlines()
+    assert table[0].split() == ["rank", "hosts", "gpus", "pid", "address"] and len(table) == 2 + 4
+    assert [row.split()[:3] for row in table[2:]] == [["0", "0", "0"], ["1", "0", "1"], ["2", "1", "0"],
+                                                     ["3", "1", "1"]]
+    assert procs.slice(gpus=1).to_table().splitlines()[2].split()[:2] == ["0", "0"]
 
 
 def test_context_in_the_client():

@@ -278,6 +278,14 @@ THIS_HOST_SCRIPT = textwrap.dedent("""
         print("STOPPED AFTER WITH")
     d = this_host().spawn_procs({{"gpus": 1}})  # this machine stays usable
     print("AGAIN", d.spawn("w", W).ping.call_one().get(timeout=60))
+    from monarch_tensor.actor import shutdown_context
+    shutdown_context().get(timeout=60)  # every mesh, and the template
+    try:
+        d.spawn("w4", W)
+    except MeshStoppedError:
+        print("STOPPED BY SHUTDOWN")
+    e = this_host().spawn_procs({{"gpus": 1}})  # a new template
+    print("AFTER SHUTDOWN", e.spawn("w", W).ping.call_one().get(timeout=60))
 """)
 
 
@@ -291,3 +299,4 @@ def test_this_host_is_a_mesh_whose_stop_stops_every_local_proc_mesh(tmp_path):
     assert "PING ['pong', 'pong']" in p.stdout and "HOST HostMesh {}" in p.stdout, p.stdout
     assert p.stdout.count("STOPPED\n") == 2, p.stdout
     assert "SCOPED pong" in p.stdout and "STOPPED AFTER WITH" in p.stdout and "AGAIN pong" in p.stdout, p.stdout
+    assert "STOPPED BY SHUTDOWN" in p.stdout and "AFTER SHUTDOWN pong" in p.stdout, p.stdout
