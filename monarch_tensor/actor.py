@@ -32,7 +32,7 @@ from . import host as _host
 from ._context import ActorContext as Context
 from ._ports import Collector, OneReply, Receiver, StreamCollector
 from .errors import ActorError, MeshFailure, SupervisionError
-from .future import Future
+from .future import Future, returns_future
 from .host import HostMesh, ProcInfo, ProcMesh, proc_mesh, shutdown_context, this_host, this_proc
 from .mailbox import current_mailbox
 from .messages import CallEndpoint, PortRef, SendToPort, SpawnActor
@@ -45,8 +45,8 @@ __all__ = [
     "MeshFailure", "NotAnEndpoint", "Point", "Port", "PortReceiver", "ProcMesh", "RankedPortReceiver",
     "SupervisionError",
     "ValueMesh", "as_endpoint", "concurrent_endpoint", "context", "current_actor_name", "current_rank",
-    "current_size", "endpoint", "get_or_spawn_controller", "proc_mesh", "send", "shutdown_context", "this_host",
-    "this_proc", "unhandled_fault_hook",
+    "current_size", "endpoint", "get_or_spawn_controller", "proc_mesh", "returns_future", "send",
+    "shutdown_context", "this_host", "this_proc", "unhandled_fault_hook",
 ]
 
 

@@ -211,3 +211,107 @@ def _copy_into(f: Future, out: asyncio.Future) -> None:
         out.set_exception(RuntimeError(repr(err)) if isinstance(err, StopIteration) else err)
     else:
         out.set_result(f._value)
+
+
+# ---- returns_future ------------------------------------------------------------------------------
+class _BodyFuture(Future):
+    """The Future of a ``@returns_future`` call: its body runs where it is first observed (``get``,
+    ``exception``, ``await`` or ``as_asyncio``), once; later observers share the outcome."""
+
+    __slots__ = ("_body", "_ctx")
+
+    def __init__(self, coro, ctx, what: str) -> None:
+        super().__init__(what)
+        self._body = [coro]  # taken (``list.pop``, atomic) by the first observer
+        self._ctx = ctx
+
+    def _take(self):
+        try:
+            return self._body.pop()
+        except IndexError:
+            return None
+
+    async def _run_body(self, coro, timeout: float | None = None) -> None:
+        try:
+            value = await (coro if timeout is None else asyncio.wait_for(coro, timeout))  # cancelled at it
+        except BaseException as e:  # noqa: BLE001 - the observers get it
+            if timeout is not None and type(e) is TimeoutError and not e.args:  # wait_for's, at the timeout
+                e = TimeoutError(f"no {self._what} within {timeout} s (the body was cancelled)")
+            self._set_exception(e)
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+        else:
+            self._set_result(value)
+
+    def _drive(self, coro, timeout: float | None) -> None:
+        """Run the body on a loop of this thread, as ``asyncio.run`` does; at the timeout it is cancelled."""
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(self._ctx.run(loop.create_task, self._run_body(coro, timeout)))
+        finally:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+    def get(self, timeout: float | None = None):
+        coro = self._take()
+        if coro is not None:
+            try:
+                asyncio.get_running_loop()
+                inside_loop = True
+            except RuntimeError:
+                inside_loop = False
+            if inside_loop:  # never a second loop inside a running one: a helper thread runs it
+                threading.Thread(target=self._drive, args=(coro, timeout), daemon=True,
+                                 name="mt-returns-future").start()
+            else:
+                self._drive(coro, timeout)
+        return Future.get(self, timeout)
+
+    result = get
+
+    def _start_on_loop(self) -> None:
+        coro = self._take()
+        if coro is not None:
+            loop = asyncio.get_running_loop()
+            task = self._ctx.run(loop.create_task, self._run_body(coro))
+            _running_bodies.add(task)  # asyncio holds tasks only weakly
+            task.add_done_callback(_running_bodies.discard)
+
+    def __await__(self):
+        self._start_on_loop()
+        return (yield from Future.__await__(self))
+
+    def as_asyncio(self) -> asyncio.Future:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # the body stays unstarted: a later get() or await still runs it
+            raise RuntimeError("as_asyncio() needs a running asyncio event loop; use .get() outside one") from None
+        self._start_on_loop()
+        return Future.as_asyncio(self)
+
+    def __del__(self) -> None:
+        coro = self._take()
+        if coro is not None:
+            coro.close()  # never observed: its code never runs
+
+
+_running_bodies: set = set()
+
+
+def returns_future(fn: Callable[..., Any]) -> Callable[..., Future]:
+    """Make an ``async def`` return a ``Future`` (Monarch's): ``f(...).get()`` from plain code, ``await f(...)``
+    from async code. Calling it does not start the body: the first observer runs it (``get`` on this thread's
+    own loop, as ``asyncio.run``, and cancels it at its timeout; ``await`` as a task of the awaiting loop);
+    a Future never observed never runs. The body sees the caller's context variables."""
+    import contextvars
+    import functools
+    import inspect
+
+    if not inspect.iscoroutinefunction(fn):
+        raise TypeError(f"returns_future needs an async def, got {getattr(fn, '__qualname__', fn)!r}")
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs) -> Future:
+        return _BodyFuture(fn(*args, **kwargs), contextvars.copy_context(), f"result of {fn.__qualname__}")
+
+    return wrapped

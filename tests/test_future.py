@@ -132,3 +132,45 @@ def test_an_awaiting_task_can_be_cancelled_and_the_future_still_settles(caplog):
         f._set_result(1)  # the loop is closed: waking it must not raise
     assert f.get(timeout=0) == 1
     assert "exception calling callback" not in caplog.text  # (a callback's error would only be logged)
+
+
+# ---- returns_future (Monarch's) ----------------------------------------------------------------------
+def test_returns_future_runs_its_body_once_where_first_observed():
+    import contextvars
+
+    from monarch_tensor.actor import returns_future
+
+    var = contextvars.ContextVar("rf_var", default="unset")
+    runs: list = []
+
+    @returns_future
+    async def double(x, delay=0.0):
+        runs.append(x)
+        await asyncio.sleep(delay)
+        if x < 0:
+            raise ValueError("negative")
+        return x * 2, var.get()
+
+    var.set("the caller's")
+    fut = double(3)
+    assert runs == []  # calling it starts nothing
+    assert fut.get(timeout=10) == (6, "the caller's") and fut.get(timeout=10) == (6, "the caller's")
+    assert runs == [3]  # once, however often it is observed
+
+    async def from_a_loop():
+        got = [await double(4), await double(5).as_asyncio()]
+        got.append(double(6).get(timeout=10))  # inside a running loop: a helper thread drives it
+        with pytest.raises(ValueError, match="negative"):
+            await double(-1)
+        return got
+
+    assert asyncio.run(from_a_loop()) == [(8, "the caller's"), (10, "the caller's"), (12, "the caller's")]
+    with pytest.raises(TimeoutError, match="within 0.2 s \\(the body was cancelled\\)"):
+        double(7, delay=30).get(timeout=0.2)
+    unobserved = double(8)
+    del unobserved  # never observed: never run
+    assert runs == [3, 4, 5, 6, -1, 7]
+    with pytest.raises(RuntimeError, match="running asyncio event loop"):
+        double(9).as_asyncio()
+    with pytest.raises(TypeError, match="needs an async def"):
+        returns_future(lambda: 1)
