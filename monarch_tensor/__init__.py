@@ -35,6 +35,7 @@ from .config import (  # noqa: F401
     get_global_config,
     get_runtime_config,
 )
+from .host import heal_mesh  # noqa: F401
 from .shape import Extent, Shape  # noqa: F401
 from .tools.config import Workspace  # noqa: F401
 

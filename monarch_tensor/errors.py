@@ -25,7 +25,13 @@ class ActorError(Exception):
                 f"remote traceback:\n{self.traceback}")
 
 
-class SupervisionError(Exception):
+class DeviceMeshError(Exception):
+    """A mesh lost procs or hosts (the seeds' name, ``monarch.exceptions.DeviceMeshError``): the base of
+    ``SupervisionError``, so ``except DeviceMeshError`` catches every node failure; ``heal_mesh(mesh)``
+    gives a working mesh of the same sizes."""
+
+
+class SupervisionError(DeviceMeshError):
     """A proc or actor died (infrastructure failure, not an exception in user code).
 
     Raised in everything waiting on the dead proc, and on every later call to a
@@ -81,7 +87,7 @@ class JobKeyError(Exception):
     """The job's CURVE key is missing, malformed, readable by others, or not the one the peer expects."""
 
 
-class HostUnreachableError(Exception):
+class HostUnreachableError(DeviceMeshError):
     """No host agent answered at an address in time (nothing listens there, or the network drops it)."""
 
 

@@ -566,6 +566,37 @@ def _shutdown() -> None:
         _local_host.close()
 
 
+def heal_mesh(mesh: ProcMesh) -> ProcMesh:
+    """A working mesh of the same sizes on the same hosts, in place of one that lost procs (the seeds'
+    ``monarch.heal_mesh``): what is left of the old allocation is stopped, and new procs start. Actors and
+    tensors of the old mesh are gone with it: spawn and make them again (from a checkpoint). A slice gives
+    the same slice of the new mesh. A lost host is not replaced: ``HostUnreachableError`` says which."""
+    if not isinstance(mesh, ProcMesh):
+        raise TypeError(f"heal_mesh() takes a ProcMesh, got {type(mesh).__name__} {mesh!r}")
+    alloc = mesh._alloc
+    shape = alloc._shape
+    agents: list = []
+    for p in alloc._procs:
+        agent = getattr(p, "agent", None)
+        if agent is not None and agent not in agents:
+            agents.append(agent)
+    alloc.stop()
+    if not agents:
+        new = _spawn_procs(Shape(shape.names, shape.dims))
+    else:
+        from .errors import HostUnreachableError
+        from .remote_hosts import RemoteHostMesh
+
+        lost = [a.addr for a in agents if a.lost]
+        if lost:
+            raise HostUnreachableError(f"heal_mesh: the host agent(s) {lost} are lost, and this mesh cannot move "
+                                       f"to other hosts by itself; start a job with spare hosts and spawn there")
+        k = getattr(alloc, "_host_dims", 1)  # a job's procs: the hosts' dims, then the per-host dims
+        new = RemoteHostMesh(agents, Shape(shape.names[:k], shape.dims[:k])).spawn_procs(
+            dict(zip(shape.names[k:], shape.dims[k:])))
+    return new if mesh is alloc else ProcMesh(new._procs, mesh._shape, new)
+
+
 def shutdown_context(host_timeout: float | None = None) -> Future:
     """Stop every proc mesh this process spawned, and this machine's template process (Monarch's; it also
     runs at exit). The script goes on; a later ``spawn_procs`` starts a new template."""

@@ -338,6 +338,7 @@ class RemoteHostMesh(HostMesh):
                                                       gateway.addr, events)))
         results = _parallel([(a.request, (m, SPAWN_TIMEOUT)) for a, _, m in pending])
         mesh = RemoteProcMesh([], shape)
+        mesh._host_dims = len(self._shape.names)  # (heal_mesh spawns the same again)
         for (agent, ranks, _), rep in zip(pending, results):
             for r, addr, pid in zip(ranks, rep.addrs, rep.pids):
                 info = ProcInfo(addr, r, pid)

@@ -56,6 +56,24 @@ def test_seed_dt_matmul_dt_T(mesh2d):
     assert result.placements[0] == Shard(0)
 
 
+def test_seed_mesh_by_shape_and_dim_names():
+    import monarch_tensor
+    from monarch_tensor.distributed import Mesh
+
+    device_mesh = Mesh(shape=(2, 1), mesh_dim_names=("data_parallel", "model_parallel"))  # the seed's form
+    try:
+        assert device_mesh.size() == 2 and device_mesh.sizes == {"data_parallel": 2, "model_parallel": 1}
+        x = torch.randn(16, 8)
+        dt = monarch_tensor.distribute(x, device_mesh, sharding_spec=["data_parallel", None])
+        _close((dt @ dt.T).full_tensor(), x @ x.T)
+    finally:
+        device_mesh.stop()
+    with pytest.raises(ValueError, match="2 sizes .* but 1 mesh_dim_names"):
+        Mesh(shape=(2, 1), mesh_dim_names=("dp",))
+    with pytest.raises(ValueError, match="positive int sizes"):
+        Mesh(shape=(2, 0))
+
+
 # ---- random chains and gradients ------------------------------------------------------------------
 PLACEMENT = st.sampled_from([Shard(0), Shard(1), Replicate()])
 

@@ -87,6 +87,33 @@ def test_later_calls_fail_and_slices_without_the_dead_proc_work(mesh, faults):
         procs.spawn("again", Worker)
 
 
+@pytest.mark.timeout(90)
+def test_a_node_failure_is_a_device_mesh_error_and_heal_mesh_replaces_the_mesh(mesh, faults):
+    from monarch_tensor import heal_mesh
+    from monarch_tensor.errors import MeshStoppedError
+    from monarch_tensor.exceptions import DeviceMeshError
+
+    procs, w, pids = mesh
+    fut = w.slice(gpus=1).sleep.call_one(30)
+    os.kill(pids[1], signal.SIGKILL)
+    with pytest.raises(DeviceMeshError, match="SIGKILL"):  # the seeds' name for a node failure
+        fut.get(timeout=10)
+    tail = procs.slice(gpus=slice(1, 3))
+    healed = heal_mesh(tail)  # the same slice of a new allocation of the same sizes
+    assert healed.sizes == {"gpus": 2} and healed._alloc.sizes == procs.sizes
+    new_pids = healed.spawn("w", Worker).pid.call().get(timeout=60).values()
+    assert len(set(new_pids)) == 2 and not set(new_pids) & set(pids)
+    with pytest.raises(MeshStoppedError):  # what was left of the old one is stopped
+        procs.spawn("again", Worker)
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in pids)
+    healed._alloc.stop()
+    with pytest.raises(TypeError, match="takes a ProcMesh"):
+        heal_mesh("mesh")
+
+
 @pytest.mark.timeout(60)
 def test_segfault_and_os_exit_are_reported(mesh, faults):
     procs, w, pids = mesh

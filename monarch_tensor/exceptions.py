@@ -1,0 +1,15 @@
+"""The runtime's exceptions under the seeds' module name: ``from monarch_tensor.exceptions import
+DeviceMeshError``. (They are defined in ``monarch_tensor.errors``.)"""
+
+from .errors import (  # noqa: F401
+    ActorError,
+    DeviceMeshError,
+    HostUnreachableError,
+    MeshFailure,
+    MeshStoppedError,
+    ProtocolError,
+    SupervisionError,
+)
+
+__all__ = ["ActorError", "DeviceMeshError", "HostUnreachableError", "MeshFailure", "MeshStoppedError",
+           "ProtocolError", "SupervisionError"]
