@@ -547,6 +547,14 @@ class Channel(Generic[R]):
         return port, receiver.ranked()
 
 
+class _Executor(Actor):
+    """``ProcMesh.execute``'s actor: runs the functions it is sent."""
+
+    @endpoint
+    def run(self, fn, args: tuple, kwargs: dict):
+        return fn(*args, **kwargs)
+
+
 # ---- singletons --------------------------------------------------------------------------
 _controllers: dict[str, ActorMesh] = {}
 

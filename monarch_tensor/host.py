@@ -283,6 +283,21 @@ class ProcMesh(MeshTrait):
 
         return _spawn_actor_mesh(self, name, actor_class, args, kwargs)
 
+    def execute(self, fn, *args, timeout: float | None = 60.0, **kwargs):
+        """Run ``fn(*args, **kwargs)`` on every proc of this mesh and wait: a ``ValueMesh`` of the results (the
+        seeds' ``mesh.execute(fn, batch)``). ``fn`` may be a lambda; mesh tensors among the arguments arrive as
+        each rank's own tensor. ``fn``'s exception raises ``ActorError``; a lost proc ``SupervisionError`` (a
+        ``DeviceMeshError``)."""
+        if not callable(fn):
+            raise TypeError(f"execute() takes a function to run on every proc, got {fn!r}")
+        alloc = self._alloc
+        runner = getattr(alloc, "_executor", None)
+        if runner is None:
+            from .actor import _Executor
+
+            runner = alloc._executor = alloc.spawn("_mt_execute", _Executor)
+        return runner._new_with_shape(self._shape).run.call(fn, args, kwargs).get(timeout=timeout)
+
     def _check_alive(self) -> None:
         if self._alloc._stopped:
             raise MeshStoppedError(f"proc mesh {self._shape} was stopped")

@@ -349,6 +349,17 @@ def test_context_and_current_rank_inside_endpoints(counter):
             assert w["coords"] == dict(point)
 
 
+def test_proc_mesh_execute_runs_a_function_on_every_proc(procs):
+    got = procs.execute(lambda x, k=1: (x * 2 + k, current_rank().rank), 5, k=3)  # the seeds' mesh.execute
+    assert isinstance(got, ValueMesh) and got.values() == [(13, r) for r in range(4)]
+    assert procs.slice(hosts=1).execute(os.getpid).values() == [p for p in
+                                                                  procs.execute(os.getpid).values()[2:]]
+    with pytest.raises(ActorError, match="ZeroDivisionError"):
+        procs.execute(lambda: 1 / 0)
+    with pytest.raises(TypeError, match="a function to run on every proc"):
+        procs.execute(42)
+
+
 def test_proc_mesh_to_table(procs):
     table = procs.to_table().splitlines()
     assert table[0].split() == ["rank", "hosts", "gpus", "pid", "address"] and len(table) == 2 + 4

@@ -385,6 +385,12 @@ def test_rref_keeps_an_endpoints_tensor_results_on_the_workers(procs, holder):
     assert ("scaled", 3.0) in holder.history.call().get(timeout=60).item(gpus=0)
 
 
+def test_execute_gets_each_ranks_own_tensor(procs):
+    with procs.activate():
+        x = torch.ones(3) * (procs.rank_tensor("gpus") + 1)
+        assert procs.execute(lambda t, k: float(t.sum()) * k, x, 10).values() == [30.0, 60.0]
+
+
 def test_mesh_tensors_to_a_slice_of_the_actors_and_to_broadcast(procs, holder):
     with procs.activate():
         x = torch.zeros(1) + procs.rank_tensor("gpus")
