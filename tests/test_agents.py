@@ -127,6 +127,22 @@ def test_host_meshes_slice_rename_and_split_like_other_meshes(job):
 
 
 @pytest.mark.timeout(120)
+def test_heal_mesh_respawns_a_jobs_procs_on_the_same_hosts(job):
+    from monarch_tensor import heal_mesh
+
+    hosts = job.state().mesh0.rename(hosts="dp")
+    procs = hosts.spawn_procs(per_host={"gpus": 1})
+    old = [pid for _, _, pid in procs.spawn("w", Where).where.call().get(timeout=60).values()]
+    healed = heal_mesh(procs.slice(dp=1))
+    assert healed.sizes == {"gpus": 1} and healed._alloc.sizes == {"dp": 2, "gpus": 1}
+    rank, workdir, pid = healed.spawn("w", Where).where.call_one().get(timeout=60)
+    assert rank == 0 and workdir == job.state().mesh0.workdirs[1] and pid not in old  # on host 1
+    for p in old:
+        _wait_gone(p)
+    healed._alloc.stop()
+
+
+@pytest.mark.timeout(120)
 def test_leaving_async_with_a_host_mesh_shuts_its_hosts_down(tmp_path):
     import asyncio
 
@@ -250,6 +266,10 @@ def test_killing_an_agent_fails_its_procs_with_a_supervision_error(job, faults):
         w.slice(hosts=1).where.call_one().get(timeout=10)
     # The other host is unaffected.
     assert w.slice(hosts=0).where.call_one().get(timeout=10)[0] == 0
+    from monarch_tensor import heal_mesh
+
+    with pytest.raises(HostUnreachableError, match="are lost, and this mesh cannot move"):
+        heal_mesh(procs)  # a lost host is not replaced
     # The lost agent's sockets are closed: nothing goes on reconnecting to the dead host (a socket left
     # retrying, with an unread monitor, once wedged every agent connection of this process).
     spare = st.spare._agents[0]
