@@ -115,6 +115,25 @@ def test_a_node_failure_is_a_device_mesh_error_and_heal_mesh_replaces_the_mesh(m
 
 
 @pytest.mark.timeout(60)
+def test_a_raising_supervise_passes_the_failure_on_with_its_mesh(mesh, faults, monkeypatch):
+    import types
+
+    procs, _, _ = mesh
+
+    class Owner:
+        def __supervise__(self, failure):
+            raise RuntimeError("the handler itself fails")
+
+    monkeypatch.setattr(procs, "_owner", types.SimpleNamespace(instance=Owner()))
+    procs._failed(SupervisionError("proc x died: exited with code 3", proc="x", rank=2, exit_status="exited with code 3"))
+    assert len(faults) == 1
+    f = faults[0]
+    assert "and __supervise__ raised RuntimeError('the handler itself fails')" in str(f)
+    assert f.mesh is procs and f.rank == 2 and f.exit_status == "exited with code 3"
+    assert "exit: exited with code 3" in f.report() and f.mesh_name == f"proc mesh #{procs._seq}"
+
+
+@pytest.mark.timeout(60)
 def test_segfault_and_os_exit_are_reported(mesh, faults):
     procs, w, pids = mesh
     with pytest.raises(SupervisionError, match="SIGSEGV"):
