@@ -276,16 +276,11 @@ def actor_rref(actors, method: str, wire_method: str, propagate, args: tuple, kw
         raise MeshTensorError(f"{what}: pass mesh tensors, not local tensors (create them inside activate())")
     leaves_spec, struct = Remote(method, propagate)._describe(args, kwargs, tensors, ctx, to_fake, describe_outputs,
                                                               meta_of)
-    vals, outs, metas = [], [], []
     for leaf in leaves_spec:
-        if leaf[0] == "new":
-            ref = next(client.refs)
-            vals.append(Tensor(leaf[1], leaf[2], ctx, ref))
-            outs.append(ref)
-            metas.append((leaf[1][0], leaf[1][3]))
-        else:
+        if leaf[0] != "new":
             raise MeshTensorError(f"{what}: propagate must return only new tensors (each result is a tensor the "
                                   f"endpoint makes), got {leaf[0]} {leaf[1]!r}")
+    vals, outs, metas = _outputs(leaves_spec, tensors, ctx)
     if not outs:
         raise MeshTensorError(f"{what}: propagate returned no tensor; call endpoints without tensor results "
                               f"with call() or broadcast()")
@@ -618,21 +613,7 @@ class Remote:
                 self._cache[tkey] = tpl
         leaves_spec, struct = tpl
         client = ctx.client
-        vals, outs, metas = [], [], []
-        for leaf in leaves_spec:
-            if leaf[0] == "new":
-                ref = next(client.refs)
-                vals.append(Tensor(leaf[1], leaf[2], ctx, ref))
-                outs.append(ref)
-                metas.append((leaf[1][0], leaf[1][3]))  # (shape, dtype): the worker checks its result
-            elif leaf[0] == "alias":
-                vals.append(tensors[leaf[1]])
-                outs.append(tensors[leaf[1]]._ref)
-                metas.append(None)
-            else:
-                vals.append(leaf[1])
-                outs.append(None)
-                metas.append(None)
+        vals, outs, metas = _outputs(leaves_spec, tensors, ctx)
         from .tensor import _rebuild
 
         client.issue(m.CallFunction(self.fn, wire[0], wire[1], tuple(outs), (), ctx.sid, user_loc(), tuple(metas)),
@@ -672,6 +653,28 @@ class Remote:
     def call_on_shard_and_fetch(self, *args, shard: dict[str, int] | None = None, **kwargs) -> Future:
         """Run the function on one rank only and fetch its result: ``f.call_on_shard_and_fetch(t, shard={"gpus": 0})``."""
         return call_on_shard_and_fetch(self, *args, shard=shard, **kwargs)
+
+
+def _outputs(leaves_spec: list, tensors: list, ctx: Ctx) -> tuple[list, list, list]:
+    """A described call's results (``Remote._describe``): the values to give back (new mesh tensors, the
+    argument tensors it returns, plain values), the refs the workers store them at, and for each new tensor
+    its ``(shape, dtype)``, which the worker checks the result against."""
+    vals, outs, metas = [], [], []
+    for leaf in leaves_spec:
+        if leaf[0] == "new":
+            ref = next(ctx.client.refs)
+            vals.append(Tensor(leaf[1], leaf[2], ctx, ref))
+            outs.append(ref)
+            metas.append((leaf[1][0], leaf[1][3]))
+        elif leaf[0] == "alias":
+            vals.append(tensors[leaf[1]])
+            outs.append(tensors[leaf[1]]._ref)
+            metas.append(None)
+        else:
+            vals.append(leaf[1])
+            outs.append(None)
+            metas.append(None)
+    return vals, outs, metas
 
 
 def _describe_call(fn, *args, **kwargs):

@@ -380,7 +380,7 @@ class ProcRuntime:
         finally:
             _context.leave(token)
         if not explicit:
-            self._reply(msg.reply, value, None, rank, slot, msg.method.partition("/")[0])
+            self._reply(msg.reply, value, None, rank, slot, method)
 
     async def _run_async(self, slot: _Slot, msg: CallEndpoint, aw, explicit: bool = False) -> None:
         rank = slot.ctx.rank.rank

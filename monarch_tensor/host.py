@@ -263,11 +263,7 @@ class ProcMesh(MeshTrait):
     def host_mesh(self) -> HostMesh:
         """The hosts this mesh's procs run on: this machine, or the job's hosts that hold them (in rank
         order, one each)."""
-        agents = []
-        for p in self._members():
-            agent = getattr(p, "agent", None)
-            if agent is not None and agent not in agents:
-                agents.append(agent)
+        agents = _agents_of(self._members())
         if not agents:
             return HostMesh()
         if any(getattr(p, "agent", None) is None for p in self._members()):
@@ -581,6 +577,16 @@ def _shutdown() -> None:
         _local_host.close()
 
 
+def _agents_of(procs: list[ProcInfo]) -> list:
+    """The host agents (of a job) that run ``procs``, in rank order, one each; none for this machine's."""
+    agents: list = []
+    for p in procs:
+        agent = getattr(p, "agent", None)
+        if agent is not None and agent not in agents:
+            agents.append(agent)
+    return agents
+
+
 def heal_mesh(mesh: ProcMesh) -> ProcMesh:
     """A working mesh of the same sizes on the same hosts, in place of one that lost procs (the seeds'
     ``monarch.heal_mesh``): what is left of the old allocation is stopped, and new procs start. Actors and
@@ -590,11 +596,7 @@ def heal_mesh(mesh: ProcMesh) -> ProcMesh:
         raise TypeError(f"heal_mesh() takes a ProcMesh, got {type(mesh).__name__} {mesh!r}")
     alloc = mesh._alloc
     shape = alloc._shape
-    agents: list = []
-    for p in alloc._procs:
-        agent = getattr(p, "agent", None)
-        if agent is not None and agent not in agents:
-            agents.append(agent)
+    agents = _agents_of(alloc._procs)
     alloc.stop()
     if not agents:
         new = _spawn_procs(Shape(shape.names, shape.dims))
