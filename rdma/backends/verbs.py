@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from monarch_tensor import config
+
 from .._memory import Mem
 from .._registry import Descriptor
 from ..errors import BackendRefusedError, TransferError, TransferTimeoutError
@@ -186,8 +188,6 @@ def unavailable_reason() -> str | None:
 
 
 def available() -> bool:
-    from monarch_tensor import config
-
     return not config.get("rdma_disable_ibverbs") and unavailable_reason() is None
 
 
