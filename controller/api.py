@@ -25,6 +25,7 @@ from worker import messages as m
 
 from .client import Ctx, MeshClient, user_loc
 from .errors import BorrowError, MeshTensorError
+from .process_group import RemoteProcessGroup
 from .tensor import Tensor, check_live, check_writable, contiguous_meta, forget_value, intern_meta, record, state
 
 RECV_TIMEOUT = 300.0
@@ -177,7 +178,8 @@ def _leaves_ctx(obj, what: str = "fetch_shard") -> tuple[list, Ctx | None]:
 
 
 def _to_wire(obj):
-    return pytree.tree_map(lambda x: m.Ref(x._ref) if type(x) is Tensor else x, obj)
+    return pytree.tree_map(lambda x: m.Ref(x._ref) if type(x) is Tensor else
+                           x._wire() if type(x) is RemoteProcessGroup else x, obj)
 
 
 def _rank_of(ctx: Ctx, shard: dict | None, kwargs: dict) -> int:
@@ -219,6 +221,7 @@ def call_actor(actors, ranks: list[int], method: str, args: tuple, kwargs: dict,
     from monarch_tensor import _wire
 
     what = f"{actors._name}.{method}"
+    _refuse_process_groups((args, kwargs), what)
     _, ctx = _leaves_ctx((args, kwargs), what)
     if ctx is None:
         raise MeshTensorError(f"{what}: mesh tensors inside objects other than tuples, lists and dicts cannot be "
@@ -268,6 +271,7 @@ def actor_rref(actors, method: str, wire_method: str, propagate, args: tuple, kw
                               f"so that every proc holds one actor")
     from .tensor import _rebuild, _scan, describe_outputs, meta_of, to_fake
 
+    _refuse_process_groups((args, kwargs), what)
     key: list = []
     tensors: list = []
     local: list = []
@@ -602,6 +606,8 @@ class Remote:
         wire = _scan((args, kwargs), key, tensors, local)
         if local:
             raise MeshTensorError("remote(): pass mesh tensors, not local tensors (create them inside activate())")
+        for pg in _process_groups((args, kwargs)):
+            pg._check_used_on(ctx)
         tkey = tuple(key)
         try:
             tpl = self._cache.get(tkey)
@@ -640,7 +646,8 @@ class Remote:
             with mode:
                 fakes = [to_fake(t._meta) for t in tensors]
                 it = iter(fakes)
-                fargs, fkwargs = pytree.tree_map(lambda x: next(it) if type(x) is Tensor else x, (args, kwargs))
+                fargs, fkwargs = pytree.tree_map(lambda x: next(it) if type(x) is Tensor else
+                                                 _stand_in(x) if type(x) is RemoteProcessGroup else x, (args, kwargs))
                 out = fn(*fargs, **fkwargs)
         finally:
             state.internal = False
@@ -653,6 +660,23 @@ class Remote:
     def call_on_shard_and_fetch(self, *args, shard: dict[str, int] | None = None, **kwargs) -> Future:
         """Run the function on one rank only and fetch its result: ``f.call_on_shard_and_fetch(t, shard={"gpus": 0})``."""
         return call_on_shard_and_fetch(self, *args, shard=shard, **kwargs)
+
+
+def _process_groups(tree) -> list[RemoteProcessGroup]:
+    return [x for x in pytree.tree_leaves(tree) if type(x) is RemoteProcessGroup]
+
+
+def _refuse_process_groups(tree, what: str) -> None:
+    if _process_groups(tree):
+        raise TypeError(f"{what}: a RemoteProcessGroup is an argument of remote functions, not of actor endpoints; "
+                        f"an actor makes its own groups (see monarch_tensor.spmd.setup_torch_elastic_env)")
+
+
+def _stand_in(pg: RemoteProcessGroup):
+    """What a propagating run on the controller sees in place of ``pg``."""
+    from worker.collectives import DummyProcessGroup
+
+    return DummyProcessGroup(pg.dims, pg.size())
 
 
 def _outputs(leaves_spec: list, tensors: list, ctx: Ctx) -> tuple[list, list, list]:

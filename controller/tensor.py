@@ -27,6 +27,7 @@ from .client import Ctx, user_loc
 from .dtensor_methods import ACTIVE as _DIST
 from .dtensor_methods import DistributedMethods, after_record
 from .errors import MeshTensorError
+from .process_group import RemoteProcessGroup
 
 
 class _State(threading.local):
@@ -200,6 +201,11 @@ def _scan(a, key: list, tensors: list, local: list):
             key.append(k)
             out[k] = _scan(v, key, tensors, local)
         return out
+    if t is RemoteProcessGroup:
+        key.append(t)
+        key.append(a.dims)
+        key.append(a._groups)
+        return a._wire()
     if isinstance(a, Tensor):
         raise MeshTensorError(f"mesh tensors of type {t.__name__} are not supported")
     if isinstance(a, torch.Tensor):

@@ -407,6 +407,14 @@ class ProcMesh(MeshTrait):
         """Monarch's name for ``rank_tensor``: ``mesh.rank("gpus")``."""
         return self.rank_tensor(dim)
 
+    def process_group(self, dims):
+        """The process groups along ``dims`` (a name or a list of them), to pass to ``remote`` functions that
+        call ``torch.distributed`` collectives: ``pg = procs.process_group("gpus")`` (see
+        controller/process_group.py)."""
+        from controller.process_group import RemoteProcessGroup
+
+        return RemoteProcessGroup(dims, self)
+
     def to_table(self) -> str:
         """A table of the mesh's procs: rank, coordinates, pid, address (Monarch's ``to_table``)."""
         rows = [("rank", *self._shape.names, "pid", "address")]

@@ -1,4 +1,4 @@
-"""Collectives, slicing, to_mesh, remote functions and streams on a {"hosts": 2, "gpus": 2} mesh.
+"""Collectives, process groups, slicing, to_mesh, remote functions and streams on a {"hosts": 2, "gpus": 2} mesh.
 
 Collectives are checked against a local reference computed from each rank's
 known input (rank r holds ``base * (r + 1)``).
@@ -24,6 +24,7 @@ from monarch_tensor import (
     remote,
     this_host,
 )
+from monarch_tensor.actor import Actor, endpoint
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -219,6 +220,131 @@ def test_remote_functions(mesh):
     torch.testing.assert_close(got_qr, _local(1), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(fetched[0], _local(2) * 2)
     assert fetched[1] == {"k": 2}
+
+
+@remote(propagate=lambda t, group: t)
+def _all_reduce(t, group):
+    torch.distributed.all_reduce(t, group=group)
+    return t
+
+
+@remote
+def _all_gather(t, group):  # no propagate: the controller runs it on fake tensors with a stand-in group
+    outs = [torch.zeros_like(t) for _ in range(group.size())]
+    torch.distributed.all_gather(outs, t, group=group)
+    return torch.stack(outs)
+
+
+@remote(propagate=lambda t, group, src: t.clone())
+def _broadcast_from(t, group, src):
+    t = t.clone()
+    torch.distributed.broadcast(t, src=src, group=group)  # src: a global rank (the proc's rank in the mesh)
+    return t
+
+
+@remote(propagate=lambda t, group: torch.zeros(4, dtype=torch.long))
+def _where_am_i(t, group):
+    return torch.tensor(torch.distributed.get_process_group_ranks(group) + [group.rank(), group.size()])
+
+
+@remote(propagate="inspect")
+def _my_group_rank(t, group):
+    return torch.tensor([group.rank(), group.size()])
+
+
+def test_process_groups_run_torch_distributed_collectives_in_remote_functions(mesh):
+    by_gpus, by_hosts = mesh.process_group("gpus"), mesh.process_group(["hosts"])
+    assert (by_gpus.dims, by_gpus.size(), by_hosts.dims) == (("gpus",), 2, ("hosts",))
+    both = mesh.process_group(("hosts", "gpus"))
+    with mesh.activate():
+        x = _per_rank(mesh)
+        summed = _all_reduce(x.clone(), by_gpus)
+        summed_hosts = _all_reduce(x.clone(), by_hosts)
+        summed_all = _all_reduce(x.clone(), both)
+        gathered = _all_gather(x, by_gpus)
+        assert gathered.shape == (2, 4, 2)
+        from_first = _broadcast_from(x, by_hosts, 1)  # groups (0, 2) and (1, 3): rank 1 is in the second only
+        where = _where_am_i(x, by_gpus)
+        got = {(h, g): [inspect(t, hosts=h, gpus=g) for t in (summed, summed_hosts, summed_all, gathered, where)]
+               for h in range(2) for g in range(2)}
+        with pytest.raises(RemoteException, match="not part of group"):
+            inspect(from_first, hosts=0, gpus=0)  # global rank 1 is not in group (0, 2)
+        got_bcast = inspect(from_first, hosts=1, gpus=1)
+        inspected = inspect(_my_group_rank(x, by_hosts), hosts=1, gpus=1)
+        # on one rank only, collectives go to a stand-in: the value comes back as it went in
+        alone = _all_reduce.call_on_shard_and_fetch(x, by_gpus, shard={"hosts": 1, "gpus": 1}).result(timeout=60)
+    for (h, g), (s, sh, sa, gath, w) in got.items():
+        r = h * 2 + g
+        torch.testing.assert_close(s, _local(h * 2) + _local(h * 2 + 1))
+        torch.testing.assert_close(sh, _local(g) + _local(2 + g))
+        torch.testing.assert_close(sa, sum(_local(i) for i in range(4)))
+        torch.testing.assert_close(gath, torch.stack([_local(h * 2), _local(h * 2 + 1)]))
+        assert w.tolist() == [h * 2, h * 2 + 1, g, 2], (r, w)
+    torch.testing.assert_close(got_bcast, _local(1))
+    assert inspected.tolist() == [1, 2]
+    torch.testing.assert_close(alone, _local(3))
+
+
+def test_process_group_on_another_stream_and_on_a_slice(mesh):
+    comms = Stream("pg_comms")
+    half = mesh.slice(hosts=1)
+    pg_half = half.process_group("gpus")
+    with half.activate():
+        y = half.rank_tensor("gpus").to(torch.float32) + 1
+        on_slice = _all_reduce(y.clone(), pg_half)
+        got_slice = [inspect(on_slice, gpus=g).item() for g in range(2)]
+    pg = mesh.process_group("gpus")
+    with comms.activate(), mesh.activate():
+        x = mesh.rank_tensor("gpus").to(torch.float32) * 10
+        on_comms = _all_reduce(x.clone(), pg)
+        got_comms = inspect(on_comms, hosts=0, gpus=1).item()
+    assert got_slice == [3.0, 3.0] and got_comms == 10.0
+
+
+class _Holder(Actor):
+    @endpoint(propagate=lambda t, group: t)
+    def take(self, t, group):
+        return t
+
+
+def test_process_group_misuse_is_a_clear_error(mesh):
+    with pytest.raises(ValueError, match=r"no dimension\(s\) \['gpu'\]"):
+        mesh.process_group("gpu")
+    with pytest.raises(TypeError, match="dimension name"):
+        mesh.process_group(3)
+    with pytest.raises(ValueError, match="named twice"):
+        mesh.process_group(("gpus", "gpus"))
+    pg = mesh.process_group("hosts")
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        import pickle
+
+        pickle.dumps(pg)
+    with mesh.slice(hosts=0).activate():  # groups (0, 2) and (1, 3) cut in half
+        x = torch.ones(2)
+        with pytest.raises(ValueError, match="only part of the group"):
+            _all_reduce(x, pg)
+    half = mesh.slice(hosts=0)
+    with mesh.activate():  # a group of the slice, called on the whole mesh: ranks 2 and 3 have none
+        x = torch.ones(2)
+        with pytest.raises(ValueError, match="outside the mesh the group was made on"):
+            _all_reduce(x, half.process_group("gpus"))
+    holder = mesh.spawn("pg_holder", _Holder)
+    with mesh.activate():
+        x = torch.ones(2)
+        with pytest.raises(TypeError, match="not of actor endpoints"):
+            holder.take.call(x, pg)
+        with pytest.raises(TypeError, match="not of actor endpoints"):
+            holder.take.rref(x, pg)
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        holder.take.call(1, pg)
+    other = this_host().spawn_procs({"gpus": 2})
+    try:
+        with other.activate():
+            y = torch.ones(2)
+            with pytest.raises(ValueError, match="another proc mesh"):
+                _all_reduce(y, mesh.process_group("gpus"))
+    finally:
+        other.stop()
 
 
 def test_stream_borrow_overlaps_and_orders(mesh):

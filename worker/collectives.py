@@ -36,6 +36,80 @@ _OPS = {
 _FLAGS = {"sum": (0, 1), "avg": (0, 1), "max": (0, 1), "min": (1, 0), "product": (1, 0)}
 
 
+class _Done:
+    """A collective of ``DummyProcessGroup``: complete at once."""
+
+    def __init__(self, value) -> None:
+        self._value = value
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def result(self):
+        return self._value
+
+
+class DummyProcessGroup(dist.ProcessGroup):
+    """Stands in for a mesh's process group where a function runs once to learn its output shapes (on fake
+    tensors on the controller, or on one rank for ``propagate="inspect"``): its collectives return at once
+    and leave their tensors as they are, so shapes come out right and nothing waits for ranks that are not
+    there. ``size()`` and ``rank()`` are the real group's (rank 0 on the controller). It is not registered
+    with torch, so calls that name global ranks (``dist.broadcast(t, src=r, group=pg)``) fail on it: give
+    such a function a ``propagate``."""
+
+    def __init__(self, dims: tuple, world_size: int, rank: int = 0) -> None:
+        super().__init__(rank, world_size)
+        self.dims, self.world_size = dims, world_size
+
+    def allreduce(self, tensors, opts=None):
+        return _Done(tensors)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        return _Done(tensors)
+
+    def allgather(self, outputs, inputs, opts=None):
+        return _Done(outputs)
+
+    def _allgather_base(self, output, input, opts=None):
+        return _Done(output)
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        return _Done(outputs)
+
+    def reduce_scatter(self, outputs, inputs, opts=None):
+        return _Done(outputs)
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        return _Done(output)
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        return _Done(outputs)
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        return _Done(output)
+
+    def broadcast(self, tensors, opts=None):
+        return _Done(tensors)
+
+    def reduce(self, tensors, opts=None):
+        return _Done(tensors)
+
+    def barrier(self, opts=None):
+        return _Done(None)
+
+    def __repr__(self) -> str:
+        return f"DummyProcessGroup(dims={self.dims}, size={self.world_size})"
+
+    def __reduce__(self):
+        return (DummyProcessGroup, (self.dims, self.world_size, self.rank()))
+
+
 def connect_store(store_addr: tuple[str, int]) -> dist.TCPStore:
     """A client of the controller's rendezvous store."""
     host, port = store_addr
@@ -51,6 +125,26 @@ def new_group(store, me: int, n: int, device: torch.device, store_host: str) -> 
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=ip_towards(store_host))]
     opts._timeout = timedelta(seconds=TIMEOUT)
     return dist.ProcessGroupGloo(store, me, n, opts)
+
+
+def _register(pg, name: str, backend: str, store, ranks: tuple[int, ...]) -> None:
+    """Enter ``pg`` in torch.distributed's registry of groups, as ``new_group`` does (the part that lets
+    calls map global ranks to the group's). Best effort: a torch whose registry differs still runs the
+    group's collectives."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    try:
+        world.pg_map[pg] = (backend, store)
+        world.pg_names[pg] = name
+        world.pg_group_ranks[pg] = {r: i for i, r in enumerate(ranks)}
+        world.pg_backend_config[pg] = backend
+    except (AttributeError, TypeError):
+        _unregister(pg)
+
+
+def _unregister(pg) -> None:
+    world = getattr(dist.distributed_c10d, "_world", None)
+    for table in ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config"):
+        getattr(world, table, {}).pop(pg, None)
 
 
 class Collectives:
@@ -78,6 +172,34 @@ class Collectives:
             pg = self._groups[key] = new_group(store, ranks.index(self.rank), len(ranks), self.device,
                                                self.store_addr[0])
         return pg
+
+    def process_group(self, ranks: tuple[int, ...], stream: int = 0) -> dist.ProcessGroup:
+        """The group of ``ranks`` for ``stream`` as ``torch.distributed`` takes it from user code: a
+        ``ProcessGroup`` around the same backend ``group`` makes, registered with torch so that calls that
+        name global ranks work (``dist.broadcast(t, src=r, group=pg)``, ``dist.send(t, dst=r, group=pg)``,
+        ``get_process_group_ranks``): a global rank is a proc's rank in its mesh."""
+        key = ("pg", ranks, stream)
+        pg = self._groups.get(key)
+        if pg is None:
+            backend = self.group(ranks, stream)
+            store = dist.PrefixStore(f"pg/{stream}/" + "_".join(map(str, ranks)) + "/user/", self._base_store())
+            pg = dist.ProcessGroup(store, ranks.index(self.rank), len(ranks))
+            kind = dist.ProcessGroup.BackendType.NCCL if self.device.type == "cuda" else \
+                dist.ProcessGroup.BackendType.GLOO
+            pg._set_default_backend(kind)
+            pg._register_backend(self.device, kind, backend)
+            name = f"monarch_tensor/{stream}/" + "_".join(map(str, ranks))
+            pg._set_group_name(name)
+            _register(pg, name, "nccl" if self.device.type == "cuda" else "gloo", store, ranks)
+            self._groups[key] = pg
+        return pg
+
+    def close(self) -> None:
+        """Forget the groups made for user code (torch's registry keeps them otherwise)."""
+        for key, pg in list(self._groups.items()):
+            if key[0] == "pg":
+                _unregister(pg)
+                del self._groups[key]
 
     def _flagged(self, t: torch.Tensor | None, numel: int, dtype: torch.dtype, ok: int, failed: int) -> torch.Tensor:
         """``t`` flattened, one flag element after it: ``ok``; or, for a failed input (None), zeros and ``failed``."""

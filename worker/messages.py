@@ -49,6 +49,30 @@ class Ref:
         return f"Ref({self.id})"
 
 
+class Group:
+    """A mesh's process group as it travels inside a remote function's arguments
+    (``mesh.process_group(dims)``): the worker puts its own group in its place, the one of ``groups`` (tuples
+    of proc ranks) that holds it, made for the function's stream; where the function runs on one rank only
+    (``propagate="inspect"``, ``call_on_shard_and_fetch``) a stand-in whose collectives change nothing."""
+
+    __slots__ = ("dims", "groups")
+
+    def __init__(self, dims: tuple, groups: tuple) -> None:
+        self.dims, self.groups = dims, groups
+
+    def __reduce__(self):
+        return (Group, (self.dims, self.groups))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Group) and (other.dims, other.groups) == (self.dims, self.groups)
+
+    def __hash__(self) -> int:
+        return hash(("Group", self.dims, self.groups))
+
+    def __repr__(self) -> str:
+        return f"Group({self.dims}, {self.groups})"
+
+
 @_fast_reduce
 @dataclass(frozen=True, slots=True)
 class CallOp:

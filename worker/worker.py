@@ -34,7 +34,7 @@ from monarch_tensor.mailbox import LOST_REWRITES, current_mailbox
 from monarch_tensor.messages import CallEndpoint, SendToPort
 
 from . import messages as m
-from .collectives import TIMEOUT, Collectives
+from .collectives import TIMEOUT, Collectives, DummyProcessGroup
 from .errors import RemoteException
 
 log = logging.getLogger("monarch_tensor.worker")
@@ -224,6 +224,7 @@ class TensorWorker(Actor):
     def __cleanup__(self) -> None:
         for s in self.streams.values():
             s.put(None, None)
+        self.coll.close()
 
     # ---- helpers ---------------------------------------------------------------------
     def _get(self, ref: int):
@@ -236,15 +237,28 @@ class TensorWorker(Actor):
             raise _Propagate(v)
         return v
 
-    def _resolve(self, a):
+    def _resolve(self, a, stream: int | None = None):
+        """``a`` with its refs replaced by their values, and its process groups (``m.Group``) by this rank's
+        group for ``stream``, or by stand-ins where ``stream`` is None (a function run on this rank only)."""
         t = type(a)
         if t is m.Ref:
             return self._get(a.id)
         if t is tuple or t is list:
-            return t(self._resolve(x) for x in a)
+            return t(self._resolve(x, stream) for x in a)
         if t is dict:
-            return {k: self._resolve(v) for k, v in a.items()}
+            return {k: self._resolve(v, stream) for k, v in a.items()}
+        if t is m.Group:
+            return self._group(a, stream)
         return a
+
+    def _group(self, g: m.Group, stream: int | None):
+        mine = next((ranks for ranks in g.groups if self.rank in ranks), None)
+        if mine is None:
+            raise RuntimeError(f"rank {self.rank} is in no group of the process group over {g.dims} "
+                               f"(groups {g.groups})")
+        if stream is None:
+            return DummyProcessGroup(g.dims, len(mine), mine.index(self.rank))
+        return self.coll.process_group(mine, stream)
 
     def _failure(self, op: str, loc, e: BaseException) -> RemoteException:
         tb = e.__traceback__
@@ -313,7 +327,7 @@ class TensorWorker(Actor):
     def handle_CallFunction(self, msg: m.CallFunction) -> None:
         def call():
             fn = resolve_function(msg.fn)
-            result = fn(*self._resolve(msg.args), **self._resolve(msg.kwargs))
+            result = fn(*self._resolve(msg.args, msg.stream), **self._resolve(msg.kwargs, msg.stream))
             _check_result(result, msg.outs, msg.metas)
             return result
 
