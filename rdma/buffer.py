@@ -336,20 +336,42 @@ def _check_timeout(timeout: Any) -> float:
     return timeout
 
 
+def _local_and_buffer(what: str, local: Any, buf: Any) -> tuple[Any, RDMABuffer]:
+    """``(local memory, RDMABuffer)`` of an action's two arguments, whichever order they came in."""
+    if isinstance(local, RDMABuffer) and not isinstance(buf, RDMABuffer):
+        local, buf = buf, local
+    if not isinstance(buf, RDMABuffer):
+        raise TypeError(f"{what} needs an RDMABuffer and local memory (a tensor, memoryview or bytearray); got "
+                        f"{type(local).__name__} and {type(buf).__name__}")
+    if isinstance(local, RDMABuffer):
+        raise TypeError(f"{what} moves bytes between an RDMABuffer and local memory, not between two buffers: "
+                        f"read one into local memory, then write that into the other")
+    return local, buf
+
+
 class RDMAAction:
     """Several transfers submitted together; ``submit()`` is a Future of None that fails if any fails.
 
-    >>> RDMAAction().read_remote(buf_a, dst_a).write_remote(buf_b, src_b).submit().get()
+    >>> RDMAAction().read_remote(dst_a, buf_a).write_remote(buf_b, src_b).submit().get()
+
+    Monarch's argument order: destination first (``read_remote(local, buffer)``,
+    ``write_remote(buffer, local)``). The buffer may also come first in
+    ``read_remote`` (this project's earlier order): the ``RDMABuffer`` is the
+    remote side either way.
     """
 
     def __init__(self) -> None:
         self._ops: list[tuple[str, RDMABuffer, Mem, int]] = []
 
-    def read_remote(self, buf: RDMABuffer, dst: Any, *, offset: int = 0) -> RDMAAction:
-        self._ops.append(("read", buf, buf._check(dst, offset, "read_remote destination", into=True), offset))
+    def read_remote(self, dst: Any, src: RDMABuffer, *, offset: int = 0) -> RDMAAction:
+        """Queue a read of the RDMA buffer ``src`` (from ``offset``) into local memory ``dst``."""
+        local, buf = _local_and_buffer("read_remote", dst, src)
+        self._ops.append(("read", buf, buf._check(local, offset, "read_remote destination", into=True), offset))
         return self
 
-    def write_remote(self, buf: RDMABuffer, src: Any, *, offset: int = 0) -> RDMAAction:
+    def write_remote(self, dst: RDMABuffer, src: Any, *, offset: int = 0) -> RDMAAction:
+        """Queue a write of local memory ``src`` into the RDMA buffer ``dst`` (from ``offset``)."""
+        src, buf = _local_and_buffer("write_remote", src, dst)
         if not buf._desc.writable:
             raise ValueError(f"{buf!r} wraps read-only memory: it cannot be written")
         self._ops.append(("write", buf, buf._check(src, offset, "write_remote source"), offset))

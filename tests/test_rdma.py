@@ -265,9 +265,19 @@ def test_concurrent_transfers_and_action(owners, backend):
         assert torch.equal(x, o.value.call_one(f"c{i}").get())
     src = torch.zeros(100, dtype=torch.uint8)
     again = torch.empty(5000, dtype=torch.uint8)
-    RDMAAction().write_remote(bufs[1], src).read_remote(bufs[0], again).submit(timeout=30).get(timeout=30)
+    RDMAAction().write_remote(bufs[1], src).read_remote(again, bufs[0]).submit(timeout=30).get(timeout=30)
     assert torch.equal(again, outs[0])
     assert torch.equal(o.value.call_one("c1").get()[:100], src)
+    # the buffer first in read_remote (this project's earlier order), the local memory first in write_remote
+    more = torch.empty(5002, dtype=torch.uint8)
+    ones = torch.ones(50, dtype=torch.uint8)
+    RDMAAction().read_remote(bufs[2], more).write_remote(ones, bufs[3]).submit(timeout=30).get(timeout=30)
+    assert torch.equal(more, outs[2])
+    assert torch.equal(o.value.call_one("c3").get()[:50], ones)
+    with pytest.raises(TypeError, match="not between two buffers"):
+        RDMAAction().read_remote(bufs[0], bufs[1])
+    with pytest.raises(TypeError, match="needs an RDMABuffer and local memory"):
+        RDMAAction().write_remote(again, src)
 
 
 def test_reader_is_another_proc_sync_and_async(owners):
@@ -577,7 +587,7 @@ def test_a_read_into_read_only_memory_or_with_a_bad_timeout_is_refused(owners, b
         with pytest.raises(ValueError, match="is read-only"):
             buf.read_into(dst)
         with pytest.raises(ValueError, match="is read-only"):
-            RDMAAction().read_remote(buf, dst)
+            RDMAAction().read_remote(dst, buf)
     assert bytes(ro) == bytes(16)  # untouched
     for timeout in (None, 0, -1, "5", True):
         with pytest.raises(ValueError, match="timeout must be a positive number"):
