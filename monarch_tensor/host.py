@@ -8,6 +8,7 @@ reports are how the runtime learns, within milliseconds, that a proc died.
 from __future__ import annotations
 
 import atexit
+import inspect
 import itertools
 import logging
 import os
@@ -442,6 +443,45 @@ stopped_addrs: set[str] = set()
 DEFAULT_MAX_PROCS_PER_HOST = 1024
 
 
+# How long spawn_procs waits for its bootstrap function on every proc (a proc that dies fails it at once).
+BOOTSTRAP_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_BOOTSTRAP_TIMEOUT", "600"))
+
+
+def check_bootstrap(bootstrap) -> None:
+    if bootstrap is not None and not callable(bootstrap):
+        raise TypeError(f"spawn_procs(bootstrap=...) takes a function of no arguments to run on every proc, "
+                        f"got {bootstrap!r}")
+
+
+def _bootstrap(fn) -> None:
+    """On a proc: ``fn()``; an awaitable it returns runs to its end on a loop of its own (this thread may be
+    running the proc's), in this proc's context (``current_rank()``)."""
+    result = fn()
+    if inspect.isawaitable(result):
+        import asyncio
+        import contextvars
+        from concurrent.futures import ThreadPoolExecutor
+
+        async def wait():
+            return await result
+
+        with ThreadPoolExecutor(1, thread_name_prefix="monarch-tensor-bootstrap") as pool:
+            pool.submit(contextvars.copy_context().run, asyncio.run, wait()).result()
+
+
+def run_bootstrap(mesh: ProcMesh, bootstrap) -> ProcMesh:
+    """Run ``bootstrap`` on every proc of a new ``mesh``; if it fails anywhere, stop the mesh and raise."""
+    mesh._bootstrap = bootstrap  # heal_mesh runs it on the new procs too
+    if bootstrap is None:
+        return mesh
+    try:
+        mesh.execute(_bootstrap, bootstrap, timeout=BOOTSTRAP_TIMEOUT)
+    except BaseException:
+        mesh.stop()
+        raise
+    return mesh
+
+
 def check_procs_per_host(per_host: dict, n: int) -> None:
     """Refuse ``n`` procs on each host above ``MONARCH_TENSOR_MAX_PROCS_PER_HOST`` (default 1024)."""
     raw = os.environ.get("MONARCH_TENSOR_MAX_PROCS_PER_HOST", "")
@@ -489,12 +529,15 @@ class HostMesh(MeshTrait):
     def _what(self) -> str:
         return f"host mesh {self._shape}"
 
-    def spawn_procs(self, per_host: Mapping[str, int] | None = None, *, name: str | None = None) -> ProcMesh:
-        """``spawn_procs(per_host={"gpus": 4})`` -> ProcMesh of shape {hosts..., "gpus": 4}."""
+    def spawn_procs(self, per_host: Mapping[str, int] | None = None, bootstrap=None, *,
+                    name: str | None = None) -> ProcMesh:
+        """``spawn_procs(per_host={"gpus": 4})`` -> ProcMesh of shape {hosts..., "gpus": 4}; ``bootstrap``
+        (a function of no arguments, or an async one) runs on every proc before this returns."""
+        check_bootstrap(bootstrap)
         per_host = dict(per_host or {"procs": 1})
         shape = _procs_shape(self._shape, per_host)
         check_procs_per_host(per_host, len(shape))
-        return _spawn_procs(shape)
+        return run_bootstrap(_spawn_procs(shape), bootstrap)
 
     def _runs_here(self, p: ProcInfo) -> bool:
         return getattr(p, "agent", None) is None  # (a host agent's procs are on its host)
@@ -597,7 +640,8 @@ def _agents_of(procs: list[ProcInfo]) -> list:
 
 def heal_mesh(mesh: ProcMesh) -> ProcMesh:
     """A working mesh of the same sizes on the same hosts, in place of one that lost procs (the seeds'
-    ``monarch.heal_mesh``): what is left of the old allocation is stopped, and new procs start. Actors and
+    ``monarch.heal_mesh``): what is left of the old allocation is stopped, and new procs start (running the
+    old mesh's ``bootstrap``). Actors and
     tensors of the old mesh are gone with it: spawn and make them again (from a checkpoint). A slice gives
     the same slice of the new mesh. A lost host is not replaced: ``HostUnreachableError`` says which."""
     if not isinstance(mesh, ProcMesh):
@@ -605,9 +649,10 @@ def heal_mesh(mesh: ProcMesh) -> ProcMesh:
     alloc = mesh._alloc
     shape = alloc._shape
     agents = _agents_of(alloc._procs)
+    bootstrap = getattr(alloc, "_bootstrap", None)
     alloc.stop()
     if not agents:
-        new = _spawn_procs(Shape(shape.names, shape.dims))
+        new = run_bootstrap(_spawn_procs(Shape(shape.names, shape.dims)), bootstrap)
     else:
         from .errors import HostUnreachableError
         from .remote_hosts import RemoteHostMesh
@@ -618,7 +663,7 @@ def heal_mesh(mesh: ProcMesh) -> ProcMesh:
                                        f"to other hosts by itself; start a job with spare hosts and spawn there")
         k = getattr(alloc, "_host_dims", 1)  # a job's procs: the hosts' dims, then the per-host dims
         new = RemoteHostMesh(agents, Shape(shape.names[:k], shape.dims[:k])).spawn_procs(
-            dict(zip(shape.names[k:], shape.dims[k:])))
+            dict(zip(shape.names[k:], shape.dims[k:])), bootstrap)
     return new if mesh is alloc else ProcMesh(new._procs, mesh._shape, new)
 
 

@@ -31,7 +31,17 @@ from ._net import ip_towards
 from .agent_messages import EndSession, KeepSession, KillProcs, OpenSession, ReportExit, ShutdownAgent, SpawnProcs
 from .errors import HostUnreachableError, JobKeyError, SupervisionError
 from .future import Future
-from .host import HostMesh, ProcInfo, ProcMesh, _live_meshes, _proc_exited, _procs_shape, check_procs_per_host
+from .host import (
+    HostMesh,
+    ProcInfo,
+    ProcMesh,
+    _live_meshes,
+    _proc_exited,
+    _procs_shape,
+    check_bootstrap,
+    check_procs_per_host,
+    run_bootstrap,
+)
 from .mailbox import current_mailbox
 from .messages import SendToPort, StopProc
 from .shape import Shape
@@ -312,7 +322,9 @@ class RemoteHostMesh(HostMesh):
     def addresses(self) -> list[str]:
         return [a.addr for a in self._agents]
 
-    def spawn_procs(self, per_host: Mapping[str, int] | None = None, *, name: str | None = None) -> ProcMesh:
+    def spawn_procs(self, per_host: Mapping[str, int] | None = None, bootstrap=None, *,
+                    name: str | None = None) -> ProcMesh:
+        check_bootstrap(bootstrap)
         per_host = dict(per_host or {"procs": 1})
         shape = _procs_shape(self._shape, per_host)  # the hosts' dims first: host h has ranks [h * per, ...)
         per = len(shape) // len(self._agents)
@@ -348,7 +360,7 @@ class RemoteHostMesh(HostMesh):
                 infos.append(info)
         mesh._procs = infos
         _live_meshes.add(mesh)
-        return mesh
+        return run_bootstrap(mesh, bootstrap)
 
     def sync_workspace(self, workspace, conda: bool = False, auto_reload: bool = False) -> Future:
         """Mirror ``workspace`` onto these hosts' workspace roots and reload the procs running there. A host

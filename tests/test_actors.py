@@ -360,6 +360,29 @@ def test_proc_mesh_execute_runs_a_function_on_every_proc(procs):
         procs.execute(42)
 
 
+def test_spawn_procs_runs_its_bootstrap_on_every_proc_before_returning():
+    import asyncio
+
+    async def later():
+        await asyncio.sleep(0.01)
+        os.environ["MT_TEST_BOOT_ASYNC"] = f"{current_rank().rank}:{os.getpid()}"
+
+    procs = this_host().spawn_procs({"gpus": 2}, lambda: os.environ.__setitem__("MT_TEST_BOOT", str(os.getpid())))
+    other = this_host().spawn_procs(per_host={"gpus": 2}, bootstrap=later)
+    try:
+        pids = procs.execute(os.getpid).values()
+        assert procs.execute(lambda: os.environ.get("MT_TEST_BOOT")).values() == [str(p) for p in pids]
+        assert other.execute(lambda: os.environ.get("MT_TEST_BOOT_ASYNC")).values() == \
+            [f"{r}:{p}" for r, p in enumerate(other.execute(os.getpid).values())]
+    finally:
+        procs.stop()
+        other.stop()
+    with pytest.raises(ActorError, match="ZeroDivisionError"):
+        this_host().spawn_procs({"gpus": 2}, bootstrap=lambda: 1 / 0)
+    with pytest.raises(TypeError, match="a function of no arguments"):
+        this_host().spawn_procs({"gpus": 2}, bootstrap="setup.sh")
+
+
 def test_proc_mesh_to_table(procs):
     table = procs.to_table().splitlines()
     assert table[0].split() == ["rank", "hosts", "gpus", "pid", "address"] and len(table) == 2 + 4
