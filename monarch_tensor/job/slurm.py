@@ -47,10 +47,30 @@ class SlurmJob(JobTrait):
                  partition: str | None = None, gpus_per_node: int | None = None, cpus_per_task: int | None = None,
                  mem: str | None = None, python_exe: str | None = None, slurm_args: tuple | list = (),
                  log_dir: str | None = None, ttl: float = 3600.0, start_timeout: float = START_TIMEOUT,
-                 bind: str = "tcp://0.0.0.0:0") -> None:
+                 bind: str = "tcp://0.0.0.0:0", exclusive: bool = True, account: str | None = None,
+                 qos: str | None = None, job_start_timeout: float | None = None, monarch_port: int | None = None,
+                 ntasks_per_node: int = 1) -> None:
+        """Monarch's options keep their meaning: ``exclusive`` (whole nodes, the default), ``account`` and
+        ``qos`` (sbatch's), ``job_start_timeout`` (seconds until the agents serve, queueing included; here
+        ``start_timeout`` when None: a job never waits without end), ``monarch_port`` (the agents' port;
+        default: any free one). One agent runs per node: ``ntasks_per_node`` is 1, and several procs per
+        node come from ``spawn_procs(per_host=...)``."""
         super().__init__(meshes)
+        if ntasks_per_node != 1:
+            raise ValueError(f"SlurmJob(ntasks_per_node={ntasks_per_node!r}): one host agent runs per node here; "
+                             f"start several procs on each with spawn_procs(per_host={{'gpus': N}})")
+        if job_start_timeout is not None:
+            start_timeout = job_start_timeout
+        if not (isinstance(start_timeout, (int, float)) and start_timeout > 0):
+            raise ValueError(f"SlurmJob: the start timeout must be a positive number of seconds, got "
+                             f"{start_timeout!r}")
+        if monarch_port is not None:
+            if not (isinstance(monarch_port, int) and 0 < monarch_port < 65536):
+                raise ValueError(f"SlurmJob(monarch_port={monarch_port!r}): a TCP port is 1-65535")
+            bind = f"tcp://0.0.0.0:{monarch_port}"
         self.job_name, self.time_limit, self.partition = job_name, time_limit, partition
         self.gpus_per_node, self.cpus_per_task, self.mem = gpus_per_node, cpus_per_task, mem
+        self.exclusive, self.account, self.qos = bool(exclusive), account, qos
         self.python_exe = python_exe or sys.executable
         self.slurm_args = list(slurm_args)
         self.log_dir = os.path.abspath(log_dir or os.path.join(os.getcwd(), ".monarch-tensor", "slurm"))
@@ -64,6 +84,12 @@ class SlurmJob(JobTrait):
             opts.append(f"--time={self.time_limit}")
         if self.partition:
             opts.append(f"--partition={self.partition}")
+        if getattr(self, "exclusive", False):  # (a job pickled before these options existed has none)
+            opts.append("--exclusive")
+        if getattr(self, "account", None):
+            opts.append(f"--account={self.account}")
+        if getattr(self, "qos", None):
+            opts.append(f"--qos={self.qos}")
         if self.gpus_per_node:
             opts.append(f"--gpus-per-node={self.gpus_per_node}")
         if self.cpus_per_task:

@@ -1,0 +1,34 @@
+"""SlurmJob's sbatch script and options (no cluster needed; tests/test_slurm.py runs jobs on a real one)."""
+
+import pytest
+
+from monarch_tensor.job import SlurmJob
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _directives(job, nodes=2):
+    return [line.split(" ", 1)[1] for line in job._script(nodes).splitlines() if line.startswith("#SBATCH ")]
+
+
+def test_monarchs_options_become_sbatch_directives(tmp_path):
+    job = SlurmJob(meshes={"trainers": 2}, job_name="t", partition="gpu", account="research", qos="high",
+                   gpus_per_node=8, log_dir=str(tmp_path))
+    got = _directives(job)
+    for d in ("--job-name=t", "--nodes=2", "--ntasks-per-node=1", "--partition=gpu", "--gpus-per-node=8",
+              "--exclusive", "--account=research", "--qos=high"):
+        assert d in got, (d, got)
+    shared = _directives(SlurmJob(meshes={"m": 1}, exclusive=False, log_dir=str(tmp_path)), 1)
+    assert "--exclusive" not in shared and not any(d.startswith(("--account", "--qos")) for d in shared)
+
+
+def test_start_timeout_port_and_tasks_per_node(tmp_path):
+    assert SlurmJob(meshes={"m": 1}, job_start_timeout=7, log_dir=str(tmp_path)).start_timeout == 7
+    job = SlurmJob(meshes={"m": 1}, monarch_port=22222, log_dir=str(tmp_path))
+    assert job.bind == "tcp://0.0.0.0:22222" and "22222" in job._script(1)
+    with pytest.raises(ValueError, match="one host agent runs per node"):
+        SlurmJob(meshes={"m": 1}, ntasks_per_node=2)
+    with pytest.raises(ValueError, match="a TCP port is 1-65535"):
+        SlurmJob(meshes={"m": 1}, monarch_port=70000)
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        SlurmJob(meshes={"m": 1}, job_start_timeout=0)
