@@ -37,7 +37,7 @@ def test_slurm_job_submit_spawn_call_reattach_kill(tmp_path):
     job = SlurmJob(meshes={"mesh0": 2}, job_name="mt-ci", time_limit="00:10:00", partition="debug",
                    log_dir=str(tmp_path / "logs"), ttl=120)
     try:
-        hosts = job.state().mesh0
+        hosts = job.state(cached_path=None).mesh0
         st, _ = job.squeue_state()
         assert st == "RUNNING"
         procs = hosts.spawn_procs(per_host={"gpus": 1})
@@ -77,7 +77,7 @@ def test_slurm_job_submit_spawn_call_reattach_kill(tmp_path):
 def test_a_job_slurm_refuses_is_a_clear_error(tmp_path):
     job = SlurmJob(meshes={"mesh0": 3}, job_name="mt-too-big", log_dir=str(tmp_path / "logs"), start_timeout=20)
     with pytest.raises(JobStartError, match="sbatch refused"):
-        job.state()
+        job.state(cached_path=None)
 
 
 @pytest.mark.timeout(60)
@@ -85,5 +85,37 @@ def test_a_job_that_never_starts_is_a_clear_error_and_is_cancelled(tmp_path):
     job = SlurmJob(meshes={"mesh0": 1}, job_name="mt-never", log_dir=str(tmp_path / "logs"), start_timeout=3,
                    slurm_args=["--begin=now+1hour"])
     with pytest.raises(JobStartError, match="did not start its 1 agents within 3 s .state PENDING"):
-        job.state()
+        job.state(cached_path=str(tmp_path / "state.json"))
+    assert not os.path.exists(tmp_path / "state.json")  # only a job that runs is kept
     assert job.squeue_state()[0] in (None, "CANCELLED")
+
+
+@pytest.mark.timeout(300)
+def test_state_reattaches_to_the_running_allocation_of_the_same_spec(tmp_path):
+    from monarch_tensor.job import job_load
+
+    cache = str(tmp_path / ".monarch" / "job_state.json")
+    spec = dict(meshes={"mesh0": 1}, job_name="mt-reuse", time_limit="00:10:00", log_dir=str(tmp_path / "logs"),
+                ttl=120)
+    first = SlurmJob(**spec)
+    jobs = [first]
+    try:
+        first.state(cached_path=cache)
+        assert job_load(cache).job_id == first.job_id
+        # the script run again: a new job of the same spec takes the running allocation, no new sbatch
+        again = SlurmJob(**spec)
+        jobs.append(again)
+        procs = again.state(cached_path=cache).mesh0.spawn_procs(per_host={"gpus": 1})
+        assert again.job_id == first.job_id
+        assert procs.spawn("n", Node).node.call_one().get(timeout=120) in ("n1", "n2")
+        procs.stop().get(timeout=30)
+        # the spec changed: the cached allocation is cancelled and a new one runs in its place
+        changed = SlurmJob(**{**spec, "time_limit": "00:09:00"})
+        jobs.append(changed)
+        changed.state(cached_path=cache)
+        assert changed.job_id != first.job_id and changed.squeue_state()[0] == "RUNNING"
+        assert first.squeue_state()[0] in (None, "CANCELLED", "COMPLETED")
+        assert job_load(cache).job_id == changed.job_id
+    finally:
+        for j in jobs:
+            j.kill()

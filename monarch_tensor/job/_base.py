@@ -5,16 +5,28 @@ key pair. ``state()`` connects to the agents and returns one ``HostMesh``
 attribute per mesh. ``dump(path)`` writes a 0600 job file (agents' addresses
 and the key) from which ``job_load(path).state()`` reattaches, from another
 script or after the controller died, without going back to the scheduler.
+
+A job that holds a scheduler's allocation (``SlurmJob``) also keeps its file at
+``state()``'s ``cached_path`` (Monarch's: ``.monarch/job_state.json`` in the
+working directory by default): running the script again with the same job
+reattaches to that allocation if it still runs, instead of queueing again; a
+job of another spec found there is cancelled first (the spec changed).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any
 
 from .. import _curve
+from ..errors import JobKeyError
 from ..remote_hosts import AgentClient, RemoteHostMesh, connect_agents, shutdown_agents
+
+log = logging.getLogger("monarch_tensor.job")
+
+DEFAULT_STATE = os.path.join(".monarch", "job_state.json")  # state()'s cached_path, and job_load()'s default
 
 
 class JobState:
@@ -43,6 +55,7 @@ class JobTrait:
     """
 
     kind = "base"
+    reusable = False  # whether state() reattaches to a running job of the same spec found at its cached_path
 
     def __init__(self, meshes: dict[str, int]) -> None:
         if not isinstance(meshes, dict) or not meshes or any(
@@ -68,23 +81,83 @@ class JobTrait:
         """Kind-specific fields of the job file."""
         return {}
 
+    def _spec(self) -> dict[str, Any]:
+        """The options that must match for a running job to serve another (``can_run``)."""
+        return {}
+
+    def _running(self) -> bool:
+        """Whether the job's allocation still runs (asked of the scheduler)."""
+        return self.active
+
+    def _adopt(self, running: JobTrait) -> None:
+        """Take over ``running``'s allocation (kind-specific fields; keys and addresses are done)."""
+
     # ---- the interface ----------------------------------------------------------------
     def apply(self) -> None:
         """Start the job's hosts (idempotent)."""
         if self.addrs is None:
             self.addrs = self._start()
 
-    def state(self) -> JobState:
-        """Connect to the job's agents; one ``HostMesh`` attribute per mesh."""
+    def can_run(self, spec: JobTrait) -> bool:
+        """Whether this job, running, can serve ``spec`` (Monarch's): same kind, meshes and options."""
+        return (type(spec) is type(self) and spec.meshes == self.meshes and spec._spec() == self._spec()
+                and self._running())
+
+    def state(self, cached_path: str | None = DEFAULT_STATE) -> JobState:
+        """Connect to the job's agents; one ``HostMesh`` attribute per mesh. A job that is not applied yet and
+        holds an allocation (``reusable``) first looks at ``cached_path`` (None: not at all) for a running
+        job of the same spec to reattach to, and keeps its own file there once it runs."""
         if self._state is None:
-            self.apply()
-            assert self.addrs is not None
-            flat = [a for name in self.meshes for a in self.addrs[name]]
-            agents = connect_agents(flat, self.keys)
-            it = iter(agents)
-            self._agents = {name: [next(it) for _ in self.addrs[name]] for name in self.meshes}
-            self._state = JobState({name: RemoteHostMesh(a) for name, a in self._agents.items()})
+            adopted = self.addrs is None and bool(cached_path) and self.reusable and self._adopt_cached(cached_path)
+            if adopted:
+                try:
+                    self._connect()
+                except Exception as e:  # noqa: BLE001 - its agents are gone: start afresh
+                    log.warning("the cached job at %s did not answer (%r): starting a new one", cached_path, e)
+                    self._release()
+                    self.addrs = None
+                    adopted = False
+            if self._state is None:
+                fresh = self.addrs is None
+                self.apply()
+                self._connect()
+                if fresh and cached_path and self.reusable:
+                    self.dump(cached_path)
         return self._state
+
+    def _connect(self) -> None:
+        assert self.addrs is not None
+        flat = [a for name in self.meshes for a in self.addrs[name]]
+        agents = connect_agents(flat, self.keys)
+        it = iter(agents)
+        self._agents = {name: [next(it) for _ in self.addrs[name]] for name in self.meshes}
+        self._state = JobState({name: RemoteHostMesh(a) for name, a in self._agents.items()})
+
+    def _adopt_cached(self, path: str) -> bool:
+        """Reattach to the running job of this spec at ``path``; cancel one of another spec found there."""
+        if not os.path.exists(path):
+            return False
+        try:
+            cached = job_load(path)
+        except (ValueError, OSError, JobKeyError) as e:
+            log.warning("ignoring the job file at %s: %s", path, e)
+            return False
+        if cached.can_run(self):
+            self.keys, self.addrs = cached.keys, cached.addrs
+            self._adopt(cached)
+            log.info("reattached to the running job of %s", path)
+            return True
+        if cached.active and cached._running():
+            log.warning("the job at %s runs another spec than this one: cancelling it", path)
+            try:
+                cached.kill()
+            except Exception as e:  # noqa: BLE001 - best effort: the new job starts all the same
+                log.warning("cancelling the cached job: %r", e)
+        try:
+            os.remove(os.path.realpath(path))
+        except FileNotFoundError:
+            pass
+        return False
 
     def kill(self) -> None:
         """Stop every agent (and its procs) and release the allocation."""
@@ -113,14 +186,17 @@ class JobTrait:
                 "keys": {"public": self.keys.public, "secret": self.keys.secret}, **self._extra()}
         return json.dumps(data, indent=1).encode()
 
-    def dump(self, path: str) -> None:
-        """Write the job file (0600: it holds the job's secret key)."""
+    def dump(self, filename: str) -> None:
+        """Write the job file (0600: it holds the job's secret key); a symlink there is followed, and a
+        missing parent directory made."""
+        path = os.path.realpath(filename) if os.path.islink(filename) else filename
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         _curve.write_private(path, self.dumps().decode())
 
 
-def job_load(path: str) -> JobTrait:
+def job_load(filename: str = DEFAULT_STATE) -> JobTrait:
     """Reattach to a job from its job file: ``job_load("job.json").state().mesh0``."""
-    return _job_from_text(_curve.read_private(path), path)
+    return _job_from_text(_curve.read_private(filename), filename)
 
 
 def job_loads(data: bytes | str) -> JobTrait:

@@ -42,6 +42,10 @@ class SlurmJob(JobTrait):
     """
 
     kind = "slurm"
+    reusable = True  # state() reattaches to the running allocation its cached_path names (see _base.py)
+    _SPEC = {"job_name": "monarch_tensor", "time_limit": None, "partition": None, "gpus_per_node": None,
+             "cpus_per_task": None, "mem": None, "slurm_args": [], "exclusive": True, "account": None, "qos": None,
+             "bind": "tcp://0.0.0.0:0"}  # the options a running allocation must share to serve a job (defaults)
 
     def __init__(self, meshes: dict[str, int], *, job_name: str = "monarch_tensor", time_limit: str | None = None,
                  partition: str | None = None, gpus_per_node: int | None = None, cpus_per_task: int | None = None,
@@ -172,8 +176,21 @@ class SlurmJob(JobTrait):
             time.sleep(0.2)
 
     def _extra(self) -> dict:
-        return {"job_id": self.job_id, "log_dir": self.log_dir}
+        return {"job_id": self.job_id, "log_dir": self.log_dir, "spec": self._spec()}
 
     def _restore(self, data: dict) -> None:
         self.job_id, self.log_dir = data.get("job_id"), data.get("log_dir")
         self.python_exe, self.ttl, self.start_timeout = sys.executable, 3600.0, START_TIMEOUT
+        spec = data.get("spec") or {}
+        for name, default in self._SPEC.items():
+            setattr(self, name, spec.get(name, default))
+
+    def _spec(self) -> dict:
+        return {name: list(v) if isinstance(v := getattr(self, name, default), tuple) else v
+                for name, default in self._SPEC.items()}
+
+    def _running(self) -> bool:
+        return bool(self.job_id) and self.squeue_state()[0] == "RUNNING"
+
+    def _adopt(self, running: JobTrait) -> None:
+        self.job_id, self.log_dir = running.job_id, running.log_dir
