@@ -281,6 +281,7 @@ class ProcRuntime:
 
     def handle_SetLogging(self, msg: SetLogging) -> None:
         self.logs.set_enabled(msg.stream_to_client)
+        logging.getLogger().setLevel(msg.level)
         self._reply(msg.reply, None, None, self.rank)
 
     def handle_StopProc(self, msg: StopProc) -> None:

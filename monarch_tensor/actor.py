@@ -224,7 +224,8 @@ class ActorMesh(MeshTrait):
         if pm is not None and pm._alloc._stopped:
             from .errors import MeshStoppedError
 
-            raise MeshStoppedError(f"the proc mesh of actor mesh {self._name!r} was stopped")
+            raise MeshStoppedError(f"the proc mesh of actor mesh {self._name!r} was stopped "
+                                   f"({pm._alloc._stop_reason})")
         for r in self._rank_list:
             p = self._procs[r]
             if pm is None and p.addr in _host.stopped_addrs:

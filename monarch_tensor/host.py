@@ -223,7 +223,7 @@ class ProcMesh(MeshTrait):
         self._alloc = alloc or self
         if alloc is None:
             self._owner = _context.current()
-            self._stopped = False
+            self._stopped, self._stop_reason = False, ""
             self._failures: list[SupervisionError] = []
             self._seq = next(_mesh_seq)  # names it in errors (``_label``)
 
@@ -297,7 +297,7 @@ class ProcMesh(MeshTrait):
 
     def _check_alive(self) -> None:
         if self._alloc._stopped:
-            raise MeshStoppedError(f"proc mesh {self._shape} was stopped")
+            raise MeshStoppedError(f"proc mesh {self._shape} was stopped ({self._alloc._stop_reason})")
         for p in self._members():
             if not p.alive:
                 raise SupervisionError(
@@ -305,19 +305,22 @@ class ProcMesh(MeshTrait):
                     proc=p.addr, rank=p.rank, exit_status=p.exit_status)
 
     # ---- lifecycle ----------------------------------------------------------------
-    def stop(self) -> Future:
-        """Stop every proc of this mesh's allocation; the returned future resolves when they exited."""
+    def stop(self, reason: str = "stopped by client") -> Future:
+        """Stop every proc of this mesh's allocation; the returned future resolves when they exited. ``reason``
+        (Monarch's) is what later calls on the mesh are told."""
+        if not isinstance(reason, str):
+            raise TypeError(f"stop(reason=...) takes a string, got {reason!r}")
         alloc = self._alloc
         if alloc._stopped:
             return Future.ready(None)
-        alloc._stopped = True
+        alloc._stopped, alloc._stop_reason = True, reason
         mailbox = current_mailbox()
         for p in alloc._procs:
             p.stopping = True
             stopped_addrs.add(p.addr)
             if p.alive:
                 try:
-                    mailbox.send(p.addr, StopProc("stop() called"))
+                    mailbox.send(p.addr, StopProc(reason))
                 except Exception:  # noqa: BLE001
                     pass
         deadline = time.monotonic() + 5
@@ -336,13 +339,17 @@ class ProcMesh(MeshTrait):
         """SIGKILL a proc that did not stop (a mesh on host agents overrides this)."""
         local_host().kill(p.pid, 9)
 
-    def logging_option(self, stream_to_client: bool = True, aggregate_window_sec: float | None = None) -> Future:
-        """Forward procs' stdout/stderr to the client, folding repeats within a window."""
+    def logging_option(self, stream_to_client: bool = True, aggregate_window_sec: float | None = None,
+                       level: int = logging.INFO) -> Future:
+        """Forward procs' stdout/stderr to the client, folding repeats within a window; ``level`` (Monarch's)
+        is the procs' root logger level."""
         from . import logs
         from ._ports import Collector
 
         if not isinstance(stream_to_client, bool):
             raise TypeError(f"logging_option(stream_to_client=...) must be True or False, got {stream_to_client!r}")
+        if not isinstance(level, int) or isinstance(level, bool) or level < 0:
+            raise TypeError(f"logging_option(level=...) takes a logging level such as logging.INFO, got {level!r}")
         logs.configure(aggregate_window_sec)
         members = [p for p in self._members() if p.alive]
         addrs = [p.addr for p in members]
@@ -351,7 +358,7 @@ class ProcMesh(MeshTrait):
                         observing=False)
         port = mailbox.open_port(col)
         for a in addrs:
-            mailbox.send(a, SetLogging(stream_to_client, port))
+            mailbox.send(a, SetLogging(stream_to_client, port, level))
         return col.future
 
     def _failed(self, err: SupervisionError) -> None:

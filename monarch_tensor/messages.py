@@ -103,10 +103,12 @@ class ForwardLogs:
 @_fast_reduce
 @dataclass(frozen=True, slots=True)
 class SetLogging:
-    """Client -> proc: turn forwarding of stdout/stderr to the client on or off; ack on ``reply``."""
+    """Client -> proc: turn forwarding of stdout/stderr to the client on or off, set the root logger's
+    ``level``; ack on ``reply``."""
 
     stream_to_client: bool
     reply: PortRef
+    level: int = 20  # the proc's root logger level (logging.INFO)
 
 
 @_fast_reduce

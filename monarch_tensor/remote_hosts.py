@@ -454,7 +454,7 @@ def shutdown_agents(agents: list[AgentClient], reason: str) -> None:
         for info in a.procs.values():
             info.stopping = True
         if info_mesh := next((i.owner for i in a.procs.values() if isinstance(i.owner, ProcMesh)), None):
-            info_mesh._alloc._stopped = True
+            info_mesh._alloc._stopped, info_mesh._alloc._stop_reason = True, f"its hosts: {reason}"
     for a in agents:
         try:
             a.request(ShutdownAgent(reason), timeout=5)

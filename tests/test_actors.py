@@ -885,12 +885,19 @@ def test_calls_on_a_stopped_mesh_are_refused():
         c.initialized.get(timeout=T)
     finally:
         mesh.stop().get(timeout=T)
-    with pytest.raises(MeshStoppedError):
+    with pytest.raises(MeshStoppedError, match=r"was stopped \(stopped by client\)"):
         mesh.spawn("again", Counter)
     with pytest.raises(MeshStoppedError):
         c.value.call().get(timeout=T)
     with pytest.raises(MeshStoppedError):
         c.value.stream()
+    other = this_host().spawn_procs({"gpus": 1})
+    c = other.spawn("stopped", Counter)
+    with pytest.raises(TypeError, match="takes a string"):
+        other.stop(reason=3)
+    other.stop(reason="epoch 3 done").get(timeout=T)  # Monarch's stop(reason): what later calls are told
+    with pytest.raises(MeshStoppedError, match=r"was stopped \(epoch 3 done\)"):
+        c.value.call().get(timeout=T)
 
 
 @pytest.mark.timeout(30)

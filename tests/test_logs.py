@@ -17,7 +17,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PRELUDE = textwrap.dedent('''
-    import os, sys, threading, time
+    import logging, os, sys, threading, time
     import monarch_tensor.actor
     from monarch_tensor.actor import Actor, current_rank, endpoint, this_host
 
@@ -167,6 +167,11 @@ def test_stream_to_client_false_stops_forwarding_and_true_resumes_it(tmp_path):
             talkers = procs.spawn("talker", Talker)
             procs.logging_option(stream_to_client=False).get(timeout=30)
             talkers.talk.call("muted").get(timeout=30)
+            # Monarch's level: the procs' root logger level
+            procs.logging_option(stream_to_client=False, level=logging.WARNING).get(timeout=30)
+            assert procs.execute(lambda: logging.getLogger().level).values() == [logging.WARNING] * 2
+            procs.logging_option(stream_to_client=False, level=logging.DEBUG).get(timeout=30)
+            assert procs.execute(lambda: logging.getLogger().level).values() == [logging.DEBUG] * 2
             # At once: the switch goes through the pipes behind the muted lines.
             procs.logging_option(stream_to_client=True).get(timeout=30)
             talkers.talk.call("unmuted").get(timeout=30)
