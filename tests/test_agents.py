@@ -147,6 +147,21 @@ def test_heal_mesh_respawns_a_jobs_procs_on_the_same_hosts(job):
 
 
 @pytest.mark.timeout(120)
+def test_monarchs_local_job_forms_hosts_names_and_process_job_env(tmp_path):
+    from monarch_tensor.job import ProcessJob
+
+    named = LocalJob(hosts=["trainers", "gen"], root_dir=str(tmp_path / "a"), ttl=60)
+    assert named.meshes == {"trainers": 1, "gen": 1} and LocalJob(["x"]).meshes == {"x": 1}
+    j = ProcessJob({"m": 2}, {"MT_TEST_JOB_ENV": "from the job"}, root_dir=str(tmp_path / "b"), ttl=60)
+    try:
+        procs = j.state().m.spawn_procs(per_host={"gpus": 1})
+        assert procs.execute(lambda: os.environ.get("MT_TEST_JOB_ENV")).values() == ["from the job"] * 2
+        procs.stop()
+    finally:
+        j.kill()
+
+
+@pytest.mark.timeout(120)
 def test_leaving_async_with_a_host_mesh_shuts_its_hosts_down(tmp_path):
     import asyncio
 

@@ -128,6 +128,13 @@ def test_mesh_sizes_and_job_mesh_names_are_checked():
     for name in (5, "_meshes", "../esc", "a b"):
         with pytest.raises(ValueError, match="mesh names must be Python identifiers"):
             LocalJob(meshes={name: 1})
+    for hosts in ([], "trainers", [3]):
+        with pytest.raises(ValueError, match="takes names of host meshes"):
+            LocalJob(hosts=hosts)
+    with pytest.raises(TypeError, match="not both"):
+        LocalJob(meshes={"m": 1}, hosts=["m"])
+    with pytest.raises(TypeError, match="maps variable names to string values"):
+        LocalJob(meshes={"m": 1}, env={"N": 3})
 
 
 def test_spawn_procs_refuses_more_procs_per_host_than_its_limit(monkeypatch):

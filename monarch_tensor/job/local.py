@@ -35,9 +35,26 @@ class LocalJob(JobTrait):
 
     kind = "local"
 
-    def __init__(self, meshes: dict[str, int] | None = None, *, root_dir: str | None = None, ttl: float = 600.0,
-                 python_exe: str | None = None, start_timeout: float = START_TIMEOUT) -> None:
+    def __init__(self, meshes: dict[str, int] | None = None, env: dict[str, str] | None = None, *,
+                 hosts=None, root_dir: str | None = None, ttl: float = 600.0, python_exe: str | None = None,
+                 start_timeout: float = START_TIMEOUT) -> None:
+        """``meshes`` maps names to host counts; Monarch's ``LocalJob(hosts=["trainers", "gen"])`` (names of
+        one-host meshes, also as the first argument) works too. ``env`` (``ProcessJob``'s) is added to the
+        agents' environment, so to their procs'."""
+        if hosts is not None:
+            if meshes is not None:
+                raise TypeError("LocalJob takes meshes={name: hosts} or hosts=[names], not both")
+            if not (isinstance(hosts, (list, tuple)) and hosts and all(isinstance(n, str) for n in hosts)):
+                raise ValueError(f"LocalJob(hosts=...) takes names of host meshes, such as ['trainers'], "
+                                 f"got {hosts!r}")
+            meshes = hosts
+        if isinstance(meshes, (list, tuple)) and meshes and all(isinstance(n, str) for n in meshes):
+            meshes = {name: 1 for name in meshes}
+        if env is not None and not (isinstance(env, dict) and all(
+                isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+            raise TypeError(f"LocalJob(env=...) maps variable names to string values, got {env!r}")
         super().__init__(meshes or {"hosts": 1})
+        self.env = dict(env or {})
         self.root_dir = root_dir
         self.ttl, self.python_exe, self.start_timeout = ttl, python_exe or sys.executable, start_timeout
         self.pids: list[int] = []
@@ -49,6 +66,7 @@ class LocalJob(JobTrait):
         self.keys.save(key_file)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env.update(getattr(self, "env", {}))
         started = []
         for name, n in self.meshes.items():
             for i in range(n):
