@@ -433,9 +433,8 @@ class ProcMesh(MeshTrait):
         lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
         return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
 
-    @property
     def rank_tensors(self) -> dict:
-        """Every dim's ``rank_tensor``: ``procs.rank_tensors["gpus"]`` (Monarch's)."""
+        """Every dim's ``rank_tensor``: ``procs.rank_tensors()["gpus"]`` (Monarch's method)."""
         return {dim: self.rank_tensor(dim) for dim in self._shape.names}
 
 

@@ -129,7 +129,7 @@ def test_module_level_to_mesh_and_slice_mesh_take_pytrees_and_drop_frees(mesh):
         assert monarch_tensor.get_active_mesh() is mesh
         with h1.activate():
             assert monarch_tensor.get_active_mesh() is h1
-        ranks = mesh.rank_tensors
+        ranks = mesh.rank_tensors()
         assert list(ranks) == ["hosts", "gpus"]
         assert [int(inspect(ranks[d], hosts=1, gpus=0)) for d in ranks] == [1, 0]
         x = _per_rank(mesh)
