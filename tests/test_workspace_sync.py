@@ -453,7 +453,8 @@ def test_a_local_jobs_hosts_have_roots_of_their_own(tmp_path):
         hosts = job.state().m
         roots = [os.path.join(w, "workspace") for w in hosts.workdirs]
         # No proc runs on these hosts yet: the host mesh syncs through a proc on each, stopped after.
-        first = hosts.sync_workspace(ws).get(timeout=120)
+        # (longer than the sync's own waits, SYNC_TIMEOUT: a step that never answers fails with its name)
+        first = hosts.sync_workspace(ws).get(timeout=200)
         assert sorted(first.roots) == sorted(roots)
         assert first.files_sent == 2 * 2  # both files, to each host's root
         for r in roots:
