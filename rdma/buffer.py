@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 from monarch_tensor import _wire
 from monarch_tensor._net import ip_towards
@@ -275,13 +275,14 @@ class RDMABuffer:
         return local
 
     def _submit(self, kind: str, local: Mem, offset: int, timeout: float, defer: bool = True) -> Future[None]:
-        fut: Future[None] = TransferFuture(f"RDMA {kind} of {local.nbytes} bytes")
+        what = kind.op if type(kind) is _Atomic else kind
+        fut: Future[None] = TransferFuture(f"RDMA {what} of {local.nbytes} bytes")
         try:
-            cands = candidates(self._desc, local)
+            cands = None if type(kind) is _Atomic else candidates(self._desc, local)
         except Exception as e:  # noqa: BLE001 - delivered to the waiter
             fut._set_exception(e)
             return fut
-        if cands[0].name == "cma" and local.nbytes <= INLINE_BYTES and not local.is_cuda:
+        if cands and cands[0].name == "cma" and local.nbytes <= INLINE_BYTES and not local.is_cuda:
             self._run(fut, kind, local, offset, timeout, cands)  # a few µs of syscall: no thread hop
             return fut
         fut.defer((self, kind, local, offset, timeout, cands), kick=defer)  # who runs it: see _future
@@ -302,6 +303,14 @@ class RDMABuffer:
         first of ``cands`` (default: ``candidates``) that does not refuse it."""
         d = self._desc
         _check_owner(d)
+        if type(kind) is _Atomic:  # done by the owner, whichever backend moves this buffer's bytes
+            from .backends.tcp import COMPARE_SWAP, FETCH_ADD
+
+            if d.tcp is None:
+                raise BackendUnavailableError(f"buffer {d.buf_id} has no data server to do atomics")
+            backend_named("tcp").atomic(d, FETCH_ADD if kind.op == "fetch_add" else COMPARE_SWAP, offset, kind.a,
+                                        kind.b, local, timeout)
+            return
         last: Exception | None = None
         for b in candidates(d, local) if cands is None else cands:
             try:
@@ -334,6 +343,21 @@ def _check_timeout(timeout: Any) -> float:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     return timeout
+
+
+class _Atomic(NamedTuple):
+    """An atomic op as a transfer's kind: ``fetch_add`` (``a`` added) or ``compare_and_swap``."""
+
+    op: str
+    a: int
+    b: int
+
+
+def _word(value: Any, what: str) -> int:
+    """``value`` as the unsigned 64-bit word an atomic takes (a negative int as its two's complement)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not -(1 << 63) <= value < (1 << 64):
+        raise ValueError(f"{what} must be an int that fits in 64 bits, got {value!r}")
+    return value & 0xFFFF_FFFF_FFFF_FFFF
 
 
 def _local_and_buffer(what: str, local: Any, buf: Any) -> tuple[Any, RDMABuffer]:
@@ -376,6 +400,36 @@ class RDMAAction:
             raise ValueError(f"{buf!r} wraps read-only memory: it cannot be written")
         self._ops.append(("write", buf, buf._check(src, offset, "write_remote source"), offset))
         return self
+
+    def fetch_add(self, src: RDMABuffer, dst: Any, add: int, *, offset: int = 0) -> RDMAAction:
+        """Queue an atomic add of ``add`` to the 8-byte word of ``src`` at ``offset`` (a multiple of 8); ``dst``
+        (8 bytes of local memory, such as a 1-element int64 tensor) receives the word's value before.
+        Integers wrap modulo 2**64, as RDMA's do. (Monarch declares this and raises NotImplementedError.)"""
+        buf, local = self._atomic_args("fetch_add", src, dst, offset)
+        self._ops.append((_Atomic("fetch_add", _word(add, "add"), 0), buf, local, offset))
+        return self
+
+    def compare_and_swap(self, src: RDMABuffer, dst: Any, compare: int, swap: int, *,
+                         offset: int = 0) -> RDMAAction:
+        """Queue an atomic compare-and-swap of the 8-byte word of ``src`` at ``offset``: it becomes ``swap`` if
+        it equals ``compare``; ``dst`` (8 bytes) receives its value before (equal to ``compare``: swapped)."""
+        buf, local = self._atomic_args("compare_and_swap", src, dst, offset)
+        self._ops.append((_Atomic("compare_and_swap", _word(compare, "compare"), _word(swap, "swap")), buf, local,
+                          offset))
+        return self
+
+    @staticmethod
+    def _atomic_args(what: str, src: Any, dst: Any, offset: int) -> tuple[RDMABuffer, Mem]:
+        dst, buf = _local_and_buffer(what, dst, src)
+        if not buf._desc.writable:
+            raise ValueError(f"{buf!r} wraps read-only memory: an atomic {what} writes it")
+        local = buf._check(dst, offset, f"{what} destination", into=True)
+        if local.nbytes != 8:
+            raise ValueError(f"{what}: the destination receives the 8-byte word's value before, so it must be 8 "
+                             f"bytes (a 1-element int64 tensor), got {local.nbytes}")
+        if offset % 8:
+            raise ValueError(f"{what}: offset {offset} is not a multiple of 8 (atomics act on aligned 8-byte words)")
+        return buf, local
 
     def submit(self, *, timeout: float = DEFAULT_TIMEOUT) -> Future[None]:
         _check_timeout(timeout)

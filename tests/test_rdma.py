@@ -280,6 +280,77 @@ def test_concurrent_transfers_and_action(owners, backend):
         RDMAAction().write_remote(again, src)
 
 
+class Adder(Actor):
+    @endpoint
+    def add_many(self, buf: RDMABuffer, times: int) -> list[int]:
+        seen, old = [], torch.zeros(1, dtype=torch.int64)
+        for _ in range(times):
+            RDMAAction().fetch_add(buf, old, 1, offset=8).submit(timeout=30).get(timeout=30)
+            seen.append(int(old))
+        return seen
+
+
+def test_atomics_fetch_add_and_compare_and_swap(owners, backend):
+    """Monarch declares these and raises NotImplementedError; here the owner does them, one at a time."""
+    o = _owner(owners)
+    buf = o.make.call_one("atomic", 4, dtype="int64").get(timeout=30)
+    start = o.value.call_one("atomic").get(timeout=30)
+    old = torch.zeros(1, dtype=torch.int64)
+    RDMAAction().fetch_add(buf, old, 5).submit(timeout=30).get(timeout=30)
+    assert int(old) == int(start[0])
+    RDMAAction().fetch_add(buf, old, -7).submit(timeout=30).get(timeout=30)  # two's complement: subtracts
+    assert int(old) == int(start[0]) + 5
+    now = o.value.call_one("atomic").get(timeout=30)
+    assert int(now[0]) == int(start[0]) - 2 and torch.equal(now[1:], start[1:])
+    # compare-and-swap: swapped only when the word equals ``compare``; ``dst`` gets the value before
+    word = int(now[0])
+    RDMAAction().compare_and_swap(buf, old, word + 1, 99).submit(timeout=30).get(timeout=30)
+    assert int(old) == word and int(o.value.call_one("atomic").get(timeout=30)[0]) == word
+    RDMAAction().compare_and_swap(buf, old, word, 99, offset=24).submit(timeout=30).get(timeout=30)
+    assert int(old) == int(start[3])
+    RDMAAction().compare_and_swap(buf, old, word, 99).submit(timeout=30).get(timeout=30)
+    assert int(old) == word and int(o.value.call_one("atomic").get(timeout=30)[0]) == 99
+    # wraps modulo 2**64, as RDMA's do
+    RDMAAction().compare_and_swap(buf, old, 99, -1).submit(timeout=30).get(timeout=30)
+    RDMAAction().fetch_add(buf, old, 2).submit(timeout=30).get(timeout=30)
+    assert int(old) == -1 and int(o.value.call_one("atomic").get(timeout=30)[0]) == 1
+    # atomic with respect to each other: this process and another proc add at once, no update lost
+    first = int(o.value.call_one("atomic").get(timeout=30)[1])
+    adder = owners._proc_mesh.spawn(f"adder_{backend}", Adder).slice(gpus=1)  # the owner is on gpus=0
+    theirs = adder.add_many.call_one(buf, 200)
+    ours = []
+    for _ in range(200):
+        RDMAAction().fetch_add(buf, old, 1, offset=8).submit(timeout=30).get(timeout=30)
+        ours.append(int(old))
+    seen = sorted(ours + theirs.get(timeout=60))
+    assert seen == list(range(first, first + 400))  # every add saw a distinct value before it
+    assert int(o.value.call_one("atomic").get(timeout=30)[1]) == first + 400
+
+
+def test_atomics_refuse_bad_input_and_report_a_dropped_buffer(owners, backend):
+    o = _owner(owners)
+    buf = o.make.call_one("atomic_bad", 2, dtype="int64").get(timeout=30)
+    old = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="not a multiple of 8"):
+        RDMAAction().fetch_add(buf, old, 1, offset=4)
+    with pytest.raises(ValueError, match="must be 8 bytes"):
+        RDMAAction().fetch_add(buf, torch.zeros(2, dtype=torch.int64), 1)
+    with pytest.raises(ValueError, match="size mismatch"):
+        RDMAAction().fetch_add(buf, old, 1, offset=16)
+    for bad in (1 << 64, -(1 << 63) - 1, 1.5, True):
+        with pytest.raises(ValueError, match="fits in 64 bits"):
+            RDMAAction().fetch_add(buf, old, bad)
+    with pytest.raises(TypeError, match="not between two buffers"):
+        RDMAAction().compare_and_swap(buf, buf, 0, 1)
+    ro = RDMABuffer(memoryview(bytes(8)))
+    with pytest.raises(ValueError, match="read-only"):
+        RDMAAction().fetch_add(ro, old, 1)
+    ro.drop()
+    o.drop.call_one("atomic_bad").get(timeout=30)
+    with pytest.raises(BufferDroppedError):
+        RDMAAction().fetch_add(buf, old, 1).submit(timeout=30).get(timeout=30)
+
+
 def test_reader_is_another_proc_sync_and_async(owners):
     buf = _owner(owners, 0).make.call_one("p2p", 3000, seed=5).get()
     ref = _owner(owners, 0).value.call_one("p2p").get()

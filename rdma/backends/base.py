@@ -23,7 +23,7 @@ class Backend:
     remote_cpu_only = True  # the remote buffer must be CPU memory
 
     def __init__(self) -> None:
-        self.stats = {"reads": 0, "writes": 0, "bytes": 0, "seconds": 0.0}
+        self.stats = {"reads": 0, "writes": 0, "atomics": 0, "bytes": 0, "seconds": 0.0}
         self._stats_lock = threading.Lock()
 
     # ---- to override -------------------------------------------------------------

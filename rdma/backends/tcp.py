@@ -15,6 +15,7 @@ import ctypes
 import os
 import socket
 import struct
+import sys
 import threading
 import time
 
@@ -43,12 +44,19 @@ _REQ = struct.Struct(f"!4sBBQQQQH{HEAD - 40}x")
 NO_CPU = 0xFFFF
 _MAGIC = b"MTDP"
 READ, WRITE = 1, 2
+# Atomics on one 8-byte word, done by the owner: the header is followed by two operands (_OPERANDS: the
+# addend and 0, or compare and swap), the answer by the word's value before.
+FETCH_ADD, COMPARE_SWAP = 3, 4
+_OPERANDS = struct.Struct("!QQ")
 ALONE = 1  # a request's flag: the only connection of its transfer (the owner polls for a write's bytes)
-OK, UNKNOWN, RANGE, READONLY, FAILED = 0, 1, 2, 3, 4
-_ANSWER = [bytes([code]) + bytes(HEAD - 1) for code in range(5)]  # the owner's answer: a status, padded
+OK, UNKNOWN, RANGE, READONLY, FAILED, MISALIGNED = 0, 1, 2, 3, 4, 5
+_ANSWER = [bytes([code]) + bytes(HEAD - 1) for code in range(6)]  # the owner's answer: a status, padded
 ALIGN = 4096  # a transfer over several connections is cut at multiples of this
 _STATUS = {UNKNOWN: "was dropped by its owner (or never existed there)", RANGE: "range is out of bounds",
-           READONLY: "is read-only", FAILED: "failed on the owner's side"}
+           READONLY: "is read-only", FAILED: "failed on the owner's side",
+           MISALIGNED: "atomic target is not an 8-byte word at an offset that is a multiple of 8"}
+_ATOMIC_LOCK = threading.Lock()  # the owner's atomics, one at a time: atomic with respect to each other
+
 
 
 def _send_parts(sock: socket.socket, head: bytes, data=None, deadline: float | None = None) -> None:
@@ -236,7 +244,7 @@ class Server:
             while True:
                 poll = _next_request(conn, head, poll)
                 magic, op, flags, buf_id, token, offset, length, cpu = _REQ.unpack(head)
-                if magic != _MAGIC or op not in (READ, WRITE):
+                if magic != _MAGIC or op not in (READ, WRITE, FETCH_ADD, COMPARE_SWAP):
                     return  # a stray client: hang up
                 reg = registry().lookup(buf_id, token)
                 status = OK
@@ -244,10 +252,14 @@ class Server:
                     status = UNKNOWN
                 elif offset + length > reg.desc.nbytes:
                     status = RANGE
-                elif op == WRITE and not reg.desc.writable:
+                elif op != READ and not reg.desc.writable:
                     status = READONLY
+                elif op > WRITE and (length != 8 or offset % 8):
+                    status = MISALIGNED
                 if op == READ:
                     self._serve_read(conn, reg, status, offset, length)
+                elif op > WRITE:
+                    self._serve_atomic(conn, reg, status, offset, op)
                 else:
                     self._serve_write(conn, reg, status, offset, length, flags & ALONE)
                 # Poll again only if the reader runs on another CPU: on a core the two share (the other one
@@ -265,6 +277,36 @@ class Server:
         mem = reg.mem
         data = mem.slice(offset, length).cpu().numpy() if mem.is_cuda else mem.view(offset, length)
         _send_parts(conn, _ANSWER[OK], data)
+
+    def _serve_atomic(self, conn, reg, status, offset, op) -> None:
+        operands = bytearray(_OPERANDS.size)
+        _recv_exact(conn, memoryview(operands))
+        if status != OK:
+            conn.sendall(_ANSWER[status])
+            return
+        a, b = _OPERANDS.unpack(operands)
+        mem = reg.mem
+        with _ATOMIC_LOCK:
+            if mem.is_cuda:
+                import torch
+
+                word = mem.slice(offset, 8)
+                before = word.cpu().numpy().tobytes()
+            else:
+                word = mem.view(offset, 8)
+                before = bytes(word)
+            value = int.from_bytes(before, sys.byteorder)
+            if op == FETCH_ADD:
+                value = (value + a) & 0xFFFF_FFFF_FFFF_FFFF
+            elif value == a:
+                value = b
+            after = value.to_bytes(8, sys.byteorder)
+            if after != before:
+                if mem.is_cuda:
+                    word.copy_(torch.frombuffer(bytearray(after), dtype=torch.uint8))
+                else:
+                    word[:] = after
+        conn.sendall(_ANSWER[OK] + before)
 
     def _serve_write(self, conn, reg, status, offset, length, alone) -> None:
         if status != OK:
@@ -378,6 +420,43 @@ class TcpBackend(Backend):
             raise BufferDroppedError(f"buffer {desc.buf_id} of pid {desc.pid} {_STATUS[UNKNOWN]}")
         if status[0] != OK:
             raise TransferError(f"buffer {desc.buf_id}: {_STATUS.get(status[0], f'status {status[0]}')}")
+
+    def atomic(self, desc: Descriptor, op: int, offset: int, a: int, b: int, local: Mem, timeout: float) -> None:
+        """``FETCH_ADD`` (``a``) or ``COMPARE_SWAP`` (``a`` compared, ``b`` swapped in) on the 8-byte word at
+        ``offset``, done by the owner (any same-host or remote buffer: every owner serves tcp); ``local`` (8
+        bytes) receives the word's value before."""
+        operands = _OPERANDS.pack(a, b)
+
+        def one(desc, offset, local, deadline):
+            addr = tuple(desc.tcp)
+            s = self._conn(addr, desc, deadline)
+            ok = False
+            try:
+                check_deadline(deadline, "tcp atomic")
+                _send_parts(s, request(op, 0, desc.buf_id, desc.token, offset, 8), operands, deadline)
+                status = bytearray(HEAD)
+                got = _recv_first(s, [status, local.view(0, 8)], deadline)
+                if got == 0:
+                    raise ConnectionError("connection closed before the owner answered")
+                if got < HEAD:
+                    _recv_exact(s, memoryview(status)[got:], deadline)
+                    got = HEAD
+                if status[0] == OK and got < HEAD + 8:
+                    _recv_exact(s, local.view(got - HEAD, HEAD + 8 - got), deadline)
+                ok = True
+            except (OSError, ConnectionError) as e:
+                raise self._lost(desc, e) from e
+            finally:
+                if ok:
+                    self._release(addr, s)
+                else:
+                    s.close()
+            if status[0] == UNKNOWN:
+                raise BufferDroppedError(f"buffer {desc.buf_id} of pid {desc.pid} {_STATUS[UNKNOWN]}")
+            if status[0] != OK:
+                raise TransferError(f"buffer {desc.buf_id}: {_STATUS.get(status[0], f'status {status[0]}')}")
+
+        self._transfer("atomics", one, desc, offset, local, timeout)
 
     def _run(self, op: int, desc: Descriptor, offset: int, local: Mem, deadline: float) -> None:
         n = local.nbytes
