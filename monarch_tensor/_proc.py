@@ -463,6 +463,9 @@ def current_runtime() -> ProcRuntime | None:
 def run_proc(addr: str, client_addr: str, rank: int) -> None:
     """Entry point of a forked proc (called by the zygote)."""
     global _runtime
+    from . import _bind
+
+    _bind.apply_from_env()  # before any other thread starts: they inherit it
     rt = _runtime = ProcRuntime(addr, client_addr, rank)
     _proc_ext.on_start(rt)  # workspace dirs on sys.path, breakpoint() hook
     rt.run()

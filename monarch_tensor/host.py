@@ -500,17 +500,19 @@ def check_procs_per_host(per_host: dict, n: int) -> None:
                          f"{limit}; set MONARCH_TENSOR_MAX_PROCS_PER_HOST to allow more")
 
 
-def _spawn_procs(shape: Shape) -> ProcMesh:
+def _spawn_procs(shape: Shape, proc_bind: list | None = None, per: int = 1) -> ProcMesh:
+    """Procs of ``shape`` on this machine; ``proc_bind`` (``_bind.check``ed) binds the ``per`` procs of
+    each host."""
     mailbox = current_mailbox()
     n = len(shape)
     infos = [ProcInfo(new_ipc_address("proc"), r) for r in range(n)]
     gpus = _gpu_count()
     envs = []
-    from . import config
+    from . import _bind, config
 
     settings = config.proc_env()  # configure()'s settings that procs act on
     for point in (shape.point(i) for i in range(n)):
-        env = {"MONARCH_TENSOR_RANK": str(point.rank), **settings}
+        env = {"MONARCH_TENSOR_RANK": str(point.rank), **settings, **_bind.env_for(proc_bind, point.rank % per)}
         if gpus and "gpus" in shape.names:
             env["CUDA_VISIBLE_DEVICES"] = str(point["gpus"] % gpus)
         envs.append(env)
@@ -535,15 +537,23 @@ class HostMesh(MeshTrait):
     def _what(self) -> str:
         return f"host mesh {self._shape}"
 
-    def spawn_procs(self, per_host: Mapping[str, int] | None = None, bootstrap=None, *,
-                    name: str | None = None) -> ProcMesh:
+    def spawn_procs(self, per_host: Mapping[str, int] | None = None, bootstrap=None, name: str | None = None,
+                    proc_bind: list[dict[str, str]] | None = None) -> ProcMesh:
         """``spawn_procs(per_host={"gpus": 4})`` -> ProcMesh of shape {hosts..., "gpus": 4}; ``bootstrap``
-        (a function of no arguments, or an async one) runs on every proc before this returns."""
+        (a function of no arguments, or an async one) runs on every proc before this returns; ``proc_bind``
+        binds each proc of a host to CPUs or NUMA nodes (see ``_bind.py``)."""
+        from . import _bind
+
         check_bootstrap(bootstrap)
         per_host = dict(per_host or {"procs": 1})
         shape = _procs_shape(self._shape, per_host)
         check_procs_per_host(per_host, len(shape))
-        return run_bootstrap(_spawn_procs(shape), bootstrap)
+        per = len(shape) // max(1, len(self._shape))
+        proc_bind = _bind.check(proc_bind, per)
+        _bind.check_here(proc_bind)
+        mesh = _spawn_procs(shape, proc_bind, per)
+        mesh._proc_bind = proc_bind  # heal_mesh binds the new procs alike
+        return run_bootstrap(mesh, bootstrap)
 
     def _runs_here(self, p: ProcInfo) -> bool:
         return getattr(p, "agent", None) is None  # (a host agent's procs are on its host)
@@ -655,10 +665,11 @@ def heal_mesh(mesh: ProcMesh) -> ProcMesh:
     alloc = mesh._alloc
     shape = alloc._shape
     agents = _agents_of(alloc._procs)
-    bootstrap = getattr(alloc, "_bootstrap", None)
+    bootstrap, proc_bind = getattr(alloc, "_bootstrap", None), getattr(alloc, "_proc_bind", None)
     alloc.stop()
     if not agents:
-        new = run_bootstrap(_spawn_procs(Shape(shape.names, shape.dims)), bootstrap)
+        per = len(proc_bind) if proc_bind else 1
+        new = run_bootstrap(_spawn_procs(Shape(shape.names, shape.dims), proc_bind, per), bootstrap)
     else:
         from .errors import HostUnreachableError
         from .remote_hosts import RemoteHostMesh
@@ -669,7 +680,7 @@ def heal_mesh(mesh: ProcMesh) -> ProcMesh:
                                        f"to other hosts by itself; start a job with spare hosts and spawn there")
         k = getattr(alloc, "_host_dims", 1)  # a job's procs: the hosts' dims, then the per-host dims
         new = RemoteHostMesh(agents, Shape(shape.names[:k], shape.dims[:k])).spawn_procs(
-            dict(zip(shape.names[k:], shape.dims[k:])), bootstrap)
+            dict(zip(shape.names[k:], shape.dims[k:])), bootstrap, proc_bind=proc_bind)
     return new if mesh is alloc else ProcMesh(new._procs, mesh._shape, new)
 
 

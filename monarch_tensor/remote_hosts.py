@@ -322,13 +322,16 @@ class RemoteHostMesh(HostMesh):
     def addresses(self) -> list[str]:
         return [a.addr for a in self._agents]
 
-    def spawn_procs(self, per_host: Mapping[str, int] | None = None, bootstrap=None, *,
-                    name: str | None = None) -> ProcMesh:
+    def spawn_procs(self, per_host: Mapping[str, int] | None = None, bootstrap=None, name: str | None = None,
+                    proc_bind: list[dict[str, str]] | None = None) -> ProcMesh:
+        from . import _bind
+
         check_bootstrap(bootstrap)
         per_host = dict(per_host or {"procs": 1})
         shape = _procs_shape(self._shape, per_host)  # the hosts' dims first: host h has ranks [h * per, ...)
         per = len(shape) // len(self._agents)
         check_procs_per_host(per_host, per)
+        proc_bind = _bind.check(proc_bind, per)
         mailbox = current_mailbox()
         infos: list[ProcInfo] = []
         pending = []
@@ -341,7 +344,7 @@ class RemoteHostMesh(HostMesh):
             ranks, envs = [], []
             for r in range(h * per, (h + 1) * per):
                 point = shape.point(r)
-                env = {"MONARCH_TENSOR_RANK": str(r), **settings}
+                env = {"MONARCH_TENSOR_RANK": str(r), **settings, **_bind.env_for(proc_bind, r - h * per)}
                 if "gpus" in shape.names:
                     env["MONARCH_TENSOR_LOCAL_GPU"] = str(point["gpus"])
                 ranks.append(r)
@@ -359,6 +362,7 @@ class RemoteHostMesh(HostMesh):
                 agent.procs[pid] = info
                 infos.append(info)
         mesh._procs = infos
+        mesh._proc_bind = proc_bind  # heal_mesh binds the new procs alike
         _live_meshes.add(mesh)
         return run_bootstrap(mesh, bootstrap)
 

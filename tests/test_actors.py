@@ -383,6 +383,47 @@ def test_spawn_procs_runs_its_bootstrap_on_every_proc_before_returning():
         this_host().spawn_procs({"gpus": 2}, bootstrap="setup.sh")
 
 
+def _threads_cpus() -> list:
+    """The CPUs each thread of this process may run on (one entry per distinct set)."""
+    return sorted({tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")})
+
+
+def _mempolicy() -> tuple[int, int]:
+    """(mode, node mask) of this thread's memory policy (get_mempolicy; x86_64's syscall number)."""
+    import ctypes
+
+    mode, mask = ctypes.c_int(-1), (ctypes.c_ulong * 1)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.syscall(ctypes.c_long(239), ctypes.byref(mode), mask, ctypes.c_ulong(65), None, ctypes.c_ulong(0)) == 0
+    return mode.value, mask[0]
+
+
+def test_spawn_procs_binds_each_proc_of_a_host_to_cpus_and_numa_nodes():
+    import platform
+
+    last = max(os.sched_getaffinity(0))
+    numa = os.path.exists("/sys/devices/system/node/node0")
+    binds = [{"cpus": str(last)}, {"cpunodebind": "0", "membind": "0"} if numa else {"physcpubind": f"0-{last}"}]
+    procs = this_host().spawn_procs({"gpus": 2}, proc_bind=binds)
+    try:
+        got = procs.execute(_threads_cpus).values()
+        assert got[0] == [(last,)]  # every thread of the proc, those started after the binding too
+        assert len(got[1]) == 1 and set(got[1][0]) <= set(os.sched_getaffinity(0))
+        if numa and platform.machine() == "x86_64":
+            assert procs.execute(_mempolicy).values() == [(0, 0), (2, 1)]  # MPOL_DEFAULT; MPOL_BIND to node 0
+    finally:
+        procs.stop()
+    for bad, err, match in (([{"cpus": "0"}], ValueError, "one dict per proc of a host"),
+                            ([{"cpus": "0"}, {"gpu": "1"}], ValueError, "unknown: .'gpu'."),
+                            ([{"cpus": "0-"}, {}], ValueError, "expected a list such as"),
+                            ([{"cpus": "0", "physcpubind": "0"}, {}], ValueError, "not both"),
+                            ([{"cpus": 0}, {}], TypeError, "takes a string"),
+                            ([{"cpus": "4096"}, {}], ValueError, "this machine has no CPU .4096."),
+                            ([{"membind": "63"}, {}], ValueError, "no NUMA node 63")):
+        with pytest.raises(err, match=match):
+            this_host().spawn_procs({"gpus": 2}, proc_bind=bad)
+
+
 def test_proc_mesh_to_table(procs):
     table = procs.to_table().splitlines()
     assert table[0].split() == ["rank", "hosts", "gpus", "pid", "address"] and len(table) == 2 + 4

@@ -132,15 +132,19 @@ def test_heal_mesh_respawns_a_jobs_procs_on_the_same_hosts(job):
 
     hosts = job.state().mesh0.rename(hosts="dp")
     # bootstrap runs on every proc of a job's hosts before spawn_procs returns, and again on healed procs
+    # (and proc_bind binds each proc of every host, again on healed procs too)
     procs = hosts.spawn_procs(per_host={"gpus": 1},
-                              bootstrap=lambda: os.environ.__setitem__("MT_TEST_BOOT", str(os.getpid())))
+                              bootstrap=lambda: os.environ.__setitem__("MT_TEST_BOOT", str(os.getpid())),
+                              proc_bind=[{"cpus": "0"}])
     old = [pid for _, _, pid in procs.spawn("w", Where).where.call().get(timeout=60).values()]
     assert procs.execute(lambda: os.environ.get("MT_TEST_BOOT")).values() == [str(p) for p in old]
+    assert procs.execute(lambda: sorted(os.sched_getaffinity(0))).values() == [[0], [0]]
     healed = heal_mesh(procs.slice(dp=1))
     assert healed.sizes == {"gpus": 1} and healed._alloc.sizes == {"dp": 2, "gpus": 1}
     rank, workdir, pid = healed.spawn("w", Where).where.call_one().get(timeout=60)
     assert rank == 0 and workdir == job.state().mesh0.workdirs[1] and pid not in old  # on host 1
     assert healed.execute(lambda: os.environ.get("MT_TEST_BOOT")).values() == [str(pid)]
+    assert healed.execute(lambda: sorted(os.sched_getaffinity(0))).values() == [[0]]
     for p in old:
         _wait_gone(p)
     healed._alloc.stop()
