@@ -574,6 +574,14 @@ class HostMesh(MeshTrait):
         return sync_workspace(procs, workspace, auto_reload)
 
     @property
+    def stream_logs(self) -> bool:
+        """Whether procs spawned on these hosts stream their stdout and stderr to this script (Monarch's;
+        ``configure(enable_log_forwarding=...)`` sets it, ``procs.logging_option`` switches running procs)."""
+        from . import config
+
+        return bool(config.get("enable_log_forwarding"))
+
+    @property
     def initialized(self) -> Future:
         """Resolves to True once the hosts are up (they are, once the mesh exists)."""
         return Future.ready(True)

@@ -37,6 +37,11 @@ def test_layers_defaults_environment_runtime_and_configured(monkeypatch):
     assert config.get_runtime_config() == {"prefix_with_rank": True}  # as it was before the block
     config.clear_runtime_config()
     assert config.get("prefix_with_rank") is False
+    from monarch_tensor.actor import this_host
+
+    assert this_host().stream_logs is True  # Monarch's HostMesh.stream_logs reads the setting
+    with config.configured(enable_log_forwarding=False):
+        assert this_host().stream_logs is False
 
 
 def test_bad_settings_are_refused_before_anything_changes(monkeypatch):
