@@ -37,6 +37,7 @@ from .host import HostMesh, ProcInfo, ProcMesh, proc_mesh, shutdown_context, thi
 from .mailbox import current_mailbox
 from .messages import CallEndpoint, PortRef, SendToPort, SpawnActor
 from .shape import Extent, MeshTrait, Point, Shape
+from .telemetry import get_meter, span, traced
 
 R = TypeVar("R")
 
@@ -45,8 +46,8 @@ __all__ = [
     "MeshFailure", "NotAnEndpoint", "Point", "Port", "PortReceiver", "ProcMesh", "RankedPortReceiver",
     "SupervisionError",
     "ValueMesh", "as_endpoint", "concurrent_endpoint", "context", "current_actor_name", "current_rank",
-    "current_size", "endpoint", "get_or_spawn_controller", "proc_mesh", "returns_future", "send",
-    "shutdown_context", "this_host", "this_proc", "unhandled_fault_hook",
+    "current_size", "endpoint", "get_meter", "get_or_spawn_controller", "proc_mesh", "returns_future", "send",
+    "shutdown_context", "span", "this_host", "this_proc", "traced", "unhandled_fault_hook",
 ]
 
 
