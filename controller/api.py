@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 from monarch_tensor import _wire
 from monarch_tensor.future import Future
 from worker import messages as m
+from worker.opaque import OpaqueRef
 
 from .client import Ctx, MeshClient, user_loc
 from .errors import BorrowError, MeshTensorError
@@ -163,8 +164,13 @@ def _install_factories() -> None:
 
 
 # ---- fetching ----------------------------------------------------------------------------------------
+def _is_opaque(x) -> bool:
+    return isinstance(x, OpaqueRef)
+
+
 def _leaves_ctx(obj, what: str = "fetch_shard") -> tuple[list, Ctx | None]:
-    leaves = [x for x in pytree.tree_leaves(obj) if type(x) is Tensor]
+    leaves = [x._key if isinstance(x, OpaqueRef) else x for x in pytree.tree_leaves(obj, is_leaf=_is_opaque)]
+    leaves = [x for x in leaves if type(x) is Tensor]
     ctx = leaves[0]._ctx if leaves else None
     for t in leaves:
         check_live(t._ctx, what)
@@ -178,8 +184,16 @@ def _leaves_ctx(obj, what: str = "fetch_shard") -> tuple[list, Ctx | None]:
 
 
 def _to_wire(obj):
-    return pytree.tree_map(lambda x: m.Ref(x._ref) if type(x) is Tensor else
-                           x._wire() if type(x) is RemoteProcessGroup else x, obj)
+    def one(x):
+        if type(x) is Tensor:
+            return m.Ref(x._ref)
+        if type(x) is RemoteProcessGroup:
+            return x._wire()
+        if isinstance(x, OpaqueRef) and type(x._key) is Tensor:
+            return OpaqueRef._create(m.Ref(x._key._ref))
+        return x
+
+    return pytree.tree_map(one, obj, is_leaf=_is_opaque)
 
 
 def _rank_of(ctx: Ctx, shard: dict | None, kwargs: dict) -> int:
@@ -646,8 +660,14 @@ class Remote:
             with mode:
                 fakes = [to_fake(t._meta) for t in tensors]
                 it = iter(fakes)
-                fargs, fkwargs = pytree.tree_map(lambda x: next(it) if type(x) is Tensor else
-                                                 _stand_in(x) if type(x) is RemoteProcessGroup else x, (args, kwargs))
+                def sub(x):
+                    if type(x) is Tensor:
+                        return next(it)
+                    if isinstance(x, OpaqueRef):  # (_scan took its key as the next tensor)
+                        return OpaqueRef._create(next(it)) if type(x._key) is Tensor else x
+                    return _stand_in(x) if type(x) is RemoteProcessGroup else x
+
+                fargs, fkwargs = pytree.tree_map(sub, (args, kwargs), is_leaf=_is_opaque)
                 out = fn(*fargs, **fkwargs)
         finally:
             state.internal = False

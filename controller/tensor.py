@@ -21,6 +21,7 @@ import torch
 from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
 
 from worker import messages as m
+from worker.opaque import OpaqueRef
 from worker.worker import flat_leaves
 
 from .client import Ctx, user_loc
@@ -201,6 +202,9 @@ def _scan(a, key: list, tensors: list, local: list):
             key.append(k)
             out[k] = _scan(v, key, tensors, local)
         return out
+    if isinstance(a, OpaqueRef):  # its key is a mesh tensor (a subclass travels as the plain reference)
+        key.append(OpaqueRef)
+        return OpaqueRef._create(_scan(a._key, key, tensors, local))
     if t is RemoteProcessGroup:
         key.append(t)
         key.append(a.dims)
@@ -291,6 +295,8 @@ def describe_outputs(out, fake_inputs: list) -> tuple:
 def _struct(out):
     if isinstance(out, (tuple, list)):
         return (type(out), tuple(_struct(x) for x in out))
+    if isinstance(out, OpaqueRef):
+        return (OpaqueRef, (None,))
     return None
 
 
@@ -301,6 +307,8 @@ def _rebuild(struct, it):
     items = [_rebuild(k, it) for k in kids]
     if typ is tuple or typ is list:
         return typ(items)
+    if typ is OpaqueRef:
+        return OpaqueRef._create(items[0])
     if hasattr(typ, "_make"):  # a namedtuple
         return typ._make(items)
     return typ(items)  # torch.return_types (structseq) and list subclasses

@@ -49,7 +49,8 @@ _ENGINE = {
     "get_active_stream": "controller.api", "get_active_mesh": "controller.api", "to_mesh": "controller.api",
     "slice_mesh": "controller.api", "coalescing": "controller.client", "Tensor": "controller.tensor",
     "RemoteException": "controller.errors", "MeshTensorError": "controller.errors",
-    "RemoteProcessGroup": "controller.process_group",
+    "RemoteProcessGroup": "controller.process_group", "OpaqueRef": "worker.opaque",
+    "OpaqueObject": "controller.opaque", "opaque_method": "controller.opaque",
     # global sharded tensors (controller/dtensor.py, controller/placements.py, controller/sharding.py)
     "distribute": "controller.dtensor", "from_local": "controller.dtensor", "Shard": "controller.placements",
     "Replicate": "controller.placements", "Partial": "controller.placements",

@@ -34,8 +34,10 @@ from monarch_tensor.mailbox import LOST_REWRITES, current_mailbox
 from monarch_tensor.messages import CallEndpoint, SendToPort
 
 from . import messages as m
+from . import opaque
 from .collectives import TIMEOUT, Collectives, DummyProcessGroup
 from .errors import RemoteException
+from .opaque import OpaqueRef
 
 log = logging.getLogger("monarch_tensor.worker")
 
@@ -71,16 +73,19 @@ def keep_freed_memory(keep_mb: int = KEEP_FREED_MB) -> bool:
 
 
 def flat_leaves(obj: Any) -> list:
-    """Leaves of nested tuples/lists, in order (the layout of ``CallOp.outs``)."""
+    """Leaves of nested tuples/lists, in order (the layout of ``CallOp.outs``); an ``OpaqueRef``'s leaf is
+    its key tensor."""
     if isinstance(obj, (tuple, list)):  # named tuples and torch.return_types too
         out = []
         for x in obj:
             if isinstance(x, (tuple, list)):
                 out.extend(flat_leaves(x))
+            elif isinstance(x, OpaqueRef):
+                out.append(x._key)
             else:
                 out.append(x)
         return out
-    return [obj]
+    return [obj._key] if isinstance(obj, OpaqueRef) else [obj]
 
 
 class _Propagate(Exception):
@@ -143,6 +148,7 @@ class TensorWorker(Actor):
     def __init__(self, store_addr: tuple[str, int] | None = None) -> None:
         self.rank = current_rank().rank
         self.mailbox = current_mailbox()
+        opaque.on_worker = True  # OpaqueRef values live here
         keep_freed_memory()
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         self.refs: dict[int, Any] = {}
@@ -249,6 +255,8 @@ class TensorWorker(Actor):
             return {k: self._resolve(v, stream) for k, v in a.items()}
         if t is m.Group:
             return self._group(a, stream)
+        if isinstance(a, OpaqueRef):
+            return OpaqueRef._create(self._resolve(a._key, stream))
         return a
 
     def _group(self, g: m.Group, stream: int | None):
