@@ -588,13 +588,14 @@ def get_or_spawn_controller(name: str, actor_class: type, *args, **kwargs) -> Fu
 
 
 def __getattr__(name: str):
-    """Monarch's multi-host entry points, imported on first use: ``attach_to_workers``, ``run_worker_loop_forever``."""
+    """Monarch's multi-host entry points, imported on first use: ``attach_to_workers``, ``run_worker_loop_forever``,
+    ``run_worker_loop_until_shutdown``, ``start_worker_loop_forever``."""
     if name == "attach_to_workers":
         from .remote_hosts import attach_to_workers
 
         return attach_to_workers
-    if name == "run_worker_loop_forever":
-        from .agent import run_worker_loop_forever
+    if name in ("run_worker_loop_forever", "run_worker_loop_until_shutdown", "start_worker_loop_forever"):
+        from . import agent
 
-        return run_worker_loop_forever
+        return getattr(agent, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

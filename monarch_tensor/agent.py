@@ -44,6 +44,7 @@ from .agent_messages import (
     SpawnProcs,
 )
 from .errors import AddressInUseError, JobKeyError
+from .future import Future
 from .host import LocalHost, ProcInfo, _gpu_count
 from .mailbox import _EVENTS, _POLLIN, new_ipc_address
 from .messages import SendToPort
@@ -359,26 +360,66 @@ def _my_ip() -> str:
         return "127.0.0.1"
 
 
-def run_worker_loop_forever(address: str, ca: str | None = None, *, key_file: str | None = None,
-                            ttl: float = DEFAULT_TTL, address_file: str | None = None) -> None:
-    """Monarch's name for running a host agent in this process until it is shut down.
-
-    Keys: ``key_file``, else the environment (``MONARCH_TENSOR_CURVE_*`` or
-    ``MONARCH_TENSOR_KEY_FILE``). ``ca`` is accepted for Monarch compatibility;
-    CURVE keys replace TLS certificates here, so only ``None``/``"trust_all_connections"``
-    are meaningful (the job key still authenticates every peer).
-
-    >>> run_worker_loop_forever(address="tcp://0.0.0.0:26600", key_file="job.key")
-    """
+def _start_agent(address: str, ca: str | None, key_file: str | None, ttl: float,
+                 address_file: str | None) -> HostAgent:
     keys = _curve.JobKeys.load(key_file) if key_file else _curve.JobKeys.from_env()
     if keys is None:
         raise JobKeyError("a host agent needs the job's key: pass --key-file, or set MONARCH_TENSOR_KEY_FILE "
                           "or MONARCH_TENSOR_CURVE_PUBLIC/SECRET")
+    if ca not in (None, "trust_all_connections") and not isinstance(ca, (str, bytes, os.PathLike)):
+        raise TypeError(f"ca must be a path, bytes or 'trust_all_connections', got {ca!r}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s agent %(process)d %(levelname)s %(message)s")
     agent = HostAgent(address, keys, ttl=ttl)
     if address_file:
         _curve.write_private(address_file, agent.addr + "\n")
     print(f"monarch-tensor host agent {os.getpid()} serving on {agent.addr} (workdir {agent.workdir})",
           file=sys.stderr, flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: setattr(agent, "_stopping", True))
+    return agent
+
+
+def run_worker_loop_until_shutdown(address: str, ca: str | None = None, *, key_file: str | None = None,
+                                   ttl: float = DEFAULT_TTL, address_file: str | None = None) -> None:
+    """Monarch's: run a host agent in this process until its host mesh shuts it down (``hosts.shutdown()``,
+    a killed job) or its ``ttl`` passes with no controller, then return.
+
+    Keys: ``key_file``, else the environment (``MONARCH_TENSOR_CURVE_*`` or
+    ``MONARCH_TENSOR_KEY_FILE``). ``ca`` is accepted for Monarch compatibility;
+    CURVE keys replace TLS certificates here, so only ``None``/``"trust_all_connections"``
+    are meaningful (the job key still authenticates every peer).
+
+    >>> run_worker_loop_until_shutdown(address="tcp://0.0.0.0:26600", key_file="job.key")
+    """
+    agent = _start_agent(address, ca, key_file, ttl, address_file)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: setattr(agent, "_stopping", True))
     agent.serve_forever()
+
+
+def run_worker_loop_forever(address: str, ca: str | None = None, *, key_file: str | None = None,
+                            ttl: float = DEFAULT_TTL, address_file: str | None = None) -> None:
+    """Monarch's: ``run_worker_loop_until_shutdown``, then end this process (exit status 0).
+
+    >>> run_worker_loop_forever(address="tcp://0.0.0.0:26600", key_file="job.key")
+    """
+    run_worker_loop_until_shutdown(address, ca, key_file=key_file, ttl=ttl, address_file=address_file)
+    sys.exit(0)
+
+
+def start_worker_loop_forever(address: str, ca: str | None = None, *, key_file: str | None = None,
+                              ttl: float = DEFAULT_TTL, address_file: str | None = None) -> Future[None]:
+    """Monarch's: start a host agent on a thread of this process and return at once (it serves, and has
+    written ``address_file``, by then); the Future resolves when the agent is shut down, or fails with
+    what stopped it. Procs are forked from the agent's own template process, never from this one."""
+    agent = _start_agent(address, ca, key_file, ttl, address_file)
+    done: Future[None] = Future("host agent")
+
+    def serve() -> None:
+        try:
+            agent.serve_forever()
+        except BaseException as e:  # noqa: BLE001 - the observer learns why
+            done._set_exception(e)
+            return
+        done._set_result(None)
+
+    threading.Thread(target=serve, daemon=True, name="monarch-tensor-host-agent").start()
+    return done

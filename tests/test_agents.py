@@ -500,6 +500,42 @@ def test_attach_to_workers_and_job_load_give_the_same_hosts(job, tmp_path):
         hosts.spawn_procs(per_host={"gpus": 5000})
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("entry", ["start_worker_loop_forever", "run_worker_loop_until_shutdown"])
+def test_monarchs_other_worker_loop_entry_points_serve_until_their_hosts_shut_down(tmp_path, entry):
+    from monarch_tensor._curve import JobKeys
+
+    key = str(tmp_path / "k")
+    JobKeys.generate().save(key)
+    addr_file = str(tmp_path / "addr")
+    body = (f"fut = start_worker_loop_forever(address='tcp://127.0.0.1:0', key_file={key!r}, "
+            f"address_file={addr_file!r})\nprint('started', flush=True)\nfut.get(timeout=100)"
+            if entry == "start_worker_loop_forever" else
+            f"run_worker_loop_until_shutdown(address='tcp://127.0.0.1:0', key_file={key!r}, "
+            f"address_file={addr_file!r})")
+    script = f"import sys\nsys.path.insert(0, {ROOT!r})\nfrom monarch_tensor.actor import {entry}\n{body}\n" \
+             f"print('returned', flush=True)\n"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # as LocalJob's agents get it
+    p = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (os.path.exists(addr_file) and open(addr_file).read().strip()):
+            assert p.poll() is None and time.monotonic() < deadline, p.stderr.read() if p.poll() is not None else ""
+            time.sleep(0.05)
+        hosts = attach_to_workers(workers=[open(addr_file).read().strip()], key_file=key)
+        procs = hosts.spawn_procs(per_host={"gpus": 1})
+        assert procs.spawn("w", Where).where.call_one().get(timeout=60)[0] == 0
+        hosts.shutdown()
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 0, err
+    assert out.splitlines()[-1] == "returned"  # it came back (run_worker_loop_forever would end the process)
+
+
 # ---- the protocol ------------------------------------------------------------------------------
 @pytest.mark.parametrize("cls", REQUESTS + REPORTS)
 def test_agent_messages_round_trip_and_have_handlers(cls):
