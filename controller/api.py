@@ -387,23 +387,31 @@ def _reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool) -> Te
     return Tensor(meta, intern_meta(meta), ctx, ref)
 
 
-def reduce(t: Tensor, dims, reduction: str = "sum", scatter: bool = False, mesh=None, out=None) -> Tensor:
+def reduce(tensors, dims, reduction: str = "sum", scatter: bool = False, mesh=None, out=None):
     """Collective over the ranks of the named ``dims`` (gloo on CPU, NCCL on GPU).
 
     ``reduce(t, "gpus", "sum")`` all-reduces; ``"avg"``, ``"max"``, ``"min"``,
     ``"product"`` likewise; ``"stack"`` all-gathers into a new first dim;
-    ``scatter=True`` reduce-scatters along the first dim.
+    ``scatter=True`` reduce-scatters along the first dim. ``tensors`` may be a
+    pytree of mesh tensors (Monarch's): each leaf is reduced (each must be one), the structure kept.
     """
-    r = _reduce(t, dims, reduction, scatter, False)
+    if type(tensors) is not Tensor:
+        if out is not None:
+            raise TypeError("reduce(out=...) takes one tensor, not a pytree of them")
+        return pytree.tree_map(lambda t: _reduce(t, dims, reduction, scatter, False), tensors)
+    r = _reduce(tensors, dims, reduction, scatter, False)
     if out is not None:
         out.copy_(r)
         return out
     return r
 
 
-def reduce_(t: Tensor, dims, reduction: str = "sum", scatter: bool = False, mesh=None) -> Tensor:
-    """In-place ``reduce``: ``grad.reduce_("dp", "avg")``."""
-    return _reduce(t, dims, reduction, scatter, True)
+def reduce_(tensors, dims, reduction: str = "sum", scatter: bool = False, mesh=None):
+    """In-place ``reduce``: ``grad.reduce_("dp", "avg")``; or each mesh tensor of a pytree
+    (``reduce_([g1, g2], "dp", "avg")``)."""
+    if type(tensors) is not Tensor:
+        return pytree.tree_map(lambda t: _reduce(t, dims, reduction, scatter, True), tensors)
+    return _reduce(tensors, dims, reduction, scatter, True)
 
 
 # ---- moving tensors between meshes -------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from monarch_tensor import (
     inspect,
     no_mesh,
     reduce,
+    reduce_,
     remote,
     this_host,
 )
@@ -85,6 +86,27 @@ def test_reduce_multi_dim_inplace_and_scatter(mesh):
     full = _local(1) + _local(3)  # gpus=1: flat ranks 1 and 3
     torch.testing.assert_close(torch.cat(got_sc), full)
     torch.testing.assert_close(got_x, torch.maximum(_local(1), _local(3)))
+
+
+def test_reduce_takes_a_pytree_of_tensors(mesh):  # Monarch's reduce(tensors, ...)
+    with mesh.activate():
+        x = _per_rank(mesh)
+        y = x * 2
+        got = reduce({"x": x, "pair": (y, x)}, "gpus", "sum")
+        assert isinstance(got, dict) and isinstance(got["pair"], tuple)
+        vals = [inspect(t, hosts=1, gpus=0) for t in (got["x"], got["pair"][0], got["pair"][1])]
+        z = x.clone()
+        reduce_([z], "hosts", "max")
+        got_z = inspect(z, hosts=0, gpus=1)
+        with pytest.raises(TypeError, match="reduce needs a mesh tensor, got int"):
+            reduce([x, 3], "gpus")
+        with pytest.raises(TypeError, match="takes one tensor, not a pytree"):
+            reduce([x], "gpus", out=x)
+    both = _local(2) + _local(3)
+    torch.testing.assert_close(vals[0], both)
+    torch.testing.assert_close(vals[1], both * 2)
+    torch.testing.assert_close(vals[2], both)
+    torch.testing.assert_close(got_z, torch.maximum(_local(1), _local(3)))
 
 
 def test_tensors_on_a_split_or_flattened_mesh_reduce_over_its_dims(mesh):
