@@ -108,15 +108,13 @@ class JobTrait:
         holds an allocation (``reusable``) first looks at ``cached_path`` (None: not at all) for a running
         job of the same spec to reattach to, and keeps its own file there once it runs."""
         if self._state is None:
-            adopted = self.addrs is None and bool(cached_path) and self.reusable and self._adopt_cached(cached_path)
-            if adopted:
+            if self.addrs is None and cached_path and self.reusable and self._adopt_cached(cached_path):
                 try:
                     self._connect()
                 except Exception as e:  # noqa: BLE001 - its agents are gone: start afresh
                     log.warning("the cached job at %s did not answer (%r): starting a new one", cached_path, e)
                     self._release()
                     self.addrs = None
-                    adopted = False
             if self._state is None:
                 fresh = self.addrs is None
                 self.apply()

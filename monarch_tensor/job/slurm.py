@@ -88,11 +88,11 @@ class SlurmJob(JobTrait):
             opts.append(f"--time={self.time_limit}")
         if self.partition:
             opts.append(f"--partition={self.partition}")
-        if getattr(self, "exclusive", False):  # (a job pickled before these options existed has none)
+        if self.exclusive:
             opts.append("--exclusive")
-        if getattr(self, "account", None):
+        if self.account:
             opts.append(f"--account={self.account}")
-        if getattr(self, "qos", None):
+        if self.qos:
             opts.append(f"--qos={self.qos}")
         if self.gpus_per_node:
             opts.append(f"--gpus-per-node={self.gpus_per_node}")
