@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -119,3 +120,38 @@ def test_state_reattaches_to_the_running_allocation_of_the_same_spec(tmp_path):
     finally:
         for j in jobs:
             j.kill()
+
+
+@pytest.mark.timeout(300)
+def test_apply_with_a_client_script_runs_it_inside_the_allocation(tmp_path, monkeypatch):
+    """Monarch's batch mode: the script's own job.state() of the same spec reattaches to the allocation that
+    runs it (no second sbatch), and the allocation ends with the script."""
+    monkeypatch.chdir(tmp_path)  # the job file goes to .monarch/ here
+    logs = str(tmp_path / "logs")
+    client = tmp_path / "client.py"
+    client.write_text(textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {ROOT!r})
+        from monarch_tensor.job import SlurmJob
+        from tests.test_slurm import Node
+        job = SlurmJob(meshes={{"mesh0": 2}}, job_name="mt-batch", time_limit="00:05:00", log_dir={logs!r})
+        procs = job.state().mesh0.spawn_procs(per_host={{"gpus": 1}})
+        print("BATCH", job.job_id, os.environ["SLURM_JOB_ID"], sorted(procs.spawn("n", Node).node.call()
+              .get(timeout=60).values()), flush=True)
+        procs.stop().get(timeout=30)
+    """))
+    job = SlurmJob(meshes={"mesh0": 2}, job_name="mt-batch", time_limit="00:05:00", log_dir=logs)
+    try:
+        job.apply(client_script=str(client))
+        with pytest.raises(RuntimeError, match="already applied"):
+            job.apply(client_script=str(client))
+        deadline = time.monotonic() + 240
+        while job.squeue_state()[0] not in (None, "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+            assert time.monotonic() < deadline, "the batch job did not finish"
+            time.sleep(0.5)
+    finally:
+        job._release()
+    out = open(os.path.join(logs, f"mt-batch-{job.job_id}.out")).read()
+    assert f"BATCH {job.job_id} {job.job_id} ['n1', 'n2']" in out, out
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        SlurmJob(meshes={"mesh0": 1}, log_dir=logs).apply(client_script=str(tmp_path / "missing.py"))

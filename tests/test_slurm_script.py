@@ -32,3 +32,15 @@ def test_start_timeout_port_and_tasks_per_node(tmp_path):
         SlurmJob(meshes={"m": 1}, monarch_port=70000)
     with pytest.raises(ValueError, match="positive number of seconds"):
         SlurmJob(meshes={"m": 1}, job_start_timeout=0)
+
+
+def test_a_batch_job_script_starts_the_agents_then_the_client(tmp_path):
+    job = SlurmJob(meshes={"m": 2}, log_dir=str(tmp_path))
+    lines = job._script(2, client_script="/work/train.py").splitlines()
+    srun = next(i for i, ln in enumerate(lines) if ln.startswith("srun "))
+    assert lines[srun].endswith(" &")  # the agents in the background
+    assert "write_batch_state" in lines[srun + 1] and lines[srun + 2].endswith("/work/train.py")
+    from monarch_tensor.job import LocalJob
+
+    with pytest.raises(TypeError, match="for scheduler jobs"):
+        LocalJob(meshes={"m": 1}).apply(client_script="train.py")

@@ -93,8 +93,12 @@ class JobTrait:
         """Take over ``running``'s allocation (kind-specific fields; keys and addresses are done)."""
 
     # ---- the interface ----------------------------------------------------------------
-    def apply(self) -> None:
-        """Start the job's hosts (idempotent)."""
+    def apply(self, client_script: str | None = None) -> None:
+        """Start the job's hosts (idempotent). ``client_script`` (Monarch's batch mode) is for jobs of a
+        scheduler: see ``SlurmJob.apply``."""
+        if client_script is not None:
+            raise TypeError(f"{type(self).__name__}.apply(client_script=...): running the script inside the job is "
+                            f"for scheduler jobs (SlurmJob); run it here, it attaches with job.state()")
         if self.addrs is None:
             self.addrs = self._start()
 

@@ -8,6 +8,7 @@ The job's key pair travels to the agents in the environment sbatch exports
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -16,7 +17,7 @@ import sys
 import time
 
 from ..errors import JobStartError
-from ._base import JobTrait, agent_command, log_tail, private_dir, read_address
+from ._base import DEFAULT_STATE, JobTrait, agent_command, log_tail, private_dir, read_address
 
 START_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_JOB_START_TIMEOUT", "120"))
 
@@ -81,7 +82,24 @@ class SlurmJob(JobTrait):
         self.ttl, self.start_timeout, self.bind = ttl, start_timeout, bind
         self.job_id: str | None = None
 
-    def _script(self, nodes: int) -> str:
+    def apply(self, client_script: str | None = None) -> None:
+        """Start the job's hosts (idempotent). With ``client_script`` (Monarch's batch mode), submit the job
+        so that it runs that script as its controller inside the allocation, once the agents serve, and
+        return at once: the script's ``job.state()`` of the same spec (its default ``cached_path``, in the
+        directory submitted from) reattaches to this allocation, which ends when the script does. Its
+        output goes to ``log_dir``."""
+        if client_script is None:
+            super().apply()
+            return
+        if self.addrs is not None or self.job_id is not None:
+            raise RuntimeError(f"SlurmJob {self.job_name!r} was already applied (SLURM job {self.job_id}); a "
+                               f"batch job is a new one")
+        path = os.path.abspath(client_script)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"apply(client_script={client_script!r}): no such file")
+        self._submit(sum(self.meshes.values()), client_script=path)
+
+    def _script(self, nodes: int, client_script: str | None = None) -> str:
         opts = [f"--job-name={self.job_name}", f"--nodes={nodes}", "--ntasks-per-node=1",
                 f"--output={self.log_dir}/%x-%j.out"]
         if self.time_limit:
@@ -104,17 +122,36 @@ class SlurmJob(JobTrait):
         addr = f"{self.log_dir}/agent-$SLURM_JOB_ID-$SLURM_PROCID.addr"
         cmd = " ".join(shlex.quote(c) for c in agent_command(self.python_exe, self.bind, "ADDR", self.ttl))
         cmd = cmd.replace("ADDR", addr)
-        lines = ["#!/bin/bash", *(f"#SBATCH {o}" for o in opts), "set -e",
-                 f"cd {shlex.quote(os.getcwd())}",
-                 f"srun --ntasks-per-node=1 bash -c {shlex.quote('exec ' + cmd)}"]
+        srun = f"srun --ntasks-per-node=1 bash -c {shlex.quote('exec ' + cmd)}"
+        lines = ["#!/bin/bash", *(f"#SBATCH {o}" for o in opts), "set -e", f"cd {shlex.quote(os.getcwd())}"]
+        if client_script is None:
+            lines.append(srun)
+        else:  # the agents in the background; once they serve, the job file for the script, then the script
+            spec = json.dumps({"meshes": self.meshes, "spec": self._spec(), "log_dir": self.log_dir,
+                               "timeout": self.start_timeout, "path": os.path.abspath(DEFAULT_STATE)})
+            py = shlex.quote(self.python_exe)
+            lines += [f"{srun} &",
+                      f"{py} -c 'import sys; from monarch_tensor.job.slurm import write_batch_state; "
+                      f"write_batch_state(sys.argv[1])' {shlex.quote(spec)}",
+                      f"{py} {shlex.quote(client_script)}"]
         return "\n".join(lines) + "\n"
 
     def _start(self) -> dict[str, list[str]]:
-        private_dir(self.log_dir)
         nodes = sum(self.meshes.values())
+        self._submit(nodes)
+        try:
+            addrs = self._wait_agents(nodes)
+        except BaseException:
+            self._release()
+            raise
+        it = iter(addrs)
+        return {name: [next(it) for _ in range(n)] for name, n in self.meshes.items()}
+
+    def _submit(self, nodes: int, client_script: str | None = None) -> None:
+        private_dir(self.log_dir)
         script = os.path.join(self.log_dir, f"{self.job_name}.sbatch")
         with open(script, "w") as f:
-            f.write(self._script(nodes))
+            f.write(self._script(nodes, client_script))
         env = dict(os.environ)
         env.update(self.keys.to_env())  # handed to the agents through the scheduler's environment
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
@@ -127,13 +164,6 @@ class SlurmJob(JobTrait):
         if r.returncode != 0:
             raise JobStartError(f"sbatch refused the job: {r.stderr.strip() or r.stdout.strip()}")
         self.job_id = r.stdout.strip().split(";")[0]
-        try:
-            addrs = self._wait_agents(nodes)
-        except BaseException:
-            self._release()
-            raise
-        it = iter(addrs)
-        return {name: [next(it) for _ in range(n)] for name, n in self.meshes.items()}
 
     def _wait_agents(self, nodes: int) -> list[str]:
         deadline = time.monotonic() + self.start_timeout
@@ -194,3 +224,24 @@ class SlurmJob(JobTrait):
 
     def _adopt(self, running: JobTrait) -> None:
         self.job_id, self.log_dir = running.job_id, running.log_dir
+
+
+def write_batch_state(args: str) -> None:
+    """In a batch job's script (``apply(client_script=...)``): wait for the agents, then write the job file
+    that the client script's ``job.state()`` reattaches from. The key comes from the job's environment."""
+    from .. import _curve
+
+    a = json.loads(args)
+    job = SlurmJob.__new__(SlurmJob)
+    JobTrait.__init__(job, a["meshes"])
+    keys = _curve.JobKeys.from_env()
+    if keys is None:
+        raise SystemExit("write_batch_state: the job's key is not in the environment")
+    job.keys = keys
+    job._restore({"job_id": os.environ["SLURM_JOB_ID"], "log_dir": a["log_dir"], "spec": a["spec"]})
+    job.start_timeout = a["timeout"]
+    nodes = sum(job.meshes.values())
+    addrs = job._wait_agents(nodes)
+    it = iter(addrs)
+    job.addrs = {name: [next(it) for _ in range(n)] for name, n in job.meshes.items()}
+    job.dump(a["path"])
