@@ -327,6 +327,33 @@ def test_atomics_fetch_add_and_compare_and_swap(owners, backend):
     assert int(o.value.call_one("atomic").get(timeout=30)[1]) == first + 400
 
 
+_WORD = st.integers(-(1 << 63), (1 << 64) - 1)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.tuples(st.sampled_from(["add", "cas", "cas_hit"]), st.integers(0, 3), _WORD, _WORD),
+                    min_size=1, max_size=12))
+def test_atomics_match_a_local_model(owners, ops):
+    """Hypothesis: any sequence of fetch_add and compare_and_swap on the buffer's words returns and leaves
+    what 64-bit wrapping arithmetic on a local copy does."""
+    o = _owner(owners)
+    buf = o.make.call_one("atomic_hyp", 4, dtype="int64", seed=11).get(timeout=30)
+    model = [int(v) & 0xFFFF_FFFF_FFFF_FFFF for v in o.value.call_one("atomic_hyp").get(timeout=30)]
+    old = torch.zeros(1, dtype=torch.int64)
+    for kind, i, a, b in ops:
+        if kind == "add":
+            RDMAAction().fetch_add(buf, old, a, offset=8 * i).submit(timeout=30).get(timeout=30)
+            before, model[i] = model[i], (model[i] + a) & 0xFFFF_FFFF_FFFF_FFFF
+        else:
+            compare = model[i] if kind == "cas_hit" else a
+            RDMAAction().compare_and_swap(buf, old, compare, b, offset=8 * i).submit(timeout=30).get(timeout=30)
+            before = model[i]
+            if model[i] == compare & 0xFFFF_FFFF_FFFF_FFFF:
+                model[i] = b & 0xFFFF_FFFF_FFFF_FFFF
+        assert int(old) & 0xFFFF_FFFF_FFFF_FFFF == before
+    assert [int(v) & 0xFFFF_FFFF_FFFF_FFFF for v in o.value.call_one("atomic_hyp").get(timeout=30)] == model
+
+
 def test_atomics_refuse_bad_input_and_report_a_dropped_buffer(owners, backend):
     o = _owner(owners)
     buf = o.make.call_one("atomic_bad", 2, dtype="int64").get(timeout=30)

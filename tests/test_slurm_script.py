@@ -1,6 +1,9 @@
-"""SlurmJob's sbatch script and options (no cluster needed; tests/test_slurm.py runs jobs on a real one)."""
+"""SlurmJob's sbatch script and options (no cluster needed; tests/test_slurm.py runs jobs on a real one),
+and proc_bind's CPU lists."""
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from monarch_tensor.job import SlurmJob
 
@@ -44,3 +47,13 @@ def test_a_batch_job_script_starts_the_agents_then_the_client(tmp_path):
 
     with pytest.raises(TypeError, match="for scheduler jobs"):
         LocalJob(meshes={"m": 1}).apply(client_script="train.py")
+
+
+@given(st.lists(st.tuples(st.integers(0, 300), st.integers(0, 20)), min_size=1, max_size=8))
+def test_proc_bind_cpu_lists_parse_as_numactl_writes_them(runs):
+    """Hypothesis: a list of ranges and single CPUs, written as numactl does ("0-3,8"), parses back to
+    exactly those CPUs, in order."""
+    from monarch_tensor._bind import parse_list
+
+    text = ",".join(f"{lo}-{lo + k}" if k else str(lo) for lo, k in runs)
+    assert parse_list(text, "cpus") == [c for lo, k in runs for c in range(lo, lo + k + 1)]
