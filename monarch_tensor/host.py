@@ -12,6 +12,7 @@ import inspect
 import itertools
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -68,8 +69,9 @@ def _gpu_count() -> int:
 class LocalHost:
     """The zygote of this machine, spawning procs for this client process."""
 
-    def __init__(self, on_exit=None) -> None:
+    def __init__(self, on_exit=None, python_exe: str | None = None) -> None:
         # on_exit(info, status): who hears of a proc's exit (a host agent); the client's supervision otherwise.
+        # python_exe: the interpreter the template (and so every proc it forks) runs; this one's by default.
         self._on_exit = on_exit or _proc_exited
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
@@ -84,7 +86,7 @@ class LocalHost:
         req_r, self._req_fd = os.pipe()
         self._rep_fd, rep_w = os.pipe()
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from monarch_tensor._zygote import main; "
+            [python_exe or sys.executable, "-c", "import sys; from monarch_tensor._zygote import main; "
              "main(int(sys.argv[1]), int(sys.argv[2]))", str(req_r), str(rep_w)],
             pass_fds=(req_r, rep_w), env=env, close_fds=True)
         os.close(req_r)
@@ -178,12 +180,19 @@ def _warm_tensor_engine() -> None:
 
 
 _local_host: LocalHost | None = None
+_other_hosts: dict[str, LocalHost] = {}  # templates of other interpreters (with_python_executable)
 _local_lock = threading.Lock()
 
 
-def local_host() -> LocalHost:
+def local_host(python_exe: str | None = None) -> LocalHost:
+    """This machine's template process for ``python_exe`` (default: this interpreter), started on first use."""
     global _local_host
     with _local_lock:
+        if python_exe is not None:
+            host = _other_hosts.get(python_exe)
+            if host is None:
+                host = _other_hosts[python_exe] = LocalHost(python_exe=python_exe)
+            return host
         if _local_host is None:
             _local_host = LocalHost()
     return _local_host
@@ -337,7 +346,7 @@ class ProcMesh(MeshTrait):
 
     def _kill(self, p: ProcInfo) -> None:
         """SIGKILL a proc that did not stop (a mesh on host agents overrides this)."""
-        local_host().kill(p.pid, 9)
+        local_host(getattr(self, "_python_exe", None)).kill(p.pid, 9)
 
     def logging_option(self, stream_to_client: bool = True, aggregate_window_sec: float | None = None,
                        level: int = logging.INFO) -> Future:
@@ -500,9 +509,10 @@ def check_procs_per_host(per_host: dict, n: int) -> None:
                          f"{limit}; set MONARCH_TENSOR_MAX_PROCS_PER_HOST to allow more")
 
 
-def _spawn_procs(shape: Shape, proc_bind: list | None = None, per: int = 1) -> ProcMesh:
+def _spawn_procs(shape: Shape, proc_bind: list | None = None, per: int = 1,
+                 python_exe: str | None = None) -> ProcMesh:
     """Procs of ``shape`` on this machine; ``proc_bind`` (``_bind.check``ed) binds the ``per`` procs of
-    each host."""
+    each host; ``python_exe`` runs them (default: this interpreter)."""
     mailbox = current_mailbox()
     n = len(shape)
     infos = [ProcInfo(new_ipc_address("proc"), r) for r in range(n)]
@@ -517,9 +527,10 @@ def _spawn_procs(shape: Shape, proc_bind: list | None = None, per: int = 1) -> P
             env["CUDA_VISIBLE_DEVICES"] = str(point["gpus"] % gpus)
         envs.append(env)
     mesh = ProcMesh(infos, shape)
+    mesh._python_exe = python_exe
     for info in infos:
         info.owner = mesh
-    local_host().spawn(infos, mailbox.addr, envs)
+    local_host(python_exe).spawn(infos, mailbox.addr, envs)
     _live_meshes.add(mesh)
     return mesh
 
@@ -528,11 +539,23 @@ class HostMesh(MeshTrait):
     """Hosts you can spawn procs on. ``this_host()`` is the local machine (a mesh of one host, no dims);
     a job's hosts have a ``hosts`` dim, and slice, split and rename like any mesh."""
 
-    def __init__(self, shape: Shape | None = None) -> None:
+    def __init__(self, shape: Shape | None = None, python_exe: str | None = None) -> None:
         self._shape = shape or Shape((), ())
+        self._python_exe = python_exe
 
     def _new_with_shape(self, shape: Shape) -> HostMesh:
-        return HostMesh(shape)
+        return HostMesh(shape, self._python_exe)
+
+    def with_python_executable(self, python_exe: str) -> HostMesh:
+        """The same hosts, whose procs run ``python_exe`` (Monarch's): another virtual environment, say.
+        It must import this ``monarch_tensor`` and its dependencies (the script's ``sys.path`` is on its
+        ``PYTHONPATH``); procs those procs spawn on their own host run it too."""
+        if not isinstance(python_exe, str) or not python_exe:
+            raise TypeError(f"with_python_executable() takes the path of a Python interpreter, got {python_exe!r}")
+        path = shutil.which(python_exe)
+        if path is None:
+            raise FileNotFoundError(f"with_python_executable({python_exe!r}): no such executable")
+        return HostMesh(self._shape, os.path.abspath(path))
 
     def _what(self) -> str:
         return f"host mesh {self._shape}"
@@ -551,7 +574,7 @@ class HostMesh(MeshTrait):
         per = len(shape) // max(1, len(self._shape))
         proc_bind = _bind.check(proc_bind, per)
         _bind.check_here(proc_bind)
-        mesh = _spawn_procs(shape, proc_bind, per)
+        mesh = _spawn_procs(shape, proc_bind, per, self._python_exe)
         mesh._proc_bind = proc_bind  # heal_mesh binds the new procs alike
         return run_bootstrap(mesh, bootstrap)
 
@@ -648,8 +671,9 @@ def _shutdown() -> None:
             mesh.stop()
         except Exception:  # noqa: BLE001
             pass
-    if _local_host is not None:
-        _local_host.close()
+    for host in [_local_host, *_other_hosts.values()]:
+        if host is not None:
+            host.close()
 
 
 def _agents_of(procs: list[ProcInfo]) -> list:
@@ -677,7 +701,8 @@ def heal_mesh(mesh: ProcMesh) -> ProcMesh:
     alloc.stop()
     if not agents:
         per = len(proc_bind) if proc_bind else 1
-        new = run_bootstrap(_spawn_procs(Shape(shape.names, shape.dims), proc_bind, per), bootstrap)
+        new = run_bootstrap(_spawn_procs(Shape(shape.names, shape.dims), proc_bind, per,
+                                         getattr(alloc, "_python_exe", None)), bootstrap)
     else:
         from .errors import HostUnreachableError
         from .remote_hosts import RemoteHostMesh
@@ -699,4 +724,5 @@ def shutdown_context(host_timeout: float | None = None) -> Future:
     _shutdown()
     with _local_lock:
         _local_host = None
+        _other_hosts.clear()
     return Future.ready(None)

@@ -314,6 +314,11 @@ class RemoteHostMesh(HostMesh):
     def _runs_here(self, p) -> bool:
         return getattr(p, "agent", None) in self._agents
 
+    def with_python_executable(self, python_exe: str) -> HostMesh:
+        raise NotImplementedError("a job's hosts run their procs with the interpreter their agents run: start the "
+                                  "job with it (LocalJob(python_exe=...), SlurmJob(python_exe=...)); "
+                                  "with_python_executable is for this machine's hosts (this_host())")
+
     @property
     def workdirs(self) -> list[str]:
         return [a.info.workdir for a in self._agents]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import threading
 import time
 
@@ -422,6 +423,30 @@ def test_spawn_procs_binds_each_proc_of_a_host_to_cpus_and_numa_nodes():
                             ([{"membind": "63"}, {}], ValueError, "no NUMA node 63")):
         with pytest.raises(err, match=match):
             this_host().spawn_procs({"gpus": 2}, proc_bind=bad)
+
+
+def test_with_python_executable_runs_procs_with_another_interpreter(tmp_path):
+    from monarch_tensor import heal_mesh
+
+    wrapper = tmp_path / "python-wrapped"  # an interpreter that marks its processes
+    wrapper.write_text(f"#!/bin/sh\nMT_TEST_WRAPPED=yes exec {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    hosts = this_host().with_python_executable(str(wrapper))
+    procs = hosts.spawn_procs({"gpus": 2})
+    plain = this_host().spawn_procs({"gpus": 1})
+    try:
+        assert procs.execute(lambda: os.environ.get("MT_TEST_WRAPPED")).values() == ["yes", "yes"]
+        assert plain.execute(lambda: os.environ.get("MT_TEST_WRAPPED")).values() == [None]
+        healed = heal_mesh(procs)  # the new procs run it too
+        assert healed.execute(lambda: os.environ.get("MT_TEST_WRAPPED")).values() == ["yes", "yes"]
+        healed.stop()
+    finally:
+        procs.stop()
+        plain.stop()
+    with pytest.raises(FileNotFoundError, match="no such executable"):
+        this_host().with_python_executable(str(tmp_path / "missing"))
+    with pytest.raises(TypeError, match="path of a Python interpreter"):
+        this_host().with_python_executable(None)
 
 
 def test_proc_mesh_to_table(procs):

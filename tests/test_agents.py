@@ -496,6 +496,8 @@ def test_attach_to_workers_and_job_load_give_the_same_hosts(job, tmp_path):
     procs.stop()
     with pytest.raises(ValueError, match="'hosts'"):
         hosts.spawn_procs(per_host={"hosts": 2})
+    with pytest.raises(NotImplementedError, match="start the job with it"):
+        hosts.with_python_executable(sys.executable)
     with pytest.raises(ValueError, match="asks for 5000 procs on each host, more than the limit of 1024"):
         hosts.spawn_procs(per_host={"gpus": 5000})
 
