@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import enum
 import functools
 import inspect
 import logging
@@ -44,7 +45,7 @@ R = TypeVar("R")
 __all__ = [
     "Actor", "ActorError", "ActorMesh", "Accumulator", "Channel", "Context", "Extent", "Future", "HostMesh",
     "MeshFailure", "NotAnEndpoint", "Point", "Port", "PortReceiver", "ProcMesh", "RankedPortReceiver",
-    "SupervisionError",
+    "SupervisionError", "ChannelTransport", "enable_transport",
     "ValueMesh", "as_endpoint", "concurrent_endpoint", "context", "current_actor_name", "current_rank",
     "current_size", "endpoint", "get_meter", "get_or_spawn_controller", "proc_mesh", "returns_future", "send",
     "shutdown_context", "span", "this_host", "this_proc", "traced", "unhandled_fault_hook",
@@ -587,6 +588,56 @@ def get_or_spawn_controller(name: str, actor_class: type, *args, **kwargs) -> Fu
     return out
 
 
+class ChannelTransport(enum.Enum):
+    """Monarch's transports; see ``enable_transport``."""
+
+    Unix = "unix"
+    Local = "local"
+    TcpWithHostname = "tcp-hostname"
+    TcpWithLocalhost = "tcp-localhost"
+    Tls = "tls"
+    MetaTlsWithHostname = "metatls-hostname"
+    MetaTlsWithIpV6 = "metatls-ipv6"
+    Quic = "quic"
+    MetaQuicWithHostname = "metaquic-hostname"
+    MetaQuicWithIpV6 = "metaquic-ipv6"
+
+
+_TRANSPORT_NAMES = {"ipc": ChannelTransport.Unix, "unix": ChannelTransport.Unix, "local": ChannelTransport.Local,
+                    "tcp": ChannelTransport.TcpWithHostname, "tls": ChannelTransport.Tls,
+                    "metatls": ChannelTransport.MetaTlsWithIpV6,
+                    "metatls-hostname": ChannelTransport.MetaTlsWithHostname}
+_SERVED = {ChannelTransport.Unix, ChannelTransport.Local, ChannelTransport.TcpWithHostname,
+           ChannelTransport.TcpWithLocalhost}
+enabled_transport: ChannelTransport = ChannelTransport.Unix
+
+
+def enable_transport(transport: ChannelTransport | str) -> None:
+    """Monarch's transport choice. Here every link picks its own: ``ipc://`` between the procs of one host,
+    TCP with CURVE encryption between hosts, so the Unix and TCP transports (``"ipc"``, ``"tcp"``, a
+    ``tcp://`` URL) are what runs anyway and are accepted; TLS and QUIC are not served (CURVE keys stand
+    in for TLS certificates) and are refused. Recorded in ``enabled_transport``."""
+    global enabled_transport
+    if isinstance(transport, str):
+        key = transport.lower()
+        if key.startswith(("tcp://", "ipc://")):
+            chosen = ChannelTransport.TcpWithHostname if key.startswith("tcp") else ChannelTransport.Unix
+        elif key in _TRANSPORT_NAMES:
+            chosen = _TRANSPORT_NAMES[key]
+        else:
+            raise ValueError(f"enable_transport({transport!r}): known names are {sorted(_TRANSPORT_NAMES)}, a "
+                             f"ChannelTransport, or a tcp:// or ipc:// URL")
+    elif isinstance(transport, ChannelTransport):
+        chosen = transport
+    else:
+        raise TypeError(f"enable_transport() takes a ChannelTransport or its name, got {transport!r}")
+    if chosen not in _SERVED:
+        raise ValueError(f"enable_transport({transport!r}): {chosen.name} is not served here; links use ipc:// "
+                         f"within a host and TCP with CURVE keys between hosts (the job's key pair stands in "
+                         f"for TLS certificates)")
+    enabled_transport = chosen
+
+
 def __getattr__(name: str):
     """Monarch's multi-host entry points, imported on first use: ``attach_to_workers``, ``run_worker_loop_forever``,
     ``run_worker_loop_until_shutdown``, ``start_worker_loop_forever``."""
@@ -598,4 +649,8 @@ def __getattr__(name: str):
         from . import agent
 
         return getattr(agent, name)
+    if name == "config":  # Monarch's monarch.actor.config: the settings module
+        from . import config
+
+        return config
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -167,3 +167,26 @@ def test_job_load_of_a_file_that_is_no_job_file_says_so(tmp_path):
         write_private(path, text)
         with pytest.raises(ValueError, match=match):
             job_load(path)
+
+
+def test_enable_transport_accepts_what_runs_here_and_refuses_the_rest():
+    import monarch_tensor.actor as actor
+    from monarch_tensor.actor import ChannelTransport, enable_transport
+
+    try:
+        for ok, want in (("tcp", ChannelTransport.TcpWithHostname), ("tcp://127.0.0.1:8080",
+                         ChannelTransport.TcpWithHostname), (ChannelTransport.Local, ChannelTransport.Local),
+                         ("ipc", ChannelTransport.Unix)):
+            enable_transport(ok)
+            assert actor.enabled_transport is want
+        for bad in ("tls", "metatls-hostname", ChannelTransport.Quic):
+            with pytest.raises(ValueError, match="is not served here"):
+                enable_transport(bad)
+        with pytest.raises(ValueError, match="known names are"):
+            enable_transport("carrier-pigeon")
+        with pytest.raises(TypeError, match="takes a ChannelTransport"):
+            enable_transport(5)
+        assert actor.enabled_transport is ChannelTransport.Unix  # a refused one changes nothing
+    finally:
+        enable_transport("ipc")
+    assert actor.config.get("prefix_with_rank") in (True, False)  # Monarch's monarch.actor.config
