@@ -58,7 +58,6 @@ _STATUS = {UNKNOWN: "was dropped by its owner (or never existed there)", RANGE: 
 _ATOMIC_LOCK = threading.Lock()  # the owner's atomics, one at a time: atomic with respect to each other
 
 
-
 def _send_parts(sock: socket.socket, head: bytes, data=None, deadline: float | None = None) -> None:
     """``head`` then ``data`` in one system call where the kernel takes both (small transfers)."""
     parts = [head] if data is None else [head, memoryview(data).cast("B")]
