@@ -141,6 +141,25 @@ class ValueMesh(MeshTrait, Generic[R]):
         self._shape = Shape(shape.names, shape.dims)
         self._values = list(values)
 
+    @classmethod
+    def from_indexed(cls, shape: Shape, pairs) -> ValueMesh:
+        """A value mesh of ``shape`` from ``(rank, value)`` pairs, a later pair for a rank winning (Monarch's);
+        every rank needs a value."""
+        n = len(shape)
+        values: dict[int, Any] = {}
+        for pair in pairs:
+            try:
+                rank, value = pair
+            except (TypeError, ValueError):
+                raise TypeError(f"from_indexed takes (rank, value) pairs, got {pair!r}") from None
+            if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < n:
+                raise ValueError(f"from_indexed: rank {rank!r} is not one of the {n} ranks of {shape}")
+            values[rank] = value
+        missing = [r for r in range(n) if r not in values]
+        if missing:
+            raise ValueError(f"from_indexed: no value for rank(s) {missing[:10]} of {shape}")
+        return cls(shape, [values[r] for r in range(n)])
+
     def item(self, **coords: int) -> R:
         if set(coords) != set(self._shape.names):
             raise KeyError(f"item() needs every dimension {list(self._shape.names)}, got {list(coords)}")

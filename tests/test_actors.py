@@ -1055,6 +1055,15 @@ def test_value_mesh_slices_and_compares(counter):
     assert ranks.slice(hosts=1).item(gpus=0) == 2
     assert ranks.slice(gpus=1).values() == [1, 3]
     assert ranks == ValueMesh(who.shape, [0, 1, 2, 3]) and ranks != ValueMesh(who.shape, [0, 1, 2, 4])
+    # Monarch's from_indexed: (rank, value) pairs in any order, a later pair for a rank winning
+    built = ValueMesh.from_indexed(who.shape, [(3, 3), (1, "x"), (0, 0), (2, 2), (1, 1)])
+    assert built == ranks
+    with pytest.raises(ValueError, match=r"no value for rank\(s\) \[1\]"):
+        ValueMesh.from_indexed(who.shape, [(0, 0), (2, 2), (3, 3)])
+    with pytest.raises(ValueError, match="rank 4 is not one of the 4 ranks"):
+        ValueMesh.from_indexed(who.shape, [(4, 0)])
+    with pytest.raises(TypeError, match=r"takes \(rank, value\) pairs"):
+        ValueMesh.from_indexed(who.shape, [5])
 
 
 def test_meshes_split_rename_and_flatten_like_monarchs(procs, counter, pids):
