@@ -132,9 +132,12 @@ class Counter(_Instrument):
     """A total that only grows: ``add(amount, attributes)``."""
 
     kind = "counter"
+    grows_only = True
 
     def add(self, amount: int | float, attributes: dict | None = None, context: Any = None) -> None:
-        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount < 0:
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)):
+            raise ValueError(f"{self.kind} {self.name!r}: add() takes a number, got {amount!r}")
+        if self.grows_only and amount < 0:
             raise ValueError(f"counter {self.name!r} only grows: add() takes a number >= 0, got {amount!r}")
         key = _key(attributes)
         with self._lock:
@@ -145,13 +148,7 @@ class UpDownCounter(Counter):
     """A total that goes both ways: ``add(-1)``."""
 
     kind = "up_down_counter"
-
-    def add(self, amount: int | float, attributes: dict | None = None, context: Any = None) -> None:
-        if isinstance(amount, bool) or not isinstance(amount, (int, float)):
-            raise ValueError(f"up-down counter {self.name!r}: add() takes a number, got {amount!r}")
-        key = _key(attributes)
-        with self._lock:
-            self._values[key] = self._values.get(key, 0) + amount
+    grows_only = False
 
 
 class Histogram(_Instrument):

@@ -383,8 +383,9 @@ class TcpBackend(Backend):
                               f"cannot be reached at {desc.tcp}: {e!r} (it died, or the network failed)")
 
     def _one(self, op: int, desc: Descriptor, offset: int, local: Mem, lo: int, n: int, deadline: float,
-             alone: bool = False) -> None:
-        """Move [lo, lo + n) of ``local`` on one connection (``alone``: the only one of its transfer)."""
+             alone: bool = False, operands: bytes | None = None) -> None:
+        """Move [lo, lo + n) of ``local`` on one connection (``alone``: the only one of its transfer); for an
+        atomic, send ``operands`` and receive the word's value before into ``local``."""
         addr = tuple(desc.tcp)
         s = self._conn(addr, desc, deadline)
         ok = False
@@ -397,7 +398,7 @@ class TcpBackend(Backend):
                 _send_parts(s, req, local.view(lo, n), deadline)
                 bufs = [status]
             else:
-                _send_parts(s, req, None, deadline)
+                _send_parts(s, req, operands, deadline)
                 bufs = [status, local.view(lo, n)]  # the answer and the first bytes in one call
             got = _recv_first(s, bufs, deadline)
             if got == 0:
@@ -405,7 +406,7 @@ class TcpBackend(Backend):
             if got < HEAD:  # the answer came in pieces
                 _recv_exact(s, memoryview(status)[got:], deadline)
                 got = HEAD
-            if op == READ and status[0] == OK and got - HEAD < n:
+            if op != WRITE and status[0] == OK and got - HEAD < n:
                 (_recv_rest if alone else _recv_exact)(s, bufs[1][got - HEAD:], deadline)
             ok = True
         except (OSError, ConnectionError) as e:
@@ -425,37 +426,8 @@ class TcpBackend(Backend):
         ``offset``, done by the owner (any same-host or remote buffer: every owner serves tcp); ``local`` (8
         bytes) receives the word's value before."""
         operands = _OPERANDS.pack(a, b)
-
-        def one(desc, offset, local, deadline):
-            addr = tuple(desc.tcp)
-            s = self._conn(addr, desc, deadline)
-            ok = False
-            try:
-                check_deadline(deadline, "tcp atomic")
-                _send_parts(s, request(op, 0, desc.buf_id, desc.token, offset, 8), operands, deadline)
-                status = bytearray(HEAD)
-                got = _recv_first(s, [status, local.view(0, 8)], deadline)
-                if got == 0:
-                    raise ConnectionError("connection closed before the owner answered")
-                if got < HEAD:
-                    _recv_exact(s, memoryview(status)[got:], deadline)
-                    got = HEAD
-                if status[0] == OK and got < HEAD + 8:
-                    _recv_exact(s, local.view(got - HEAD, HEAD + 8 - got), deadline)
-                ok = True
-            except (OSError, ConnectionError) as e:
-                raise self._lost(desc, e) from e
-            finally:
-                if ok:
-                    self._release(addr, s)
-                else:
-                    s.close()
-            if status[0] == UNKNOWN:
-                raise BufferDroppedError(f"buffer {desc.buf_id} of pid {desc.pid} {_STATUS[UNKNOWN]}")
-            if status[0] != OK:
-                raise TransferError(f"buffer {desc.buf_id}: {_STATUS.get(status[0], f'status {status[0]}')}")
-
-        self._transfer("atomics", one, desc, offset, local, timeout)
+        self._transfer("atomics", lambda d, o, m, dl: self._one(op, d, o, m, 0, 8, dl, operands=operands),
+                       desc, offset, local, timeout)
 
     def _run(self, op: int, desc: Descriptor, offset: int, local: Mem, deadline: float) -> None:
         n = local.nbytes
