@@ -1,0 +1,5 @@
+"""Monarch's ``monarch.opaque_module`` path: ``from monarch_tensor.opaque_module import OpaqueModule``."""
+
+from controller.opaque_module import OpaqueModule  # noqa: F401
+
+__all__ = ["OpaqueModule"]
