@@ -319,6 +319,18 @@ def inspect(obj: Any, shard: dict[str, int] | None = None, **kwargs: int) -> Any
     return fetch_shard(obj, shard, **kwargs).result()
 
 
+def show(obj: Any, shard: dict[str, int] | None = None, **kwargs: int) -> Any:
+    """``inspect`` one rank's value, then draw it with ``torchshow.show`` (Monarch's; torchshow is optional)."""
+    try:
+        from torchshow import show as draw
+    except ImportError:
+        raise ImportError("show() draws tensors with torchshow, which is not installed: pip install torchshow "
+                          "(or use inspect() for the value)") from None
+    value = inspect(obj, shard, **kwargs)
+    with no_mesh.activate():
+        return draw(value)
+
+
 # ---- collectives --------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=1024)
 def _groups(shape, dims: tuple) -> tuple:

@@ -43,7 +43,7 @@ __version__ = "0.1.0"
 
 # The tensor engine (controller/), imported on first use so that `import monarch_tensor` stays light.
 _ENGINE = {
-    "fetch_shard": "controller.api", "inspect": "controller.api", "remote": "controller.api",
+    "fetch_shard": "controller.api", "inspect": "controller.api", "show": "controller.api", "remote": "controller.api",
     "reduce": "controller.api", "reduce_": "controller.api", "Stream": "controller.api",
     "no_mesh": "controller.api", "call_on_shard_and_fetch": "controller.api",
     "get_active_stream": "controller.api", "get_active_mesh": "controller.api", "to_mesh": "controller.api",

@@ -1,0 +1,7 @@
+"""Monarch's ``monarch.common.device_mesh`` path (a proc mesh plays its ``DeviceMesh``'s part here:
+``procs.activate()``, ``procs.rank(dim)``, ``procs.process_group(dims)``)."""
+
+from controller.api import get_active_mesh, no_mesh, slice_mesh, to_mesh  # noqa: F401
+from controller.process_group import RemoteProcessGroup  # noqa: F401
+
+__all__ = ["RemoteProcessGroup", "get_active_mesh", "no_mesh", "slice_mesh", "to_mesh"]
