@@ -205,6 +205,9 @@ def _scan(a, key: list, tensors: list, local: list):
     if isinstance(a, OpaqueRef):  # its key is a mesh tensor (a subclass travels as the plain reference)
         key.append(OpaqueRef)
         return OpaqueRef._create(_scan(a._key, key, tensors, local))
+    if isinstance(a, tuple) and hasattr(t, "_fields"):  # a named tuple (torch's pytrees look inside them too)
+        key.append(t)
+        return t(*(_scan(x, key, tensors, local) for x in a))
     if t is RemoteProcessGroup:
         key.append(t)
         key.append(a.dims)

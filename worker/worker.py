@@ -257,6 +257,8 @@ class TensorWorker(Actor):
             return self._group(a, stream)
         if isinstance(a, OpaqueRef):
             return OpaqueRef._create(self._resolve(a._key, stream))
+        if isinstance(a, tuple) and hasattr(t, "_fields"):  # a named tuple
+            return t(*(self._resolve(x, stream) for x in a))
         return a
 
     def _group(self, g: m.Group, stream: int | None):

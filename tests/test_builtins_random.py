@@ -1,0 +1,93 @@
+"""Monarch's monarch.builtins (random, log) and monarch.random: the workers' generators from the controller,
+against local torch seeded the same way."""
+
+import logging
+
+import pytest
+import torch
+
+from monarch_tensor import inspect, no_mesh, this_host
+from monarch_tensor.builtins import log_remote, set_logging_level_remote
+from monarch_tensor.builtins.random import (
+    get_rng_state_remote,
+    random_seed_remote,
+    seed_remote,
+    set_manual_seed_remote,
+    set_rng_state_remote,
+)
+from monarch_tensor.random import State, get_state, make_deterministic, new_state, set_state
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    m = this_host().spawn_procs(per_host={"gpus": 2})
+    yield m
+    m.stop()
+
+
+def _local(seed: int) -> torch.Tensor:
+    with no_mesh():
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(4, generator=g)
+
+
+def test_seeding_the_workers_matches_local_torch(mesh):
+    with mesh.activate():
+        set_manual_seed_remote(7)
+        same = torch.randn(4)
+        set_manual_seed_remote(7, process_idx=mesh.rank("gpus"))  # a seed per rank: 7 ^ rank
+        per_rank = torch.randn(4)
+        for r in range(2):
+            torch.testing.assert_close(inspect(same, gpus=r), _local(7))
+            torch.testing.assert_close(inspect(per_rank, gpus=r), _local(7 ^ r))
+
+
+def test_a_saved_generator_state_replays_the_same_numbers(mesh):
+    with mesh.activate():
+        set_manual_seed_remote(3)
+        saved = get_rng_state_remote()
+        assert inspect(saved, gpus=0).dtype == torch.uint8
+        a = torch.randn(4)
+        seed_remote()  # (nondeterministic reseeds)
+        random_seed_remote()
+        set_rng_state_remote(saved)
+        b = torch.randn(4)
+        torch.testing.assert_close(inspect(a, gpus=1), inspect(b, gpus=1))
+
+
+def test_monarch_random_get_set_and_new_state(mesh):
+    with mesh.activate():
+        set_manual_seed_remote(11)
+        state = get_state()
+        assert isinstance(state, State)
+        assert inspect(state.cuda, gpus=0).numel() == 0  # (CPU workers here; a GPU worker's is 16 bytes)
+        first = torch.randn(4)
+        seeded = new_state(mesh.rank("gpus") + 100)  # the current state stays as it was
+        second = torch.randn(4)
+        set_state(state)
+        again = torch.randn(4)
+        set_state(seeded)
+        from_seed = torch.randn(4)
+        make_deterministic()
+        for r in range(2):
+            torch.testing.assert_close(inspect(first, gpus=r), _local(11))
+            torch.testing.assert_close(inspect(again, gpus=r), _local(11))
+            torch.testing.assert_close(inspect(from_seed, gpus=r), _local(100 + r))
+            assert not torch.equal(inspect(second, gpus=r), _local(11))
+
+
+def test_log_remote_reaches_every_rank(mesh, capfd):
+    with mesh.activate():
+        set_logging_level_remote(logging.INFO)
+        log_remote("step %d of %s", 3, "training", level=logging.WARNING)
+        inspect(torch.ones(1), gpus=0)  # (the batch above has run)
+    import time
+
+    deadline = time.monotonic() + 30
+    seen = ""
+    while time.monotonic() < deadline and seen.count("step 3 of training") < 2:
+        time.sleep(0.1)
+        seen += capfd.readouterr().err + capfd.readouterr().out
+    assert seen.count("step 3 of training") >= 2, seen
