@@ -51,6 +51,7 @@ _ENGINE = {
     "RemoteException": "controller.errors", "MeshTensorError": "controller.errors",
     "RemoteProcessGroup": "controller.process_group", "OpaqueRef": "worker.opaque",
     "OpaqueObject": "controller.opaque", "opaque_method": "controller.opaque",
+    "grad_generator": "controller.gradient_generator", "grad_function": "controller.gradient_generator",
     # global sharded tensors (controller/dtensor.py, controller/placements.py, controller/sharding.py)
     "distribute": "controller.dtensor", "from_local": "controller.dtensor", "Shard": "controller.placements",
     "Replicate": "controller.placements", "Partial": "controller.placements",
