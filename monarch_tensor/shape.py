@@ -36,6 +36,12 @@ class Shape:
     strides: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.dims, NDSlice):  # Monarch's form: Shape(labels, NDSlice(offset=, sizes=, strides=))
+            sl = self.dims
+            object.__setattr__(self, "names", tuple(self.names))
+            object.__setattr__(self, "dims", tuple(sl.sizes))
+            object.__setattr__(self, "offset", sl.offset)
+            object.__setattr__(self, "strides", tuple(sl.strides))
         if len(self.names) != len(self.dims):
             raise ValueError(f"shape has {len(self.names)} names but {len(self.dims)} sizes")
         if len(set(self.names)) != len(self.names):
@@ -219,6 +225,15 @@ class Shape:
     def extent(self) -> Extent:
         return Extent(self.names, self.dims)
 
+    @property
+    def ndslice(self) -> NDSlice:
+        """The ranks as Monarch's ``NDSlice`` (offset, sizes, strides)."""
+        return NDSlice(offset=self.offset, sizes=list(self.dims), strides=list(self.strides or ()))
+
+    @property
+    def region(self) -> Region:
+        return Region(self.names, self.ndslice)
+
     def index_of(self, rank: int) -> int:
         """Position of flat ``rank`` in this shape's row-major order."""
         try:
@@ -324,6 +339,11 @@ class Extent(Mapping):
             n *= d
         return n
 
+    @property
+    def region(self) -> Region:
+        """These sizes over ranks ``0..n-1``, row-major (Monarch's)."""
+        return Region(list(self.labels), NDSlice.new_row_major(list(self.sizes)))
+
     def __getitem__(self, label: str) -> int:
         try:
             return self.sizes[self.labels.index(label)]
@@ -345,6 +365,185 @@ class Extent(Mapping):
 
     def __repr__(self) -> str:
         return "{" + ", ".join(f"'{n}': {d}" for n, d in zip(self.labels, self.sizes)) + "}"
+
+
+class NDSlice:
+    """Monarch's ``NDSlice``: the flat values ``offset + sum(i_k * strides[k])`` for ``0 <= i_k < sizes[k]``, in
+    row-major order of the coordinates ``i``.
+
+    >>> s = NDSlice(offset=1, sizes=[2, 3], strides=[4, 1])
+    >>> list(s), s.index(6), s.coordinates(6), s.nditem([1, 2])
+    ([1, 2, 3, 5, 6, 7], 4, [1, 1], 7)
+    """
+
+    __slots__ = ("_offset", "_sizes", "_strides")
+
+    def __init__(self, *, offset: int, sizes: Sequence[int], strides: Sequence[int]) -> None:
+        sizes, strides = list(sizes), list(strides)
+        if len(sizes) != len(strides):
+            raise ValueError(f"NDSlice: {len(sizes)} sizes but {len(strides)} strides")
+        for what, xs in (("offset", [offset]), ("sizes", sizes), ("strides", strides)):
+            if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in xs):
+                raise ValueError(f"NDSlice: {what} must be non-negative ints, got {xs if what != 'offset' else offset}")
+        if any(d == 0 for d in sizes):
+            raise ValueError(f"NDSlice: every size must be positive, got {sizes}")
+        self._offset, self._sizes, self._strides = offset, sizes, strides
+
+    @property
+    def ndim(self) -> int:
+        return len(self._sizes)
+
+    @property
+    def offset(self) -> int:
+        return self._offset
+
+    @property
+    def sizes(self) -> list[int]:
+        return list(self._sizes)
+
+    @property
+    def strides(self) -> list[int]:
+        return list(self._strides)
+
+    def __len__(self) -> int:
+        n = 1
+        for d in self._sizes:
+            n *= d
+        return n
+
+    def nditem(self, coordinates: Sequence[int]) -> int:
+        """The value at ``coordinates`` (an IndexError when out of bounds)."""
+        if len(coordinates) != len(self._sizes):
+            raise IndexError(f"NDSlice: {len(coordinates)} coordinates for {len(self._sizes)} dims")
+        v = self._offset
+        for c, d, st in zip(coordinates, self._sizes, self._strides):
+            if not 0 <= c < d:
+                raise IndexError(f"NDSlice: coordinate {c} out of range for a dim of size {d}")
+            v += c * st
+        return v
+
+    def get(self, index: int) -> int:
+        """The value at row-major position ``index`` (the inverse of ``index``)."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"NDSlice: index {index} out of range for {len(self)} values")
+        coords = []
+        for d in reversed(self._sizes):
+            index, c = divmod(index, d)
+            coords.append(c)
+        return self.nditem(coords[::-1])
+
+    def coordinates(self, value: int) -> list[int]:
+        """The coordinates of ``value`` (a ValueError when it is not in the slice)."""
+        rest = value - self._offset
+        coords = [0] * len(self._sizes)
+        # largest strides first; dims of size 1 (any stride) stay at 0
+        for k in sorted(range(len(self._sizes)), key=lambda k: -self._strides[k]):
+            if self._sizes[k] > 1 and self._strides[k] > 0:
+                c = min(rest // self._strides[k], self._sizes[k] - 1) if rest >= 0 else -1
+                coords[k] = c
+                rest -= c * self._strides[k]
+        if rest == 0 and all(c >= 0 for c in coords):
+            return coords
+        # strides that do not nest (not from slicing a row-major mesh): look the value up
+        for c in itertools.product(*(range(d) for d in self._sizes)):
+            if self.nditem(c) == value:
+                return list(c)
+        raise ValueError(f"{value} is not in {self!r}")
+
+    def index(self, value: int) -> int:
+        """The row-major position of ``value`` (the inverse of ``get``)."""
+        i = 0
+        for c, d in zip(self.coordinates(value), self._sizes):
+            i = i * d + c
+        return i
+
+    def __iter__(self):
+        return (self.nditem(c) for c in itertools.product(*(range(d) for d in self._sizes)))
+
+    def __getitem__(self, i):
+        values = tuple(self)
+        return values[i]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, NDSlice) and (self._offset, self._sizes, self._strides) == (
+            other._offset, other._sizes, other._strides)
+
+    def __hash__(self) -> int:
+        return hash((self._offset, tuple(self._sizes), tuple(self._strides)))
+
+    def __reduce__(self):
+        return (_ndslice, (self._offset, self._sizes, self._strides))
+
+    def __repr__(self) -> str:
+        return f"NDSlice(offset={self._offset}, sizes={self._sizes}, strides={self._strides})"
+
+    @staticmethod
+    def new_row_major(sizes: Sequence[int]) -> NDSlice:
+        """The contiguous slice of ``sizes``, from 0."""
+        strides, acc = [], 1
+        for d in reversed(list(sizes)):
+            strides.append(acc)
+            acc *= d
+        return NDSlice(offset=0, sizes=list(sizes), strides=strides[::-1])
+
+    @staticmethod
+    def from_list(ranks: Sequence[int]) -> list[NDSlice]:
+        """1-d slices that together hold exactly ``ranks`` (sorted, duplicates dropped): runs of evenly spaced
+        ranks, each as long as it can be."""
+        rs = sorted(set(ranks))
+        out: list[NDSlice] = []
+        i = 0
+        while i < len(rs):
+            if i + 1 == len(rs):
+                out.append(NDSlice(offset=rs[i], sizes=[1], strides=[1]))
+                break
+            step, j = rs[i + 1] - rs[i], i + 1
+            while j + 1 < len(rs) and rs[j + 1] - rs[j] == step:
+                j += 1
+            out.append(NDSlice(offset=rs[i], sizes=[j - i + 1], strides=[step]))
+            i = j + 1
+        return out
+
+
+def _ndslice(offset, sizes, strides) -> NDSlice:
+    return NDSlice(offset=offset, sizes=sizes, strides=strides)
+
+
+class Region:
+    """Monarch's ``Region``: labels over an ``NDSlice`` of ranks."""
+
+    __slots__ = ("_labels", "_slice")
+
+    def __init__(self, labels: Sequence[str], slice: NDSlice) -> None:  # noqa: A002 - Monarch's name
+        if len(labels) != slice.ndim:
+            raise ValueError(f"Region: {len(labels)} labels for a slice of {slice.ndim} dims")
+        self._labels, self._slice = list(labels), slice
+
+    @property
+    def labels(self) -> list[str]:
+        return list(self._labels)
+
+    def slice(self) -> NDSlice:
+        return self._slice
+
+    def as_shape(self) -> Shape:
+        return Shape(tuple(self._labels), self._slice)
+
+    def point_of_base_rank(self, rank: int) -> Point:
+        """The point of this region at flat rank ``rank``."""
+        return Point(self._slice.index(rank), Extent(self._labels, self._slice.sizes))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Region) and (self._labels, self._slice) == (other._labels, other._slice)
+
+    def __hash__(self) -> int:
+        return hash((tuple(self._labels), self._slice))
+
+    def __reduce__(self):
+        return (Region, (self._labels, self._slice))
+
+    def __repr__(self) -> str:
+        return f"Region({self._labels}, {self._slice!r})"
 
 
 class MeshTrait:
