@@ -1,17 +1,21 @@
 """Gradients one at a time, as the backward pass reaches them (Monarch's ``monarch.gradient_generator``).
 
->>> for p, g in zip(reversed(params), grad_generator(loss, list(reversed(params)))):
-...     g.reduce_("dp")          # issued while the backward of earlier layers is still to come
-...     p.grad = g
+>>> order = gradient_execution_order([loss], params)
+>>> for i, g in zip(order, grad_generator(loss, [params[i] for i in order])):
+...     on_comm, borrow = comm.borrow(g, mutable=True)    # comm = Stream("comm")
+...     with comm.activate():
+...         on_comm.reduce_("dp", "avg")     # issued before the backward ops of the layers below
+...     borrows.append(borrow)              # drop() each before using the gradients
 
 ``grad_generator(roots, with_respect_to, grad_roots)`` yields the gradient of
 ``roots`` for each of ``with_respect_to`` in the order given. The backward pass
 runs in a thread of its own and pauses as soon as the gradient the loop waits
-for is ready, so what the loop does with it (a reduction on a mesh) is recorded
-before the ops of the rest of the backward pass: given in the order that
-``gradient_execution_order`` reports, communication overlaps the backward
-pass on the workers. The thread records with the caller's active mesh and
-stream. Works for ordinary tensors too.
+for is ready, so what the loop does with it is recorded before the ops of the
+rest of the backward pass. A worker runs each stream on a thread of its own, so
+a reduction issued on a second stream, as above, runs while the default stream
+computes the rest of the backward (on one stream, the two would take turns).
+The thread records with the caller's active mesh and stream. Works for
+ordinary tensors too.
 """
 
 from __future__ import annotations

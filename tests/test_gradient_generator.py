@@ -123,3 +123,32 @@ def test_a_ddp_step_on_a_mesh_reduces_each_gradient_as_it_comes(mesh):
     with mesh.activate():
         y = grad_function(lambda t: (t * 2, lambda g: g * 2))(torch.ones(3, requires_grad=True))
         assert y.requires_grad and inspect(y, gpus=0).tolist() == [2.0] * 3
+
+
+def test_reductions_on_a_comm_stream_while_the_backward_goes_on(mesh):
+    """The overlapping form: each gradient, as it comes, is borrowed by a second stream and reduced there (a
+    worker runs each stream on its own thread), while the default stream computes the rest of the backward."""
+    with no_mesh():
+        local = _model(3, seed=5)
+    comm = Stream("comm")
+    with mesh.activate():
+        layers = [(w.detach().clone().requires_grad_(True), b.detach().clone().requires_grad_(True))
+                  for w, b in local]
+        params = [p for layer in layers for p in layer]
+        loss = _forward(layers, torch.ones(2, 4) * (1 + mesh.rank("gpus")))
+        order = gradient_execution_order([loss], params)
+        borrows = []
+        for i, g in zip(order, grad_generator(loss, [params[i] for i in order])):
+            on_comm, borrow = comm.borrow(g, mutable=True)
+            with comm.activate():
+                on_comm.reduce_("gpus", "avg")
+            borrows.append((i, g, borrow))
+        for i, g, borrow in borrows:
+            borrow.drop()  # the default stream may use g again once the reduction is done
+            params[i].grad = g
+        grads = [inspect(p.grad, gpus=0) for p in params]
+    with no_mesh():
+        lparams = [p for layer in local for p in layer]
+        per_rank = [torch.autograd.grad(_forward(local, torch.ones(2, 4) * (1 + r)), lparams) for r in range(2)]
+        for k, g in enumerate(grads):
+            torch.testing.assert_close(g, (per_rank[0][k] + per_rank[1][k]) / 2)
