@@ -2,6 +2,7 @@
 against local torch seeded the same way."""
 
 import logging
+import time
 
 import pytest
 import torch
@@ -83,11 +84,10 @@ def test_log_remote_reaches_every_rank(mesh, capfd):
         set_logging_level_remote(logging.INFO)
         log_remote("step %d of %s", 3, "training", level=logging.WARNING)
         inspect(torch.ones(1), gpus=0)  # (the batch above has run)
-    import time
-
     deadline = time.monotonic() + 30
     seen = ""
     while time.monotonic() < deadline and seen.count("step 3 of training") < 2:
         time.sleep(0.1)
-        seen += capfd.readouterr().err + capfd.readouterr().out
+        got = capfd.readouterr()
+        seen += got.err + got.out
     assert seen.count("step 3 of training") >= 2, seen
