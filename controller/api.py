@@ -353,7 +353,8 @@ def _groups(shape, dims: tuple) -> tuple:
 _REDUCTIONS = ("sum", "avg", "max", "min", "product", "stack")
 
 
-def _reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool) -> Tensor:
+def _reduce_groups(t: Tensor, dims, reduction: str) -> tuple:
+    """Check a reduce of ``t`` over ``dims``; the rank groups it runs in."""
     if type(t) is not Tensor:
         raise TypeError(f"reduce needs a mesh tensor, got {type(t).__name__}")
     check_live(t._ctx, "reduce")
@@ -369,7 +370,45 @@ def _reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool) -> Te
     active = state.stream
     if (active.id if active else 0) != ctx.sid:
         raise MeshTensorError(f"reduce: the tensor lives on stream {ctx.stream.name!r}, not the active one")
-    groups = _groups(ctx.pm._shape, dims)
+    return _groups(ctx.pm._shape, dims)
+
+
+def _reduce_tree(tensors, dims, reduction: str, scatter: bool, inplace: bool):
+    """Every mesh tensor of a pytree reduced, the structure kept. Tensors of one mesh, stream and dtype go in
+    one collective (``ReduceMany``: one buffer, as DDP's buckets), except for "stack" and ``scatter``."""
+    leaves, spec = pytree.tree_flatten(tensors)
+    if reduction == "stack" or scatter or len(leaves) < 2:
+        return pytree.tree_unflatten([_reduce(t, dims, reduction, scatter, inplace) for t in leaves], spec)
+    buckets: dict = {}
+    for i, t in enumerate(leaves):
+        groups = _reduce_groups(t, dims, reduction)
+        buckets.setdefault((id(t._ctx), t.dtype), (t._ctx, groups, []))[2].append(i)
+    out: list = [None] * len(leaves)
+    for ctx, groups, idx in buckets.values():
+        if len(idx) == 1:
+            out[idx[0]] = _reduce(leaves[idx[0]], dims, reduction, False, inplace)
+            continue
+        ts = [leaves[i] for i in idx]
+        if inplace:
+            for t in ts:
+                check_writable("reduce_", t)
+                forget_value(t)
+            refs = ()
+            results = ts
+        else:
+            metas = [contiguous_meta(tuple(t.shape), t.dtype) for t in ts]
+            refs = tuple(next(ctx.client.refs) for _ in ts)
+            results = [Tensor(meta, intern_meta(meta), ctx, ref) for meta, ref in zip(metas, refs)]
+        ctx.client.issue(m.ReduceMany(refs, tuple(t._ref for t in ts), groups, reduction, inplace,
+                                      tuple(tuple(t.shape) for t in ts), ts[0].dtype, ctx.sid, user_loc()), ctx.ranks)
+        for i, r in zip(idx, results):
+            out[i] = r
+    return pytree.tree_unflatten(out, spec)
+
+
+def _reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool) -> Tensor:
+    groups = _reduce_groups(t, dims, reduction)
+    ctx = t._ctx
     n = len(groups[0])
     shape = tuple(t.shape)
     if reduction == "stack":
@@ -405,12 +444,13 @@ def reduce(tensors, dims, reduction: str = "sum", scatter: bool = False, mesh=No
     ``reduce(t, "gpus", "sum")`` all-reduces; ``"avg"``, ``"max"``, ``"min"``,
     ``"product"`` likewise; ``"stack"`` all-gathers into a new first dim;
     ``scatter=True`` reduce-scatters along the first dim. ``tensors`` may be a
-    pytree of mesh tensors (Monarch's): each leaf is reduced (each must be one), the structure kept.
+    pytree of mesh tensors (Monarch's): each leaf is reduced (each must be one), the structure kept; the
+    leaves of one dtype go in one collective.
     """
     if type(tensors) is not Tensor:
         if out is not None:
             raise TypeError("reduce(out=...) takes one tensor, not a pytree of them")
-        return pytree.tree_map(lambda t: _reduce(t, dims, reduction, scatter, False), tensors)
+        return _reduce_tree(tensors, dims, reduction, scatter, False)
     r = _reduce(tensors, dims, reduction, scatter, False)
     if out is not None:
         out.copy_(r)
@@ -422,7 +462,7 @@ def reduce_(tensors, dims, reduction: str = "sum", scatter: bool = False, mesh=N
     """In-place ``reduce``: ``grad.reduce_("dp", "avg")``; or each mesh tensor of a pytree
     (``reduce_([g1, g2], "dp", "avg")``)."""
     if type(tensors) is not Tensor:
-        return pytree.tree_map(lambda t: _reduce(t, dims, reduction, scatter, True), tensors)
+        return _reduce_tree(tensors, dims, reduction, scatter, True)
     return _reduce(tensors, dims, reduction, scatter, True)
 
 

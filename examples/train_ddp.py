@@ -14,8 +14,10 @@ its CPU). What makes it data-parallel:
   * every rank holds the whole corpus and reads its own batches: the start offsets of every rank's
     windows are drawn here with a seeded generator, shipped to all ranks, and each rank picks its row
     with ``index_select`` by its rank (``proc_mesh.rank_tensor("gpus")``);
-  * after ``loss.backward()`` each gradient is averaged over the ranks with ``p.grad.reduce_("gpus",
-    "avg")`` (an all-reduce), so AdamW takes the same step everywhere and the replicas stay equal.
+  * after ``loss.backward()`` the gradients are averaged over the ranks with ``reduce_([p.grad for p in
+    model.parameters()], "gpus", "avg")``: one all-reduce of all of them side by side (as DDP's buckets;
+    ``p.grad.reduce_("gpus", "avg")`` per parameter works too, one all-reduce each), so AdamW takes the
+    same step everywhere and the replicas stay equal.
 
 That is exactly plain training on the union of the ranks' batches, so tests/test_train_ddp.py
 checks the losses against ``train_local`` below (the same model trained with local torch on the same
@@ -91,7 +93,7 @@ def progress(step: int, steps: int, width: int = 20) -> str:
 
 def train_ddp(s: dict) -> tuple[list[list[float]], dict]:
     """Train on a fresh mesh; returns each step's per-rank losses and the final weights (rank 0's)."""
-    from monarch_tensor import fetch_shard, remote
+    from monarch_tensor import fetch_shard, reduce_, remote
     from monarch_tensor.actor import this_host
 
     tok, ids, cfg, offsets = make_run(s)
@@ -119,8 +121,7 @@ def train_ddp(s: dict) -> tuple[list[list[float]], dict]:
                     _, loss = model(x, y)
                     opt.zero_grad(set_to_none=True)
                     loss.backward()
-                    for p in model.parameters():
-                        p.grad.reduce_("gpus", "avg")
+                    reduce_([p.grad for p in model.parameters()], "gpus", "avg")  # one all-reduce for all
                     opt.step()
                     per_rank = loss.detach().reduce("gpus", "stack")               # (GPUS,) on every rank
                     fut = fetch_shard(per_rank, gpus=0)

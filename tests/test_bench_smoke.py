@@ -119,3 +119,18 @@ def test_payload_bench_tiny(tmp_path):
     assert p["dp"]["payloads"] > 0 and p["dp"]["cma"] == p["dp"]["payloads"] and p["dp"]["tcp"] == 0
     assert p["tcp"]["payloads"] > 0 and p["tcp"]["tcp"] > 0 and p["tcp"]["cma"] == 0
     assert "data plane / frames" in proc.stdout
+
+
+@pytest.mark.timeout(150)
+def test_ddp_bench_tiny(tmp_path):
+    out = tmp_path / "ddp.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "ddp_bench.py"), "--tiny", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=140)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["env"]["tiny"] is True and data["errors"] == {}, data["errors"]
+    for key in ("after_ms", "bucket_ms", "overlap_ms", "ddp_ms"):
+        assert data["median"].get(key, 0) > 0, (key, proc.stdout[-2000:])
+    # both of ours train exactly as DDP does
+    assert data["loss_match"] == {"after": True, "bucket": True, "overlap": True}, data["losses"]
+    assert "overlap / after" in proc.stdout and "bucket / after" in proc.stdout

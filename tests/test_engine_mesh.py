@@ -7,9 +7,12 @@ known input (rank r holds ``base * (r + 1)``).
 from __future__ import annotations
 
 import gc
+import math
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from controller.api import worker_stats
 from monarch_tensor import (
@@ -139,6 +142,52 @@ def test_slice_and_to_mesh(mesh):
     for g in range(2):
         torch.testing.assert_close(got[g], _local(g) * 2)
     torch.testing.assert_close(back, _local(1) * 2)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_a_pytrees_tensors_reduce_in_one_collective_per_dtype_like_one_at_a_time(mesh, data):
+    """reduce/reduce_ of a pytree (ReduceMany: a dtype's leaves side by side in one buffer) gives what each leaf
+    reduced alone gives, for any shapes, dtypes, reductions and dims."""
+    n = data.draw(st.integers(2, 5))
+    shapes = [tuple(data.draw(st.lists(st.integers(1, 3), max_size=2))) for _ in range(n)]
+    dtypes = [data.draw(st.sampled_from([torch.float32, torch.float64, torch.int64])) for _ in range(n)]
+    reduction = data.draw(st.sampled_from(["sum", "avg", "max", "min", "product"]))
+    dims = data.draw(st.sampled_from(["gpus", "hosts", ("hosts", "gpus")]))
+    inplace = data.draw(st.booleans())
+    with mesh.activate():
+        r = mesh.rank_tensor("hosts") * 2 + mesh.rank_tensor("gpus")
+        tree = {"t": [(torch.arange(math.prod(s), dtype=d).reshape(s) - 1 + r.to(d) * (i + 1))
+                      for i, (s, d) in enumerate(zip(shapes, dtypes))]}
+        alone = [t.reduce(dims, reduction) for t in tree["t"]]
+        if inplace:
+            reduce_(tree, dims, reduction)
+            got = tree
+        else:
+            got = reduce(tree, dims, reduction)
+        assert list(got) == ["t"] and len(got["t"]) == n
+        for t, want, d in zip(got["t"], alone, dtypes):
+            assert t.dtype == d
+            for h, g in ((0, 1), (1, 0)):
+                torch.testing.assert_close(inspect(t, hosts=h, gpus=g), inspect(want, hosts=h, gpus=g))
+
+
+def _fails_on_gpu_1(x, gpu):
+    if int(gpu) == 1:
+        raise ValueError("this input fails on gpus=1 on purpose")
+    return x
+
+
+def test_a_failed_leaf_fails_its_collective_on_every_rank_and_says_why(mesh):
+    with mesh.activate():
+        good = torch.ones(2) * 2
+        bad = remote(_fails_on_gpu_1, propagate=lambda x, g: x)(torch.ones(2), mesh.rank_tensor("gpus"))
+        out = reduce([good, bad, torch.ones(4)], "gpus", "sum")  # one collective: every result fails
+        with pytest.raises(RemoteException, match="on purpose"):
+            inspect(out[2], hosts=0, gpus=1)  # this rank's own input failed
+        with pytest.raises(RemoteException, match="an input failed on another rank"):
+            inspect(out[0], hosts=0, gpus=0)
+        assert inspect(reduce([good, good * 1], "gpus", "sum")[1], hosts=1, gpus=1).tolist() == [4.0, 4.0]
 
 
 def test_module_level_to_mesh_and_slice_mesh_take_pytrees_and_drop_frees(mesh):

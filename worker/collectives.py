@@ -17,6 +17,7 @@ rank, instead of leaving the others waiting for it until the timeout.
 
 from __future__ import annotations
 
+import math
 import os
 from datetime import timedelta
 
@@ -212,6 +213,44 @@ class Collectives:
         if flag is None:
             flag = self._flags[key] = torch.full((1,), ok, dtype=dtype, device=self.device)
         return torch.cat((t.reshape(-1), flag))
+
+    def reduce_many(self, ts: list | None, ranks: tuple[int, ...], reduction: str, inplace: bool, stream: int,
+                    shapes: tuple, dtype: torch.dtype) -> list | None:
+        """``reduce`` of several tensors of one ``dtype`` in one collective (not "stack", no scatter): copied side
+        by side into one buffer with the flag after them; the results (views of that buffer, or the ``ts``
+        written in place), or None when a member's input failed (``ts`` None: this rank's did)."""
+        op = _OPS.get(reduction)
+        if op is None:
+            raise ValueError(f"reduce of several tensors at once: unknown reduction {reduction!r}; use one of "
+                             f"{sorted(_OPS)}")
+        n = len(ranks)
+        numels = [math.prod(s) for s in shapes]
+        total = sum(numels)
+        ok, failed = _FLAGS[reduction]
+        work = torch.empty(total + 1, dtype=dtype, device=self.device)
+        if ts is None:
+            if n == 1:
+                return None
+            work.zero_()
+            work[total] = failed
+        else:
+            torch.cat([t.reshape(-1) for t in ts], out=work[:total])
+            work[total] = ok
+        if n > 1:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = op
+            self.group(ranks, stream).allreduce([work], opts).wait()
+            if work[total].item() != ok:
+                return None
+        flat = work[:total]
+        if reduction == "avg":
+            flat.div_(n) if flat.is_floating_point() else flat.floor_divide_(n)
+        parts = [p.view(shape) for p, shape in zip(flat.split(numels), shapes)]
+        if not inplace:
+            return parts
+        for t, p in zip(ts, parts):
+            t.copy_(p)
+        return ts
 
     def reduce(self, t: torch.Tensor | None, ranks: tuple[int, ...], reduction: str, scatter: bool,
                inplace: bool, stream: int, numel: int, dtype: torch.dtype) -> torch.Tensor | None:

@@ -163,6 +163,24 @@ class Reduce:
 
 @_fast_reduce
 @dataclass(frozen=True, slots=True)
+class ReduceMany:
+    """One collective for several tensors of one dtype (a pytree's ``reduce``/``reduce_``): their elements
+    side by side in one buffer, as DDP's buckets are. ``shapes`` are the ``srcs``' shapes; ``inplace`` writes
+    each result into its source, else into ``outs``. A failed input fails every result."""
+
+    outs: tuple
+    srcs: tuple
+    groups: tuple
+    reduction: str
+    inplace: bool
+    shapes: tuple
+    dtype: Any
+    stream: int
+    loc: Loc
+
+
+@_fast_reduce
+@dataclass(frozen=True, slots=True)
 class FetchValue:
     """Send ``value`` (refs resolved to CPU tensors, ``fn`` applied if given) to ``reply``."""
 
@@ -258,6 +276,6 @@ class CallActor:
     metas: tuple = ()
 
 
-INSTRUCTIONS = (CallOp, CallFunction, CreateValue, CreateRank, DeleteRefs, Reduce, FetchValue, SendTensor,
+INSTRUCTIONS = (CallOp, CallFunction, CreateValue, CreateRank, DeleteRefs, Reduce, ReduceMany, FetchValue, SendTensor,
                 RecvTensor, CreateStream, BorrowCreate, BorrowDrop, ReportRefs, CallActor)
 _wire.ENVELOPE_MODULES.add(__name__)  # a batch that cannot be read whole is still read instruction by instruction

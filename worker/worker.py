@@ -380,6 +380,31 @@ class TensorWorker(Actor):
             return
         self.refs[msg.out] = out
 
+    def handle_ReduceMany(self, msg: m.ReduceMany) -> None:
+        group = next((g for g in msg.groups if self.rank in g), None)
+        written = msg.srcs + msg.outs if msg.inplace else msg.outs
+        try:
+            if group is None:
+                raise RuntimeError(f"rank {self.rank} is in none of the reduce groups {msg.groups}")
+            try:
+                srcs, failure = [self._get(r) for r in msg.srcs], None
+            except _Propagate as p:
+                srcs, failure = None, p.failure  # it takes part all the same: the others must not wait for it
+            outs = self.coll.reduce_many(srcs, group, msg.reduction, msg.inplace, msg.stream, msg.shapes, msg.dtype)
+            if failure is not None:
+                raise _Propagate(failure)
+            if outs is None:
+                raise _Propagate(RemoteException(f"reduce({msg.reduction!r})", msg.loc, self.rank,
+                                                 f"an input failed on another rank of the group {group}", ""))
+        except _Propagate as p:
+            self._fail(written, p.failure)
+            return
+        except Exception as e:  # noqa: BLE001
+            self._fail(written, self._failure(f"reduce({msg.reduction!r})", msg.loc, e))
+            return
+        for ref, out in zip(msg.outs, outs):
+            self.refs[ref] = out
+
     def handle_FetchValue(self, msg: m.FetchValue) -> None:
         try:
             value = self._resolve(msg.value)
