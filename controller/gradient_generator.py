@@ -92,6 +92,8 @@ class _Backward:
 
     def take(self, i: int):
         with self.cv:
+            if i in self.got:  # came already: the thread stays where it is
+                return self.got.pop(i)
             if self.thread is None:
                 self.thread = threading.Thread(target=self._run, daemon=True, name="monarch-tensor-backward")
                 self.thread.start()
