@@ -13,7 +13,8 @@ when the last loss is on the controller (rank 0's); ms per step is the median of
 
 Runtimes, each in fresh processes, runs interleaved:
   ours after     one script drives a mesh of PROCS procs: ``loss.backward()``, then ``p.grad.reduce_("dp",
-                 "avg")`` for every parameter (one collective each), on the default stream
+                 "avg")`` for every parameter, on the default stream (the controller folds the run of
+                 reduces into one collective where no flush falls between them)
   ours bucket    the same, but ``reduce_([p.grad for p in params], "dp", "avg")``: one collective for every
                  gradient (their elements side by side in one buffer, as DDP's buckets)
   ours overlap   the same mesh and script (the ways alternate loop by loop, each on its own copy of the

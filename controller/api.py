@@ -389,18 +389,19 @@ def _reduce_tree(tensors, dims, reduction: str, scatter: bool, inplace: bool):
             out[idx[0]] = _reduce(leaves[idx[0]], dims, reduction, False, inplace)
             continue
         ts = [leaves[i] for i in idx]
+        srcs = tuple(t._ref for t in ts)
         if inplace:
             for t in ts:
                 check_writable("reduce_", t)
                 forget_value(t)
-            refs = ()
+            refs = srcs
             results = ts
         else:
             metas = [contiguous_meta(tuple(t.shape), t.dtype) for t in ts]
             refs = tuple(next(ctx.client.refs) for _ in ts)
             results = [Tensor(meta, intern_meta(meta), ctx, ref) for meta, ref in zip(metas, refs)]
-        ctx.client.issue(m.ReduceMany(refs, tuple(t._ref for t in ts), groups, reduction, inplace,
-                                      tuple(tuple(t.shape) for t in ts), ts[0].dtype, ctx.sid, user_loc()), ctx.ranks)
+        ctx.client.issue(m.ReduceMany(refs, srcs, groups, reduction, inplace, tuple(t.numel() for t in ts),
+                                      ts[0].dtype, ctx.sid, (user_loc(),) * len(ts)), ctx.ranks)
         for i, r in zip(idx, results):
             out[i] = r
     return pytree.tree_unflatten(out, spec)

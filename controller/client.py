@@ -157,6 +157,8 @@ class MeshClient:
             self.flush()
             self._ranks = ranks
         q = self._q
+        if type(instr) is m.Reduce and q and self._fuse(instr):
+            return
         q.append(instr)
         if _held:  # inside coalescing(): the batch leaves at its end (or at a fetch, or a change of ranks)
             _held.add(self)
@@ -166,6 +168,33 @@ class MeshClient:
             self.flush(grow=True)
         elif n == 1:
             _flusher.wake(self)
+
+    def _fuse(self, r) -> bool:
+        """Fold the reduce ``r`` into the batch's last instruction when that is a reduce of the same group,
+        reduction, dtype, stream and kind (in place or not): one collective for a run of them, as for
+        ``for p in params: p.grad.reduce_("dp", "avg")`` (each result still fails on its own)."""
+        if r.scatter or r.reduction == "stack":
+            return False
+        with self._lock:  # (a flush on the flusher's thread pops from the batch meanwhile)
+            q = self._q
+            if not q:
+                return False
+            last = q[-1]
+            t = type(last)
+            if t is m.Reduce:
+                if last.scatter or last.reduction == "stack":
+                    return False
+                last = m.ReduceMany((last.out,), (last.src,), last.groups, last.reduction, last.inplace,
+                                    (last.numel,), last.dtype, last.stream, (last.loc,))
+            elif t is not m.ReduceMany:
+                return False
+            if (last.groups, last.reduction, last.inplace, last.dtype, last.stream) != (
+                    r.groups, r.reduction, r.inplace, r.dtype, r.stream) or r.src in last.outs:
+                return False  # (r.src in last.outs: r reduces what an earlier one made; it must wait for it)
+            q[-1] = m.ReduceMany(last.outs + (r.out,), last.srcs + (r.src,), last.groups, last.reduction,
+                                 last.inplace, last.numels + (r.numel,), last.dtype, last.stream,
+                                 last.locs + (r.loc,))
+            return True
 
     def delete(self, ref: int, sid: int) -> None:
         """Called from ``Tensor.__del__`` (any thread, any time): queue the delete. (A dropped borrow's

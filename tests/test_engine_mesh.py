@@ -172,6 +172,34 @@ def test_a_pytrees_tensors_reduce_in_one_collective_per_dtype_like_one_at_a_time
                 torch.testing.assert_close(inspect(t, hosts=h, gpus=g), inspect(want, hosts=h, gpus=g))
 
 
+def test_a_run_of_reduces_is_one_collective_with_each_result_its_own(mesh):
+    """Adjacent reduces of a batch go in one collective (the controller folds them into a ReduceMany); a
+    reduce of what an earlier one made still sees that result."""
+    from monarch_tensor import coalescing
+    from worker import messages as m
+
+    with mesh.activate():
+        x = _per_rank(mesh)
+        grads = [x * (i + 1) for i in range(4)]
+        with coalescing():  # (held until the block ends: the batch can be looked at)
+            for g in grads:
+                g.reduce_("gpus", "avg")
+            last = x._ctx.client._q[-1]
+            assert type(last) is m.ReduceMany and last.srcs == tuple(g._ref for g in grads)
+        twice = x.clone()
+        twice.reduce_("gpus", "sum")
+        twice.reduce_("gpus", "sum")  # depends on the one before
+        y = x.reduce("gpus", "max")
+        z = y.reduce("hosts", "sum")
+        got = [inspect(g, hosts=1, gpus=0) for g in grads]
+        got_twice, got_z = inspect(twice, hosts=0, gpus=1), inspect(z, hosts=0, gpus=0)
+    both = _local(2) + _local(3)
+    for i, g in enumerate(got):
+        torch.testing.assert_close(g, both / 2 * (i + 1))
+    torch.testing.assert_close(got_twice, (_local(0) + _local(1)) * 2)
+    torch.testing.assert_close(got_z, torch.maximum(_local(0), _local(1)) + torch.maximum(_local(2), _local(3)))
+
+
 def _fails_on_gpu_1(x, gpu):
     if int(gpu) == 1:
         raise ValueError("this input fails on gpus=1 on purpose")
@@ -182,12 +210,19 @@ def test_a_failed_leaf_fails_its_collective_on_every_rank_and_says_why(mesh):
     with mesh.activate():
         good = torch.ones(2) * 2
         bad = remote(_fails_on_gpu_1, propagate=lambda x, g: x)(torch.ones(2), mesh.rank_tensor("gpus"))
-        out = reduce([good, bad, torch.ones(4)], "gpus", "sum")  # one collective: every result fails
+        out = reduce([good, bad, torch.ones(4)], "gpus", "sum")  # one collective; only bad's result fails
         with pytest.raises(RemoteException, match="on purpose"):
-            inspect(out[2], hosts=0, gpus=1)  # this rank's own input failed
-        with pytest.raises(RemoteException, match="an input failed on another rank"):
-            inspect(out[0], hosts=0, gpus=0)
-        assert inspect(reduce([good, good * 1], "gpus", "sum")[1], hosts=1, gpus=1).tolist() == [4.0, 4.0]
+            inspect(out[1], hosts=0, gpus=1)  # this rank's own input failed
+        with pytest.raises(RemoteException, match="its input failed on another rank"):
+            inspect(out[1], hosts=0, gpus=0)
+        assert inspect(out[0], hosts=1, gpus=1).tolist() == [4.0, 4.0]
+        assert inspect(out[2], hosts=1, gpus=0).tolist() == [2.0] * 4
+        fine = good.clone()
+        bad.reduce_("gpus", "sum")  # the same through a run of single reduces folded into one
+        fine.reduce_("gpus", "sum")
+        with pytest.raises(RemoteException, match="its input failed on another rank"):
+            inspect(bad, hosts=1, gpus=0)
+        assert inspect(fine, hosts=1, gpus=0).tolist() == [4.0, 4.0]
 
 
 def test_module_level_to_mesh_and_slice_mesh_take_pytrees_and_drop_frees(mesh):

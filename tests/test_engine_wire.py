@@ -29,7 +29,7 @@ SAMPLES = {
     m.CreateRank: m.CreateRank(5, {0: 0, 1: 1}, 0),
     m.DeleteRefs: m.DeleteRefs((1, 2, 3), 0),
     m.Reduce: m.Reduce(6, 5, ((0, 1), (2, 3)), "sum", False, True, 12, torch.float32, 0, ("f.py", 9, "g")),
-    m.ReduceMany: m.ReduceMany((8, 9), (5, 6), ((0, 1),), "avg", False, ((2, 3), (4,)), torch.float32, 0, None),
+    m.ReduceMany: m.ReduceMany((8, 9), (5, 6), ((0, 1),), "avg", False, (6, 4), torch.float32, 0, (None, None)),
     m.FetchValue: m.FetchValue({"a": m.Ref(3)}, None, PortRef("ipc:///tmp/x", 4), 0, None),
     m.SendTensor: m.SendTensor(3, 11, {0: "ipc:///tmp/a"}, 0, None),
     m.RecvTensor: m.RecvTensor(8, 11, 30.0, 0, None),

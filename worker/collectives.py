@@ -17,7 +17,6 @@ rank, instead of leaving the others waiting for it until the timeout.
 
 from __future__ import annotations
 
-import math
 import os
 from datetime import timedelta
 
@@ -214,43 +213,46 @@ class Collectives:
             flag = self._flags[key] = torch.full((1,), ok, dtype=dtype, device=self.device)
         return torch.cat((t.reshape(-1), flag))
 
-    def reduce_many(self, ts: list | None, ranks: tuple[int, ...], reduction: str, inplace: bool, stream: int,
-                    shapes: tuple, dtype: torch.dtype) -> list | None:
+    def reduce_many(self, ts: list, ranks: tuple[int, ...], reduction: str, inplace: bool, stream: int,
+                    numels: tuple, dtype: torch.dtype) -> list:
         """``reduce`` of several tensors of one ``dtype`` in one collective (not "stack", no scatter): copied side
-        by side into one buffer with the flag after them; the results (views of that buffer, or the ``ts``
-        written in place), or None when a member's input failed (``ts`` None: this rank's did)."""
+        by side into one buffer, a flag per tensor after them. ``ts[i]`` None: this rank's input i failed (it
+        takes part with zeros). The results: per tensor, its result (a view of the buffer, or ``ts[i]``
+        written in place), or None where some member's input i failed."""
         op = _OPS.get(reduction)
         if op is None:
             raise ValueError(f"reduce of several tensors at once: unknown reduction {reduction!r}; use one of "
                              f"{sorted(_OPS)}")
-        n = len(ranks)
-        numels = [math.prod(s) for s in shapes]
+        n, k = len(ranks), len(numels)
         total = sum(numels)
         ok, failed = _FLAGS[reduction]
-        work = torch.empty(total + 1, dtype=dtype, device=self.device)
-        if ts is None:
-            if n == 1:
-                return None
-            work.zero_()
-            work[total] = failed
-        else:
-            torch.cat([t.reshape(-1) for t in ts], out=work[:total])
-            work[total] = ok
+        work = torch.empty(total + k, dtype=dtype, device=self.device)
+        parts = list(work[:total].split(list(numels)))
+        flags = work[total:]
+        for i, t in enumerate(ts):
+            if t is None:
+                parts[i].zero_()
+                flags[i] = failed
+            else:
+                parts[i].copy_(t.reshape(-1))
+                flags[i] = ok
         if n > 1:
             opts = dist.AllreduceOptions()
             opts.reduceOp = op
             self.group(ranks, stream).allreduce([work], opts).wait()
-            if work[total].item() != ok:
-                return None
-        flat = work[:total]
+        good = (flags == ok).tolist()
         if reduction == "avg":
+            flat = work[:total]
             flat.div_(n) if flat.is_floating_point() else flat.floor_divide_(n)
-        parts = [p.view(shape) for p, shape in zip(flat.split(numels), shapes)]
-        if not inplace:
-            return parts
-        for t, p in zip(ts, parts):
-            t.copy_(p)
-        return ts
+        out: list = []
+        for t, p, fine in zip(ts, parts, good):
+            if not fine or t is None:
+                out.append(None)
+            elif inplace:
+                out.append(t.copy_(p.view(t.shape)))
+            else:
+                out.append(p.view(t.shape))
+        return out
 
     def reduce(self, t: torch.Tensor | None, ranks: tuple[int, ...], reduction: str, scatter: bool,
                inplace: bool, stream: int, numel: int, dtype: torch.dtype) -> torch.Tensor | None:

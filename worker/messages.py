@@ -164,19 +164,21 @@ class Reduce:
 @_fast_reduce
 @dataclass(frozen=True, slots=True)
 class ReduceMany:
-    """One collective for several tensors of one dtype (a pytree's ``reduce``/``reduce_``): their elements
-    side by side in one buffer, as DDP's buckets are. ``shapes`` are the ``srcs``' shapes; ``inplace`` writes
-    each result into its source, else into ``outs``. A failed input fails every result."""
+    """Several reduces of one dtype, group and reduction in one collective: their elements side by side in
+    one buffer, as DDP's buckets, then one flag per tensor. Made by a pytree's ``reduce``/``reduce_`` and by
+    the controller from adjacent ``Reduce``s of a batch. Each result lands at ``outs[i]`` (for ``inplace``,
+    ``outs`` are the ``srcs``, written in place); ``numels`` are the ``srcs``' sizes. A failed input fails
+    only its own result, as separate reduces would, and names its own ``locs[i]``."""
 
     outs: tuple
     srcs: tuple
     groups: tuple
     reduction: str
     inplace: bool
-    shapes: tuple
+    numels: tuple
     dtype: Any
     stream: int
-    loc: Loc
+    locs: tuple
 
 
 @_fast_reduce

@@ -382,28 +382,30 @@ class TensorWorker(Actor):
 
     def handle_ReduceMany(self, msg: m.ReduceMany) -> None:
         group = next((g for g in msg.groups if self.rank in g), None)
-        written = msg.srcs + msg.outs if msg.inplace else msg.outs
+        what = f"reduce({msg.reduction!r})"
+        srcs: list = []
+        own: dict = {}  # i -> this rank's failure of input i
+        for i, r in enumerate(msg.srcs):
+            try:
+                srcs.append(self._get(r))
+            except _Propagate as p:  # it takes part all the same: the others must not wait for it
+                srcs.append(None)
+                own[i] = p.failure
         try:
             if group is None:
                 raise RuntimeError(f"rank {self.rank} is in none of the reduce groups {msg.groups}")
-            try:
-                srcs, failure = [self._get(r) for r in msg.srcs], None
-            except _Propagate as p:
-                srcs, failure = None, p.failure  # it takes part all the same: the others must not wait for it
-            outs = self.coll.reduce_many(srcs, group, msg.reduction, msg.inplace, msg.stream, msg.shapes, msg.dtype)
-            if failure is not None:
-                raise _Propagate(failure)
-            if outs is None:
-                raise _Propagate(RemoteException(f"reduce({msg.reduction!r})", msg.loc, self.rank,
-                                                 f"an input failed on another rank of the group {group}", ""))
-        except _Propagate as p:
-            self._fail(written, p.failure)
-            return
+            outs = self.coll.reduce_many(srcs, group, msg.reduction, msg.inplace, msg.stream, msg.numels, msg.dtype)
         except Exception as e:  # noqa: BLE001
-            self._fail(written, self._failure(f"reduce({msg.reduction!r})", msg.loc, e))
+            for src, ref, loc in zip(msg.srcs, msg.outs, msg.locs):
+                self._fail((src, ref) if msg.inplace else (ref,), self._failure(what, loc, e))
             return
-        for ref, out in zip(msg.outs, outs):
-            self.refs[ref] = out
+        for i, (src, ref, out, loc) in enumerate(zip(msg.srcs, msg.outs, outs, msg.locs)):
+            if out is not None:
+                self.refs[ref] = out
+                continue
+            failure = own.get(i) or RemoteException(what, loc, self.rank,
+                                                   f"its input failed on another rank of the group {group}", "")
+            self._fail((src, ref) if msg.inplace else (ref,), failure)
 
     def handle_FetchValue(self, msg: m.FetchValue) -> None:
         try:
