@@ -1,5 +1,5 @@
 """Mesh tensors in one script: rank tensors, reduce, fetch, slicing, to_mesh, an actor that gets each
-rank's tensor, and an error at its line.
+rank's tensor, a module that lives on the workers, and an error at its line.
 
     python examples/mesh_tensors.py
 
@@ -13,6 +13,8 @@ import torch
 
 from monarch_tensor import RemoteException, fetch_shard, inspect, this_host
 from monarch_tensor.actor import Actor, current_rank, endpoint
+from monarch_tensor.builtins.random import set_manual_seed_remote
+from monarch_tensor.opaque_module import OpaqueModule
 
 
 class Norms(Actor):
@@ -54,6 +56,15 @@ with procs.activate():
     norms = procs.spawn("norms", Norms)
     for line in norms.norm.call(x * 2).get(timeout=60).values():
         print(f"actor got {line}")
+
+    # A module built on every rank (Monarch's OpaqueModule), seeded alike; autograd runs through it.
+    set_manual_seed_remote(0)
+    linear = OpaqueModule("torch.nn.Linear", 4, 2)
+    weight, bias = linear.parameters()  # mesh tensors on the workers' own parameters
+    linear(x, propagator=lambda self, t: t.new_empty(2)).sum().backward()
+    same = torch.equal(inspect(weight, hosts=0, gpus=0), inspect(weight, hosts=1, gpus=1))
+    print(f"OpaqueModule: same weights on every rank: {same}; "
+          f"weight.grad row on hosts=1, gpus=1: {inspect(weight.grad, hosts=1, gpus=1)[0].tolist()}")
 
     # A shape error is caught by the controller at once, at the line that made it.
     try:

@@ -80,6 +80,9 @@ def test_mesh_tensors():
     for r in range(4):
         v = 2.0 * (r + 1)
         assert f"actor got rank {r}: Tensor {[v] * 4}, norm {2 * v:.1f}" in lines, out
+    # d(sum(W x + b))/dW has x in every row: rank 3's x is [4, 4, 4, 4]
+    assert "OpaqueModule: same weights on every rank: True; weight.grad row on hosts=1, gpus=1: " \
+           "[4.0, 4.0, 4.0, 4.0]" in lines, out
     assert any(ln.startswith("shape error raised at once:") for ln in lines), out
     # the RemoteException names the op, the rank, and the example's own line
     i = lines.index("fetch raised RemoteException:")
