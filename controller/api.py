@@ -385,8 +385,10 @@ def _reduce_tree(tensors, dims, reduction: str, scatter: bool, inplace: bool):
         buckets.setdefault((id(t._ctx), t.dtype), (t._ctx, groups, []))[2].append(i)
     out: list = [None] * len(leaves)
     for ctx, groups, idx in buckets.values():
-        if len(idx) == 1:
-            out[idx[0]] = _reduce(leaves[idx[0]], dims, reduction, False, inplace)
+        if len(idx) == 1 or (inplace and len({id(leaves[i]) for i in idx}) < len(idx)):
+            # (a tensor twice in reduce_'s tree is reduced twice, one after the other, as leaf by leaf)
+            for i in idx:
+                out[i] = _reduce(leaves[i], dims, reduction, False, inplace)
             continue
         ts = [leaves[i] for i in idx]
         srcs = tuple(t._ref for t in ts)

@@ -189,14 +189,18 @@ def test_a_run_of_reduces_is_one_collective_with_each_result_its_own(mesh):
         twice = x.clone()
         twice.reduce_("gpus", "sum")
         twice.reduce_("gpus", "sum")  # depends on the one before
+        dup = x.clone()
+        reduce_([dup, dup], "gpus", "sum")  # the same tensor twice: reduced twice, as leaf by leaf
         y = x.reduce("gpus", "max")
         z = y.reduce("hosts", "sum")
         got = [inspect(g, hosts=1, gpus=0) for g in grads]
         got_twice, got_z = inspect(twice, hosts=0, gpus=1), inspect(z, hosts=0, gpus=0)
+        got_dup = inspect(dup, hosts=0, gpus=0)
     both = _local(2) + _local(3)
     for i, g in enumerate(got):
         torch.testing.assert_close(g, both / 2 * (i + 1))
     torch.testing.assert_close(got_twice, (_local(0) + _local(1)) * 2)
+    torch.testing.assert_close(got_dup, (_local(0) + _local(1)) * 2)
     torch.testing.assert_close(got_z, torch.maximum(_local(0), _local(1)) + torch.maximum(_local(2), _local(3)))
 
 

@@ -232,10 +232,9 @@ class Collectives:
         for i, t in enumerate(ts):
             if t is None:
                 parts[i].zero_()
-                flags[i] = failed
             else:
                 parts[i].copy_(t.reshape(-1))
-                flags[i] = ok
+        flags.copy_(torch.tensor([ok if t is not None else failed for t in ts], dtype=dtype))  # one copy on GPU
         if n > 1:
             opts = dist.AllreduceOptions()
             opts.reduceOp = op
