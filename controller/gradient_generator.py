@@ -20,9 +20,11 @@ ordinary tensors too.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import math
 import threading
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -31,6 +33,15 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from . import tensor as _tensor
 
 WAIT_S = 1.0  # the loop checks on the backward thread this often while it waits
+_live: weakref.WeakSet = weakref.WeakSet()  # backward passes whose thread may still be paused
+
+
+@atexit.register
+def _finish_all() -> None:
+    """At exit, let every paused backward pass run to its end: a thread left inside autograd's engine while
+    the interpreter shuts down crashes it (a generator kept, not exhausted, until the script ended)."""
+    for run in list(_live):
+        run.finish()
 
 
 def _edge(x) -> GradientEdge:
@@ -96,6 +107,7 @@ class _Backward:
                 return self.got.pop(i)
             if self.thread is None:
                 self.thread = threading.Thread(target=self._run, daemon=True, name="monarch-tensor-backward")
+                _live.add(self)
                 self.thread.start()
             self.waiting, self.paused = i, False
             self.cv.notify_all()  # a paused thread goes on

@@ -1,6 +1,10 @@
 """grad_generator / grad_function / gradient_execution_order (Monarch's monarch.gradient_generator): gradients
 one at a time, equal to torch.autograd.grad's, handed out while the backward pass is paused."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -72,6 +76,25 @@ def test_leaving_the_loop_early_lets_the_backward_pass_finish():
     loss2 = _forward(layers, torch.ones(2, 4))
     loss2.backward()
     assert all(p.grad is not None for p in params)
+
+
+def test_a_script_may_end_with_a_generator_not_exhausted():
+    """Its backward thread is paused inside autograd's engine: it is let finish at exit (a thread left there
+    crashed the interpreter's shutdown)."""
+    code = (
+        "import torch\n"
+        "from monarch_tensor import grad_generator\n"
+        "w = [torch.randn(4, 4, requires_grad=True) for _ in range(3)]\n"
+        "h = torch.ones(2, 4)\n"
+        "for x in w:\n"
+        "    h = torch.tanh(h @ x)\n"
+        "gen = grad_generator(h.sum(), list(reversed(w)))\n"
+        "next(gen)\n"
+        "print('one taken', flush=True)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=root,
+                          env=dict(os.environ, PYTHONPATH=root))
+    assert proc.returncode == 0 and proc.stdout == "one taken\n", (proc.returncode, proc.stderr[-2000:])
 
 
 def test_bad_input_says_what_was_wrong():
