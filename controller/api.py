@@ -353,8 +353,25 @@ def _groups(shape, dims: tuple) -> tuple:
 _REDUCTIONS = ("sum", "avg", "max", "min", "product", "stack")
 
 
-def _reduce_groups(t: Tensor, dims, reduction: str) -> tuple:
-    """Check a reduce of ``t`` over ``dims``; the rank groups it runs in."""
+def _reduce_tree(tensors, dims, reduction: str, scatter: bool, inplace: bool):
+    """Every mesh tensor of a pytree reduced, the structure kept. The leaves go out in one held batch, those
+    of one mesh and dtype one after another, so that the client folds each such run into one collective
+    (``MeshClient._fuse``: a ``ReduceMany``, one buffer as DDP's buckets; not for "stack" or ``scatter``)."""
+    from .client import coalescing
+
+    leaves, spec = pytree.tree_flatten(tensors)
+    runs: dict = {}
+    for i, t in enumerate(leaves):
+        runs.setdefault((id(getattr(t, "_ctx", None)), getattr(t, "dtype", None)), []).append(i)
+    out: list = [None] * len(leaves)
+    with coalescing():
+        for run in runs.values():
+            for i in run:
+                out[i] = _reduce(leaves[i], dims, reduction, scatter, inplace)
+    return pytree.tree_unflatten(out, spec)
+
+
+def _reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool) -> Tensor:
     if type(t) is not Tensor:
         raise TypeError(f"reduce needs a mesh tensor, got {type(t).__name__}")
     check_live(t._ctx, "reduce")
@@ -370,48 +387,7 @@ def _reduce_groups(t: Tensor, dims, reduction: str) -> tuple:
     active = state.stream
     if (active.id if active else 0) != ctx.sid:
         raise MeshTensorError(f"reduce: the tensor lives on stream {ctx.stream.name!r}, not the active one")
-    return _groups(ctx.pm._shape, dims)
-
-
-def _reduce_tree(tensors, dims, reduction: str, scatter: bool, inplace: bool):
-    """Every mesh tensor of a pytree reduced, the structure kept. Tensors of one mesh, stream and dtype go in
-    one collective (``ReduceMany``: one buffer, as DDP's buckets), except for "stack" and ``scatter``."""
-    leaves, spec = pytree.tree_flatten(tensors)
-    if reduction == "stack" or scatter or len(leaves) < 2:
-        return pytree.tree_unflatten([_reduce(t, dims, reduction, scatter, inplace) for t in leaves], spec)
-    buckets: dict = {}
-    for i, t in enumerate(leaves):
-        groups = _reduce_groups(t, dims, reduction)
-        buckets.setdefault((id(t._ctx), t.dtype), (t._ctx, groups, []))[2].append(i)
-    out: list = [None] * len(leaves)
-    for ctx, groups, idx in buckets.values():
-        if len(idx) == 1 or (inplace and len({id(leaves[i]) for i in idx}) < len(idx)):
-            # (a tensor twice in reduce_'s tree is reduced twice, one after the other, as leaf by leaf)
-            for i in idx:
-                out[i] = _reduce(leaves[i], dims, reduction, False, inplace)
-            continue
-        ts = [leaves[i] for i in idx]
-        srcs = tuple(t._ref for t in ts)
-        if inplace:
-            for t in ts:
-                check_writable("reduce_", t)
-                forget_value(t)
-            refs = srcs
-            results = ts
-        else:
-            metas = [contiguous_meta(tuple(t.shape), t.dtype) for t in ts]
-            refs = tuple(next(ctx.client.refs) for _ in ts)
-            results = [Tensor(meta, intern_meta(meta), ctx, ref) for meta, ref in zip(metas, refs)]
-        ctx.client.issue(m.ReduceMany(refs, srcs, groups, reduction, inplace, tuple(t.numel() for t in ts),
-                                      ts[0].dtype, ctx.sid, (user_loc(),) * len(ts)), ctx.ranks)
-        for i, r in zip(idx, results):
-            out[i] = r
-    return pytree.tree_unflatten(out, spec)
-
-
-def _reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool) -> Tensor:
-    groups = _reduce_groups(t, dims, reduction)
-    ctx = t._ctx
+    groups = _groups(ctx.pm._shape, dims)
     n = len(groups[0])
     shape = tuple(t.shape)
     if reduction == "stack":
