@@ -77,6 +77,49 @@ def launch(cmd: list[str], env: dict, marker: str, timeout: float, cwd: str) -> 
     return res
 
 
+def error_text(e: BaseException, script: str) -> str:
+    """``e`` in one line, with the line of ``script`` (a bench's own file) it came from, if any."""
+    import traceback
+
+    ours = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == os.path.abspath(script)]
+    return f"{type(e).__name__}: {e}" + (f" ({os.path.basename(script)}:{ours[-1].lineno})" if ours else "")
+
+
+def report_worker(measure: Callable[[dict], object], marker: str, script: str) -> None:
+    """Body of one runtime's fresh subprocess: ``measure(res)``, then ``res`` (or its error) as one ``marker``
+    line, and exit at once (a runtime's leftover threads must not keep the subprocess alive)."""
+    import traceback
+
+    res: dict = {}
+    try:
+        measure(res)
+    except BaseException as e:  # noqa: BLE001 - reported in the table
+        res["error"] = error_text(e, script)
+        traceback.print_exc()
+    finally:
+        print(marker + json.dumps(res), flush=True)
+        sys.stdout.flush()
+        os._exit(0)
+
+
+def report_rank(measure: Callable[[dict], int], marker: str, script: str) -> None:
+    """Body of one rank of a torchrun launch: ``measure(res)`` returns the rank; rank 0's ``res``, or any rank's
+    error, goes out as one ``marker`` line, and the rank exits (1 on an error)."""
+    import traceback
+
+    res: dict = {}
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        rank = measure(res)
+    except BaseException as e:  # noqa: BLE001 - reported in the table
+        res["error"] = f"rank {rank}: " + error_text(e, script)
+        traceback.print_exc()
+    if rank == 0 or "error" in res:
+        print(marker + json.dumps(res), flush=True)
+    sys.stdout.flush()
+    os._exit(1 if "error" in res else 0)
+
+
 def write_json(path: str, tiny: bool, load: tuple[float, float], **results) -> None:
     """``results`` and the machine they were measured on (load average at the start and the end) to ``path``."""
     import datetime

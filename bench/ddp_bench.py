@@ -34,13 +34,20 @@ import os
 import statistics
 import sys
 import time
-import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _runs import add_common_args, apply_common_args, interleaved, markdown, write_json  # noqa: E402
+from _runs import (  # noqa: E402
+    add_common_args,
+    apply_common_args,
+    interleaved,
+    markdown,
+    report_rank,
+    report_worker,
+    write_json,
+)
 from _runs import launch as run_launch  # noqa: E402
 
 # ---- settings ------------------------------------------------------------------------------
@@ -229,36 +236,14 @@ def ddp_worker(res: dict) -> int:
 
 
 # ---- orchestration ------------------------------------------------------------------------------
-def error_text(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"[:500]
-
-
 def worker(kind: str) -> None:
-    res: dict = {}
-    try:
+    def measure(res: dict) -> None:
         import torch
 
         torch.set_num_threads(THREADS)
         measure_ours(res)
-    except BaseException as e:  # noqa: BLE001 - reported in the table
-        res["error"] = error_text(e)
-        traceback.print_exc()
-    finally:
-        print(MARKER + json.dumps(res), flush=True)
-        os._exit(0)  # leftover threads must not keep the subprocess alive
 
-
-def ddp_main() -> None:
-    res, rank = {}, int(os.environ.get("RANK", "0"))
-    try:
-        rank = ddp_worker(res)
-    except BaseException as e:  # noqa: BLE001 - reported in the table
-        res["error"] = f"rank {rank}: " + error_text(e)
-        traceback.print_exc()
-    if rank == 0 or "error" in res:
-        print(MARKER + json.dumps(res), flush=True)
-    sys.stdout.flush()
-    os._exit(1 if "error" in res else 0)
+    report_worker(measure, MARKER, __file__)
 
 
 def run_once(kind: str, settings: dict) -> dict:
@@ -285,7 +270,7 @@ def main() -> None:
         worker(args.worker)
         return
     if args.ddp_worker:
-        ddp_main()
+        report_rank(ddp_worker, MARKER, __file__)
         return
 
     settings = {k: g[k] for k in SETTINGS}

@@ -61,9 +61,8 @@ import os
 import statistics
 import sys
 import time
-import traceback
 
-from _runs import add_common_args, apply_common_args, interleaved, markdown, write_json
+from _runs import add_common_args, apply_common_args, interleaved, markdown, report_rank, report_worker, write_json
 from _runs import launch as run_launch  # bench/ is on sys.path
 
 # ---- settings ------------------------------------------------------------------------------
@@ -345,38 +344,18 @@ def spmd_worker(mode, res):
 
 
 # ---- subprocess bodies -----------------------------------------------------------------------
-def error_text(e):
-    ours = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == os.path.abspath(__file__)]
-    return f"{type(e).__name__}: {e}" + (f" (sharded_bench.py:{ours[-1].lineno})" if ours else "")
-
-
 def worker(kind):
     """Body of one fresh subprocess: measure one runtime, print the results as one JSON line."""
-    res = {}
-    try:
+    def measure(res):
         import torch
         torch.set_num_threads(PROCS * THREADS if kind == "local" else THREADS)
         {"ours": measure_ours, "local": measure_local}[kind](res)
-    except BaseException as e:  # noqa: BLE001 - reported in the table
-        res["error"] = error_text(e)
-        traceback.print_exc()
-    finally:
-        print(MARKER + json.dumps(res), flush=True)
-        sys.stdout.flush()
-        os._exit(0)  # a runtime's leftover threads must not keep the subprocess alive
+
+    report_worker(measure, MARKER, __file__)
 
 
 def spmd_main(mode):
-    res, rank = {}, int(os.environ.get("RANK", "0"))
-    try:
-        rank = spmd_worker(mode, res)
-    except BaseException as e:  # noqa: BLE001 - reported in the table
-        res["error"] = f"rank {rank}: " + error_text(e)
-        traceback.print_exc()
-    if rank == 0 or "error" in res:
-        print(MARKER + json.dumps(res), flush=True)
-    sys.stdout.flush()
-    os._exit(1 if "error" in res else 0)
+    report_rank(lambda res: spmd_worker(mode, res), MARKER, __file__)
 
 
 # ---- orchestration (the parent process) -----------------------------------------------------
