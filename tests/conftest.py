@@ -24,3 +24,13 @@ def _report_unhandled_faults_instead_of_exiting():
     actor_mod.unhandled_fault_hook = report
     yield
     actor_mod.unhandled_fault_hook = default
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    """A mesh of two procs, {"gpus": 2}, for a test module (a module may define its own ``mesh``)."""
+    from monarch_tensor import this_host
+
+    m = this_host().spawn_procs(per_host={"gpus": 2})
+    yield m
+    m.stop()

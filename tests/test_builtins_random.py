@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from monarch_tensor import inspect, no_mesh, this_host
+from monarch_tensor import inspect, no_mesh
 from monarch_tensor.builtins import log_remote, set_logging_level_remote
 from monarch_tensor.builtins.random import (
     get_rng_state_remote,
@@ -19,13 +19,6 @@ from monarch_tensor.builtins.random import (
 from monarch_tensor.random import State, get_state, make_deterministic, new_state, set_state
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    m = this_host().spawn_procs(per_host={"gpus": 2})
-    yield m
-    m.stop()
 
 
 def _local(seed: int) -> torch.Tensor:

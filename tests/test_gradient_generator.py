@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from monarch_tensor import Stream, grad_function, grad_generator, inspect, no_mesh, this_host
+from monarch_tensor import Stream, grad_function, grad_generator, inspect, no_mesh
 from monarch_tensor.gradient_generator import gradient_execution_order
 
 pytestmark = pytest.mark.timeout(120)
@@ -116,13 +116,6 @@ def test_grad_function_uses_the_given_backward():
     x = torch.ones(4, requires_grad=True)
     grad_function(double)(x).sum().backward()
     assert x.grad.tolist() == [3.0] * 4
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    m = this_host().spawn_procs(per_host={"gpus": 2})
-    yield m
-    m.stop()
 
 
 def test_a_ddp_step_on_a_mesh_reduces_each_gradient_as_it_comes(mesh):

@@ -5,16 +5,9 @@ import gc
 import pytest
 import torch
 
-from monarch_tensor import OpaqueObject, OpaqueRef, call_on_shard_and_fetch, inspect, opaque_method, remote, this_host
+from monarch_tensor import OpaqueObject, OpaqueRef, call_on_shard_and_fetch, inspect, opaque_method, remote
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    m = this_host().spawn_procs(per_host={"gpus": 2})
-    yield m
-    m.stop()
 
 
 class _Tracked:

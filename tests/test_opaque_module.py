@@ -8,17 +8,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from monarch_tensor import RemoteException, call_on_shard_and_fetch, inspect, no_mesh, remote, this_host
+from monarch_tensor import RemoteException, call_on_shard_and_fetch, inspect, no_mesh, remote
 from monarch_tensor.opaque_module import OpaqueModule
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    m = this_host().spawn_procs(per_host={"gpus": 2})
-    yield m
-    m.stop()
 
 
 def _local_copy(module: OpaqueModule, rank: int, make):

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from monarch_tensor import inspect, no_mesh, this_host
+from monarch_tensor import inspect, no_mesh
 from monarch_tensor.cached_remote_function import RemoteAutogradFunction, remote_autograd_function
 
 pytestmark = pytest.mark.timeout(120)
@@ -50,13 +50,6 @@ class KeepsATensor(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return g
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    m = this_host().spawn_procs(per_host={"gpus": 2})
-    yield m
-    m.stop()
 
 
 def test_forward_and_backward_run_remotely_and_match_local(mesh):
