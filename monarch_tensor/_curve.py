@@ -180,6 +180,11 @@ def remember_peer(addr: str, keys: JobKeys) -> None:
     _peer_keys[addr] = keys
 
 
+def peers() -> dict[str, JobKeys]:
+    """The peers whose keys this process was given (``remember_peer``), by address."""
+    return dict(_peer_keys)
+
+
 def keys_for(addr: str) -> JobKeys | None:
     k = _peer_keys.get(addr)
     if k is None and "|" in addr:

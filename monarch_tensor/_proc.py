@@ -24,7 +24,7 @@ from typing import Callable
 from . import _context, _proc_ext
 from .errors import ActorError
 from .mailbox import _EVENTS, _POLLIN, Mailbox, set_current_mailbox
-from .messages import CallEndpoint, ForwardLogs, SendToPort, SetLogging, SpawnActor, StopProc
+from .messages import CallEndpoint, ForwardLogs, KnowPeers, SendToPort, SetLogging, SpawnActor, StopProc
 from .shape import Point, Shape
 
 log = logging.getLogger("monarch_tensor.proc")
@@ -283,6 +283,12 @@ class ProcRuntime:
         self.logs.set_enabled(msg.stream_to_client)
         logging.getLogger().setLevel(msg.level)
         self._reply(msg.reply, None, None, self.rank)
+
+    def handle_KnowPeers(self, msg: KnowPeers) -> None:
+        from . import _curve
+
+        for addr, public, secret in msg.peers:
+            _curve.remember_peer(addr, _curve.JobKeys(public, secret))
 
     def handle_StopProc(self, msg: StopProc) -> None:
         for slot in self.actors.values():

@@ -238,6 +238,7 @@ class HostAgent:
             if gpus and local_gpu is not None:
                 env["CUDA_VISIBLE_DEVICES"] = str(int(local_gpu) % gpus)
             env["MONARCH_TENSOR_ALIASES"] = f'{{"{msg.client_addr}": "{msg.gateway}"}}'
+            env["MONARCH_TENSOR_GATEWAY"] = msg.gateway  # also the way to the controller's own procs
             env["MONARCH_TENSOR_PUBLIC_ADDR"] = f"{info.addr}={self.addr}|{pid_key}"
             info.owner = (msg.session, msg.events, pid_key, msg.gateway)
             infos.append(info)

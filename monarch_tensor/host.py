@@ -532,7 +532,30 @@ def _spawn_procs(shape: Shape, proc_bind: list | None = None, per: int = 1,
         info.owner = mesh
     local_host(python_exe).spawn(infos, mailbox.addr, envs)
     _live_meshes.add(mesh)
+    share_peer_keys(infos)
     return mesh
+
+
+def local_procs() -> list[ProcInfo]:
+    """The live procs this process spawned on its own host (not behind a host agent)."""
+    return [p for mesh in list(_live_meshes) for p in mesh._procs
+            if p.alive and getattr(p, "agent", None) is None]
+
+
+def share_peer_keys(procs: list[ProcInfo] | None = None, peers: dict | None = None) -> None:
+    """Give ``procs`` (default: every live one on this host, ``local_procs``) the job keys of ``peers``
+    (default: every host agent this process attached to), so that they reach procs behind those agents
+    and answer their calls. In order with this process's other messages to them: ahead of any call after."""
+    from . import _curve
+    from .messages import KnowPeers
+
+    peers = _curve.peers() if peers is None else peers
+    if not peers:
+        return
+    msg = KnowPeers(tuple((addr, k.public, k.secret) for addr, k in peers.items()))
+    mailbox = current_mailbox()
+    for p in local_procs() if procs is None else procs:
+        mailbox.send(p.addr, msg)
 
 
 class HostMesh(MeshTrait):

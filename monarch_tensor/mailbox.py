@@ -210,6 +210,10 @@ class Mailbox:
         self.on_deferred: Callable[[object], None] | None = None
         # Addresses reached through another one (a remote controller's ipc address -> its tcp gateway).
         self.aliases: dict[str, str] = json.loads(os.environ.get("MONARCH_TENSOR_ALIASES") or "{}")
+        # A proc behind a host agent: its controller's tcp gateway, which also relays to the controller's
+        # procs on its own host (``this_host()``'s), whose ipc sockets are not on this host (``_resolve``).
+        self.gateway = os.environ.get("MONARCH_TENSOR_GATEWAY", "")
+        self._here: set[str] = set()  # ipc addresses whose sockets are on this host
         # The address others reach this mailbox at, in ports (a proc behind a host agent: a routed one).
         pub = os.environ.get("MONARCH_TENSOR_PUBLIC_ADDR", "")
         self.public_addr = pub.partition("=")[2] if pub.startswith(self.addr + "=") else self.addr
@@ -239,19 +243,33 @@ class Mailbox:
             s.setsockopt(zmq.SNDHWM, 0)
             # A new proc may not have bound yet: retry every 5 ms, not zmq's default 100 ms.
             s.setsockopt(zmq.RECONNECT_IVL, 5)
-            target = self.aliases.get(addr, addr)
-            if target.startswith("tcp://"):  # every TCP link is CURVE-authenticated and encrypted
+            if addr.startswith("tcp://"):  # every TCP link is CURVE-authenticated and encrypted
                 from . import _curve
 
-                _curve.connect_curve(s, _curve.keys_for(target))
-            s.connect(target)
+                _curve.connect_curve(s, _curve.keys_for(addr))
+            s.connect(addr)
             self._out[addr] = s
         return s
+
+    def _resolve(self, addr: str) -> str:
+        """Where ``addr`` is reached: an alias (a remote controller's tcp gateway), the gateway's route to
+        an ipc address whose socket is not on this host (a proc of the controller's host, for a proc behind
+        a host agent), or ``addr`` itself."""
+        alias = self.aliases.get(addr)
+        if alias is not None:
+            return alias
+        if self.gateway and addr.startswith("ipc://") and addr not in self._here:
+            if os.path.exists(addr[len("ipc://"):]):  # (one stat per address)
+                self._here.add(addr)
+            else:
+                alias = self.aliases[addr] = f"{self.gateway}{ROUTE_SEP}{addr}"
+                return alias
+        return addr
 
     def route_of(self, addr: str) -> str:
         """The address a message to ``addr`` is sent to: ``addr`` itself, the tcp gateway it is reached
         through, or the host agent it is routed by."""
-        return self.aliases.get(addr, addr).partition(ROUTE_SEP)[0]
+        return self._resolve(addr).partition(ROUTE_SEP)[0]
 
     def send(self, addr: str, msg: object, batch: bool = False) -> None:
         target = self.route_of(addr)
@@ -295,7 +313,8 @@ class Mailbox:
 
     def _send_now(self, addr: str, frames: list) -> None:
         copy = _wire.is_small(frames)
-        if ROUTE_SEP in addr:  # a proc behind a host agent: along that agent's path (see _fanout.py)
+        addr = self._resolve(addr)
+        if ROUTE_SEP in addr:  # a proc behind a host agent (or gateway): along its path (see _fanout.py)
             agent, _, inner = addr.partition(ROUTE_SEP)
             addr, frames = routed_frames(agent, inner, frames)
         self._socket_for(addr).send_multipart(frames, copy=copy)

@@ -113,6 +113,15 @@ class SetLogging:
 
 @_fast_reduce
 @dataclass(frozen=True, slots=True)
+class KnowPeers:
+    """Client -> its procs on its own host: the job keys of host agents it attached to, ``(agent address,
+    public, secret)`` each, so that they reach (and answer) procs behind those agents."""
+
+    peers: tuple
+
+
+@_fast_reduce
+@dataclass(frozen=True, slots=True)
 class StopProc:
     """Client -> proc: stop every actor and exit the process."""
 

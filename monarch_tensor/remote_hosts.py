@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import logging
 import os
 import socket
 import threading
@@ -40,11 +41,15 @@ from .host import (
     _procs_shape,
     check_bootstrap,
     check_procs_per_host,
+    local_procs,
     run_bootstrap,
+    share_peer_keys,
 )
 from .mailbox import current_mailbox
 from .messages import SendToPort, StopProc
 from .shape import Shape
+
+log = logging.getLogger("monarch_tensor.remote_hosts")
 
 MONITOR_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
                   | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
@@ -71,7 +76,10 @@ SESSION = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 # ---- the gateway: tcp (CURVE) -> this process's mailbox ------------------------------------
 class _Gateway:
-    """A CURVE TCP listener whose messages are relayed into the mailbox (one per job key)."""
+    """A CURVE TCP listener whose messages are relayed into the mailbox (one per job key), or, those that
+    start with a route frame (``_fanout.ROUTE_MAGIC`` + an ipc address), to that proc of this host, when
+    it is one this process spawned and still alive (``host.local_procs``): how procs behind the job's
+    agents reach ``this_host()``'s procs, whose ipc sockets are not on their hosts."""
 
     def __init__(self, keys: _curve.JobKeys, ip: str) -> None:
         mailbox = current_mailbox()
@@ -85,6 +93,7 @@ class _Gateway:
         self.out.setsockopt(zmq.SNDHWM, 0)
         self.out.connect(mailbox.addr)
         self.mailbox_addr = mailbox.addr
+        self.procs: dict[str, tuple] = {}  # ipc address -> (ProcInfo, socket): where messages were relayed
         threading.Thread(target=self._run, daemon=True, name="monarch-tensor-gateway").start()
 
     def _run(self) -> None:
@@ -94,7 +103,26 @@ class _Gateway:
                 frames = r.recv_multipart(copy=False)
             except zmq.ZMQError:
                 return
-            out.send_multipart(frames[1:], copy=False)
+            if len(frames) > 2 and frames[1].buffer[:4] == _fanout.ROUTE_MAGIC:
+                self._relay(bytes(frames[1].buffer[4:]).decode(errors="replace"), frames[2:])
+            else:
+                out.send_multipart(frames[1:], copy=False)
+
+    def _relay(self, addr: str, frames: list) -> None:
+        got = self.procs.get(addr)
+        if got is None or not got[0].alive:
+            live = {p.addr: p for p in local_procs()}
+            for gone in [a for a in self.procs if a not in live]:  # stopped procs: close their sockets
+                self.procs.pop(gone)[1].close(linger=0)
+            if addr not in live:
+                log.debug("gateway dropped a message for %s: not a live proc of this process", addr)
+                return
+            s = self.ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 1000)
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.connect(addr)
+            got = self.procs[addr] = (live[addr], s)
+        got[1].send_multipart(frames, copy=False)
 
 
 _gateways: dict[str, _Gateway] = {}
@@ -138,6 +166,10 @@ class AgentClient:
         _curve.remember_peer(addr, keys)
         self.info = self._handshake(timeout)
         _fanout.register(addr, keys.public)  # its place in the job's tree of agents
+        # Its procs' addresses name the address it advertises, which may not be the one dialled here.
+        _curve.remember_peer(self.info.addr, keys)
+        # This process's own procs (this_host()'s) answer procs of this agent, and may call them.
+        share_peer_keys(peers={a: keys for a in {addr, self.info.addr}})
 
     def _handshake(self, timeout: float):
         deadline = time.monotonic() + timeout

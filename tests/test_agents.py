@@ -18,7 +18,7 @@ import zmq
 
 import monarch_tensor.actor as actor_mod
 from monarch_tensor import _curve, _fanout, _wire
-from monarch_tensor.actor import Actor, SupervisionError, current_rank, endpoint
+from monarch_tensor.actor import Actor, SupervisionError, current_rank, endpoint, this_host
 from monarch_tensor.agent import HostAgent
 from monarch_tensor.agent_messages import REPORTS, REQUESTS, OpenSession
 from monarch_tensor.errors import AddressInUseError, HostUnreachableError, JobKeyError, JobStartError, MeshStoppedError
@@ -43,6 +43,11 @@ class Where(Actor):
     @endpoint
     def notes(self):
         return list(self.seen)
+
+    @endpoint
+    def pid_of(self, other) -> int:
+        """Call a one-proc actor mesh from this proc: its pid."""
+        return other.where.call_one().get(timeout=30)[2]
 
     @endpoint
     def ask(self, other, rank: int):
@@ -446,6 +451,62 @@ def test_unauthenticated_clients_cannot_make_the_controller_read_anything(job, t
     assert not marker.exists()
     # Procs listen on ipc only, in a directory nobody else can enter.
     assert os.stat(socket_dir()).st_mode & 0o777 == 0o700
+
+
+@pytest.mark.timeout(180)
+def test_this_hosts_procs_and_a_jobs_procs_call_each_other_whichever_was_spawned_first(tmp_path):
+    """``this_host()``'s procs reach a job's procs, and answer them, with the job's key: those spawned
+    before the job was attached are given it then, those spawned after at their start. (The way from a
+    job's procs to ours when their host does not see our sockets is tests/test_netns_hosts.py's.)"""
+    before = this_host().spawn_procs(per_host={"gpus": 1})
+    j = LocalJob(meshes={"m": 1}, root_dir=str(tmp_path), ttl=60)
+    try:
+        there = j.state().m.spawn_procs(per_host={"gpus": 1})
+        after = this_host().spawn_procs(per_host={"gpus": 1})
+        t = there.spawn("there", Where)
+        t_pid = t.where.call_one().get(timeout=60)[2]
+        for procs in (before, after):
+            h = procs.spawn("here", Where)
+            assert h.pid_of.call_one(t).get(timeout=60) == t_pid
+            assert t.pid_of.call_one(h).get(timeout=60) == h.where.call_one().get(timeout=60)[2]
+        after.stop().get(timeout=60)
+    finally:
+        before.stop().get(timeout=60)
+        j.kill()
+
+
+@pytest.mark.timeout(60)
+def test_the_gateway_relays_only_to_this_processs_live_procs(job):
+    from monarch_tensor import remote_hosts
+    from monarch_tensor.mailbox import new_ipc_address
+    from monarch_tensor.messages import StopProc
+
+    gateway = remote_hosts._gateway_for(job.keys, job.addrs["mesh0"][0])
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    ctx = zmq.Context()
+    stranger = ctx.socket(zmq.ROUTER)  # a socket of this user that is no proc of this process
+    stranger.setsockopt(zmq.LINGER, 0)
+    path = new_ipc_address("stranger")
+    stranger.bind(path)
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    _curve.connect_curve(s, job.keys)
+    s.connect(gateway.addr)
+    try:
+        stop = _wire.encode(StopProc("stopped through the gateway"))
+        s.send_multipart([_fanout.ROUTE_MAGIC + path.encode(), *stop])
+        assert not stranger.poll(1000), "the gateway relayed to a socket that is not one of our procs"
+        proc = procs._procs[0]
+        s.send_multipart([_fanout.ROUTE_MAGIC + proc.addr.encode(), *stop])
+        deadline = time.monotonic() + 30
+        while proc.alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not proc.alive, "a live proc of ours got nothing through the gateway"
+    finally:
+        s.close()
+        stranger.close()
+        ctx.term()
+        procs.stop().get(timeout=60)
 
 
 def test_key_files_are_private_and_checked(tmp_path):

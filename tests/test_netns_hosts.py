@@ -3,7 +3,9 @@
 Each host is a network namespace with one address on a bridge; the controller (this process) stays in
 the root namespace, on the bridge too. No host can reach another's loopback, so the agents' control
 links, the procs' replies (the CURVE gateway), the tensor engine's rendezvous store and gloo's
-connections all have to use routable addresses. Needs root and iproute2 (CI has both); skips otherwise.
+connections all have to use routable addresses. Nor does a host see this process's ipc sockets: its
+agent runs with a file system of its own over the socket directory. Needs root and iproute2 (CI has
+both); skips otherwise.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import torch
 from monarch_tensor import Replicate, Shard, distribute, fetch_shard
 from monarch_tensor._curve import JobKeys
 from monarch_tensor._net import ip_towards
-from monarch_tensor.actor import Actor, endpoint
+from monarch_tensor.actor import Actor, endpoint, this_host
+from monarch_tensor.mailbox import socket_dir
 from monarch_tensor.remote_hosts import attach_to_workers, shutdown_agents
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,6 +84,19 @@ class Where(Actor):
         return x
 
     @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    def sees(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    @endpoint
+    def ask(self, other, x):
+        """Call ``other`` (a one-proc mesh) from here: its pid, and ``x`` echoed."""
+        return other.pid.call_one().get(timeout=60), other.echo.call_one(x).get(timeout=60)
+
+    @endpoint
     def publish(self, n: int):
         from rdma import RDMABuffer
 
@@ -108,8 +124,10 @@ def hosts(tmp_path_factory):
     try:
         for ns, _, addr in HOSTS:
             f = tmp / f"{ns}.addr"
+            # ``ip netns exec`` runs it in a mount namespace of its own: a tmpfs there hides our sockets.
             agents.append(subprocess.Popen(
-                ["ip", "netns", "exec", ns, sys.executable, "-m", "monarch_tensor.cli", "host", "--bind",
+                ["ip", "netns", "exec", ns, "sh", "-c", 'mount -t tmpfs tmpfs "$0" && exec "$@"', socket_dir(),
+                 sys.executable, "-m", "monarch_tensor.cli", "host", "--bind",
                  f"tcp://{addr}:0", "--key-file", key, "--address-file", str(f), "--ttl", "300"],
                 cwd=str(tmp), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
             deadline = time.monotonic() + 60
@@ -185,3 +203,28 @@ def test_large_payloads_are_pulled_across_network_namespaces_over_tcp(hosts, mon
         assert torch.equal(out, torch.arange(1000.0)) and buf.backend == "tcp"
     finally:
         procs.stop().get(timeout=60)
+
+
+@pytest.mark.timeout(180)
+def test_procs_behind_agents_and_this_hosts_procs_call_each_other(hosts):
+    """A proc on another host calls a proc of this host (``this_host()``'s, whose ipc socket that host does
+    not see: through the controller's gateway) and the other way round (with the job's key, which this
+    process gave its own procs); each answers the other, and large arguments and results are pulled over
+    the data plane both ways."""
+    mesh, _ = hosts
+    here = this_host().spawn_procs(per_host={"gpus": 1})
+    there = mesh.spawn_procs(per_host={"gpus": 1})
+    try:
+        h = here.spawn("here", Where)
+        t = there.spawn("there", Where).slice(hosts=1, gpus=0)
+        assert not t.sees.call_one(here._procs[0].addr[len("ipc://"):]).get(timeout=60)  # another host
+        small, big = torch.arange(10), torch.randn(1 << 20)  # big: 4 MiB, on the data plane
+        h_pid, t_pid = h.pid.call_one().get(timeout=60), t.pid.call_one().get(timeout=60)
+        for x in (small, big):
+            pid, y = t.ask.call_one(h, x).get(timeout=120)
+            assert pid == h_pid and torch.equal(y, x)
+            pid, y = h.ask.call_one(t, x).get(timeout=120)
+            assert pid == t_pid and torch.equal(y, x)
+    finally:
+        there.stop().get(timeout=60)
+        here.stop().get(timeout=60)
