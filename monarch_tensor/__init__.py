@@ -36,6 +36,7 @@ from .config import (  # noqa: F401
     get_runtime_config,
 )
 from .host import heal_mesh  # noqa: F401
+from .selection import Selection  # noqa: F401
 from .shape import Extent, NDSlice, Shape  # noqa: F401
 from .tools.config import Workspace  # noqa: F401
 

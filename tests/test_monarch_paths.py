@@ -22,6 +22,7 @@ PATHS = {
     "common.device_mesh": ["no_mesh", "get_active_mesh", "to_mesh", "slice_mesh", "RemoteProcessGroup"],
     "common.tensor": ["Tensor", "reduce", "reduce_"],
     "common.future": ["Future"],
+    "common.selection": ["Selection"],
     "opaque_object": ["OpaqueObject", "opaque_method"],
 }
 

@@ -1,0 +1,5 @@
+"""Monarch's ``monarch.common.selection`` path."""
+
+from ..selection import Selection  # noqa: F401
+
+__all__ = ["Selection"]
