@@ -289,6 +289,7 @@ class ProcRuntime:
 
         for addr, public, secret in msg.peers:
             _curve.remember_peer(addr, _curve.JobKeys(public, secret))
+        self.mailbox.relayed.update(msg.relayed)
 
     def handle_StopProc(self, msg: StopProc) -> None:
         for slot in self.actors.values():

@@ -532,7 +532,7 @@ def _spawn_procs(shape: Shape, proc_bind: list | None = None, per: int = 1,
         info.owner = mesh
     local_host(python_exe).spawn(infos, mailbox.addr, envs)
     _live_meshes.add(mesh)
-    share_peer_keys(infos)
+    share_peers(infos)
     return mesh
 
 
@@ -542,20 +542,30 @@ def local_procs() -> list[ProcInfo]:
             if p.alive and getattr(p, "agent", None) is None]
 
 
-def share_peer_keys(procs: list[ProcInfo] | None = None, peers: dict | None = None) -> None:
-    """Give ``procs`` (default: every live one on this host, ``local_procs``) the job keys of ``peers``
-    (default: every host agent this process attached to), so that they reach procs behind those agents
-    and answer their calls. In order with this process's other messages to them: ahead of any call after."""
+def share_peers(procs: list[ProcInfo] | None = None) -> None:
+    """Tell ``procs`` (default: every live proc this process spawned) of the host agents it attached to:
+    those on this host get each agent's job key, so they reach the procs behind it and answer them; those
+    behind an agent get the addresses of the other jobs' agents, whose procs they reach through this
+    process's gateway (``remote_hosts._Gateway``). In order with this process's other messages to them:
+    ahead of any call made after."""
     from . import _curve
     from .messages import KnowPeers
 
-    peers = _curve.peers() if peers is None else peers
+    peers = _curve.peers()
     if not peers:
         return
-    msg = KnowPeers(tuple((addr, k.public, k.secret) for addr, k in peers.items()))
     mailbox = current_mailbox()
-    for p in local_procs() if procs is None else procs:
-        mailbox.send(p.addr, msg)
+    keys = KnowPeers(tuple((addr, k.public, k.secret) for addr, k in peers.items()))
+    if procs is None:
+        procs = [p for mesh in list(_live_meshes) for p in mesh._procs if p.alive]
+    for p in procs:
+        agent = getattr(p, "agent", None)
+        if agent is None:
+            mailbox.send(p.addr, keys)
+            continue
+        others = tuple(addr for addr, k in peers.items() if k.public != agent.keys.public)
+        if others:
+            mailbox.send(p.addr, KnowPeers((), others))
 
 
 class HostMesh(MeshTrait):

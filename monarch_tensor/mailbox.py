@@ -214,6 +214,7 @@ class Mailbox:
         # procs on its own host (``this_host()``'s), whose ipc sockets are not on this host (``_resolve``).
         self.gateway = os.environ.get("MONARCH_TENSOR_GATEWAY", "")
         self._here: set[str] = set()  # ipc addresses whose sockets are on this host
+        self.relayed: set[str] = set()  # other jobs' agents, reached through the gateway (KnowPeers)
         # The address others reach this mailbox at, in ports (a proc behind a host agent: a routed one).
         pub = os.environ.get("MONARCH_TENSOR_PUBLIC_ADDR", "")
         self.public_addr = pub.partition("=")[2] if pub.startswith(self.addr + "=") else self.addr
@@ -252,9 +253,9 @@ class Mailbox:
         return s
 
     def _resolve(self, addr: str) -> str:
-        """Where ``addr`` is reached: an alias (a remote controller's tcp gateway), the gateway's route to
-        an ipc address whose socket is not on this host (a proc of the controller's host, for a proc behind
-        a host agent), or ``addr`` itself."""
+        """Where ``addr`` is reached: an alias (a remote controller's tcp gateway), or, for a proc behind a
+        host agent, the gateway's route to an ipc address whose socket is not on this host (a proc of the
+        controller's host) or to a proc of another job's agent (``relayed``), or ``addr`` itself."""
         alias = self.aliases.get(addr)
         if alias is not None:
             return alias
@@ -264,6 +265,9 @@ class Mailbox:
             else:
                 alias = self.aliases[addr] = f"{self.gateway}{ROUTE_SEP}{addr}"
                 return alias
+        elif self.relayed and addr.partition(ROUTE_SEP)[0] in self.relayed:
+            alias = self.aliases[addr] = f"{self.gateway}{ROUTE_SEP}{addr}"
+            return alias
         return addr
 
     def route_of(self, addr: str) -> str:

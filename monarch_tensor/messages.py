@@ -114,10 +114,13 @@ class SetLogging:
 @_fast_reduce
 @dataclass(frozen=True, slots=True)
 class KnowPeers:
-    """Client -> its procs on its own host: the job keys of host agents it attached to, ``(agent address,
-    public, secret)`` each, so that they reach (and answer) procs behind those agents."""
+    """Client -> its procs: what they need to reach the procs behind the host agents it attached to. Its
+    procs on its own host get each agent's job key, ``(agent address, public, secret)`` in ``peers``; a
+    proc behind an agent gets, in ``relayed``, the addresses of the other jobs' agents, which it reaches
+    through the client's gateway (a job's key stays on its own hosts and the client's)."""
 
     peers: tuple
+    relayed: tuple = ()
 
 
 @_fast_reduce

@@ -28,6 +28,7 @@ from typing import Mapping
 import zmq
 
 from . import _curve, _fanout, _wire
+from ._fanout import ROUTE_SEP
 from ._net import ip_towards
 from .agent_messages import EndSession, KeepSession, KillProcs, OpenSession, ReportExit, ShutdownAgent, SpawnProcs
 from .errors import HostUnreachableError, JobKeyError, SupervisionError
@@ -43,7 +44,7 @@ from .host import (
     check_procs_per_host,
     local_procs,
     run_bootstrap,
-    share_peer_keys,
+    share_peers,
 )
 from .mailbox import current_mailbox
 from .messages import SendToPort, StopProc
@@ -77,9 +78,10 @@ SESSION = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 # ---- the gateway: tcp (CURVE) -> this process's mailbox ------------------------------------
 class _Gateway:
     """A CURVE TCP listener whose messages are relayed into the mailbox (one per job key), or, those that
-    start with a route frame (``_fanout.ROUTE_MAGIC`` + an ipc address), to that proc of this host, when
-    it is one this process spawned and still alive (``host.local_procs``): how procs behind the job's
-    agents reach ``this_host()``'s procs, whose ipc sockets are not on their hosts."""
+    start with a route frame (``_fanout.ROUTE_MAGIC`` + an address), to that address: a proc of this host
+    this process spawned and still alive (``host.local_procs``), whose ipc socket the job's hosts do not
+    see, or a proc behind the agent of another job this process attached to, whose key the job's hosts
+    do not hold."""
 
     def __init__(self, keys: _curve.JobKeys, ip: str) -> None:
         mailbox = current_mailbox()
@@ -109,6 +111,15 @@ class _Gateway:
                 out.send_multipart(frames[1:], copy=False)
 
     def _relay(self, addr: str, frames: list) -> None:
+        if ROUTE_SEP in addr:  # a proc of another job's agent: with that job's key, from here
+            if addr.partition(ROUTE_SEP)[0] not in _curve.peers():
+                log.debug("gateway dropped a message for %s: not behind an agent this process attached to", addr)
+                return
+            try:
+                current_mailbox().send_frames(addr, frames)
+            except Exception as e:  # noqa: BLE001 - the gateway serves on; the sender's call times out
+                log.warning("gateway could not pass a message on to %s: %r", addr, e)
+            return
         got = self.procs.get(addr)
         if got is None or not got[0].alive:
             live = {p.addr: p for p in local_procs()}
@@ -168,8 +179,8 @@ class AgentClient:
         _fanout.register(addr, keys.public)  # its place in the job's tree of agents
         # Its procs' addresses name the address it advertises, which may not be the one dialled here.
         _curve.remember_peer(self.info.addr, keys)
-        # This process's own procs (this_host()'s) answer procs of this agent, and may call them.
-        share_peer_keys(peers={a: keys for a in {addr, self.info.addr}})
+        # The procs this process spawned reach the procs of this agent, and answer them.
+        share_peers()
 
     def _handshake(self, timeout: float):
         deadline = time.monotonic() + timeout
@@ -401,6 +412,7 @@ class RemoteHostMesh(HostMesh):
         mesh._procs = infos
         mesh._proc_bind = proc_bind  # heal_mesh binds the new procs alike
         _live_meshes.add(mesh)
+        share_peers(infos)  # (of other jobs' agents)
         return run_bootstrap(mesh, bootstrap)
 
     def sync_workspace(self, workspace, conda: bool = False, auto_reload: bool = False) -> Future:

@@ -475,8 +475,26 @@ def test_this_hosts_procs_and_a_jobs_procs_call_each_other_whichever_was_spawned
         j.kill()
 
 
+@pytest.mark.timeout(180)
+def test_procs_of_two_jobs_call_each_other_through_the_controller(job, tmp_path):
+    """Two jobs have two keys, and neither job's hosts get the other's: a proc reaches the other job's
+    procs through this process's gateway, which sends on with that job's key; replies come back alike."""
+    other = LocalJob(meshes={"m": 1}, root_dir=str(tmp_path), ttl=60)
+    ours = job.state().mesh0.slice(hosts=0).spawn_procs(per_host={"gpus": 1})
+    try:
+        assert other.keys.public != job.keys.public
+        theirs = other.state().m.spawn_procs(per_host={"gpus": 1})
+        a, b = ours.spawn("a", Where), theirs.spawn("b", Where)
+        a_pid, b_pid = a.where.call_one().get(timeout=60)[2], b.where.call_one().get(timeout=60)[2]
+        assert a.pid_of.call_one(b).get(timeout=60) == b_pid
+        assert b.pid_of.call_one(a).get(timeout=60) == a_pid
+    finally:
+        ours.stop().get(timeout=60)
+        other.kill()
+
+
 @pytest.mark.timeout(60)
-def test_the_gateway_relays_only_to_this_processs_live_procs(job):
+def test_the_gateway_relays_only_to_this_processs_live_procs(job, monkeypatch):
     from monarch_tensor import remote_hosts
     from monarch_tensor.mailbox import new_ipc_address
     from monarch_tensor.messages import StopProc
@@ -495,7 +513,16 @@ def test_the_gateway_relays_only_to_this_processs_live_procs(job):
     try:
         stop = _wire.encode(StopProc("stopped through the gateway"))
         s.send_multipart([_fanout.ROUTE_MAGIC + path.encode(), *stop])
+        # nor to a proc behind an agent this process did not attach to (one that would admit this job's key)
+        monkeypatch.setattr(_curve, "_env_keys", [job.keys])
+        fake_agent = ctx.socket(zmq.ROUTER)
+        fake_agent.setsockopt(zmq.LINGER, 0)
+        _curve.serve_curve(ctx, fake_agent, job.keys)
+        fake_agent.bind("tcp://127.0.0.1:*")
+        fake = fake_agent.getsockopt(zmq.LAST_ENDPOINT).decode()
+        s.send_multipart([_fanout.ROUTE_MAGIC + f"{fake}|1".encode(), *stop])
         assert not stranger.poll(1000), "the gateway relayed to a socket that is not one of our procs"
+        assert not fake_agent.poll(500), "the gateway relayed to an agent this process never attached to"
         proc = procs._procs[0]
         s.send_multipart([_fanout.ROUTE_MAGIC + proc.addr.encode(), *stop])
         deadline = time.monotonic() + 30
@@ -505,6 +532,9 @@ def test_the_gateway_relays_only_to_this_processs_live_procs(job):
     finally:
         s.close()
         stranger.close()
+        if "fake_agent" in locals():
+            fake_agent.close()
+        _curve.stop_serving(ctx)
         ctx.term()
         procs.stop().get(timeout=60)
 
