@@ -211,7 +211,8 @@ class Mailbox:
         # Addresses reached through another one (a remote controller's ipc address -> its tcp gateway).
         self.aliases: dict[str, str] = json.loads(os.environ.get("MONARCH_TENSOR_ALIASES") or "{}")
         # A proc behind a host agent: its controller's tcp gateway, which also relays to the controller's
-        # procs on its own host (``this_host()``'s), whose ipc sockets are not on this host (``_resolve``).
+        # procs on its own host (``this_host()``'s), whose ipc sockets are not on this host, and to the
+        # procs of the controller's other jobs, whose keys this host does not hold (``_resolve``).
         self.gateway = os.environ.get("MONARCH_TENSOR_GATEWAY", "")
         self._here: set[str] = set()  # ipc addresses whose sockets are on this host
         self.relayed: set[str] = set()  # other jobs' agents, reached through the gateway (KnowPeers)
