@@ -16,6 +16,8 @@ Workloads, on N_PROCS procs of this machine (one host, so one writer proc per sy
                  copied by the writer from the sources it sees (the default on one host)
 The big roots live on a RAM filesystem (/dev/shm where it exists, --root-dir to choose): on a VM's
 disk the figure measures the disk's write-back, not the sync.
+Each first full sync is also split into its phases (SyncResult.phases: asking the procs for their roots,
+scanning and comparing, writing, reloading), printed as a second table.
 References, measured in the same run:
   data plane     one proc reads the same files, registered by this process as RDMABuffers, into warm
                  memory (what the writer's pulls cost without writing files)
@@ -135,6 +137,7 @@ def bench(tmp: str, root_dir: str) -> dict:
         big = Workspace(dirs=[big_dir])
         nbytes = BIG_MB * (1 << 20) // BIG_FILES * BIG_FILES
         rates: dict[str, list[float]] = {"pulled": [], "messages": [], "copied": []}
+        phases: dict[str, list[dict]] = {how: [] for how in rates}
         for r in range(REPEATS + 1):
             for how in rates:
                 ws_sync.PULL_SAME_HOST = how == "pulled"  # one host here: make its writer pull as remote ones do
@@ -149,11 +152,14 @@ def bench(tmp: str, root_dir: str) -> dict:
                 assert res.bytes_copied == (nbytes if how == "copied" else 0), res.bytes_copied
                 if r:  # the first one warms up the page cache of the sources
                     rates[how].append(nbytes / dt / 1e6)
+                    phases[how].append(res.phases)
                 shutil.rmtree(root, ignore_errors=True)
         ws_sync.PULL_SAME_HOST, ws_sync.COPY_LOCAL = False, True
         out["first_big_mb_s"] = statistics.median(rates["pulled"])
         out["first_big_messages_mb_s"] = statistics.median(rates["messages"])
         out["first_big_copied_mb_s"] = statistics.median(rates["copied"])
+        out["first_big_phases_ms"] = {how: {k: statistics.median(p[k] for p in ps) * 1e3 for k in ps[0]}
+                                      for how, ps in phases.items()}
 
         sink = procs.slice(gpus=0).spawn("sink", Sink)
         files = sorted(os.listdir(big_dir))
@@ -198,6 +204,14 @@ def bench(tmp: str, root_dir: str) -> dict:
     return out
 
 
+def _table(header: tuple, rows: list) -> None:
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in rows:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (smoke test)")
@@ -228,11 +242,11 @@ def main() -> None:
         ("", "", f"file writes {r['file_writes_mb_s']:.0f} MB/s",
          f"{r['first_big_copied_mb_s'] / r['file_writes_mb_s']:.0%} of it"),
     ]
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    print("| " + " | ".join(h.ljust(w) for h, w in zip(("workload", "ours", "reference", "ratio"), widths)) + " |")
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for row in rows:
-        print("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |")
+    _table(("workload", "ours", "reference", "ratio"), rows)
+    print(f"\nwhere a first full sync of {BIG_MB} MB went, ms (medians):")
+    phase_names = list(next(iter(r["first_big_phases_ms"].values())))
+    _table(("sync", *phase_names), [(how, *(f"{ms[k]:.1f}" for k in phase_names))
+                                    for how, ms in r["first_big_phases_ms"].items()])
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

@@ -78,6 +78,10 @@ class SyncResult:
     changed: list[str] = field(default_factory=list)
     reloaded: dict[int, tuple[str, ...]] = field(default_factory=dict)  # proc rank -> modules
     seconds: float = 0.0
+    # Where the seconds went, in order: "roots" (asking procs not seen before for their host and root),
+    # "diff" (scanning here and at the writers, and comparing), "write" (every writer's files written
+    # and committed), "reload" (every proc's sys.path and changed modules). Empty when no proc ran yet.
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 def forget_roots(addrs) -> None:
@@ -338,6 +342,7 @@ def _sync(procs: list, workspace: Workspace, auto_reload: bool) -> SyncResult:
     if unknown:
         for p, where in zip(unknown, _ask(unknown, lambda port: DescribeWorkspace(key, port), "workspace roots")):
             _roots[p.addr] = tuple(where)
+    t1 = time.perf_counter()
     groups: dict[tuple[str, str], list] = {}
     for p in procs:
         groups.setdefault(_roots[p.addr], []).append(p)
@@ -350,6 +355,7 @@ def _sync(procs: list, workspace: Workspace, auto_reload: bool) -> SyncResult:
     where = _source_ids(workspace) if COPY_LOCAL else ()
     diffs: list[WorkspaceDiff] = _ask(writers, lambda port: DiffWorkspace(sync_id, key, dirs, manifest, port, where),
                                       "workspace diff") if writers else []
+    t2 = time.perf_counter()
     col = Collector([w.addr for w in writers], [w.rank for w in writers], list, "workspace write")
     port = mailbox.open_port(col)
     changed: set[str] = set()
@@ -370,12 +376,15 @@ def _sync(procs: list, workspace: Workspace, auto_reload: bool) -> SyncResult:
         result.roots = col.future.get(timeout=SYNC_TIMEOUT) if writers else []
     finally:
         pulls.drop()
+    t3 = time.perf_counter()
     result.changed = sorted(changed)
     if procs:
         replies = _ask(procs, lambda port: ReloadWorkspace(key, dirs, tuple(sorted(changed)), auto_reload, port),
                        "workspace reload")
         result.reloaded = {p.rank: r for p, r in zip(procs, replies)}
-    result.seconds = time.perf_counter() - t0
+    t4 = time.perf_counter()
+    result.seconds = t4 - t0
+    result.phases = {"roots": t1 - t0, "diff": t2 - t1, "write": t3 - t2, "reload": t4 - t3}
     return result
 
 

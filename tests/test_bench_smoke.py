@@ -64,6 +64,9 @@ def test_sync_bench_tiny(tmp_path):
         assert r[key] > 0, (key, r)
     assert len(r["changed_1_runs_ms"]) == data["settings"]["REPEATS"]
     assert "one changed file of 200, 2 procs" in proc.stdout
+    for how in ("pulled", "messages", "copied"):
+        assert sorted(r["first_big_phases_ms"][how]) == ["diff", "reload", "roots", "write"]
+    assert "where a first full sync of 2 MB went" in proc.stdout
 
 
 @pytest.mark.timeout(240)

@@ -278,6 +278,9 @@ def test_sync_to_two_roots_with_hot_reload(tmp_path):
         first = procs.sync_workspace(ws, auto_reload=True).get(timeout=60)
         assert sorted(first.roots) == sorted(str(r) for r in roots)
         assert first.files_sent == 3 * 2  # every file, to each of the two roots
+        assert list(first.phases) == ["roots", "diff", "write", "reload"]
+        assert all(v >= 0 for v in first.phases.values())
+        assert sum(first.phases.values()) == pytest.approx(first.seconds)
         for r in roots:
             assert (r / "proj" / "conf" / "train.toml").read_text() == "lr = 0.1\n"
         probes = procs.spawn("probe", Probe)
