@@ -40,8 +40,15 @@ def default_root(key: str) -> str:
     return os.path.join(socket_dir(), f"workspace-{key}")
 
 
-def workspace_root(key: str) -> str:
-    """This process's workspace root for client ``key``: ``$WORKSPACE_DIR`` or the default."""
+def workspace_root(key: str, root_var: str = "") -> str:
+    """This process's workspace root for client ``key``: ``$WORKSPACE_DIR`` or the default; with
+    ``root_var`` (``CONDA_PREFIX``), that variable's directory, which must be set."""
+    if root_var:
+        value = os.environ.get(root_var)
+        if not value:
+            raise ValueError(f"${root_var} is not set in this proc: set it (procs.env.set({root_var!r}, path)) "
+                             f"to where the environment goes on this host")
+        return os.path.abspath(value)
     return os.path.abspath(os.environ.get("WORKSPACE_DIR") or default_root(key))
 
 
@@ -77,14 +84,24 @@ def add_to_sys_path(root: str, dirs) -> None:
 
 
 def handle_describe(mailbox: Mailbox, msg: DescribeWorkspace) -> None:
-    _reply(mailbox, msg.reply, (socket.gethostname(), workspace_root(msg.client_key)))
+    try:
+        root = workspace_root(msg.client_key, msg.root_var)
+    except Exception as e:  # noqa: BLE001 - reported to the client
+        _reply(mailbox, msg.reply, error=_failed("workspace roots", e))
+        return
+    _reply(mailbox, msg.reply, (socket.gethostname(), root))
 
 
 def scan_root(root: str, dirs) -> dict[str, tuple[int, int, int]]:
-    """The files of ``root`` under the synced ``dirs`` (``_filetree.scan``)."""
+    """The files of ``root`` under the synced ``dirs`` (``_filetree.scan``); a file written with its prefix
+    rewritten (``rewritten.json``) shows as the client's file it came from while its mtime stays."""
     ours: dict[str, tuple[int, int, int]] = {}
     for d in dirs:
         ours.update(_filetree.scan(os.path.join(root, d) if d else root, f"{d}/" if d else ""))
+    for key, (size, mtime_ns) in _filetree.read_meta(root, "rewritten.json", {}).items():
+        mine = ours.get(key)
+        if mine is not None and mine[1] == mtime_ns:
+            ours[key] = (size, mtime_ns, mine[2])
     return ours
 
 
@@ -133,7 +150,7 @@ KEEP_SCANS = 8  # scans kept for diffs not come yet (a client that died between 
 
 def handle_scan(mailbox: Mailbox, msg: ScanWorkspace) -> None:
     try:
-        root = workspace_root(msg.client_key)
+        root = workspace_root(msg.client_key, msg.root_var)
         found = scan_root(root, msg.dirs)
     except Exception:  # noqa: BLE001 - the diff scans again and reports what fails
         return
@@ -142,10 +159,25 @@ def handle_scan(mailbox: Mailbox, msg: ScanWorkspace) -> None:
         _scans.pop(next(iter(_scans)))
 
 
+def _is_source(root: str, sources) -> bool:
+    """Whether ``root`` is the client's one source dir itself (a host that sees the client's conda
+    environment at the path its procs use: there is nothing to sync)."""
+    if len(sources) != 1:
+        return False
+    try:
+        st = os.stat(root)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == tuple(sources[0][1:])
+
+
 def handle_diff(mailbox: Mailbox, msg: DiffWorkspace) -> None:
     try:
-        root = workspace_root(msg.client_key)
+        root = workspace_root(msg.client_key, msg.root_var)
         scanned = _scans.pop(msg.sync_id, None)
+        if msg.root_var and _is_source(root, msg.sources):
+            _reply(mailbox, msg.reply, WorkspaceDiff((), {}, {}, (), root, same=True))
+            return
         ours = scanned[2] if scanned is not None and scanned[:2] == (root, tuple(msg.dirs)) else None
         value = diff(root, msg.dirs, msg.manifest, ours)
         if sees_sources(msg.sources):
@@ -261,7 +293,7 @@ def apply_ops(w: _filetree.Writer, ops) -> None:
         _in_two_lanes(w, moves)
     for op in ops:
         kind = op[0]
-        if kind == "c" or kind == "r":
+        if kind == "c" or kind == "r" or kind == "x":
             continue
         if kind == "w":
             w.write(op[1], op[2], op[3], op[4])
@@ -275,24 +307,37 @@ def apply_ops(w: _filetree.Writer, ops) -> None:
             raise ValueError(f"unknown workspace op {kind!r}")
 
 
-def commit(root: str, dirs, ops, scan_ns: int) -> None:
-    """Record which files are racy (modified near this sync) and which dirs are synced."""
+def commit(root: str, dirs, ops, scan_ns: int, env: bool = False) -> None:
+    """Record which files are racy (modified near this sync), which were written with their prefix
+    rewritten, and which dirs are synced (not for an environment: those are no workspace's)."""
     racy = set(_filetree.read_meta(root, "racy.json", []))
+    rewritten = _filetree.read_meta(root, "rewritten.json", {})
+    before = dict(rewritten)
+    finished: dict[str, int] = {}
     for op in ops:
+        if op[0] == "x":
+            rewritten[op[1]] = [op[2], finished[op[1]]]
+            continue
         if op[0] == "f":
             key, mtime_ns = op[1], op[3]
+            finished[key] = mtime_ns
+            rewritten.pop(key, None)  # (an "x" after it says it is rewritten again)
         elif op[0] == "t":
             key, mtime_ns = op[1], op[2]
         else:
             if op[0] == "d":
                 racy.discard(op[1])
+                rewritten.pop(op[1], None)
             continue
         if _filetree.racy(mtime_ns, scan_ns):
             racy.add(key)
         else:
             racy.discard(key)
     _filetree.write_meta(root, "racy.json", sorted(racy))
-    _filetree.write_meta(root, "dirs.json", list(dirs))
+    if rewritten != before:
+        _filetree.write_meta(root, "rewritten.json", rewritten)
+    if not env:
+        _filetree.write_meta(root, "dirs.json", list(dirs))
 
 
 _writers: dict[str, _filetree.Writer] = {}
@@ -300,7 +345,12 @@ _failures: dict[str, Exception] = {}
 
 
 def handle_write(mailbox: Mailbox, msg: WriteFiles) -> None:
-    root = workspace_root(msg.client_key)
+    try:
+        root = workspace_root(msg.client_key, msg.root_var)
+    except Exception as e:  # noqa: BLE001 - (it was there for the diff: the variable was unset since)
+        if msg.last:
+            _reply(mailbox, msg.reply, error=_failed("workspace write", e))
+        return
     if msg.sync_id not in _failures:
         w = _writers.get(msg.sync_id)
         if w is None:
@@ -317,7 +367,7 @@ def handle_write(mailbox: Mailbox, msg: WriteFiles) -> None:
     err = _failures.pop(msg.sync_id, None)
     if err is None and w is not None:
         try:
-            commit(root, msg.dirs, w.ops, msg.scan_ns)
+            commit(root, msg.dirs, w.ops, msg.scan_ns, env=bool(msg.root_var))
         except Exception as e:  # noqa: BLE001
             err = _failed("workspace commit", e)
     _reply(mailbox, msg.reply, None if err else root, err)

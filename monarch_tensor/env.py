@@ -122,10 +122,10 @@ class ProcEnv:
 
     @staticmethod
     def _moved_roots(name: str, procs: list) -> None:
-        if name == "WORKSPACE_DIR":  # where these procs' workspace lives changes
+        if name in ("WORKSPACE_DIR", "CONDA_PREFIX"):  # where these procs' workspace (or environment) lives
             from .workspace_sync import forget_roots
 
-            forget_roots([p.addr for p in procs])
+            forget_roots([p.addr for p in procs], "" if name == "WORKSPACE_DIR" else name)
 
     def mismatches(self, prefix: str = "") -> Future:
         """Which variables starting with ``prefix`` differ between ranks: an ``EnvMismatches``."""

@@ -391,14 +391,15 @@ class ProcMesh(MeshTrait):
 
     # ---- interactive tools (workspace_sync.py, env.py) ---------------------------------
     def sync_workspace(self, workspace, conda: bool = False, auto_reload: bool = False) -> Future:
-        """Mirror ``workspace``'s dirs onto the hosts of this mesh; ``auto_reload`` re-imports changed modules.
+        """Mirror ``workspace``'s dirs onto the hosts of this mesh; ``auto_reload`` re-imports changed modules;
+        ``conda`` first mirrors the conda environment onto each host's ``$CONDA_PREFIX`` (``sync_env``).
 
         >>> await procs.sync_workspace(Workspace(dirs=["./proj"]), auto_reload=True)  # doctest: +SKIP
         """
         from .workspace_sync import sync_workspace
 
         self._check_alive()
-        return sync_workspace(self._members(), workspace, auto_reload)
+        return sync_workspace(self._members(), workspace, auto_reload, conda=conda)
 
     @property
     def env(self):
@@ -619,15 +620,18 @@ class HostMesh(MeshTrait):
 
         >>> await this_host().sync_workspace(Workspace(dirs=["./proj"]))  # doctest: +SKIP
         """
-        from .workspace_sync import sync_local, sync_workspace
+        from .workspace_sync import SyncResult, conda_prefix, sync_local, sync_workspace
 
         procs = [p for mesh in list(_live_meshes) for p in mesh._procs if p.alive and self._runs_here(p)]
         if not procs:  # nothing runs yet: write this host's root directly
             try:
-                return Future.ready(sync_local(workspace))
+                result = sync_local(workspace)
+                if conda:  # (the procs spawned here later inherit this very environment)
+                    result.conda = SyncResult(roots=[conda_prefix(workspace)])
+                return Future.ready(result)
             except Exception as e:  # noqa: BLE001
                 return Future.failed(e)
-        return sync_workspace(procs, workspace, auto_reload)
+        return sync_workspace(procs, workspace, auto_reload, conda=conda)
 
     @property
     def stream_logs(self) -> bool:

@@ -427,7 +427,7 @@ class RemoteHostMesh(HostMesh):
         procs = [p for mesh in list(_live_meshes) for p in mesh._procs if p.alive and self._runs_here(p)]
         idle = [a for a in self._agents if not any(p.agent is a for p in procs)]
         spawn = (lambda: RemoteHostMesh(idle).spawn_procs(name="workspace-sync")) if idle else None
-        return sync_workspace(procs, workspace, auto_reload, spawn)
+        return sync_workspace(procs, workspace, auto_reload, spawn, conda=conda)
 
     def shutdown(self) -> Future:
         """Stop the procs on these hosts, then their agents: the hosts take no new procs afterwards."""

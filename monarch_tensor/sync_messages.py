@@ -17,10 +17,15 @@ from .messages import PortRef, _fast_reduce
 @_fast_reduce
 @dataclass(frozen=True, slots=True)
 class DescribeWorkspace:
-    """Client -> proc: reply ``(hostname, workspace root)`` for this client (``client_key``)."""
+    """Client -> proc: reply ``(hostname, workspace root)`` for this client (``client_key``).
+
+    ``root_var`` (in every message that names a root): "" for the workspace root, else the environment
+    variable whose value is the root (``CONDA_PREFIX``: the proc's conda environment, ``conda=True``).
+    """
 
     client_key: str
     reply: PortRef
+    root_var: str = ""
 
 
 @_fast_reduce
@@ -32,6 +37,7 @@ class ScanWorkspace:
     sync_id: str
     client_key: str
     dirs: tuple[str, ...]
+    root_var: str = ""
 
 
 @_fast_reduce
@@ -49,6 +55,7 @@ class DiffWorkspace:
     manifest: dict
     reply: PortRef
     sources: tuple = ()
+    root_var: str = ""
 
 
 @_fast_reduce
@@ -59,7 +66,9 @@ class WriteFiles:
     Ops are tuples: ``("w", key, offset, buffer, patch)`` write bytes; ``("c", key, path, size)``
     copy a whole file of the client's (a writer that sees its sources) from ``path``;
     ``("f", key, size, mtime_ns, mode, patch)`` finish a file; ``("t", key,
-    mtime_ns, mode)`` same content, new metadata; ``("d", key)`` delete.
+    mtime_ns, mode)`` same content, new metadata; ``("d", key)`` delete; ``("x", key, size)``: the file
+    just finished is the client's file of ``size`` bytes with its prefix rewritten (a conda environment
+    synced to another path), to be taken as unchanged while its mtime stays.
     ``scan_ns`` is the client's clock when it scanned (for the racy rule).
     """
 
@@ -70,6 +79,7 @@ class WriteFiles:
     scan_ns: int
     last: bool
     reply: PortRef | None
+    root_var: str = ""
 
 
 @_fast_reduce
@@ -95,3 +105,4 @@ class WorkspaceDiff:
     delete: tuple[str, ...]
     root: str
     local: bool = False  # this writer sees the client's source dirs: files may be copied by path
+    same: bool = False  # the root is the client's source dir itself (nothing to do)

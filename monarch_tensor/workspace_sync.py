@@ -20,6 +20,9 @@
 4. Every proc puts the dirs on ``sys.path`` and, with ``auto_reload``,
    re-imports the changed modules.
 
+With ``conda=True`` the conda environment is mirrored first, the same way, onto each host's
+``$CONDA_PREFIX`` (``sync_env``).
+
 >>> ws = Workspace(dirs=["./my_project"])
 >>> result = await procs.sync_workspace(ws, auto_reload=True)  # doctest: +SKIP
 >>> result.files_sent, result.bytes_sent  # doctest: +SKIP
@@ -33,6 +36,7 @@ import mmap
 import os
 import pickle
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -61,7 +65,7 @@ PULL_SAME_HOST = os.environ.get("MONARCH_TENSOR_SYNC_PULL_SAME_HOST", "") == "1"
 # bytes and more from them itself, two at a time: one kernel copy per byte, no message or pull at all.
 COPY_LOCAL = os.environ.get("MONARCH_TENSOR_SYNC_COPY_LOCAL", "1") != "0"
 
-_roots: dict[str, tuple[str, str]] = {}  # proc addr -> (hostname, workspace root)
+_roots: dict[tuple[str, str], tuple[str, str]] = {}  # (proc addr, root variable) -> (hostname, root)
 
 
 @dataclass
@@ -82,22 +86,25 @@ class SyncResult:
     # "diff" (scanning here and at the writers, and comparing), "write" (every writer's files written
     # and committed), "reload" (every proc's sys.path and changed modules). Empty when no proc ran yet.
     phases: dict[str, float] = field(default_factory=dict)
+    conda: SyncResult | None = None  # with ``conda=True``: the environment's own sync (its roots: $CONDA_PREFIX)
 
 
-def forget_roots(addrs) -> None:
-    """Drop what is known of these procs' roots (their ``WORKSPACE_DIR`` changed)."""
+def forget_roots(addrs, root_var: str = "") -> None:
+    """Drop what is known of these procs' roots (their ``WORKSPACE_DIR``, or ``root_var``, changed)."""
     for a in addrs:
-        _roots.pop(a, None)
+        _roots.pop((a, root_var), None)
 
 
 def sync_workspace(procs: list, workspace: Workspace, auto_reload: bool = False,
-                   spawn_helpers=None) -> Future[SyncResult]:
+                   spawn_helpers=None, conda: bool = False) -> Future[SyncResult]:
     """Sync ``workspace`` to the roots of ``procs`` (``ProcInfo``s); see the module docstring.
     ``spawn_helpers()``, when given, makes a proc mesh on the hosts where no proc runs yet: it is called in
-    the sync's thread, synced through with ``procs``, and stopped before the result is set."""
+    the sync's thread, synced through with ``procs``, and stopped before the result is set. ``conda``: first
+    mirror the conda environment too (``conda_prefix``; ``sync_env``)."""
     if not isinstance(workspace, Workspace):
         raise TypeError(f"sync_workspace needs a Workspace, got {workspace!r}")
     workspace.check()
+    prefix = conda_prefix(workspace) if conda else None
     fut: Future[SyncResult] = Future("workspace sync")
 
     def run() -> None:
@@ -106,7 +113,9 @@ def sync_workspace(procs: list, workspace: Workspace, auto_reload: bool = False,
             if spawn_helpers is not None:
                 helpers = spawn_helpers()
             targets = [p for p in procs if p.alive] + (list(helpers._procs) if helpers is not None else [])
+            env = sync_env(targets, prefix) if prefix is not None else None
             result = _sync(targets, workspace, auto_reload)
+            result.conda = env
         except BaseException as e:  # noqa: BLE001 - surfaces on .get() / await
             _stop(helpers)
             fut._set_exception(e)
@@ -125,6 +134,50 @@ def _stop(helpers) -> None:
         helpers.stop().get(timeout=SYNC_TIMEOUT)
     except Exception as e:  # noqa: BLE001 - the sync's outcome stands; the procs' hosts reap them
         log.warning("stopping the workspace sync's helper procs: %r", e)
+
+
+def conda_prefix(workspace: Workspace) -> str:
+    """The conda environment that ``sync_workspace(..., conda=True)`` mirrors: the workspace's
+    (``Workspace(env=CondaEnvironment(prefix))``), else the active one (``$CONDA_PREFIX``), with the
+    symlinks of its path resolved; a clear error when there is none or it is no directory."""
+    from .tools.config.environment import CondaEnvironment
+
+    env = workspace.env
+    if isinstance(env, CondaEnvironment):
+        prefix = env.conda_prefix
+    elif env is None:
+        prefix = os.environ.get("CONDA_PREFIX")
+        if not prefix:
+            raise ValueError("sync_workspace(conda=True): no conda environment is active ($CONDA_PREFIX is not "
+                             "set) and the Workspace names none (Workspace(..., env=CondaEnvironment(path)))")
+    else:
+        raise TypeError(f"Workspace(env=...) must be a CondaEnvironment to sync it, got {env!r}")
+    path = os.path.realpath(prefix)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"conda environment {prefix} does not exist or is not a directory")
+    return path
+
+
+def sync_env(procs: list, prefix: str) -> SyncResult:
+    """Mirror the conda environment at ``prefix`` onto each host's ``$CONDA_PREFIX`` (that of its procs,
+    which must have it set): only what changed moves, as for a workspace. Where a host's prefix is another
+    path, text files that name this one are rewritten to name that one (binary files are copied as they
+    are). A host that sees this very directory at its prefix (the same file system, as a LocalJob's
+    hosts on this machine) has nothing to do. Nothing is reloaded: procs pick up changed packages when
+    they import them first, or when they reload them."""
+    return _sync(procs, Workspace(dirs={prefix: ""}), False, root_var="CONDA_PREFIX", rewrite=prefix)
+
+
+def _refuse_own_env(roots: list, prefix: str) -> None:
+    """Refuse to mirror ``prefix`` over this script's own environment (a proc of this host whose
+    ``$CONDA_PREFIX`` is the active environment or this interpreter's, when another one is synced)."""
+    own = {os.path.realpath(p) for p in (os.environ.get("CONDA_PREFIX"), sys.prefix) if p}
+    here = socket.gethostname()
+    for host, root in roots:
+        if host == here and os.path.realpath(root) in own:
+            raise ValueError(f"sync_workspace(conda=True) would mirror {prefix} over {root}, the environment this "
+                             f"script runs in (the $CONDA_PREFIX of procs on this host): set the procs' "
+                             f"CONDA_PREFIX to another directory, or sync the active environment")
 
 
 def _ask(procs: list, make, what: str) -> list:
@@ -180,8 +233,9 @@ def _source_ids(workspace: Workspace) -> tuple:
 class _Batcher:
     """Packs ops into ``WriteFiles`` messages of about ``CHUNK`` bytes (carried or to pull) for one writer."""
 
-    def __init__(self, send, sync_id: str, key: str, dirs: tuple, scan_ns: int) -> None:
+    def __init__(self, send, sync_id: str, key: str, dirs: tuple, scan_ns: int, root_var: str = "") -> None:
         self.send, self.sync_id, self.key, self.dirs, self.scan_ns = send, sync_id, key, dirs, scan_ns
+        self.root_var = root_var
         self.ops: list = []
         self.nbytes = 0
         self.files = self.bytes = self.pulled = self.copied = 0
@@ -194,7 +248,8 @@ class _Batcher:
             self.flush(last=False, reply=None)
 
     def flush(self, last: bool, reply) -> None:
-        self.send(WriteFiles(self.sync_id, self.key, self.dirs, tuple(self.ops), self.scan_ns, last, reply))
+        self.send(WriteFiles(self.sync_id, self.key, self.dirs, tuple(self.ops), self.scan_ns, last, reply,
+                             self.root_var))
         self.ops, self.nbytes = [], 0
 
 
@@ -304,81 +359,116 @@ def _send_file(b: _Batcher, key: str, path: str, mtime_ns: int, mode: int, block
     b.files += 1
 
 
+def _rewritten(b: _Batcher, key: str, path: str, mtime_ns: int, mode: int, rewrite: tuple[bytes, bytes]) -> bool:
+    """Send ``key`` whole with ``rewrite[0]`` replaced by ``rewrite[1]`` when it is a text file (no NUL
+    byte) that names ``rewrite[0]``; whether it did."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if rewrite[0] not in data or b"\0" in data:
+        return False
+    new = data.replace(rewrite[0], rewrite[1])
+    b.add(("w", key, 0, _carried(new), False), len(new))
+    b.add(("f", key, len(new), mtime_ns, mode, False))
+    b.add(("x", key, len(data)))
+    b.files += 1
+    return True
+
+
 def plan(b: _Batcher, diff: WorkspaceDiff, manifest: dict, sources: _Sources,
-         pulls: _Pulls | None = None, copy: bool = False) -> list[str]:
+         pulls: _Pulls | None = None, copy: bool = False, rewrite: tuple[bytes, bytes] | None = None) -> list[str]:
     """Turn a writer's diff into ops on ``b``; return the keys whose content changes (``copy``: the
-    writer copies whole files from ``sources`` itself)."""
+    writer copies whole files from ``sources`` itself; ``rewrite``: (this prefix, the writer's) for text
+    files that name this prefix, sent whole with the writer's instead)."""
     changed = []
     for key in diff.send:
         _, mtime_ns, mode = manifest[key]
+        changed.append(key)
+        if rewrite is not None and _rewritten(b, key, sources[key], mtime_ns, mode, rewrite):
+            continue
         theirs = diff.blocks.get(key)
         blocks = _filetree.changed_blocks(sources[key], theirs) if theirs is not None else None
         _send_file(b, key, sources[key], mtime_ns, mode, blocks, pulls, copy)
-        changed.append(key)
     for key, theirs in diff.verify.items():
         size, mtime_ns, mode = manifest[key]
         ours = _filetree.fingerprint(sources[key], size)
         if ours == theirs:
             b.add(("t", key, mtime_ns, mode))
             continue
+        changed.append(key)
+        if rewrite is not None and _rewritten(b, key, sources[key], mtime_ns, mode, rewrite):
+            continue
         blocks = None
         if isinstance(theirs, list):
             blocks = [i for i, d in enumerate(ours) if i >= len(theirs) or theirs[i] != d]
         _send_file(b, key, sources[key], mtime_ns, mode, blocks, pulls, copy)
-        changed.append(key)
     for key in diff.delete:
         b.add(("d", key))
         changed.append(key)
     return changed
 
 
-def _sync(procs: list, workspace: Workspace, auto_reload: bool) -> SyncResult:
+def _sync(procs: list, workspace: Workspace, auto_reload: bool, root_var: str = "",
+          rewrite: str | None = None) -> SyncResult:
+    """One sync of ``workspace`` to the roots of ``procs``: their workspace roots, or (``root_var``) the
+    directories their environment variable names, where text files naming ``rewrite`` name the root
+    instead (``sync_env``: no reload then)."""
     t0 = time.perf_counter()
     mailbox = current_mailbox()
     key = _sync_proc.client_key(mailbox.addr)
     dirs = tuple(workspace.dirs.values())
     result = SyncResult()
-    unknown = [p for p in procs if p.addr not in _roots]
+    unknown = [p for p in procs if (p.addr, root_var) not in _roots]
     if unknown:
-        for p, where in zip(unknown, _ask(unknown, lambda port: DescribeWorkspace(key, port), "workspace roots")):
-            _roots[p.addr] = tuple(where)
+        for p, where in zip(unknown, _ask(unknown, lambda port: DescribeWorkspace(key, port, root_var),
+                                          "workspace roots")):
+            _roots[(p.addr, root_var)] = tuple(where)
     t1 = time.perf_counter()
     groups: dict[tuple[str, str], list] = {}
     for p in procs:
-        groups.setdefault(_roots[p.addr], []).append(p)
+        groups.setdefault(_roots[(p.addr, root_var)], []).append(p)
     writers = [members[0] for members in groups.values()]
     sync_id = uuid.uuid4().hex[:12]
     for w in writers:  # they scan their roots while this process scans the dirs
-        mailbox.send(w.addr, ScanWorkspace(sync_id, key, dirs))
+        mailbox.send(w.addr, ScanWorkspace(sync_id, key, dirs, root_var))
     scan_ns = time.time_ns()
     manifest, sources = local_manifest(workspace)
-    where = _source_ids(workspace) if COPY_LOCAL else ()
-    diffs: list[WorkspaceDiff] = _ask(writers, lambda port: DiffWorkspace(sync_id, key, dirs, manifest, port, where),
-                                      "workspace diff") if writers else []
+    where = _source_ids(workspace) if COPY_LOCAL or root_var else ()
+    diffs: list[WorkspaceDiff] = _ask(
+        writers, lambda port: DiffWorkspace(sync_id, key, dirs, manifest, port, where, root_var),
+        "workspace diff") if writers else []
     t2 = time.perf_counter()
-    col = Collector([w.addr for w in writers], [w.rank for w in writers], list, "workspace write")
+    busy = [(w, d) for w, d in zip(writers, diffs) if not d.same]  # (a root that is the source: nothing to do)
+    if rewrite is not None:
+        _refuse_own_env([_roots[(w.addr, root_var)] for w, _ in busy], rewrite)
+    result.roots = [d.root for d in diffs if d.same]
+    col = Collector([w.addr for w, _ in busy], [w.rank for w, _ in busy], list, "workspace write")
     port = mailbox.open_port(col)
     changed: set[str] = set()
     pulls = _Pulls()
     try:
-        for w, diff in zip(writers, diffs):
-            b = _Batcher(lambda msg, addr=w.addr: mailbox.send(addr, msg), sync_id, key, dirs, scan_ns)
-            remote = PULL_SAME_HOST or _roots[w.addr][0] != socket.gethostname()
+        for w, diff in busy:
+            b = _Batcher(lambda msg, addr=w.addr: mailbox.send(addr, msg), sync_id, key, dirs, scan_ns, root_var)
+            host, root = _roots[(w.addr, root_var)]
+            remote = PULL_SAME_HOST or host != socket.gethostname()
             copy = diff.local and not PULL_SAME_HOST
-            changed.update(plan(b, diff, manifest, sources, pulls if remote and not copy else None, copy))
+            rw = (os.fsencode(rewrite), os.fsencode(root)) if rewrite is not None and root != rewrite else None
+            changed.update(plan(b, diff, manifest, sources, pulls if remote and not copy else None, copy, rw))
             b.flush(last=True, reply=port)
             result.files_sent += b.files
             result.bytes_sent += b.bytes
             result.bytes_pulled += b.pulled
             result.bytes_copied += b.copied
             result.deleted = max(result.deleted, len(diff.delete))
+        for diff in diffs:
             result.unchanged = max(result.unchanged, len(manifest) - len(diff.send) - len(diff.verify))
-        result.roots = col.future.get(timeout=SYNC_TIMEOUT) if writers else []
+        result.roots += col.future.get(timeout=SYNC_TIMEOUT) if busy else []
     finally:
         pulls.drop()
+        if not busy:
+            mailbox.close_port(port.port_id)
     t3 = time.perf_counter()
     result.changed = sorted(changed)
-    if procs:
+    if procs and not root_var:
         replies = _ask(procs, lambda port: ReloadWorkspace(key, dirs, tuple(sorted(changed)), auto_reload, port),
                        "workspace reload")
         result.reloaded = {p.rank: r for p, r in zip(procs, replies)}

@@ -572,3 +572,108 @@ def test_writers_are_asked_to_scan_before_the_client_scans(tmp_path, monkeypatch
         assert sync_events == ["ScanWorkspace", "ScanWorkspace", "client scan", "DiffWorkspace", "DiffWorkspace"]
     finally:
         procs.stop()
+
+
+# ---- the conda environment (sync_workspace(..., conda=True)) -----------------------------------------
+def _fake_env(base) -> dict[str, bytes]:
+    """A small conda-like environment at ``base``: text files naming its prefix, a binary that names it
+    too, a large file; returns {relative path: original content}."""
+    prefix = str(base)
+    files = {
+        "bin/tool": f"#!{prefix}/bin/python\nprint('hi')\n".encode(),
+        "lib/python3.11/site-packages/envpkg/__init__.py": b"VALUE = 1\n",
+        "lib/python3.11/site-packages/extra.pth": f"{prefix}/src\n".encode(),
+        "lib/libbin.so": b"\x7fELF\0\x01" + prefix.encode() + b"\0" * 16,
+        "share/big.dat": os.urandom(200_000),
+    }
+    for rel, data in files.items():
+        path = base / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    os.chmod(base / "bin/tool", 0o755)
+    return files
+
+
+@pytest.mark.timeout(180)
+def test_conda_env_is_mirrored_onto_each_hosts_prefix_with_text_files_rewritten(tmp_path, monkeypatch):
+    env = tmp_path / "env"
+    files = _fake_env(env)
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "main.py").write_text("X = 1\n")
+    monkeypatch.setenv("CONDA_PREFIX", str(env))
+    prefixes = [tmp_path / "host0-env", tmp_path / "host1-env"]
+    procs = this_host().spawn_procs(per_host={"gpus": 4})
+    try:
+        procs.env.set("WORKSPACE_DIR", str(tmp_path / "ws")).get(timeout=30)
+        procs.env.set("CONDA_PREFIX", [str(prefixes[0])] * 2 + [str(prefixes[1])] * 2).get(timeout=30)
+        ws = Workspace(dirs=[proj])
+        first = procs.sync_workspace(ws, conda=True).get(timeout=120)
+        assert first.files_sent == 1 and first.conda is not None
+        assert first.conda.files_sent == 2 * len(files) and sorted(first.conda.roots) == sorted(map(str, prefixes))
+        for p in prefixes:
+            for rel, data in files.items():
+                got = (p / rel).read_bytes()
+                if rel in ("bin/tool", "lib/python3.11/site-packages/extra.pth"):  # text naming the prefix
+                    assert got == data.replace(str(env).encode(), str(p).encode()), rel
+                else:  # no mention, or binary: as it is
+                    assert got == data, rel
+            assert os.stat(p / "bin/tool").st_mode & 0o777 == 0o755
+        assert not (tmp_path / "ws" / "bin").exists()  # the environment is not the workspace
+
+        again = procs.sync_workspace(ws, conda=True).get(timeout=120)
+        assert again.conda.files_sent == 0 and again.conda.changed == []  # rewritten files stay unchanged
+
+        (env / "lib/python3.11/site-packages/envpkg/__init__.py").write_text("VALUE = 2\n")
+        (env / "share/big.dat").unlink()
+        third = procs.sync_workspace(ws, conda=True).get(timeout=120)
+        assert third.conda.changed == ["lib/python3.11/site-packages/envpkg/__init__.py", "share/big.dat"]
+        assert third.conda.files_sent == 2 and third.conda.deleted == 1
+        for p in prefixes:
+            assert (p / "lib/python3.11/site-packages/envpkg/__init__.py").read_text() == "VALUE = 2\n"
+            assert not (p / "share/big.dat").exists()
+
+        # A host whose procs' prefix is this very environment has nothing to do; nothing there is touched.
+        before = {rel: os.stat(env / rel).st_mtime_ns for rel in files if (env / rel).exists()}
+        procs.env.set("CONDA_PREFIX", [str(env)] * 2 + [str(prefixes[1])] * 2).get(timeout=30)
+        (env / "bin/tool").touch()
+        same = procs.sync_workspace(ws, conda=True).get(timeout=120)
+        assert str(env) in same.conda.roots and same.conda.files_sent == 1  # bin/tool, to host 1 only
+        assert {rel: os.stat(env / rel).st_mtime_ns for rel in before if rel != "bin/tool"} == \
+               {rel: t for rel, t in before.items() if rel != "bin/tool"}
+    finally:
+        procs.stop()
+
+
+@pytest.mark.timeout(120)
+def test_conda_sync_errors_are_clear(tmp_path, monkeypatch):
+    import sys
+
+    from monarch_tensor.errors import SyncError
+    from monarch_tensor.tools.config.environment import CondaEnvironment
+
+    env = tmp_path / "env"
+    _fake_env(env)
+    monkeypatch.delenv("CONDA_PREFIX", raising=False)
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        with pytest.raises(ValueError, match="no conda environment is active"):
+            procs.sync_workspace(Workspace(dirs=[]), conda=True)
+        with pytest.raises(TypeError, match="must be a CondaEnvironment"):
+            procs.sync_workspace(Workspace(dirs=[], env="conda"), conda=True)
+        with pytest.raises(FileNotFoundError, match="does not exist"):
+            procs.sync_workspace(Workspace(dirs=[], env=CondaEnvironment(str(tmp_path / "nope"))), conda=True)
+        named = Workspace(dirs=[], env=CondaEnvironment(str(env)))
+        procs.env.set("CONDA_PREFIX", None).get(timeout=30)
+        with pytest.raises(SyncError, match=r"\$CONDA_PREFIX is not set in this proc"):
+            procs.sync_workspace(named, conda=True).get(timeout=60)
+        procs.env.set("CONDA_PREFIX", sys.prefix).get(timeout=30)  # this interpreter's own environment
+        with pytest.raises(ValueError, match="the environment this script runs in"):
+            procs.sync_workspace(named, conda=True).get(timeout=60)
+        assert os.path.isdir(os.path.join(sys.prefix, "lib"))  # (untouched)
+        procs.env.set("CONDA_PREFIX", str(tmp_path / "there")).get(timeout=30)
+        res = procs.sync_workspace(named, conda=True).get(timeout=60)  # the named environment, anywhere else
+        assert (tmp_path / "there" / "bin" / "tool").read_text().startswith(f"#!{tmp_path / 'there'}/bin/python")
+        assert res.conda.files_sent == 5
+    finally:
+        procs.stop()

@@ -21,7 +21,7 @@ class Workspace:
     """
 
     def __init__(self, dirs: list[Path | str] | dict[Path | str, str] | None = None, env: object = None) -> None:
-        self.env = env  # Monarch's conda environment option; environments are not synced here
+        self.env = env  # a CondaEnvironment: what sync_workspace(..., conda=True) mirrors (default: the active one)
         self.dirs: dict[Path, str] = {}
         if dirs is not None and not isinstance(dirs, (list, tuple, dict)):
             raise TypeError(f"Workspace(dirs=...) takes a list of dirs or a {{dir: remote name}} dict, got {dirs!r}")
