@@ -324,6 +324,8 @@ def commit(root: str, dirs, ops, scan_ns: int, env: bool = False) -> None:
             rewritten.pop(key, None)  # (an "x" after it says it is rewritten again)
         elif op[0] == "t":
             key, mtime_ns = op[1], op[2]
+            if key in rewritten:  # the same rewritten content: it stays taken for the client's file
+                rewritten[key] = [rewritten[key][0], mtime_ns]
         else:
             if op[0] == "d":
                 racy.discard(op[1])

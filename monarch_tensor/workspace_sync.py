@@ -31,6 +31,7 @@ With ``conda=True`` the conda environment is mirrored first, the same way, onto 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import mmap
 import os
@@ -138,8 +139,8 @@ def _stop(helpers) -> None:
 
 def conda_prefix(workspace: Workspace) -> str:
     """The conda environment that ``sync_workspace(..., conda=True)`` mirrors: the workspace's
-    (``Workspace(env=CondaEnvironment(prefix))``), else the active one (``$CONDA_PREFIX``), with the
-    symlinks of its path resolved; a clear error when there is none or it is no directory."""
+    (``Workspace(env=CondaEnvironment(prefix))``), else the active one (``$CONDA_PREFIX``), as an absolute
+    path; a clear error when there is none or it is no directory."""
     from .tools.config.environment import CondaEnvironment
 
     env = workspace.env
@@ -152,7 +153,7 @@ def conda_prefix(workspace: Workspace) -> str:
                              "set) and the Workspace names none (Workspace(..., env=CondaEnvironment(path)))")
     else:
         raise TypeError(f"Workspace(env=...) must be a CondaEnvironment to sync it, got {env!r}")
-    path = os.path.realpath(prefix)
+    path = os.path.abspath(prefix)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"conda environment {prefix} does not exist or is not a directory")
     return path
@@ -165,7 +166,8 @@ def sync_env(procs: list, prefix: str) -> SyncResult:
     are). A host that sees this very directory at its prefix (the same file system, as a LocalJob's
     hosts on this machine) has nothing to do. Nothing is reloaded: procs pick up changed packages when
     they import them first, or when they reload them."""
-    return _sync(procs, Workspace(dirs={prefix: ""}), False, root_var="CONDA_PREFIX", rewrite=prefix)
+    forms = tuple(sorted({prefix, os.path.realpath(prefix)}, key=len, reverse=True))  # (as named, and resolved)
+    return _sync(procs, Workspace(dirs={prefix: ""}), False, root_var="CONDA_PREFIX", rewrite=forms)
 
 
 def _refuse_own_env(roots: list, prefix: str) -> None:
@@ -359,14 +361,29 @@ def _send_file(b: _Batcher, key: str, path: str, mtime_ns: int, mode: int, block
     b.files += 1
 
 
-def _rewritten(b: _Batcher, key: str, path: str, mtime_ns: int, mode: int, rewrite: tuple[bytes, bytes]) -> bool:
-    """Send ``key`` whole with ``rewrite[0]`` replaced by ``rewrite[1]`` when it is a text file (no NUL
-    byte) that names ``rewrite[0]``; whether it did."""
+def _rewrite_text(path: str, rewrite: tuple) -> tuple[bytes, bytes] | None:
+    """``(content, content with each of the prefixes rewrite[0] replaced by rewrite[1])`` when ``path`` is
+    a text file (no NUL byte) that names one of them, else None (binary files keep their length)."""
     with open(path, "rb") as f:
-        data = f.read()
-    if rewrite[0] not in data or b"\0" in data:
+        data = f.read(8192)
+        if b"\0" in data:
+            return None
+        data += f.read()
+    froms, to = rewrite
+    if b"\0" in data or not any(p in data for p in froms):
+        return None
+    new = data
+    for p in froms:
+        new = new.replace(p, to)
+    return data, new
+
+
+def _rewritten(b: _Batcher, key: str, path: str, mtime_ns: int, mode: int, rewrite: tuple) -> bool:
+    """Send ``key`` whole, rewritten (``_rewrite_text``), when it needs it; whether it did."""
+    got = _rewrite_text(path, rewrite)
+    if got is None:
         return False
-    new = data.replace(rewrite[0], rewrite[1])
+    data, new = got
     b.add(("w", key, 0, _carried(new), False), len(new))
     b.add(("f", key, len(new), mtime_ns, mode, False))
     b.add(("x", key, len(data)))
@@ -374,11 +391,25 @@ def _rewritten(b: _Batcher, key: str, path: str, mtime_ns: int, mode: int, rewri
     return True
 
 
+def _same_rewritten(path: str, size: int, theirs, rewrite: tuple) -> bool:
+    """Whether the writer's file (``theirs``: its fingerprint, taken at our file's ``size``) is our file
+    rewritten for it (a file written so in an earlier sync, whose mtime alone changed, or that was racy)."""
+    got = _rewrite_text(path, rewrite)
+    if got is None:
+        return False
+    new = got[1]
+    if size >= _filetree.LARGE:
+        ours = [hashlib.sha256(new[o:o + _filetree.BLOCK]).digest() for o in range(0, len(new), _filetree.BLOCK)]
+    else:
+        ours = hashlib.sha256(new).digest()
+    return ours == theirs
+
+
 def plan(b: _Batcher, diff: WorkspaceDiff, manifest: dict, sources: _Sources,
-         pulls: _Pulls | None = None, copy: bool = False, rewrite: tuple[bytes, bytes] | None = None) -> list[str]:
+         pulls: _Pulls | None = None, copy: bool = False, rewrite: tuple | None = None) -> list[str]:
     """Turn a writer's diff into ops on ``b``; return the keys whose content changes (``copy``: the
-    writer copies whole files from ``sources`` itself; ``rewrite``: (this prefix, the writer's) for text
-    files that name this prefix, sent whole with the writer's instead)."""
+    writer copies whole files from ``sources`` itself; ``rewrite``: (this environment's prefixes, the
+    writer's) for text files that name one of these, sent whole naming the writer's instead)."""
     changed = []
     for key in diff.send:
         _, mtime_ns, mode = manifest[key]
@@ -391,7 +422,7 @@ def plan(b: _Batcher, diff: WorkspaceDiff, manifest: dict, sources: _Sources,
     for key, theirs in diff.verify.items():
         size, mtime_ns, mode = manifest[key]
         ours = _filetree.fingerprint(sources[key], size)
-        if ours == theirs:
+        if ours == theirs or (rewrite is not None and _same_rewritten(sources[key], size, theirs, rewrite)):
             b.add(("t", key, mtime_ns, mode))
             continue
         changed.append(key)
@@ -408,10 +439,10 @@ def plan(b: _Batcher, diff: WorkspaceDiff, manifest: dict, sources: _Sources,
 
 
 def _sync(procs: list, workspace: Workspace, auto_reload: bool, root_var: str = "",
-          rewrite: str | None = None) -> SyncResult:
+          rewrite: tuple[str, ...] = ()) -> SyncResult:
     """One sync of ``workspace`` to the roots of ``procs``: their workspace roots, or (``root_var``) the
-    directories their environment variable names, where text files naming ``rewrite`` name the root
-    instead (``sync_env``: no reload then)."""
+    directories their environment variable names, where text files naming one of the paths ``rewrite``
+    name the root instead (``sync_env``: no reload then)."""
     t0 = time.perf_counter()
     mailbox = current_mailbox()
     key = _sync_proc.client_key(mailbox.addr)
@@ -438,8 +469,8 @@ def _sync(procs: list, workspace: Workspace, auto_reload: bool, root_var: str = 
         "workspace diff") if writers else []
     t2 = time.perf_counter()
     busy = [(w, d) for w, d in zip(writers, diffs) if not d.same]  # (a root that is the source: nothing to do)
-    if rewrite is not None:
-        _refuse_own_env([_roots[(w.addr, root_var)] for w, _ in busy], rewrite)
+    if rewrite:
+        _refuse_own_env([_roots[(w.addr, root_var)] for w, _ in busy], rewrite[0])
     result.roots = [d.root for d in diffs if d.same]
     col = Collector([w.addr for w, _ in busy], [w.rank for w, _ in busy], list, "workspace write")
     port = mailbox.open_port(col)
@@ -451,7 +482,7 @@ def _sync(procs: list, workspace: Workspace, auto_reload: bool, root_var: str = 
             host, root = _roots[(w.addr, root_var)]
             remote = PULL_SAME_HOST or host != socket.gethostname()
             copy = diff.local and not PULL_SAME_HOST
-            rw = (os.fsencode(rewrite), os.fsencode(root)) if rewrite is not None and root != rewrite else None
+            rw = (tuple(map(os.fsencode, rewrite)), os.fsencode(root)) if rewrite and root not in rewrite else None
             changed.update(plan(b, diff, manifest, sources, pulls if remote and not copy else None, copy, rw))
             b.flush(last=True, reply=port)
             result.files_sent += b.files

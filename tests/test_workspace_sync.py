@@ -636,11 +636,19 @@ def test_conda_env_is_mirrored_onto_each_hosts_prefix_with_text_files_rewritten(
         # A host whose procs' prefix is this very environment has nothing to do; nothing there is touched.
         before = {rel: os.stat(env / rel).st_mtime_ns for rel in files if (env / rel).exists()}
         procs.env.set("CONDA_PREFIX", [str(env)] * 2 + [str(prefixes[1])] * 2).get(timeout=30)
-        (env / "bin/tool").touch()
+        (env / "bin/tool").write_text(f"#!{env}/bin/python\nprint('hello')\n")
         same = procs.sync_workspace(ws, conda=True).get(timeout=120)
         assert str(env) in same.conda.roots and same.conda.files_sent == 1  # bin/tool, to host 1 only
+        assert (prefixes[1] / "bin/tool").read_text() == f"#!{prefixes[1]}/bin/python\nprint('hello')\n"
         assert {rel: os.stat(env / rel).st_mtime_ns for rel in before if rel != "bin/tool"} == \
                {rel: t for rel, t in before.items() if rel != "bin/tool"}
+
+        # A file whose mtime alone changed is compared as rewritten for the host: it does not move.
+        os.utime(env / "bin/tool", ns=(time.time_ns() - 10**9, time.time_ns() - 10**9))
+        touched = procs.sync_workspace(ws, conda=True).get(timeout=120)
+        assert touched.conda.files_sent == 0 and touched.conda.changed == []
+        assert os.stat(prefixes[1] / "bin/tool").st_mtime_ns == os.stat(env / "bin/tool").st_mtime_ns
+        assert procs.sync_workspace(ws, conda=True).get(timeout=120).conda.files_sent == 0  # and stays so
     finally:
         procs.stop()
 
@@ -675,5 +683,27 @@ def test_conda_sync_errors_are_clear(tmp_path, monkeypatch):
         res = procs.sync_workspace(named, conda=True).get(timeout=60)  # the named environment, anywhere else
         assert (tmp_path / "there" / "bin" / "tool").read_text().startswith(f"#!{tmp_path / 'there'}/bin/python")
         assert res.conda.files_sent == 5
+    finally:
+        procs.stop()
+
+
+@pytest.mark.timeout(120)
+def test_conda_env_named_through_a_symlink_rewrites_both_of_its_paths(tmp_path, monkeypatch):
+    real = tmp_path / "real-env"
+    real.mkdir()
+    link = tmp_path / "env"
+    link.symlink_to(real)
+    files = _fake_env(link)  # its text files name the path as activated: the link
+    (real / "etc").mkdir()
+    (real / "etc" / "where.txt").write_text(f"{real}/lib\n")  # ... and one names the resolved path
+    monkeypatch.setenv("CONDA_PREFIX", str(link))
+    there = tmp_path / "there"
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        procs.env.set("CONDA_PREFIX", str(there)).get(timeout=30)
+        res = procs.sync_workspace(Workspace(dirs=[]), conda=True).get(timeout=60)
+        assert res.conda.files_sent == len(files) + 1
+        assert (there / "bin" / "tool").read_text().startswith(f"#!{there}/bin/python")
+        assert (there / "etc" / "where.txt").read_text() == f"{there}/lib\n"
     finally:
         procs.stop()
