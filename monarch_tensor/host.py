@@ -625,9 +625,15 @@ class HostMesh(MeshTrait):
         procs = [p for mesh in list(_live_meshes) for p in mesh._procs if p.alive and self._runs_here(p)]
         if not procs:  # nothing runs yet: write this host's root directly
             try:
+                prefix = conda_prefix(workspace) if conda else None
+                active = os.environ.get("CONDA_PREFIX")
+                if prefix is not None and not (active and os.path.samefile(prefix, active)):
+                    raise ValueError(f"sync_workspace(conda=True): no proc runs on this host yet to receive {prefix} "
+                                     f"(procs spawned here run in this script's environment, {active}); spawn "
+                                     "procs with CONDA_PREFIX set where it should go, then sync")
                 result = sync_local(workspace)
-                if conda:  # (the procs spawned here later inherit this very environment)
-                    result.conda = SyncResult(roots=[conda_prefix(workspace)])
+                if prefix is not None:  # (the procs spawned here later inherit this very environment)
+                    result.conda = SyncResult(roots=[prefix])
                 return Future.ready(result)
             except Exception as e:  # noqa: BLE001
                 return Future.failed(e)

@@ -707,3 +707,20 @@ def test_conda_env_named_through_a_symlink_rewrites_both_of_its_paths(tmp_path, 
         assert (there / "etc" / "where.txt").read_text() == f"{there}/lib\n"
     finally:
         procs.stop()
+
+
+@pytest.mark.timeout(60)
+def test_conda_sync_to_this_host_before_any_proc(tmp_path, monkeypatch):
+    from monarch_tensor.host import _live_meshes
+    from monarch_tensor.tools.config.environment import CondaEnvironment
+
+    assert not any(p.alive for m in _live_meshes for p in m._procs if getattr(p, "agent", None) is None)
+    env, other = tmp_path / "env", tmp_path / "other"
+    _fake_env(env)
+    _fake_env(other)
+    monkeypatch.setenv("CONDA_PREFIX", str(env))
+    monkeypatch.setenv("WORKSPACE_DIR", str(tmp_path / "root"))
+    res = this_host().sync_workspace(Workspace(dirs=[]), conda=True).get(timeout=30)
+    assert res.conda.roots == [str(env)] and res.conda.files_sent == 0  # the procs to come run in it already
+    with pytest.raises(ValueError, match="no proc runs on this host yet"):
+        this_host().sync_workspace(Workspace(dirs=[], env=CondaEnvironment(str(other))), conda=True).get(timeout=30)
