@@ -36,6 +36,7 @@ import logging
 import mmap
 import os
 import pickle
+import re
 import socket
 import sys
 import threading
@@ -114,8 +115,11 @@ def sync_workspace(procs: list, workspace: Workspace, auto_reload: bool = False,
             if spawn_helpers is not None:
                 helpers = spawn_helpers()
             targets = [p for p in procs if p.alive] + (list(helpers._procs) if helpers is not None else [])
-            env = sync_env(targets, prefix) if prefix is not None else None
-            result = _sync(targets, workspace, auto_reload)
+            env, ws = None, workspace
+            if prefix is not None:
+                ws, editables = with_editables(workspace, prefix)
+                env = sync_env(targets, prefix, editables)
+            result = _sync(targets, ws, auto_reload)
             result.conda = env
         except BaseException as e:  # noqa: BLE001 - surfaces on .get() / await
             _stop(helpers)
@@ -159,15 +163,83 @@ def conda_prefix(workspace: Workspace) -> str:
     return path
 
 
-def sync_env(procs: list, prefix: str) -> SyncResult:
+def editable_installs(prefix: str) -> list[tuple[str, str]]:
+    """``(project name, source dir)`` of each editable install (``pip install -e``) in the environment at
+    ``prefix``, from the ``direct_url.json`` of its ``site-packages`` (PEP 610)."""
+    import glob
+    import json
+    from urllib.parse import unquote, urlparse
+
+    out, seen = [], set()
+    for direct in sorted(glob.glob(os.path.join(prefix, "lib", "python*", "site-packages", "*.dist-info",
+                                                "direct_url.json"))):
+        real = os.path.realpath(direct)  # (lib/python3 may be a link to lib/python3.11)
+        if real in seen:
+            continue
+        seen.add(real)
+        try:
+            with open(direct) as f:
+                info = json.load(f)
+        except (OSError, ValueError):
+            continue
+        url = urlparse(info.get("url", "")) if isinstance(info, dict) else None
+        if url is None or not (info.get("dir_info") or {}).get("editable") or url.scheme != "file":
+            continue
+        path = unquote(url.path)
+        if not os.path.isdir(path):
+            continue
+        name = os.path.basename(os.path.dirname(direct)).rsplit("-", 1)[0]
+        try:
+            with open(os.path.join(os.path.dirname(direct), "METADATA")) as f:
+                for line in f:
+                    if line.startswith("Name:"):
+                        name = line[5:].strip()
+                        break
+        except OSError:
+            pass
+        out.append((name, os.path.abspath(path)))
+    return out
+
+
+def with_editables(workspace: Workspace, prefix: str) -> tuple[Workspace, list[tuple[str, str]]]:
+    """``workspace`` plus the source dirs of the environment's editable installs, each at
+    ``__editable__.<name>`` unless the workspace has it already; and ``(source dir, remote dir)`` of each."""
+    dirs = {str(k): v for k, v in workspace.dirs.items()}
+    editables = []
+    for name, path in editable_installs(prefix):
+        if path not in dirs:
+            dirs[path] = f"__editable__.{name}"
+        editables.append((path, dirs[path]))
+    if len(dirs) == len(workspace.dirs):
+        return workspace, editables
+    return Workspace(dirs=dirs, env=workspace.env), editables
+
+
+def sync_env(procs: list, prefix: str, editables: list[tuple[str, str]] = ()) -> SyncResult:
     """Mirror the conda environment at ``prefix`` onto each host's ``$CONDA_PREFIX`` (that of its procs,
     which must have it set): only what changed moves, as for a workspace. Where a host's prefix is another
     path, text files that name this one are rewritten to name that one (binary files are copied as they
-    are). A host that sees this very directory at its prefix (the same file system, as a LocalJob's
-    hosts on this machine) has nothing to do. Nothing is reloaded: procs pick up changed packages when
-    they import them first, or when they reload them."""
-    forms = tuple(sorted({prefix, os.path.realpath(prefix)}, key=len, reverse=True))  # (as named, and resolved)
-    return _sync(procs, Workspace(dirs={prefix: ""}), False, root_var="CONDA_PREFIX", rewrite=forms)
+    are), and those that name the source dir of an editable install (``editables``: (source dir, remote
+    dir), synced with the workspace) name its place in the host's workspace root. A host that sees this
+    very directory at its prefix (the same file system, as a LocalJob's hosts on this machine) has nothing
+    to do. Nothing is reloaded: procs pick up changed packages when they import them first, or when they
+    reload them."""
+    def forms(path: str) -> set[str]:
+        return {path, os.path.realpath(path)}  # (as named, and resolved)
+
+    if editables:
+        _describe(procs, "")  # the workspace roots, where the editable installs go
+
+    def rewrites(w, root: str) -> dict[bytes, bytes] | None:
+        to = {f: root for f in forms(prefix)}
+        for path, remote in editables:
+            ws_root = _roots[(w.addr, "")][1]
+            to.update({f: os.path.join(ws_root, remote) if remote else ws_root for f in forms(path)})
+        out = {os.fsencode(k): os.fsencode(v) for k, v in to.items() if k != v}
+        return out or None
+
+    return _sync(procs, Workspace(dirs={prefix: ""}), False, root_var="CONDA_PREFIX", rewrite=rewrites,
+                 guard=prefix)
 
 
 def _refuse_own_env(roots: list, prefix: str) -> None:
@@ -361,24 +433,21 @@ def _send_file(b: _Batcher, key: str, path: str, mtime_ns: int, mode: int, block
     b.files += 1
 
 
-def _rewrite_text(path: str, rewrite: tuple) -> tuple[bytes, bytes] | None:
-    """``(content, content with each of the prefixes rewrite[0] replaced by rewrite[1])`` when ``path`` is
-    a text file (no NUL byte) that names one of them, else None (binary files keep their length)."""
+def _rewrite_text(path: str, rewrite: dict[bytes, bytes]) -> tuple[bytes, bytes] | None:
+    """``(content, content with each path of ``rewrite`` replaced by its value)`` when ``path`` is a text
+    file (no NUL byte) that names one of them, else None (binary files keep their length)."""
     with open(path, "rb") as f:
         data = f.read(8192)
         if b"\0" in data:
             return None
         data += f.read()
-    froms, to = rewrite
-    if b"\0" in data or not any(p in data for p in froms):
+    if b"\0" in data or not any(p in data for p in rewrite):
         return None
-    new = data
-    for p in froms:
-        new = new.replace(p, to)
-    return data, new
+    pattern = re.compile(b"|".join(re.escape(p) for p in sorted(rewrite, key=len, reverse=True)))
+    return data, pattern.sub(lambda m: rewrite[m.group(0)], data)
 
 
-def _rewritten(b: _Batcher, key: str, path: str, mtime_ns: int, mode: int, rewrite: tuple) -> bool:
+def _rewritten(b: _Batcher, key: str, path: str, mtime_ns: int, mode: int, rewrite: dict) -> bool:
     """Send ``key`` whole, rewritten (``_rewrite_text``), when it needs it; whether it did."""
     got = _rewrite_text(path, rewrite)
     if got is None:
@@ -391,7 +460,7 @@ def _rewritten(b: _Batcher, key: str, path: str, mtime_ns: int, mode: int, rewri
     return True
 
 
-def _same_rewritten(path: str, size: int, theirs, rewrite: tuple) -> bool:
+def _same_rewritten(path: str, size: int, theirs, rewrite: dict) -> bool:
     """Whether the writer's file (``theirs``: its fingerprint, taken at our file's ``size``) is our file
     rewritten for it (a file written so in an earlier sync, whose mtime alone changed, or that was racy)."""
     got = _rewrite_text(path, rewrite)
@@ -406,10 +475,10 @@ def _same_rewritten(path: str, size: int, theirs, rewrite: tuple) -> bool:
 
 
 def plan(b: _Batcher, diff: WorkspaceDiff, manifest: dict, sources: _Sources,
-         pulls: _Pulls | None = None, copy: bool = False, rewrite: tuple | None = None) -> list[str]:
+         pulls: _Pulls | None = None, copy: bool = False, rewrite: dict | None = None) -> list[str]:
     """Turn a writer's diff into ops on ``b``; return the keys whose content changes (``copy``: the
-    writer copies whole files from ``sources`` itself; ``rewrite``: (this environment's prefixes, the
-    writer's) for text files that name one of these, sent whole naming the writer's instead)."""
+    writer copies whole files from ``sources`` itself; ``rewrite``: {path here: path there} for text
+    files that name one of these paths, sent whole naming the writer's instead)."""
     changed = []
     for key in diff.send:
         _, mtime_ns, mode = manifest[key]
@@ -438,21 +507,28 @@ def plan(b: _Batcher, diff: WorkspaceDiff, manifest: dict, sources: _Sources,
     return changed
 
 
+def _describe(procs: list, root_var: str) -> None:
+    """Learn the host and root of each proc not asked yet (``_roots``)."""
+    unknown = [p for p in procs if (p.addr, root_var) not in _roots]
+    if unknown:
+        key = _sync_proc.client_key(current_mailbox().addr)
+        for p, where in zip(unknown, _ask(unknown, lambda port: DescribeWorkspace(key, port, root_var),
+                                          "workspace roots")):
+            _roots[(p.addr, root_var)] = tuple(where)
+
+
 def _sync(procs: list, workspace: Workspace, auto_reload: bool, root_var: str = "",
-          rewrite: tuple[str, ...] = ()) -> SyncResult:
+          rewrite=None, guard: str | None = None) -> SyncResult:
     """One sync of ``workspace`` to the roots of ``procs``: their workspace roots, or (``root_var``) the
-    directories their environment variable names, where text files naming one of the paths ``rewrite``
-    name the root instead (``sync_env``: no reload then)."""
+    directories their environment variable names (``sync_env``: no reload then). ``rewrite(writer, root)``:
+    {path here: path there} for the text files that writer gets (or None); ``guard``: the environment
+    synced, refused over this script's own (``_refuse_own_env``)."""
     t0 = time.perf_counter()
     mailbox = current_mailbox()
     key = _sync_proc.client_key(mailbox.addr)
     dirs = tuple(workspace.dirs.values())
     result = SyncResult()
-    unknown = [p for p in procs if (p.addr, root_var) not in _roots]
-    if unknown:
-        for p, where in zip(unknown, _ask(unknown, lambda port: DescribeWorkspace(key, port, root_var),
-                                          "workspace roots")):
-            _roots[(p.addr, root_var)] = tuple(where)
+    _describe(procs, root_var)
     t1 = time.perf_counter()
     groups: dict[tuple[str, str], list] = {}
     for p in procs:
@@ -469,8 +545,8 @@ def _sync(procs: list, workspace: Workspace, auto_reload: bool, root_var: str = 
         "workspace diff") if writers else []
     t2 = time.perf_counter()
     busy = [(w, d) for w, d in zip(writers, diffs) if not d.same]  # (a root that is the source: nothing to do)
-    if rewrite:
-        _refuse_own_env([_roots[(w.addr, root_var)] for w, _ in busy], rewrite[0])
+    if guard is not None:
+        _refuse_own_env([_roots[(w.addr, root_var)] for w, _ in busy], guard)
     result.roots = [d.root for d in diffs if d.same]
     col = Collector([w.addr for w, _ in busy], [w.rank for w, _ in busy], list, "workspace write")
     port = mailbox.open_port(col)
@@ -482,7 +558,7 @@ def _sync(procs: list, workspace: Workspace, auto_reload: bool, root_var: str = 
             host, root = _roots[(w.addr, root_var)]
             remote = PULL_SAME_HOST or host != socket.gethostname()
             copy = diff.local and not PULL_SAME_HOST
-            rw = (tuple(map(os.fsencode, rewrite)), os.fsencode(root)) if rewrite and root not in rewrite else None
+            rw = rewrite(w, root) if rewrite is not None else None
             changed.update(plan(b, diff, manifest, sources, pulls if remote and not copy else None, copy, rw))
             b.flush(last=True, reply=port)
             result.files_sent += b.files

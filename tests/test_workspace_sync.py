@@ -724,3 +724,33 @@ def test_conda_sync_to_this_host_before_any_proc(tmp_path, monkeypatch):
     assert res.conda.roots == [str(env)] and res.conda.files_sent == 0  # the procs to come run in it already
     with pytest.raises(ValueError, match="no proc runs on this host yet"):
         this_host().sync_workspace(Workspace(dirs=[], env=CondaEnvironment(str(other))), conda=True).get(timeout=30)
+
+
+@pytest.mark.timeout(120)
+def test_conda_envs_editable_installs_sync_as_workspace_dirs_the_env_points_at(tmp_path, monkeypatch):
+    env, proj = tmp_path / "env", tmp_path / "myproj"
+    _fake_env(env)
+    proj.mkdir()
+    (proj / "myproj_mod.py").write_text("VALUE = 7\n")
+    site = env / "lib/python3.11/site-packages"
+    dist = site / "myproj-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: myproj\nVersion: 0.1\n")
+    (dist / "direct_url.json").write_text(f'{{"url": "file://{proj}", "dir_info": {{"editable": true}}}}')
+    (site / "__editable__.myproj-0.1.pth").write_text(f"{proj}\n")
+    monkeypatch.setenv("CONDA_PREFIX", str(env))
+    assert ws_sync.editable_installs(str(env)) == [("myproj", str(proj))]
+    ws_root, there = tmp_path / "ws", tmp_path / "there"
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    try:
+        procs.env.set("WORKSPACE_DIR", str(ws_root)).get(timeout=30)
+        procs.env.set("CONDA_PREFIX", str(there)).get(timeout=30)
+        res = procs.sync_workspace(Workspace(dirs=[]), conda=True).get(timeout=60)
+        assert res.changed == ["__editable__.myproj/myproj_mod.py"]
+        remote_proj = ws_root / "__editable__.myproj"
+        assert (remote_proj / "myproj_mod.py").read_text() == "VALUE = 7\n"
+        assert (there / "lib/python3.11/site-packages/__editable__.myproj-0.1.pth").read_text() == f"{remote_proj}\n"
+        assert procs.execute(lambda: __import__("myproj_mod").__file__).values() == \
+            [str(remote_proj / "myproj_mod.py")] * 2
+    finally:
+        procs.stop()
