@@ -754,3 +754,25 @@ def test_conda_envs_editable_installs_sync_as_workspace_dirs_the_env_points_at(t
             [str(remote_proj / "myproj_mod.py")] * 2
     finally:
         procs.stop()
+
+
+@pytest.mark.timeout(240)
+def test_a_local_jobs_hosts_get_the_conda_env_at_their_own_prefix(tmp_path, monkeypatch):
+    """Through the hosts' agents (a proc made on each for the sync, stopped after), each host's procs
+    having $CONDA_PREFIX where the job put it."""
+    from monarch_tensor.job import LocalJob
+
+    env = tmp_path / "env"
+    files = _fake_env(env)
+    monkeypatch.setenv("CONDA_PREFIX", str(env))
+    there = tmp_path / "there"
+    job = LocalJob(meshes={"m": 2}, env={"CONDA_PREFIX": str(there)}, root_dir=str(tmp_path / "job"), ttl=120)
+    try:
+        hosts = job.state().m
+        res = hosts.sync_workspace(Workspace(dirs=[]), conda=True).get(timeout=200)
+        assert res.conda.roots == [str(there)]  # (one machine: the two hosts share that directory, one writes)
+        assert (there / "bin" / "tool").read_text() == files["bin/tool"].decode().replace(str(env), str(there))
+        assert (there / "share" / "big.dat").read_bytes() == files["share/big.dat"]
+        assert _agents_live_procs() == []
+    finally:
+        job.kill()
