@@ -145,16 +145,14 @@ def conda_prefix(workspace: Workspace) -> str:
     """The conda environment that ``sync_workspace(..., conda=True)`` mirrors: the workspace's
     (``Workspace(env=CondaEnvironment(prefix))``), else the active one (``$CONDA_PREFIX``), as an absolute
     path; a clear error when there is none or it is no directory."""
-    from .tools.config.environment import CondaEnvironment
-
     env = workspace.env
-    if isinstance(env, CondaEnvironment):
-        prefix = env.conda_prefix
-    elif env is None:
+    if env is None:
         prefix = os.environ.get("CONDA_PREFIX")
         if not prefix:
             raise ValueError("sync_workspace(conda=True): no conda environment is active ($CONDA_PREFIX is not "
                              "set) and the Workspace names none (Workspace(..., env=CondaEnvironment(path)))")
+    elif isinstance(getattr(type(env), "conda_prefix", None), property):  # a CondaEnvironment (ours or alike)
+        prefix = env.conda_prefix
     else:
         raise TypeError(f"Workspace(env=...) must be a CondaEnvironment to sync it, got {env!r}")
     path = os.path.abspath(prefix)
