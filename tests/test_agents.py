@@ -506,6 +506,13 @@ def test_the_gateway_relays_only_to_this_processs_live_procs(job, monkeypatch):
     stranger.setsockopt(zmq.LINGER, 0)
     path = new_ipc_address("stranger")
     stranger.bind(path)
+    # ... and an agent this process never attached to, which would admit this job's key (ours, here)
+    monkeypatch.setattr(_curve, "_env_keys", [job.keys])
+    fake_agent = ctx.socket(zmq.ROUTER)
+    fake_agent.setsockopt(zmq.LINGER, 0)
+    _curve.serve_curve(ctx, fake_agent, job.keys)
+    fake_agent.bind("tcp://127.0.0.1:*")
+    fake = fake_agent.getsockopt(zmq.LAST_ENDPOINT).decode()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     _curve.connect_curve(s, job.keys)
@@ -513,13 +520,6 @@ def test_the_gateway_relays_only_to_this_processs_live_procs(job, monkeypatch):
     try:
         stop = _wire.encode(StopProc("stopped through the gateway"))
         s.send_multipart([_fanout.ROUTE_MAGIC + path.encode(), *stop])
-        # nor to a proc behind an agent this process did not attach to (one that would admit this job's key)
-        monkeypatch.setattr(_curve, "_env_keys", [job.keys])
-        fake_agent = ctx.socket(zmq.ROUTER)
-        fake_agent.setsockopt(zmq.LINGER, 0)
-        _curve.serve_curve(ctx, fake_agent, job.keys)
-        fake_agent.bind("tcp://127.0.0.1:*")
-        fake = fake_agent.getsockopt(zmq.LAST_ENDPOINT).decode()
         s.send_multipart([_fanout.ROUTE_MAGIC + f"{fake}|1".encode(), *stop])
         assert not stranger.poll(1000), "the gateway relayed to a socket that is not one of our procs"
         assert not fake_agent.poll(500), "the gateway relayed to an agent this process never attached to"
@@ -532,8 +532,7 @@ def test_the_gateway_relays_only_to_this_processs_live_procs(job, monkeypatch):
     finally:
         s.close()
         stranger.close()
-        if "fake_agent" in locals():
-            fake_agent.close()
+        fake_agent.close()
         _curve.stop_serving(ctx)
         ctx.term()
         procs.stop().get(timeout=60)
