@@ -5,6 +5,17 @@
     monarch-tensor version
     monarch-tensor keygen job.key             # a job key pair, written 0600
     monarch-tensor host --bind tcp://0.0.0.0:26600 --key-file job.key [--ttl 3600] [--address-file F]
+
+The job workflow (Monarch 0.7's ``monarch apply/exec/shell/kill/context``), in a working directory:
+
+    monarch-tensor apply myjob.job          # start the job made in myjob.py as `job` (or reattach to it)
+    monarch-tensor exec python train.py     # run on rank 0 of its first mesh, output streamed here
+    monarch-tensor exec --all hostname      # on every host; output to files on the hosts
+    monarch-tensor exec --point hosts=1 --per-host gpus=2 -e K=V --workdir /w -- cmd args
+    monarch-tensor exec --script run.sh     # a bash script (- reads it from stdin)
+    monarch-tensor shell [--point hosts=1]  # an interactive shell on one host
+    monarch-tensor kill [CONTEXT]
+    monarch-tensor context create|use|rm NAME / context ls
 """
 
 from __future__ import annotations
@@ -32,7 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     dbg = sub.add_parser("debug", help="attach to the ranks of a running script paused at breakpoint()")
     dbg.add_argument("--pid", type=int, default=None, help="the script's process id (default: the newest)")
     dbg.add_argument("--wait", type=float, default=60.0, help="seconds to wait for a script to pause")
+    _job_parsers(sub)
     args = p.parse_args(argv)
+    if args.cmd in ("apply", "exec", "shell", "kill", "context"):
+        return _job_command(args)
     if args.cmd == "debug":
         from . import _debug_cli
 
@@ -66,6 +80,98 @@ def main(argv: list[str] | None = None) -> int:
         runpy.run_path(str(demo), run_name="__main__")
         return 0
     return 2
+
+
+def _job_parsers(sub) -> None:
+    ap = sub.add_parser("apply", help="start the job of a spec (module.attr), or reattach to it; it becomes the "
+                                      "working directory's current job")
+    ap.add_argument("module_path", nargs="?", default=None,
+                    help="e.g. myjob.job (default: the current context's recorded spec)")
+    ex = sub.add_parser("exec", help="run a command on the current job's hosts")
+    target = ex.add_mutually_exclusive_group()
+    target.add_argument("--all", action="store_true", dest="run_all",
+                        help="every host of every mesh; output to files on the hosts")
+    target.add_argument("--mesh", default=None, metavar="NAME", help="every host of mesh NAME; output to files")
+    target.add_argument("--one", action="store_true", help="rank 0 of the first mesh, output here (the default)")
+    target.add_argument("--point", default=None, metavar="DIM=N,...", help="one host of the first mesh, e.g. hosts=1")
+    ex.add_argument("--per-host", default=None, metavar="DIM=N", dest="per_host",
+                    help="N procs per host along DIM (each gets MONARCH_RANK_<DIM> and MONARCH_SIZE_<DIM>)")
+    ex.add_argument("-e", "--env", action="append", default=[], metavar="KEY=VALUE", help="(repeatable)")
+    ex.add_argument("--workdir", default=None, help="working directory on the hosts (default: this one, "
+                                                    "where the host has it)")
+    ex.add_argument("--output-dir", default=None, dest="output_dir", help="where --all/--mesh write output")
+    ex.add_argument("--script", default=None, metavar="FILE", help="run a bash script (- : from stdin)")
+    ex.add_argument("-m", dest="module", default=None, metavar="MODULE", help="run a Python module, as python -m")
+    ex.add_argument("--kill", action="store_true", help="kill the job after the command")
+    ex.add_argument("cmd_args", nargs=argparse.REMAINDER, metavar="cmd", help="the command and its arguments")
+    sh = sub.add_parser("shell", help="an interactive shell on one host of the current job")
+    sh.add_argument("--mesh", default=None, metavar="NAME")
+    sh.add_argument("--point", default=None, metavar="DIM=N,...")
+    sh.add_argument("-e", "--env", action="append", default=[], metavar="KEY=VALUE")
+    sh.add_argument("--workdir", default=None)
+    sh.add_argument("--kill", action="store_true", help="kill the job after the shell exits")
+    kl = sub.add_parser("kill", help="kill the current job (or that of context NAME)")
+    kl.add_argument("name", nargs="?", default=None)
+    cx = sub.add_parser("context", help="named jobs side by side: create, use, rm NAME; ls")
+    cx.add_argument("action", choices=["create", "use", "rm", "ls"])
+    cx.add_argument("name", nargs="?", default=None)
+
+
+def _job_command(args) -> int:
+    """apply, exec, shell, kill, context: a bad spec or argument, or a job that cannot start, is one line
+    on stderr and status 2; a command's own failure is its exit status."""
+    import os
+
+    from .errors import JobStartError
+    from .tools import commands as c
+
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # the job spec's module sits in the working directory
+    try:
+        if args.cmd == "apply":
+            seconds = c.apply_job(args.module_path)
+            print(f"Job {c.load_current_job().__class__.__name__} of {c.current_spec()} is ready ({seconds:.1f} s); "
+                  f"context {c.current_context()!r}, job file {c.DEFAULT_JOB_PATH}")
+            return 0
+        if args.cmd == "exec":
+            cmd = list(args.cmd_args)
+            if cmd[:1] == ["--"]:
+                cmd = cmd[1:]
+            if args.module:
+                cmd = ["-m", args.module, *cmd]
+            if not cmd and args.script is None:
+                raise ValueError("no command: give one (exec python train.py), or --script FILE")
+            return c.exec_on_job(cmd, run_all=args.run_all, mesh_name=args.mesh, point_str=args.point,
+                                 env=args.env, workdir=args.workdir, kill=args.kill, script=args.script,
+                                 per_host=c.parse_per_host(args.per_host), output_dir=args.output_dir)
+        if args.cmd == "shell":
+            return c.shell_on_job(mesh_name=args.mesh, point_str=args.point, env=args.env, workdir=args.workdir,
+                                  kill=args.kill)
+        if args.cmd == "kill":
+            name = args.name or c.current_context()
+            if not c.kill(args.name):
+                raise FileNotFoundError(f"no running job in context {name!r} (no {c.context_state(name)})")
+            print(f"Killed the job of context {name!r}")
+            return 0
+        if args.action == "ls":
+            listed = c.context_ls()
+            print("\n".join(f"{'*' if active else ' '} {name}" for name, active in listed) or "No contexts.")
+            return 0
+        if args.name is None:
+            raise ValueError(f"context {args.action} needs a NAME")
+        {"create": c.context_create, "use": c.context_use, "rm": c.context_rm}[args.action](args.name)
+        print({"create": "Created", "use": "Switched to", "rm": "Removed"}[args.action] + f" context {args.name!r}")
+        return 0
+    except (FileNotFoundError, ValueError, TypeError, ImportError, AttributeError, IndexError, KeyError,
+            JobStartError) as e:
+        print(f"monarch-tensor {args.cmd}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        from .job.exec import interrupt_commands
+
+        interrupt_commands()  # (their threads stop the procs, and the commands with them, before we exit)
+        print(f"monarch-tensor {args.cmd}: interrupted; stopping the command's procs", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

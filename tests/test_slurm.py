@@ -3,6 +3,7 @@
 Skips, with the reason, where SLURM is not installed or no controller answers.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -155,3 +156,38 @@ def test_apply_with_a_client_script_runs_it_inside_the_allocation(tmp_path, monk
     assert f"BATCH {job.job_id} {job.job_id} ['n1', 'n2']" in out, out
     with pytest.raises(FileNotFoundError, match="no such file"):
         SlurmJob(meshes={"mesh0": 1}, log_dir=logs).apply(client_script=str(tmp_path / "missing.py"))
+
+
+@pytest.mark.timeout(300)
+def test_the_job_cli_drives_a_slurm_allocation(tmp_path):
+    """``monarch-tensor apply`` queues the job once; each ``exec`` runs on the allocation; ``kill`` cancels it."""
+    (tmp_path / "cluster.py").write_text(textwrap.dedent(f"""
+        from monarch_tensor.job import SlurmJob
+        job = SlurmJob(meshes={{"nodes": 2}}, job_name="mt-cli", time_limit="00:10:00", partition="debug",
+                       log_dir={str(tmp_path / "logs")!r}, ttl=120)
+    """))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "monarch_tensor.cli", *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=180)
+
+    r = cli("apply", "cluster.job")
+    state = tmp_path / ".monarch" / "default" / "state.json"
+    job_id = json.loads(state.read_text())["job_id"] if state.exists() else None
+    try:
+        assert r.returncode == 0, r.stderr
+        r = cli("exec", "--", "bash", "-c", "echo on $SLURMD_NODENAME $MONARCH_RANK_hosts")
+        assert (r.returncode, r.stdout) == (0, "on n1 0\n"), r.stderr
+        out = tmp_path / "out"  # (both "nodes" are this machine: their files are here)
+        r = cli("exec", "--all", "--output-dir", str(out), "--", "bash", "-c", "echo $SLURMD_NODENAME")
+        assert r.returncode == 0, r.stderr
+        got = {p.parent.name: p.read_text().strip() for p in out.rglob("stdout.txt")}
+        assert got == {"hosts_0_procs_0": "n1", "hosts_1_procs_0": "n2"}
+        assert json.loads(state.read_text())["job_id"] == job_id  # the same allocation all along
+    finally:
+        r = cli("kill")
+    assert r.returncode == 0, r.stderr
+    assert not state.exists()
+    out = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True).stdout
+    assert out.strip() in ("", "COMPLETED", "CANCELLED"), out

@@ -5,11 +5,19 @@
 >>> procs = job.state().mesh0.spawn_procs(per_host={"gpus": 8})
 >>> job.dump("job.json")          # a second script: job_load("job.json").state().mesh0
 >>> job.kill()
+
+The command-line workflow (``monarch-tensor apply myjob.job``, ``exec``, ``shell``, ``kill``, ``context``)
+keeps the working directory's current job: ``set_current_job``, ``load_current_job`` (``current.py``),
+``exec_command`` (``exec.py``), ``shell`` (``shell.py``).
 """
 
 from ._base import JobState, JobTrait, job_load, job_loads
+from .current import DEFAULT_JOB_PATH, load_current_job, set_current_job
+from .exec import exec_command
 from .hosts import HostListJob
 from .local import LocalJob, ProcessJob
+from .shell import shell
 from .slurm import SlurmJob
 
-__all__ = ["HostListJob", "JobState", "JobTrait", "LocalJob", "ProcessJob", "SlurmJob", "job_load", "job_loads"]
+__all__ = ["DEFAULT_JOB_PATH", "HostListJob", "JobState", "JobTrait", "LocalJob", "ProcessJob", "SlurmJob",
+           "exec_command", "job_load", "job_loads", "load_current_job", "set_current_job", "shell"]

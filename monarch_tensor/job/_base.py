@@ -112,7 +112,8 @@ class JobTrait:
         holds an allocation (``reusable``) first looks at ``cached_path`` (None: not at all) for a running
         job of the same spec to reattach to, and keeps its own file there once it runs."""
         if self._state is None:
-            if self.addrs is None and cached_path and self.reusable and self._adopt_cached(cached_path):
+            reuse = self.reusable or getattr(self, "_reuse_cached", False)  # (load_current_job's: any kind)
+            if self.addrs is None and cached_path and reuse and self._adopt_cached(cached_path):
                 try:
                     self._connect()
                 except Exception as e:  # noqa: BLE001 - its agents are gone: start afresh
@@ -123,7 +124,7 @@ class JobTrait:
                 fresh = self.addrs is None
                 self.apply()
                 self._connect()
-                if fresh and cached_path and self.reusable:
+                if fresh and cached_path and reuse:
                     self.dump(cached_path)
         return self._state
 

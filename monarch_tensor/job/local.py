@@ -73,6 +73,10 @@ class LocalJob(JobTrait):
                 workdir = os.path.join(root, f"{name}-{i}")
                 os.makedirs(workdir, exist_ok=True)
                 addr_file = os.path.join(root, f"{name}-{i}.addr")
+                try:  # (one of an earlier start in this directory would be read as this agent's)
+                    os.remove(addr_file)
+                except FileNotFoundError:
+                    pass
                 log = os.path.join(root, f"{name}-{i}.log")
                 # Each "host" has a workspace root of its own (Monarch's variable; the script's wins if it has one).
                 agent_env = env if "WORKSPACE_DIR" in env else {**env, "WORKSPACE_DIR": os.path.join(workdir, "workspace")}
@@ -115,14 +119,26 @@ class LocalJob(JobTrait):
                 pass
 
     def _extra(self) -> dict:
-        return {"pids": self.pids, "root_dir": self.root_dir}
+        return {"pids": self.pids, "root_dir": self.root_dir, "env": self.env}
+
+    def _spec(self) -> dict:
+        return {"env": self.env}
+
+    def _running(self) -> bool:
+        return self.active and any(_alive(pid) for pid in self.pids)
+
+    def _adopt(self, running: JobTrait) -> None:
+        self.pids, self.root_dir = list(running.pids), running.root_dir
 
     def _restore(self, data: dict) -> None:
         self.pids, self.root_dir = list(data.get("pids", [])), data.get("root_dir")
+        self.env = dict(data.get("env") or {})
         self.ttl, self.python_exe, self.start_timeout = 600.0, sys.executable, START_TIMEOUT
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs: reaped here if it is our child, and not a zombie waiting for another parent (an
+    agent whose starter exited belongs to init, which may be slow to reap it, or never do so in a container)."""
     try:
         done, _ = os.waitpid(pid, os.WNOHANG)
         if done:
@@ -131,9 +147,15 @@ def _alive(pid: int) -> bool:
         pass
     try:
         os.kill(pid, 0)
-        return True
     except ProcessLookupError:
         return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 ProcessJob = LocalJob

@@ -1,0 +1,323 @@
+"""The job workflow of Monarch 0.7's CLI: ``monarch-tensor apply / exec / shell / kill / context``, and the API
+under it (``set_current_job``, ``load_current_job``, ``exec_command``, ``shell``).
+
+The CLI runs as a user runs it: separate processes in a working directory that
+holds the job's spec (a LocalJob: real agents, real procs), one command after
+another, each reattaching to the job that ``apply`` started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from monarch_tensor.actor import this_host
+from monarch_tensor.errors import ActorError
+from monarch_tensor.job import LocalJob, current, exec_command, job_load, load_current_job, set_current_job, shell
+from monarch_tensor.tools import commands
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+SPEC = "from monarch_tensor.job import LocalJob\njob = LocalJob(meshes={meshes!r}, ttl=120)\n"
+
+
+def cli(cwd, *args, stdin: str | None = None, timeout: float = 90) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "monarch_tensor.cli", *args], cwd=cwd, env=ENV, input=stdin,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie child of this process is not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def sleeping(secs: str) -> bool:
+    """Whether a ``sleep <secs>`` runs on this machine."""
+    return subprocess.run(["pgrep", "-f", f"^sleep {secs}$"], capture_output=True).returncode == 0
+
+
+def pids(cwd, context: str = "default") -> list[int]:
+    with open(os.path.join(cwd, ".monarch", context, "state.json")) as f:
+        return json.load(f)["pids"]
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    """A working directory with job specs; every job started there is killed after the test."""
+    (tmp_path / "myjob.py").write_text(SPEC.format(meshes={"trainers": 2, "gen": 1}))
+    (tmp_path / "other.py").write_text(SPEC.format(meshes={"beta": 1}))
+    yield tmp_path
+    for state in (tmp_path / ".monarch").glob("*/state.json"):
+        try:
+            job_load(str(state)).kill()
+        except Exception:  # noqa: BLE001 - killed by the test already
+            pass
+
+
+@pytest.mark.timeout(240)
+def test_apply_exec_kill(workdir):
+    r = cli(workdir, "apply", "myjob.job")
+    assert r.returncode == 0, r.stderr
+    assert "is ready" in r.stdout
+    link = workdir / ".monarch" / "job_state.json"
+    assert link.is_symlink() and os.readlink(link) == os.path.join("default", "state.json")
+    assert (workdir / ".monarch" / "default" / "spec").read_text().strip() == "myjob.job"
+    assert oct(os.stat(link).st_mode & 0o777) == "0o600"  # it holds the job's key
+    agents = pids(workdir)
+    assert len(agents) == 3 and all(alive(p) for p in agents)
+
+    # the default target: rank 0 of the first mesh, output streamed, its status returned
+    r = cli(workdir, "exec", "--", "bash", "-c",
+            "echo r=$MONARCH_RANK_hosts/$MONARCH_SIZE_hosts cwd=$(pwd); echo oops >&2; exit 3")
+    assert r.returncode == 3, r.stderr
+    assert f"r=0/2 cwd={workdir}" in r.stdout and "oops" in r.stderr
+    assert pids(workdir) == agents  # it reattached: no new agents
+
+    # every host of every mesh, output to files per rank; the largest status
+    out = workdir / "outputs"
+    r = cli(workdir, "exec", "--all", "--output-dir", str(out), "--", "bash", "-c",
+            "echo host $MONARCH_RANK_hosts of $MONARCH_SIZE_hosts; exit $MONARCH_RANK_hosts")
+    assert r.returncode == 1, r.stderr
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("stdout.txt"))
+    assert files == ["gen/hosts_0_procs_0/stdout.txt", "trainers/hosts_0_procs_0/stdout.txt",
+                     "trainers/hosts_1_procs_0/stdout.txt"]
+    assert (out / "trainers/hosts_1_procs_0/stdout.txt").read_text() == "host 1 of 2\n"
+    assert (out / "gen/hosts_0_procs_0/stdout.txt").read_text() == "host 0 of 1\n"
+
+    # one host, several procs on it: lines labelled by rank, each rank's in order; -e, --workdir
+    r = cli(workdir, "exec", "--point", "hosts=1", "--per-host", "gpus=2", "-e", "FOO=bar", "--workdir", "/tmp",
+            "--", "bash", "-c", "echo $FOO $MONARCH_RANK_gpus/$MONARCH_SIZE_gpus $(pwd); echo second")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    for g in (0, 1):
+        mine = [ln for ln in lines if ln.startswith(f"[hosts_1_gpus_{g}] ")]
+        assert mine == [f"[hosts_1_gpus_{g}] bar {g}/2 /tmp", f"[hosts_1_gpus_{g}] second"], r.stdout
+
+    # a bash script from stdin; a Python file, run with the procs' interpreter
+    r = cli(workdir, "exec", "--script", "-", stdin="x=41\necho $((x + 1))\n")
+    assert (r.returncode, r.stdout) == (0, "42\n"), r.stderr
+    (workdir / "hello.py").write_text("import sys\nprint('py', sys.argv[1:], sys.executable == %r)\n"
+                                      % sys.executable)
+    r = cli(workdir, "exec", "hello.py", "a", "b")
+    assert (r.returncode, r.stdout) == (0, "py ['a', 'b'] True\n"), r.stderr
+
+    # bad targets: one line on stderr, status 2, nothing started
+    for args, msg in ((["--mesh", "nope", "true"], "no mesh 'nope'"),
+                      (["--point", "hosts=5", "true"], "out of range"),
+                      (["--point", "hosts", "true"], "DIM=N"),
+                      (["-e", "NOEQUALS", "true"], "KEY=VALUE"),
+                      ([], "no command")):
+        r = cli(workdir, "exec", *args)
+        assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+    assert pids(workdir) == agents
+
+    # Ctrl-C: the command's procs stop, and the command with them
+    p = subprocess.Popen([sys.executable, "-m", "monarch_tensor.cli", "exec", "--", "bash", "-c",
+                          "echo started; exec sleep 61.25"], cwd=workdir, env=ENV, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline() == "started\n"
+        assert sleeping("61.25")
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130 and "interrupted" in err, err
+    deadline = time.monotonic() + 20
+    while sleeping("61.25") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not sleeping("61.25")
+    assert pids(workdir) == agents  # the job itself runs on
+
+    # kill: the agents exit and the job file goes; a second kill says there is nothing to kill
+    r = cli(workdir, "kill")
+    assert r.returncode == 0, r.stderr
+    deadline = time.monotonic() + 20
+    while any(alive(p) for p in agents) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in agents)
+    assert not (workdir / ".monarch" / "default" / "state.json").exists()
+    r = cli(workdir, "kill")
+    assert r.returncode == 2 and "no running job" in r.stderr
+
+
+@pytest.mark.timeout(240)
+def test_contexts_hold_jobs_side_by_side(workdir):
+    assert cli(workdir, "apply", "myjob.job").returncode == 0
+    r = cli(workdir, "context", "use", "second")
+    assert r.returncode == 0 and "Switched" in r.stdout
+    r = cli(workdir, "exec", "true")  # no spec recorded in this context yet
+    assert r.returncode == 2 and "no job spec in context 'second'" in r.stderr
+    assert cli(workdir, "apply", "other.job").returncode == 0
+    assert cli(workdir, "context", "ls").stdout.splitlines() == ["  default", "* second"]
+
+    where = ["exec", "--", "bash", "-c", "echo $WORKSPACE_DIR"]  # each LocalJob host has its own directory
+    assert "/beta-0/" in cli(workdir, *where).stdout
+    assert cli(workdir, "context", "use", "default").returncode == 0
+    assert "/trainers-0/" in cli(workdir, *where).stdout
+
+    second = pids(workdir, "second")
+    r = cli(workdir, "context", "rm", "second")  # kills its job
+    assert r.returncode == 0, r.stderr
+    deadline = time.monotonic() + 20
+    while any(alive(p) for p in second) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in second)
+    assert cli(workdir, "context", "ls").stdout.splitlines() == ["* default"]
+    assert all(alive(p) for p in pids(workdir))  # the other context's job runs on
+
+    # its agents died (killed behind its back): the next exec starts the job again
+    before = pids(workdir)
+    for p in before:
+        os.kill(p, signal.SIGKILL)
+    r = cli(workdir, "exec", "--", "bash", "-c", "echo again")
+    assert (r.returncode, r.stdout) == (0, "again\n"), r.stderr
+    assert set(pids(workdir)).isdisjoint(before)
+
+
+@pytest.mark.timeout(120)
+def test_current_job_api(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "spec_mod.py").write_text("from monarch_tensor.job import LocalJob\njob = LocalJob(meshes={'m': 1})\n"
+                                          "not_a_job = 42\n")
+    with pytest.raises(FileNotFoundError, match="no job spec in context 'default'"):
+        load_current_job()
+    with pytest.raises(ValueError, match="module.attr"):
+        set_current_job("nodots")
+    with pytest.raises(ImportError, match="no_such_module"):
+        set_current_job("no_such_module.job")
+    with pytest.raises(AttributeError, match="has no 'nope'"):
+        set_current_job("spec_mod.nope")
+    with pytest.raises(TypeError, match="must be a job"):
+        set_current_job("spec_mod.not_a_job")
+    assert not (tmp_path / ".monarch" / "default" / "spec").exists()  # nothing recorded by the failures
+    set_current_job("spec_mod.job")
+    job = load_current_job()
+    assert isinstance(job, LocalJob) and job.meshes == {"m": 1} and not job.active
+    assert current.current_context() == "default" and current.current_spec() == "spec_mod.job"
+    with pytest.raises(ValueError, match="plain directory name"):
+        current.context_use("../escape")
+    current.context_use("x")
+    assert current.context_ls() == [("default", False), ("x", True)]
+    assert current.current_spec() is None  # context x has none of its own
+
+    # a plain job file (a job.dump() there before contexts) moves into the default context
+    other = tmp_path / "older"
+    (other / ".monarch").mkdir(parents=True)
+    (other / ".monarch" / "job_state.json").write_text("{}")
+    monkeypatch.chdir(other)
+    current.context_use("y")
+    assert (other / ".monarch" / "default" / "state.json").read_text() == "{}"
+    assert current.context_ls() == [("default", False), ("y", True)]
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    job = LocalJob(meshes={"hosts": 2}, ttl=120)
+    try:
+        yield job.state().hosts
+    finally:
+        job.kill()
+
+
+@pytest.mark.timeout(120)
+def test_exec_command(two_hosts, capfd):
+    code = exec_command(two_hosts, ["bash", "-c", "echo at $MONARCH_RANK_hosts; exit 4"], rank=1).get(timeout=60)
+    assert code == 4
+    assert capfd.readouterr().out == "at 1\n"
+    # on every host, streamed: labelled lines; the Future holds the largest status
+    code = exec_command(two_hosts, ["bash", "-c", "echo x; exit $MONARCH_RANK_hosts"]).get(timeout=60)
+    assert code == 1
+    assert sorted(capfd.readouterr().out.splitlines()) == ["[hosts_0_procs_0] x", "[hosts_1_procs_0] x"]
+    # a signal's status as a shell reports it
+    assert exec_command(two_hosts, ["bash", "-c", "kill -TERM $$"], rank=0).get(timeout=60) == 128 + 15
+    # this machine's host too
+    assert exec_command(this_host(), ["true"]).get(timeout=60) == 0
+    # bad input raises at once
+    with pytest.raises(TypeError, match="list of words"):
+        exec_command(two_hosts, "echo hi")
+    with pytest.raises(ValueError, match="not both"):
+        exec_command(two_hosts, ["true"], rank=0, point={"hosts": 0})
+    with pytest.raises(ValueError, match="rank 2 is not in"):
+        exec_command(two_hosts, ["true"], rank=2)
+    with pytest.raises(TypeError, match="string values"):
+        exec_command(two_hosts, ["true"], env={"A": 1})
+    # a working directory the host lacks fails the Future, with its name
+    with pytest.raises(ActorError, match="working directory '/no/such/dir' does not exist"):
+        exec_command(two_hosts, ["true"], rank=0, workdir="/no/such/dir").get(timeout=60)
+
+
+@pytest.mark.timeout(60)
+def test_shell_needs_one_host(two_hosts):
+    with pytest.raises(ValueError, match="one host"):
+        shell(two_hosts)
+    with pytest.raises(ValueError, match="DIM=N"):
+        commands.parse_point("hosts")
+    with pytest.raises(ValueError, match=">= 1"):
+        commands.parse_per_host("gpus=0")
+
+
+@pytest.mark.timeout(180)
+def test_shell_in_a_terminal(workdir):
+    pexpect = pytest.importorskip("pexpect", reason="pexpect is a dev extra: pip install -e '.[dev]'")
+    assert cli(workdir, "apply", "myjob.job").returncode == 0
+    sh = pexpect.spawn(sys.executable, ["-m", "monarch_tensor.cli", "shell", "--point", "hosts=1", "-e", "ZZ=top"],
+                       cwd=str(workdir), env=ENV, encoding="utf-8", timeout=60, dimensions=(24, 80))
+    try:
+        sh.expect(r"[#$] ")  # the remote shell's first prompt
+        sh.sendline("echo rank=$MONARCH_RANK_hosts/$MONARCH_SIZE_hosts zz=$ZZ; tty; stty size")
+        sh.expect(r"rank=1/2 zz=top\s+/dev/pts/\d+\s+24 80")
+        sh.setwinsize(40, 100)  # the remote terminal follows the local one's size
+        deadline = time.monotonic() + 20
+        while True:
+            sh.sendline("stty size")
+            if sh.expect([r"40 100", r"24 80"]) == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert sh.after == "40 100"
+        sh.sendline("sleep 60; echo slept-$((2 * 2))")
+        time.sleep(0.5)
+        sh.sendintr()  # Ctrl-C reaches the remote foreground job, not this client
+        sh.sendline("echo after-$((6 * 7))")
+        sh.expect("after-42")
+        assert "slept-4" not in sh.before  # (the command line it echoed says slept-$((2 * 2)))
+        sh.sendline("exit 7")
+        sh.expect(pexpect.EOF)
+    finally:
+        sh.close(force=True)
+    assert sh.exitstatus == 7
+
+
+@pytest.mark.timeout(60)
+def test_a_zombie_agent_is_not_running():
+    """An agent whose starter exited belongs to another parent: dead but not reaped, it is not running (a job
+    file's LocalJob is then started again, not reattached to)."""
+    from monarch_tensor.job.local import _alive
+
+    parent = subprocess.Popen([sys.executable, "-c", "import os, time\npid = os.fork()\nif pid == 0:\n    os._exit(0)\n"
+                               "print(pid, flush=True)\ntime.sleep(30)\n"], stdout=subprocess.PIPE, text=True)
+    try:
+        zombie = int(parent.stdout.readline())
+        deadline = time.monotonic() + 10
+        while not open(f"/proc/{zombie}/stat").read().rpartition(")")[2].split()[0] == "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert not _alive(zombie)
+        assert _alive(parent.pid)
+    finally:
+        parent.kill()
+        parent.wait()
