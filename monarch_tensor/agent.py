@@ -109,7 +109,21 @@ class HostAgent:
         self._last_contact = time.monotonic()
         self._stopping = False
         self.host = LocalHost(on_exit=self._proc_exited)
+        self._other_hosts: dict[str, LocalHost] = {}  # templates of other interpreters (SpawnProcs.python_exe)
         self._spawner = _Worker(self)
+
+    def host_for(self, python_exe: str | None) -> LocalHost:
+        """The template that forks procs running ``python_exe`` (None: the agent's interpreter), started on
+        first use; a path this host cannot run is a clear error (the spawn's reply)."""
+        if python_exe is None:
+            return self.host
+        host = self._other_hosts.get(python_exe)
+        if host is None:
+            if not (os.path.isfile(python_exe) and os.access(python_exe, os.X_OK)):
+                raise FileNotFoundError(f"with_python_executable({python_exe!r}): no such executable on "
+                                        f"{socket.gethostname()}")
+            host = self._other_hosts[python_exe] = LocalHost(on_exit=self._proc_exited, python_exe=python_exe)
+        return host
 
     # ---- the loop ------------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -243,7 +257,7 @@ class HostAgent:
             info.owner = (msg.session, msg.events, pid_key, msg.gateway)
             infos.append(info)
             envs.append(env)
-        self._spawner.submit(ident, req_id, session, infos, msg.client_addr, envs)
+        self._spawner.submit(ident, req_id, session, infos, msg.client_addr, envs, msg.python_exe)
 
     def handle_KillProcs(self, ident, req_id, msg: KillProcs) -> None:
         s = self._session(msg.session)
@@ -292,14 +306,15 @@ class HostAgent:
 
 
     def _close_zygote(self) -> None:
-        """Ask the zygote to kill its procs and exit; SIGKILL it (its procs die with it) if it is busy."""
-        try:
-            with self.host._lock:
-                _zygote_exit(self.host._req_fd)
-            self.host.proc.wait(timeout=2)
-        except Exception:  # noqa: BLE001 - busy importing, or gone
-            self.host.proc.kill()
-            self.host.proc.wait(timeout=5)
+        """Ask each zygote to kill its procs and exit; SIGKILL one (its procs die with it) if it is busy."""
+        for host in [self.host, *self._other_hosts.values()]:
+            try:
+                with host._lock:
+                    _zygote_exit(host._req_fd)
+                host.proc.wait(timeout=2)
+            except Exception:  # noqa: BLE001 - busy importing, or gone
+                host.proc.kill()
+                host.proc.wait(timeout=5)
 
 
 def _zygote_exit(fd: int) -> None:
@@ -328,9 +343,9 @@ class _Worker:
             job = self.q.get()
             if job is None:
                 return
-            ident, req_id, session, infos, client_addr, envs = job
+            ident, req_id, session, infos, client_addr, envs, python_exe = job
             try:
-                self.agent.host.spawn(infos, client_addr, envs)
+                self.agent.host_for(python_exe).spawn(infos, client_addr, envs)
                 session.last_seen = time.monotonic()
                 for info in infos:
                     session.procs[info.pid] = info

@@ -41,6 +41,7 @@ class SpawnProcs:
     """Controller -> agent: fork one proc per entry of ``envs``; answered with ``ReportSpawned``.
 
     ``client_addr`` is the controller's mailbox, reached through ``gateway`` (tcp); exits go to ``events``.
+    ``python_exe``: the interpreter the procs run (a path on the host; None: the agent's).
     """
 
     session: str
@@ -49,6 +50,7 @@ class SpawnProcs:
     client_addr: str
     gateway: str
     events: PortRef
+    python_exe: str | None = None
 
 
 @_fast_reduce

@@ -755,7 +755,8 @@ def heal_mesh(mesh: ProcMesh) -> ProcMesh:
             raise HostUnreachableError(f"heal_mesh: the host agent(s) {lost} are lost, and this mesh cannot move "
                                        f"to other hosts by itself; start a job with spare hosts and spawn there")
         k = getattr(alloc, "_host_dims", 1)  # a job's procs: the hosts' dims, then the per-host dims
-        new = RemoteHostMesh(agents, Shape(shape.names[:k], shape.dims[:k])).spawn_procs(
+        new = RemoteHostMesh(agents, Shape(shape.names[:k], shape.dims[:k]),
+                             getattr(alloc, "_python_exe", None)).spawn_procs(
             dict(zip(shape.names[k:], shape.dims[k:])), bootstrap, proc_bind=proc_bind)
     return new if mesh is alloc else ProcMesh(new._procs, mesh._shape, new)
 

@@ -343,24 +343,31 @@ class RemoteHostMesh(HostMesh):
     ``workdirs[i]`` is host i's working directory (where its procs start).
     """
 
-    def __init__(self, agents: list[AgentClient], shape: Shape | None = None) -> None:
+    def __init__(self, agents: list[AgentClient], shape: Shape | None = None, python_exe: str | None = None) -> None:
         shape = shape or Shape(("hosts",), (len(agents),))
         if len(shape) != len(agents):
             raise ValueError(f"a host mesh of shape {shape} needs {len(shape)} agents, got {len(agents)}")
-        super().__init__(Shape(shape.names, shape.dims))
+        super().__init__(Shape(shape.names, shape.dims), python_exe)
         self._agents = agents
 
     def _new_with_shape(self, shape: Shape) -> RemoteHostMesh:
         """A slice, split, rename or flatten: ``hosts.slice(hosts=0)`` is one host (no dim left)."""
-        return RemoteHostMesh([self._agents[r] for r in shape.ranks()], shape)
+        return RemoteHostMesh([self._agents[r] for r in shape.ranks()], shape, self._python_exe)
 
     def _runs_here(self, p) -> bool:
         return getattr(p, "agent", None) in self._agents
 
     def with_python_executable(self, python_exe: str) -> HostMesh:
-        raise NotImplementedError("a job's hosts run their procs with the interpreter their agents run: start the "
-                                  "job with it (LocalJob(python_exe=...), SlurmJob(python_exe=...)); "
-                                  "with_python_executable is for this machine's hosts (this_host())")
+        """The same hosts, whose procs run ``python_exe``, a path on those hosts (a virtual environment
+        synced there, say): each agent checks it at the first spawn, and a host without it fails the spawn
+        with its name. The interpreter must import this ``monarch_tensor`` and its dependencies (the agent's
+        ``sys.path`` is on its ``PYTHONPATH``)."""
+        if not isinstance(python_exe, str) or not python_exe:
+            raise TypeError(f"with_python_executable() takes the path of a Python interpreter, got {python_exe!r}")
+        if not os.path.isabs(python_exe):
+            raise ValueError(f"with_python_executable({python_exe!r}) on a job's hosts takes an absolute path (the "
+                             f"hosts' working directories differ from this one)")
+        return RemoteHostMesh(self._agents, self._shape, python_exe)
 
     @property
     def workdirs(self) -> list[str]:
@@ -398,10 +405,11 @@ class RemoteHostMesh(HostMesh):
                 ranks.append(r)
                 envs.append(env)
             pending.append((agent, ranks, SpawnProcs(SESSION, tuple(ranks), tuple(envs), mailbox.addr,
-                                                      gateway.addr, events)))
+                                                      gateway.addr, events, self._python_exe)))
         results = _parallel([(a.request, (m, SPAWN_TIMEOUT)) for a, _, m in pending])
         mesh = RemoteProcMesh([], shape)
         mesh._host_dims = len(self._shape.names)  # (heal_mesh spawns the same again)
+        mesh._python_exe = self._python_exe
         for (agent, ranks, _), rep in zip(pending, results):
             for r, addr, pid in zip(ranks, rep.addrs, rep.pids):
                 info = ProcInfo(addr, r, pid)

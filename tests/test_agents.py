@@ -563,6 +563,40 @@ def test_attach_to_workers_needs_addresses_and_a_key(monkeypatch):
         attach_to_workers(workers=["tcp://127.0.0.1:1"])
 
 
+@pytest.mark.timeout(120)
+def test_a_jobs_hosts_run_procs_with_another_interpreter(job, tmp_path):
+    from monarch_tensor import heal_mesh
+
+    wrapper = tmp_path / "python-wrapped"  # an interpreter that marks its processes
+    wrapper.write_text(f"#!/bin/sh\nMT_TEST_WRAPPED=yes exec {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    hosts = job.state().mesh0
+    wrapped = hosts.with_python_executable(str(wrapper))
+    procs = wrapped.spawn_procs({"gpus": 2})
+    plain = hosts.spawn_procs({"gpus": 1})
+    try:
+        assert procs.execute(lambda: os.environ.get("MT_TEST_WRAPPED")).values() == ["yes"] * 4
+        assert plain.execute(lambda: os.environ.get("MT_TEST_WRAPPED")).values() == [None, None]
+        one = wrapped.slice(hosts=1).spawn_procs()  # a slice keeps it
+        assert one.execute(lambda: os.environ.get("MT_TEST_WRAPPED")).values() == ["yes"]
+        one.stop()
+        healed = heal_mesh(procs)  # the new procs run it too
+        assert healed.execute(lambda: os.environ.get("MT_TEST_WRAPPED")).values() == ["yes"] * 4
+        healed.stop()
+    finally:
+        procs.stop()
+        plain.stop()
+    with pytest.raises(FileNotFoundError, match="no such executable on"):
+        hosts.with_python_executable(str(tmp_path / "missing")).spawn_procs()
+    with pytest.raises(ValueError, match="absolute path"):
+        hosts.with_python_executable("venv/bin/python")
+    with pytest.raises(TypeError, match="path of a Python interpreter"):
+        hosts.with_python_executable(None)
+    after = hosts.spawn_procs()  # the refused spawn left the hosts as they were
+    assert after.execute(lambda: 1).values() == [1, 1]
+    after.stop()
+
+
 @pytest.mark.timeout(60)
 def test_attach_to_workers_and_job_load_give_the_same_hosts(job, tmp_path):
     path = str(tmp_path / "job.json")
@@ -586,8 +620,6 @@ def test_attach_to_workers_and_job_load_give_the_same_hosts(job, tmp_path):
     procs.stop()
     with pytest.raises(ValueError, match="'hosts'"):
         hosts.spawn_procs(per_host={"hosts": 2})
-    with pytest.raises(NotImplementedError, match="start the job with it"):
-        hosts.with_python_executable(sys.executable)
     with pytest.raises(ValueError, match="asks for 5000 procs on each host, more than the limit of 1024"):
         hosts.spawn_procs(per_host={"gpus": 5000})
 
@@ -638,7 +670,7 @@ def test_agent_messages_round_trip_and_have_handlers(cls):
     values = {"session": "s", "ranks": (0, 1), "envs": ({}, {}), "client_addr": "ipc:///x", "gateway": "tcp://a:1",
               "events": PortRef("ipc:///x", 3), "pids": (5,), "sig": 9, "reason": "r", "hostname": "h",
               "addr": "tcp://a:1", "pid": 7, "workdir": "/w", "gpus": 0, "procs": 1, "addrs": ("a",),
-              "status": "exited with code 0"}
+              "status": "exited with code 0", "python_exe": "/opt/venv/bin/python"}
     msg = cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)})
     assert _wire.decode(_wire.encode(msg)) == msg
     assert cls.__doc__
