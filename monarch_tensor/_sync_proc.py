@@ -42,7 +42,10 @@ def default_root(key: str) -> str:
 
 def workspace_root(key: str, root_var: str = "") -> str:
     """This process's workspace root for client ``key``: ``$WORKSPACE_DIR`` or the default; with
-    ``root_var`` (``CONDA_PREFIX``), that variable's directory, which must be set."""
+    ``root_var`` (``CONDA_PREFIX``), that variable's directory, which must be set; a ``root_var`` that is an
+    absolute path is that directory itself (a job's ``remote_mount``)."""
+    if root_var.startswith("/"):
+        return os.path.normpath(root_var)
     if root_var:
         value = os.environ.get(root_var)
         if not value:
@@ -178,6 +181,8 @@ def handle_diff(mailbox: Mailbox, msg: DiffWorkspace) -> None:
         if msg.root_var and _is_source(root, msg.sources):
             _reply(mailbox, msg.reply, WorkspaceDiff((), {}, {}, (), root, same=True))
             return
+        if msg.root_var.startswith("/"):
+            check_mount_point(root)
         ours = scanned[2] if scanned is not None and scanned[:2] == (root, tuple(msg.dirs)) else None
         value = diff(root, msg.dirs, msg.manifest, ours)
         if sees_sources(msg.sources):
@@ -305,6 +310,21 @@ def apply_ops(w: _filetree.Writer, ops) -> None:
             w.delete(op[1])
         else:
             raise ValueError(f"unknown workspace op {kind!r}")
+
+
+def check_mount_point(root: str) -> None:
+    """A mount mirrors its source onto ``root``, deleting what the source lacks: refuse a directory that holds
+    files no sync of ours wrote (it has no ``META_DIR``), such as a home directory named by mistake."""
+    try:
+        names = [n for n in os.listdir(root) if n != _filetree.META_DIR]
+    except FileNotFoundError:
+        return
+    except NotADirectoryError:
+        raise NotADirectoryError(f"remote_mount: {root} on {socket.gethostname()} is a file, not a directory") from None
+    if names and not os.path.isdir(os.path.join(root, _filetree.META_DIR)):
+        raise FileExistsError(f"remote_mount: {root} on {socket.gethostname()} already holds files that no mount "
+                              f"or sync wrote ({', '.join(sorted(names)[:3])}{', ...' if len(names) > 3 else ''}); "
+                              f"mirroring onto it would delete them: mount at a new or empty directory")
 
 
 def commit(root: str, dirs, ops, scan_ns: int, env: bool = False) -> None:

@@ -122,7 +122,7 @@ def _job_command(args) -> int:
     on stderr and status 2; a command's own failure is its exit status."""
     import os
 
-    from .errors import JobStartError
+    from .errors import JobStartError, SyncError
     from .tools import commands as c
 
     if os.getcwd() not in sys.path:
@@ -163,8 +163,8 @@ def _job_command(args) -> int:
         print({"create": "Created", "use": "Switched to", "rm": "Removed"}[args.action] + f" context {args.name!r}")
         return 0
     except (FileNotFoundError, ValueError, TypeError, ImportError, AttributeError, IndexError, KeyError,
-            JobStartError) as e:
-        print(f"monarch-tensor {args.cmd}: {e}", file=sys.stderr)
+            JobStartError, SyncError) as e:
+        print(f"monarch-tensor {args.cmd}: {str(e).splitlines()[0] if str(e) else repr(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         from .job.exec import interrupt_commands

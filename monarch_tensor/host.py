@@ -66,6 +66,14 @@ def _gpu_count() -> int:
         return 0
 
 
+def python_path() -> str:
+    """``PYTHONPATH`` for processes we start, maybe with another interpreter: this one's ``sys.path``, after
+    the directory this ``monarch_tensor`` is in (an editable install imports it through a finder hook, not a
+    ``sys.path`` entry, and another interpreter would not find it)."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.pathsep.join(dict.fromkeys([here, *(p for p in sys.path if p)]))
+
+
 class LocalHost:
     """The zygote of this machine, spawning procs for this client process."""
 
@@ -74,7 +82,7 @@ class LocalHost:
         # python_exe: the interpreter the template (and so every proc it forks) runs; this one's by default.
         self._on_exit = on_exit or _proc_exited
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env["PYTHONPATH"] = python_path()
         env.setdefault(THP_ENV, "1")
         # A script that has not imported torch (actors only, so far) gets its procs forked at once, and a
         # proc that needs torch imports it (as Monarch's do); the template imports it before forking

@@ -321,3 +321,73 @@ def test_a_zombie_agent_is_not_running():
     finally:
         parent.kill()
         parent.wait()
+
+
+@pytest.mark.timeout(240)
+def test_remote_mount_mirrors_a_directory_and_its_interpreter(tmp_path):
+    src, mnt = tmp_path / "proj", tmp_path / "mnt"
+    (src / "pkg").mkdir(parents=True)
+    (src / "pkg" / "mod.py").write_text("VALUE = 1\n")
+    (src / "old.txt").write_text("going\n")
+    # a virtual environment in the source (the procs find this monarch_tensor through PYTHONPATH)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(src / ".venv")], check=True, timeout=60)
+    foreign = tmp_path / "home"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine\n")
+    (tmp_path / "mounted.py").write_text(
+        "from monarch_tensor.job import LocalJob\n"
+        "job = LocalJob(meshes={'trainers': 2, 'other': 1}, ttl=120)\n"
+        f"job.remote_mount({str(src)!r}, mntpoint={str(mnt)!r}, meshes=['trainers'])\n")
+    (tmp_path / "clobber.py").write_text(
+        "from monarch_tensor.job import LocalJob\n"
+        "job = LocalJob(meshes={'m': 1}, ttl=120)\n"
+        f"job.remote_mount({str(src)!r}, mntpoint={str(foreign)!r})\n")
+    try:
+        r = cli(tmp_path, "apply", "mounted.job")
+        assert r.returncode == 0, r.stderr
+        assert (mnt / "pkg" / "mod.py").read_text() == "VALUE = 1\n" and (mnt / "old.txt").exists()
+        # the mesh's procs run the mount's interpreter, and `python` in exec is it
+        show = ["exec", "--", "bash", "-c", f"cd {mnt} && python -c 'import sys, pkg.mod; "
+                                            "print(sys.prefix, pkg.mod.VALUE)'"]
+        r = cli(tmp_path, *show)
+        assert (r.returncode, r.stdout) == (0, f"{mnt}/.venv 1\n"), r.stderr
+        r = cli(tmp_path, "exec", "--", "python", "-c", "import sys; print(sys.executable)")  # the procs' too
+        assert (r.returncode, r.stdout) == (0, f"{mnt}/.venv/bin/python\n"), r.stderr
+        r = cli(tmp_path, "exec", "--mesh", "other", "--output-dir", str(tmp_path / "o"), "--", "python", "-c",
+                "import sys; print(sys.executable)")
+        assert r.returncode == 0, r.stderr
+        assert [p.read_text() for p in (tmp_path / "o").rglob("stdout.txt")] == [sys.executable + "\n"]
+        # a change and a deletion in the source reach the hosts at the next connect
+        (src / "pkg" / "mod.py").write_text("VALUE = 2\n")
+        (src / "old.txt").unlink()
+        r = cli(tmp_path, *show)
+        assert (r.returncode, r.stdout) == (0, f"{mnt}/.venv 2\n"), r.stderr
+        assert not (mnt / "old.txt").exists()
+    finally:
+        cli(tmp_path, "kill")
+    # a mount point with files that no sync wrote is refused, and left as it was
+    assert cli(tmp_path, "context", "use", "c2").returncode == 0
+    try:
+        r = cli(tmp_path, "apply", "clobber.job")
+        assert r.returncode == 2 and "already holds files that no mount or sync wrote" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+        assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]
+    finally:
+        cli(tmp_path, "kill")
+
+
+def test_remote_mount_refuses_bad_arguments(tmp_path):
+    job = LocalJob(meshes={"m": 1})
+    with pytest.raises(FileNotFoundError, match="no such local directory"):
+        job.remote_mount(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="absolute path"):
+        job.remote_mount(str(tmp_path), mntpoint="relative/dir")
+    with pytest.raises(ValueError, match="whole file system"):
+        job.remote_mount(str(tmp_path), mntpoint="/")
+    with pytest.raises(ValueError, match="no mesh 'x'"):
+        job.remote_mount(str(tmp_path), meshes=["x"])
+    with pytest.raises(ValueError, match="relative to the mount point"):
+        job.remote_mount(str(tmp_path), python_exe="/usr/bin/python3")
+    with pytest.raises(TypeError, match="FUSE"):
+        job.remote_mount(str(tmp_path), cache_size=10)
+    assert not getattr(job, "_mounts", None)

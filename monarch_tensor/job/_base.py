@@ -102,6 +102,17 @@ class JobTrait:
         if self.addrs is None:
             self.addrs = self._start()
 
+    def remote_mount(self, source: str, mntpoint: str | None = None, meshes: list[str] | None = None,
+                     python_exe: str | None = ".venv/bin/python", **options) -> None:
+        """Mirror the local directory ``source`` onto the hosts of ``meshes`` (default: all) at ``mntpoint``
+        (default: the same path) each time ``state()`` connects; where ``source/python_exe`` exists, those
+        meshes' procs run ``mntpoint/python_exe``. Monarch's; a copy here, not a FUSE mount (``mounts.py``)."""
+        from . import mounts
+
+        mount = mounts.check(self, source, mntpoint, meshes, python_exe, options)
+        self._mounts = [*getattr(self, "_mounts", ()), mount]
+        self._state = None  # the next state() applies it
+
     def can_run(self, spec: JobTrait) -> bool:
         """Whether this job, running, can serve ``spec`` (Monarch's): same kind, meshes and options."""
         return (type(spec) is type(self) and spec.meshes == self.meshes and spec._spec() == self._spec()
@@ -126,6 +137,14 @@ class JobTrait:
                 self._connect()
                 if fresh and cached_path and reuse:
                     self.dump(cached_path)
+            if getattr(self, "_mounts", None):
+                from . import mounts
+
+                try:
+                    mounts.apply(self, self._state)
+                except BaseException:
+                    self._state = None  # (the next state() tries again)
+                    raise
         return self._state
 
     def _connect(self) -> None:

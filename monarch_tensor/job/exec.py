@@ -9,8 +9,9 @@ Each targeted proc runs the command as a child process, with
 ``MONARCH_RANK_<DIM>`` and ``MONARCH_SIZE_<DIM>`` set for every dimension of the
 proc's rank (those of the host mesh that ``rank`` or ``point`` picked one host
 along too, which Monarch leaves out), ``env`` added, in ``workdir`` or else the client's working
-directory where the host has it). A command whose first word ends in ``.py``,
-or ``-m MODULE``, runs with the procs' Python. Its output streams back to the
+directory where the host has it), with the procs' interpreter's directory first
+on ``PATH``. A command whose first word ends in ``.py``, or ``-m MODULE``, runs
+with the procs' Python. Its output streams back to the
 client as it comes (labelled by rank when several ranks stream), or goes to
 ``stdout.txt``/``stderr.txt`` in ``output_dir`` on each host (``$SUBDIR`` in
 it becomes the rank's coordinates, ``hosts_0_gpus_1``). The Future holds the
@@ -111,7 +112,10 @@ class BashActor(Actor):
         """Run ``cmd``; its output goes to ``output_dir`` or, in chunks ``(label, "out" | "err", bytes)``, to
         ``port``. Returns its exit status. ``fixed``: see ``rank_env``. (Async, so that the proc goes on
         receiving while the command runs: a stop reaches ``__cleanup__``.)"""
-        full_env = {**os.environ, **rank_env(fixed), **(env or {})}
+        full_env = {**os.environ, **rank_env(fixed)}
+        # `python` is the procs' interpreter (a mounted virtual environment's, say), as Monarch's exec has it
+        full_env["PATH"] = os.pathsep.join(filter(None, [os.path.dirname(sys.executable), full_env.get("PATH")]))
+        full_env.update(env or {})
         cwd = workdir or (client_cwd if client_cwd and os.path.isdir(client_cwd) else None)
         if workdir and not os.path.isdir(workdir):
             raise FileNotFoundError(f"the working directory {workdir!r} does not exist on {os.uname().nodename}")

@@ -15,6 +15,7 @@ import tempfile
 import time
 
 from ..errors import JobStartError
+from ..host import python_path
 from ._base import JobTrait, agent_command, log_tail, private_dir, read_address
 
 START_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_JOB_START_TIMEOUT", "60"))
@@ -65,7 +66,7 @@ class LocalJob(JobTrait):
         key_file = os.path.join(root, "job.key")
         self.keys.save(key_file)
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env["PYTHONPATH"] = python_path()
         env.update(getattr(self, "env", {}))
         started = []
         for name, n in self.meshes.items():

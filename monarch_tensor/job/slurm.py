@@ -17,6 +17,7 @@ import sys
 import time
 
 from ..errors import JobStartError
+from ..host import python_path
 from ._base import DEFAULT_STATE, JobTrait, agent_command, log_tail, private_dir, read_address
 
 START_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_JOB_START_TIMEOUT", "120"))
@@ -154,7 +155,7 @@ class SlurmJob(JobTrait):
             f.write(self._script(nodes, client_script))
         env = dict(os.environ)
         env.update(self.keys.to_env())  # handed to the agents through the scheduler's environment
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env["PYTHONPATH"] = python_path()
         try:
             r = subprocess.run(["sbatch", "--parsable", script], capture_output=True, text=True, env=env, timeout=60)
         except FileNotFoundError as e:
