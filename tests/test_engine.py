@@ -41,6 +41,20 @@ def test_rank_tensor_reduce_fetch(procs):
     assert torch.equal(r1, torch.tensor(1))
 
 
+def _my_rank_tensor(x):
+    return x + current_rank().rank
+
+
+my_rank_tensor = remote(_my_rank_tensor, propagate=lambda x: x)
+
+
+def test_a_remote_function_sees_its_workers_rank(procs):
+    """Remote functions run on the workers' stream threads, in the worker actor's context."""
+    with procs.activate():
+        got = my_rank_tensor(torch.zeros(2))
+        assert [inspect(got, gpus=r).tolist() for r in (0, 1)] == [[0.0, 0.0], [1.0, 1.0]]
+
+
 def test_new_float_scalars_on_pointwise_ops_need_no_new_propagation(procs):
     from controller import tensor as ct
 

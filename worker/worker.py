@@ -13,6 +13,7 @@ the same exception without running. Nothing an instruction does kills the worker
 
 from __future__ import annotations
 
+import contextvars
 import ctypes
 import functools
 import importlib
@@ -114,7 +115,9 @@ class _Stream:
         self.worker, self.sid, self.name = worker, sid, name
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.puts = self.dones = 0  # each written by one thread only (the proc's loop, this stream's)
-        self.thread = threading.Thread(target=self._run, daemon=True, name=f"tensor-stream-{name}")
+        # In the worker actor's context: code the stream runs (remote functions) sees its rank (current_rank()).
+        self.thread = threading.Thread(target=contextvars.copy_context().run, args=(self._run,), daemon=True,
+                                       name=f"tensor-stream-{name}")
         self.thread.start()
 
     def put(self, handler, arg) -> None:
