@@ -1,0 +1,1 @@
+"""Experimental utilities (Monarch's ``monarch.experimental``): ``thread_timeout``."""
