@@ -300,6 +300,9 @@ def test_shell_in_a_terminal(workdir):
     finally:
         sh.close(force=True)
     assert sh.exitstatus == 7
+    # input from a pipe: the shell runs it, and exits at its end
+    r = cli(workdir, "shell", stdin="sleep 0.5; echo piped-$((40 + 2))\n")
+    assert r.returncode == 0 and "piped-42" in r.stdout, (r.stdout, r.stderr)
 
 
 @pytest.mark.timeout(60)

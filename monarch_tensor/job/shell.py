@@ -35,6 +35,7 @@ from .exec import STOP_TIMEOUT, rank_env, returncode
 CHUNK = 16 << 10
 GRACE_S = 1.0
 START_TIMEOUT = 60.0
+EOF_EVERY_S = 0.5
 
 
 def _set_size(fd: int, rows: int, cols: int) -> None:
@@ -187,7 +188,7 @@ def _forward(sh, procs, receiver, stdin: int, stdout: int) -> int:
     old_winch = None
     if os.isatty(stdin) and threading.current_thread() is threading.main_thread():
         old_winch = signal.signal(signal.SIGWINCH, lambda *_: resized.set())
-    reading = True
+    reading, eof_at = True, 0.0
     item = receiver.recv()
     try:
         with _raw(stdin):
@@ -210,10 +211,16 @@ def _forward(sh, procs, receiver, stdin: int, stdout: int) -> int:
                     data = os.read(stdin, CHUNK)
                     if data:
                         sh.write.call_one(data).add_done_callback(check)
-                    else:  # our input ended (a pipe): end the shell's as a terminal does, with EOF (Ctrl-D)
+                    else:
                         reading = False
-                        sh.write.call_one(b"\x04").add_done_callback(check)
+                        eof_at = 0.0
                 elif not reading:
+                    # Our input ended (a pipe): end the shell's as a terminal does, with EOF (Ctrl-D), again
+                    # every EOF_EVERY_S until it exits: one typed while a command still ran is lost when the
+                    # shell's line editor takes the terminal back.
+                    if time.monotonic() - eof_at >= EOF_EVERY_S:
+                        eof_at = time.monotonic()
+                        sh.write.call_one(b"\x04").add_done_callback(check)
                     time.sleep(0.02)
     finally:
         if old_winch is not None:
