@@ -109,3 +109,13 @@ def test_iterate_and_debug():
     assert re.search(r"^  \(Pdb\) p step, round\(loss\.item\(\), 3\) -> \(2, [\d.]+\)$", out, re.M), out
     assert "continued" in lines and re.search(r"^run 4 finished after the breakpoint", out, re.M)
     assert re.search(r"^done in [\d.]+ s$", out, re.M)
+
+
+@pytest.mark.timeout(120)
+def test_cluster_job():
+    lines = run_example("cluster_job.py").stdout.splitlines()
+    assert any(ln.startswith("hosts: {'hosts': 2} mounted at") and "'hello.py'" in ln for ln in lines), lines
+    for h in (0, 1):
+        assert any(ln.startswith(f"[hosts_{h}_procs_0] hello from ") and f"host {h} of 2" in ln for ln in lines)
+        assert f"[hosts_1_gpus_{h}] host 1 gpu {h}" in lines
+    assert lines.count("exit status: 0") == 2
