@@ -118,11 +118,11 @@ def _job_parsers(sub) -> None:
 
 
 def _job_command(args) -> int:
-    """apply, exec, shell, kill, context: a bad spec or argument, or a job that cannot start, is one line
-    on stderr and status 2; a command's own failure is its exit status."""
+    """apply, exec, shell, kill, context: a bad spec or argument, a job that cannot start or a host that
+    fails is one line on stderr and status 2; a command's own failure is its exit status."""
     import os
 
-    from .errors import JobStartError, SyncError
+    from .errors import ActorError, DeviceMeshError, JobKeyError, JobStartError, SyncError
     from .tools import commands as c
 
     if os.getcwd() not in sys.path:
@@ -163,7 +163,8 @@ def _job_command(args) -> int:
         print({"create": "Created", "use": "Switched to", "rm": "Removed"}[args.action] + f" context {args.name!r}")
         return 0
     except (FileNotFoundError, ValueError, TypeError, ImportError, AttributeError, IndexError, KeyError,
-            JobStartError, SyncError) as e:
+            JobStartError, JobKeyError, SyncError, ActorError, DeviceMeshError, TimeoutError) as e:
+        # (one line: a remote error's text goes on with its traceback there)
         print(f"monarch-tensor {args.cmd}: {str(e).splitlines()[0] if str(e) else repr(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -114,12 +114,13 @@ def test_apply_exec_kill(workdir):
     r = cli(workdir, "exec", "hello.py", "a", "b")
     assert (r.returncode, r.stdout) == (0, "py ['a', 'b'] True\n"), r.stderr
 
-    # bad targets: one line on stderr, status 2, nothing started
+    # bad targets: one line on stderr, status 2, the job as it was
     for args, msg in ((["--mesh", "nope", "true"], "no mesh 'nope'"),
                       (["--point", "hosts=5", "true"], "out of range"),
                       (["--point", "hosts", "true"], "DIM=N"),
                       (["-e", "NOEQUALS", "true"], "KEY=VALUE"),
-                      ([], "no command")):
+                      ([], "no command"),
+                      (["--workdir", "/no/such/dir", "true"], "'/no/such/dir' does not exist on")):
         r = cli(workdir, "exec", *args)
         assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
     assert pids(workdir) == agents
