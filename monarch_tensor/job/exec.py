@@ -5,17 +5,18 @@
 >>> exec_command(hosts, ["python", "train.py", "--steps", "10"], rank=0).get()   # streams its output here
 0
 
-Each targeted proc runs the command as a child process, with
-``MONARCH_RANK_<DIM>`` and ``MONARCH_SIZE_<DIM>`` set for every dimension of the
-proc's rank (those of the host mesh that ``rank`` or ``point`` picked one host
-along too, which Monarch leaves out), ``env`` added, in ``workdir`` or else the client's working
-directory where the host has it), with the procs' interpreter's directory first
-on ``PATH``. A command whose first word ends in ``.py``, or ``-m MODULE``, runs
-with the procs' Python. Its output streams back to the
-client as it comes (labelled by rank when several ranks stream), or goes to
-``stdout.txt``/``stderr.txt`` in ``output_dir`` on each host (``$SUBDIR`` in
-it becomes the rank's coordinates, ``hosts_0_gpus_1``). The Future holds the
-largest exit status (a signal's as 128 + its number).
+Each targeted proc runs the command as a child process (in a process group of
+its own, ended with the proc), with ``MONARCH_RANK_<DIM>`` and
+``MONARCH_SIZE_<DIM>`` set for every dimension of the proc's rank (and for the
+host dims that ``rank`` or ``point`` picked one host along, which Monarch leaves
+out), ``env`` added, the procs' interpreter's directory first on ``PATH``, in
+``workdir`` or else in the client's working directory where the host has it. A
+command whose first word ends in ``.py``, or ``-m MODULE``, runs with the procs'
+Python. Its output streams back to the client as it comes (labelled by rank when
+several ranks stream), or goes to ``stdout.txt``/``stderr.txt`` in
+``output_dir`` on each host (``$SUBDIR`` in it becomes the rank's coordinates,
+``hosts_0_gpus_1``). The Future holds the largest exit status (a signal's as
+128 + its number).
 
 (Monarch runs a ``.py`` command inside its worker process with ``exec``; here it
 is a child of the proc, so it cannot touch the proc's state, and its output

@@ -107,7 +107,11 @@ def exec_on_job(cmd: list[str], run_all: bool = False, mesh_name: str | None = N
     meshes, their output going to ``stdout.txt``/``stderr.txt`` under ``output_dir`` on each host (default
     ``/tmp/monarch_exec_<id>/<rank's coordinates>``, printed). ``kill``: kill the job after."""
     if script is not None:
-        text = sys.stdin.read() if script == "-" else open(script).read()
+        if script == "-":
+            text = sys.stdin.read()
+        else:
+            with open(script) as f:
+                text = f.read()
         cmd = ["bash", "-c", text]
     if not cmd:
         raise ValueError("no command to run: give one, or --script FILE")
