@@ -14,9 +14,10 @@ exec`` puts its directory first on ``PATH``.
 
 Monarch mounts the directory read-only through FUSE and fetches files when they
 are read; here it is a copy made at connect time: every file is there before the
-procs start, a write on a host stays on that host until the next connect
-overwrites it, and nothing is fetched later. A mount point that holds files that
-no mount or sync wrote is refused (the copy would delete them).
+procs start, and nothing is fetched later. Like a read-only mount, it is no
+place for output: what a host writes there is replaced or deleted at the next
+connect. A mount point that holds files that no mount or sync wrote is refused
+(the copy would delete them).
 """
 
 from __future__ import annotations
