@@ -10,7 +10,7 @@ As a spec (Monarch 0.7's workflow), from this directory:
 
 ``MT_JOB=slurm`` makes it a SLURM allocation of two nodes (partition from
 ``MT_PARTITION``, default ``debug``); otherwise two local "hosts" (a LocalJob).
-The ``proj`` directory beside this file is mirrored onto the hosts at each
+The ``cluster_job_proj`` directory beside this file is mirrored onto the hosts at each
 connect (``remote_mount``), so ``exec`` can run code from it.
 
 Run directly (``python examples/cluster_job.py``), it does the same through the
@@ -31,7 +31,7 @@ if os.environ.get("MT_JOB") == "slurm":
                    partition=os.environ.get("MT_PARTITION", "debug"))
 else:
     job = LocalJob(meshes={"hosts": 2}, ttl=300)
-job.remote_mount(os.path.join(HERE, "data", "proj"), mntpoint=MOUNT, python_exe=None)
+job.remote_mount(os.path.join(HERE, "cluster_job_proj"), mntpoint=MOUNT, python_exe=None)
 
 
 def main() -> None:
