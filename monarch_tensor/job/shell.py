@@ -201,7 +201,9 @@ def _forward(sh, procs, receiver, stdin: int, stdout: int) -> int:
                     kind, value = item.get()
                     if kind == "exit":
                         return value
-                    os.write(stdout, value)
+                    view = memoryview(value)
+                    while view:  # (a pipe takes part of a large write)
+                        view = view[os.write(stdout, view):]
                     item = receiver.recv()
                 if resized.is_set():
                     resized.clear()
