@@ -127,6 +127,11 @@ def _job_command(args) -> int:
 
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # the job spec's module sits in the working directory
+    from . import actor
+
+    # A proc of ours that dies fails what waits on it (exec's Future, the shell's loop), which reports it in
+    # one line: the default hook would end this process first, with its own message.
+    actor.unhandled_fault_hook = lambda failure: None
     try:
         if args.cmd == "apply":
             seconds = c.apply_job(args.module_path)

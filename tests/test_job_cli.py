@@ -143,6 +143,15 @@ def test_apply_exec_kill(workdir):
     assert not sleeping("61.25")
     assert pids(workdir) == agents  # the job itself runs on
 
+    # the command's proc dies under it: a one-line error, status 2, and the command does not outlive it
+    r = cli(workdir, "exec", "--", "python", "-c",
+            "import os, signal, time; os.kill(os.getppid(), signal.SIGKILL); time.sleep(61.5)")
+    assert r.returncode == 2 and "died" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    deadline = time.monotonic() + 20
+    while subprocess.run(["pgrep", "-f", "time.sleep.61.5"], capture_output=True).returncode == 0:
+        assert time.monotonic() < deadline, "the command outlived its proc"
+        time.sleep(0.1)
+
     # kill: the agents exit and the job file goes; a second kill says there is nothing to kill
     r = cli(workdir, "kill")
     assert r.returncode == 0, r.stderr
@@ -301,6 +310,9 @@ def test_shell_in_a_terminal(workdir):
     finally:
         sh.close(force=True)
     assert sh.exitstatus == 7
+    # the shell's proc dies under it: a one-line error, status 2, the terminal given back
+    r = cli(workdir, "shell", stdin="kill -9 $PPID; sleep 30\n")
+    assert r.returncode == 2 and "the remote shell's proc" in r.stderr and "Traceback" not in r.stderr, r.stderr
     # input from a pipe: the shell runs it, and exits at its end
     r = cli(workdir, "shell", stdin="sleep 0.5; echo piped-$((40 + 2))\n")
     assert r.returncode == 0 and "piped-42" in r.stdout, (r.stdout, r.stderr)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import ctypes
 import os
 import shlex
 import signal
@@ -79,6 +80,17 @@ def command_line(cmd: list[str], python: str = sys.executable) -> list[str]:
     return list(cmd)
 
 
+_prctl = getattr(ctypes.CDLL(None), "prctl", None) if sys.platform.startswith("linux") else None
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In a child, before it runs its command: SIGTERM when the proc that started it dies, however it died
+    (a proc killed outright runs no ``__cleanup__``). Its own children are reached by ``stop_group`` only."""
+    if _prctl is not None:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def stop_group(proc: subprocess.Popen, grace: float = 1.0, first: int = signal.SIGTERM) -> None:
     """End ``proc`` and whatever it started in its process group: ``first``, then SIGKILL after ``grace``."""
     for sig in (first, signal.SIGKILL):
@@ -128,11 +140,11 @@ class BashActor(Actor):
             with open(os.path.join(out_dir, "stdout.txt"), "wb") as out, \
                     open(os.path.join(out_dir, "stderr.txt"), "wb") as err:
                 p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=full_env, cwd=cwd,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=die_with_parent)
                 self._children.add(p)
                 return await asyncio.to_thread(self._wait, p)
         p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             env=full_env, cwd=cwd, start_new_session=True)
+                             env=full_env, cwd=cwd, start_new_session=True, preexec_fn=die_with_parent)
         self._children.add(p)
         pumps = [threading.Thread(target=contextvars.copy_context().run, args=(_pump, pipe, kind, label, port),
                                   daemon=True, name=f"mt-exec-{kind}")

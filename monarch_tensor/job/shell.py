@@ -30,7 +30,8 @@ import time
 import tty
 
 from ..actor import Actor, Channel, endpoint
-from .exec import STOP_TIMEOUT, rank_env, returncode
+from ..errors import SupervisionError
+from .exec import STOP_TIMEOUT, die_with_parent, rank_env, returncode
 
 CHUNK = 16 << 10
 GRACE_S = 1.0
@@ -51,8 +52,10 @@ def _size(fd: int) -> tuple[int, int]:
 
 
 def _take_terminal() -> None:
-    """In the shell's child, after ``setsid``: make the pty (its stdin) the controlling terminal."""
+    """In the shell's child, after ``setsid``: make the pty (its stdin) the controlling terminal, and end
+    with the proc."""
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    die_with_parent()
 
 
 class ShellActor(Actor):
@@ -194,9 +197,11 @@ def _forward(sh, procs, receiver, stdin: int, stdout: int) -> int:
         with _raw(stdin):
             while True:
                 if errors:
-                    raise RuntimeError(f"the remote shell failed: {errors[0]}") from errors[0]
-                if not all(p.alive for p in procs._procs):
-                    raise RuntimeError("the remote shell's proc died")
+                    raise errors[0]
+                dead = [p for p in procs._procs if not p.alive]
+                if dead:
+                    raise SupervisionError(f"the remote shell's proc (pid {dead[0].pid}) died", proc=dead[0].addr,
+                                           rank=dead[0].rank)
                 while item.done():
                     kind, value = item.get()
                     if kind == "exit":
