@@ -120,14 +120,9 @@ def _job_parsers(sub) -> None:
 def _job_command(args) -> int:
     """apply, exec, shell, kill, context: a bad spec or argument, a job that cannot start or a host that
     fails is one line on stderr and status 2; a command's own failure is its exit status."""
-    import os
-
+    from . import actor
     from .errors import ActorError, DeviceMeshError, JobKeyError, JobStartError, SyncError
     from .tools import commands as c
-
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # the job spec's module sits in the working directory
-    from . import actor
 
     # A proc of ours that dies fails what waits on it (exec's Future, the shell's loop), which reports it in
     # one line: the default hook would end this process first, with its own message.

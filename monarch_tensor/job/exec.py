@@ -26,6 +26,7 @@ streams while it runs instead of arriving at the end.)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import ctypes
 import os
@@ -91,19 +92,27 @@ def die_with_parent() -> None:
         _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def stop_group(proc: subprocess.Popen, grace: float = 1.0, first: int = signal.SIGTERM) -> None:
-    """End ``proc`` and whatever it started in its process group: ``first``, then SIGKILL after ``grace``."""
-    for sig in (first, signal.SIGKILL):
+def stop_group(proc: subprocess.Popen, signals=(signal.SIGTERM, signal.SIGKILL), groups=(), grace: float = 1.0
+               ) -> None:
+    """End ``proc`` and whatever it started in its process group (and in ``groups``): each of ``signals`` in
+    turn, ``grace`` seconds apart, until ``proc`` has exited."""
+    groups = {proc.pid, *groups}
+    for sig in signals:
         if proc.poll() is not None:
             return
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            return
+        for g in groups:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(g, sig)
         try:
             proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             pass
+
+
+def check_env(env) -> None:
+    if env is not None and not (isinstance(env, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+        raise TypeError(f"env maps variable names to string values, got {env!r}")
 
 
 class BashActor(Actor):
@@ -218,9 +227,7 @@ def _check(cmd, env, workdir, output_dir, rank, point, per_host) -> list[str]:
         raise TypeError(f"exec_command needs a non-empty list of strings as its command, got {cmd!r}")
     if cmd[0] == "-m" and len(cmd) < 2:
         raise ValueError("exec_command(['-m', MODULE, ...]) needs the module's name")
-    if env is not None and not (isinstance(env, dict) and all(
-            isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
-        raise TypeError(f"env maps variable names to string values, got {env!r}")
+    check_env(env)
     for what, v in (("workdir", workdir), ("output_dir", output_dir)):
         if v is not None and not isinstance(v, str):
             raise TypeError(f"{what} is a path (a string), got {v!r}")

@@ -31,7 +31,7 @@ import tty
 
 from ..actor import Actor, Channel, endpoint
 from ..errors import SupervisionError
-from .exec import STOP_TIMEOUT, die_with_parent, rank_env, returncode
+from .exec import STOP_TIMEOUT, check_env, die_with_parent, rank_env, returncode, stop_group
 
 CHUNK = 16 << 10
 GRACE_S = 1.0
@@ -125,21 +125,13 @@ class ShellActor(Actor):
 
     def _hang_up(self) -> None:
         proc = self._proc
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
-        groups = {proc.pid}
+        groups = set()
         with contextlib.suppress(OSError):
-            groups.add(os.tcgetpgrp(self._master))
+            groups.add(os.tcgetpgrp(self._master))  # (the job in the shell's foreground)
         groups.discard(os.getpgrp())
-        for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGKILL):
-            for g in groups:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(g, sig)
-            try:
-                proc.wait(timeout=GRACE_S)
-                return
-            except subprocess.TimeoutExpired:
-                pass
+        stop_group(proc, (signal.SIGHUP, signal.SIGTERM, signal.SIGKILL), groups, GRACE_S)
 
 
 @contextlib.contextmanager
@@ -162,9 +154,7 @@ def shell(host_mesh, *, env: dict[str, str] | None = None, workdir: str | None =
     if host_mesh.size() != 1:
         raise ValueError(f"shell() needs a host mesh of one host, got {host_mesh.size()} hosts "
                          f"({dict(host_mesh.sizes)}): slice it first, e.g. hosts.slice(hosts=0)")
-    if env is not None and not (isinstance(env, dict) and all(
-            isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
-        raise TypeError(f"env maps variable names to string values, got {env!r}")
+    check_env(env)
     stdin, stdout = sys.stdin.fileno(), sys.stdout.fileno()
     port, receiver = Channel.open()
     procs = host_mesh.spawn_procs()
