@@ -25,13 +25,34 @@ def handle_read(mailbox: Mailbox, msg: ReadEnv) -> None:
         _reply(mailbox, msg.reply, {k: v for k, v in sorted(env.items()) if k.startswith(msg.prefix)})
 
 
+ROOT_VARS = {"WORKSPACE_DIR": "", "CONDA_PREFIX": "CONDA_PREFIX"}  # variable -> workspace sync's root_var
+
+
 def handle_write(mailbox: Mailbox, msg: WriteEnv) -> None:
     for name, value in msg.values.items():
         if value is None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
-    _reply(mailbox, msg.reply, None)
+    _reply(mailbox, msg.reply, _roots_now(msg))
+
+
+def _roots_now(msg: WriteEnv) -> dict | None:
+    """For a write that moved this proc's workspace root (``WORKSPACE_DIR``) or environment (``CONDA_PREFIX``):
+    ``{root_var: (hostname, root)}``, what a sync's ``DescribeWorkspace`` would answer now, so that the
+    client's next sync need not ask (``workspace_sync.learn_roots``). None for any other write."""
+    moved = [ROOT_VARS[name] for name in msg.values if name in ROOT_VARS]
+    if not moved:
+        return None
+    from ._sync_proc import client_key, workspace_root
+
+    out = {}
+    for root_var in moved:
+        try:
+            out[root_var] = (socket.gethostname(), workspace_root(client_key(msg.reply.addr), root_var))
+        except ValueError:  # $CONDA_PREFIX unset: a sync would fail on it, and will say so then
+            pass
+    return out
 
 
 def free_port() -> int:

@@ -203,21 +203,21 @@ class Writer:
         """Complete ``key``: truncate to ``size``, set mode and mtime, move into place."""
         self._fd(key, patch)
         fd, tmp, dest, end = self._open.pop(key)
-        try:
-            if end != size:
-                os.ftruncate(fd, size)
-            os.fchmod(fd, mode & 0o7777)
-            os.utime(fd, ns=(mtime_ns, mtime_ns))
-        finally:
-            os.close(fd)
-        try:
-            os.replace(tmp, dest)
-        except IsADirectoryError:  # a directory where a file is now wanted
-            _rmtree(dest)
-            self._dirs = {d for d in self._dirs if not (d == dest or d.startswith(dest + os.sep))}
-            os.replace(tmp, dest)
-        if key.endswith(".py"):  # a stale .pyc with the same mtime/size would shadow the new source
-            _remove_pyc(dest)
+        if place(fd, tmp, dest, size, end, mtime_ns, mode):
+            self.forget_dirs(dest)
+
+    def claim(self, key: str) -> tuple[str, str]:
+        """``(temp path, destination)`` for a new version of ``key`` that another thread writes and places
+        (``place``); the directory is made here (this Writer's bookkeeping stays on one thread)."""
+        dest = self.path(key)
+        d = os.path.dirname(dest)
+        self._make_dir(d)
+        self._count += 1
+        return os.path.join(d, f"{self._tag}{self._count}"), dest
+
+    def forget_dirs(self, dest: str) -> None:
+        """``dest`` was a directory, removed to put a file there: forget what was made under it."""
+        self._dirs = {d for d in self._dirs if not (d == dest or d.startswith(dest + os.sep))}
 
     def touch(self, key: str, mtime_ns: int, mode: int) -> None:
         """Same content, new metadata (a file that was saved without changes)."""
@@ -253,6 +253,29 @@ class Writer:
             except OSError:
                 pass
         self._open.clear()
+
+
+def place(fd: int, tmp: str, dest: str, size: int, end: int, mtime_ns: int, mode: int) -> bool:
+    """Close the new version ``tmp`` of ``dest`` (open at ``fd``, its bytes written up to ``end``) with
+    ``size`` bytes, ``mode`` and ``mtime_ns``, and move it into place; True when a directory stood at
+    ``dest`` and was removed for it. Touches no ``Writer``: any thread may call it."""
+    try:
+        if end != size:
+            os.ftruncate(fd, size)
+        os.fchmod(fd, mode & 0o7777)
+        os.utime(fd, ns=(mtime_ns, mtime_ns))
+    finally:
+        os.close(fd)
+    was_dir = False
+    try:
+        os.replace(tmp, dest)
+    except IsADirectoryError:  # a directory where a file is now wanted
+        _rmtree(dest)
+        was_dir = True
+        os.replace(tmp, dest)
+    if dest.endswith(".py"):  # a stale .pyc with the same mtime/size would shadow the new source
+        _remove_pyc(dest)
+    return was_dir
 
 
 def _copy_fd(src: int, dst: int) -> None:

@@ -36,6 +36,16 @@ def _check_name(name: str) -> None:
         raise ValueError(f"bad environment variable name {name!r}: letters, digits and '_', not starting with a digit")
 
 
+def _learn_roots(procs: list, replies: list) -> None:
+    """An ``env.set`` that moved the procs' workspace roots answers where they are now (``_env_proc``): keep
+    that for the next sync. Returns None, the value of ``env.set``."""
+    from .workspace_sync import learn_roots
+
+    for p, roots in zip(procs, replies):
+        if roots:
+            learn_roots(p.addr, roots)
+
+
 class EnvMismatches(dict):
     """``{name: {value: [ranks]}}`` for every variable whose value is not the same on all ranks.
 
@@ -104,8 +114,10 @@ class ProcEnv:
         else:
             per = [value] * n
         _check_values(per)
-        self._moved_roots(name, self._mesh._members())
-        return self._call(lambda i, port: WriteEnv({name: per[i]}, port), lambda vs: None, f"env.set({name!r})")
+        members = self._mesh._members()
+        self._moved_roots(name, members)
+        return self._call(lambda i, port: WriteEnv({name: per[i]}, port), lambda vs: _learn_roots(members, vs),
+                          f"env.set({name!r})")
 
     def _set_some(self, name: str, values: dict) -> Future:
         _check_values(values.values())
@@ -114,7 +126,8 @@ class ProcEnv:
         mailbox = current_mailbox()
         chosen = [(members[i], v) for i, v in sorted(values.items())]
         self._moved_roots(name, [p for p, _ in chosen])
-        col = Collector([p.addr for p, _ in chosen], [p.rank for p, _ in chosen], lambda vs: None, f"env.set({name!r})")
+        col = Collector([p.addr for p, _ in chosen], [p.rank for p, _ in chosen],
+                        lambda vs: _learn_roots([p for p, _ in chosen], vs), f"env.set({name!r})")
         port = mailbox.open_port(col)
         for p, v in chosen:
             mailbox.send(p.addr, WriteEnv({name: v}, port))

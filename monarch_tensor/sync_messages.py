@@ -63,9 +63,9 @@ class DiffWorkspace:
 class WriteFiles:
     """Client -> writer proc: apply ``ops`` to the root; the message with ``last`` commits and replies.
 
-    Ops are tuples: ``("w", key, offset, buffer, patch)`` write bytes; ``("c", key, path, size)``
-    copy a whole file of the client's (a writer that sees its sources) from ``path``;
-    ``("f", key, size, mtime_ns, mode, patch)`` finish a file; ``("t", key,
+    Ops are tuples: ``("w", key, offset, buffer, patch)`` write bytes; ``("C", key, path, size,
+    mtime_ns, mode)`` copy a whole file of the client's (a writer that sees its sources) from ``path`` and
+    finish it; ``("f", key, size, mtime_ns, mode, patch)`` finish a file; ``("t", key,
     mtime_ns, mode)`` same content, new metadata; ``("d", key)`` delete; ``("x", key, size)``: the file
     just finished is the client's file of ``size`` bytes with its prefix rewritten (a conda environment
     synced to another path), to be taken as unchanged while its mtime stays.

@@ -55,6 +55,7 @@ log = logging.getLogger("monarch_tensor.workspace_sync")
 
 SYNC_TIMEOUT = _sync_proc.SYNC_TIMEOUT  # seconds ($MONARCH_TENSOR_SYNC_TIMEOUT), the procs' too
 CHUNK = 8 << 20  # bytes of file data per WriteFiles message
+FIRST_CHUNK = 1 << 20  # ... in a writer's first one, sent early so that it starts while the rest is planned
 PULL_MIN = int(os.environ.get("MONARCH_TENSOR_SYNC_PULL_MIN", 256 << 10))  # bytes: bigger files go on the data plane
 INBAND = 64 << 10  # bytes: smaller file data rides inside a message's body, not as one frame per file
 PULL_MAX = 2 << 30  # bytes registered for pulls at once in one sync; further files ride in messages
@@ -84,8 +85,8 @@ class SyncResult:
     changed: list[str] = field(default_factory=list)
     reloaded: dict[int, tuple[str, ...]] = field(default_factory=dict)  # proc rank -> modules
     seconds: float = 0.0
-    # Where the seconds went, in order: "roots" (asking procs not seen before for their host and root),
-    # "diff" (scanning here and at the writers, and comparing), "write" (every writer's files written
+    # Where the seconds went, in order: "roots" (asking procs not seen before for their host and root,
+    # while this process scans its dirs), "diff" (scanning here and at the writers, and comparing), "write" (every writer's files written
     # and committed), "reload" (every proc's sys.path and changed modules). Empty when no proc ran yet.
     phases: dict[str, float] = field(default_factory=dict)
     conda: SyncResult | None = None  # with ``conda=True``: the environment's own sync (its roots: $CONDA_PREFIX)
@@ -95,6 +96,13 @@ def forget_roots(addrs, root_var: str = "") -> None:
     """Drop what is known of these procs' roots (their ``WORKSPACE_DIR``, or ``root_var``, changed)."""
     for a in addrs:
         _roots.pop((a, root_var), None)
+
+
+def learn_roots(addr: str, roots: dict) -> None:
+    """``{root_var: (hostname, root)}`` of the proc at ``addr``, as it answered an ``env.set`` that moved them:
+    the next sync skips asking it (``_describe``)."""
+    for root_var, where in roots.items():
+        _roots[(addr, root_var)] = tuple(where)
 
 
 def sync_workspace(procs: list, workspace: Workspace, auto_reload: bool = False,
@@ -253,12 +261,17 @@ def _refuse_own_env(roots: list, prefix: str) -> None:
 
 
 def _ask(procs: list, make, what: str) -> list:
+    return _ask_start(procs, make, what).get(timeout=SYNC_TIMEOUT)
+
+
+def _ask_start(procs: list, make, what: str) -> Future[list]:
+    """Send ``make(port)`` to each proc; a Future of their replies, in order."""
     mailbox = current_mailbox()
     col = Collector([p.addr for p in procs], [p.rank for p in procs], list, what)
     port = mailbox.open_port(col)
     for p in procs:
         mailbox.send(p.addr, make(port))
-    return col.future.get(timeout=SYNC_TIMEOUT)
+    return col.future
 
 
 class _Sources:
@@ -310,19 +323,20 @@ class _Batcher:
         self.root_var = root_var
         self.ops: list = []
         self.nbytes = 0
+        self.limit = FIRST_CHUNK
         self.files = self.bytes = self.pulled = self.copied = 0
 
     def add(self, op: tuple, nbytes: int = 0) -> None:
         self.ops.append(op)
         self.nbytes += nbytes
         self.bytes += nbytes
-        if self.nbytes >= CHUNK:
+        if self.nbytes >= self.limit:
             self.flush(last=False, reply=None)
 
     def flush(self, last: bool, reply) -> None:
         self.send(WriteFiles(self.sync_id, self.key, self.dirs, tuple(self.ops), self.scan_ns, last, reply,
                              self.root_var))
-        self.ops, self.nbytes = [], 0
+        self.ops, self.nbytes, self.limit = [], 0, CHUNK
 
 
 class _Pulls:
@@ -397,8 +411,7 @@ def _send_file(b: _Batcher, key: str, path: str, mtime_ns: int, mode: int, block
         size = os.stat(path).st_size
         if size >= INBAND:
             b.copied += size
-            b.add(("c", key, os.path.abspath(path), size), size)
-            b.add(("f", key, size, mtime_ns, mode, False))
+            b.add(("C", key, os.path.abspath(path), size, mtime_ns, mode), size)
             b.files += 1
             return
     buf = pulls.buffer(key, path) if pulls is not None else None
@@ -507,12 +520,33 @@ def plan(b: _Batcher, diff: WorkspaceDiff, manifest: dict, sources: _Sources,
 
 def _describe(procs: list, root_var: str) -> None:
     """Learn the host and root of each proc not asked yet (``_roots``)."""
+    _describe_finish(_describe_start(procs, root_var))
+
+
+def _describe_start(procs: list, root_var: str) -> tuple | None:
+    """Ask each proc whose root is not known yet (neither asked nor told by ``env.set``: ``learn_roots``);
+    None when there is none. ``_describe_finish`` waits for the answers."""
     unknown = [p for p in procs if (p.addr, root_var) not in _roots]
-    if unknown:
-        key = _sync_proc.client_key(current_mailbox().addr)
-        for p, where in zip(unknown, _ask(unknown, lambda port: DescribeWorkspace(key, port, root_var),
-                                          "workspace roots")):
+    if not unknown:
+        return None
+    key = _sync_proc.client_key(current_mailbox().addr)
+    return unknown, root_var, _ask_start(unknown, lambda port: DescribeWorkspace(key, port, root_var),
+                                         "workspace roots")
+
+
+def _describe_finish(asked: tuple | None) -> None:
+    if asked is not None:
+        unknown, root_var, fut = asked
+        for p, where in zip(unknown, fut.get(timeout=SYNC_TIMEOUT)):
             _roots[(p.addr, root_var)] = tuple(where)
+
+
+def _writers(procs: list, root_var: str) -> list:
+    """One proc per root (the first of the procs that share it): it compares and writes for them all."""
+    groups: dict[tuple[str, str], object] = {}
+    for p in procs:
+        groups.setdefault(_roots[(p.addr, root_var)], p)
+    return list(groups.values())
 
 
 def _sync(procs: list, workspace: Workspace, auto_reload: bool, root_var: str = "",
@@ -526,17 +560,19 @@ def _sync(procs: list, workspace: Workspace, auto_reload: bool, root_var: str = 
     key = _sync_proc.client_key(mailbox.addr)
     dirs = tuple(workspace.dirs.values())
     result = SyncResult()
-    _describe(procs, root_var)
-    t1 = time.perf_counter()
-    groups: dict[tuple[str, str], list] = {}
-    for p in procs:
-        groups.setdefault(_roots[(p.addr, root_var)], []).append(p)
-    writers = [members[0] for members in groups.values()]
     sync_id = uuid.uuid4().hex[:12]
-    for w in writers:  # they scan their roots while this process scans the dirs
-        mailbox.send(w.addr, ScanWorkspace(sync_id, key, dirs, root_var))
+    asked = _describe_start(procs, root_var)
+    if asked is None:  # the writers are known: they scan their roots while this process scans the dirs
+        writers = _writers(procs, root_var)
+        for w in writers:
+            mailbox.send(w.addr, ScanWorkspace(sync_id, key, dirs, root_var))
+        t1 = time.perf_counter()
     scan_ns = time.time_ns()
-    manifest, sources = local_manifest(workspace)
+    manifest, sources = local_manifest(workspace)  # (while procs not seen before say where their roots are)
+    if asked is not None:
+        _describe_finish(asked)
+        writers = _writers(procs, root_var)  # (each scans its root when the diff comes)
+        t1 = time.perf_counter()
     where = _source_ids(workspace) if COPY_LOCAL or root_var else ()
     diffs: list[WorkspaceDiff] = _ask(
         writers, lambda port: DiffWorkspace(sync_id, key, dirs, manifest, port, where, root_var),

@@ -380,11 +380,115 @@ def test_a_writer_copies_by_path_only_the_sources_it_sees_and_fails_cleanly(tmp_
     (root / "ws" / "keep.bin").write_bytes(b"old")
     w = _filetree.Writer(str(root))
     with pytest.raises(FileNotFoundError):  # the file went away after the client planned the copy
-        _sync_proc.apply_ops(w, [("c", "ws/keep.bin", str(src / "gone.bin"), 10),
-                                 ("f", "ws/keep.bin", 10, 0, 0o644, False)])
+        _sync_proc.apply_ops(w, [("C", "ws/keep.bin", str(src / "gone.bin"), 10, 0, 0o644)])
     w.abort()
     assert (root / "ws" / "keep.bin").read_bytes() == b"old"
     assert sorted(os.listdir(root / "ws")) == ["keep.bin"]  # no temp file left behind
+
+
+def test_a_syncs_copies_run_on_across_messages_and_deletes_wait_for_them(tmp_path):
+    """``("C", ...)`` ops are handed to the lane threads and left running while the writer takes the sync's
+    next message; a delete (which may remove a directory) and the last message wait for them; the commit
+    records them as finished files; a copy that fails fails the sync, leaving no temp file."""
+    src = tmp_path / "src"
+    src.mkdir()
+    data = {f"f{i}.bin": os.urandom(100_000 + i) for i in range(6)}
+    for name, d in data.items():
+        (src / name).write_bytes(d)
+    root = tmp_path / "root"
+    (root / "ws" / "old").mkdir(parents=True)
+    (root / "ws" / "old" / "x.py").write_text("x = 1\n")
+    now = time.time_ns()
+
+    class Mailbox:
+        def __init__(self):
+            self.sent = []
+
+        def send(self, addr, msg):
+            self.sent.append(msg)
+
+    def copy(name, mtime_ns=now - 10**10):
+        return ("C", f"ws/{name}", str(src / name), len(data[name]), mtime_ns, 0o640)
+
+    names = sorted(data)
+    handed = []
+    real = _sync_proc._Copies.add
+    with mock.patch.object(_sync_proc._Copies, "add", lambda self, w, ops: handed.append(len(self._futs)) or real(self, w, ops)):
+        mb, port = Mailbox(), PortRef("ipc:///tmp/x", 1)
+        msgs = [sync_messages.WriteFiles("s1", "k", ("ws",), tuple(copy(n) for n in names[:3]), now, False, None),
+                sync_messages.WriteFiles("s1", "k", ("ws",), (copy(names[3]), copy(names[4], now)), now, False, None),
+                sync_messages.WriteFiles("s1", "k", ("ws",), (copy(names[5]), ("d", "ws/old/x.py")), now, True, port)]
+        with mock.patch.dict(os.environ, {"WORKSPACE_DIR": str(root)}):
+            for m in msgs:
+                _sync_proc.handle_write(mb, m)
+    assert handed[0] == 0 and handed[1] > 0  # the second message found the first one's copies still handed out
+    reply = mb.sent.pop()
+    assert reply.error is None and reply.value == str(root)
+    assert sorted(os.listdir(root / "ws")) == names  # the emptied directory went with the delete
+    for name in names:
+        st_ = os.stat(root / "ws" / name)
+        assert (root / "ws" / name).read_bytes() == data[name] and st_.st_mode & 0o777 == 0o640
+    assert _filetree.read_meta(str(root), "racy.json", None) == [f"ws/{names[4]}"]  # modified at the scan
+
+    (src / names[2]).unlink()  # gone after the client planned its copy
+    mb.sent.clear()
+    with mock.patch.dict(os.environ, {"WORKSPACE_DIR": str(tmp_path / "root2")}):
+        _sync_proc.handle_write(mb, sync_messages.WriteFiles("s2", "k", ("ws",), tuple(copy(n) for n in names),
+                                                             now, True, port))
+    assert isinstance(mb.sent[-1].error, Exception) and "No such file" in str(mb.sent[-1].error)
+    assert not [n for n in os.listdir(tmp_path / "root2" / "ws") if n.startswith(".sync")]
+
+
+def test_env_set_of_a_root_variable_tells_the_next_sync_where_the_roots_are(tmp_path):
+    """``env.set("WORKSPACE_DIR" or "CONDA_PREFIX", ...)`` answers what ``DescribeWorkspace`` would, so the next
+    sync asks no proc; a sync of procs not told asks them while it scans its dirs."""
+    import socket
+
+    from monarch_tensor.mailbox import current_mailbox
+
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "a.py").write_text("a = 1\n")
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    try:
+        addrs = [p.addr for p in procs._procs]
+        roots = [str(tmp_path / "r0"), str(tmp_path / "r1")]
+        procs.env.set("WORKSPACE_DIR", roots).get(timeout=30)
+        host = socket.gethostname()
+        assert [ws_sync._roots[(a, "")] for a in addrs] == [(host, r) for r in roots]
+        procs.env.set("CONDA_PREFIX", str(tmp_path / "env")).get(timeout=30)
+        assert [ws_sync._roots[(a, "CONDA_PREFIX")] for a in addrs] == [(host, str(tmp_path / "env"))] * 2
+        procs.env.set("WORKSPACE_DIR", {1: None}).get(timeout=30)  # unset: the default root, as a proc says
+        told = ws_sync._roots[(addrs[1], "")]
+        ws_sync.forget_roots(addrs)
+        ws_sync._describe(list(procs._procs), "")
+        assert ws_sync._roots[(addrs[1], "")] == told and ws_sync._roots[(addrs[0], "")] == (host, roots[0])
+        procs.env.set("SOMETHING_ELSE", "1").get(timeout=30)
+        assert ws_sync._roots[(addrs[1], "")] == told
+
+        events = []
+        mb = current_mailbox()
+        real_send, real_manifest = mb.send, ws_sync.local_manifest
+
+        def send(addr, msg, *a, **k):
+            events.append(type(msg).__name__)
+            return real_send(addr, msg, *a, **k)
+
+        def manifest(ws):
+            events.append("client scan")
+            return real_manifest(ws)
+
+        ws_sync.forget_roots(addrs)
+        with mock.patch.object(mb, "send", send), mock.patch.object(ws_sync, "local_manifest", manifest):
+            first = procs.sync_workspace(Workspace(dirs=[proj])).get(timeout=60)
+            procs.env.set("WORKSPACE_DIR", roots[::-1]).get(timeout=30)
+            del events[:]
+            again = procs.sync_workspace(Workspace(dirs=[proj])).get(timeout=60)
+        assert sorted(first.roots) == sorted([roots[0], told[1]]) and sorted(again.roots) == sorted(roots)
+        assert "DescribeWorkspace" not in events  # told by env.set
+        assert os.path.exists(os.path.join(roots[0], "proj", "a.py")) and os.path.exists(os.path.join(roots[1], "proj", "a.py"))
+    finally:
+        procs.stop()
 
 
 @pytest.mark.timeout(120)
@@ -568,8 +672,18 @@ def test_writers_are_asked_to_scan_before_the_client_scans(tmp_path, monkeypatch
         monkeypatch.setattr(ws_sync, "local_manifest", manifest)
         res = procs.sync_workspace(Workspace(dirs=[proj])).get(timeout=60)
         assert res.files_sent == 2
-        sync_events = [e for e in events if e in ("ScanWorkspace", "client scan", "DiffWorkspace")]
+        kinds = ("DescribeWorkspace", "ScanWorkspace", "client scan", "DiffWorkspace")
+        sync_events = [e for e in events if e in kinds]
         assert sync_events == ["ScanWorkspace", "ScanWorkspace", "client scan", "DiffWorkspace", "DiffWorkspace"]
+        # Procs whose roots are not known are asked first; the client scans while they answer, and their
+        # diffs scan the roots.
+        ws_sync.forget_roots([p.addr for p in procs._procs])
+        del events[:]
+        (proj / "b.py").write_text("b = 1\n")
+        res = procs.sync_workspace(Workspace(dirs=[proj])).get(timeout=60)
+        assert res.files_sent == 2 and res.changed == ["proj/b.py"]
+        sync_events = [e for e in events if e in kinds]
+        assert sync_events == ["DescribeWorkspace", "DescribeWorkspace", "client scan", "DiffWorkspace", "DiffWorkspace"]
     finally:
         procs.stop()
 
