@@ -410,7 +410,8 @@ def check_mount_point(root: str) -> None:
 def commit(root: str, dirs, ops, scan_ns: int, env: bool = False) -> None:
     """Record which files are racy (modified near this sync), which were written with their prefix
     rewritten, and which dirs are synced (not for an environment: those are no workspace's)."""
-    racy = set(_filetree.read_meta(root, "racy.json", []))
+    racy_before = _filetree.read_meta(root, "racy.json", [])
+    racy = set(racy_before)
     rewritten = _filetree.read_meta(root, "rewritten.json", {})
     before = dict(rewritten)
     finished: dict[str, int] = {}
@@ -435,10 +436,11 @@ def commit(root: str, dirs, ops, scan_ns: int, env: bool = False) -> None:
             racy.add(key)
         else:
             racy.discard(key)
-    _filetree.write_meta(root, "racy.json", sorted(racy))
+    if sorted(racy) != racy_before:  # (each write of a record is a file made and renamed)
+        _filetree.write_meta(root, "racy.json", sorted(racy))
     if rewritten != before:
         _filetree.write_meta(root, "rewritten.json", rewritten)
-    if not env:
+    if not env and _filetree.read_meta(root, "dirs.json", None) != list(dirs):
         _filetree.write_meta(root, "dirs.json", list(dirs))
 
 

@@ -326,10 +326,15 @@ class _Batcher:
         self.limit = FIRST_CHUNK
         self.files = self.bytes = self.pulled = self.copied = 0
 
-    def add(self, op: tuple, nbytes: int = 0) -> None:
+    def add(self, op: tuple, nbytes: int = 0, copy: bool = False) -> None:
+        """``op`` moves ``nbytes`` of file data; ``copy``: a whole-file copy (``"C"``), whose bytes the
+        writer's lanes move while it takes its next messages: they count toward the first message only
+        (sent early, so that the lanes start), not toward later ones (a message per ``CHUNK`` of copies
+        cost the writer's mailbox thread a core that the lanes wanted, and started them later)."""
         self.ops.append(op)
-        self.nbytes += nbytes
         self.bytes += nbytes
+        if not copy or self.limit == FIRST_CHUNK:
+            self.nbytes += nbytes
         if self.nbytes >= self.limit:
             self.flush(last=False, reply=None)
 
@@ -411,7 +416,7 @@ def _send_file(b: _Batcher, key: str, path: str, mtime_ns: int, mode: int, block
         size = os.stat(path).st_size
         if size >= INBAND:
             b.copied += size
-            b.add(("C", key, os.path.abspath(path), size, mtime_ns, mode), size)
+            b.add(("C", key, os.path.abspath(path), size, mtime_ns, mode), size, copy=True)
             b.files += 1
             return
     buf = pulls.buffer(key, path) if pulls is not None else None
@@ -610,7 +615,8 @@ def _sync(procs: list, workspace: Workspace, auto_reload: bool, root_var: str = 
     t3 = time.perf_counter()
     result.changed = sorted(changed)
     if procs and not root_var:
-        replies = _ask(procs, lambda port: ReloadWorkspace(key, dirs, tuple(sorted(changed)), auto_reload, port),
+        names = tuple(sorted(changed)) if auto_reload else ()  # (what changed matters to a reload only)
+        replies = _ask(procs, lambda port: ReloadWorkspace(key, dirs, names, auto_reload, port),
                        "workspace reload")
         result.reloaded = {p.rank: r for p, r in zip(procs, replies)}
     t4 = time.perf_counter()
