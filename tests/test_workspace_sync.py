@@ -386,6 +386,26 @@ def test_a_writer_copies_by_path_only_the_sources_it_sees_and_fails_cleanly(tmp_
     assert sorted(os.listdir(root / "ws")) == ["keep.bin"]  # no temp file left behind
 
 
+def test_a_writers_first_message_goes_early_and_copies_do_not_split_the_rest():
+    """A writer's first message goes once it holds FIRST_CHUNK bytes (so the writer starts while the rest is
+    planned); after it, carried bytes cut messages at CHUNK, but whole-file copies do not (the writer's
+    lanes take them without waiting for them)."""
+    sent = []
+    b = _Batcher(sent.append, "s", "k", ("ws",), 0)
+    piece = ws_sync.FIRST_CHUNK // 2
+    for i in range(4 * ws_sync.CHUNK // piece):  # 4 CHUNKs of copies
+        b.add(("C", f"ws/c{i}", f"/src/c{i}", piece, 0, 0o644), piece, copy=True)
+    assert [len(m.ops) for m in sent] == [2]
+    for i in range(2 * ws_sync.CHUNK // piece):  # then 2 CHUNKs carried
+        b.add(("w", f"ws/w{i}", 0, b"", False), piece)
+    b.flush(last=True, reply=None)
+    sizes = [sum(op[3] if op[0] == "C" else piece for op in m.ops) for m in sent]
+    # the first; the rest of the copies with the first CHUNK carried; the second CHUNK; the last (commit)
+    assert sizes == [ws_sync.FIRST_CHUNK, 4 * ws_sync.CHUNK - ws_sync.FIRST_CHUNK + ws_sync.CHUNK, ws_sync.CHUNK, 0]
+    assert [m.last for m in sent] == [False, False, False, True]
+    assert b.bytes == 6 * ws_sync.CHUNK and sum(len(m.ops) for m in sent) == 6 * ws_sync.CHUNK // piece
+
+
 def test_a_syncs_copies_run_on_across_messages_and_deletes_wait_for_them(tmp_path):
     """``("C", ...)`` ops are handed to the lane threads and left running while the writer takes the sync's
     next message; a delete (which may remove a directory) and the last message wait for them; the commit
