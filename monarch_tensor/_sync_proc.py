@@ -5,10 +5,11 @@ variable; a host agent or job sets it per host) or, by default, a directory per
 client session on this host. The writer proc of a root compares and writes,
 in its message handlers. Large files for writers on other hosts arrive as
 ``RDMABuffer`` handles of the client's files and are pulled over the data
-plane; a writer that sees the client's source dirs copies large files from
-them itself; both in two lanes (``_in_two_lanes``); the rest rides in the
-messages. Every proc puts the synced dirs first on ``sys.path``
-and re-imports changed modules (``_reload.py``).
+plane, in two lanes (``_in_two_lanes``); a writer that sees the client's source
+dirs copies large files from them itself, on two lane threads that go on while it
+takes the next messages (``_Copies``); the rest rides in the messages. Every
+proc puts the synced dirs first on ``sys.path`` and re-imports changed modules
+(``_reload.py``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Workspace sync, the client side: ``await proc_mesh.sync_workspace(workspace, auto_reload=True)``.
 
-1. Ask each proc (once per proc) for its host and workspace root; procs sharing
-   a root form a group, served by one writer proc.
+1. Ask each proc (once per proc; an ``env.set`` of ``WORKSPACE_DIR`` tells without
+   asking) for its host and workspace root; procs sharing a root form a group,
+   served by one writer proc.
 2. Scan the local dirs (size, mtime, mode per file) while the writers scan their
-   roots (``ScanWorkspace``), and send that manifest to every writer; each replies
-   with what differs (``_sync_proc.diff``).
+   roots (``ScanWorkspace``), or while procs not known yet answer step 1, and send
+   that manifest to every writer; each replies with what differs (``_sync_proc.diff``).
 3. Hash locally only the files the writer asked to verify; send whole files,
    changed blocks of large files, metadata-only updates and deletions in
    ``WriteFiles`` messages of up to ``CHUNK`` bytes, all writers at once.
@@ -16,7 +17,8 @@
    bytes are registered; the buffers are dropped when every writer has committed.
    A writer that sees the client's source dirs itself (this host, same directories:
    ``WorkspaceDiff.local``) is sent no bytes of whole files of ``INBAND`` bytes and more,
-   only their paths: it copies them in the kernel, two at a time (``COPY_LOCAL``).
+   only their paths: it copies them in the kernel, two at a time, while it takes its
+   next messages (``COPY_LOCAL``; ``_sync_proc._Copies``).
 4. Every proc puts the dirs on ``sys.path`` and, with ``auto_reload``,
    re-imports the changed modules.
 
@@ -86,8 +88,9 @@ class SyncResult:
     reloaded: dict[int, tuple[str, ...]] = field(default_factory=dict)  # proc rank -> modules
     seconds: float = 0.0
     # Where the seconds went, in order: "roots" (asking procs not seen before for their host and root,
-    # while this process scans its dirs), "diff" (scanning here and at the writers, and comparing), "write" (every writer's files written
-    # and committed), "reload" (every proc's sys.path and changed modules). Empty when no proc ran yet.
+    # while this process scans its dirs), "diff" (scanning here and at the writers, and comparing),
+    # "write" (every writer's files written and committed), "reload" (every proc's sys.path and changed
+    # modules). Empty when no proc ran yet.
     phases: dict[str, float] = field(default_factory=dict)
     conda: SyncResult | None = None  # with ``conda=True``: the environment's own sync (its roots: $CONDA_PREFIX)
 
