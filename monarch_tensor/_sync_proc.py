@@ -437,7 +437,9 @@ def commit(root: str, dirs, ops, scan_ns: int, env: bool = False) -> None:
             racy.add(key)
         else:
             racy.discard(key)
-    if sorted(racy) != racy_before:  # (each write of a record is a file made and renamed)
+    # Each record is written only when it changes (a file made and renamed), but the records' directory
+    # always exists after a commit: it marks the root as one that syncs wrote (``check_mount_point``).
+    if sorted(racy) != racy_before or not os.path.isdir(os.path.join(root, _filetree.META_DIR)):
         _filetree.write_meta(root, "racy.json", sorted(racy))
     if rewritten != before:
         _filetree.write_meta(root, "rewritten.json", rewritten)

@@ -386,6 +386,26 @@ def test_a_writer_copies_by_path_only_the_sources_it_sees_and_fails_cleanly(tmp_
     assert sorted(os.listdir(root / "ws")) == ["keep.bin"]  # no temp file left behind
 
 
+def test_a_commit_marks_its_root_and_rewrites_records_only_when_they_change(tmp_path):
+    """Every commit leaves the root's records directory (a mount refuses a root without it), even one with
+    nothing racy and no dirs to record (an environment); a record is rewritten only when it changes."""
+    root = str(tmp_path / "root")
+    os.makedirs(root)
+    _sync_proc.commit(root, (), [], time.time_ns(), env=True)
+    meta = os.path.join(root, _filetree.META_DIR)
+    assert os.path.isdir(meta) and _filetree.read_meta(root, "racy.json", None) == []
+    _sync_proc.check_mount_point(root)  # a root that syncs wrote: no complaint
+    _sync_proc.commit(root, ("ws",), [], time.time_ns())
+    stamps = {n: os.stat(os.path.join(meta, n)).st_mtime_ns for n in os.listdir(meta)}
+    assert sorted(stamps) == ["dirs.json", "racy.json"]
+    time.sleep(0.01)
+    _sync_proc.commit(root, ("ws",), [], time.time_ns())  # nothing changed: nothing rewritten
+    assert {n: os.stat(os.path.join(meta, n)).st_mtime_ns for n in os.listdir(meta)} == stamps
+    _sync_proc.commit(root, ("ws", "other"), [("f", "ws/a.py", 1, time.time_ns(), 0o644, False)], time.time_ns())
+    assert _filetree.read_meta(root, "dirs.json", None) == ["ws", "other"]
+    assert _filetree.read_meta(root, "racy.json", None) == ["ws/a.py"]
+
+
 def test_a_writers_first_message_goes_early_and_copies_do_not_split_the_rest():
     """A writer's first message goes once it holds FIRST_CHUNK bytes (so the writer starts while the rest is
     planned); after it, carried bytes cut messages at CHUNK, but whole-file copies do not (the writer's
