@@ -31,6 +31,7 @@ class Future(Generic[R]):
     """``fut.get(timeout=None)`` / ``fut.result()`` / ``await fut``."""
 
     __slots__ = ("_state", "_value", "_waiter", "_callbacks", "_what")
+    _by_thread = False  # ThreadFuture: settled by a thread of this process, never by a reply
 
     def __init__(self, what: str = "result") -> None:
         self._state = _PENDING
@@ -62,7 +63,7 @@ class Future(Generic[R]):
                 # We are the thread that receives replies: receive until ours is in.
                 _mailbox.wait_until(self.done, timeout)
                 settled = self._state != _PENDING
-            elif _mailbox is not None and _mailbox.can_lead():
+            elif _mailbox is not None and _mailbox.can_lead() and not self._by_thread:
                 # A client's thread: receive ourselves while we wait (one thread hand-off less).
                 _mailbox.lead(self, timeout)
                 settled = self._state != _PENDING
@@ -188,6 +189,16 @@ class Future(Generic[R]):
 
     def __repr__(self) -> str:
         return f"<Future {self._what} {'pending' if not self._state else 'done'}>"
+
+
+class ThreadFuture(Future):
+    """A Future that a thread of this process settles (a workspace sync's), not a reply: a thread that
+    waits on it blocks, rather than receive replies meanwhile (``Mailbox.lead``), so that the thread at
+    work receives its own replies. (A script's main thread receiving them for it added a thread hand-off
+    to each of the sync's round trips.)"""
+
+    __slots__ = ()
+    _by_thread = True
 
 
 def _call(fn: Callable[[Future], None], fut: Future) -> None:

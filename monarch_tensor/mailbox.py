@@ -484,8 +484,12 @@ class Mailbox:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return
-                # Short tries: another waiter may hold the socket and settle ``fut`` meanwhile.
-                if not self._rx_lock.acquire(timeout=0.001 if left is None else min(left, 0.001)):
+                # Another waiter may hold the socket (a script's main thread waiting on a workspace sync
+                # whose thread waits on replies): it dispatches ``fut``'s reply, so wait on ``fut`` itself,
+                # woken when settled (a wait on the socket's lock, 1 ms at a time, added 0.5 ms on average
+                # to each of a sync's round trips); try for the socket again each 1 ms.
+                if not self._rx_lock.acquire(blocking=False):
+                    fut._wait(0.001 if left is None else min(left, 0.001))
                     continue
                 try:
                     self.receiver_ident = me

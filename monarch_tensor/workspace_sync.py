@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 
 from . import _filetree, _sync_proc
 from ._ports import Collector
-from .future import Future
+from .future import Future, ThreadFuture
 from .mailbox import current_mailbox
 from .sync_messages import DescribeWorkspace, DiffWorkspace, ReloadWorkspace, ScanWorkspace, WorkspaceDiff, WriteFiles
 from .tools.config.workspace import Workspace
@@ -118,7 +118,7 @@ def sync_workspace(procs: list, workspace: Workspace, auto_reload: bool = False,
         raise TypeError(f"sync_workspace needs a Workspace, got {workspace!r}")
     workspace.check()
     prefix = conda_prefix(workspace) if conda else None
-    fut: Future[SyncResult] = Future("workspace sync")
+    fut: Future[SyncResult] = ThreadFuture("workspace sync")
 
     def run() -> None:
         helpers = None

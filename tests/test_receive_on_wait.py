@@ -139,3 +139,65 @@ def test_a_wait_without_timeout_ends_when_its_mailbox_closes():
             fut.get()  # it used to wait forever
     finally:
         mb_mod._mailbox = saved
+
+
+def test_a_waiter_whose_reply_another_waiter_receives_waits_on_its_future(echo):
+    """While the main thread holds the socket waiting on a Future that another thread settles (a script
+    waiting on a workspace sync, whose own thread waits on the replies), it dispatches that thread's
+    replies: the thread waits on its Future, woken when it is settled, rather than on the socket's lock."""
+    assert echo.echo.call_one(0).get(timeout=30) == 0
+    outer: Future = Future("outer")  # settled by the thread below, as a sync's result is
+    inner: list = []
+
+    def second() -> None:
+        try:
+            deadline = time.monotonic() + 30
+            while not mb_mod._mailbox._rx_lock.locked() and time.monotonic() < deadline:
+                time.sleep(0.001)  # until the main thread receives
+            f = echo.echo.call_one("inner")
+            inner.append((f, _settled_on(f)))
+            outer._set_result(f.get(timeout=30))
+        except BaseException as e:  # noqa: BLE001 - the main thread's get raises it
+            outer._set_exception(e)
+
+    t = threading.Thread(target=second)
+    t.start()
+    assert outer.get(timeout=60) == "inner"
+    t.join(30)
+    f, where = inner[0]
+    assert where == [threading.current_thread()]  # the main thread, receiving, dispatched the reply
+    assert f._waiter is not None  # and the second thread blocked on its Future, whose settling woke it
+
+
+def test_a_thread_future_is_waited_on_without_taking_the_socket(echo, monkeypatch):
+    """A script waiting on a ``ThreadFuture`` (a workspace sync's result) blocks on it and leaves the socket
+    to the thread at work, which dispatches its own replies."""
+    from monarch_tensor.future import ThreadFuture
+
+    assert echo.echo.call_one(0).get(timeout=30) == 0
+    result: ThreadFuture = ThreadFuture("work")
+    blocked = threading.Event()
+    real_wait = Future._wait
+
+    def _wait(self, timeout):
+        if self is result:
+            blocked.set()
+        return real_wait(self, timeout)
+
+    monkeypatch.setattr(Future, "_wait", _wait)
+
+    def work() -> None:
+        try:
+            if not blocked.wait(30):
+                raise TimeoutError("the main thread did not block on the ThreadFuture")
+            f = echo.echo.call_one("reply")
+            where = _settled_on(f)
+            result._set_result((f.get(timeout=30), where))
+        except BaseException as e:  # noqa: BLE001 - the main thread's get raises it
+            result._set_exception(e)
+
+    t = threading.Thread(target=work)
+    t.start()
+    value, where = result.get(timeout=60)
+    t.join(30)
+    assert value == "reply" and where == [t]  # the worker received its reply itself
