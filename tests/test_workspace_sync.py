@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -479,12 +480,32 @@ def test_a_syncs_copies_run_on_across_messages_and_deletes_wait_for_them(tmp_pat
     assert not [n for n in os.listdir(tmp_path / "root2" / "ws") if n.startswith(".sync")]
 
 
+@contextlib.contextmanager
+def _sync_events():
+    """Record what this client does in a sync: the kind of each message it sends, and "client scan" when it
+    scans its dirs."""
+    from monarch_tensor.mailbox import current_mailbox
+
+    events: list = []
+    mb = current_mailbox()
+    real_send, real_manifest = mb.send, ws_sync.local_manifest
+
+    def send(addr, msg, *a, **k):
+        events.append(type(msg).__name__)
+        return real_send(addr, msg, *a, **k)
+
+    def manifest(ws):
+        events.append("client scan")
+        return real_manifest(ws)
+
+    with mock.patch.object(mb, "send", send), mock.patch.object(ws_sync, "local_manifest", manifest):
+        yield events
+
+
 def test_env_set_of_a_root_variable_tells_the_next_sync_where_the_roots_are(tmp_path):
     """``env.set("WORKSPACE_DIR" or "CONDA_PREFIX", ...)`` answers what ``DescribeWorkspace`` would, so the next
     sync asks no proc; a sync of procs not told asks them while it scans its dirs."""
     import socket
-
-    from monarch_tensor.mailbox import current_mailbox
 
     proj = tmp_path / "proj"
     proj.mkdir()
@@ -506,20 +527,8 @@ def test_env_set_of_a_root_variable_tells_the_next_sync_where_the_roots_are(tmp_
         procs.env.set("SOMETHING_ELSE", "1").get(timeout=30)
         assert ws_sync._roots[(addrs[1], "")] == told
 
-        events = []
-        mb = current_mailbox()
-        real_send, real_manifest = mb.send, ws_sync.local_manifest
-
-        def send(addr, msg, *a, **k):
-            events.append(type(msg).__name__)
-            return real_send(addr, msg, *a, **k)
-
-        def manifest(ws):
-            events.append("client scan")
-            return real_manifest(ws)
-
         ws_sync.forget_roots(addrs)
-        with mock.patch.object(mb, "send", send), mock.patch.object(ws_sync, "local_manifest", manifest):
+        with _sync_events() as events:
             first = procs.sync_workspace(Workspace(dirs=[proj])).get(timeout=60)
             procs.env.set("WORKSPACE_DIR", roots[::-1]).get(timeout=30)
             del events[:]
@@ -686,41 +695,26 @@ def test_a_writer_scans_its_root_once_while_the_client_scans(tmp_path, monkeypat
     assert list(_sync_proc._scans) == [f"t{i}" for i in range(3, _sync_proc.KEEP_SCANS + 3)]
 
 
-def test_writers_are_asked_to_scan_before_the_client_scans(tmp_path, monkeypatch):
+def test_writers_are_asked_to_scan_before_the_client_scans(tmp_path):
     """The client sends each writer its ``ScanWorkspace`` before it scans its own dirs, and the diff after."""
-    from monarch_tensor.mailbox import current_mailbox
-
     proj = tmp_path / "proj"
     proj.mkdir()
     (proj / "a.py").write_text("a = 1\n")
     procs = this_host().spawn_procs(per_host={"gpus": 2})
     try:
         procs.env.set("WORKSPACE_DIR", [str(tmp_path / "r0"), str(tmp_path / "r1")]).get(timeout=30)
-        events = []
-        mb = current_mailbox()
-        real_send, real_manifest = mb.send, ws_sync.local_manifest
-
-        def send(addr, msg, *a, **k):
-            events.append(type(msg).__name__)
-            return real_send(addr, msg, *a, **k)
-
-        def manifest(ws):
-            events.append("client scan")
-            return real_manifest(ws)
-
-        monkeypatch.setattr(mb, "send", send)
-        monkeypatch.setattr(ws_sync, "local_manifest", manifest)
-        res = procs.sync_workspace(Workspace(dirs=[proj])).get(timeout=60)
-        assert res.files_sent == 2
         kinds = ("DescribeWorkspace", "ScanWorkspace", "client scan", "DiffWorkspace")
+        with _sync_events() as events:
+            res = procs.sync_workspace(Workspace(dirs=[proj])).get(timeout=60)
+        assert res.files_sent == 2
         sync_events = [e for e in events if e in kinds]
         assert sync_events == ["ScanWorkspace", "ScanWorkspace", "client scan", "DiffWorkspace", "DiffWorkspace"]
         # Procs whose roots are not known are asked first; the client scans while they answer, and their
         # diffs scan the roots.
         ws_sync.forget_roots([p.addr for p in procs._procs])
-        del events[:]
         (proj / "b.py").write_text("b = 1\n")
-        res = procs.sync_workspace(Workspace(dirs=[proj])).get(timeout=60)
+        with _sync_events() as events:
+            res = procs.sync_workspace(Workspace(dirs=[proj])).get(timeout=60)
         assert res.files_sent == 2 and res.changed == ["proj/b.py"]
         sync_events = [e for e in events if e in kinds]
         assert sync_events == ["DescribeWorkspace", "DescribeWorkspace", "client scan", "DiffWorkspace", "DiffWorkspace"]
