@@ -484,13 +484,17 @@ class Mailbox:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return
-                # Another waiter may hold the socket (a script's main thread waiting on a workspace sync
-                # whose thread waits on replies): it dispatches ``fut``'s reply, so wait on ``fut`` itself,
-                # woken when settled (a wait on the socket's lock, 1 ms at a time, added 0.5 ms on average
-                # to each of a sync's round trips); try for the socket again each 1 ms.
+                tick = 0.001 if left is None else min(left, 0.001)
                 if not self._rx_lock.acquire(blocking=False):
-                    fut._wait(0.001 if left is None else min(left, 0.001))
-                    continue
+                    if self.receiver_ident != self._io_ident:
+                        # Another waiter receives (a script's main thread waiting while a workspace sync's
+                        # thread waits on replies): it dispatches ``fut``'s reply, so wait on ``fut`` itself,
+                        # woken when it is settled (waiting on the socket's lock, 1 ms at a time, added 0.5
+                        # ms on average to each of a sync's round trips); try for the socket each 1 ms.
+                        fut._wait(tick)
+                        continue
+                    if not self._rx_lock.acquire(timeout=tick):  # the I/O thread, dispatching: brief
+                        continue
                 try:
                     self.receiver_ident = me
                     self._receive_until(fut.done, deadline)

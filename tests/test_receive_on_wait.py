@@ -141,21 +141,24 @@ def test_a_wait_without_timeout_ends_when_its_mailbox_closes():
         mb_mod._mailbox = saved
 
 
-def test_a_waiter_whose_reply_another_waiter_receives_waits_on_its_future(echo):
+def test_a_waiter_whose_reply_another_waiter_receives_waits_on_its_future(echo, monkeypatch, tmp_path):
     """While the main thread holds the socket waiting on a Future that another thread settles (a script
     waiting on a workspace sync, whose own thread waits on the replies), it dispatches that thread's
     replies: the thread waits on its Future, woken when it is settled, rather than on the socket's lock."""
     assert echo.echo.call_one(0).get(timeout=30) == 0
-    outer: Future = Future("outer")  # settled by the thread below, as a sync's result is
+    outer: Future = Future("outer")  # settled by the thread below (a plain Future: the main thread leads)
     inner: list = []
+    main = threading.get_ident()
 
     def second() -> None:
         try:
-            deadline = time.monotonic() + 30
-            while not mb_mod._mailbox._rx_lock.locked() and time.monotonic() < deadline:
+            mb, deadline = mb_mod._mailbox, time.monotonic() + 30
+            while not (mb._rx_lock.locked() and mb.receiver_ident == main) and time.monotonic() < deadline:
                 time.sleep(0.001)  # until the main thread receives
-            f = echo.echo.call_one("inner")
+            gate = str(tmp_path / "gate")
+            f = echo.gated.call_one("inner", gate)  # replies once the gate is open: after the callback is on
             inner.append((f, _settled_on(f)))
+            _open_once_waiting(monkeypatch, gate)  # opens it once this thread waits (the main thread already does)
             outer._set_result(f.get(timeout=30))
         except BaseException as e:  # noqa: BLE001 - the main thread's get raises it
             outer._set_exception(e)
@@ -169,7 +172,7 @@ def test_a_waiter_whose_reply_another_waiter_receives_waits_on_its_future(echo):
     assert f._waiter is not None  # and the second thread blocked on its Future, whose settling woke it
 
 
-def test_a_thread_future_is_waited_on_without_taking_the_socket(echo, monkeypatch):
+def test_a_thread_future_is_waited_on_without_taking_the_socket(echo, monkeypatch, tmp_path):
     """A script waiting on a ``ThreadFuture`` (a workspace sync's result) blocks on it and leaves the socket
     to the thread at work, which dispatches its own replies."""
     from monarch_tensor.future import ThreadFuture
@@ -190,8 +193,10 @@ def test_a_thread_future_is_waited_on_without_taking_the_socket(echo, monkeypatc
         try:
             if not blocked.wait(30):
                 raise TimeoutError("the main thread did not block on the ThreadFuture")
-            f = echo.echo.call_one("reply")
+            gate = str(tmp_path / "gate")
+            f = echo.gated.call_one("reply", gate)
             where = _settled_on(f)
+            _open_once_waiting(monkeypatch, gate)  # the reply comes while this thread waits on it
             result._set_result((f.get(timeout=30), where))
         except BaseException as e:  # noqa: BLE001 - the main thread's get raises it
             result._set_exception(e)
