@@ -489,8 +489,8 @@ class Mailbox:
                     if self.receiver_ident != self._io_ident:
                         # Another waiter receives (a script's main thread waiting while a workspace sync's
                         # thread waits on replies): it dispatches ``fut``'s reply, so wait on ``fut`` itself,
-                        # woken when it is settled (waiting on the socket's lock, 1 ms at a time, added 0.5
-                        # ms on average to each of a sync's round trips); try for the socket each 1 ms.
+                        # woken when it is settled (waiting on the socket's lock, 1 ms at a time, added up to
+                        # 1 ms to each of a sync's round trips); try for the socket each 1 ms.
                         fut._wait(tick)
                         continue
                     if not self._rx_lock.acquire(timeout=tick):  # the I/O thread, dispatching: brief
