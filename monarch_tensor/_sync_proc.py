@@ -301,6 +301,11 @@ class _Copies:
             for dest in f.result():
                 w.forget_dirs(dest)
 
+    def drain(self) -> None:
+        """Until the copies handed out so far are done (at most ``SYNC_TIMEOUT``), leaving their outcomes to
+        ``wait``."""
+        futures_wait(list(self._futs), timeout=SYNC_TIMEOUT)
+
     def settle(self, w: _filetree.Writer) -> None:
         """``wait``, its errors dropped (a sync that failed already: never abort under a running copy)."""
         try:
@@ -469,6 +474,9 @@ def handle_write(mailbox: Mailbox, msg: WriteFiles) -> None:
     if msg.sync_id not in _failures:
         got = _writers.get(msg.sync_id)
         if got is None:
+            for other, others_copies in list(_writers.values()):
+                if other.root == root:  # (a sync into this root whose client went away, or another client's)
+                    others_copies.drain()  # its copies land before this sync's: none overwrites a newer file
             got = _writers[msg.sync_id] = (_filetree.Writer(root), _Copies())
         w, copies = got
         try:

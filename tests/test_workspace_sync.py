@@ -502,6 +502,50 @@ def _sync_events():
         yield events
 
 
+def test_a_new_sync_into_a_root_lets_an_earlier_ones_copies_land_first(tmp_path):
+    """A sync whose client went away may leave copies running on the lanes; the next sync into that root
+    waits for them before it writes, so an old version never lands over a newer one."""
+    import threading
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "old.bin").write_bytes(b"old" * 40_000)
+    (src / "new.bin").write_bytes(b"new" * 40_000)
+    release = threading.Event()
+    real_copy = _sync_proc._copy_file
+
+    def copy(src_path, fd, size):
+        if src_path.endswith("old.bin"):
+            assert release.wait(30)  # the abandoned sync's copy is slow
+        return real_copy(src_path, fd, size)
+
+    class Mailbox:
+        def __init__(self):
+            self.sent = []
+
+        def send(self, addr, msg):
+            self.sent.append(msg)
+
+    def op(name):
+        return ("C", "ws/x.bin", str(src / name), 120_000, time.time_ns() - 10**10, 0o644)
+
+    mb, port = Mailbox(), PortRef("ipc:///tmp/x", 1)
+    with mock.patch.object(_sync_proc, "_copy_file", copy), \
+            mock.patch.dict(os.environ, {"WORKSPACE_DIR": str(tmp_path / "root")}):
+        # the first sync's client sends one message and is gone: no last message ever comes
+        _sync_proc.handle_write(mb, sync_messages.WriteFiles("gone", "k", ("ws",), (op("old.bin"),), 0, False, None))
+        second = threading.Thread(target=_sync_proc.handle_write, args=(mb, sync_messages.WriteFiles(
+            "next", "k", ("ws",), (op("new.bin"),), time.time_ns(), True, port)))
+        second.start()
+        second.join(0.3)
+        assert second.is_alive()  # it waits for the abandoned sync's copy into the same root
+        release.set()
+        second.join(30)
+    _sync_proc._writers.pop("gone", None)
+    assert mb.sent[-1].error is None
+    assert (tmp_path / "root" / "ws" / "x.bin").read_bytes() == b"new" * 40_000
+
+
 def test_env_set_of_a_root_variable_tells_the_next_sync_where_the_roots_are(tmp_path):
     """``env.set("WORKSPACE_DIR" or "CONDA_PREFIX", ...)`` answers what ``DescribeWorkspace`` would, so the next
     sync asks no proc; a sync of procs not told asks them while it scans its dirs."""
