@@ -44,12 +44,12 @@ def _roots_now(msg: WriteEnv) -> dict | None:
     moved = [ROOT_VARS[name] for name in msg.values if name in ROOT_VARS]
     if not moved:
         return None
-    from ._sync_proc import client_key, workspace_root
+    from ._sync_proc import client_key, where
 
     out = {}
     for root_var in moved:
         try:
-            out[root_var] = (socket.gethostname(), workspace_root(client_key(msg.reply.addr), root_var))
+            out[root_var] = where(client_key(msg.reply.addr), root_var)
         except ValueError:  # $CONDA_PREFIX unset: a sync would fail on it, and will say so then
             pass
     return out

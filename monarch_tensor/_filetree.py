@@ -171,7 +171,7 @@ class Writer:
         self._make_dir(d)
         self._count += 1
         tmp = os.path.join(d, f"{self._tag}{self._count}")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+        fd = open_new(tmp)
         self._open[key] = [fd, tmp, dest, 0]
         if patch:
             try:
@@ -253,6 +253,11 @@ class Writer:
             except OSError:
                 pass
         self._open.clear()
+
+
+def open_new(tmp: str) -> int:
+    """A new temp file at ``tmp`` (never an existing one), open for writing, private until placed."""
+    return os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
 
 
 def place(fd: int, tmp: str, dest: str, size: int, end: int, mtime_ns: int, mode: int) -> bool:

@@ -87,13 +87,19 @@ def add_to_sys_path(root: str, dirs) -> None:
         sys.path.insert(0, p)
 
 
+def where(key: str, root_var: str = "") -> tuple[str, str]:
+    """``(hostname, root)``: this proc's answer to ``DescribeWorkspace`` (and to an ``env.set`` that moves
+    its root, ``_env_proc``)."""
+    return socket.gethostname(), workspace_root(key, root_var)
+
+
 def handle_describe(mailbox: Mailbox, msg: DescribeWorkspace) -> None:
     try:
-        root = workspace_root(msg.client_key, msg.root_var)
+        answer = where(msg.client_key, msg.root_var)
     except Exception as e:  # noqa: BLE001 - reported to the client
         _reply(mailbox, msg.reply, error=_failed("workspace roots", e))
         return
-    _reply(mailbox, msg.reply, (socket.gethostname(), root))
+    _reply(mailbox, msg.reply, answer)
 
 
 def scan_root(root: str, dirs) -> dict[str, tuple[int, int, int]]:
@@ -210,6 +216,17 @@ def _lanes() -> ThreadPoolExecutor:
     return _lane_pool[1]
 
 
+def _two_lanes(jobs: list, size) -> list[list]:
+    """``jobs`` dealt into two lists of about equal ``size(job)`` in all, the largest first."""
+    lanes: list[list] = [[], []]
+    loads = [0, 0]
+    for job in sorted(jobs, key=size, reverse=True):
+        i = 0 if loads[0] <= loads[1] else 1
+        lanes[i].append(job)
+        loads[i] += size(job)
+    return lanes
+
+
 def _copy_file(src_path: str, fd: int, size: int) -> int:
     """Copy up to ``size`` bytes of ``src_path`` into ``fd`` (in the kernel where it can); the bytes copied."""
     with open(src_path, "rb", buffering=0) as src:
@@ -239,7 +256,7 @@ def _copy_whole(src: str, tmp: str, dest: str, size: int, mtime_ns: int, mode: i
     """A lane's job: the client's file ``src`` copied into a new ``tmp`` and placed at ``dest``
     (``_filetree.place``); ``dest`` when a directory stood there and was removed, else None. On failure
     no temp file is left behind."""
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+    fd = _filetree.open_new(tmp)
     try:
         try:
             end = _copy_file(src, fd, size)
@@ -276,12 +293,8 @@ class _Copies:
     def add(self, w: _filetree.Writer, ops: list[tuple]) -> None:
         """Hand out a message's copies: two jobs of about equal bytes, one per lane (a job per file cost
         the lanes 10% in task hand-offs)."""
-        jobs: list[list] = [[], []]
-        loads = [0, 0]
-        for _, key, src, size, mtime_ns, mode in sorted(ops, key=lambda op: -op[3]):
-            i = 0 if loads[0] <= loads[1] else 1
-            jobs[i].append((src, *w.claim(key), size, mtime_ns, mode))
-            loads[i] += size
+        jobs = [[(src, *w.claim(key), size, mtime_ns, mode) for _, key, src, size, mtime_ns, mode in lane]
+                for lane in _two_lanes(ops, lambda op: op[3])]
         self._futs += [_lanes().submit(_copy_files, job) for job in jobs if job]
 
     def wait(self, w: _filetree.Writer) -> None:
@@ -337,12 +350,7 @@ def _in_two_lanes(w: _filetree.Writer, pulls: list[tuple]) -> None:
         for o in range(0, op[4], PULL_PIECE):  # a big file's pieces may go to both lanes
             jobs.append((min(PULL_PIECE, op[4] - o), fd, op[3], op[2] + o))
         ends.append((op[1], op[2] + op[4]))
-    lanes: list[list] = [[], []]
-    loads = [0, 0]
-    for job in sorted(jobs, key=lambda j: -j[0]):
-        i = 0 if loads[0] <= loads[1] else 1
-        lanes[i].append(job)
-        loads[i] += job[0]
+    lanes = _two_lanes(jobs, lambda job: job[0])
 
     def run(lane: list) -> None:
         for n, fd, buf, offset in lane:

@@ -102,8 +102,8 @@ def forget_roots(addrs, root_var: str = "") -> None:
 
 
 def learn_roots(addr: str, roots: dict) -> None:
-    """``{root_var: (hostname, root)}`` of the proc at ``addr``, as it answered an ``env.set`` that moved them:
-    the next sync skips asking it (``_describe``)."""
+    """``{root_var: (hostname, root)}`` of the proc at ``addr``, as it answered a ``DescribeWorkspace`` or an
+    ``env.set`` that moved them (``_sync_proc.where``): syncs ask it no more (``_describe``)."""
     for root_var, where in roots.items():
         _roots[(addr, root_var)] = tuple(where)
 
@@ -546,7 +546,7 @@ def _describe_finish(asked: tuple | None) -> None:
     if asked is not None:
         unknown, root_var, fut = asked
         for p, where in zip(unknown, fut.get(timeout=SYNC_TIMEOUT)):
-            _roots[(p.addr, root_var)] = tuple(where)
+            learn_roots(p.addr, {root_var: where})
 
 
 def _writers(procs: list, root_var: str) -> list:
