@@ -3,6 +3,7 @@
     python bench/rdma_bench.py                                   # ours (every backend here) + memcpy
     MT_BENCH_PEER_PATH=bench/out/peer-site python bench/rdma_bench.py --peers --json bench/out/rdma_bench.json
     python bench/rdma_bench.py --tiny --json /tmp/tiny.json      # smoke test (~10 s)
+    python bench/rdma_bench.py --cuda --json bench/out/rdma_cuda.json   # GPU buffers (cuda_ipc), on a GPU machine
 
 The owner of the buffer is an actor on a proc, its buffer a torch tensor of the largest size made there as a
 user's would be (the table's header says how much of it sits on 2 MiB pages: procs allocate large tensors on
@@ -298,6 +299,90 @@ def run_ours():
     return res
 
 
+def run_cuda():
+    """GPU buffers (``--cuda``): an owner proc's CUDA tensor read and written by this process with cuda_ipc into
+    GPU memory, read into CPU memory, and read over tcp (staged through the CPU), against a device-to-device
+    ``copy_`` in this process (the limit on one GPU). Medians of seconds per size, as ``run_ours``."""
+    import torch
+
+    sys.path.insert(0, ROOT)
+    from monarch_tensor.actor import Actor, endpoint, this_host
+    from monarch_tensor.rdma import RDMABuffer
+
+    if not torch.cuda.is_available():
+        raise SystemExit("--cuda needs a CUDA GPU on this machine")
+
+    class GpuOwner(Actor):
+        def __init__(self, n):
+            self.t = torch.ones(n, dtype=torch.uint8, device="cuda")
+            self.buf = RDMABuffer(self.t)
+
+        @endpoint
+        def buf_(self):
+            return self.buf
+
+    names = ("d2d copy_", "cuda_ipc read", "cuda_ipc write", "cuda_ipc read to cpu", "tcp read (staged)")
+    res = {name: {} for name in names}
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        buf = procs.spawn("gpu_owner", GpuOwner, max(SIZES)).buf_.call_one().get(timeout=TIMEOUT)
+        for n in SIZES:
+            for name, t in _cuda_size(n, buf).items():
+                res[name][n] = t
+    finally:
+        procs.stop().get(timeout=TIMEOUT)
+    return res, torch.cuda.get_device_name()
+
+
+def _cuda_size(n, buf) -> dict:
+    """``run_cuda``'s measures at ``n`` bytes, taking turns (``in_turns``)."""
+    import torch
+
+    from rdma.buffer import transfer_stats
+
+    def synced(fn):
+        def run():
+            fn()
+            torch.cuda.synchronize()
+        return run
+
+    a, b = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.ones(n, dtype=torch.uint8, device="cuda")
+    dst, cpu_dst = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8)
+    before = transfer_stats()
+    got = in_turns({
+        "d2d copy_": (None, synced(lambda: a.copy_(b))),
+        "cuda_ipc read": ("cuda_ipc", lambda: buf.read_into(dst).get(timeout=TIMEOUT)),
+        "cuda_ipc write": ("cuda_ipc", lambda: buf.write_from(dst).get(timeout=TIMEOUT)),
+        "cuda_ipc read to cpu": ("cuda_ipc", lambda: buf.read_into(cpu_dst).get(timeout=TIMEOUT)),
+        "tcp read (staged)": ("tcp", lambda: buf.read_into(dst).get(timeout=TIMEOUT)),
+    }, REPEATS)
+    after = transfer_stats()
+    assert int(dst[-1]) == 1 and int(cpu_dst[-1]) == 1, "a read brought the wrong bytes"
+    for name in ("cuda_ipc", "tcp"):  # the forced backends moved the bytes
+        assert after[name]["reads"] > before[name]["reads"], name
+    return got
+
+
+def print_cuda(res, gpu, json_path):
+    print(f"RDMABuffer of GPU memory between two procs of this host ({gpu}), GiB/s (µs per transfer); medians as "
+          "above, all measures taking turns")
+    cols = list(res)
+    print(f"{'size':>8} | " + " | ".join(f"{c:>20}" for c in cols))
+    rows = []
+    for n in SIZES:
+        times = [res[c].get(n) for c in cols]
+        cells = [f"{n / t / 2**30:8.2f} ({t * 1e6:8.0f})" if t else f"{'-':>20}" for t in times]
+        print(f"{fmt_size(n):>8} | " + " | ".join(f"{c:>20}" for c in cells))
+        rows.append({"size": n, **dict(zip(cols, times))})
+    for n in SIZES:
+        print(f"cuda_ipc read {fmt_size(n)}: {res['d2d copy_'][n] / res['cuda_ipc read'][n]:.0%} of a d2d copy_")
+    if json_path:
+        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+        with open(json_path, "w") as f:
+            json.dump({"settings": {"SIZES": SIZES, "REPEATS": REPEATS, "ROUNDS": ROUNDS}, "gpu": gpu,
+                       "seconds": rows}, f, indent=1)
+
+
 MONARCH_WORKER = r'''
 import json, statistics, sys, time, warnings
 import torch
@@ -394,9 +479,13 @@ def main():
     ap.add_argument("--json", metavar="PATH", help="write settings and results as JSON")
     ap.add_argument("--plot", metavar="PATH", default=os.path.join(ROOT, "bench", "out", "rdma_bench.png"),
                     help="write a PNG of GiB/s against size here (needs matplotlib; default: %(default)s)")
+    ap.add_argument("--cuda", action="store_true", help="GPU buffers instead (cuda_ipc; needs a CUDA GPU)")
     args = ap.parse_args()
     if args.tiny:
         SIZES, REPEATS, ROUNDS, PEER_MAX = TINY["SIZES"], TINY["REPEATS"], TINY["ROUNDS"], TINY["PEER_MAX"]
+    if args.cuda:
+        print_cuda(*run_cuda(), args.json)
+        return
     ours = run_ours()
     monarch, monarch_err = run_monarch() if args.peers else (None, "not run (--peers)")
 

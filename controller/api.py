@@ -126,6 +126,11 @@ def _install_factories() -> None:
     if _installed:
         return
     _installed = True
+    # ``with torch.device(d):`` (torch's DeviceContext) recognises factories by identity, in a set it builds on
+    # first use: build it now, of torch's own functions, or it would hold these wrappers and miss the calls.
+    from torch.utils._device import _device_constructors
+
+    _device_constructors()
     for name in _FACTORIES:
         orig = getattr(torch, name)
 
@@ -137,6 +142,8 @@ def _install_factories() -> None:
                     return orig(*args, **kwargs)
                 if any(type(a) is Tensor for a in args):  # *_like of a mesh tensor: dispatches already
                     return orig(*args, **kwargs)
+                if kwargs.get("device") is not None:  # the workers put it on their device; the controller
+                    kwargs = {**kwargs, "device": "cpu"}  # needs no GPU (nor a CUDA build) to record it
                 with _FactoryMode(ctx_for(pm)):
                     return orig(*args, **kwargs)
             return factory

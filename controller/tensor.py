@@ -59,6 +59,13 @@ def contiguous_meta(shape: tuple, dtype: torch.dtype) -> tuple:
     return (tuple(shape), tuple(reversed(stride)), 0, dtype)
 
 
+def _cpu_for_cuda(a):
+    """A CUDA device named to ``Tensor.to`` as the controller records it (the workers' device, see ``Tensor``)."""
+    if isinstance(a, (str, torch.device)) and torch.device(a).type == "cuda":
+        return "cpu"
+    return a
+
+
 class Tensor(DistributedMethods, torch.Tensor):
     """One local tensor per rank of a mesh, all of one shape; ops on it run on the workers.
 
@@ -92,6 +99,18 @@ class Tensor(DistributedMethods, torch.Tensor):
         c = self._ctx
         stream = "" if c.sid == 0 else f", stream={c.stream.name!r}"
         return f"MeshTensor(shape={tuple(self.shape)}, dtype={self.dtype}, mesh={c.pm._shape}{stream})"
+
+    # A mesh tensor lives on its workers' device: the GPU where their procs have one, else the CPU (factories'
+    # ``device=`` names it the same way). So ``cuda()`` and ``to("cuda")`` ask for where it already is, on a
+    # controller with no GPU (or no CUDA build of torch) too.
+    def cuda(self, device=None, non_blocking: bool = False, memory_format=torch.preserve_format):
+        return self
+
+    def to(self, *args, **kwargs):
+        args = tuple(_cpu_for_cuda(a) for a in args)
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_for_cuda(kwargs["device"])
+        return super().to(*args, **kwargs)
 
     def __reduce_ex__(self, proto):
         raise MeshTensorError("a mesh tensor cannot be pickled on the controller; fetch it with fetch_shard(t)")

@@ -145,17 +145,19 @@ def train_local(s: dict) -> list[list[float]]:
     average of the ranks' gradients: what the all-reduce gives each replica in ``train_ddp``.
     """
     tok, ids, cfg, offsets = make_run(s)
-    data = torch.tensor(ids)
-    torch.manual_seed(s["SEED"])
-    model = GPT(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=s["LR"], weight_decay=s["WEIGHT_DECAY"])
-    losses = []
-    for step in range(s["STEPS"]):
-        per_rank = [model(*get_batch(data, offsets[step, r], cfg.block_size))[1] for r in range(s["GPUS"])]
-        opt.zero_grad(set_to_none=True)
-        torch.stack(per_rank).mean().backward()
-        opt.step()
-        losses.append([v.item() for v in per_rank])
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # where the mesh's workers train
+        data = torch.tensor(ids)
+        torch.manual_seed(s["SEED"])
+        model = GPT(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=s["LR"], weight_decay=s["WEIGHT_DECAY"])
+        losses = []
+        for step in range(s["STEPS"]):
+            per_rank = [model(*get_batch(data, offsets[step, r].to(data.device), cfg.block_size))[1]
+                        for r in range(s["GPUS"])]
+            opt.zero_grad(set_to_none=True)
+            torch.stack(per_rank).mean().backward()
+            opt.step()
+            losses.append([v.item() for v in per_rank])
     return losses
 
 

@@ -232,9 +232,15 @@ def _torch_pickler() -> type:
 def _reduce_tensor(t):
     import torch
 
-    if t.device.type != "cpu" or t.requires_grad or not t.is_contiguous() or t.is_sparse or t.is_quantized:
+    if t.device.type not in ("cpu", "cuda") or t.requires_grad or not t.is_contiguous() or t.is_sparse \
+            or t.is_quantized:
         return t.__reduce_ex__(5)
+    cuda = t.device.type == "cuda"
+    if cuda:  # its bytes travel as a CPU tensor's would (out of band: on the data plane when large)
+        t = t.to("cpu")
     flat = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+    if cuda:
+        return _rebuild_cuda_tensor, (pickle.PickleBuffer(flat.numpy()), t.dtype, tuple(t.shape))
     return _rebuild_tensor, (pickle.PickleBuffer(flat.numpy()), t.dtype, tuple(t.shape))
 
 
@@ -247,6 +253,15 @@ def _rebuild_tensor(buf, dtype, shape):
     if mv.readonly:
         mv = memoryview(bytearray(mv))
     return torch.frombuffer(mv, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def _rebuild_cuda_tensor(buf, dtype, shape):
+    """A CUDA tensor sent from another process: on this process's current GPU (each proc of a mesh has its
+    own as cuda:0), or on the CPU where this process has none (a controller without a GPU)."""
+    import torch
+
+    t = _rebuild_tensor(buf, dtype, shape)
+    return t.to(torch.cuda.current_device()) if torch.cuda.is_available() else t
 
 
 def is_small(frames: list) -> bool:

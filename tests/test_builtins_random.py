@@ -6,14 +6,17 @@ import time
 
 import pytest
 import torch
+from _device import WORKER_DEVICE
 
 from monarch_tensor import inspect, no_mesh
 from monarch_tensor.builtins import log_remote, set_logging_level_remote
 from monarch_tensor.builtins.random import (
+    get_rng_state_all_cuda_remote,
     get_rng_state_remote,
     random_seed_remote,
     seed_remote,
     set_manual_seed_remote,
+    set_rng_state_all_cuda_remote,
     set_rng_state_remote,
 )
 from monarch_tensor.random import State, get_state, make_deterministic, new_state, set_state
@@ -23,8 +26,8 @@ pytestmark = pytest.mark.timeout(120)
 
 def _local(seed: int) -> torch.Tensor:
     with no_mesh():
-        g = torch.Generator().manual_seed(seed)
-        return torch.randn(4, generator=g)
+        g = torch.Generator(WORKER_DEVICE).manual_seed(seed)
+        return torch.randn(4, generator=g, device=WORKER_DEVICE).cpu()
 
 
 def test_seeding_the_workers_matches_local_torch(mesh):
@@ -39,14 +42,18 @@ def test_seeding_the_workers_matches_local_torch(mesh):
 
 
 def test_a_saved_generator_state_replays_the_same_numbers(mesh):
+    cuda = WORKER_DEVICE.type == "cuda"  # the workers' tensors, so their random numbers, are on their GPU
+    get_state = get_rng_state_all_cuda_remote if cuda else get_rng_state_remote
+    set_state_ = set_rng_state_all_cuda_remote if cuda else set_rng_state_remote
     with mesh.activate():
         set_manual_seed_remote(3)
-        saved = get_rng_state_remote()
-        assert inspect(saved, gpus=0).dtype == torch.uint8
+        saved = get_state()
+        if not cuda:
+            assert inspect(saved, gpus=0).dtype == torch.uint8
         a = torch.randn(4)
         seed_remote()  # (nondeterministic reseeds)
         random_seed_remote()
-        set_rng_state_remote(saved)
+        set_state_(saved)
         b = torch.randn(4)
         torch.testing.assert_close(inspect(a, gpus=1), inspect(b, gpus=1))
 
@@ -56,7 +63,7 @@ def test_monarch_random_get_set_and_new_state(mesh):
         set_manual_seed_remote(11)
         state = get_state()
         assert isinstance(state, State)
-        assert inspect(state.cuda, gpus=0).numel() == 0  # (CPU workers here; a GPU worker's is 16 bytes)
+        assert inspect(state.cuda, gpus=0).numel() == (16 if WORKER_DEVICE.type == "cuda" else 0)
         first = torch.randn(4)
         seeded = new_state(mesh.rank("gpus") + 100)  # the current state stays as it was
         second = torch.randn(4)

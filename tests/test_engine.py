@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from _device import WORKER_DEVICE
 
 from controller.api import worker_stats
 from monarch_tensor import MeshTensorError, RemoteException, fetch_shard, inspect, no_mesh, remote, this_host
@@ -208,7 +209,7 @@ def test_manual_seed_inside_activate_refuses_a_bad_seed_before_the_workers_see_i
         torch.manual_seed(5)
     with no_mesh():
         torch.manual_seed(5)
-        want = torch.rand(3)
+        want = torch.rand(3, device=WORKER_DEVICE).cpu()
     torch.testing.assert_close(got, want)
 
 
@@ -231,10 +232,11 @@ def test_training_matches_local(procs, opt_name, foreach):
         assert all(type(p) is not torch.Tensor for p in model.parameters())
         mesh_losses = inspect(torch.stack(_train(model, opt, x, y, 4)), gpus=1)
         w = inspect(model[0].weight, gpus=0)
-    model, opt, x, y = make()
-    local_losses = torch.stack(_train(model, opt, x, y, 4))
+    with torch.device(WORKER_DEVICE):
+        model, opt, x, y = make()
+        local_losses = torch.stack(_train(model, opt, x, y, 4)).cpu()
     torch.testing.assert_close(mesh_losses, local_losses, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(w, model[0].weight.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w, model[0].weight.detach().cpu(), rtol=1e-5, atol=1e-6)
     assert mesh_losses[-1] < mesh_losses[0]
 
 
@@ -565,3 +567,24 @@ def test_remote_checks_its_arguments_and_what_propagate_promised(procs):
             with pytest.raises(RemoteException, match=match):
                 inspect(y)
         assert inspect(good).tolist() == [2.0, 2.0, 2.0]
+
+
+def test_code_written_for_gpus_runs_on_any_mesh(procs):
+    """``device="cuda"``, ``.cuda()`` and ``.to("cuda")`` name the workers' device: their GPU, or their CPU on a
+    machine without one (and the controller needs no CUDA build of torch to record them)."""
+    with procs.activate():
+        x = torch.ones(4, 3, device="cuda") + procs.rank_tensor("gpus")
+        w = torch.arange(6.0).reshape(2, 3).cuda()
+        b = torch.zeros(2).to("cuda", torch.float64).to(device=torch.device("cuda", 0)).to(torch.float32)
+        y = (x @ w.T + b).reduce("gpus", "sum")
+        got = fetch_shard(y, gpus=1).result(timeout=60)
+    xs = [torch.ones(4, 3) + r for r in (0, 1)]
+    assert got.device.type == "cpu"
+    assert torch.equal(got, sum(x @ torch.arange(6.0).reshape(2, 3).T for x in xs))
+
+
+def test_torch_device_context_still_places_factories_outside_activate(procs):
+    """The factories' wrappers (installed by the first spawn) must not hide them from ``with torch.device(d):``."""
+    with torch.device("meta"):
+        made = [torch.zeros(2), torch.ones(2), torch.empty(3), torch.randn(2), torch.arange(3), torch.full((2,), 1.0)]
+    assert [t.device.type for t in made] == ["meta"] * len(made)

@@ -18,10 +18,12 @@ rank, instead of leaving the others waiting for it until the timeout.
 from __future__ import annotations
 
 import os
+import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_leaves, tree_map
 
 from monarch_tensor._net import ip_towards
 
@@ -110,16 +112,142 @@ class DummyProcessGroup(dist.ProcessGroup):
         return (DummyProcessGroup, (self.dims, self.world_size, self.rank()))
 
 
+class StagedGroup(dist.ProcessGroup):
+    """A gloo group that takes tensors on any device: a CUDA tensor is copied to the CPU, the collective runs
+    there, and the result is copied back. It stands for gloo wherever user code or DTensor may hand it CUDA
+    tensors (procs sharing a GPU, where NCCL refuses them): gloo's own CUDA support covers a few collectives,
+    and DTensor's collectives handed to it as CUDA tensors crashed the procs (SIGSEGV; torch 2.11, H100).
+    CPU tensors go to gloo as they are. Each call completes before it returns (the ``Work`` it gives is gloo's, done)."""
+
+    def __init__(self, backend, rank: int, size: int) -> None:
+        super().__init__(rank, size)
+        self.backend, self._name = backend, ""
+
+    def getBackendName(self) -> str:
+        return "gloo"
+
+    def _set_group_name(self, name: str) -> None:  # kept here too: the C++ side asks Python for it
+        super()._set_group_name(name)
+        self._name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._name
+
+    def _staged(self, method: str, outs: list, ins: list, *rest):
+        """``backend.method(*outs-and-ins staged, *rest)``: ``outs`` and ``ins`` are the call's tensor
+        arguments in order, pytree-nested (lists of tensors); ``outs`` are copied back after it."""
+        staged_outs = tree_map(_to_host, outs)
+        staged_ins = tree_map(_to_host, ins)
+        work = getattr(self.backend, method)(*staged_outs, *staged_ins, *rest)
+        work.wait()
+        for t, h in zip(tree_leaves(outs), tree_leaves(staged_outs)):
+            if t is not h:
+                t.copy_(h)
+        return work
+
+    def allreduce(self, tensors, opts=None):
+        return self._staged("allreduce", [tensors], [], opts or dist.AllreduceOptions())
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        return self._staged("allreduce_coalesced", [tensors], [], opts or dist.AllreduceCoalescedOptions())
+
+    def allgather(self, outputs, inputs, opts=None):
+        return self._staged("allgather", [outputs], [inputs], opts or dist.AllgatherOptions())
+
+    def _allgather_base(self, output, input, opts=None):
+        return self._staged("_allgather_base", [output], [input], opts or dist.AllgatherOptions())
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        for o, i in zip(outputs, inputs):
+            work = self._allgather_base(o, i, opts)
+        return work
+
+    def reduce_scatter(self, outputs, inputs, opts=None):
+        return self._staged("reduce_scatter", [outputs], [inputs], opts or dist.ReduceScatterOptions())
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        return self._staged("_reduce_scatter_base", [output], [input], opts or dist.ReduceScatterOptions())
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        for o, i in zip(outputs, inputs):
+            work = self._reduce_scatter_base(o, i, opts)
+        return work
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        return self._staged("alltoall_base", [output], [input], output_split_sizes, input_split_sizes,
+                            opts or dist.AllToAllOptions())
+
+    def alltoall(self, outputs, inputs, opts=None):
+        return self._staged("alltoall", [outputs], [inputs], opts or dist.AllToAllOptions())
+
+    def broadcast(self, tensors, opts=None):
+        return self._staged("broadcast", [tensors], [], opts or dist.BroadcastOptions())
+
+    def reduce(self, tensors, opts=None):
+        return self._staged("reduce", [tensors], [], opts or dist.ReduceOptions())
+
+    def gather(self, outputs, inputs, opts=None):
+        return self._staged("gather", [outputs], [inputs], opts or dist.GatherOptions())
+
+    def scatter(self, outputs, inputs, opts=None):
+        return self._staged("scatter", [outputs], [inputs], opts or dist.ScatterOptions())
+
+    def send(self, tensors, dst, tag=0):
+        return self._staged("send", [], [tensors], dst, tag)
+
+    def recv(self, tensors, src, tag=0):
+        return self._staged("recv", [tensors], [], src, tag)
+
+    def recv_anysource(self, tensors, tag=0):
+        return self._staged("recv_anysource", [tensors], [], tag)
+
+    def barrier(self, opts=None):
+        return self.backend.barrier(opts or dist.BarrierOptions())
+
+
+def _to_host(t):
+    return t.cpu() if isinstance(t, torch.Tensor) and t.is_cuda else t
+
+
 def connect_store(store_addr: tuple[str, int]) -> dist.TCPStore:
     """A client of the controller's rendezvous store."""
     host, port = store_addr
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=TIMEOUT))
 
 
+def gpu_identity(device: torch.device) -> str:
+    """Which GPU ``device`` is, as the members of a group compare them (its UUID; "" for the CPU)."""
+    if device.type != "cuda":
+        return ""
+    props = torch.cuda.get_device_properties(device)
+    uuid = getattr(props, "uuid", None)
+    if uuid is not None:
+        return str(uuid)
+    bus = getattr(props, "pci_bus_id", device.index or 0)
+    return f"{socket.gethostname()}/{getattr(props, 'pci_domain_id', 0)}:{bus}:{getattr(props, 'pci_device_id', 0)}"
+
+
+def gpus_distinct(store, me: int, n: int, device: torch.device) -> bool:
+    """Whether each of the ``n`` members (this one ``me``) has a GPU of its own: each tells ``store`` which
+    GPU it has and reads the others'. NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), which is
+    what a mesh of more procs than the host has GPUs gives (procs of ``{"gpus": 4}`` on a one-GPU laptop)."""
+    mine = gpu_identity(device)
+    store.set(f"gpu/{me}", mine)
+    ids = [mine if r == me else store.get(f"gpu/{r}").decode() for r in range(n)]
+    return all(ids) and len(set(ids)) == n
+
+
+def is_nccl(backend) -> bool:
+    return type(backend).__name__ == "ProcessGroupNCCL"
+
+
 def new_group(store, me: int, n: int, device: torch.device, store_host: str) -> dist.ProcessGroup:
-    """The process group of ``n`` ranks (this one ``me``) meeting in ``store``: NCCL on GPU, else gloo bound
-    to this host's address on the route to the store's host (the one the other hosts can reach)."""
-    if device.type == "cuda":
+    """The process group of ``n`` ranks (this one ``me``) meeting in ``store``: NCCL where every member has a
+    GPU of its own, else gloo bound to this host's address on the route to the store's host (the one the
+    other hosts can reach). The members of one group are alike (every proc of a host sees its GPUs or none),
+    so all of them take the same branch."""
+    if device.type == "cuda" and gpus_distinct(store, me, n, device):
         return dist.ProcessGroupNCCL(store, me, n)
     opts = dist.ProcessGroupGloo._Options()
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=ip_towards(store_host))]
@@ -182,15 +310,22 @@ class Collectives:
         pg = self._groups.get(key)
         if pg is None:
             backend = self.group(ranks, stream)
-            store = dist.PrefixStore(f"pg/{stream}/" + "_".join(map(str, ranks)) + "/user/", self._base_store())
-            pg = dist.ProcessGroup(store, ranks.index(self.rank), len(ranks))
-            kind = dist.ProcessGroup.BackendType.NCCL if self.device.type == "cuda" else \
-                dist.ProcessGroup.BackendType.GLOO
-            pg._set_default_backend(kind)
-            pg._register_backend(self.device, kind, backend)
+            prefix = f"pg/{stream}/" + "_".join(map(str, ranks)) + "/user/"
+            store = dist.PrefixStore(prefix, self._base_store())
+            me, n = ranks.index(self.rank), len(ranks)
+            if is_nccl(backend):  # CUDA tensors on NCCL, CPU ones on a gloo group of their own (torch's default)
+                pg = dist.ProcessGroup(store, me, n)
+                nccl, gloo = dist.ProcessGroup.BackendType.NCCL, dist.ProcessGroup.BackendType.GLOO
+                pg._register_backend(self.device, nccl, backend)
+                cpu = new_group(dist.PrefixStore(prefix + "cpu/", self._base_store()), me, n, _CPU,
+                                self.store_addr[0])
+                pg._register_backend(_CPU, gloo, cpu)
+                pg._set_default_backend(nccl)
+            else:  # gloo, for CUDA tensors too (through the CPU) where the procs share a GPU
+                pg = StagedGroup(backend, me, n)
             name = f"monarch_tensor/{stream}/" + "_".join(map(str, ranks))
             pg._set_group_name(name)
-            _register(pg, name, "nccl" if self.device.type == "cuda" else "gloo", store, ranks)
+            _register(pg, name, "nccl" if is_nccl(backend) else "gloo", store, ranks)
             self._groups[key] = pg
         return pg
 
@@ -201,17 +336,27 @@ class Collectives:
                 _unregister(pg)
                 del self._groups[key]
 
-    def _flagged(self, t: torch.Tensor | None, numel: int, dtype: torch.dtype, ok: int, failed: int) -> torch.Tensor:
-        """``t`` flattened, one flag element after it: ``ok``; or, for a failed input (None), zeros and ``failed``."""
+    def _flagged(self, t: torch.Tensor | None, numel: int, dtype: torch.dtype, ok: int, failed: int,
+                 device: torch.device) -> torch.Tensor:
+        """``t`` flattened, one flag element after it: ``ok``; or, for a failed input (None), zeros and ``failed``;
+        on ``device``."""
         if t is None:
-            buf = torch.zeros(numel + 1, dtype=dtype, device=self.device)
+            buf = torch.zeros(numel + 1, dtype=dtype, device=device)
             buf[numel] = failed
             return buf
-        key = (dtype, ok)
+        key = (dtype, ok, device)
         flag = self._flags.get(key)
         if flag is None:
-            flag = self._flags[key] = torch.full((1,), ok, dtype=dtype, device=self.device)
-        return torch.cat((t.reshape(-1), flag))
+            flag = self._flags[key] = torch.full((1,), ok, dtype=dtype, device=device)
+        return torch.cat((t.reshape(-1).to(device), flag))
+
+    def _on(self, ranks: tuple[int, ...], stream: int, t: torch.Tensor | None):
+        """The group of ``ranks`` (None for one rank) and the device its collectives take: the GPU for NCCL,
+        the CPU for gloo (a tensor elsewhere is copied there and its result back), ``t``'s own for one rank."""
+        if len(ranks) == 1:
+            return None, (t.device if t is not None else self.device)
+        pg = self.group(ranks, stream)
+        return pg, (self.device if is_nccl(pg) else _CPU)
 
     def reduce_many(self, ts: list, ranks: tuple[int, ...], reduction: str, inplace: bool, stream: int,
                     numels: tuple, dtype: torch.dtype) -> list:
@@ -226,7 +371,8 @@ class Collectives:
         n, k = len(ranks), len(numels)
         total = sum(numels)
         ok, failed = _FLAGS[reduction]
-        work = torch.empty(total + k, dtype=dtype, device=self.device)
+        pg, device = self._on(ranks, stream, next((t for t in ts if t is not None), None))
+        work = torch.empty(total + k, dtype=dtype, device=device)
         parts = list(work[:total].split(list(numels)))
         flags = work[total:]
         for i, t in enumerate(ts):
@@ -238,7 +384,7 @@ class Collectives:
         if n > 1:
             opts = dist.AllreduceOptions()
             opts.reduceOp = op
-            self.group(ranks, stream).allreduce([work], opts).wait()
+            pg.allreduce([work], opts).wait()
         good = (flags == ok).tolist()
         if reduction == "avg":
             flat = work[:total]
@@ -250,7 +396,7 @@ class Collectives:
             elif inplace:
                 out.append(t.copy_(p.view(t.shape)))
             else:
-                out.append(p.view(t.shape))
+                out.append(_home(p.view(t.shape), t.device))
         return out
 
     def reduce(self, t: torch.Tensor | None, ranks: tuple[int, ...], reduction: str, scatter: bool,
@@ -270,33 +416,44 @@ class Collectives:
             shape = (numel,)
         else:
             shape = t.shape
+        pg, device = self._on(ranks, stream, t)
+        home = t.device if t is not None else device
         if reduction == "stack":
-            buf = self._flagged(t, numel, dtype, 0, 1)
+            buf = self._flagged(t, numel, dtype, 0, 1, device)
             if n == 1:
                 return buf[:numel].view(shape).unsqueeze(0)
             outs = [torch.empty_like(buf) for _ in range(n)]
-            self.group(ranks, stream).allgather([outs], [buf]).wait()
+            pg.allgather([outs], [buf]).wait()
             gathered = torch.stack(outs)
             if bool(gathered[:, numel].any()):
                 return None
-            return gathered[:, :numel].reshape((n, *shape))
+            return _home(gathered[:, :numel].reshape((n, *shape)), home)
         op = _OPS.get(reduction)
         if op is None:
             raise ValueError(f"unknown reduction {reduction!r}; use one of {sorted(_OPS) + ['stack']}")
         ok, failed = _FLAGS[reduction]
-        work = self._flagged(t, numel, dtype, ok, failed)
+        work = self._flagged(t, numel, dtype, ok, failed, device)
         if n > 1:
             opts = dist.AllreduceOptions()
             opts.reduceOp = op
-            self.group(ranks, stream).allreduce([work], opts).wait()
+            pg.allreduce([work], opts).wait()
             if work[numel].item() != ok:
                 return None
         out = work[:numel].view(shape)
         if reduction == "avg":
             out.div_(n) if out.is_floating_point() else out.floor_divide_(n)
         if scatter:
-            return out.chunk(n)[me].clone()
+            part = out.chunk(n)[me]
+            return part.clone() if part.device == home else part.to(home)
         if inplace:
             t.copy_(out)
             return t
-        return out
+        return _home(out, home)
+
+
+_CPU = torch.device("cpu")
+
+
+def _home(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` (a collective's result back where its input was)."""
+    return t if t.device == device else t.to(device)

@@ -29,7 +29,7 @@ from torch._C._distributed_c10d import _register_process_group
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, distribute_tensor
 
-from .collectives import connect_store, new_group
+from .collectives import StagedGroup, connect_store, is_nccl, new_group
 
 BackendFactory = Callable[[tuple], object]
 """``factory(ranks) -> c10d Backend`` for the group of proc ranks ``ranks`` (this proc among them)."""
@@ -90,17 +90,21 @@ def process_group(ranks: tuple, rank: int, factory: BackendFactory, device_type:
             return pg
         backend = factory(ranks)
         me, n = ranks.index(rank), len(ranks)
-        pg = dist.ProcessGroup(dist.HashStore(), me, n)  # the store is the backend's; this one is unused
-        kind = dist.ProcessGroup.BackendType.NCCL if device_type == "cuda" else dist.ProcessGroup.BackendType.GLOO
-        pg._register_backend(torch.device(device_type), kind, backend)
-        pg._set_default_backend(kind)
+        nccl = is_nccl(backend)
+        if nccl:
+            pg = dist.ProcessGroup(dist.HashStore(), me, n)  # the store is the backend's; this one is unused
+            kind = dist.ProcessGroup.BackendType.NCCL
+            pg._register_backend(torch.device(device_type), kind, backend)
+            pg._set_default_backend(kind)
+        else:  # gloo, for CUDA shards too (through the CPU) where the procs share a GPU
+            pg = StagedGroup(backend, me, n)
         name = "monarch_tensor:" + "_".join(map(str, ranks))
         pg._set_group_name(name)
         _register_process_group(name, pg)
         # c10d's bookkeeping, so get_rank(group) / get_process_group_ranks(group) know it
         world = dist.distributed_c10d._world
         world.pg_group_ranks[pg] = {r: i for i, r in enumerate(ranks)}
-        world.pg_map[pg] = ("nccl" if device_type == "cuda" else "gloo", dist.HashStore())
+        world.pg_map[pg] = ("nccl" if nccl else "gloo", dist.HashStore())
         world.pg_names[pg] = name
         _groups[ranks] = pg
         return pg
@@ -124,7 +128,7 @@ def device_mesh(grid: Sequence, names: Sequence[str], rank: int, factory: Backen
 
     >>> mesh = device_mesh(((0, 1), (2, 3)), ("dp", "tp"), rank, groups.backend)
     """
-    grid_t = torch.tensor(grid, dtype=torch.int)
+    grid_t = torch.tensor(grid, dtype=torch.int, device="cpu")  # (DeviceMesh wants it there, on GPU workers too)
     key = (tuple(grid_t.flatten().tolist()), tuple(grid_t.shape), tuple(names), device_type)
     mesh = _meshes.get(key)
     if mesh is not None:

@@ -13,6 +13,7 @@ the same exception without running. Nothing an instruction does kills the worker
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import ctypes
 import functools
@@ -337,10 +338,17 @@ class TensorWorker(Actor):
 
         self._run(msg.op, msg, call)
 
+    def _on_device(self):
+        """Where user code runs on this worker (remote functions, opaque objects' constructors and methods):
+        its tensors made without a device go where the mesh's tensors are, the worker's device (as factories
+        inside ``activate()`` do), so a module made there on a GPU worker takes the GPU's inputs."""
+        return torch.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
     def handle_CallFunction(self, msg: m.CallFunction) -> None:
         def call():
             fn = resolve_function(msg.fn)
-            result = fn(*self._resolve(msg.args, msg.stream), **self._resolve(msg.kwargs, msg.stream))
+            with self._on_device():
+                result = fn(*self._resolve(msg.args, msg.stream), **self._resolve(msg.kwargs, msg.stream))
             _check_result(result, msg.outs, msg.metas)
             return result
 
@@ -415,7 +423,8 @@ class TensorWorker(Actor):
             value = self._resolve(msg.value)
             if msg.fn is not None:
                 args, kwargs = value
-                value = resolve_function(msg.fn)(*args, **kwargs)
+                with self._on_device():
+                    value = resolve_function(msg.fn)(*args, **kwargs)
             value = torch.utils._pytree.tree_map(_to_cpu, value)
             error = None
         except _Propagate as p:
