@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 
 import pytest
@@ -6,6 +7,11 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+# A runner started as a background job of a script (`bash .ci/run &`) inherits SIGINT ignored, and so would
+# every process the tests start, whose Ctrl-C tests (tests/test_job_cli.py) then wait in vain: take it back.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True, scope="session")
