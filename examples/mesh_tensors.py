@@ -74,8 +74,10 @@ with procs.activate():
 
     # Errors the controller cannot see (they depend on values) are values: the failing op's line is
     # reported when a result that depends on it is fetched.
-    picked = x[torch.tensor([7])]  # index 7 of a 4-element tensor: fails on the workers
-    y = picked * 2
+    # (Not an index out of range: on a GPU that is a device-side assert, after which CUDA refuses the
+    # process any more work.)
+    factor = torch.linalg.cholesky(-torch.eye(2))  # not positive-definite: fails on the workers
+    y = factor * 2
     try:
         fetch_shard(y).result()
     except RemoteException as e:

@@ -588,3 +588,28 @@ def test_torch_device_context_still_places_factories_outside_activate(procs):
     with torch.device("meta"):
         made = [torch.zeros(2), torch.ones(2), torch.empty(3), torch.randn(2), torch.arange(3), torch.full((2,), 1.0)]
     assert [t.device.type for t in made] == ["meta"] * len(made)
+
+
+def test_a_failed_op_with_no_result_fails_the_next_fetch_instead_of_being_lost(procs):
+    """``torch.linalg.cholesky`` checks its input in an op of its own that returns nothing: where that fails on
+    the workers, no result holds the error, so the next fetch from that worker raises it (eager torch raises at
+    the call); the fetch after it gets its value."""
+    with procs.activate():
+        factor = torch.linalg.cholesky(-torch.eye(2))  # not positive-definite
+        y = factor * 2
+        for r in (1, 0):  # each worker's own next fetch
+            with pytest.raises(RemoteException, match=rf"_linalg_check_errors failed on rank {r}.*not positive-def"):
+                fetch_shard(y, gpus=r).result(timeout=60)
+        assert torch.equal(fetch_shard(y * 0, gpus=1).result(timeout=60), torch.zeros(2, 2))
+        good = torch.linalg.cholesky(torch.eye(2) * 4)
+        assert torch.equal(fetch_shard(good, gpus=1).result(timeout=60), torch.eye(2) * 2)
+
+
+def test_a_no_result_op_on_a_failed_input_leaves_other_fetches_alone(procs):
+    with procs.activate():
+        bad = torch.ones(3)[torch.tensor([5])]  # fails on the workers (index out of range)
+        factor = torch.linalg.cholesky(bad.reshape(1, 1))  # its check takes bad's failure: held by bad already
+        other = torch.ones(2) * 3
+        assert torch.equal(fetch_shard(other, gpus=0).result(timeout=60), torch.full((2,), 3.0))
+        with pytest.raises(RemoteException, match="index"):
+            fetch_shard(factor, gpus=0).result(timeout=60)

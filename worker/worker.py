@@ -160,6 +160,10 @@ class TensorWorker(Actor):
         self.inbox: dict[int, Any] = {}
         self.inbox_cv = threading.Condition()
         self.borrows: dict[int, list] = {}
+        # Failures of ops with no result to hold them (``torch.linalg.cholesky``'s check of its input,
+        # ``aten::_linalg_check_errors``): the next fetch from this worker raises the first, as eager torch
+        # would have raised at the op, instead of the error being lost.
+        self.orphan_failures: list[RemoteException] = []
         self.streams = {0: _Stream(self, 0, "main")}
         self._handlers = {cls: getattr(self, f"handle_{cls.__name__}") for cls in m.INSTRUCTIONS}
         rt = current_runtime()
@@ -281,7 +285,13 @@ class TensorWorker(Actor):
         text = "".join(traceback.format_exception(type(e), e, tb))
         return RemoteException(op, loc, self.rank, repr(e), text, _picklable(e))
 
-    def _fail(self, refs, failure: RemoteException) -> None:
+    def _fail(self, refs, failure: RemoteException, own: bool = True) -> None:
+        """``refs`` hold ``failure``; with none to hold it, the next fetch raises it, if it is the op's ``own``
+        (one it took from a failed input is held by that input already)."""
+        if not any(r is not None for r in refs):
+            if own:
+                self.orphan_failures.append(failure)
+            return
         for r in refs:
             if r is not None:
                 self.refs[r] = failure
@@ -298,7 +308,7 @@ class TensorWorker(Actor):
         try:
             result = call()
         except _Propagate as p:
-            self._fail(msg.outs + msg.mutates, p.failure)
+            self._fail(msg.outs + msg.mutates, p.failure, own=False)
             return
         except Exception as e:  # noqa: BLE001 - user code failed: the error becomes the value
             self._fail(msg.outs + msg.mutates, self._failure(what, msg.loc, e))
@@ -419,6 +429,11 @@ class TensorWorker(Actor):
             self._fail((src, ref) if msg.inplace else (ref,), failure)
 
     def handle_FetchValue(self, msg: m.FetchValue) -> None:
+        if self.orphan_failures:
+            failure = self.orphan_failures.pop(0)
+            self.orphan_failures.clear()
+            self._reply(msg.reply, None, failure)
+            return
         try:
             value = self._resolve(msg.value)
             if msg.fn is not None:
