@@ -164,6 +164,7 @@ class TensorWorker(Actor):
         # ``aten::_linalg_check_errors``): the next fetch from this worker raises the first, as eager torch
         # would have raised at the op, instead of the error being lost.
         self.orphan_failures: list[RemoteException] = []
+        self.orphan_lock = threading.Lock()  # (streams' threads add them; a fetch's takes them)
         self.streams = {0: _Stream(self, 0, "main")}
         self._handlers = {cls: getattr(self, f"handle_{cls.__name__}") for cls in m.INSTRUCTIONS}
         rt = current_runtime()
@@ -290,7 +291,8 @@ class TensorWorker(Actor):
         (one it took from a failed input is held by that input already)."""
         if not any(r is not None for r in refs):
             if own:
-                self.orphan_failures.append(failure)
+                with self.orphan_lock:
+                    self.orphan_failures.append(failure)
             return
         for r in refs:
             if r is not None:
@@ -430,9 +432,9 @@ class TensorWorker(Actor):
 
     def handle_FetchValue(self, msg: m.FetchValue) -> None:
         if self.orphan_failures:
-            failure = self.orphan_failures.pop(0)
-            self.orphan_failures.clear()
-            self._reply(msg.reply, None, failure)
+            with self.orphan_lock:  # the first is raised; the others are most often the same error again
+                failures, self.orphan_failures = self.orphan_failures, []
+            self._reply(msg.reply, None, failures[0])
             return
         try:
             value = self._resolve(msg.value)
