@@ -116,6 +116,14 @@ class _FactoryMode(torch.utils._python_dispatch.TorchDispatchMode):
         return record(func, args, kwargs or {}, self.ctx)
 
 
+def _device_context() -> bool:
+    """Whether a default device is in force here (``with torch.device(d):``, ``torch.set_default_device``)."""
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+
+    return any(isinstance(m, DeviceContext) for m in _get_current_function_mode_stack())
+
+
 def _install_factories() -> None:
     """Wrap torch's factory functions: inside ``activate()`` they create mesh tensors.
 
@@ -142,8 +150,10 @@ def _install_factories() -> None:
                     return orig(*args, **kwargs)
                 if any(type(a) is Tensor for a in args):  # *_like of a mesh tensor: dispatches already
                     return orig(*args, **kwargs)
-                if kwargs.get("device") is not None:  # the workers put it on their device; the controller
-                    kwargs = {**kwargs, "device": "cpu"}  # needs no GPU (nor a CUDA build) to record it
+                # The workers put it on their device; the controller needs no GPU (nor a CUDA build) to record it,
+                # whether the device is named or comes from ``with torch.device("cuda"):``.
+                if kwargs.get("device") is not None or _device_context():
+                    kwargs = {**kwargs, "device": "cpu"}
                 with _FactoryMode(ctx_for(pm)):
                     return orig(*args, **kwargs)
             return factory

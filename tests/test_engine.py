@@ -576,6 +576,8 @@ def test_code_written_for_gpus_runs_on_any_mesh(procs):
         x = torch.ones(4, 3, device="cuda") + procs.rank_tensor("gpus")
         w = torch.arange(6.0).reshape(2, 3).cuda()
         b = torch.zeros(2).to("cuda", torch.float64).to(device=torch.device("cuda", 0)).to(torch.float32)
+        with torch.device("cuda"):
+            b = b + torch.zeros(2) + torch.nn.Linear(2, 2).bias * 0
         y = (x @ w.T + b).reduce("gpus", "sum")
         got = fetch_shard(y, gpus=1).result(timeout=60)
     xs = [torch.ones(4, 3) + r for r in (0, 1)]
