@@ -17,7 +17,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.overrides import _get_current_function_mode_stack
 from torch.utils import _pytree as pytree
+from torch.utils._device import DeviceContext, _device_constructors
 
 from monarch_tensor import _wire
 from monarch_tensor.future import Future
@@ -118,9 +120,6 @@ class _FactoryMode(torch.utils._python_dispatch.TorchDispatchMode):
 
 def _device_context() -> bool:
     """Whether a default device is in force here (``with torch.device(d):``, ``torch.set_default_device``)."""
-    from torch.overrides import _get_current_function_mode_stack
-    from torch.utils._device import DeviceContext
-
     return any(isinstance(m, DeviceContext) for m in _get_current_function_mode_stack())
 
 
@@ -136,8 +135,6 @@ def _install_factories() -> None:
     _installed = True
     # ``with torch.device(d):`` (torch's DeviceContext) recognises factories by identity, in a set it builds on
     # first use: build it now, of torch's own functions, or it would hold these wrappers and miss the calls.
-    from torch.utils._device import _device_constructors
-
     _device_constructors()
     for name in _FACTORIES:
         orig = getattr(torch, name)

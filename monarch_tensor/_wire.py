@@ -239,9 +239,8 @@ def _reduce_tensor(t):
     if cuda:  # its bytes travel as a CPU tensor's would (out of band: on the data plane when large)
         t = t.to("cpu")
     flat = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-    if cuda:
-        return _rebuild_cuda_tensor, (pickle.PickleBuffer(flat.numpy()), t.dtype, tuple(t.shape))
-    return _rebuild_tensor, (pickle.PickleBuffer(flat.numpy()), t.dtype, tuple(t.shape))
+    return _rebuild_cuda_tensor if cuda else _rebuild_tensor, (pickle.PickleBuffer(flat.numpy()), t.dtype,
+                                                               tuple(t.shape))
 
 
 def _rebuild_tensor(buf, dtype, shape):

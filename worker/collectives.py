@@ -18,7 +18,6 @@ rank, instead of leaving the others waiting for it until the timeout.
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 
 import torch
@@ -218,14 +217,7 @@ def connect_store(store_addr: tuple[str, int]) -> dist.TCPStore:
 
 def gpu_identity(device: torch.device) -> str:
     """Which GPU ``device`` is, as the members of a group compare them (its UUID; "" for the CPU)."""
-    if device.type != "cuda":
-        return ""
-    props = torch.cuda.get_device_properties(device)
-    uuid = getattr(props, "uuid", None)
-    if uuid is not None:
-        return str(uuid)
-    bus = getattr(props, "pci_bus_id", device.index or 0)
-    return f"{socket.gethostname()}/{getattr(props, 'pci_domain_id', 0)}:{bus}:{getattr(props, 'pci_device_id', 0)}"
+    return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else ""
 
 
 def gpus_distinct(store, me: int, n: int, device: torch.device) -> bool:
@@ -240,6 +232,21 @@ def gpus_distinct(store, me: int, n: int, device: torch.device) -> bool:
 
 def is_nccl(backend) -> bool:
     return type(backend).__name__ == "ProcessGroupNCCL"
+
+
+def user_group(backend, me: int, n: int, device: torch.device, store=None, cpu_backend=None) -> dist.ProcessGroup:
+    """``backend`` (``new_group``'s) as a ``ProcessGroup`` that user code and DTensor take: NCCL's registered
+    for ``device`` (and ``cpu_backend``, if given, for CPU tensors), gloo's as a ``StagedGroup`` (CUDA tensors
+    too, through the CPU)."""
+    if not is_nccl(backend):
+        return StagedGroup(backend, me, n)
+    pg = dist.ProcessGroup(store if store is not None else dist.HashStore(), me, n)  # (the backend has its own)
+    nccl = dist.ProcessGroup.BackendType.NCCL
+    pg._register_backend(device, nccl, backend)
+    if cpu_backend is not None:
+        pg._register_backend(_CPU, dist.ProcessGroup.BackendType.GLOO, cpu_backend)
+    pg._set_default_backend(nccl)
+    return pg
 
 
 def new_group(store, me: int, n: int, device: torch.device, store_host: str) -> dist.ProcessGroup:
@@ -313,16 +320,11 @@ class Collectives:
             prefix = f"pg/{stream}/" + "_".join(map(str, ranks)) + "/user/"
             store = dist.PrefixStore(prefix, self._base_store())
             me, n = ranks.index(self.rank), len(ranks)
-            if is_nccl(backend):  # CUDA tensors on NCCL, CPU ones on a gloo group of their own (torch's default)
-                pg = dist.ProcessGroup(store, me, n)
-                nccl, gloo = dist.ProcessGroup.BackendType.NCCL, dist.ProcessGroup.BackendType.GLOO
-                pg._register_backend(self.device, nccl, backend)
+            cpu = None
+            if is_nccl(backend):  # CPU tensors on a gloo group of their own (torch's default)
                 cpu = new_group(dist.PrefixStore(prefix + "cpu/", self._base_store()), me, n, _CPU,
                                 self.store_addr[0])
-                pg._register_backend(_CPU, gloo, cpu)
-                pg._set_default_backend(nccl)
-            else:  # gloo, for CUDA tensors too (through the CPU) where the procs share a GPU
-                pg = StagedGroup(backend, me, n)
+            pg = user_group(backend, me, n, self.device, store, cpu)
             name = f"monarch_tensor/{stream}/" + "_".join(map(str, ranks))
             pg._set_group_name(name)
             _register(pg, name, "nccl" if is_nccl(backend) else "gloo", store, ranks)

@@ -29,7 +29,7 @@ from torch._C._distributed_c10d import _register_process_group
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, distribute_tensor
 
-from .collectives import StagedGroup, connect_store, is_nccl, new_group
+from .collectives import connect_store, is_nccl, new_group, user_group
 
 BackendFactory = Callable[[tuple], object]
 """``factory(ranks) -> c10d Backend`` for the group of proc ranks ``ranks`` (this proc among them)."""
@@ -91,13 +91,7 @@ def process_group(ranks: tuple, rank: int, factory: BackendFactory, device_type:
         backend = factory(ranks)
         me, n = ranks.index(rank), len(ranks)
         nccl = is_nccl(backend)
-        if nccl:
-            pg = dist.ProcessGroup(dist.HashStore(), me, n)  # the store is the backend's; this one is unused
-            kind = dist.ProcessGroup.BackendType.NCCL
-            pg._register_backend(torch.device(device_type), kind, backend)
-            pg._set_default_backend(kind)
-        else:  # gloo, for CUDA shards too (through the CPU) where the procs share a GPU
-            pg = StagedGroup(backend, me, n)
+        pg = user_group(backend, me, n, torch.device(device_type))
         name = "monarch_tensor:" + "_".join(map(str, ranks))
         pg._set_group_name(name)
         _register_process_group(name, pg)
