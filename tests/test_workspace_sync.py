@@ -480,6 +480,49 @@ def test_a_syncs_copies_run_on_across_messages_and_deletes_wait_for_them(tmp_pat
     assert not [n for n in os.listdir(tmp_path / "root2" / "ws") if n.startswith(".sync")]
 
 
+def test_a_lane_held_up_by_one_file_leaves_the_others_to_the_other_lane(tmp_path):
+    """The lanes take a sync's copies one at a time from a shared queue: while one lane is held up by a
+    file, the other copies every other file (lanes dealt half of the files each up front waited here until
+    the held one's copy timed out)."""
+    import threading
+
+    src = tmp_path / "src"
+    src.mkdir()
+    data = {f"f{i}.bin": os.urandom(50_000) for i in range(6)}
+    for name, d in data.items():
+        (src / name).write_bytes(d)
+    release, others = threading.Event(), []
+    real_copy = _sync_proc._copy_file
+
+    def copy(src_path, fd, size):
+        if src_path.endswith("f0.bin"):
+            assert release.wait(20), "the other lane did not copy the other files meanwhile"
+            return real_copy(src_path, fd, size)
+        n = real_copy(src_path, fd, size)
+        others.append(src_path)
+        if len(others) == len(data) - 1:
+            release.set()
+        return n
+
+    class Mailbox:
+        def __init__(self):
+            self.sent = []
+
+        def send(self, addr, msg):
+            self.sent.append(msg)
+
+    now = time.time_ns()
+    ops = tuple(("C", f"ws/{n}", str(src / n), len(d), now - 10**10, 0o644) for n, d in sorted(data.items()))
+    mb, root = Mailbox(), tmp_path / "root"
+    with mock.patch.object(_sync_proc, "_copy_file", copy), mock.patch.dict(os.environ, {"WORKSPACE_DIR": str(root)}):
+        _sync_proc.handle_write(mb, sync_messages.WriteFiles("s1", "k", ("ws",), ops, now, True,
+                                                             PortRef("ipc:///tmp/x", 1)))
+    reply = mb.sent.pop()
+    assert reply.error is None, reply.error
+    for name, d in data.items():
+        assert (root / "ws" / name).read_bytes() == d
+
+
 @contextlib.contextmanager
 def _sync_events():
     """Record what this client does in a sync: the kind of each message it sends, and "client scan" when it
