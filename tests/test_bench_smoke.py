@@ -61,7 +61,8 @@ def test_sync_bench_tiny(tmp_path):
     r = data["results"]
     for key in ("changed_1_ms", "first_small_s", "first_big_mb_s", "first_big_messages_mb_s", "first_big_copied_mb_s",
                 "data_plane_mb_s", "file_writes_mb_s", "file_writes_2_lanes_mb_s", "call_all_ms",
-                "first_big_bound_mb_s", "transport_mb_s", "memcpy_mb_s"):
+                "first_big_bound_mb_s", "transport_mb_s", "memcpy_mb_s", "copies_2_lanes_mb_s",
+                "first_big_copied_bound_mb_s"):
         assert r[key] > 0, (key, r)
     assert len(r["changed_1_runs_ms"]) == data["settings"]["REPEATS"]
     assert "one changed file of 200, 2 procs" in proc.stdout
@@ -69,6 +70,7 @@ def test_sync_bench_tiny(tmp_path):
         assert sorted(r["first_big_phases_ms"][how]) == ["diff", "reload", "roots", "write"]
     assert "where a first full sync of 2 MB went" in proc.stdout
     assert "best any first sync could do here" in proc.stdout
+    assert "best a copying sync could do here" in proc.stdout
 
 
 @pytest.mark.timeout(240)
