@@ -5,9 +5,10 @@ variable; a host agent or job sets it per host) or, by default, a directory per
 client session on this host. The writer proc of a root compares and writes,
 in its message handlers. Large files for writers on other hosts arrive as
 ``RDMABuffer`` handles of the client's files and are pulled over the data
-plane, in two lanes (``_in_two_lanes``); a writer that sees the client's source
-dirs copies large files from them itself, on two lane threads that go on while it
-takes the next messages (``_Copies``); the rest rides in the messages. Every
+plane; a writer that sees the client's source dirs copies large files from them
+itself; both on two lane threads that go on while it takes the next messages
+(``_LaneJobs``; changed blocks of a large file are pulled a message at a time,
+``_in_two_lanes``); the rest rides in the messages. Every
 proc puts the synced dirs first on ``sys.path`` and re-imports changed modules
 (``_reload.py``).
 """
@@ -210,7 +211,7 @@ _lane_pool: tuple[int, ThreadPoolExecutor] | None = None
 
 def _lanes() -> ThreadPoolExecutor:
     """The lane threads: two per process (made again after a fork), one per core of a 2-core host. They
-    copy whole files (``_Copies``) and run a pull's second lane (``_in_two_lanes``)."""
+    copy and pull whole files (``_LaneJobs``) and run a block pull's second lane (``_in_two_lanes``)."""
     global _lane_pool
     if _lane_pool is None or _lane_pool[0] != os.getpid():
         _lane_pool = (os.getpid(), ThreadPoolExecutor(2, thread_name_prefix="monarch-tensor-sync-lane"))
@@ -253,52 +254,101 @@ def _copy_file(src_path: str, fd: int, size: int) -> int:
         return off
 
 
-def _copy_whole(src: str, tmp: str, dest: str, size: int, mtime_ns: int, mode: int) -> str | None:
-    """A lane's job: the client's file ``src`` copied into a new ``tmp`` and placed at ``dest``
-    (``_filetree.place``); ``dest`` when a directory stood there and was removed, else None. On failure
-    no temp file is left behind."""
+def _whole(fill, tmp: str, dest: str, size: int, mtime_ns: int, mode: int) -> str | None:
+    """A lane's job: a new ``tmp`` filled by ``fill(fd)`` (which returns the bytes written) and placed at
+    ``dest`` (``_filetree.place``); ``dest`` when a directory stood there and was removed, else None. On
+    failure no temp file is left behind."""
     fd = _filetree.open_new(tmp)
     try:
         try:
-            end = _copy_file(src, fd, size)
+            end = fill(fd)
         except BaseException:
             os.close(fd)
             raise
         return dest if _filetree.place(fd, tmp, dest, size, end, mtime_ns, mode) else None
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        _unlink(tmp)
         raise
 
 
-class _Copies:
-    """One sync's whole-file copies (``("C", ...)`` ops) on the lane threads. The writer's mailbox thread
-    queues a message's copies and goes on to the sync's next message, so the lanes stay busy from one message
-    to the next. (Waiting for a message's copies before taking the next one left a lane idle while the other
-    finished, and both idle while the mailbox thread opened and finished files, 0.6-0.9 ms per 8 MB
-    message: the write phase of a 50 MB first sync to 8 procs took 27-32 ms, medians of 4 runs, and 26-28
-    handed out so, interleaved with them.) The two lanes take the queued copies one at a time, largest of a
-    message first, until none is left: a lane that gets less of the cores meanwhile takes fewer. (Each lane
-    had been dealt half of a message's bytes up front: in a traced 50 MB sync one lane finished 2.5 ms before
-    the other, idle while it copied.) ``wait`` before what must follow them: deletions (which may remove
-    directories), the commit, an abort."""
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _copy_whole(src: str, tmp: str, dest: str, size: int, mtime_ns: int, mode: int) -> str | None:
+    """The client's file ``src`` copied into ``tmp`` and placed at ``dest`` (``_whole``)."""
+    return _whole(lambda fd: _copy_file(src, fd, size), tmp, dest, size, mtime_ns, mode)
+
+
+def _pull_whole(buf, tmp: str, dest: str, size: int, mtime_ns: int, mode: int) -> str | None:
+    """The client's file, ``buf`` on the data plane, pulled into ``tmp`` and placed at ``dest`` (``_whole``)."""
+
+    def fill(fd: int) -> int:
+        for off in range(0, size, PULL_PIECE):
+            _pull_piece(buf, off, min(PULL_PIECE, size - off), fd)
+        return size
+
+    return _whole(fill, tmp, dest, size, mtime_ns, mode)
+
+
+class _Parted:
+    """A large file pulled in pieces that both lanes take (``_LaneJobs._part``): placed by the lane that
+    finishes its last piece, or removed there if a piece failed."""
+
+    __slots__ = ("fd", "tmp", "dest", "size", "mtime_ns", "mode", "left", "failed")
+
+    def __init__(self, tmp: str, dest: str, size: int, mtime_ns: int, mode: int, pieces: int) -> None:
+        self.fd = _filetree.open_new(tmp)
+        self.tmp, self.dest, self.size, self.mtime_ns, self.mode = tmp, dest, size, mtime_ns, mode
+        self.left, self.failed = pieces, False
+
+
+class _LaneJobs:
+    """One sync's whole files that the lane threads write: copies (``("C", ...)`` ops) and pulls (``("P",
+    ...)``). The writer's mailbox thread queues a message's files and goes on to the sync's next message, so
+    the lanes stay busy from one message to the next. The two lanes take the queued files one at a time,
+    largest of a message first (a pull of more than two ``PULL_PIECE`` goes in pieces that both lanes
+    take), until none is left: a lane that gets less of the cores meanwhile takes fewer. ``wait`` before
+    what must follow them: deletions (which may remove directories), the commit, an abort.
+
+    Measured on this project's 2-core VM (50 MB in 100 files to 8 procs): waiting for a message's copies
+    before taking the next one left a lane idle while the other finished, and both idle while the mailbox
+    thread opened and finished files, 0.6-0.9 ms per 8 MB message (write phase 27-32 ms against 26-28,
+    medians of 4 interleaved runs); lanes dealt half of a message's bytes each up front left one idle 2.5 ms
+    in a traced sync while the other copied (write phase 29.1 against 25.6 ms, medians of 7 interleaved
+    runs). Pulls were done a message at a time by the mailbox thread and one lane: a trace showed a lane idle
+    up to 2.8 ms at each 8 MB message's end, and the mailbox thread busy pulling instead of taking messages;
+    on one host the pulled first sync barely changed (63.0 against 66.1 ms, medians of 8 interleaved runs:
+    there the two cores are the limit), but no lane waits for a message's slowest piece any more."""
 
     LANES = 2
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._queue: collections.deque = collections.deque()
+        self._queue: collections.deque = collections.deque()  # (function, args) of each file or piece
         self._running = 0  # lane tasks started that have not found the queue empty yet
-        self._stop = False  # a copy failed or the wait timed out: the lanes take no more
+        self._stop = False  # a job failed or the wait timed out: the lanes take no more
         self._futs: list = []
+        self._parted: list[_Parted] = []
 
     def add(self, w: _filetree.Writer, ops: list[tuple]) -> None:
-        """Queue a message's copies, and start lane tasks to take them where fewer than ``LANES`` run (a
-        task per lane, not per file: a task per file cost the lanes 10% in hand-offs)."""
-        jobs = [(src, *w.claim(key), size, mtime_ns, mode)
-                for _, key, src, size, mtime_ns, mode in sorted(ops, key=lambda op: op[3], reverse=True)]
+        """Queue a message's ``"C"`` and ``"P"`` ops, and start lane tasks to take them where fewer than
+        ``LANES`` run (a task per lane, not per file: a task per file cost the lanes 10% in hand-offs)."""
+        jobs: list[tuple] = []
+        for kind, key, source, size, mtime_ns, mode in sorted(ops, key=lambda op: op[3], reverse=True):
+            tmp, dest = w.claim(key)
+            if kind == "C":
+                jobs.append((_copy_whole, (source, tmp, dest, size, mtime_ns, mode)))
+            elif size <= 2 * PULL_PIECE:
+                jobs.append((_pull_whole, (source, tmp, dest, size, mtime_ns, mode)))
+            else:
+                offsets = range(0, size, PULL_PIECE)
+                f = _Parted(tmp, dest, size, mtime_ns, mode, len(offsets))
+                self._parted.append(f)
+                jobs += [(self._part, (f, source, o, min(PULL_PIECE, size - o))) for o in offsets]
         with self._lock:
             self._queue.extend(jobs)
             start = min(self.LANES - self._running, len(jobs))
@@ -306,8 +356,8 @@ class _Copies:
         self._futs += [_lanes().submit(self._lane) for _ in range(start)]
 
     def _lane(self) -> list[str]:
-        """A lane task: copy queued files (``_copy_whole``) until none is left; the destinations where a
-        directory was removed for the file."""
+        """A lane task: run queued jobs until none is left; the destinations where a directory was removed
+        for the file."""
         dests: list[str] = []
         try:
             while True:
@@ -315,8 +365,8 @@ class _Copies:
                     if self._stop or not self._queue:
                         self._running -= 1
                         return dests
-                    job = self._queue.popleft()
-                dest = _copy_whole(*job)
+                    fn, args = self._queue.popleft()
+                dest = fn(*args)
                 if dest is not None:
                     dests.append(dest)
         except BaseException:
@@ -324,6 +374,32 @@ class _Copies:
                 self._stop = True
                 self._running -= 1
             raise
+
+    def _part(self, f: _Parted, buf, offset: int, n: int) -> str | None:
+        """One piece of ``f``; the last one to finish places the file (or removes it, if one failed)."""
+        err = None
+        if not f.failed:
+            try:
+                _pull_piece(buf, offset, n, f.fd)
+            except BaseException as e:  # noqa: BLE001 - raised below, once the file is settled
+                f.failed, err = True, e
+        with self._lock:
+            f.left -= 1
+            last = f.left == 0
+        was_dir = False
+        if last:
+            if f.failed:
+                os.close(f.fd)
+                _unlink(f.tmp)
+            else:
+                try:
+                    was_dir = _filetree.place(f.fd, f.tmp, f.dest, f.size, f.size, f.mtime_ns, f.mode)
+                except BaseException:
+                    _unlink(f.tmp)
+                    raise
+        if err is not None:
+            raise err
+        return f.dest if was_dir else None
 
     def wait(self, w: _filetree.Writer) -> None:
         """Until every copy handed out is done; raise the first one's error (or TimeoutError)."""
@@ -338,16 +414,23 @@ class _Copies:
                 self._queue.clear()
             for f in pending:
                 f.cancel()
-            raise TimeoutError(f"file copies did not finish within {SYNC_TIMEOUT:.0f} s ({left} not started)")
+            raise TimeoutError(f"file copies and pulls did not finish within {SYNC_TIMEOUT:.0f} s ({left} not started)")
+        unfinished = [f for f in self._parted if f.left > 0]  # (pieces left queued when a job failed)
+        self._parted = []
+        for f in unfinished:  # no lane runs now: none writes into these fds
+            os.close(f.fd)
+            _unlink(f.tmp)
         for f in futs:
             if f.exception() is not None:
                 raise f.exception()
+        if unfinished:
+            raise RuntimeError(f"{len(unfinished)} pulled files were left unfinished")
         for f in futs:
             for dest in f.result():
                 w.forget_dirs(dest)
 
     def drain(self) -> None:
-        """Until the copies handed out so far are done (at most ``SYNC_TIMEOUT``), leaving their outcomes to
+        """Until the jobs handed out so far are done (at most ``SYNC_TIMEOUT``), leaving their outcomes to
         ``wait``."""
         futures_wait(list(self._futs), timeout=SYNC_TIMEOUT)
 
@@ -400,24 +483,25 @@ def _in_two_lanes(w: _filetree.Writer, pulls: list[tuple]) -> None:
         w.copied(key, end)
 
 
-def apply_ops(w: _filetree.Writer, ops, copies: _Copies | None = None) -> None:
+def apply_ops(w: _filetree.Writer, ops, jobs: _LaneJobs | None = None) -> None:
     """Apply a message's ops in order; ``("r", key, offset, buf, n, patch)`` pulls [offset, offset + n),
-    ``("C", key, path, size, mtime_ns, mode)`` copies a whole file on a lane thread (``copies``: a sync's,
-    left running; without it they are waited for here). A message's pulls run first, in two lanes: they
-    write distinct files, or distinct ranges of one (the other ops finish, touch or delete files)."""
-    own = copies is None
+    ``("C", key, path, size, mtime_ns, mode)`` copies and ``("P", key, buf, size, mtime_ns, mode)`` pulls
+    a whole file on a lane thread (``jobs``: a sync's, left running; without it they are waited for here).
+    A message's ``"r"`` pulls run first, in two lanes: they write distinct files, or distinct ranges of one
+    (the other ops finish, touch or delete files)."""
+    own = jobs is None
     if own:
-        copies = _Copies()
+        jobs = _LaneJobs()
     try:
-        whole = [op for op in ops if op[0] == "C"]
+        whole = [op for op in ops if op[0] == "C" or op[0] == "P"]
         if whole:
-            copies.add(w, whole)
+            jobs.add(w, whole)
         pulls = [op for op in ops if op[0] == "r"]
         if pulls:
             _in_two_lanes(w, pulls)
         for op in ops:
             kind = op[0]
-            if kind == "C" or kind == "r" or kind == "x":
+            if kind == "C" or kind == "P" or kind == "r" or kind == "x":
                 continue
             if kind == "w":
                 w.write(op[1], op[2], op[3], op[4])
@@ -426,15 +510,15 @@ def apply_ops(w: _filetree.Writer, ops, copies: _Copies | None = None) -> None:
             elif kind == "t":
                 w.touch(*op[1:])
             elif kind == "d":
-                copies.wait(w)  # (a delete may remove a directory a copy writes into)
+                jobs.wait(w)  # (a delete may remove a directory a lane writes into)
                 w.delete(op[1])
             else:
                 raise ValueError(f"unknown workspace op {kind!r}")
         if own:
-            copies.wait(w)
+            jobs.wait(w)
     except BaseException:
         if own:
-            copies.settle(w)
+            jobs.settle(w)
         raise
 
 
@@ -492,14 +576,14 @@ def commit(root: str, dirs, ops, scan_ns: int, env: bool = False) -> None:
         _filetree.write_meta(root, "dirs.json", list(dirs))
 
 
-_writers: dict[str, tuple[_filetree.Writer, _Copies]] = {}
+_writers: dict[str, tuple[_filetree.Writer, _LaneJobs]] = {}
 _failures: dict[str, Exception] = {}
 
 
 def _as_committed(op: tuple) -> tuple:
-    """The op as ``commit`` reads it: a whole-file copy finishes its file as an ``"f"`` op does."""
-    if op[0] == "C":
-        _, key, _src, size, mtime_ns, mode = op
+    """The op as ``commit`` reads it: a whole-file copy or pull finishes its file as an ``"f"`` op does."""
+    if op[0] == "C" or op[0] == "P":
+        _, key, _source, size, mtime_ns, mode = op
         return ("f", key, size, mtime_ns, mode, False)
     return op
 
@@ -514,18 +598,18 @@ def handle_write(mailbox: Mailbox, msg: WriteFiles) -> None:
     if msg.sync_id not in _failures:
         got = _writers.get(msg.sync_id)
         if got is None:
-            for other, others_copies in list(_writers.values()):
+            for other, others_jobs in list(_writers.values()):
                 if other.root == root:  # (a sync into this root whose client went away, or another client's)
-                    others_copies.drain()  # its copies land before this sync's: none overwrites a newer file
-            got = _writers[msg.sync_id] = (_filetree.Writer(root), _Copies())
-        w, copies = got
+                    others_jobs.drain()  # its files land before this sync's: none overwrites a newer file
+            got = _writers[msg.sync_id] = (_filetree.Writer(root), _LaneJobs())
+        w, jobs = got
         try:
-            apply_ops(w, msg.ops, copies)
+            apply_ops(w, msg.ops, jobs)
             if msg.last:
-                copies.wait(w)
+                jobs.wait(w)
             w.ops.extend(_as_committed(op) for op in msg.ops if op[0] not in ("w", "r"))
         except Exception as e:  # noqa: BLE001
-            copies.settle(w)
+            jobs.settle(w)
             w.abort()
             _failures[msg.sync_id] = _failed("workspace write", e)
     if not msg.last:

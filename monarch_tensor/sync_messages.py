@@ -65,7 +65,9 @@ class WriteFiles:
 
     Ops are tuples: ``("w", key, offset, buffer, patch)`` write bytes; ``("C", key, path, size,
     mtime_ns, mode)`` copy a whole file of the client's (a writer that sees its sources) from ``path`` and
-    finish it; ``("f", key, size, mtime_ns, mode, patch)`` finish a file; ``("t", key,
+    finish it; ``("P", key, buf, size, mtime_ns, mode)`` pull a whole file (``buf``: an ``RDMABuffer`` of
+    it) and finish it; ``("r", key, offset, buf, n, patch)`` pull bytes; ``("f", key, size, mtime_ns, mode,
+    patch)`` finish a file; ``("t", key,
     mtime_ns, mode)`` same content, new metadata; ``("d", key)`` delete; ``("x", key, size)``: the file
     just finished is the client's file of ``size`` bytes with its prefix rewritten (a conda environment
     synced to another path), to be taken as unchanged while its mtime stays.

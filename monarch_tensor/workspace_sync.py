@@ -425,11 +425,15 @@ def _send_file(b: _Batcher, key: str, path: str, mtime_ns: int, mode: int, block
     buf = pulls.buffer(key, path) if pulls is not None else None
     if buf is not None:
         size = buf.size()
-        for off, n in [(0, size)] if blocks is None else _ranges(blocks, size):
-            b.pulled += n
-            b.add(("r", key, off, buf, n, blocks is not None), n)  # counts toward CHUNK: writers start early
-        b.add(("f", key, size, mtime_ns, mode, blocks is not None))
         b.files += 1
+        if blocks is None:  # pulled and finished on the writer's lanes, while it takes the next messages
+            b.pulled += size
+            b.add(("P", key, buf, size, mtime_ns, mode), size)  # counts toward CHUNK: writers start early
+            return
+        for off, n in _ranges(blocks, size):
+            b.pulled += n
+            b.add(("r", key, off, buf, n, True), n)
+        b.add(("f", key, size, mtime_ns, mode, True))
         return
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size

@@ -169,8 +169,10 @@ def test_root_mirrors_source_after_every_sync(tmp_path_factory, steps, how):
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "wb") as f:  # same size, same clock tick: only the racy rule catches this
                 f.write(data)
-        with mock.patch.object(ws_sync, "PULL_MIN", 1), mock.patch.object(ws_sync, "INBAND", 1):
-            sync_in_process(src, root, how == "pull", how == "copy")  # every non-empty file pulled or copied
+        # every non-empty file pulled or copied; a pulled one of more than 16 bytes in pieces of 8
+        with mock.patch.object(ws_sync, "PULL_MIN", 1), mock.patch.object(ws_sync, "INBAND", 1), \
+                mock.patch.object(_sync_proc, "PULL_PIECE", 8):
+            sync_in_process(src, root, how == "pull", how == "copy")
         assert tree(os.path.join(root, "ws")) == tree(src)
 
 
@@ -453,8 +455,8 @@ def test_a_syncs_copies_run_on_across_messages_and_deletes_wait_for_them(tmp_pat
 
     names = sorted(data)
     handed = []
-    real = _sync_proc._Copies.add
-    with mock.patch.object(_sync_proc._Copies, "add", lambda self, w, ops: handed.append(len(self._futs)) or real(self, w, ops)):
+    real = _sync_proc._LaneJobs.add
+    with mock.patch.object(_sync_proc._LaneJobs, "add", lambda self, w, ops: handed.append(len(self._futs)) or real(self, w, ops)):
         mb, port = Mailbox(), PortRef("ipc:///tmp/x", 1)
         msgs = [sync_messages.WriteFiles("s1", "k", ("ws",), tuple(copy(n) for n in names[:3]), now, False, None),
                 sync_messages.WriteFiles("s1", "k", ("ws",), (copy(names[3]), copy(names[4], now)), now, False, None),
@@ -521,6 +523,54 @@ def test_a_lane_held_up_by_one_file_leaves_the_others_to_the_other_lane(tmp_path
     assert reply.error is None, reply.error
     for name, d in data.items():
         assert (root / "ws" / name).read_bytes() == d
+
+
+def test_a_pulled_file_in_pieces_lands_whole_and_a_failed_piece_leaves_no_temp_file(tmp_path, monkeypatch):
+    """A pull of more than two ``PULL_PIECE`` goes in pieces that both lanes take, and the lane that
+    finishes the last one places the file; when a piece fails, the sync fails and neither that file's temp
+    file nor any other remains (pieces still queued are never run)."""
+    from monarch_tensor.rdma import RDMABuffer
+
+    monkeypatch.setattr(_sync_proc, "PULL_PIECE", 4096)
+    data = {"big.bin": os.urandom(10 * 4096 + 123), "mid.bin": os.urandom(3 * 4096), "small.bin": os.urandom(5000)}
+    bufs = {name: RDMABuffer(bytearray(d)) for name, d in data.items()}
+
+    class Mailbox:
+        def __init__(self):
+            self.sent = []
+
+        def send(self, addr, msg):
+            self.sent.append(msg)
+
+    now = time.time_ns()
+    ops = tuple(("P", f"ws/{n}", bufs[n], len(d), now - 10**10, 0o640) for n, d in data.items())
+    port = PortRef("ipc:///tmp/x", 1)
+    try:
+        mb, root = Mailbox(), tmp_path / "root"
+        with mock.patch.dict(os.environ, {"WORKSPACE_DIR": str(root)}):
+            _sync_proc.handle_write(mb, sync_messages.WriteFiles("s1", "k", ("ws",), ops, now, True, port))
+        assert mb.sent[-1].error is None, mb.sent[-1].error
+        for name, d in data.items():
+            assert (root / "ws" / name).read_bytes() == d
+            assert os.stat(root / "ws" / name).st_mode & 0o777 == 0o640
+
+        real = _sync_proc._pull_piece
+
+        def piece(buf, offset, n, fd):
+            if buf is bufs["big.bin"] and offset == 2 * 4096:
+                raise OSError("the owner went away")
+            return real(buf, offset, n, fd)
+
+        monkeypatch.setattr(_sync_proc, "_pull_piece", piece)
+        root2 = tmp_path / "root2"
+        with mock.patch.dict(os.environ, {"WORKSPACE_DIR": str(root2)}):
+            _sync_proc.handle_write(mb, sync_messages.WriteFiles("s2", "k", ("ws",), ops, now, True, port))
+        assert "the owner went away" in str(mb.sent[-1].error)
+        assert not [n for n in os.listdir(root2 / "ws") if n.startswith(".sync")]
+        assert not (root2 / "ws" / "big.bin").exists()
+    finally:
+        for b in bufs.values():
+            b.drop()
 
 
 @contextlib.contextmanager
