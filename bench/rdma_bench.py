@@ -4,6 +4,7 @@
     MT_BENCH_PEER_PATH=bench/out/peer-site python bench/rdma_bench.py --peers --json bench/out/rdma_bench.json
     python bench/rdma_bench.py --tiny --json /tmp/tiny.json      # smoke test (~10 s)
     python bench/rdma_bench.py --cuda --json bench/out/rdma_cuda.json   # GPU buffers (cuda_ipc), on a GPU machine
+    python bench/rdma_bench.py --layers --json bench/out/rdma_layers.json   # where a tcp read's time goes
 
 The owner of the buffer is an actor on a proc, its buffer a torch tensor of the largest size made there as a
 user's would be (the table's header says how much of it sits on 2 MiB pages: procs allocate large tensors on
@@ -28,6 +29,7 @@ against size when matplotlib is installed (``pip install -e .[bench]``); --json 
 import argparse
 import contextlib
 import ctypes
+import dataclasses
 import json
 import os
 import statistics
@@ -299,6 +301,100 @@ def run_ours():
     return res
 
 
+LAYER_SIZES = [4 << 10, 64 << 10, 1 << 20]
+LAYERS = ("raw tcp stream", "our reader, minimal owner", "our reader and owner", "read_into().get()")
+MIN_OWNER = r'''
+import socket, sys
+sys.path.insert(0, sys.argv[2])
+from rdma.backends.tcp import _ANSWER, _REQ, OK
+srv = socket.create_server(("127.0.0.1", 0))
+payload = memoryview(bytearray(b"\x01" * int(sys.argv[1])))
+print(srv.getsockname()[1], flush=True)
+conn, _ = srv.accept()
+conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+head, ok = bytearray(_REQ.size), _ANSWER[OK]
+with conn:
+    while conn.recv_into(head, len(head), socket.MSG_WAITALL) == len(head):
+        offset, length = _REQ.unpack(head)[5:7]
+        data = payload[offset:offset + length]
+        sent = conn.sendmsg([ok, data])
+        if sent < len(ok) + length:
+            conn.sendall((ok + bytes(data))[sent:])
+'''
+
+
+def run_layers():
+    """``--layers``: where a tcp read's time goes, at LAYER_SIZES, all taking turns (``in_turns``): the raw
+    stream; our reader's socket exchange alone (``TcpBackend._one``, the backend's innermost call) against a
+    minimal owner (MIN_OWNER: a plain socket server in another process that speaks our wire protocol, a
+    header in and the answer and the bytes out, and does nothing else); the same exchange against the
+    buffer's real owner (a proc: its data server looks the buffer up, checks the token and the range, polls
+    for the next request); and ``read_into(...).get()``, the whole API on top. Medians of seconds."""
+    import torch
+
+    sys.path.insert(0, ROOT)
+    from monarch_tensor.actor import Actor, endpoint, this_host
+    from monarch_tensor.rdma import RDMABuffer
+    from rdma._memory import as_mem
+    from rdma.backends.tcp import READ
+    from rdma.buffer import backend_named
+
+    class Owner(Actor):
+        def __init__(self, n):
+            self.t = torch.ones(n, dtype=torch.uint8)
+            self.buf = RDMABuffer(self.t)
+
+        @endpoint
+        def buf_(self):
+            return self.buf
+
+    n_max, tcp = max(LAYER_SIZES), backend_named("tcp")
+    res = {name: {} for name in LAYERS}
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        buf = procs.spawn("owner", Owner, n_max).buf_.call_one().get(timeout=TIMEOUT)
+        with server_process(MIN_OWNER, str(n_max), ROOT) as p, raw_tcp_stream(n_max) as raw_read:
+            minimal = dataclasses.replace(buf._desc, tcp=("127.0.0.1", int(p.stdout.readline())))
+            try:
+                for n in LAYER_SIZES:
+                    dst, raw_dst = torch.empty(n, dtype=torch.uint8), memoryview(bytearray(n))
+                    mem = as_mem(dst)
+
+                    def exchange(desc, n=n, mem=mem):
+                        return lambda: tcp._one(READ, desc, 0, mem, 0, n, time.monotonic() + TIMEOUT, alone=True)
+
+                    got = in_turns({
+                        "raw tcp stream": (None, lambda: raw_read(raw_dst)),
+                        "our reader, minimal owner": (None, exchange(minimal)),
+                        "our reader and owner": (None, exchange(buf._desc)),
+                        "read_into().get()": ("tcp", lambda: buf.read_into(dst).get(timeout=TIMEOUT)),
+                    }, REPEATS)
+                    assert int(dst[0]) == 1 and int(dst[-1]) == 1, "a read brought the wrong bytes"
+                    for name, t in got.items():
+                        res[name][n] = t
+            finally:
+                for c in tcp._idle.pop(minimal.tcp, []):  # the minimal owner exits when its connection closes
+                    c.close()
+    finally:
+        procs.stop().get(timeout=TIMEOUT)
+    return res
+
+
+def print_layers(res, json_path):
+    print("where a tcp read's time goes (see run_layers), µs per read, medians, all taking turns; in brackets "
+          "the raw stream's time as a share of it")
+    print(f"{'size':>8} | " + " | ".join(f"{c:>26}" for c in LAYERS))
+    for n in LAYER_SIZES:
+        raw = res["raw tcp stream"][n]
+        cells = [f"{res[c][n] * 1e6:9.1f} ({raw / res[c][n]:5.0%})" for c in LAYERS]
+        print(f"{fmt_size(n):>8} | " + " | ".join(f"{c:>26}" for c in cells))
+    if json_path:
+        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+        with open(json_path, "w") as f:
+            json.dump({"settings": {"LAYER_SIZES": LAYER_SIZES, "REPEATS": REPEATS, "ROUNDS": ROUNDS},
+                       "seconds": {c: {str(n): t for n, t in res[c].items()} for c in LAYERS}}, f, indent=1)
+
+
 def run_cuda():
     """GPU buffers (``--cuda``): an owner proc's CUDA tensor read and written by this process with cuda_ipc into
     GPU memory, read into CPU memory, and read over tcp (staged through the CPU), against a device-to-device
@@ -480,9 +576,15 @@ def main():
     ap.add_argument("--plot", metavar="PATH", default=os.path.join(ROOT, "bench", "out", "rdma_bench.png"),
                     help="write a PNG of GiB/s against size here (needs matplotlib; default: %(default)s)")
     ap.add_argument("--cuda", action="store_true", help="GPU buffers instead (cuda_ipc; needs a CUDA GPU)")
+    ap.add_argument("--layers", action="store_true",
+                    help="instead: where a tcp read's time goes, layer by layer, against the raw stream")
     args = ap.parse_args()
     if args.tiny:
         SIZES, REPEATS, ROUNDS, PEER_MAX = TINY["SIZES"], TINY["REPEATS"], TINY["ROUNDS"], TINY["PEER_MAX"]
+        LAYER_SIZES[:] = [4 << 10]
+    if args.layers:
+        print_layers(run_layers(), args.json)
+        return
     if args.cuda:
         print_cuda(*run_cuda(), args.json)
         return

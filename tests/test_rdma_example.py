@@ -47,3 +47,16 @@ def test_rdma_bench_tiny(tmp_path):
         assert (tmp_path / "rdma.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:
         assert "no plot: matplotlib is not installed" in p.stdout
+
+
+@pytest.mark.timeout(120)
+def test_rdma_bench_layers_tiny(tmp_path):
+    out = tmp_path / "layers.json"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "rdma_bench.py"), "--tiny", "--layers", "--json",
+                        str(out)], cwd=ROOT, capture_output=True, text=True, timeout=110)
+    assert p.returncode == 0, p.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["settings"]["LAYER_SIZES"] == [4096]
+    for layer in ("raw tcp stream", "our reader, minimal owner", "our reader and owner", "read_into().get()"):
+        assert data["seconds"][layer]["4096"] > 0, layer
+    assert "where a tcp read's time goes" in p.stdout
