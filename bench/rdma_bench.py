@@ -249,11 +249,16 @@ def one_size(n, buf, raw_read) -> dict:
     return got
 
 
-def run_ours():
+def owner_class():
+    """The actor that owns the benchmarks' CPU buffer: ``Owner(n)`` holds a tensor of ``n`` ones as an
+    RDMABuffer (made here, on first use: torch and the project are imported late)."""
+    global _Owner
+    if _Owner is not None:
+        return _Owner
     import torch
 
     sys.path.insert(0, ROOT)
-    from monarch_tensor.actor import Actor, endpoint, this_host
+    from monarch_tensor.actor import Actor, endpoint
     from monarch_tensor.rdma import RDMABuffer
 
     class Owner(Actor):
@@ -282,6 +287,17 @@ def run_ours():
                     elif inside and head == "AnonHugePages:":
                         kb += int(line.split()[1])
             return kb / 1024, os.environ.get("THP_MEM_ALLOC_ENABLE")
+
+    _Owner = Owner
+    return Owner
+
+
+_Owner = None
+
+
+def run_ours():
+    Owner = owner_class()
+    from monarch_tensor.actor import this_host
 
     procs = this_host().spawn_procs(per_host={"gpus": 1})
     res = {"ctrl_rtt_us": None, "zmq": zmq_copy(SIZES, REPEATS), "gloo": gloo_send_recv(SIZES, REPEATS)}
@@ -330,23 +346,13 @@ def run_layers():
     header in and the answer and the bytes out, and does nothing else); the same exchange against the
     buffer's real owner (a proc: its data server looks the buffer up, checks the token and the range, polls
     for the next request); and ``read_into(...).get()``, the whole API on top. Medians of seconds."""
+    Owner = owner_class()
     import torch
 
-    sys.path.insert(0, ROOT)
-    from monarch_tensor.actor import Actor, endpoint, this_host
-    from monarch_tensor.rdma import RDMABuffer
+    from monarch_tensor.actor import this_host
     from rdma._memory import as_mem
     from rdma.backends.tcp import READ
     from rdma.buffer import backend_named
-
-    class Owner(Actor):
-        def __init__(self, n):
-            self.t = torch.ones(n, dtype=torch.uint8)
-            self.buf = RDMABuffer(self.t)
-
-        @endpoint
-        def buf_(self):
-            return self.buf
 
     n_max, tcp = max(LAYER_SIZES), backend_named("tcp")
     res = {name: {} for name in LAYERS}
@@ -364,10 +370,10 @@ def run_layers():
                         return lambda: tcp._one(READ, desc, 0, mem, 0, n, time.monotonic() + TIMEOUT, alone=True)
 
                     got = in_turns({
-                        "raw tcp stream": (None, lambda: raw_read(raw_dst)),
+                        "raw tcp stream": (None, lambda raw_dst=raw_dst: raw_read(raw_dst)),
                         "our reader, minimal owner": (None, exchange(minimal)),
                         "our reader and owner": (None, exchange(buf._desc)),
-                        "read_into().get()": ("tcp", lambda: buf.read_into(dst).get(timeout=TIMEOUT)),
+                        "read_into().get()": ("tcp", lambda dst=dst: buf.read_into(dst).get(timeout=TIMEOUT)),
                     }, REPEATS)
                     assert int(dst[0]) == 1 and int(dst[-1]) == 1, "a read brought the wrong bytes"
                     for name, t in got.items():
