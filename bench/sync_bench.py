@@ -88,23 +88,12 @@ class Sink(Actor):
         dealt out in turn, as the writer's two lanes take them)."""
         data = os.urandom(max(sizes))
 
-        def lane(k: int) -> None:
-            for i in range(k, len(sizes), lanes):
-                fd = os.open(os.path.join(base, f"f{i}"), os.O_CREAT | os.O_WRONLY, 0o644)
-                os.pwrite(fd, data[:sizes[i]], 0)
-                os.close(fd)
+        def one(i: int) -> None:
+            fd = os.open(os.path.join(base, f"f{i}"), os.O_CREAT | os.O_WRONLY, 0o644)
+            os.pwrite(fd, data[:sizes[i]], 0)
+            os.close(fd)
 
-        t = time.perf_counter()
-        os.makedirs(base)
-        others = [threading.Thread(target=lane, args=(k,)) for k in range(1, lanes)]
-        for th in others:
-            th.start()
-        lane(0)
-        for th in others:
-            th.join()
-        dt = time.perf_counter() - t
-        shutil.rmtree(base)
-        return dt
+        return _in_lanes(base, one, len(sizes), lanes)
 
     @endpoint
     def copy_files(self, src_dir: str, base: str, lanes: int = 2) -> float:
@@ -115,30 +104,40 @@ class Sink(Actor):
 
         names = sorted(os.listdir(src_dir))
 
-        def lane(k: int) -> None:
-            for name in names[k::lanes]:
-                src = os.path.join(src_dir, name)
-                fd = os.open(os.path.join(base, name), os.O_CREAT | os.O_WRONLY, 0o644)
-                try:
-                    _copy_file(src, fd, os.path.getsize(src))
-                finally:
-                    os.close(fd)
+        def one(i: int) -> None:
+            src = os.path.join(src_dir, names[i])
+            fd = os.open(os.path.join(base, names[i]), os.O_CREAT | os.O_WRONLY, 0o644)
+            try:
+                _copy_file(src, fd, os.path.getsize(src))
+            finally:
+                os.close(fd)
 
-        t = time.perf_counter()
-        os.makedirs(base)
-        others = [threading.Thread(target=lane, args=(k,)) for k in range(1, lanes)]
-        for th in others:
-            th.start()
-        lane(0)
-        for th in others:
-            th.join()
-        dt = time.perf_counter() - t
-        shutil.rmtree(base)
-        return dt
+        return _in_lanes(base, one, len(names), lanes)
 
     @endpoint
     def ping(self) -> int:
         return 1
+
+
+def _in_lanes(base: str, one, n: int, lanes: int) -> float:
+    """Seconds to make the directory ``base`` and run ``one(i)`` for i < ``n`` in ``lanes`` threads (dealt out
+    in turn; this thread is the first), then remove ``base`` (not timed)."""
+
+    def lane(k: int) -> None:
+        for i in range(k, n, lanes):
+            one(i)
+
+    t = time.perf_counter()
+    os.makedirs(base)
+    others = [threading.Thread(target=lane, args=(k,)) for k in range(1, lanes)]
+    for th in others:
+        th.start()
+    lane(0)
+    for th in others:
+        th.join()
+    dt = time.perf_counter() - t
+    shutil.rmtree(base)
+    return dt
 
 
 def make_small(base: str) -> str:
