@@ -98,6 +98,16 @@ def test_module_names_and_bad_paths(tmp_path):
             w.path(bad)
 
 
+class _Outbox:
+    """A writer's mailbox in handler tests: keeps what is sent (the replies)."""
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, addr, msg):
+        self.sent.append(msg)
+
+
 # ---- the sync rules, in-process ------------------------------------------------------------------
 def sync_in_process(src: str, root: str, pull: bool = False, copy: bool = False) -> list[str]:
     """One sync of ``src`` into ``root`` through the same diff/plan/apply code the procs run.
@@ -443,13 +453,6 @@ def test_a_syncs_copies_run_on_across_messages_and_deletes_wait_for_them(tmp_pat
     (root / "ws" / "old" / "x.py").write_text("x = 1\n")
     now = time.time_ns()
 
-    class Mailbox:
-        def __init__(self):
-            self.sent = []
-
-        def send(self, addr, msg):
-            self.sent.append(msg)
-
     def copy(name, mtime_ns=now - 10**10):
         return ("C", f"ws/{name}", str(src / name), len(data[name]), mtime_ns, 0o640)
 
@@ -457,7 +460,7 @@ def test_a_syncs_copies_run_on_across_messages_and_deletes_wait_for_them(tmp_pat
     handed = []
     real = _sync_proc._LaneJobs.add
     with mock.patch.object(_sync_proc._LaneJobs, "add", lambda self, w, ops: handed.append(len(self._futs)) or real(self, w, ops)):
-        mb, port = Mailbox(), PortRef("ipc:///tmp/x", 1)
+        mb, port = _Outbox(), PortRef("ipc:///tmp/x", 1)
         msgs = [sync_messages.WriteFiles("s1", "k", ("ws",), tuple(copy(n) for n in names[:3]), now, False, None),
                 sync_messages.WriteFiles("s1", "k", ("ws",), (copy(names[3]), copy(names[4], now)), now, False, None),
                 sync_messages.WriteFiles("s1", "k", ("ws",), (copy(names[5]), ("d", "ws/old/x.py")), now, True, port)]
@@ -506,16 +509,9 @@ def test_a_lane_held_up_by_one_file_leaves_the_others_to_the_other_lane(tmp_path
             release.set()
         return n
 
-    class Mailbox:
-        def __init__(self):
-            self.sent = []
-
-        def send(self, addr, msg):
-            self.sent.append(msg)
-
     now = time.time_ns()
     ops = tuple(("C", f"ws/{n}", str(src / n), len(d), now - 10**10, 0o644) for n, d in sorted(data.items()))
-    mb, root = Mailbox(), tmp_path / "root"
+    mb, root = _Outbox(), tmp_path / "root"
     with mock.patch.object(_sync_proc, "_copy_file", copy), mock.patch.dict(os.environ, {"WORKSPACE_DIR": str(root)}):
         _sync_proc.handle_write(mb, sync_messages.WriteFiles("s1", "k", ("ws",), ops, now, True,
                                                              PortRef("ipc:///tmp/x", 1)))
@@ -535,18 +531,11 @@ def test_a_pulled_file_in_pieces_lands_whole_and_a_failed_piece_leaves_no_temp_f
     data = {"big.bin": os.urandom(10 * 4096 + 123), "mid.bin": os.urandom(3 * 4096), "small.bin": os.urandom(5000)}
     bufs = {name: RDMABuffer(bytearray(d)) for name, d in data.items()}
 
-    class Mailbox:
-        def __init__(self):
-            self.sent = []
-
-        def send(self, addr, msg):
-            self.sent.append(msg)
-
     now = time.time_ns()
     ops = tuple(("P", f"ws/{n}", bufs[n], len(d), now - 10**10, 0o640) for n, d in data.items())
     port = PortRef("ipc:///tmp/x", 1)
     try:
-        mb, root = Mailbox(), tmp_path / "root"
+        mb, root = _Outbox(), tmp_path / "root"
         with mock.patch.dict(os.environ, {"WORKSPACE_DIR": str(root)}):
             _sync_proc.handle_write(mb, sync_messages.WriteFiles("s1", "k", ("ws",), ops, now, True, port))
         assert mb.sent[-1].error is None, mb.sent[-1].error
@@ -612,17 +601,10 @@ def test_a_new_sync_into_a_root_lets_an_earlier_ones_copies_land_first(tmp_path)
             assert release.wait(30)  # the abandoned sync's copy is slow
         return real_copy(src_path, fd, size)
 
-    class Mailbox:
-        def __init__(self):
-            self.sent = []
-
-        def send(self, addr, msg):
-            self.sent.append(msg)
-
     def op(name):
         return ("C", "ws/x.bin", str(src / name), 120_000, time.time_ns() - 10**10, 0o644)
 
-    mb, port = Mailbox(), PortRef("ipc:///tmp/x", 1)
+    mb, port = _Outbox(), PortRef("ipc:///tmp/x", 1)
     with mock.patch.object(_sync_proc, "_copy_file", copy), \
             mock.patch.dict(os.environ, {"WORKSPACE_DIR": str(tmp_path / "root")}):
         # the first sync's client sends one message and is gone: no last message ever comes
@@ -806,14 +788,7 @@ def test_a_writer_scans_its_root_once_while_the_client_scans(tmp_path, monkeypat
     real = _sync_proc.scan_root
     monkeypatch.setattr(_sync_proc, "scan_root", lambda r, d: scans.append((r, tuple(d))) or real(r, d))
 
-    class Mailbox:
-        def __init__(self):
-            self.sent = []
-
-        def send(self, addr, msg):
-            self.sent.append(msg)
-
-    mb, port = Mailbox(), PortRef("ipc:///tmp/x", 1)
+    mb, port = _Outbox(), PortRef("ipc:///tmp/x", 1)
 
     def diff(sync_id, dirs=("ws",)):
         _sync_proc.handle_diff(mb, sync_messages.DiffWorkspace(sync_id, "k", dirs, {}, port))
