@@ -254,10 +254,10 @@ def _copy_file(src_path: str, fd: int, size: int) -> int:
         return off
 
 
-def _whole(fill, tmp: str, dest: str, size: int, mtime_ns: int, mode: int) -> str | None:
+def _whole(fill, tmp: str, dest: str, size: int, mtime_ns: int, mode: int, going=None) -> str | None:
     """A lane's job: a new ``tmp`` filled by ``fill(fd)`` (which returns the bytes written) and placed at
-    ``dest`` (``_filetree.place``); ``dest`` when a directory stood there and was removed, else None. On
-    failure no temp file is left behind."""
+    ``dest`` (``_filetree.place``) unless ``going()`` says the sync has failed meanwhile; ``dest`` when a
+    directory stood there and was removed, else None. On failure no temp file is left behind."""
     fd = _filetree.open_new(tmp)
     try:
         try:
@@ -265,6 +265,10 @@ def _whole(fill, tmp: str, dest: str, size: int, mtime_ns: int, mode: int) -> st
         except BaseException:
             os.close(fd)
             raise
+        if going is not None and not going():  # a failed sync leaves the old version in place
+            os.close(fd)
+            _unlink(tmp)
+            return None
         return dest if _filetree.place(fd, tmp, dest, size, end, mtime_ns, mode) else None
     except BaseException:
         _unlink(tmp)
@@ -278,12 +282,12 @@ def _unlink(path: str) -> None:
         pass
 
 
-def _copy_whole(src: str, tmp: str, dest: str, size: int, mtime_ns: int, mode: int) -> str | None:
+def _copy_whole(src: str, tmp: str, dest: str, size: int, mtime_ns: int, mode: int, going=None) -> str | None:
     """The client's file ``src`` copied into ``tmp`` and placed at ``dest`` (``_whole``)."""
-    return _whole(lambda fd: _copy_file(src, fd, size), tmp, dest, size, mtime_ns, mode)
+    return _whole(lambda fd: _copy_file(src, fd, size), tmp, dest, size, mtime_ns, mode, going)
 
 
-def _pull_whole(buf, tmp: str, dest: str, size: int, mtime_ns: int, mode: int) -> str | None:
+def _pull_whole(buf, tmp: str, dest: str, size: int, mtime_ns: int, mode: int, going=None) -> str | None:
     """The client's file, ``buf`` on the data plane, pulled into ``tmp`` and placed at ``dest`` (``_whole``)."""
 
     def fill(fd: int) -> int:
@@ -291,7 +295,7 @@ def _pull_whole(buf, tmp: str, dest: str, size: int, mtime_ns: int, mode: int) -
             _pull_piece(buf, off, min(PULL_PIECE, size - off), fd)
         return size
 
-    return _whole(fill, tmp, dest, size, mtime_ns, mode)
+    return _whole(fill, tmp, dest, size, mtime_ns, mode, going)
 
 
 class _Parted:
@@ -332,28 +336,38 @@ class _LaneJobs:
         self._running = 0  # lane tasks started that have not found the queue empty yet
         self._stop = False  # a job failed or the wait timed out: the lanes take no more
         self._futs: list = []
-        self._parted: list[_Parted] = []
 
     def add(self, w: _filetree.Writer, ops: list[tuple]) -> None:
         """Queue a message's ``"C"`` and ``"P"`` ops, and start lane tasks to take them where fewer than
         ``LANES`` run (a task per lane, not per file: a task per file cost the lanes 10% in hand-offs)."""
         jobs: list[tuple] = []
-        for kind, key, source, size, mtime_ns, mode in sorted(ops, key=lambda op: op[3], reverse=True):
-            tmp, dest = w.claim(key)
-            if kind == "C":
-                jobs.append((_copy_whole, (source, tmp, dest, size, mtime_ns, mode)))
-            elif size <= 2 * PULL_PIECE:
-                jobs.append((_pull_whole, (source, tmp, dest, size, mtime_ns, mode)))
-            else:
-                offsets = range(0, size, PULL_PIECE)
-                f = _Parted(tmp, dest, size, mtime_ns, mode, len(offsets))
-                self._parted.append(f)
-                jobs += [(self._part, (f, source, o, min(PULL_PIECE, size - o))) for o in offsets]
+        parted: list[_Parted] = []
+        try:
+            for kind, key, source, size, mtime_ns, mode in sorted(ops, key=lambda op: op[3], reverse=True):
+                tmp, dest = w.claim(key)
+                if kind == "C":
+                    jobs.append((_copy_whole, (source, tmp, dest, size, mtime_ns, mode, self._going)))
+                elif size <= 2 * PULL_PIECE:
+                    jobs.append((_pull_whole, (source, tmp, dest, size, mtime_ns, mode, self._going)))
+                else:
+                    offsets = range(0, size, PULL_PIECE)
+                    parted.append(_Parted(tmp, dest, size, mtime_ns, mode, len(offsets)))
+                    jobs += [(self._part, (parted[-1], source, o, min(PULL_PIECE, size - o))) for o in offsets]
+        except BaseException:
+            for f in parted:  # opened here, and no lane has them yet
+                os.close(f.fd)
+                _unlink(f.tmp)
+            raise
         with self._lock:
             self._queue.extend(jobs)
             start = min(self.LANES - self._running, len(jobs))
             self._running += start
         self._futs += [_lanes().submit(self._lane) for _ in range(start)]
+
+    def _going(self) -> bool:
+        """Whether the sync is still on: after a failed job or a timed-out wait, no file is placed any more
+        (a failed sync leaves the old versions; ``Writer.abort``)."""
+        return not self._stop
 
     def _lane(self) -> list[str]:
         """A lane task: run queued jobs until none is left; the destinations where a directory was removed
@@ -383,48 +397,57 @@ class _LaneJobs:
                 _pull_piece(buf, offset, n, f.fd)
             except BaseException as e:  # noqa: BLE001 - raised below, once the file is settled
                 f.failed, err = True, e
-        with self._lock:
-            f.left -= 1
-            last = f.left == 0
-        was_dir = False
-        if last:
-            if f.failed:
-                os.close(f.fd)
-                _unlink(f.tmp)
-            else:
-                try:
-                    was_dir = _filetree.place(f.fd, f.tmp, f.dest, f.size, f.size, f.mtime_ns, f.mode)
-                except BaseException:
-                    _unlink(f.tmp)
-                    raise
+        was_dir = self._piece_done(f)
         if err is not None:
             raise err
         return f.dest if was_dir else None
 
+    def _piece_done(self, f: _Parted) -> bool:
+        """Count one piece of ``f`` as done (run, or dropped unrun); after its last one, place the file, or
+        remove it if a piece failed or was dropped or the sync failed meanwhile. True when a directory stood
+        at its place and was removed."""
+        with self._lock:
+            f.left -= 1
+            if f.left:
+                return False
+        if f.failed or self._stop:
+            os.close(f.fd)
+            _unlink(f.tmp)
+            return False
+        try:
+            return _filetree.place(f.fd, f.tmp, f.dest, f.size, f.size, f.mtime_ns, f.mode)
+        except BaseException:
+            _unlink(f.tmp)
+            raise
+
+    def _drop_queued(self) -> int:
+        """Stop the lanes taking jobs and drop those not started (a job failed, or the wait timed out); a file
+        whose pieces are dropped is removed once no lane writes into it. How many jobs were dropped."""
+        with self._lock:
+            self._stop = True  # a running lane takes no more after its job
+            dropped = list(self._queue)
+            self._queue.clear()
+        for fn, args in dropped:
+            if fn == self._part:
+                args[0].failed = True
+                self._piece_done(args[0])
+        return len(dropped)
+
     def wait(self, w: _filetree.Writer) -> None:
-        """Until every copy handed out is done; raise the first one's error (or TimeoutError)."""
+        """Until every job handed out is done; raise the first one's error (or TimeoutError)."""
         futs, self._futs = self._futs, []
         if not futs:
             return
         _, pending = futures_wait(futs, timeout=SYNC_TIMEOUT)
         if pending:
-            with self._lock:
-                self._stop = True  # a running lane takes no more after its file
-                left = len(self._queue)
-                self._queue.clear()
+            left = self._drop_queued()
             for f in pending:
                 f.cancel()
             raise TimeoutError(f"file copies and pulls did not finish within {SYNC_TIMEOUT:.0f} s ({left} not started)")
-        unfinished = [f for f in self._parted if f.left > 0]  # (pieces left queued when a job failed)
-        self._parted = []
-        for f in unfinished:  # no lane runs now: none writes into these fds
-            os.close(f.fd)
-            _unlink(f.tmp)
-        for f in futs:
-            if f.exception() is not None:
-                raise f.exception()
-        if unfinished:
-            raise RuntimeError(f"{len(unfinished)} pulled files were left unfinished")
+        errors = [f.exception() for f in futs if f.exception() is not None]
+        if errors:
+            self._drop_queued()  # (the lanes stopped taking them at the first error)
+            raise errors[0]
         for f in futs:
             for dest in f.result():
                 w.forget_dirs(dest)

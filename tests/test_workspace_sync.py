@@ -562,6 +562,68 @@ def test_a_pulled_file_in_pieces_lands_whole_and_a_failed_piece_leaves_no_temp_f
             b.drop()
 
 
+def test_pulled_pieces_left_at_a_timeout_or_a_failed_open_leave_no_temp_file(tmp_path, monkeypatch):
+    """A writer whose lanes do not finish within ``SYNC_TIMEOUT`` fails the sync, drops the jobs not started,
+    and places none of the files still being written when their lanes finish (a failed sync leaves the old
+    versions): a file pulled in pieces and a whole one. A temp file that cannot be opened fails the sync
+    before any lane starts, and the files opened for that message are removed."""
+    import threading
+
+    from monarch_tensor.rdma import RDMABuffer
+
+    monkeypatch.setattr(_sync_proc, "PULL_PIECE", 4096)
+    data, small = os.urandom(8 * 4096), os.urandom(5000)
+    buf, small_buf = RDMABuffer(bytearray(data)), RDMABuffer(bytearray(small))
+    release, started = threading.Event(), []
+    real = _sync_proc._pull_piece
+
+    def piece(b, offset, n, fd):
+        if offset == 0:  # the first piece of each file waits
+            started.append(b)
+            assert release.wait(20)
+        return real(b, offset, n, fd)
+
+    now = time.time_ns()
+    port = PortRef("ipc:///tmp/x", 1)
+    op = ("P", "ws/big.bin", buf, len(data), now - 10**10, 0o644)
+    try:
+        monkeypatch.setattr(_sync_proc, "_pull_piece", piece)
+        monkeypatch.setattr(_sync_proc, "SYNC_TIMEOUT", 1.0)
+        mb, root = _Outbox(), tmp_path / "root"
+        ops = (op, ("P", "ws/small.bin", small_buf, len(small), now - 10**10, 0o644))
+        with mock.patch.dict(os.environ, {"WORKSPACE_DIR": str(root)}):
+            _sync_proc.handle_write(mb, sync_messages.WriteFiles("s1", "k", ("ws",), ops, now, True, port))
+        assert isinstance(mb.sent[-1].error, Exception) and "did not finish within" in str(mb.sent[-1].error)
+        assert len(started) == 2  # both lanes held: one in the parted file, one in the whole one
+        release.set()  # the running pieces end: their files go
+        deadline = time.monotonic() + 20
+        while [n for n in os.listdir(root / "ws") if n.startswith(".sync")] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert os.listdir(root / "ws") == []
+
+        monkeypatch.setattr(_sync_proc, "SYNC_TIMEOUT", 30.0)
+        monkeypatch.setattr(_sync_proc, "_pull_piece", real)
+        real_open, opened = _filetree.open_new, []
+
+        def open_new(tmp):
+            if opened:
+                raise OSError(28, "No space left on device")
+            opened.append(tmp)
+            return real_open(tmp)
+
+        monkeypatch.setattr(_filetree, "open_new", open_new)
+        ops = (op, ("P", "ws/big2.bin", buf, len(data), now - 10**10, 0o644))
+        root2 = tmp_path / "root2"
+        with mock.patch.dict(os.environ, {"WORKSPACE_DIR": str(root2)}):
+            _sync_proc.handle_write(mb, sync_messages.WriteFiles("s2", "k", ("ws",), ops, now, True, port))
+        assert "No space left" in str(mb.sent[-1].error)
+        assert opened and not os.path.exists(opened[0]) and os.listdir(root2 / "ws") == []
+    finally:
+        release.set()
+        buf.drop()
+        small_buf.drop()
+
+
 @contextlib.contextmanager
 def _sync_events():
     """Record what this client does in a sync: the kind of each message it sends, and "client scan" when it
