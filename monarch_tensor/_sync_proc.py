@@ -300,7 +300,7 @@ def _pull_whole(buf, tmp: str, dest: str, size: int, mtime_ns: int, mode: int, g
 
 class _Parted:
     """A large file pulled in pieces that both lanes take (``_LaneJobs._part``): placed by the lane that
-    finishes its last piece, or removed there if a piece failed."""
+    finishes its last piece, or removed there if a piece failed or the sync did (``_LaneJobs._piece_done``)."""
 
     __slots__ = ("fd", "tmp", "dest", "size", "mtime_ns", "mode", "left", "failed")
 
