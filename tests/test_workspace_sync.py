@@ -588,7 +588,7 @@ def test_pulled_pieces_left_at_a_timeout_or_a_failed_open_leave_no_temp_file(tmp
     op = ("P", "ws/big.bin", buf, len(data), now - 10**10, 0o644)
     try:
         monkeypatch.setattr(_sync_proc, "_pull_piece", piece)
-        monkeypatch.setattr(_sync_proc, "SYNC_TIMEOUT", 1.0)
+        monkeypatch.setattr(_sync_proc, "SYNC_TIMEOUT", 3.0)  # (ample for the lanes to reach both files)
         mb, root = _Outbox(), tmp_path / "root"
         ops = (op, ("P", "ws/small.bin", small_buf, len(small), now - 10**10, 0o644))
         with mock.patch.dict(os.environ, {"WORKSPACE_DIR": str(root)}):
