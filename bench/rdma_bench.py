@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -249,12 +250,10 @@ def one_size(n, buf, raw_read) -> dict:
     return got
 
 
+@functools.cache
 def owner_class():
     """The actor that owns the benchmarks' CPU buffer: ``Owner(n)`` holds a tensor of ``n`` ones as an
     RDMABuffer (made here, on first use: torch and the project are imported late)."""
-    global _Owner
-    if _Owner is not None:
-        return _Owner
     import torch
 
     sys.path.insert(0, ROOT)
@@ -288,11 +287,7 @@ def owner_class():
                         kb += int(line.split()[1])
             return kb / 1024, os.environ.get("THP_MEM_ALLOC_ENABLE")
 
-    _Owner = Owner
     return Owner
-
-
-_Owner = None
 
 
 def run_ours():

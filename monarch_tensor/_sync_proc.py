@@ -254,7 +254,7 @@ def _copy_file(src_path: str, fd: int, size: int) -> int:
         return off
 
 
-def _whole(fill, tmp: str, dest: str, size: int, mtime_ns: int, mode: int, going=None) -> str | None:
+def _whole(fill, tmp: str, dest: str, size: int, mtime_ns: int, mode: int, going) -> str | None:
     """A lane's job: a new ``tmp`` filled by ``fill(fd)`` (which returns the bytes written) and placed at
     ``dest`` (``_filetree.place``) unless ``going()`` says the sync has failed meanwhile; ``dest`` when a
     directory stood there and was removed, else None. On failure no temp file is left behind."""
@@ -265,7 +265,7 @@ def _whole(fill, tmp: str, dest: str, size: int, mtime_ns: int, mode: int, going
         except BaseException:
             os.close(fd)
             raise
-        if going is not None and not going():  # a failed sync leaves the old version in place
+        if not going():  # a failed sync leaves the old version in place
             os.close(fd)
             _unlink(tmp)
             return None
@@ -282,12 +282,12 @@ def _unlink(path: str) -> None:
         pass
 
 
-def _copy_whole(src: str, tmp: str, dest: str, size: int, mtime_ns: int, mode: int, going=None) -> str | None:
+def _copy_whole(src: str, tmp: str, dest: str, size: int, mtime_ns: int, mode: int, going) -> str | None:
     """The client's file ``src`` copied into ``tmp`` and placed at ``dest`` (``_whole``)."""
     return _whole(lambda fd: _copy_file(src, fd, size), tmp, dest, size, mtime_ns, mode, going)
 
 
-def _pull_whole(buf, tmp: str, dest: str, size: int, mtime_ns: int, mode: int, going=None) -> str | None:
+def _pull_whole(buf, tmp: str, dest: str, size: int, mtime_ns: int, mode: int, going) -> str | None:
     """The client's file, ``buf`` on the data plane, pulled into ``tmp`` and placed at ``dest`` (``_whole``)."""
 
     def fill(fd: int) -> int:

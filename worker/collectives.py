@@ -158,9 +158,7 @@ class StagedGroup(dist.ProcessGroup):
         return self._staged("_allgather_base", [output], [input], opts or dist.AllgatherOptions())
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        for o, i in zip(outputs, inputs):
-            work = self._allgather_base(o, i, opts)
-        return work
+        return _each(self._allgather_base, outputs, inputs, opts)
 
     def reduce_scatter(self, outputs, inputs, opts=None):
         return self._staged("reduce_scatter", [outputs], [inputs], opts or dist.ReduceScatterOptions())
@@ -169,9 +167,7 @@ class StagedGroup(dist.ProcessGroup):
         return self._staged("_reduce_scatter_base", [output], [input], opts or dist.ReduceScatterOptions())
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
-        for o, i in zip(outputs, inputs):
-            work = self._reduce_scatter_base(o, i, opts)
-        return work
+        return _each(self._reduce_scatter_base, outputs, inputs, opts)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         return self._staged("alltoall_base", [output], [input], output_split_sizes, input_split_sizes,
@@ -203,6 +199,15 @@ class StagedGroup(dist.ProcessGroup):
 
     def barrier(self, opts=None):
         return self.backend.barrier(opts or dist.BarrierOptions())
+
+
+def _each(method, outputs, inputs, opts):
+    """A coalesced collective as one ``method(output, input, opts)`` per pair, in order; the last one's Work
+    (each is done when it returns)."""
+    work = None
+    for o, i in zip(outputs, inputs):
+        work = method(o, i, opts)
+    return work
 
 
 def _to_host(t):
