@@ -22,6 +22,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions as _AllgatherOptions  # (not in torch.distributed)
 from torch.utils._pytree import tree_leaves, tree_map
 
 from monarch_tensor._net import ip_towards
@@ -152,10 +153,10 @@ class StagedGroup(dist.ProcessGroup):
         return self._staged("allreduce_coalesced", [tensors], [], opts or dist.AllreduceCoalescedOptions())
 
     def allgather(self, outputs, inputs, opts=None):
-        return self._staged("allgather", [outputs], [inputs], opts or dist.AllgatherOptions())
+        return self._staged("allgather", [outputs], [inputs], opts or _AllgatherOptions())
 
     def _allgather_base(self, output, input, opts=None):
-        return self._staged("_allgather_base", [output], [input], opts or dist.AllgatherOptions())
+        return self._staged("_allgather_base", [output], [input], opts or _AllgatherOptions())
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         return _each(self._allgather_base, outputs, inputs, opts)
