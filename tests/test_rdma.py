@@ -254,6 +254,72 @@ def test_cma_transfer_in_many_pieces_on_several_threads(owners, monkeypatch):
     assert len(used) > 1, "the pieces all ran on one thread"
 
 
+@settings(max_examples=300, deadline=None)
+@given(dst=st.integers(0, 1 << 48), src=st.integers(0, 1 << 48), base=st.integers(0, 1 << 48))
+def test_cma_short_distance_and_placement(dst, src, base):
+    """Hypothesis: ``short_distance`` is exactly "the destination lies 1 to SHORT - 1 bytes past the source
+    within a page" (on a CPU with fast string copies: forced here); ``_placed`` puts staging memory within
+    the 4 KiB after its base, STAGE_SHIFT bytes past the remote bytes within a page, a fast distance."""
+    real = cma._string_copies
+    cma._string_copies = lambda: True
+    try:
+        assert cma.short_distance(dst, src) == (0 < (dst - src) % 4096 < cma.SHORT)
+        at = cma._placed(base, src)
+        assert base <= at < base + 4096 and (at - src) % 4096 == cma.STAGE_SHIFT
+        assert not cma.short_distance(at, src) and not cma.short_distance(src, at)
+    finally:
+        cma._string_copies = real
+
+
+def _at_page_offset(n: int, page_offset: int) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` bytes of fresh memory starting ``page_offset`` bytes into a page: (the view, what keeps it)."""
+    backing = np.zeros(n + 8192, dtype=np.uint8)
+    start = (page_offset - backing.ctypes.data) % 4096
+    return backing[start:start + n], backing
+
+
+def test_cma_stages_a_transfer_whose_kernel_copy_would_be_slow(owners, monkeypatch):
+    """A cma read into memory a few bytes past the remote bytes within a page (and a write from memory a
+    few bytes before them) goes through staging memory, in STAGE-byte steps spread over threads, and moves
+    exactly its bytes, at an odd offset and size; a transfer at a fast distance does not stage."""
+    monkeypatch.setenv(ENV_BACKEND, "cma")
+    monkeypatch.setattr(cma, "_string_copies", lambda: True)
+    monkeypatch.setattr(cma, "STAGE", 3 * 4096 + 512)
+    monkeypatch.setattr(cma, "STAGE_MIN", 4096)
+    monkeypatch.setattr(cma, "PIECE_MIN", 8 * 4096)  # and the pieces of two threads
+    monkeypatch.setattr(cma, "threads", lambda: 2)
+    staged, real = [], cma.CmaBackend._move_staged
+
+    def spy(self, write, desc, local, remote, n, deadline):
+        staged.append(("w" if write else "r", n))
+        return real(self, write, desc, local, remote, n, deadline)
+
+    monkeypatch.setattr(cma.CmaBackend, "_move_staged", spy)
+    o = _owner(owners)
+    n, off = 40 * 4096 + 123, 77
+    buf = o.make.call_one("staged", n + off, seed=21).get()
+    ref = o.value.call_one("staged").get().numpy()
+    remote = (buf._desc.addr + off) % 4096
+    out, keep = _at_page_offset(n, remote + 16)  # 16 bytes past the remote bytes: a slow copy
+    buf.read_into(out, offset=off).get(timeout=30)
+    assert np.array_equal(out, ref[off:])
+    assert staged and {k for k, _ in staged} == {"r"} and sum(m for _, m in staged) == n and len(staged) > 1
+    staged.clear()
+    src, keep2 = _at_page_offset(n, remote - 16)  # the remote bytes 16 past the source: a slow copy
+    src[:] = np.random.default_rng(5).integers(0, 250, n, dtype=np.uint8)
+    buf.write_from(src, offset=off).get(timeout=30)
+    assert np.array_equal(o.value.call_one("staged").get().numpy()[off:], src)
+    assert {k for k, _ in staged} == {"w"} and sum(m for _, m in staged) == n
+    staged.clear()
+    fast, keep3 = _at_page_offset(n, remote + 64)
+    buf.read_into(fast, offset=off).get(timeout=30)
+    assert np.array_equal(fast, src) and staged == []
+    monkeypatch.setattr(cma, "_string_copies", lambda: False)  # a CPU without fast string copies: direct
+    out[:] = 0
+    buf.read_into(out, offset=off).get(timeout=30)
+    assert np.array_equal(out, src) and staged == []
+
+
 def test_concurrent_transfers_and_action(owners, backend):
     o = _owner(owners)
     bufs = [o.make.call_one(f"c{i}", 5000 + i, seed=i).get() for i in range(6)]
