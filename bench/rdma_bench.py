@@ -5,6 +5,7 @@
     python bench/rdma_bench.py --tiny --json /tmp/tiny.json      # smoke test (~10 s)
     python bench/rdma_bench.py --cuda --json bench/out/rdma_cuda.json   # GPU buffers (cuda_ipc), on a GPU machine
     python bench/rdma_bench.py --layers --json bench/out/rdma_layers.json   # where a tcp read's time goes
+    python bench/rdma_bench.py --distance --json bench/out/rdma_distance.json   # cma and the page offsets
 
 The owner of the buffer is an actor on a proc, its buffer a torch tensor of the largest size made there as a
 user's would be (the table's header says how much of it sits on 2 MiB pages: procs allocate large tensors on
@@ -87,10 +88,12 @@ def in_turns(measures: dict, repeats, min_total=0.05, max_repeats=500) -> dict:
 
 
 TCP_SERVER = r'''
-import socket, sys
+import mmap, socket, sys
 srv = socket.create_server(("127.0.0.1", 0))
-payload = memoryview(bytearray(b"\x01" * int(sys.argv[1])))  # real pages, as the buffers read (a bare
-# bytearray(n) of zeros maps the kernel's zero page: every byte sent came from one cache-hot page)
+# Real pages, as the buffers read (a bare bytearray(n) of zeros maps the kernel's zero page: every byte sent
+# came from one cache-hot page), and page-aligned, as the owner's tensor is (see aligned()).
+payload = memoryview(mmap.mmap(-1, int(sys.argv[1])))
+payload[:] = b"\x01" * len(payload)
 print(srv.getsockname()[1], flush=True)
 conn, _ = srv.accept()
 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -116,6 +119,16 @@ def server_process(code: str, *args: str):
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def aligned(n: int) -> memoryview:
+    """``n`` writable bytes at a page boundary: the raw stream's destination. The kernel copies out of a
+    socket at up to half the speed into memory 16 bytes past a 64-byte boundary, where a large bytearray's
+    bytes start (on this project's VM, 1 MiB reads took 740 µs into a bytearray, 420-560 into a page-aligned
+    buffer, taking turns; 4 MiB 2.7 against 0.9-1.3 ms): the raw stream gets the best case."""
+    import mmap
+
+    return memoryview(mmap.mmap(-1, n))
 
 
 @contextlib.contextmanager
@@ -234,7 +247,7 @@ def one_size(n, buf, raw_read) -> dict:
     from rdma.buffer import transfer_stats
 
     a, b = torch.empty(n, dtype=torch.uint8), torch.ones(n, dtype=torch.uint8)
-    dst, raw_dst = torch.empty(n, dtype=torch.uint8), memoryview(bytearray(n))
+    dst, raw_dst = torch.empty(n, dtype=torch.uint8), aligned(n)
     before = transfer_stats()
     got = in_turns({
         "memcpy": (None, lambda: ctypes.memmove(a.data_ptr(), b.data_ptr(), n)),
@@ -315,11 +328,12 @@ def run_ours():
 LAYER_SIZES = [4 << 10, 64 << 10, 1 << 20]
 LAYERS = ("raw tcp stream", "our reader, minimal owner", "our reader and owner", "read_into().get()")
 MIN_OWNER = r'''
-import socket, sys
+import mmap, socket, sys
 sys.path.insert(0, sys.argv[2])
 from rdma.backends.tcp import _ANSWER, _REQ, OK
 srv = socket.create_server(("127.0.0.1", 0))
-payload = memoryview(bytearray(b"\x01" * int(sys.argv[1])))
+payload = memoryview(mmap.mmap(-1, int(sys.argv[1])))  # page-aligned, as the owner's tensor is
+payload[:] = b"\x01" * len(payload)
 print(srv.getsockname()[1], flush=True)
 conn, _ = srv.accept()
 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -358,7 +372,7 @@ def run_layers():
             minimal = dataclasses.replace(buf._desc, tcp=("127.0.0.1", int(p.stdout.readline())))
             try:
                 for n in LAYER_SIZES:
-                    dst, raw_dst = torch.empty(n, dtype=torch.uint8), memoryview(bytearray(n))
+                    dst, raw_dst = torch.empty(n, dtype=torch.uint8), aligned(n)
                     mem = as_mem(dst)
 
                     def exchange(desc, n=n, mem=mem):
@@ -394,6 +408,74 @@ def print_layers(res, json_path):
         with open(json_path, "w") as f:
             json.dump({"settings": {"LAYER_SIZES": LAYER_SIZES, "REPEATS": REPEATS, "ROUNDS": ROUNDS},
                        "seconds": {c: {str(n): t for n, t in res[c].items()} for c in LAYERS}}, f, indent=1)
+
+
+DISTANCE_SIZES = [64 << 10, 1 << 20, 4 << 20, 64 << 20]
+DISTANCES = ("same page offset", "16 B apart, direct", "16 B apart, staged")
+
+
+def run_distance():
+    """``--distance``: cma reads and writes between the owner's tensor and local memory that starts at the
+    same offset within a page as the remote bytes (as a tensor's does), or 16 bytes away from it (read:
+    16 past; write: 16 before; as a numpy array's or a bytearray's bytes against a page-aligned tensor's),
+    moved directly (the kernel's copy is then of the slow kind: rdma/backends/cma.py, ``short_distance``)
+    or through staging memory, as cma does. All taking turns (``in_turns``); medians of seconds."""
+    Owner = owner_class()
+    import numpy as np
+
+    from monarch_tensor.actor import this_host
+    from rdma.backends import cma
+
+    res = {f"{d} {c}": {} for d in ("read", "write") for c in DISTANCES}
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        n_max = max(DISTANCE_SIZES)
+        buf = procs.spawn("owner", Owner, n_max).buf_.call_one().get(timeout=TIMEOUT)
+        remote = buf._desc.addr % 4096
+        backing = np.ones(n_max + 2 * 4096, dtype=np.uint8)
+        stage_min = cma.STAGE_MIN
+
+        def move(kind, apart, n, staged):
+            start = (remote + apart - backing.ctypes.data) % 4096  # ``apart`` bytes past the remote bytes
+            mem = backing[start:start + n]
+
+            def f():
+                cma.STAGE_MIN = stage_min if staged else 1 << 62
+                try:
+                    (buf.read_into(mem) if kind == "read" else buf.write_from(mem)).get(timeout=TIMEOUT)
+                finally:
+                    cma.STAGE_MIN = stage_min
+
+            return f
+
+        for n in DISTANCE_SIZES:
+            measures = {}
+            for kind, apart in (("read", 16), ("write", -16)):
+                measures[f"{kind} same page offset"] = ("cma", move(kind, 0, n, True))
+                measures[f"{kind} 16 B apart, direct"] = ("cma", move(kind, apart, n, False))
+                measures[f"{kind} 16 B apart, staged"] = ("cma", move(kind, apart, n, True))
+            for name, t in in_turns(measures, REPEATS).items():
+                res[name][n] = t
+    finally:
+        procs.stop().get(timeout=TIMEOUT)
+    return res, cma._string_copies()
+
+
+def print_distance(res, string_copies, json_path):
+    print("cma between the owner's tensor and local memory at the same offset within a page, or 16 bytes away "
+          "(see run_distance), GiB/s (µs per transfer), medians, all taking turns; this CPU "
+          f"{'has' if string_copies else 'lacks'} fast string copies (erms/fsrm: staging is on)")
+    cols = [f"{d} {c}" for d in ("read", "write") for c in DISTANCES]
+    print(f"{'size':>8} | " + " | ".join(f"{c:>26}" for c in cols))
+    for n in DISTANCE_SIZES:
+        cells = [f"{n / res[c][n] / 2**30:7.2f} ({res[c][n] * 1e6:7.0f})" for c in cols]
+        print(f"{fmt_size(n):>8} | " + " | ".join(f"{c:>26}" for c in cells))
+    if json_path:
+        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+        with open(json_path, "w") as f:
+            json.dump({"settings": {"DISTANCE_SIZES": DISTANCE_SIZES, "REPEATS": REPEATS, "ROUNDS": ROUNDS},
+                       "string_copies": string_copies,
+                       "seconds": {c: {str(n): t for n, t in res[c].items()} for c in cols}}, f, indent=1)
 
 
 def run_cuda():
@@ -579,10 +661,16 @@ def main():
     ap.add_argument("--cuda", action="store_true", help="GPU buffers instead (cuda_ipc; needs a CUDA GPU)")
     ap.add_argument("--layers", action="store_true",
                     help="instead: where a tcp read's time goes, layer by layer, against the raw stream")
+    ap.add_argument("--distance", action="store_true",
+                    help="instead: cma into memory 16 bytes off the remote bytes' page offset, direct and staged")
     args = ap.parse_args()
     if args.tiny:
         SIZES, REPEATS, ROUNDS, PEER_MAX = TINY["SIZES"], TINY["REPEATS"], TINY["ROUNDS"], TINY["PEER_MAX"]
         LAYER_SIZES[:] = [4 << 10]
+        DISTANCE_SIZES[:] = [64 << 10]
+    if args.distance:
+        print_distance(*run_distance(), args.json)
+        return
     if args.layers:
         print_layers(run_layers(), args.json)
         return

@@ -60,3 +60,17 @@ def test_rdma_bench_layers_tiny(tmp_path):
     for layer in ("raw tcp stream", "our reader, minimal owner", "our reader and owner", "read_into().get()"):
         assert data["seconds"][layer]["4096"] > 0, layer
     assert "where a tcp read's time goes" in p.stdout
+
+
+@pytest.mark.timeout(120)
+def test_rdma_bench_distance_tiny(tmp_path):
+    out = tmp_path / "distance.json"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "rdma_bench.py"), "--tiny", "--distance", "--json",
+                        str(out)], cwd=ROOT, capture_output=True, text=True, timeout=110)
+    assert p.returncode == 0, p.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["settings"]["DISTANCE_SIZES"] == [65536]
+    for kind in ("read", "write"):
+        for col in ("same page offset", "16 B apart, direct", "16 B apart, staged"):
+            assert data["seconds"][f"{kind} {col}"]["65536"] > 0, (kind, col)
+    assert "16 bytes away" in p.stdout
