@@ -46,16 +46,20 @@ PULL_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_PAYLOAD_TIMEOUT", "60"))
 POOL_BYTES = int(os.environ.get("MONARCH_TENSOR_PAYLOAD_POOL_BYTES", str(1 << 30)))  # snapshots kept warm
 _ALIGN = 64
 _HUGE = 2 << 20
+_PAGED = 64 << 10
 
 
 def _alloc(n: int) -> np.ndarray:
-    """``n`` bytes of fresh memory; from 2 MiB up on transparent huge pages where the kernel has them:
-    a transfer into fresh memory then takes one page fault per 2 MiB, not per 4 KiB (about 1.5x faster)."""
-    if n < _HUGE:
+    """``n`` bytes of fresh memory, page-aligned from ``_PAGED`` up (a snapshot and its reader's copy then
+    start at the same offset within a page: the kernel's copy between memory a few bytes apart within a
+    page is slow, see rdma/backends/cma.py's ``short_distance``); from 2 MiB up on transparent huge pages
+    where the kernel has them: a transfer into fresh memory then takes one page fault per 2 MiB, not per
+    4 KiB (about 1.5x faster)."""
+    if n < _PAGED:
         return np.empty(n, dtype=np.uint8)
     m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is not None:
+    if n >= _HUGE and advice is not None:
         try:
             m.madvise(advice)
         except OSError:

@@ -274,3 +274,14 @@ def test_fetch_shard_and_to_mesh_across_hosts_pull_over_the_data_plane(hosts):
     assert payload.stats()["pulled"] - mine == 2  # the fetch and the inspect
     procs1 = [s[0]["pulled"] for s in e.stats.call().get(timeout=60).values()]
     assert [b - a for a, b in zip(procs0, procs1)] == [0, 1]  # host 1 pulled the to_mesh data from host 0
+
+
+def test_payload_memory_is_page_aligned_from_64_kib():
+    """A snapshot and its reader's copy start at the same offset within a page (page-aligned from
+    ``_PAGED`` up), so the kernel's copy between them is never of the slow, few-bytes-apart kind; and the
+    memory is writable and of the size asked."""
+    for n in (payload._PAGED, payload._PAGED + 17, 3 << 20):
+        a = payload._alloc(n)
+        assert a.nbytes == n and a.ctypes.data % 4096 == 0 and a.flags.writeable
+        a[:] = 7
+        assert int(a[-1]) == 7
