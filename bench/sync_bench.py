@@ -19,8 +19,9 @@ disk the figure measures the disk's write-back, not the sync.
 Each first full sync is also split into its phases (SyncResult.phases: asking the procs for their roots,
 scanning and comparing, writing, reloading), printed as a second table.
 References, measured in the same run:
-  data plane     one proc reads the same files, registered by this process as RDMABuffers, into warm
-                 memory (what the writer's pulls cost without writing files)
+  data plane     one proc reads the same files, mapped and registered by this process as RDMABuffers (as
+                 a sync's client does), into warm page-aligned memory (as a writer's scratch is): what the
+                 writer's pulls cost without writing files
   transport      the same bytes in the same message sizes (sync_messages CHUNK) sent to one proc as
                  out-of-band buffers of an actor call, until the last reply (same-host messages go
                  through /dev/shm)
@@ -38,6 +39,7 @@ Absolute figures drift between machines; compare the ratios, measured side by si
 
 import argparse
 import json
+import mmap
 import os
 import platform
 import shutil
@@ -76,8 +78,7 @@ class Sink(Actor):
 
     @endpoint
     def pull(self, bufs) -> int:
-        scratch = bytearray(max(b.size() for b in bufs))
-        view = memoryview(scratch)
+        view = memoryview(mmap.mmap(-1, max(b.size() for b in bufs)))  # page-aligned, as a writer's scratch
         for b in bufs:
             b.read_into(view[:b.size()], timeout=TIMEOUT).get(timeout=TIMEOUT)
         return sum(b.size() for b in bufs)
@@ -214,10 +215,11 @@ def bench(tmp: str, root_dir: str) -> dict:
 
         sink = procs.slice(gpus=0).spawn("sink", Sink)
         files = sorted(os.listdir(big_dir))
-        rbufs = []
-        for name in files:
+        rbufs, maps = [], []
+        for name in files:  # mapped, as a sync's client maps the files it lets writers pull
             with open(os.path.join(big_dir, name), "rb") as f:
-                rbufs.append(RDMABuffer(f.read()))
+                maps.append(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ))
+            rbufs.append(RDMABuffer(memoryview(maps[-1])))
         sink.pull.call_one(rbufs[:1]).get(timeout=TIMEOUT)
         rates_dp = []
         for _ in range(REPEATS):
@@ -226,6 +228,7 @@ def bench(tmp: str, root_dir: str) -> dict:
             rates_dp.append(got / (time.perf_counter() - t) / 1e6)
         for b in rbufs:
             b.drop()
+        del rbufs, maps  # (the mappings close once nothing holds a view of them)
         out["data_plane_mb_s"] = statistics.median(rates_dp)
         sizes = [os.path.getsize(os.path.join(big_dir, n)) for n in files]
         for lanes, key in ((1, "file_writes_mb_s"), (2, "file_writes_2_lanes_mb_s")):
