@@ -280,8 +280,10 @@ def _at_page_offset(n: int, page_offset: int) -> tuple[np.ndarray, np.ndarray]:
 
 def test_cma_stages_a_transfer_whose_kernel_copy_would_be_slow(owners, monkeypatch):
     """A cma read into memory a few bytes past the remote bytes within a page (and a write from memory a
-    few bytes before them) goes through staging memory, in STAGE-byte steps spread over threads, and moves
-    exactly its bytes, at an odd offset and size; a transfer at a fast distance does not stage."""
+    few bytes before them) goes through staging memory, each of its pieces in STAGE-byte steps (not a
+    whole number of pages here, so each step places its staging memory anew), and moves exactly its bytes, at an
+    odd offset and size; a transfer at a fast distance, or on a CPU without fast string copies, does not
+    stage."""
     monkeypatch.setenv(ENV_BACKEND, "cma")
     monkeypatch.setattr(cma, "_string_copies", lambda: True)
     monkeypatch.setattr(cma, "STAGE", 3 * 4096 + 512)

@@ -26,10 +26,10 @@ kernel copies between processes with ``rep movsb``, and that copy is several
 times slower when its destination lies a few bytes past its source, counted
 within a page (``short_distance``: glibc's memmove steers clear of the case,
 the kernel's copy does not). On this project's VM (an AMD EPYC) a distance of
-1 to 31 bytes made 64 KiB-64 MiB reads 1.6-7x slower: a 4 MiB read of a
+1 to 31 bytes made 64 KiB-64 MiB reads 1.6-11x slower: a 4 MiB read of a
 page-aligned tensor took 1.7-2.7 ms into a bytearray or a numpy array (whose
-bytes start 16 bytes into a page) against 0.3-0.4 ms into a tensor (64 bytes
-in, or page-aligned). Such a transfer goes through this thread's staging
+bytes start 16 bytes into a page) against 0.22-0.4 ms into a tensor (64 bytes
+in, or page-aligned), 0.37-0.47 ms staged (bench/rdma_bench.py --distance). Such a transfer goes through this thread's staging
 memory (``STAGE`` bytes at a time, placed ``STAGE_SHIFT`` bytes past the
 remote bytes within a page), then memmove: one more copy, of cache-warm bytes.
 """
@@ -52,7 +52,7 @@ from .base import Backend, check_deadline
 _MAX_CALL = 1 << 30  # bytes per call (the kernel caps a call at about 2 GiB anyway)
 SHORT = 32  # a copy whose destination lies 1 to SHORT - 1 bytes past its source, within a page, is slow
 STAGE = 2 << 20  # bytes per staged call (see the docstring)
-STAGE_SHIFT = 256  # where staging memory sits within a page, past the remote bytes (fast at any of 32-4095)
+STAGE_SHIFT = 256  # where staging memory sits within a page, past the remote bytes (0 and 32-4095: fast here)
 STAGE_MIN = 16 << 10  # bytes: smaller transfers are moved directly however far apart (a few µs at most)
 PIECE_MIN = 4 << 20  # bytes: a transfer under twice this runs in one piece on the calling thread
 PIECE_MAX = 32 << 20  # bytes: larger transfers are cut into more pieces than threads, taken in turn
