@@ -395,19 +395,25 @@ def run_layers():
     return res
 
 
-def print_layers(res, json_path):
-    print("where a tcp read's time goes (see run_layers), µs per read, medians, all taking turns; in brackets "
-          "the raw stream's time as a share of it")
-    print(f"{'size':>8} | " + " | ".join(f"{c:>26}" for c in LAYERS))
-    for n in LAYER_SIZES:
-        raw = res["raw tcp stream"][n]
-        cells = [f"{res[c][n] * 1e6:9.1f} ({raw / res[c][n]:5.0%})" for c in LAYERS]
-        print(f"{fmt_size(n):>8} | " + " | ".join(f"{c:>26}" for c in cells))
+def print_turns(title, res, cols, sizes, cell, json_path, settings, **extra):
+    """Print ``res`` (column -> size -> seconds) under ``title`` as a table, a row per size, ``cell(column,
+    size)`` in each; with ``json_path``, write ``settings`` (and REPEATS, ROUNDS), ``extra`` and the seconds."""
+    print(title)
+    print(f"{'size':>8} | " + " | ".join(f"{c:>26}" for c in cols))
+    for n in sizes:
+        print(f"{fmt_size(n):>8} | " + " | ".join(f"{cell(c, n):>26}" for c in cols))
     if json_path:
         os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
         with open(json_path, "w") as f:
-            json.dump({"settings": {"LAYER_SIZES": LAYER_SIZES, "REPEATS": REPEATS, "ROUNDS": ROUNDS},
-                       "seconds": {c: {str(n): t for n, t in res[c].items()} for c in LAYERS}}, f, indent=1)
+            json.dump({"settings": {**settings, "REPEATS": REPEATS, "ROUNDS": ROUNDS}, **extra,
+                       "seconds": {c: {str(n): t for n, t in res[c].items()} for c in cols}}, f, indent=1)
+
+
+def print_layers(res, json_path):
+    print_turns("where a tcp read's time goes (see run_layers), µs per read, medians, all taking turns; in "
+                "brackets the raw stream's time as a share of it", res, LAYERS, LAYER_SIZES,
+                lambda c, n: f"{res[c][n] * 1e6:9.1f} ({res['raw tcp stream'][n] / res[c][n]:5.0%})", json_path,
+                {"LAYER_SIZES": LAYER_SIZES})
 
 
 DISTANCE_SIZES = [64 << 10, 1 << 20, 4 << 20, 64 << 20]
@@ -462,20 +468,12 @@ def run_distance():
 
 
 def print_distance(res, string_copies, json_path):
-    print("cma between the owner's tensor and local memory at the same offset within a page, or 16 bytes away "
-          "(see run_distance), GiB/s (µs per transfer), medians, all taking turns; this CPU "
-          f"{'has' if string_copies else 'lacks'} fast string copies (erms/fsrm: staging is on)")
-    cols = [f"{d} {c}" for d in ("read", "write") for c in DISTANCES]
-    print(f"{'size':>8} | " + " | ".join(f"{c:>26}" for c in cols))
-    for n in DISTANCE_SIZES:
-        cells = [f"{n / res[c][n] / 2**30:7.2f} ({res[c][n] * 1e6:7.0f})" for c in cols]
-        print(f"{fmt_size(n):>8} | " + " | ".join(f"{c:>26}" for c in cells))
-    if json_path:
-        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
-        with open(json_path, "w") as f:
-            json.dump({"settings": {"DISTANCE_SIZES": DISTANCE_SIZES, "REPEATS": REPEATS, "ROUNDS": ROUNDS},
-                       "string_copies": string_copies,
-                       "seconds": {c: {str(n): t for n, t in res[c].items()} for c in cols}}, f, indent=1)
+    print_turns("cma between the owner's tensor and local memory at the same offset within a page, or 16 bytes "
+                "away (see run_distance), GiB/s (µs per transfer), medians, all taking turns; this CPU "
+                f"{'has' if string_copies else 'lacks'} fast string copies (erms/fsrm: staging is on)", res,
+                [f"{d} {c}" for d in ("read", "write") for c in DISTANCES], DISTANCE_SIZES,
+                lambda c, n: f"{n / res[c][n] / 2**30:7.2f} ({res[c][n] * 1e6:7.0f})", json_path,
+                {"DISTANCE_SIZES": DISTANCE_SIZES}, string_copies=string_copies)
 
 
 def run_cuda():

@@ -49,28 +49,29 @@ def test_rdma_bench_tiny(tmp_path):
         assert "no plot: matplotlib is not installed" in p.stdout
 
 
-@pytest.mark.timeout(120)
-def test_rdma_bench_layers_tiny(tmp_path):
-    out = tmp_path / "layers.json"
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "rdma_bench.py"), "--tiny", "--layers", "--json",
+def _bench_tiny(tmp_path, mode: str) -> tuple[str, dict]:
+    """``rdma_bench.py --tiny MODE --json``: its stdout and its JSON (it must exit 0)."""
+    out = tmp_path / f"{mode.strip('-')}.json"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "rdma_bench.py"), "--tiny", mode, "--json",
                         str(out)], cwd=ROOT, capture_output=True, text=True, timeout=110)
     assert p.returncode == 0, p.stderr[-3000:]
-    data = json.loads(out.read_text())
+    return p.stdout, json.loads(out.read_text())
+
+
+@pytest.mark.timeout(120)
+def test_rdma_bench_layers_tiny(tmp_path):
+    stdout, data = _bench_tiny(tmp_path, "--layers")
     assert data["settings"]["LAYER_SIZES"] == [4096]
     for layer in ("raw tcp stream", "our reader, minimal owner", "our reader and owner", "read_into().get()"):
         assert data["seconds"][layer]["4096"] > 0, layer
-    assert "where a tcp read's time goes" in p.stdout
+    assert "where a tcp read's time goes" in stdout
 
 
 @pytest.mark.timeout(120)
 def test_rdma_bench_distance_tiny(tmp_path):
-    out = tmp_path / "distance.json"
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "rdma_bench.py"), "--tiny", "--distance", "--json",
-                        str(out)], cwd=ROOT, capture_output=True, text=True, timeout=110)
-    assert p.returncode == 0, p.stderr[-3000:]
-    data = json.loads(out.read_text())
-    assert data["settings"]["DISTANCE_SIZES"] == [65536]
+    stdout, data = _bench_tiny(tmp_path, "--distance")
+    assert data["settings"]["DISTANCE_SIZES"] == [65536] and isinstance(data["string_copies"], bool)
     for kind in ("read", "write"):
         for col in ("same page offset", "16 B apart, direct", "16 B apart, staged"):
             assert data["seconds"][f"{kind} {col}"]["65536"] > 0, (kind, col)
-    assert "16 bytes away" in p.stdout
+    assert "16 bytes away" in stdout
