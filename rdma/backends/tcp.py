@@ -274,7 +274,7 @@ class Server:
             conn.sendall(_ANSWER[status])
             return
         mem = reg.mem
-        data = mem.slice(offset, length).cpu().numpy() if mem.is_cuda else mem.view(offset, length)
+        data = mem.slice(offset, length).cpu().numpy() if mem.is_cuda else _whole(reg)[offset:offset + length]
         _send_parts(conn, _ANSWER[OK], data)
 
     def _serve_atomic(self, conn, reg, status, offset, op) -> None:
@@ -326,8 +326,18 @@ class Server:
             _recv_exact(conn, memoryview(stage.numpy()))
             mem.slice(offset, length).copy_(stage)
         else:
-            (_recv_rest if alone else _recv_exact)(conn, mem.view(offset, length))
+            (_recv_rest if alone else _recv_exact)(conn, _whole(reg)[offset:offset + length])
         conn.sendall(_ANSWER[OK])
+
+
+def _whole(reg) -> memoryview:
+    """A writable memoryview of a CPU registration's whole buffer, made at its first transfer and kept with
+    it (the registration keeps the memory alive): slicing it takes 0.1 µs, making a view of a transfer's
+    bytes through ctypes (``Mem.view``) 0.7 µs, on each request."""
+    view = reg.cache.get("tcp")
+    if view is None:
+        view = reg.cache["tcp"] = reg.mem.view(0, reg.mem.nbytes)
+    return view
 
 
 def _default_host() -> str:
