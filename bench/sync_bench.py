@@ -29,7 +29,7 @@ References, measured in the same run:
                  the floor for any sync, whatever moves the bytes; again in two threads, as the writer's
                  two lanes write (on a 2-core machine, the most the cores can write)
   copies alone   one proc copies the same files from the sources into a fresh directory as a copying
-                 writer does (its _copy_file: sendfile, two lanes) and does nothing else
+                 writer does (its _copy_file: copy_file_range, two lanes) and does nothing else
   best any sync  BIG_MB written in two lanes plus one call() to every proc (a sync ends by telling each
                  proc to put the dirs on sys.path, once the files are there): no first sync can be faster;
                  and "best a copying sync": the copies alone plus that call

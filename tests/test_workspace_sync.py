@@ -485,6 +485,55 @@ def test_a_syncs_copies_run_on_across_messages_and_deletes_wait_for_them(tmp_pat
     assert not [n for n in os.listdir(tmp_path / "root2" / "ws") if n.startswith(".sync")]
 
 
+def _refuse(err):
+    def call(*a, **k):
+        raise OSError(err, os.strerror(err))
+    return call
+
+
+@pytest.mark.parametrize("how", ["as is", "no copy_file_range", "copy_file_range reads nothing",
+                                 "copy_file_range stops midway", "neither call here", "a file that shrank"])
+def test_a_copy_falls_back_call_by_call_and_lands_every_byte(tmp_path, monkeypatch, how):
+    """``_copy_file`` tries copy_file_range (which clones where the file system can), then sendfile for
+    what is left, then reads and writes: whichever refuses or stops short, every byte lands once, at its
+    offset, and the count returned is what was copied. A refusal other than "not between these files"
+    is an error."""
+    import errno
+
+    data = os.urandom(3 * 4096 + 123)
+    src = tmp_path / "src.bin"
+    src.write_bytes(data)
+    size = len(data)
+    real_cfr = os.copy_file_range
+    patches = {
+        "as is": {},
+        "no copy_file_range": {"copy_file_range": _refuse(errno.ENOSYS)},
+        "copy_file_range reads nothing": {"copy_file_range": lambda *a: 0},  # as some special files do
+        "copy_file_range stops midway": {"copy_file_range": lambda s, d, n, i, o: real_cfr(s, d, min(n, 5000), i, o)
+                                         if i == 0 else 0},
+        "neither call here": {"copy_file_range": _refuse(errno.EXDEV), "sendfile": _refuse(errno.EINVAL)},
+        "a file that shrank": {},
+    }[how]
+    if how == "a file that shrank":
+        size += 5000  # the size the client saw; the file is shorter now
+    fd = os.open(tmp_path / "dst.bin", os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        for name, fn in patches.items():
+            monkeypatch.setattr(os, name, fn)
+        got = _sync_proc._copy_file(str(src), fd, size)
+    finally:
+        monkeypatch.undo()
+        os.close(fd)
+    assert got == len(data)
+    assert (tmp_path / "dst.bin").read_bytes() == data
+    fd = os.open(tmp_path / "dst2.bin", os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        with mock.patch.object(os, "copy_file_range", _refuse(errno.EIO)), pytest.raises(OSError, match="Input/output"):
+            _sync_proc._copy_file(str(src), fd, len(data))
+    finally:
+        os.close(fd)
+
+
 def test_a_lane_held_up_by_one_file_leaves_the_others_to_the_other_lane(tmp_path):
     """The lanes take a sync's copies one at a time from a shared queue: while one lane is held up by a
     file, the other copies every other file (lanes dealt half of the files each up front waited here until
