@@ -4,27 +4,83 @@
 created before the reload still has its old class. So after re-executing a
 module, every function and class the module had before is patched from its new
 version (the function's code, defaults and attributes; the class's methods and
-attributes), as IPython's ``autoreload`` does. Existing actors, and anything
-that did ``from mod import f``, run the new code from the next call on.
+attributes; a decorated function's wrapped function too), as IPython's
+``autoreload`` does. Existing actors, and anything that did ``from mod import
+f``, run the new code from the next call on.
+
+A module whose file changed stays stale until a reload succeeds: one synced
+without ``auto_reload``, or whose reload failed, is reloaded by the next sync
+that has it, whatever that sync changed.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import types
 
+# Modules whose files a sync changed after they were imported and that have not been reloaded since: the
+# sync had no ``auto_reload``, or their reload failed. The next reload takes them too, unless the module
+# was imported afresh meanwhile (another object in ``sys.modules``).
+_stale: dict[str, types.ModuleType] = {}
+
+
+class ReloadError(Exception):
+    """Some modules failed to reload; the others were. The failed ones stay stale: the next reload tries them
+    again."""
+
+
+def note_changed(names) -> None:
+    """The files of modules ``names`` changed: those imported here are stale until reloaded."""
+    for name in names:
+        mod = sys.modules.get(name)
+        if mod is not None:
+            _stale[name] = mod
+
+
+def reload_stale() -> list[str]:
+    """Reload every stale module (``note_changed``) still imported; return those reloaded.
+
+    A module whose file is gone (deleted, or renamed) leaves ``sys.modules`` instead, so that importing it
+    fails as it would in a fresh process. Every stale module is tried, even after one fails; then
+    ``ReloadError`` names the failed ones, which stay stale.
+    """
+    for name, mod in list(_stale.items()):
+        if sys.modules.get(name) is not mod:  # imported afresh (or dropped) since: not stale any more
+            del _stale[name]
+            continue
+        path = getattr(mod, "__file__", None)
+        if path and not os.path.exists(path):
+            del sys.modules[name]
+            del _stale[name]
+    done, failed = [], []
+    for name in _import_order(_stale):
+        try:
+            reload_modules([name])
+        except Exception as e:  # noqa: BLE001 - named in the ReloadError below
+            failed.append(f"{name}: {e!r}")
+            continue
+        _stale.pop(name, None)
+        done.append(name)
+    if failed:
+        raise ReloadError(f"{len(failed)} module(s) failed to reload and keep their old code until a later reload "
+                          f"succeeds (reloaded: {done or 'none'}): " + "; ".join(failed))
+    return done
+
+
+def _import_order(names) -> list[str]:
+    """``names`` that are imported, dependencies first: a module imported by another one entered
+    ``sys.modules`` after it, so modules come in reverse order of import."""
+    wanted = set(names)
+    return [n for n in reversed(list(sys.modules)) if n in wanted and sys.modules[n] is not None]
+
 
 def reload_modules(names: list[str]) -> list[str]:
-    """Reload the imported ones among ``names``; return those reloaded.
-
-    Dependencies first: a module imported by another one entered ``sys.modules``
-    after it, so imported modules are reloaded in reverse order of import.
-    """
-    wanted = set(names)
-    order = [n for n in reversed(list(sys.modules)) if n in wanted and sys.modules[n] is not None]
+    """Reload the imported ones among ``names`` (dependencies first, ``_import_order``); return those
+    reloaded. The first failure raises."""
     done = []
-    for name in order:
+    for name in _import_order(names):
         mod = sys.modules[name]
         before = dict(mod.__dict__)
         importlib.reload(mod)
@@ -41,16 +97,41 @@ def _update(old, new, module: str) -> None:
         _update_function(old, new)
     elif isinstance(old, type) and isinstance(new, type) and getattr(old, "__module__", None) == module:
         _update_class(old, new)
+    elif type(old) is type(new) and isinstance(getattr(old, "__wrapped__", None), types.FunctionType) \
+            and isinstance(getattr(new, "__wrapped__", None), types.FunctionType):
+        _update_function(old.__wrapped__, new.__wrapped__)  # a wrapper object, as functools.lru_cache makes
+        clear = getattr(old, "cache_clear", None)
+        if callable(clear):
+            clear()  # (its results came from the old code)
 
 
-def _update_function(old: types.FunctionType, new: types.FunctionType) -> None:
+def _update_function(old: types.FunctionType, new: types.FunctionType, seen: set | None = None) -> None:
+    """``old`` runs ``new``'s code from now on; so does every function its closure holds that ``new``'s holds
+    a new version of: a decorator's wrapper (``functools.wraps``, ``torch.no_grad()``) holds the function
+    it wraps there, and the old wrapper would call the old function."""
     if len(old.__code__.co_freevars) != len(new.__code__.co_freevars):
         return  # a different closure shape: the old function keeps its code
+    seen = set() if seen is None else seen
+    if id(old) in seen:  # (a closure may hold its own function)
+        return
+    seen.add(id(old))
     old.__code__ = new.__code__
     old.__defaults__ = new.__defaults__
     old.__kwdefaults__ = new.__kwdefaults__
     old.__doc__ = new.__doc__
+    wrapped = old.__dict__.get("__wrapped__")
     old.__dict__.update(new.__dict__)
+    if isinstance(wrapped, types.FunctionType) and isinstance(new.__dict__.get("__wrapped__"), types.FunctionType):
+        old.__wrapped__ = wrapped  # the old wrapper names the function it calls, which runs the new code now
+        _update_function(wrapped, new.__wrapped__, seen)
+    for a, b in zip(old.__closure__ or (), new.__closure__ or ()):
+        try:
+            x, y = a.cell_contents, b.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if x is not y and isinstance(x, types.FunctionType) and isinstance(y, types.FunctionType) \
+                and x.__qualname__ == y.__qualname__:
+            _update_function(x, y, seen)
 
 
 def _update_class(old: type, new: type) -> None:

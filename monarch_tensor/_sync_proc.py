@@ -692,10 +692,8 @@ def handle_reload(mailbox: Mailbox, msg: ReloadWorkspace) -> None:
         root = workspace_root(msg.client_key)
         add_to_sys_path(root, msg.dirs)
         importlib.invalidate_caches()
-        reloaded: list[str] = []
-        if msg.auto_reload:
-            names = [_filetree.module_name(k, list(msg.dirs)) for k in msg.changed]
-            reloaded = _reload.reload_modules([n for n in names if n])
+        _reload.note_changed(n for n in (_filetree.module_name(k, list(msg.dirs)) for k in msg.changed) if n)
+        reloaded = _reload.reload_stale() if msg.auto_reload else []
     except Exception as e:  # noqa: BLE001
         _reply(mailbox, msg.reply, error=_failed("workspace reload", e))
         return

@@ -87,7 +87,8 @@ class WriteFiles:
 @_fast_reduce
 @dataclass(frozen=True, slots=True)
 class ReloadWorkspace:
-    """Client -> every proc: put the synced dirs on sys.path; with ``auto_reload``, re-import ``changed`` files."""
+    """Client -> every proc: put the synced dirs on sys.path; the modules of ``changed`` files are stale
+    (``_reload.note_changed``); with ``auto_reload``, re-import every stale one."""
 
     client_key: str
     dirs: tuple[str, ...]

@@ -622,7 +622,7 @@ def _sync(procs: list, workspace: Workspace, auto_reload: bool, root_var: str = 
     t3 = time.perf_counter()
     result.changed = sorted(changed)
     if procs and not root_var:
-        names = tuple(sorted(changed)) if auto_reload else ()  # (what changed matters to a reload only)
+        names = tuple(sorted(k for k in changed if k.endswith(".py")))  # (stale until reloaded, see _reload)
         replies = _ask(procs, lambda port: ReloadWorkspace(key, dirs, names, auto_reload, port),
                        "workspace reload")
         result.reloaded = {p.rank: r for p, r in zip(procs, replies)}

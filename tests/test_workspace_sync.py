@@ -322,6 +322,54 @@ def test_sync_to_two_roots_with_hot_reload(tmp_path):
         procs.stop()
 
 
+class Uses(Actor):
+    @endpoint
+    def f(self):
+        import ua
+
+        return ua.f()
+
+
+@pytest.mark.timeout(120)
+def test_a_renamed_module_and_a_failed_reload_leave_no_module_stale(tmp_path):
+    """A module renamed away leaves the procs' imports rather than failing the reload; a reload that fails
+    says which module failed, and the module is reloaded by a later sync that has it, even one whose own
+    changes are elsewhere or that came without auto_reload."""
+    from monarch_tensor.errors import SyncError
+
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "ua.py").write_text("import old\ndef f():\n    return 'a1'\n")
+    (proj / "old.py").write_text("X = 1\n")
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    try:
+        procs.env.set("WORKSPACE_DIR", str(tmp_path / "root")).get(timeout=30)
+        ws = Workspace(dirs=[proj])
+        procs.sync_workspace(ws, auto_reload=True).get(timeout=60)
+        uses = procs.spawn("uses", Uses)
+        assert uses.f.call().get(timeout=30).values() == ["a1", "a1"]
+
+        (proj / "old.py").rename(proj / "new.py")
+        (proj / "ua.py").write_text("import new\ndef f():\n    return 'a2'\n")
+        res = procs.sync_workspace(ws, auto_reload=True).get(timeout=60)
+        assert res.changed == ["proj/new.py", "proj/old.py", "proj/ua.py"]
+        assert list(res.reloaded.values()) == [("ua",), ("ua",)]
+        assert uses.f.call().get(timeout=30).values() == ["a2", "a2"]
+
+        (proj / "ua.py").write_text("def f(:\n")
+        with pytest.raises(SyncError, match=r"ua: SyntaxError"):
+            procs.sync_workspace(ws, auto_reload=True).get(timeout=60)
+        assert uses.f.call().get(timeout=30).values() == ["a2", "a2"]  # the old code, until a reload succeeds
+        (proj / "ua.py").write_text("import new\ndef f():\n    return 'a3'\n")
+        procs.sync_workspace(ws).get(timeout=60)  # no auto_reload: ua stays stale
+        (proj / "notes.txt").write_text("elsewhere\n")
+        res = procs.sync_workspace(ws, auto_reload=True).get(timeout=60)
+        assert res.changed == ["proj/notes.txt"] and list(res.reloaded.values()) == [("ua",), ("ua",)]
+        assert uses.f.call().get(timeout=30).values() == ["a3", "a3"]
+    finally:
+        procs.stop()
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend", ["cma", "tcp"])
 def test_large_files_are_pulled_over_the_data_plane(tmp_path, monkeypatch, backend):

@@ -1,0 +1,139 @@
+"""Hot reload in one process (``monarch_tensor._reload``): what a sync's ``auto_reload`` does in each proc.
+
+Modules live in a fresh directory on ``sys.path``; each test edits their files, says which changed
+(``note_changed``, as a sync does) and reloads (``reload_stale``), then checks what old references run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import textwrap
+
+import pytest
+
+from monarch_tensor import _reload
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def pkgdir(tmp_path, monkeypatch):
+    """A directory on sys.path; the modules imported from it leave sys.modules afterwards."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(_reload, "_stale", {})
+    before = set(sys.modules)
+    yield tmp_path
+    for name in set(sys.modules) - before:
+        del sys.modules[name]
+
+
+def write(d, name: str, text: str) -> None:
+    (d / f"{name}.py").write_text(textwrap.dedent(text))
+    importlib.invalidate_caches()
+
+
+def test_a_failed_reload_fails_the_call_reloads_the_others_and_is_retried_next_time(pkgdir):
+    write(pkgdir, "ra", "def f():\n    return 'a1'\n")
+    write(pkgdir, "rb", "def g():\n    return 'b1'\n")
+    import ra
+    import rb
+
+    f, g = ra.f, rb.g
+    write(pkgdir, "ra", "def f():\n    return 'a2'\n")
+    write(pkgdir, "rb", "def g(:\n")  # a syntax error
+    _reload.note_changed(["ra", "rb"])
+    with pytest.raises(_reload.ReloadError, match=r"rb: SyntaxError") as e:
+        _reload.reload_stale()
+    assert "reloaded: ['ra']" in str(e.value)
+    assert f() == "a2" and g() == "b1"  # ra reloaded although rb (imported after it) failed
+    write(pkgdir, "rb", "def g():\n    return 'b3'\n")
+    assert _reload.reload_stale() == ["rb"]  # nothing noted this time: rb was still stale
+    assert g() == "b3"
+    assert _reload.reload_stale() == []
+
+
+def test_a_change_synced_without_reload_is_reloaded_by_the_next_reload(pkgdir):
+    write(pkgdir, "rc", "X = 1\n")
+    write(pkgdir, "rd", "Y = 1\n")
+    import rc
+    import rd
+
+    write(pkgdir, "rc", "X = 2\n")
+    _reload.note_changed(["rc", "not_imported_here"])  # a sync without auto_reload
+    write(pkgdir, "rd", "Y = 2\n")
+    _reload.note_changed(["rd"])
+    assert sorted(_reload.reload_stale()) == ["rc", "rd"]
+    assert (rc.X, rd.Y) == (2, 2)
+
+
+def test_a_deleted_or_renamed_module_leaves_sys_modules_and_is_not_reloaded(pkgdir):
+    write(pkgdir, "old_name", "Z = 1\n")
+    write(pkgdir, "user", "import old_name\ndef h():\n    return 'h1'\n")
+    import user
+
+    (pkgdir / "old_name.py").rename(pkgdir / "new_name.py")
+    write(pkgdir, "user", "def h():\n    return 'h2'\n")
+    _reload.note_changed(["old_name", "new_name", "user"])
+    assert _reload.reload_stale() == ["user"]
+    assert user.h() == "h2" and "old_name" not in sys.modules
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("old_name")
+    assert importlib.import_module("new_name").Z == 1
+
+
+def test_a_module_imported_afresh_meanwhile_is_not_reloaded(pkgdir):
+    write(pkgdir, "re_", "N = 1\n")
+    import re_  # noqa: F401
+
+    write(pkgdir, "re_", "N = 2\n")
+    _reload.note_changed(["re_"])
+    del sys.modules["re_"]
+    assert importlib.import_module("re_").N == 2
+    assert _reload.reload_stale() == []
+
+
+DECORATED = """
+import functools
+import torch
+
+def deco(fn):
+    @functools.wraps(fn)
+    def wrapper(*a, **k):
+        return fn(*a, **k)
+    return wrapper
+
+@deco
+def wrapped():
+    return "w{v}"
+
+@torch.no_grad()
+def evaluate():
+    return "e{v}", torch.is_grad_enabled()
+
+@functools.lru_cache(maxsize=None)
+def cached(x):
+    return "c{v}" + str(x)
+
+def plain():
+    return "p{v}"
+
+def recursive(n):
+    def inner(k):
+        return "r{v}" if k == 0 else inner(k - 1)
+    return inner(n)
+"""
+
+
+def test_old_references_to_decorated_functions_run_the_new_code(pkgdir):
+    write(pkgdir, "ev", DECORATED.format(v=1))
+    from ev import cached, evaluate, plain, recursive, wrapped  # as another module would hold them
+
+    assert (wrapped(), evaluate(), cached(0), plain(), recursive(3)) == ("w1", ("e1", False), "c10", "p1", "r1")
+    write(pkgdir, "ev", DECORATED.format(v=2))
+    _reload.note_changed(["ev"])
+    assert _reload.reload_stale() == ["ev"]
+    assert wrapped() == "w2"
+    assert evaluate() == ("e2", False)  # still under no_grad
+    assert cached(0) == "c20"  # the cache of the old code's results was cleared
+    assert plain() == "p2" and recursive(3) == "r2"
