@@ -235,6 +235,8 @@ def _reduce_tensor(t):
     if t.device.type not in ("cpu", "cuda") or t.requires_grad or not t.is_contiguous() or t.is_sparse \
             or t.is_quantized:
         return t.__reduce_ex__(5)
+    if t.is_conj() or t.is_neg():  # a lazy view, whose bytes are not its values: sent as its values
+        t = t.resolve_conj().resolve_neg()
     cuda = t.device.type == "cuda"
     if cuda:  # its bytes travel as a CPU tensor's would (out of band: on the data plane when large)
         t = t.to("cpu")

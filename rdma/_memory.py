@@ -70,6 +70,9 @@ def as_mem(obj: Any, what: str = "data") -> Mem:
     if torch is not None and isinstance(obj, torch.Tensor):
         if obj.layout != torch.strided:
             raise ValueError(f"{what} must be a dense tensor, got layout {obj.layout}")
+        if obj.is_conj() or obj.is_neg():  # its bytes are not its values
+            raise ValueError(f"{what} is a lazily {'conjugated' if obj.is_conj() else 'negated'} view, whose bytes "
+                             f"are not its values; call .resolve_conj() and .resolve_neg() first")
         if not obj.is_contiguous():
             raise ValueError(f"{what} must be contiguous (got strides {tuple(obj.stride())} for shape "
                              f"{tuple(obj.shape)}); call .contiguous() first")

@@ -501,6 +501,11 @@ def test_size_mismatch_and_bad_input_refused_before_transfer(owners):
         RDMABuffer(np.zeros((4, 4))[:, 1])
     with pytest.raises(TypeError, match="tensor, an ndarray"):
         RDMABuffer("not memory")
+    z = torch.randn(8, dtype=torch.complex64)
+    with pytest.raises(ValueError, match="lazily conjugated view.*resolve_conj"):
+        RDMABuffer(z.conj())  # its bytes are z's: a reader would get the values unconjugated
+    with pytest.raises(ValueError, match="lazily negated view"):
+        buf.read_into(torch.empty(12, dtype=torch.float64)._neg_view())
     with pytest.raises(ValueError, match="read-only"):
         RDMABuffer(b"abc").write_from(bytearray(b"x"))
 

@@ -277,6 +277,13 @@ def test_torch_tensors_round_trip():
     assert torch.equal(out["t"], t) and torch.equal(out["view"], t[:, 1])
 
 
+def test_lazy_conjugate_and_negative_views_travel_as_their_values():
+    z = torch.randn(5, dtype=torch.complex64)
+    x = torch.randn(6)
+    out = _roundtrip(messages.SendToPort(1, {"conj": z.conj(), "neg": x._neg_view()}, None, 0)).value
+    assert torch.equal(out["conj"], z.conj().resolve_conj()) and torch.equal(out["neg"], -x)
+
+
 def test_code_defined_here_travels_by_value():
     class Local:
         def __init__(self, v):
