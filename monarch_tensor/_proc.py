@@ -27,6 +27,10 @@ from .mailbox import _EVENTS, _POLLIN, Mailbox, set_current_mailbox
 from .messages import CallEndpoint, ForwardLogs, KnowPeers, SendToPort, SetLogging, SpawnActor, StopProc
 from .shape import Point, Shape
 
+# A call to an actor this proc does not have waits this long for its spawn before it fails (see
+# ProcRuntime._await_actor).
+UNKNOWN_ACTOR_WAIT_S = float(os.environ.get("MONARCH_TENSOR_UNKNOWN_ACTOR_WAIT", "2"))
+
 log = logging.getLogger("monarch_tensor.proc")
 
 
@@ -158,6 +162,7 @@ class ProcRuntime:
         self.client_addr = client_addr
         self.loop = asyncio.new_event_loop()
         self.actors: dict[str, _Slot] = {}
+        self._awaiting: dict[str, tuple[asyncio.TimerHandle, list[CallEndpoint]]] = {}  # (_await_actor)
         self._handlers: dict[type, object] = {}  # message type -> its handle_X method (or None)
         # No I/O thread: the loop's own thread receives, so a call costs no thread hop here.
         self.mailbox = Mailbox(addr, on_message=self._handle, on_logs=self._relay_logs, io_thread=False)
@@ -240,16 +245,36 @@ class ProcRuntime:
             _context.leave(token)
         self.actors[msg.name] = slot
         self._reply(msg.reply, None, err, point.rank)
+        timer, calls = self._awaiting.pop(msg.name, (None, ()))
+        if timer is not None:
+            timer.cancel()
+        for call in calls:
+            self.handle_CallEndpoint(call)
 
     def handle_CallEndpoint(self, msg: CallEndpoint) -> None:
         slot = self.actors.get(msg.actor)
         if slot is None:
-            err = ActorError(msg.actor, -1, msg.method, f"no actor named {msg.actor!r} on proc {self.rank}", "")
-            self._reply(msg.reply, None, err, -1)
+            self._await_actor(msg)
             return
         slot.queue.append(msg)
         if not slot.busy:
             self._pump(slot)
+
+    def _await_actor(self, msg: CallEndpoint) -> None:
+        """A call to an actor this proc does not have: it waits ``UNKNOWN_ACTOR_WAIT_S`` for the actor's spawn,
+        then fails. The spawner's ``SpawnActor`` and a call from anyone else have no order between them: a
+        mesh just spawned, handed to another actor, may bring that actor's call here first."""
+        waiting = self._awaiting.get(msg.actor)
+        if waiting is None:
+            timer = self.loop.call_later(UNKNOWN_ACTOR_WAIT_S, self._no_such_actor, msg.actor)
+            waiting = self._awaiting[msg.actor] = (timer, [])
+        waiting[1].append(msg)
+
+    def _no_such_actor(self, name: str) -> None:
+        for msg in self._awaiting.pop(name, (None, ()))[1]:
+            err = ActorError(name, -1, msg.method, f"no actor named {name!r} on proc {self.rank} (none was spawned "
+                             f"within {UNKNOWN_ACTOR_WAIT_S:g} s of the call)", "")
+            self._reply(msg.reply, None, err, -1)
 
     def reserve(self, actor: str) -> Reserved:
         """A place for a call to ``actor`` behind the calls queued so far (on the loop thread)."""

@@ -14,6 +14,7 @@ import os
 import pickle
 import sys
 import threading
+import time
 import traceback
 import types
 import typing
@@ -445,6 +446,26 @@ def _raw_call(sock: zmq.Socket, actor: str, method: str, *args):
     port, receiver = Channel.open()
     sock.send_multipart(_wire.encode(messages.CallEndpoint(actor, method, args, {}, port._ref)))
     return receiver.recv().get(timeout=20)
+
+
+def test_a_call_that_comes_before_its_actors_spawn_runs_once_the_actor_is_spawned(live):
+    """A mesh handed to another actor right after its spawn may bring that actor's call to a proc before the
+    spawner's SpawnActor (two senders: no order between them); the call waits for the spawn. A call to an
+    actor that never comes fails, once it has waited (test_live_proc_answers_bad_calls_with_errors)."""
+    procs, _, addr = live
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(addr)
+        port, receiver = Channel.open()
+        sock.send_multipart(_wire.encode(messages.CallEndpoint("later", "echo", (7,), {}, port._ref)))
+        time.sleep(0.3)  # (it has come, and found no actor of that name)
+        procs.spawn("later", Echo).initialized.get(timeout=30)
+        assert receiver.recv().get(timeout=20) == 7
+    finally:
+        sock.close()
+        ctx.term()
 
 
 @pytest.mark.parametrize("name", list(GARBAGE))
