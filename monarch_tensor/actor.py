@@ -376,6 +376,7 @@ class Endpoint(Generic[R]):
         """Call one actor of the mesh, picked at random among the live ones."""
         live = [r for r in self._mesh._rank_list if self._mesh._procs[r].alive]
         if not live:
+            self._mesh._check()  # a stopped mesh says so (MeshStoppedError), as every adverb does
             return Future.failed(SupervisionError(f"no live actor left in {self._mesh._name!r}"))
         return self._collect([random.choice(live)], args, kwargs, _first)
 

@@ -7,6 +7,7 @@ reports are how the runtime learns, within milliseconds, that a proc died.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import inspect
 import itertools
@@ -213,10 +214,12 @@ def _proc_exited(info: ProcInfo, status: str) -> None:
     info.alive = False
     info.exit_status = status
     mailbox = current_mailbox()
-    if info.stopping:
-        mailbox.forget(info.addr)
-        return
     mesh = info.owner
+    if info.stopping:  # calls still waiting on it fail (not a supervision event: its mesh was stopped)
+        why = mesh._alloc._stop_reason if mesh is not None and mesh._alloc._stop_reason else "stopped"
+        mailbox.proc_died(info.addr, MeshStoppedError(
+            f"proc {info.addr} (rank {info.rank}) was stopped ({why}) before it answered"))
+        return
     where = f"rank {info.rank} of proc mesh {mesh._shape if mesh else '?'}"
     err = SupervisionError(f"proc {info.addr} ({where}, pid {info.pid}) died: {status}",
                            proc=info.addr, rank=info.rank, exit_status=status)
@@ -323,8 +326,11 @@ class ProcMesh(MeshTrait):
 
     # ---- lifecycle ----------------------------------------------------------------
     def stop(self, reason: str = "stopped by client") -> Future:
-        """Stop every proc of this mesh's allocation; the returned future resolves when they exited. ``reason``
-        (Monarch's) is what later calls on the mesh are told."""
+        """Stop every proc of this mesh's allocation; the returned future resolves when they exited (a proc
+        gets 5 s to finish what it runs, then is killed). ``reason`` (Monarch's) is what later calls on the
+        mesh are told, and calls still waiting on its procs (``MeshStoppedError``). Called on a thread that
+        runs an asyncio loop (``await procs.stop()``), it returns at once and the waiting happens on another
+        thread; elsewhere it returns once the procs exited."""
         if not isinstance(reason, str):
             raise TypeError(f"stop(reason=...) takes a string, got {reason!r}")
         alloc = self._alloc
@@ -340,6 +346,27 @@ class ProcMesh(MeshTrait):
                     mailbox.send(p.addr, StopProc(reason))
                 except Exception:  # noqa: BLE001
                     pass
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop on this thread: wait here
+            self._finish_stop()
+            return Future.ready(None)
+        done: Future = Future(f"stop of proc mesh {self._shape}")
+
+        def finish() -> None:
+            try:
+                self._finish_stop()
+            except BaseException as e:  # noqa: BLE001 - the waiter hears of it
+                done._set_exception(e)
+            else:
+                done._set_result(None)
+
+        threading.Thread(target=finish, daemon=True, name="monarch-tensor-stop").start()
+        return done
+
+    def _finish_stop(self) -> None:
+        """``stop``'s wait: the procs get 5 s to exit, then are killed."""
+        alloc = self._alloc
         deadline = time.monotonic() + 5
         while any(p.alive for p in alloc._procs) and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -350,7 +377,6 @@ class ProcMesh(MeshTrait):
         while any(p.alive for p in alloc._procs) and time.monotonic() < deadline:
             time.sleep(0.01)
         _live_meshes.discard(alloc)
-        return Future.ready(None)
 
     def _kill(self, p: ProcInfo) -> None:
         """SIGKILL a proc that did not stop (a mesh on host agents overrides this)."""

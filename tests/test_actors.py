@@ -964,6 +964,44 @@ def test_calls_on_a_stopped_mesh_are_refused():
     other.stop(reason="epoch 3 done").get(timeout=T)  # Monarch's stop(reason): what later calls are told
     with pytest.raises(MeshStoppedError, match=r"was stopped \(epoch 3 done\)"):
         c.value.call().get(timeout=T)
+    with pytest.raises(MeshStoppedError, match=r"was stopped \(epoch 3 done\)"):
+        c.value.choose().get(timeout=T)  # (no live actor to choose: the mesh says why)
+
+
+class Sleeper(Actor):
+    @endpoint
+    def nap(self, seconds: float) -> str:
+        time.sleep(seconds)
+        return "rested"
+
+
+@pytest.mark.timeout(60)
+def test_a_call_cut_short_by_stop_fails_and_awaiting_stop_leaves_the_loop_free():
+    """A call still running when ``stop`` kills its proc (after the 5 s a proc gets to finish) fails with
+    MeshStoppedError, not silence; ``await procs.stop()`` lets the event loop run other tasks meanwhile."""
+    mesh = this_host().spawn_procs({"gpus": 1})
+    s = mesh.spawn("sleeper", Sleeper)
+    s.initialized.get(timeout=T)
+    pending = s.nap.call_one(60)
+    time.sleep(0.2)  # (it runs)
+
+    async def main() -> int:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.ensure_future(tick())
+        await asyncio.wait_for(mesh.stop(), 30)
+        ticker.cancel()
+        return ticks
+
+    assert asyncio.run(main()) > 10  # the loop ran while the procs were given their 5 s
+    with pytest.raises(MeshStoppedError, match=r"was stopped \(stopped by client\) before it answered"):
+        pending.get(timeout=T)
 
 
 @pytest.mark.timeout(30)
