@@ -475,10 +475,12 @@ _PLAIN = frozenset({type(None), bool, int, float, str, bytes, tuple, list, dict}
 
 
 def _picklable(e: BaseException) -> BaseException | None:
-    import pickle
+    """``e`` if it survives the trip to the caller as messages make it (an exception class of the script's
+    ``__main__`` travels by value), else None."""
+    from . import _wire
 
     try:
-        pickle.loads(pickle.dumps(e))
+        _wire.decode(_wire.encode(e))
         return e
     except Exception:  # noqa: BLE001
         return None

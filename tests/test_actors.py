@@ -1144,3 +1144,41 @@ def test_an_actor_mesh_that_came_back_through_pickling_knows_its_procs_stopped()
         mesh.stop().get(timeout=T)
     with pytest.raises(MeshStoppedError):
         back.f.call_one(3).get(timeout=T)
+
+
+@pytest.mark.timeout(120)
+def test_an_exception_class_of_the_script_reaches_the_caller_as_itself(tmp_path):
+    """``ActorError.exception`` is the endpoint's exception, also when its class is defined in the script
+    (``__main__``: it travels by value, as the actor class does), so ``isinstance`` works on it."""
+    import subprocess
+    import textwrap
+
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent('''
+        from monarch_tensor.actor import Actor, endpoint, this_host
+        from monarch_tensor.errors import ActorError
+
+        class MyError(Exception):
+            def __init__(self, msg, code=0):
+                super().__init__(msg)
+                self.code = code
+
+        class A(Actor):
+            @endpoint
+            def boom(self):
+                raise MyError("mine", 7)
+
+        procs = this_host().spawn_procs(per_host={"gpus": 1})
+        try:
+            procs.spawn("a", A).boom.call_one().get(timeout=30)
+        except ActorError as e:
+            assert isinstance(e.exception, MyError) and e.exception.code == 7, repr(e.exception)
+            print("CAUGHT", repr(e.exception))
+        finally:
+            procs.stop()
+    '''))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, str(script)], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=100)
+    assert proc.returncode == 0 and "CAUGHT MyError('mine')" in proc.stdout, proc.stdout + proc.stderr
