@@ -180,11 +180,32 @@ class ProcRuntime:
     def _defer(self, msg: object) -> None:
         """A message that came while an endpoint blocks waiting for a reply."""
         if isinstance(msg, CallEndpoint) and msg.actor in self.actors:
+            if self._stuck(msg):
+                return
             self._handle(msg)  # runs now unless its actor is the busy one (then it queues)
         elif isinstance(msg, SpawnActor):  # an endpoint that spawns a sibling here and waits for it
             self._handle(msg)
         else:
             self.loop.call_soon(self._handle, msg)
+
+    def _stuck(self, msg: CallEndpoint) -> bool:
+        """Fail a call that this proc's event loop would have to run while the endpoint blocking the loop
+        waits for the call's own reply (a deadlock): a call of an async endpoint, or of an actor busy in one,
+        from an endpoint of another actor of this proc that waits with ``.get()``. True when it failed."""
+        slot = self.actors[msg.actor]
+        fn = getattr(slot.instance, msg.method.partition("/")[0], None)
+        is_coro = getattr(fn, "_endpoint_coro", None)
+        if is_coro is None:
+            is_coro = inspect.iscoroutinefunction(fn)
+        if not (is_coro or slot.busy) or not self.mailbox.awaited(msg.reply):
+            return False
+        why = "is async" if is_coro else "is busy in an async endpoint"
+        err = RuntimeError(
+            f"{msg.actor}.{msg.method.partition('/')[0]} {why}, so it runs on this proc's event loop, which the "
+            f"endpoint waiting for it with .get() blocks (both actors are on proc {self.rank}): a deadlock. "
+            f"Await the call from an async endpoint instead (`await other.method.call_one()`)")
+        self._reply(msg.reply, None, err, slot.ctx.rank.rank)
+        return True
 
     def run(self) -> None:
         asyncio.set_event_loop(self.loop)

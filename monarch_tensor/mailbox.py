@@ -208,6 +208,7 @@ class Mailbox:
         self.receiver_ident: int | None = None  # the thread that receives (None: the I/O thread)
         # Where messages other than port values go while the receiving thread blocks in wait_until.
         self.on_deferred: Callable[[object], None] | None = None
+        self._waits: list = []  # the futures the receiving thread waits on in wait_until, innermost last
         # Addresses reached through another one (a remote controller's ipc address -> its tcp gateway).
         self.aliases: dict[str, str] = json.loads(os.environ.get("MONARCH_TENSOR_ALIASES") or "{}")
         # A proc behind a host agent: its controller's tcp gateway, which also relays to the controller's
@@ -550,6 +551,22 @@ class Mailbox:
 
     def wait_until(self, done: Callable[[], bool], timeout: float | None) -> None:
         """Block the receiving thread until ``done()``, dispatching port values as they come."""
+        self._waits.append(getattr(done, "__self__", None))  # (``Future.done``: the future, see ``awaited``)
+        try:
+            self._wait_until(done, timeout)
+        finally:
+            self._waits.pop()
+
+    def awaited(self, port: PortRef | None) -> bool:
+        """Whether the receiving thread is blocked in ``wait_until`` on the reply that goes to ``port``."""
+        if port is None or not self._waits or port.addr != self.public_addr:
+            return False
+        with self._ports_lock:
+            handler = self._ports.get(port.port_id)
+        fut = getattr(handler, "future", None)
+        return fut is not None and any(w is fut for w in self._waits)
+
+    def _wait_until(self, done: Callable[[], bool], timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         defer = self.on_deferred
         while not done():

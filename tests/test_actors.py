@@ -1182,3 +1182,47 @@ def test_an_exception_class_of_the_script_reaches_the_caller_as_itself(tmp_path)
     proc = subprocess.run([sys.executable, str(script)], cwd=root, env=env, capture_output=True, text=True,
                           timeout=100)
     assert proc.returncode == 0 and "CAUGHT MyError('mine')" in proc.stdout, proc.stdout + proc.stderr
+
+
+class Answerer(Actor):
+    @endpoint
+    async def ping(self) -> str:
+        return "pong"
+
+    @endpoint
+    def sync_ping(self) -> str:
+        return "sync pong"
+
+
+class Asker(Actor):
+    @endpoint
+    def ask(self, other, method: str) -> str:
+        return getattr(other, method).call_one().get(timeout=20)
+
+    @endpoint
+    async def ask_blocking(self, other) -> str:
+        return other.ping.call_one().get(timeout=20)
+
+    @endpoint
+    async def ask_awaiting(self, other) -> str:
+        return await other.ping.call_one()
+
+
+@pytest.mark.timeout(60)
+def test_waiting_with_get_on_an_async_endpoint_of_the_same_proc_is_a_clear_error_not_a_hang():
+    """Actors of one proc share its event loop: an endpoint that blocks in ``.get()`` on another actor's
+    sync endpoint there gets its answer (it runs while the first one waits), and on an async one, which
+    could only run once the loop is free again, a clear error at once instead of a deadlock; awaiting it
+    from an async endpoint works."""
+    procs = this_host().spawn_procs({"gpus": 1})
+    try:
+        b = procs.spawn("answerer", Answerer)
+        a = procs.spawn("asker", Asker)
+        assert a.ask.call_one(b, "sync_ping").get(timeout=T) == "sync pong"
+        assert a.ask_awaiting.call_one(b).get(timeout=T) == "pong"
+        for call in (lambda: a.ask.call_one(b, "ping"), lambda: a.ask_blocking.call_one(b)):
+            with pytest.raises(ActorError, match=r"answerer.ping is async, .*a deadlock\. Await the call"):
+                call().get(timeout=T)
+        assert a.ask_awaiting.call_one(b).get(timeout=T) == "pong"  # both still serve
+    finally:
+        procs.stop()
