@@ -143,8 +143,8 @@ class Writer:
 
     def path(self, key: str) -> str:
         parts = key.split("/")
-        if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in key:
-            raise ValueError(f"bad workspace path {key!r}: must be relative, without '.' or '..' parts")
+        if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\0" in key:
+            raise ValueError(f"bad workspace path {key!r}: must be relative, without empty, '.' or '..' parts")
         return os.path.join(self.root, *parts)
 
     def _make_dir(self, d: str) -> None:

@@ -93,9 +93,11 @@ def test_module_names_and_bad_paths(tmp_path):
     assert _filetree.module_name("proj/config.toml", ["proj"]) is None
     assert _filetree.module_name("proj/my-dir/mod.py", ["proj"]) is None
     w = _filetree.Writer(str(tmp_path))
-    for bad in ("../x", "/etc/passwd", "a/../../b", ""):
+    for bad in ("../x", "/etc/passwd", "a/../../b", "", "a//b", "a/\0b"):
         with pytest.raises(ValueError, match="bad workspace path"):
             w.path(bad)
+    for odd in ("back\\slash.txt", "..\\x", "tab\tand space", "new\nline", "ünï/cödé.py"):  # Linux's names
+        assert w.path(odd) == os.path.join(str(tmp_path), *odd.split("/"))
 
 
 class _Outbox:
@@ -151,7 +153,8 @@ def tree(base: str) -> dict[str, bytes]:
 
 
 # "k" and "k/l/m.py": a file becomes a directory and back
-names = st.sampled_from(["a.py", "b.txt", "d/c.py", "d/e/f.bin", "g/h.cfg", "d/__init__.py", "k", "k/l/m.py"])
+names = st.sampled_from(["a.py", "b.txt", "d/c.py", "d/e/f.bin", "g/h.cfg", "d/__init__.py", "k", "k/l/m.py",
+                         "d/back\\slash.txt", "ünï code.txt"])
 contents = st.binary(max_size=64) | st.just(b"same-size-1") | st.just(b"same-size-2")
 
 
