@@ -39,7 +39,8 @@ EXCLUDED_SUFFIXES = (".pyc", ".pyo", ".swp")
 
 def scan(base: str, prefix: str = "") -> dict[str, tuple[int, int, int]]:
     """Every regular file under ``base`` as ``{prefix + relpath: (size, mtime_ns, permission bits)}``;
-    symlinks to files are followed. (Plain tuples: a scan of a 5,000-file workspace is on the critical
+    symlinks are followed, to files and to directories, except a link to a directory that holds the link
+    (it would loop). (Plain tuples: a scan of a 5,000-file workspace is on the critical
     path of every sync, and the client sends them as its manifest as they are.)
 
     >>> scan("/tmp/proj", "proj/")  # doctest: +SKIP
@@ -71,7 +72,15 @@ def scan(base: str, prefix: str = "") -> dict[str, tuple[int, int, int]]:
                 mode = st.st_mode
                 if is_reg(mode):
                     out[p + name] = (st.st_size, st.st_mtime_ns, mode & 0o7777)
+                elif stat.S_ISDIR(mode) and not _loops(e.path, d):  # a symlink to a directory
+                    stack.append((e.path, f"{p}{name}/"))
     return out
+
+
+def _loops(link: str, where: str) -> bool:
+    """Whether the directory that ``link`` (in directory ``where``) points to holds ``where``."""
+    target, here = os.path.realpath(link), os.path.realpath(where)
+    return here == target or here.startswith(target.rstrip("/") + "/")
 
 
 def file_digest(path: str) -> bytes:

@@ -216,7 +216,7 @@ def _proc_exited(info: ProcInfo, status: str) -> None:
     mailbox = current_mailbox()
     mesh = info.owner
     if info.stopping:  # calls still waiting on it fail (not a supervision event: its mesh was stopped)
-        why = mesh._alloc._stop_reason if mesh is not None and mesh._alloc._stop_reason else "stopped"
+        why = getattr(getattr(mesh, "_alloc", None), "_stop_reason", "") or "stopped"
         mailbox.proc_died(info.addr, MeshStoppedError(
             f"proc {info.addr} (rank {info.rank}) was stopped ({why}) before it answered"))
         return

@@ -86,6 +86,36 @@ def test_merge_lays_the_dirs_out_as_a_root_gets_them(tmp_path):
     assert not (tmp_path / "out2").exists()
 
 
+@pytest.mark.parametrize("how", ["messages", "pull", "copy"])
+def test_symlinks_are_followed_to_files_and_directories_but_not_round_a_loop(tmp_path, how):
+    """A symlinked directory arrives as a directory of copies, as a symlinked file arrives as a copy; a link
+    back to a directory that holds it (a loop), a dangling link and an empty directory bring nothing; and
+    ``Workspace.merge`` lays out exactly what a sync writes."""
+    outside = tmp_path / "outside"
+    (outside / "deep").mkdir(parents=True)
+    (outside / "deep" / "w.bin").write_bytes(b"w" * 5000)
+    (outside / "v.py").write_text("V = 1\n")
+    src = tmp_path / "src"
+    (src / "sub" / "empty").mkdir(parents=True)
+    (src / "sub" / "a.py").write_text("A = 1\n")
+    (src / "linked").symlink_to(outside)
+    (src / "sub" / "loop").symlink_to(src)  # holds sub: followed, it would repeat the tree for ever
+    (src / "sub" / "self").symlink_to(src / "sub")
+    (src / "file_link.py").symlink_to(src / "sub" / "a.py")
+    (src / "dangling").symlink_to(tmp_path / "nowhere")
+    want = {"sub/a.py": b"A = 1\n", "linked/deep/w.bin": b"w" * 5000, "linked/v.py": b"V = 1\n",
+            "file_link.py": b"A = 1\n"}
+    assert tree(str(src)) == want
+    root = str(tmp_path / "root")
+    with mock.patch.object(ws_sync, "PULL_MIN", 1), mock.patch.object(ws_sync, "INBAND", 1):
+        sync_in_process(str(src), root, how == "pull", how == "copy")
+    assert tree(os.path.join(root, "ws")) == want
+    assert not any(os.path.islink(os.path.join(d, n)) for d, ds, fs in os.walk(root) for n in ds + fs)
+    Workspace(dirs={src: "ws"}).merge(tmp_path / "merged")
+    assert tree(str(tmp_path / "merged" / "ws")) == want
+    assert sorted(os.listdir(tmp_path / "merged" / "ws")) == ["file_link.py", "linked", "sub"]
+
+
 def test_module_names_and_bad_paths(tmp_path):
     assert _filetree.module_name("proj/pkg/mod.py", ["proj"]) == "pkg.mod"
     assert _filetree.module_name("proj/pkg/__init__.py", ["proj"]) == "pkg"

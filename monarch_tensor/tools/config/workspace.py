@@ -49,14 +49,20 @@ class Workspace:
 
     def merge(self, outdir: str | Path) -> None:
         """Copy every dir into ``outdir`` at its remote name, as a host's root gets it (Monarch's ``merge``:
-        e.g. to build an image of the workspace)."""
+        e.g. to build an image of the workspace): the files a sync moves (symlinks followed, caches and
+        version-control dirs left out, no empty dirs), with their permission bits and times."""
         import shutil
+
+        from monarch_tensor import _filetree
 
         self.check()
         out = Path(outdir)
         out.mkdir(parents=True, exist_ok=True)
         for src, dst in self.dirs.items():
-            shutil.copytree(src, out / dst, dirs_exist_ok=True, symlinks=True)
+            for rel in _filetree.scan(str(src)):
+                target = out / dst / rel
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src / rel, target)
 
     @staticmethod
     def null() -> Workspace:
