@@ -39,8 +39,9 @@ EXCLUDED_SUFFIXES = (".pyc", ".pyo", ".swp")
 
 def scan(base: str, prefix: str = "") -> dict[str, tuple[int, int, int]]:
     """Every regular file under ``base`` as ``{prefix + relpath: (size, mtime_ns, permission bits)}``;
-    symlinks are followed, to files and to directories, except a link to a directory that holds the link
-    (it would loop). (Plain tuples: a scan of a 5,000-file workspace is on the critical
+    symlinks are followed, to files, and to directories outside ``base`` (a link to a directory inside it
+    would bring its files twice, as a venv's ``lib64 -> lib`` would; one to a directory that holds ``base``
+    would loop). (Plain tuples: a scan of a 5,000-file workspace is on the critical
     path of every sync, and the client sends them as its manifest as they are.)
 
     >>> scan("/tmp/proj", "proj/")  # doctest: +SKIP
@@ -72,15 +73,19 @@ def scan(base: str, prefix: str = "") -> dict[str, tuple[int, int, int]]:
                 mode = st.st_mode
                 if is_reg(mode):
                     out[p + name] = (st.st_size, st.st_mtime_ns, mode & 0o7777)
-                elif stat.S_ISDIR(mode) and not _loops(e.path, d):  # a symlink to a directory
+                elif stat.S_ISDIR(mode) and _outside(e.path, base):  # a symlink to a directory
                     stack.append((e.path, f"{p}{name}/"))
     return out
 
 
-def _loops(link: str, where: str) -> bool:
-    """Whether the directory that ``link`` (in directory ``where``) points to holds ``where``."""
-    target, here = os.path.realpath(link), os.path.realpath(where)
-    return here == target or here.startswith(target.rstrip("/") + "/")
+def _outside(link: str, base: str) -> bool:
+    """Whether the directory that ``link`` points to and ``base`` are apart: neither holds the other."""
+    target, top = os.path.realpath(link), os.path.realpath(base)
+    return not (_within(target, top) or _within(top, target))
+
+
+def _within(path: str, d: str) -> bool:
+    return path == d or path.startswith(d.rstrip("/") + "/")
 
 
 def file_digest(path: str) -> bytes:

@@ -88,9 +88,10 @@ def test_merge_lays_the_dirs_out_as_a_root_gets_them(tmp_path):
 
 @pytest.mark.parametrize("how", ["messages", "pull", "copy"])
 def test_symlinks_are_followed_to_files_and_directories_but_not_round_a_loop(tmp_path, how):
-    """A symlinked directory arrives as a directory of copies, as a symlinked file arrives as a copy; a link
-    back to a directory that holds it (a loop), a dangling link and an empty directory bring nothing; and
-    ``Workspace.merge`` lays out exactly what a sync writes."""
+    """A symlinked directory outside the synced dir arrives as a directory of copies, as a symlinked file
+    arrives as a copy; a link to a directory inside it (whose files come at their own path: a venv's
+    ``lib64 -> lib``), a link back to a directory that holds it (a loop), a dangling link and an empty
+    directory bring nothing; and ``Workspace.merge`` lays out exactly what a sync writes."""
     outside = tmp_path / "outside"
     (outside / "deep").mkdir(parents=True)
     (outside / "deep" / "w.bin").write_bytes(b"w" * 5000)
@@ -101,6 +102,7 @@ def test_symlinks_are_followed_to_files_and_directories_but_not_round_a_loop(tmp
     (src / "linked").symlink_to(outside)
     (src / "sub" / "loop").symlink_to(src)  # holds sub: followed, it would repeat the tree for ever
     (src / "sub" / "self").symlink_to(src / "sub")
+    (src / "alias").symlink_to(src / "sub")
     (src / "file_link.py").symlink_to(src / "sub" / "a.py")
     (src / "dangling").symlink_to(tmp_path / "nowhere")
     want = {"sub/a.py": b"A = 1\n", "linked/deep/w.bin": b"w" * 5000, "linked/v.py": b"V = 1\n",
