@@ -105,6 +105,7 @@ class MeshClient:
     """The controller's side of one allocation's tensor workers."""
 
     def __init__(self, alloc) -> None:
+        import torch
         import torch.distributed as dist
 
         self.alloc = alloc
@@ -119,6 +120,7 @@ class MeshClient:
         self._lock = threading.RLock()
         self._ctxs: dict = {}
         self._streams = {0}
+        self.default_dtype = torch.float32  # the workers' torch.get_default_dtype() (see tensor.record)
         # The rendezvous of the workers' process groups. It listens on every interface; procs on other
         # hosts (behind host agents) reach it at this machine's address on the route to their agent.
         agent = next((a for a in (getattr(p, "agent", None) for p in alloc._procs) if a is not None), None)

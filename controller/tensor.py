@@ -115,6 +115,16 @@ class Tensor(DistributedMethods, torch.Tensor):
     def __reduce_ex__(self, proto):
         raise MeshTensorError("a mesh tensor cannot be pickled on the controller; fetch it with fetch_shard(t)")
 
+    @property
+    def data(self):
+        return _base_data.__get__(self, type(self))
+
+    @data.setter
+    def data(self, new) -> None:
+        """``t.data = new``: ``t`` becomes an alias of ``new`` (its shape, dtype and values), keeping its identity,
+        as torch's does; this is how ``module.double()``, ``.half()`` and ``.to(dtype)`` convert parameters."""
+        set_data(self, new)
+
     def tolist(self):
         raise MeshTensorError("t.tolist() of a mesh tensor is not possible on the controller: the value lives on "
                               "the workers; fetch it with fetch_shard(t).result().tolist()")
@@ -183,6 +193,39 @@ class Tensor(DistributedMethods, torch.Tensor):
 
 
 _wrap = torch.Tensor._make_wrapper_subclass
+_base_data = torch.Tensor.data
+
+
+def set_data(t: Tensor, new) -> None:
+    """``t.data = new`` for a mesh tensor: the workers make a new ref aliasing ``new`` (``aten.alias``), ``t``
+    takes it and ``new``'s metadata, and the alias object takes ``t``'s old ref, which it frees when it goes.
+    (Torch's own setter changed only the controller's metadata: the workers kept the old tensor.)"""
+    if type(new) is not Tensor:
+        raise MeshTensorError(f"t.data = {type(new).__name__}: a mesh tensor's data can only be another mesh tensor "
+                              f"of its mesh (make it inside activate())")
+    if t._ctx is not new._ctx:
+        _mismatch("t.data = new", t._ctx, new._ctx)
+    if getattr(t, "_dist", None) is not None or getattr(new, "_dist", None) is not None:
+        raise MeshTensorError("t.data = new of a distributed (DTensor) mesh tensor is not supported; assign to the "
+                              "DTensor itself")
+    alias = record(torch.ops.aten.alias.default, (new,), {}, None)
+    _base_data.__set__(t, alias)  # the controller's metadata: shape, strides, dtype
+    t._meta, alias._meta = alias._meta, t._meta
+    t._mid, alias._mid = alias._mid, t._mid
+    t._ref, alias._ref = alias._ref, t._ref
+    if hasattr(t, "_val"):
+        del t._val
+    if hasattr(alias, "_val"):
+        t._val = alias._val
+    # Known values (``_val``) of aliases go stale together: ``t`` joins ``new``'s group. (It stays in its old
+    # one, if any, and the alias object in this one until it goes: that only forgets values more often.
+    # Removing a tensor from a WeakSet would compare tensors, an op.)
+    group = getattr(alias, "_aliases", None)
+    if group is not None and getattr(t, "_aliases", None) is not group:
+        group.add(t)
+        t._aliases = group
+    elif group is None and hasattr(t, "_aliases"):
+        del t._aliases
 
 
 def new_tensor(meta: tuple, mid: int, ctx: Ctx, ref: int) -> Tensor:
@@ -399,7 +442,8 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
     an ``(index, item)`` pair inside a list argument, or a kwarg name), so a
     batch pickles as plain tuples and ints.
     """
-    key = [func]
+    dd = _default_dtype()
+    key = [func] if dd is _F32 else [func, dd]  # (factories and type promotion depend on it)
     tensors: list = []
     local: list = []
     tpos: list = []
@@ -415,7 +459,7 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
             key.append(a._mid)
             wargs.append(a._ref)
             tpos.append(i)
-        elif t is float and free:  # e.g. an optimizer's step size, new every step: no new propagation
+        elif (t is float or t is int) and free:  # a step size, a counter: new every step, no new propagation
             key.append(t)
             wargs.append(a)
         elif t is int or t is float or t is bool:
@@ -450,8 +494,8 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
                 key.append(v._mid)
                 wkwargs[k] = v._ref
                 tpos.append(k)
-            elif type(v) is float and free:
-                key.append(float)
+            elif (type(v) is float or type(v) is int) and free:
+                key.append(type(v))
                 wkwargs[k] = v
             else:
                 w = _scan(v, key, tensors, local)
@@ -473,6 +517,10 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
     active = state.stream
     if (active.id if active is not None else 0) != ctx.sid:
         _wrong_stream(func, ctx, active)
+    if dd is not ctx.client.default_dtype:  # torch.set_default_dtype() was called: the workers follow
+        ctx.client.default_dtype = dd
+        ctx.client.issue(m.CallFunction("torch.set_default_dtype", (dd,), {}, (), (), ctx.sid, user_loc()),
+                         ctx.client.all_ranks)
     tkey = tuple(key)
     try:
         tpl = _cache.get(tkey)
@@ -532,11 +580,15 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
 _EMPTY: dict = {}
 DEEP = m.DEEP
 _floats_free: dict = {}
+_default_dtype = torch.get_default_dtype
+_F32 = torch.float32
 
 
 def _shape_ignores_floats(func) -> bool:
-    """Whether no float argument's value can change ``func``'s output metadata: pointwise ops and the
-    ``_foreach_`` ops (a float scalar there is a value, never a size; type promotion looks at its kind)."""
+    """Whether no number argument's value can change ``func``'s output metadata: pointwise ops and the
+    ``_foreach_`` ops (a float or int scalar there is a value, never a size; type promotion looks at its
+    kind). Such numbers stay out of the propagation cache's key: ``x + i`` in a loop over ``i`` made an
+    entry per value (2 KB each, never freed)."""
     return torch.Tag.pointwise in func.tags or func.name().startswith("aten::_foreach_")
 
 

@@ -80,6 +80,68 @@ def test_new_float_scalars_on_pointwise_ops_need_no_new_propagation(procs):
     assert torch.allclose(got, want)
 
 
+def test_new_int_scalars_on_pointwise_ops_need_no_new_propagation(procs):
+    """``x + i`` in a loop over ``i`` made a cache entry per value (memory never freed)."""
+    from controller import tensor as ct
+
+    with procs.activate():
+        x = torch.arange(4, dtype=torch.int64) + procs.rank_tensor("gpus")
+        y = (x + 1) * 1
+        misses = ct.stats["misses"]
+        for i in range(2, 40):
+            y = (x + i) * i
+        assert ct.stats["misses"] == misses
+        assert y.dtype == torch.int64
+        got = [inspect(y, gpus=r) for r in (0, 1)]
+        u = torch.zeros(3, dtype=torch.uint8) + 250  # (an int's kind, not its value, decides the dtype)
+        assert u.dtype == torch.uint8 and inspect(u).tolist() == [250] * 3
+    assert [g.tolist() for g in got] == [[(k + r + 39) * 39 for k in range(4)] for r in (0, 1)]
+
+
+def test_set_default_dtype_reaches_the_workers(procs):
+    """Factories and type promotion follow torch.set_default_dtype() on the workers as here (they kept
+    float32, and a cached propagation of ``torch.ones(2)`` kept it here too)."""
+    try:
+        with procs.activate():
+            a = torch.ones(2)
+            torch.set_default_dtype(torch.float64)
+            made = [torch.ones(2), torch.randn(3), torch.arange(0.0, 1.0, 0.5), torch.ones(2, dtype=torch.int64) * 0.5]
+            assert all(t.dtype == torch.float64 and inspect(t).dtype == torch.float64 for t in made)
+            torch.set_default_dtype(torch.float32)
+            b = torch.ones(2) * 0.5
+            assert (a.dtype, b.dtype) == (torch.float32, torch.float32) and inspect(b).dtype == torch.float32
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_assigning_data_and_converting_a_module_change_the_workers_tensors(procs):
+    """``t.data = new`` (which ``module.double()``, ``.bfloat16()`` and ``.to(dtype)`` use) changed only this
+    side's metadata: the workers kept the old tensors, and the next op failed or ran on stale data."""
+    torch.manual_seed(0)
+    local = torch.nn.Linear(3, 2)
+    want = local.double()(torch.ones(4, 3, dtype=torch.float64))
+    here = torch.zeros(3)
+    with procs.activate():
+        torch.manual_seed(0)
+        m = torch.nn.Linear(3, 2).double()
+        assert m.weight.dtype == torch.float64 and inspect(m.weight).dtype == torch.float64
+        out = m(torch.ones(4, 3, dtype=torch.float64))
+        got = inspect(out)
+        z = torch.ones(2)
+        keep = z
+        z.data = torch.arange(3.0)
+        assert keep is z and z.shape == (3,) and inspect(z * 2).tolist() == [0.0, 2.0, 4.0]
+        h = torch.nn.Linear(3, 4)
+        opt = torch.optim.SGD(h.parameters(), lr=0.1)
+        h.bfloat16()
+        h(torch.ones(5, 3, dtype=torch.bfloat16)).sum().backward()
+        opt.step()  # the optimizer holds the same parameter objects, now bfloat16 on the workers too
+        assert inspect(h.weight).dtype == torch.bfloat16 and inspect(h.weight.grad).dtype == torch.bfloat16
+        with pytest.raises(MeshTensorError, match="can only be another mesh tensor"):
+            z.data = here
+    assert torch.allclose(got, want.detach())
+
+
 def test_metadata_and_local_constants(procs):
     with procs.activate():
         a = torch.arange(6.0).reshape(2, 3)
