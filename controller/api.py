@@ -235,7 +235,7 @@ def fetch_shard(obj: Any, shard: dict[str, int] | None = None, **kwargs: int) ->
         return Future.ready(obj)
     rank = _rank_of(ctx, shard, kwargs)
     value, sid, loc = _to_wire(obj), ctx.sid, user_loc()
-    return ctx.client.request(rank, lambda port: m.FetchValue(value, None, port, sid, loc))
+    return ctx.client.request(rank, lambda port: m.FetchValue(value, None, port, sid, loc), mesh=ctx.ranks)
 
 
 def call_actor(actors, ranks: list[int], method: str, args: tuple, kwargs: dict, port) -> None:
@@ -826,7 +826,7 @@ def call_on_shard_and_fetch(fn, *args, shard: dict[str, int] | None = None, **kw
         ctx = ctx_for(pm)
     rank = _rank_of(ctx, shard, {})
     value, loc = _to_wire((args, kwargs)), user_loc()
-    return ctx.client.request(rank, lambda port: m.FetchValue(value, target, port, ctx.sid, loc))
+    return ctx.client.request(rank, lambda port: m.FetchValue(value, target, port, ctx.sid, loc), mesh=ctx.ranks)
 
 
 def worker_stats(pm, rank: int = 0) -> dict:

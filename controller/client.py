@@ -72,10 +72,13 @@ def user_loc():
 
 # ---- fetch replies -------------------------------------------------------------------------------
 class _FetchPort:
+    """A fetch's reply from ``addr``; it fails when any proc of ``mesh`` dies (the addresses of the procs of
+    the fetched value's mesh): the value may wait on a collective with the dead one, for ever."""
+
     observing = True
 
-    def __init__(self, fut: Future, addr: str) -> None:
-        self.fut, self.addr = fut, addr
+    def __init__(self, fut: Future, addr: str, mesh: frozenset = frozenset()) -> None:
+        self.fut, self.addr, self.mesh = fut, addr, mesh
 
     def deliver(self, msg) -> bool:
         if msg.error is not None:
@@ -85,7 +88,7 @@ class _FetchPort:
         return True
 
     def proc_died(self, addr: str, error) -> bool:
-        if addr != self.addr:
+        if addr != self.addr and addr not in self.mesh:
             return False
         self.fut._set_exception(error)
         return True
@@ -257,21 +260,27 @@ class MeshClient:
             self.mailbox.send_frames(addrs[r], frames)
 
     # ---- fetching ----------------------------------------------------------------------------
-    def request(self, rank: int, make_instr, what: str = "fetch") -> Future:
-        """Issue ``make_instr(port)`` to proc ``rank`` and flush; a future of its reply."""
+    def request(self, rank: int, make_instr, what: str = "fetch", mesh: tuple = ()) -> Future:
+        """Issue ``make_instr(port)`` to proc ``rank`` and flush; a future of its reply. ``mesh``: the ranks
+        of the mesh the request's values live on: it fails at once if one of their procs died, and when one
+        dies before the reply (README: every pending and later call on a mesh that includes a dead proc
+        raises SupervisionError; a value there may wait on a collective with it, for ever)."""
         fut: Future = Future(what)
         if self.alloc._stopped:
             return Future.failed(self.stopped_error())
         spawned = self.workers._spawned
         if spawned.done() and spawned.exception() is not None:
             return Future.failed(spawned.exception())
-        info = self.alloc._procs[rank]
-        if not info.alive:
-            from monarch_tensor.errors import SupervisionError
+        for r in (rank, *mesh):
+            info = self.alloc._procs[r]
+            if not info.alive:
+                from monarch_tensor.errors import SupervisionError
 
-            return Future.failed(SupervisionError(f"proc {info.addr} (rank {rank}) died: {info.exit_status}",
-                                                  proc=info.addr, rank=rank, exit_status=info.exit_status))
-        port = self.mailbox.open_port(_FetchPort(fut, info.addr))
+                return Future.failed(SupervisionError(f"proc {info.addr} (rank {r}) of this mesh died: "
+                                                      f"{info.exit_status}", proc=info.addr, rank=r,
+                                                      exit_status=info.exit_status))
+        procs = self.alloc._procs
+        port = self.mailbox.open_port(_FetchPort(fut, procs[rank].addr, frozenset(procs[r].addr for r in mesh)))
         self.issue(make_instr(port), (rank,))
         self.flush()
         return fut

@@ -346,3 +346,27 @@ def test_this_host_is_a_mesh_whose_stop_stops_every_local_proc_mesh(tmp_path):
     assert p.stdout.count("STOPPED\n") == 2, p.stdout
     assert "SCOPED pong" in p.stdout and "STOPPED AFTER WITH" in p.stdout and "AGAIN pong" in p.stdout, p.stdout
     assert "STOPPED BY SHUTDOWN" in p.stdout and "AFTER SHUTDOWN pong" in p.stdout, p.stdout
+
+
+@pytest.mark.timeout(90)
+def test_mesh_tensor_fetches_fail_when_a_proc_of_their_mesh_dies(mesh, faults):
+    """A fetch pending from a live rank fails when another proc of the value's mesh dies (the value may wait
+    on a collective with it, for ever: a reduce's fetch hung), and so does every later one there, at once;
+    the failure reached a waiter, so the fault hook does not run for it."""
+    import torch
+
+    from monarch_tensor import fetch_shard
+
+    procs, w, pids = mesh
+    with procs.activate():
+        x = torch.ones(300, 300)
+        for _ in range(4):
+            x = x @ x / 300
+        pending = fetch_shard(x.reduce("gpus", "sum"), gpus=0)
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(SupervisionError, match=r"rank 1 .*SIGKILL"):
+            pending.get(timeout=30)
+        for later in (fetch_shard(x, gpus=0), fetch_shard(torch.ones(2).reduce("gpus", "sum"), gpus=2)):
+            with pytest.raises(SupervisionError, match="rank 1"):
+                later.get(timeout=30)  # (a timeout would be a TimeoutError)
+    assert faults == []
