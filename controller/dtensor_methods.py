@@ -83,6 +83,22 @@ class DistributedMethods:
 
         return require_dist(self, "device_mesh").mesh
 
+    def item(self):
+        """A one-element global tensor's value, fetched (as ``loss.item()`` of a DTensor loss gives it); a mesh
+        tensor that is not distributed holds a value per rank: fetch the one you want (``fetch_shard``)."""
+        if self._dist is None:
+            return super().item()
+        return self.full_tensor().item()
+
+    def __float__(self):
+        return float(self.item()) if self._dist is not None else super().__float__()
+
+    def __int__(self):
+        return int(self.item()) if self._dist is not None else super().__int__()
+
+    def __bool__(self):
+        return bool(self.item()) if self._dist is not None else super().__bool__()
+
     def full_tensor(self):
         """The whole value, fetched to the controller as a local CPU tensor."""
         from .dtensor import full_tensor

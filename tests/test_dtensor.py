@@ -56,6 +56,24 @@ def test_seed_dt_matmul_dt_T(mesh2d):
     assert result.placements[0] == Shard(0)
 
 
+def test_seed_train_step_loss_item(mesh2d):
+    """Seed 004's train_step returns ``loss.item()`` of a DTensor loss: the global value, as upstream DTensor
+    gives it (and ``float(loss)``); a mesh tensor that is not distributed still refuses (a value per rank)."""
+    import monarch_tensor
+    from monarch_tensor import MeshTensorError
+
+    torch.manual_seed(0)
+    model, x, y = torch.nn.Linear(4, 4), torch.randn(8, 4), torch.randn(8, 4)
+    want = torch.nn.MSELoss()(model(x), y).item()
+    dist_model = monarch_tensor.module_to_mesh(model, mesh2d)
+    loss = torch.nn.MSELoss()(dist_model(distribute(x, mesh2d, sharding_spec=["dp", None])),
+                              distribute(y, mesh2d, sharding_spec=["dp", None]))
+    loss.backward()
+    assert loss.item() == pytest.approx(want, rel=1e-5) and float(loss) == pytest.approx(want, rel=1e-5)
+    with mesh2d.activate(), pytest.raises(MeshTensorError, match="not possible"):
+        torch.ones(()).sum().add(mesh2d.rank_tensor("dp")).item()
+
+
 def test_seed_mesh_by_shape_and_dim_names():
     import monarch_tensor
     from monarch_tensor.distributed import Mesh
