@@ -123,6 +123,10 @@ def _device_context() -> bool:
     return any(isinstance(m, DeviceContext) for m in _get_current_function_mode_stack())
 
 
+def _holds_mesh_tensor(data) -> bool:
+    return any(type(x) is Tensor or (type(x) in (list, tuple) and _holds_mesh_tensor(x)) for x in data)
+
+
 def _install_factories() -> None:
     """Wrap torch's factory functions: inside ``activate()`` they create mesh tensors.
 
@@ -147,6 +151,10 @@ def _install_factories() -> None:
                     return orig(*args, **kwargs)
                 if any(type(a) is Tensor for a in args):  # *_like of a mesh tensor: dispatches already
                     return orig(*args, **kwargs)
+                if args and type(args[0]) in (list, tuple) and _holds_mesh_tensor(args[0]):
+                    raise MeshTensorError(f"torch.{orig.__name__}() of a list holding mesh tensors would read their "
+                                          f"values here, but they live on the workers; torch.stack(list) makes the "
+                                          f"tensor there")
                 # The workers put it on their device; the controller needs no GPU (nor a CUDA build) to record it,
                 # whether the device is named or comes from ``with torch.device("cuda"):``.
                 if kwargs.get("device") is not None or _device_context():

@@ -18,7 +18,7 @@ import threading
 import weakref
 
 import torch
-from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 
 from worker import messages as m
 from worker.opaque import OpaqueRef
@@ -114,6 +114,22 @@ class Tensor(DistributedMethods, torch.Tensor):
 
     def __reduce_ex__(self, proto):
         raise MeshTensorError("a mesh tensor cannot be pickled on the controller; fetch it with fetch_shard(t)")
+
+    def __deepcopy__(self, memo):
+        """A new mesh tensor with a copy of the value on every rank (``copy.deepcopy(model)`` of a model on the
+        mesh); its gradient is copied too, ``requires_grad`` and parameterhood are kept."""
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            new = self.clone()
+        if self.requires_grad:
+            new.requires_grad_(True)
+        if getattr(self, "_is_param", False):
+            new._is_param = True
+        memo[id(self)] = new
+        if self.grad is not None:
+            new.grad = self.grad.__deepcopy__(memo)
+        return new
 
     @property
     def data(self):
@@ -406,6 +422,11 @@ def _propagate(func, args, kwargs, tensors) -> _Template:
                 raise MeshTensorError(
                     f"{func} has an output shape that depends on the data, which the controller cannot know; "
                     f"compute it in a remote() function with propagate=... instead") from None
+            except DataDependentOutputException:
+                raise MeshTensorError(
+                    f"{func} returns a Python value computed from the data (as torch.allclose and torch.equal do), "
+                    f"which lives on the workers; compute a tensor instead (e.g. (a - b).abs().max()) and fetch it "
+                    f"with fetch_shard(t).result() or inspect(t)") from None
     finally:
         state.internal = False
         _fake_log.disabled = quiet

@@ -142,6 +142,31 @@ def test_assigning_data_and_converting_a_module_change_the_workers_tensors(procs
     assert torch.allclose(got, want.detach())
 
 
+def test_deepcopy_of_a_model_on_the_mesh_copies_the_workers_values(procs):
+    import copy
+
+    with procs.activate():
+        m = torch.nn.Linear(3, 2)
+        m(torch.ones(1, 3)).sum().backward()
+        c = copy.deepcopy(m)
+        assert isinstance(c.weight, torch.nn.Parameter) and c.weight.requires_grad
+        assert torch.equal(inspect(c.weight), inspect(m.weight)) and torch.equal(inspect(c.weight.grad),
+                                                                                 inspect(m.weight.grad))
+        with torch.no_grad():
+            c.weight.add_(1.0)  # the copy's own value
+        assert torch.equal(inspect(c.weight), inspect(m.weight) + 1)
+
+
+def test_values_read_on_the_controller_are_clear_errors(procs):
+    with procs.activate():
+        a, b = torch.ones(2), torch.ones(2)
+        with pytest.raises(MeshTensorError, match="allclose.*lives on the workers"):
+            torch.allclose(a, b)
+        with pytest.raises(MeshTensorError, match=r"torch.tensor\(\) of a list holding mesh tensors.*torch.stack"):
+            torch.tensor([a[0], [b[1]]])
+        assert inspect(torch.stack([a[0], b[1]])).tolist() == [1.0, 1.0]
+
+
 def test_metadata_and_local_constants(procs):
     with procs.activate():
         a = torch.arange(6.0).reshape(2, 3)
