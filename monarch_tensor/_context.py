@@ -26,24 +26,31 @@ class ActorContext:
 
     @property
     def message_rank(self) -> Point:
-        """The rank the current message is for (Monarch's name; this actor's rank in its mesh)."""
-        return self.rank
+        """Where this actor lies in the slice of its mesh that the current message was sent to (Monarch's:
+        ``mesh.slice(gpus=slice(2, 4))``'s actors are at 0 and 1 of it; a one-actor slice's has no dims); a
+        message to the whole mesh: this actor's rank in it."""
+        point = _message.get()
+        return self.rank if point is None else point
 
 
 _CLIENT = ActorContext("client", Point(0, {}), 0)
 _current: contextvars.ContextVar[ActorContext] = contextvars.ContextVar("monarch_tensor_actor", default=_CLIENT)
+_message: contextvars.ContextVar[Point | None] = contextvars.ContextVar("monarch_tensor_message", default=None)
 
 
 def current() -> ActorContext:
     return _current.get()
 
 
-def enter(ctx: ActorContext) -> contextvars.Token:
-    return _current.set(ctx)
+def enter(ctx: ActorContext, message: Point | None = None) -> tuple:
+    """Run as ``ctx``'s actor, handling a message sent to ``message`` (its point in the slice the message was
+    sent to; None: the whole mesh)."""
+    return _current.set(ctx), _message.set(message)
 
 
-def leave(token: contextvars.Token) -> None:
-    _current.reset(token)
+def leave(tokens: tuple) -> None:
+    _current.reset(tokens[0])
+    _message.reset(tokens[1])
 
 
 def in_client() -> bool:

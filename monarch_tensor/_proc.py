@@ -399,7 +399,7 @@ class ProcRuntime:
                              f"{type(slot.instance).__name__} has no {'method' if plain else 'endpoint'} {method!r}", "")
             self._reply(msg.reply, None, err, rank)
             return
-        token = _context.enter(slot.ctx)
+        token = _context.enter(slot.ctx, None if msg.shape is None else _point_in(msg.shape, slot.ctx.rank.rank))
         args = msg.args
         explicit = plain == "port" if plain else getattr(fn, "_explicit_port", False)
         if explicit:  # @endpoint(explicit_response_port=True): the endpoint answers through a port of its own
@@ -493,6 +493,14 @@ class ProcRuntime:
 
 # Results that are never awaitable (inspect.isawaitable's ABC check costs ~1 µs a call).
 _PLAIN = frozenset({type(None), bool, int, float, str, bytes, tuple, list, dict})
+
+
+def _point_in(shape: Shape, rank: int) -> Point | None:
+    """Where rank ``rank`` of an actor mesh lies in its slice ``shape`` (None: it is not in it)."""
+    try:
+        return shape.point(shape.index_of(rank))
+    except (ValueError, IndexError):
+        return None
 
 
 def _picklable(e: BaseException) -> BaseException | None:

@@ -207,14 +207,17 @@ class ActorMesh(MeshTrait):
     """Actors of one class on a proc mesh; attribute access gives endpoints."""
 
     def __init__(self, name: str, cls: type, procs: list[ProcInfo], shape: Shape,
-                 spawned: Future | None = None, proc_mesh: ProcMesh | None = None) -> None:
+                 spawned: Future | None = None, proc_mesh: ProcMesh | None = None, whole: Shape | None = None) -> None:
         self._name, self._class, self._procs, self._shape = name, cls, procs, shape
         self._rank_list = shape.ranks()  # read on every call: computed once (never mutated)
         self._spawned = spawned or Future.ready(None)
         self._proc_mesh = proc_mesh
+        self._whole = shape if whole is None else whole  # the shape it was spawned with
+        # What calls tell the actors of where they lie (``message_rank``): None for the whole mesh.
+        self._sent_shape = None if shape == self._whole else shape
 
     def __reduce__(self):
-        return (ActorMesh, (self._name, self._class, self._procs, self._shape))
+        return (ActorMesh, (self._name, self._class, self._procs, self._shape, None, None, self._whole))
 
     def __getattr__(self, method: str) -> Endpoint:
         if method.startswith("_"):
@@ -227,7 +230,7 @@ class ActorMesh(MeshTrait):
         return Endpoint(self, method)
 
     def _new_with_shape(self, shape: Shape) -> ActorMesh:
-        return ActorMesh(self._name, self._class, self._procs, shape, self._spawned, self._proc_mesh)
+        return ActorMesh(self._name, self._class, self._procs, shape, self._spawned, self._proc_mesh, self._whole)
 
     def _what(self) -> str:
         return f"actor mesh {self._name!r}"
@@ -322,7 +325,7 @@ class Endpoint(Generic[R]):
         mailbox = current_mailbox()
         if addrs is None:
             addrs = [self._mesh._procs[r].addr for r in ranks]
-        msg = CallEndpoint(self._mesh._name, self._wire_method, args, kwargs, port)
+        msg = CallEndpoint(self._mesh._name, self._wire_method, args, kwargs, port, self._mesh._sent_shape)
         try:
             encoded = _wire.encode_for(msg, addrs, mailbox)
         except Exception as e:

@@ -50,13 +50,15 @@ class SpawnActor:
 @_fast_reduce
 @dataclass(frozen=True, slots=True)
 class CallEndpoint:
-    """Anyone -> proc: run ``actor.method(*args, **kwargs)``; send the result to ``reply`` (if any)."""
+    """Anyone -> proc: run ``actor.method(*args, **kwargs)``; send the result to ``reply`` (if any). ``shape``:
+    the slice of the actor mesh the call went to (``context().message_rank``); None: the whole mesh."""
 
     actor: str
     method: str
     args: tuple
     kwargs: dict
     reply: PortRef | None
+    shape: Any = None
 
 
 @_fast_reduce
@@ -72,6 +74,8 @@ class SendToPort:
 
 def _compact_call(m: CallEndpoint) -> tuple | CallEndpoint:
     r = m.reply
+    if m.shape is not None:
+        return m  # a call to a slice: pickled as it is
     if r is None:
         return ("\0call", m.actor, m.method, m.args, m.kwargs, None, 0)
     if type(r) is PortRef:

@@ -50,7 +50,8 @@ def _whoami() -> dict:
     r = current_rank()
     ctx = context()
     return {"rank": r.rank, "coords": dict(r), "name": ctx.actor_name, "sizes": current_size(),
-            "ctx_rank": int(ctx.rank), "ctx_same": ctx.actor_instance.rank == r == ctx.message_rank,
+            "ctx_rank": int(ctx.rank), "ctx_same": ctx.actor_instance.rank == r,
+            "message_rank": (ctx.message_rank.rank, dict(ctx.message_rank)),
             "is_context": isinstance(ctx, Context), "pid": os.getpid()}
 
 
@@ -338,6 +339,13 @@ def test_call_on_a_slice(counter):
     assert [w["rank"] for w in vm.values()] == [1, 3], "an actor's rank is its rank in the spawned mesh"
     assert [dict(p) for p, _ in vm.items()] == [{"hosts": 0}, {"hosts": 1}]
     assert vm.item(hosts=1)["coords"] == {"hosts": 1, "gpus": 1}
+    # Monarch's message_rank: where the actor lies in the slice the message went to
+    assert [w["message_rank"] for w in vm.values()] == [(0, {"hosts": 0}), (1, {"hosts": 1})]
+    one = counter.slice(hosts=1, gpus=0).awho.call_one().get(timeout=T)
+    assert one["rank"] == 2 and one["message_rank"] == (0, {})  # a singleton's point has no dims
+    block = counter.slice(hosts=slice(1, 2), gpus=slice(0, 2))
+    assert [w["message_rank"] for w in block.who.call().get(timeout=T).values()] == \
+        [(0, {"hosts": 0, "gpus": 0}), (1, {"hosts": 0, "gpus": 1})]
 
 
 def test_context_and_current_rank_inside_endpoints(counter):
@@ -346,6 +354,7 @@ def test_context_and_current_rank_inside_endpoints(counter):
         for point, w in vm.items():
             assert w["name"] == "counter"
             assert w["rank"] == w["ctx_rank"] == point.rank and w["ctx_same"] and w["is_context"]
+            assert w["message_rank"] == (point.rank, dict(point))  # sent to the whole mesh
             assert w["sizes"] == {"hosts": 2, "gpus": 2}
             assert w["coords"] == dict(point)
 
