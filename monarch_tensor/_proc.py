@@ -21,7 +21,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
-from . import _context, _proc_ext
+from . import _context, _proc_ext, _zygote
 from .errors import ActorError
 from .mailbox import _EVENTS, _POLLIN, Mailbox, set_current_mailbox
 from .messages import CallEndpoint, ForwardLogs, KnowPeers, SendToPort, SetLogging, SpawnActor, StopProc
@@ -62,29 +62,39 @@ class Reserved:
 
 
 class _LogForwarder:
-    """Routes fds 1 and 2 through pipes and sends their lines to the client.
+    """Routes fds 1 and 2 through pipes whose lines reach the client.
 
-    ``set_enabled`` switches the forwarding in order with the output: it writes a marker into each pipe,
-    and a pump switches its stream when it reads the marker, so lines written before the switch are
-    handled as before it, however late the pump reads them."""
+    A proc forked by this host's template for the client (``_zygote``, ``relay``): the template reads the
+    pipes and relays the bytes to the client (``host.LocalHost``), so what a proc writes reaches the client
+    even when the proc dies right after (its own threads would have lost what they had read and not yet
+    sent). Otherwise (a host agent's procs) a pump thread per stream sends the lines to the client, and the
+    template sends what is left unread in the pipes when the proc exits.
 
-    _MARKS = {b"\0monarch-tensor logs off\0": False, b"\0monarch-tensor logs on\0": True}
-    _MARK_OF = {on: mark + b"\n" for mark, on in _MARKS.items()}
+    ``set_enabled`` switches the forwarding in order with the output: it writes a switch into each pipe
+    (``logs.StreamLines``), so lines written before it are handled as before it, however late they are read."""
 
     def __init__(self, mailbox: Mailbox, client_addr: str, rank: int) -> None:
         self.mailbox, self.client_addr, self.rank = mailbox, client_addr, rank
         from . import config
 
         on = config.get("enable_log_forwarding")  # as the client's configure() had it when it spawned us
-        self.enabled = {1: on, 2: on}  # per stream, as its pump has read the switches
+        self.enabled = {1: on, 2: on}  # per stream, as its pump has read the switches (pumps only)
         self.flushed = False
         self.threads = []
         self.originals = {}
+        given = os.environ.pop(_zygote.LOG_PIPES_ENV, "")  # "relay|pump,r1,r2,t1,t2" (see _zygote._child)
+        mode, *fds = given.split(",") if given else ("",)
         for stream in (1, 2):
-            self.originals[stream] = os.dup(stream)
-            r, w = os.pipe()
-            os.dup2(w, stream)
-            os.close(w)
+            if given:  # fds 1 and 2 are the template's pipes already
+                r, self.originals[stream] = int(fds[stream - 1]), int(fds[stream + 1])
+            else:
+                self.originals[stream] = os.dup(stream)
+                r, w = os.pipe()
+                os.dup2(w, stream)
+                os.close(w)
+            if mode == "relay":  # the template reads them
+                os.close(r)
+                continue
             t = threading.Thread(target=self._pump, args=(r, stream), daemon=True, name=f"logs-{stream}")
             t.start()
             self.threads.append(t)
@@ -92,43 +102,30 @@ class _LogForwarder:
         sys.stderr.reconfigure(line_buffering=True)
 
     def _pump(self, fd: int, stream: int) -> None:
-        pending = b""
+        from .logs import StreamLines
+
+        lines = StreamLines(self.enabled[stream])
         while True:
             try:
                 chunk = os.read(fd, 65536)
             except OSError:
                 chunk = b""
+            for on, run in lines.feed(chunk) if chunk else lines.end():
+                self.enabled[stream] = on
+                self._emit(stream, run, on)
             if not chunk:
                 break
-            pending += chunk
-            marked = b"\0" in pending  # (a marker starts with one; output rarely holds any)
-            *lines, pending = pending.split(b"\n")
-            if not marked:
-                if lines:
-                    self._emit(stream, lines)
-                continue
-            start = 0
-            for i, ln in enumerate(lines):
-                mark = next((m for m in self._MARKS if ln.endswith(m)), None)
-                if mark is None:
-                    continue
-                before = lines[start:i] + ([ln[:-len(mark)]] if len(ln) > len(mark) else [])
-                if before:  # (a partial line the marker came behind ends here)
-                    self._emit(stream, before)
-                self.enabled[stream] = self._MARKS[mark]
-                start = i + 1
-            if lines[start:]:
-                self._emit(stream, lines[start:])
-        if pending:
-            self._emit(stream, [pending])
+            self.enabled[stream] = lines.enabled
 
     def set_enabled(self, on: bool) -> None:
         """Forward what is written from now on (``on``), or leave it on the proc's own terminal."""
-        mark = self._MARK_OF[on]
+        from .logs import StreamLines
+
+        mark = StreamLines.MARK_OF[on]
         sys.stdout.flush()
         sys.stderr.flush()
         for stream in (1, 2):
-            if self.flushed:  # fds 1 and 2 are the terminal's again: no pump reads a marker any more
+            if self.flushed:  # fds 1 and 2 are the terminal's again: no pump reads a switch any more
                 self.enabled[stream] = on
                 continue
             try:
@@ -136,9 +133,9 @@ class _LogForwarder:
             except OSError:
                 self.enabled[stream] = on
 
-    def _emit(self, stream: int, lines: list[bytes]) -> None:
+    def _emit(self, stream: int, lines: list[bytes], on: bool) -> None:
         text = tuple(ln.decode(errors="replace") for ln in lines)
-        if self.enabled[stream]:
+        if on:
             try:
                 self.mailbox.send(self.client_addr, ForwardLogs(self.rank, stream, text))
                 return

@@ -74,17 +74,23 @@ def describe_status(status: int) -> str:
 
 
 def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None) -> None:
-    """Fork procs on request until the client goes away; import ``idle_imports`` when idle."""
+    """Fork procs on request until the client goes away; import ``idle_imports`` when idle; relay the output
+    of the procs spawned with ``relay`` (see ``_output_pipes``)."""
     idle_imports = list(idle_imports or [])
     children: dict[int, int] = {}  # pid -> request id
+    outputs: dict[int, list] = {}  # pid -> [stdout read end, stderr read end] (None once it ended)
+    relayed: dict[int, tuple[int, int]] = {}  # read end -> (pid, stream) of the procs whose output is relayed
     sig_r, sig_w = os.pipe()
     os.set_blocking(sig_w, False)
     signal.set_wakeup_fd(sig_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
+    waits = select.poll()  # (not select.select: two descriptors per proc may pass its limit of 1024)
+    waits.register(req_fd, select.POLLIN)
+    waits.register(sig_r, select.POLLIN)
     write_msg(rep_fd, ("ready", os.getpid()))
     while True:
         try:
-            readable, _, _ = select.select([req_fd, sig_r], [], [], 0 if idle_imports else 1.0)
+            readable = [fd for fd, _ in waits.poll(0 if idle_imports else 1000)]
         except InterruptedError:
             readable = [sig_r]
         if not readable and idle_imports:
@@ -95,17 +101,29 @@ def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None) -> No
                 os.read(sig_r, 4096)
             except BlockingIOError:
                 pass
-        _reap(children, rep_fd)
+        for fd in readable:
+            if fd in relayed:
+                _relay(fd, relayed, outputs, rep_fd, waits)
+        _reap(children, rep_fd, outputs, relayed, waits)
         if req_fd in readable:
             req = read_msg(req_fd)
             if req is None or req[0] == "exit":
                 break
             if req[0] == "spawn":
-                _, req_id, entry, args, env = req
+                _, req_id, entry, args, env, relay = req
+                reads, writes = _output_pipes()
                 pid = os.fork()
                 if pid == 0:
-                    _child(req_fd, rep_fd, sig_r, sig_w, entry, args, env)
+                    others = [fd for pair in outputs.values() for fd in pair if fd is not None]
+                    _child(req_fd, rep_fd, sig_r, sig_w, entry, args, env, (reads, writes), others, relay)
                 children[pid] = req_id
+                for w in writes:
+                    os.close(w)
+                outputs[pid] = list(reads)
+                if relay:
+                    for stream, fd in enumerate(reads, 1):
+                        relayed[fd] = (pid, stream)
+                        waits.register(fd, select.POLLIN)
                 write_msg(rep_fd, ("spawned", req_id, pid))
             elif req[0] == "preload":  # the client imported torch after its first procs: later ones get it
                 for mod in req[1]:
@@ -121,7 +139,62 @@ def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None) -> No
     _kill_all(children, rep_fd)
 
 
-def _reap(children: dict[int, int], rep_fd: int) -> None:
+# A proc's stdout and stderr are pipes whose read ends this process keeps. For the client's procs
+# (``relay``) it reads them and relays the bytes to the client ("output" messages): what a proc writes
+# reaches the client even when it dies right after (a thread of its own would lose what it had read and not
+# sent: the last lines before an os._exit or a crash). A host agent's procs forward their lines themselves
+# (_proc._LogForwarder); when one exits, this process sends what it left unread: up to LEFTOVER_MAX bytes of
+# each stream, the last ones.
+LEFTOVER_MAX = 64 << 10
+LOG_PIPES_ENV = "MONARCH_TENSOR_LOG_PIPES"
+
+
+def _output_pipes() -> tuple[tuple[int, int], tuple[int, int]]:
+    """((stdout read end, stderr read end), (stdout write end, stderr write end)) for a new proc."""
+    r1, w1 = os.pipe()
+    r2, w2 = os.pipe()
+    return (r1, r2), (w1, w2)
+
+
+def _relay(fd: int, relayed: dict, outputs: dict, rep_fd: int, waits) -> None:
+    """Relay what a proc wrote to one of its streams; at its end (every write end closed), stop watching it."""
+    pid, stream = relayed[fd]
+    try:
+        chunk = os.read(fd, 65536)
+    except OSError:
+        chunk = b""
+    if chunk:
+        write_msg(rep_fd, ("output", pid, stream, chunk))
+        return
+    del relayed[fd]
+    waits.unregister(fd)
+    os.close(fd)
+    outputs[pid][stream - 1] = None
+
+
+def _drain(fd: int, limit: int | None) -> bytes:
+    """What is left unread in a pipe (the last ``limit`` bytes of it), which is then closed."""
+    got = b""
+    try:
+        os.set_blocking(fd, False)
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            got += chunk
+            if limit is not None:
+                got = got[-limit:]
+    except OSError:  # (BlockingIOError: nothing more)
+        pass
+    finally:
+        os.close(fd)
+    return got
+
+
+def _reap(children: dict[int, int], rep_fd: int, outputs: dict | None = None, relayed: dict | None = None,
+          waits=None) -> None:
+    """Report the procs that exited, each after what it wrote and nobody had read yet."""
+    outputs, relayed = {} if outputs is None else outputs, {} if relayed is None else relayed
     while children:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -130,6 +203,15 @@ def _reap(children: dict[int, int], rep_fd: int) -> None:
         if pid == 0:
             return
         if children.pop(pid, None) is not None:
+            for stream, fd in enumerate(outputs.pop(pid, ()), 1):
+                if fd is None:
+                    continue
+                was_relayed = relayed.pop(fd, None) is not None
+                if was_relayed:
+                    waits.unregister(fd)
+                left = _drain(fd, None if was_relayed else LEFTOVER_MAX)
+                if left:
+                    write_msg(rep_fd, ("output", pid, stream, left))
             write_msg(rep_fd, ("exited", pid, describe_status(status)))
 
 
@@ -153,16 +235,24 @@ def _kill_all(children: dict[int, int], rep_fd: int) -> None:
                 time.sleep(0.02)
 
 
-def _child(req_fd, rep_fd, sig_r, sig_w, entry, args, env) -> None:
+def _child(req_fd, rep_fd, sig_r, sig_w, entry, args, env, pipes=None, others=(), relay=False) -> None:
     code = 1
     try:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        for fd in (req_fd, rep_fd, sig_r, sig_w):
+        for fd in (req_fd, rep_fd, sig_r, sig_w, *others):
             os.close(fd)
         set_pdeathsig()
         os.environ.update(env)
+        if pipes is not None:  # fds 1 and 2 into the pipes; the proc's log forwarder reads them (and dup's
+            (r1, r2), (w1, w2) = pipes  # of the terminal's fds for its fallback)
+            terminal = (os.dup(1), os.dup(2))
+            os.dup2(w1, 1)
+            os.dup2(w2, 2)
+            os.close(w1)
+            os.close(w2)
+            os.environ[LOG_PIPES_ENV] = f"{'relay' if relay else 'pump'},{r1},{r2},{terminal[0]},{terminal[1]}"
         module, _, func = entry.rpartition(".")
         __import__(module)
         getattr(sys.modules[module], func)(*args)

@@ -47,7 +47,7 @@ from .errors import AddressInUseError, JobKeyError
 from .future import Future
 from .host import LocalHost, ProcInfo, _gpu_count
 from .mailbox import _EVENTS, _POLLIN, new_ipc_address
-from .messages import SendToPort
+from .messages import ForwardLogs, SendToPort
 
 log = logging.getLogger("monarch_tensor.agent")
 
@@ -108,7 +108,7 @@ class HostAgent:
         os.set_blocking(self._wake_w, False)
         self._last_contact = time.monotonic()
         self._stopping = False
-        self.host = LocalHost(on_exit=self._proc_exited)
+        self.host = LocalHost(on_exit=self._proc_exited, on_output=self._proc_output)
         self._other_hosts: dict[str, LocalHost] = {}  # templates of other interpreters (SpawnProcs.python_exe)
         self._spawner = _Worker(self)
 
@@ -122,7 +122,8 @@ class HostAgent:
             if not (os.path.isfile(python_exe) and os.access(python_exe, os.X_OK)):
                 raise FileNotFoundError(f"with_python_executable({python_exe!r}): no such executable on "
                                         f"{socket.gethostname()}")
-            host = self._other_hosts[python_exe] = LocalHost(on_exit=self._proc_exited, python_exe=python_exe)
+            host = self._other_hosts[python_exe] = LocalHost(on_exit=self._proc_exited, python_exe=python_exe,
+                                                             on_output=self._proc_output)
         return host
 
     # ---- the loop ------------------------------------------------------------------
@@ -282,6 +283,18 @@ class HostAgent:
                 _signal(pid, signal.SIGKILL)
 
     # ---- proc exits (the zygote's reader thread) ----------------------------------------
+    def _proc_output(self, info: ProcInfo, stream: int, data: bytes) -> None:
+        """What a proc of ours left unread in its stdout or stderr when it exited (its last lines before an
+        os._exit or a crash): to its client, as the proc's own forwarded lines."""
+        lines = data.decode(errors="replace").split("\n")
+        if lines and lines[-1] == "":
+            lines.pop()
+        if not lines or stream not in (1, 2):
+            return
+        gateway = info.owner[3]
+        self._inbox.put((None, [gateway, *_wire.encode(ForwardLogs(info.rank, stream, tuple(lines)))]))
+        self._wake()
+
     def _proc_exited(self, info: ProcInfo, status: str) -> None:
         sid, events, pid_key, gateway = info.owner
         self.local_addrs.pop(pid_key, None)

@@ -78,10 +78,16 @@ def python_path() -> str:
 class LocalHost:
     """The zygote of this machine, spawning procs for this client process."""
 
-    def __init__(self, on_exit=None, python_exe: str | None = None) -> None:
+    def __init__(self, on_exit=None, python_exe: str | None = None, on_output=None) -> None:
         # on_exit(info, status): who hears of a proc's exit (a host agent); the client's supervision otherwise.
         # python_exe: the interpreter the template (and so every proc it forks) runs; this one's by default.
         self._on_exit = on_exit or _proc_exited
+        # The client's procs have their output relayed by the template (what they write reaches the script
+        # even when they die right after); a host agent's procs forward their own (see _proc._LogForwarder),
+        # and on_output(info, stream, data) gets what one left unread when it exited.
+        self._relay = on_exit is None
+        self._on_output = on_output or _print_output
+        self._infos: dict[int, ProcInfo] = {}  # request id -> the proc it spawns
         env = dict(os.environ)
         env["PYTHONPATH"] = python_path()
         env.setdefault(THP_ENV, "1")
@@ -119,12 +125,21 @@ class LocalHost:
                 self._ready._set_result(msg[1])
             elif kind == "spawned":
                 _, req_id, pid = msg
+                info = self._infos.pop(req_id, None)
+                if info is not None:
+                    self._by_pid[pid] = info  # (before its first output)
                 fut = self._spawned.pop(req_id)
                 fut._set_result(pid)
+            elif kind == "output":
+                _, pid, stream, data = msg
+                info = self._by_pid.get(pid)
+                if info is not None:
+                    self._on_output(info, stream, data)
             elif kind == "exited":
                 _, pid, status = msg
                 info = self._by_pid.pop(pid, None)
                 if info is not None:
+                    self._on_output(info, 0, b"")  # the end of its output: a last partial line
                     self._on_exit(info, status)
         err = RuntimeError("the local host's template process exited")
         self._ready._set_exception(err)
@@ -145,15 +160,15 @@ class LocalHost:
                 self._next += 1
                 fut = Future("proc spawn")
                 self._spawned[self._next] = fut
+                self._infos[self._next] = info
                 _zygote.write_msg(self._req_fd, ("spawn", self._next, "monarch_tensor._proc.run_proc",
-                                                 (info.addr, client_addr, info.rank), env))
+                                                 (info.addr, client_addr, info.rank), env, self._relay))
                 futs.append((info, fut))
         if not self._warmed:  # the template is still importing torch: meanwhile, on another core, warm up
             self._warmed = True
             _warm_tensor_engine()
         for info, fut in futs:
             info.pid = fut.get(timeout=SPAWN_TIMEOUT)
-            self._by_pid[info.pid] = info
 
     def kill(self, pid: int, sig: int) -> None:
         with self._lock:
@@ -205,6 +220,35 @@ def local_host(python_exe: str | None = None) -> LocalHost:
         if _local_host is None:
             _local_host = LocalHost()
     return _local_host
+
+
+_out_lines: dict[tuple[int, int], Any] = {}  # (pid, stream) -> logs.StreamLines of the client's procs
+
+
+def _print_output(info: ProcInfo, stream: int, data: bytes) -> None:
+    """Bytes a proc wrote to ``stream`` (1, 2; 0 with no bytes: its output ended), printed as forwarded lines
+    are (``logs.client_log_sink``; in a proc that spawned procs, sent on to its own client), or, where ``logging_option`` turned forwarding off, written as they are to
+    this process's own stdout or stderr (the terminal the proc would write to)."""
+    from . import config, logs
+    from .messages import ForwardLogs
+
+    if stream == 0:
+        runs = [(s, r) for s in (1, 2) if (lines := _out_lines.pop((info.pid, s), None)) for r in lines.end()]
+    else:
+        lines = _out_lines.get((info.pid, stream))
+        if lines is None:
+            lines = _out_lines[(info.pid, stream)] = logs.StreamLines(bool(config.get("enable_log_forwarding")))
+        runs = [(stream, r) for r in lines.feed(data)]
+    from . import mailbox as _mb
+
+    mb = _mb._mailbox
+    sink = mb.on_logs if mb is not None and mb.on_logs is not None else logs.client_log_sink  # (a proc: up)
+    for s, (on, run) in runs:
+        text = tuple(ln.decode(errors="replace") for ln in run)
+        if on:
+            sink(ForwardLogs(info.rank, s, text))
+        else:
+            os.write(s, ("\n".join(text) + "\n").encode())
 
 
 def _proc_exited(info: ProcInfo, status: str) -> None:

@@ -35,6 +35,43 @@ def _out(stream: int):
     return sys.stdout if stream == 1 else sys.stderr
 
 
+class StreamLines:
+    """One output stream of a proc, cut into lines, with the switches that ``logging_option`` writes into it
+    (``MARK_OF``): a switch applies to the lines after it in the stream, however late they are read."""
+
+    MARKS = {b"\0monarch-tensor logs off\0": False, b"\0monarch-tensor logs on\0": True}
+    MARK_OF = {on: mark + b"\n" for mark, on in MARKS.items()}
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled  # forwarded, or left on the proc's own terminal
+        self.pending = b""  # a partial last line
+
+    def feed(self, chunk: bytes) -> list[tuple[bool, list[bytes]]]:
+        """The whole lines ``chunk`` completes, in runs of one switch state: ``[(forwarded, lines), ...]``."""
+        data = self.pending + chunk
+        *lines, self.pending = data.split(b"\n")
+        if b"\0" not in data:  # (a switch starts with one; output rarely holds any)
+            return [(self.enabled, lines)] if lines else []
+        runs, start = [], 0
+        for i, ln in enumerate(lines):
+            mark = next((m for m in self.MARKS if ln.endswith(m)), None)
+            if mark is None:
+                continue
+            before = lines[start:i] + ([ln[:-len(mark)]] if len(ln) > len(mark) else [])
+            if before:  # (a partial line the switch came behind ends here)
+                runs.append((self.enabled, before))
+            self.enabled = self.MARKS[mark]
+            start = i + 1
+        if lines[start:]:
+            runs.append((self.enabled, lines[start:]))
+        return runs
+
+    def end(self) -> list[tuple[bool, list[bytes]]]:
+        """The partial last line, once the stream has ended."""
+        last, self.pending = self.pending, b""
+        return [(self.enabled, [last])] if last else []
+
+
 def client_log_sink(msg: ForwardLogs) -> None:
     """Called on the client's I/O thread for every batch of lines from a proc."""
     with _lock:

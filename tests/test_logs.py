@@ -114,6 +114,47 @@ def test_print_and_raw_fd_writes_reach_the_client_with_a_rank_prefix(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_the_last_lines_of_a_proc_that_dies_reach_the_client(tmp_path):
+    """What a proc writes right before it dies (os._exit here; a crash's traceback alike) reaches the client:
+    the template relays the proc's pipes, so nothing the proc read and had not sent dies with it (5 of 8 such
+    lines arrived before). And a proc whose own child died, and whose default fault hook explains that and
+    exits, gets its explanation to the client too."""
+    out = run_script(tmp_path, '''
+        class Dier(Actor):
+            @endpoint
+            def die(self, i):
+                print(f"last words {i}", flush=True)
+                print(f"last error {i}", file=sys.stderr, flush=True)
+                os._exit(3)
+
+            @endpoint
+            def spawn_and_lose_a_child(self):
+                self.procs = this_host().spawn_procs(per_host={"gpus": 1})
+                self.procs.spawn("child", Dier).die.broadcast(99)
+
+        monarch_tensor.actor.unhandled_fault_hook = lambda failure: print("hook:", failure)
+        for i in range(4):
+            procs = this_host().spawn_procs(per_host={"gpus": 1})
+            try:
+                procs.spawn("dier", Dier).die.call_one(i).get(timeout=30)
+            except Exception:
+                pass
+            wait_for(sys.stdout, f"[0] last words {i}\\n")
+            wait_for(sys.stderr, f"[0] last error {i}\\n")
+            procs.stop()
+        procs = this_host().spawn_procs(per_host={"gpus": 1})
+        procs.spawn("parent", Dier).spawn_and_lose_a_child.call_one().get(timeout=60)
+        wait_for(sys.stderr, "unhandled supervision failure, exiting")
+        procs.stop()
+        print("SCRIPT DONE")
+    ''')
+    assert "SCRIPT DONE" in out.stdout
+    assert "[0] last words 99" in lines(out.stdout)  # the grandchild's, through its parent, prefixed once
+    assert re.search(r"^\[0\] monarch_tensor: unhandled supervision failure, exiting: .*exited with code 3",
+                     out.stderr, re.M), out.stderr
+
+
+@pytest.mark.timeout(120)
 def test_aggregation_folds_identical_lines_from_four_ranks(tmp_path):
     # The window is a fixed period of the client's flusher, so the 4 copies of a
     # line can (rarely) straddle two flushes; try a few distinct lines and
@@ -208,7 +249,9 @@ def test_a_switch_applies_in_order_with_the_lines_around_it():
     fw.client_addr, fw.rank, fw.enabled, fw.flushed = "client", 0, {1: True, 2: True}, False
     term_r, term_w = os.pipe()  # stands for the proc's own terminal
     fw.originals = {1: term_w}
-    off, on = (next(m for m, v in _LogForwarder._MARKS.items() if v is x) + b"\n" for x in (False, True))
+    from monarch_tensor.logs import StreamLines
+
+    off, on = StreamLines.MARK_OF[False], StreamLines.MARK_OF[True]
     r, w = os.pipe()
     os.write(w, b"before\npartial" + off + b"muted\n" + on + b"after\n")
     os.close(w)
