@@ -24,7 +24,7 @@ from typing import Callable
 from . import _context, _proc_ext, _zygote
 from .errors import ActorError
 from .mailbox import _EVENTS, _POLLIN, Mailbox, set_current_mailbox
-from .messages import CallEndpoint, ForwardLogs, KnowPeers, SendToPort, SetLogging, SpawnActor, StopProc
+from .messages import CallEndpoint, ForwardLogs, KnowPeers, SendToPort, SetLogging, SpawnActor, StopActor, StopProc
 from .shape import Point, Shape
 
 # A call to an actor this proc does not have waits this long for its spawn before it fails (see
@@ -44,6 +44,8 @@ class _Slot:
     busy: bool = False
     done_events: list = field(default_factory=list)  # set when the running async call ends (Reserved.done)
     tasks: set = field(default_factory=set)  # running @concurrent_endpoint calls
+    stopped: str | None = None  # ActorMesh.stop()'s reason: calls that come after it fail
+    stop_done: bool = False  # the calls before it have run, and the actor has stopped
 
 
 class Reserved:
@@ -243,7 +245,8 @@ class ProcRuntime:
         shape: Shape = msg.shape
         point = shape.point(msg.rank) if len(shape.names) else Point(0, {})
         old = self.actors.get(msg.name)
-        if old is not None and old.init_error is None:  # (one whose constructor failed may be spawned again)
+        if old is not None and old.init_error is None and not old.stop_done:  # (one whose constructor failed, or
+            # that was stopped, may be spawned again)
             err = ValueError(f"an actor named {msg.name!r} already runs on proc {self.rank}: spawn it under "
                              f"another name (the running one keeps its state)")
             self._reply(msg.reply, None, ActorError(msg.name, point.rank, "__init__", repr(err), "", err),
@@ -273,6 +276,9 @@ class ProcRuntime:
         slot = self.actors.get(msg.actor)
         if slot is None:
             self._await_actor(msg)
+            return
+        if slot.stopped is not None:
+            self._reply(msg.reply, None, self._stopped_error(slot, msg.method), slot.ctx.rank.rank)
             return
         slot.queue.append(msg)
         if not slot.busy:
@@ -334,6 +340,42 @@ class ProcRuntime:
             _curve.remember_peer(addr, _curve.JobKeys(public, secret))
         self.mailbox.relayed.update(msg.relayed)
 
+    def handle_StopActor(self, msg: StopActor) -> None:
+        """Stop an actor (``ActorMesh.stop``) in order with its calls: those that came before run (an async
+        one is not cancelled, as calls are not), then its concurrent endpoints are cancelled and its
+        ``__cleanup__`` runs; every call that comes after fails with the reason. The ack goes then."""
+        slot = self.actors.get(msg.name)
+        if slot is None or slot.stopped is not None:
+            self._reply(msg.reply, None, None, self.rank)
+            return
+        slot.stopped = msg.reason
+        slot.queue.append(msg)
+        if not slot.busy:
+            self._pump(slot)
+
+    def _finish_stop(self, slot: _Slot, msg: StopActor) -> None:
+        slot.stop_done = True
+        for task in list(slot.tasks):
+            task.cancel()
+        stop = getattr(slot.instance, "__cleanup__", None)
+        if callable(stop):
+            try:
+                stop()
+            except Exception:  # noqa: BLE001 - user code: its error is printed, the actor stops all the same
+                traceback.print_exc()
+        slot.instance = None
+        rank = slot.ctx.rank.rank
+        for entry in list(slot.queue):  # (places reserved before the stop came, filled after it)
+            if type(entry) is Reserved and entry.ready:
+                self._reply(entry.msg.reply, None, entry.error or self._stopped_error(slot, entry.msg.method), rank)
+                entry.done.set()
+        slot.queue.clear()  # (a place not filled yet: fill() finds it gone and answers the call then)
+        self._reply(msg.reply, None, None, self.rank)
+
+    def _stopped_error(self, slot: _Slot, method: str) -> ActorError:
+        return ActorError(slot.name, slot.ctx.rank.rank, method.partition("/")[0],
+                          f"actor {slot.name!r} was stopped ({slot.stopped})", "")
+
     def handle_StopProc(self, msg: StopProc) -> None:
         for slot in self.actors.values():
             for task in list(slot.tasks):  # concurrent endpoints still running: cancelled before __cleanup__
@@ -356,8 +398,14 @@ class ProcRuntime:
     # ---- running endpoints ----------------------------------------------------
     def _pump(self, slot: _Slot) -> None:
         q = slot.queue
-        while q and not slot.busy:
+        while not slot.busy:
+            if not q:
+                return
             msg = q[0]
+            if type(msg) is StopActor:  # ActorMesh.stop, after the calls that came before it
+                q.popleft()
+                self._finish_stop(slot, msg)
+                return
             if type(msg) is Reserved:
                 if not msg.ready:
                     return  # the calls behind it wait for it

@@ -239,6 +239,28 @@ class ActorMesh(MeshTrait):
     def initialized(self) -> Future:
         return self._spawned
 
+    def stop(self, reason: str = "stopped by client") -> Future:
+        """Stop these actors (Monarch's ``ActorMesh.stop``), not their procs: each finishes the call it runs,
+        its ``__cleanup__`` runs, and the calls queued behind it and every later one fail with an
+        ``ActorError`` that gives ``reason``; the name may then be spawned again. A Future of None, once
+        every actor has stopped."""
+        from .messages import StopActor
+
+        if not isinstance(reason, str):
+            raise TypeError(f"stop(reason=...) takes a string, got {reason!r}")
+        members = [self._procs[r] for r in self._rank_list if self._procs[r].alive]
+        pm = self._proc_mesh
+        if not members or (pm is not None and pm._alloc._stopped):
+            return Future.ready(None)
+        mailbox = current_mailbox()
+        col = Collector([p.addr for p in members], [p.rank for p in members], lambda _: None,
+                        f"stop of actor mesh {self._name!r}", observing=False)
+        port = mailbox.open_port(col)
+        for p in members:
+            mailbox.send(p.addr, StopActor(self._name, reason, port))
+            p.actors.discard(self._name)
+        return col.future
+
     def __await__(self):
         yield from self._spawned.__await__()
         return self

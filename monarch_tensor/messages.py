@@ -129,6 +129,17 @@ class KnowPeers:
 
 @_fast_reduce
 @dataclass(frozen=True, slots=True)
+class StopActor:
+    """Client -> proc: stop actor ``name`` (``ActorMesh.stop``) once its running call ends: calls queued
+    behind it, and later ones, fail saying ``reason``; ack on ``reply``."""
+
+    name: str
+    reason: str
+    reply: PortRef
+
+
+@_fast_reduce
+@dataclass(frozen=True, slots=True)
 class StopProc:
     """Client -> proc: stop every actor and exit the process."""
 

@@ -1235,3 +1235,45 @@ def test_waiting_with_get_on_an_async_endpoint_of_the_same_proc_is_a_clear_error
         assert a.ask_awaiting.call_one(b).get(timeout=T) == "pong"  # both still serve
     finally:
         procs.stop()
+
+
+class Stoppable(Actor):
+    def __init__(self) -> None:
+        self.n = 0
+
+    @endpoint
+    def inc(self) -> int:
+        self.n += 1
+        return self.n
+
+    @endpoint
+    async def slow(self, seconds: float) -> str:
+        await asyncio.sleep(seconds)
+        return "finished"
+
+    def __cleanup__(self) -> None:
+        print(f"cleanup {current_rank().rank}", flush=True)
+
+
+@pytest.mark.timeout(60)
+def test_stopping_an_actor_mesh_keeps_its_procs_and_fails_later_calls():
+    """Monarch's ``ActorMesh.stop()``: in order with the calls, so a running call and those sent before it
+    finish; later calls fail with the reason; the procs keep running, and the name may be spawned again."""
+    procs = this_host().spawn_procs({"gpus": 2})
+    try:
+        a = procs.spawn("stoppable", Stoppable)
+        assert a.inc.call().get(timeout=T).values() == [1, 1]
+        running, before = a.slow.call(0.5), a.inc.call()
+        a.stop("no longer needed").get(timeout=T)
+        assert running.get(timeout=T).values() == ["finished"] * 2 and before.get(timeout=T).values() == [2, 2]
+        with pytest.raises(ActorError, match=r"actor 'stoppable' was stopped \(no longer needed\)"):
+            a.inc.call().get(timeout=T)
+        with pytest.raises(ActorError, match="was stopped"):
+            a.slice(gpus=1).inc.call_one().get(timeout=T)
+        assert a.stop().get(timeout=T) is None  # stopping twice is harmless
+        again = procs.spawn("stoppable", Stoppable)
+        assert again.inc.call().get(timeout=T).values() == [1, 1]  # a new actor, on the same procs
+        with pytest.raises(TypeError, match="takes a string"):
+            again.stop(reason=5)
+    finally:
+        procs.stop()
