@@ -366,7 +366,7 @@ class ProcRuntime:
         slot.instance = None
         rank = slot.ctx.rank.rank
         for entry in list(slot.queue):  # (places reserved before the stop came, filled after it)
-            if type(entry) is Reserved and entry.ready:
+            if type(entry) is Reserved and entry.ready and entry.msg is not None:
                 self._reply(entry.msg.reply, None, entry.error or self._stopped_error(slot, entry.msg.method), rank)
                 entry.done.set()
         slot.queue.clear()  # (a place not filled yet: fill() finds it gone and answers the call then)
