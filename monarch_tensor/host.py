@@ -227,9 +227,11 @@ _out_lines: dict[tuple[int, int], Any] = {}  # (pid, stream) -> logs.StreamLines
 
 def _print_output(info: ProcInfo, stream: int, data: bytes) -> None:
     """Bytes a proc wrote to ``stream`` (1, 2; 0 with no bytes: its output ended), printed as forwarded lines
-    are (``logs.client_log_sink``; in a proc that spawned procs, sent on to its own client), or, where ``logging_option`` turned forwarding off, written as they are to
-    this process's own stdout or stderr (the terminal the proc would write to)."""
+    are (``logs.client_log_sink``; in a proc that spawned procs, sent on to its own client), or, where
+    ``logging_option`` turned forwarding off, written as they are to this process's own stdout or stderr
+    (the terminal the proc would write to)."""
     from . import config, logs
+    from . import mailbox as _mb
     from .messages import ForwardLogs
 
     if stream == 0:
@@ -239,8 +241,6 @@ def _print_output(info: ProcInfo, stream: int, data: bytes) -> None:
         if lines is None:
             lines = _out_lines[(info.pid, stream)] = logs.StreamLines(bool(config.get("enable_log_forwarding")))
         runs = [(stream, r) for r in lines.feed(data)]
-    from . import mailbox as _mb
-
     mb = _mb._mailbox
     sink = mb.on_logs if mb is not None and mb.on_logs is not None else logs.client_log_sink  # (a proc: up)
     for s, (on, run) in runs:
