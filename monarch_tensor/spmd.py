@@ -55,7 +55,7 @@ def elastic_env(sizes: dict[str, int], index: int, master_addr: str, master_port
     }
 
 
-def _setup(proc_mesh, master_addr: str | None, master_port: int | None) -> Future:
+def _setup(proc_mesh, master_addr: str | None, master_port: int | None, use_ipaddr: object = None) -> Future:
     if (master_addr is None) != (master_port is None):
         raise ValueError("give both master_addr and master_port, or neither (rank 0's host and a free port)")
     if master_addr is not None and (not isinstance(master_addr, str) or not master_addr or "\0" in master_addr):
@@ -73,8 +73,10 @@ def _setup(proc_mesh, master_addr: str | None, master_port: int | None) -> Futur
         port = mailbox.open_port(col)
         mailbox.send(members[0].addr, ReserveMasterPort(port))
         host, master_port = col.future.get(timeout=TIMEOUT)
-        # One host for the whole mesh (all local today): loopback always resolves.
-        master_addr = "127.0.0.1" if host == socket.gethostname() else host
+        # One host for the whole mesh (all local today): loopback always resolves. ``use_ipaddr`` (Monarch's):
+        # the master's address rather than its name.
+        master_addr = "127.0.0.1" if host == socket.gethostname() else socket.gethostbyname(host) if use_ipaddr \
+            else host
     sizes = proc_mesh._shape.sizes
     col = Collector([p.addr for p in members], [p.rank for p in members], lambda vs: None, "torch elastic env")
     port = mailbox.open_port(col)
@@ -86,13 +88,13 @@ def _setup(proc_mesh, master_addr: str | None, master_port: int | None) -> Futur
 def setup_torch_elastic_env(proc_mesh, master_addr: str | None = None, master_port: int | None = None,
                             use_ipaddr: object = None) -> None:
     """Set torchrun's variables on every proc of ``proc_mesh`` (rank 0's host is the master)."""
-    _setup(proc_mesh, master_addr, master_port).get(timeout=TIMEOUT)
+    _setup(proc_mesh, master_addr, master_port, use_ipaddr).get(timeout=TIMEOUT)
 
 
 async def setup_torch_elastic_env_async(proc_mesh, master_addr: str | None = None, master_port: int | None = None,
                                         use_ipaddr: object = None) -> None:
     """``await`` form of :func:`setup_torch_elastic_env`."""
-    await _setup(proc_mesh, master_addr, master_port)
+    await _setup(proc_mesh, master_addr, master_port, use_ipaddr)
 
 
 class SPMDActor(Actor):
@@ -143,6 +145,9 @@ class SPMDActor(Actor):
             else:
                 sys.argv = args
                 runpy.run_path(args[0], run_name="__main__")
+        except SystemExit as e:  # sys.exit() ends a torchrun script as well: 0 (or None) is success
+            if e.code not in (0, None):
+                raise RuntimeError(f"{args[0] if args[0] != '-m' else args[1]} exited with {e.code!r}") from None
         finally:
             sys.argv = old_argv
         return True

@@ -6,12 +6,24 @@
 
 from __future__ import annotations
 
-from .spmd import setup_torch_elastic_env
+import asyncio
+
+from .future import Future
+from .spmd import TIMEOUT, _setup
 
 
-def setup_env_for_distributed(proc_mesh, master_addr: str | None = None, master_port: int | None = None) -> None:
-    """Set MASTER_ADDR, MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE on every proc."""
-    setup_torch_elastic_env(proc_mesh, master_addr, master_port)
+def setup_env_for_distributed(proc_mesh, master_addr: str | None = None, master_port: int | None = None,
+                              use_ipaddr: object = None) -> Future:
+    """Set MASTER_ADDR, MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE on every proc. Monarch's is
+    ``async``: ``await setup_env_for_distributed(procs)`` (the seeds' form) works, and so does a plain call,
+    which returns once the variables are set (a Future of None, done). With ``use_ipaddr`` the master is
+    named by its address."""
+    fut = _setup(proc_mesh, master_addr, master_port, use_ipaddr)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # no loop on this thread: wait here
+        fut.get(timeout=TIMEOUT)
+    return fut
 
 
 __all__ = ["setup_env_for_distributed"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -107,7 +108,12 @@ class SPMD(Actor):
 
 
 def test_init_process_group_in_actors(procs):
-    setup_env_for_distributed(procs)
+    assert setup_env_for_distributed(procs).done()  # a plain call returns once the variables are set
+
+    async def seed_form():  # seed 002's: Monarch's is async
+        await setup_env_for_distributed(procs, use_ipaddr=True)
+
+    asyncio.run(seed_form())
     env = procs.env.list("MASTER_").get(timeout=30).values()
     assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in env}) == 1
     results = procs.spawn("spmd", SPMD).main.call().get(timeout=90).values()
@@ -134,6 +140,12 @@ def test_spmd_actor_runs_a_torchrun_style_script_and_module(procs, tmp_path):
         one.main.call_one(addr, port, ["/nonexistent.py"]).get(timeout=30)
     with pytest.raises(ActorError, match="master_port must be an int"):
         one.setup_env.call_one(addr, "29500").get(timeout=30)
+    exits = tmp_path / "exits.py"  # sys.exit(0) ends a script well, as under torchrun; another code does not
+    exits.write_text("import sys\nsys.exit(int(sys.argv[1]) or None if sys.argv[1] != 'zero' else 0)\n")
+    for code in ("zero", "0"):
+        assert one.main.call_one(addr, port, [str(exits), code]).get(timeout=30) is True
+    with pytest.raises(ActorError, match="exits.py exited with 3"):
+        one.main.call_one(addr, port, [str(exits), "3"]).get(timeout=30)
 
 
 @pytest.mark.skipif(not THP, reason="this kernel has no transparent huge pages")

@@ -407,3 +407,32 @@ def test_remote_mount_refuses_bad_arguments(tmp_path):
     with pytest.raises(TypeError, match="FUSE"):
         job.remote_mount(str(tmp_path), cache_size=10)
     assert not getattr(job, "_mounts", None)
+
+
+@pytest.mark.timeout(60)
+def test_releasing_a_local_job_kills_only_its_own_agents(tmp_path):
+    """A job's agent that died may have its pid taken by another process: releasing the job (``kill``, or a
+    restart after its agents stopped answering) signals only processes that started when its agents did,
+    and forgets the old pids (they piled up across restarts, and a kill SIGKILLed whatever held them)."""
+    from monarch_tensor.job.local import LocalJob, _start_time
+
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        job = LocalJob(meshes={"hosts": 1}, root_dir=str(tmp_path / "job"))
+        start = _start_time(stranger.pid)
+        assert start is not None
+        job.pids, job.starts = [stranger.pid], {stranger.pid: start + 1}  # the pid of an agent that was
+        restored = LocalJob()
+        restored._restore(json.loads(json.dumps(job._extra())))  # (as a job file keeps them)
+        assert restored.starts == job.starts and not restored._agent_alive(stranger.pid)
+        job._release()
+        time.sleep(0.2)
+        assert stranger.poll() is None, "a process that is not the job's agent was killed"
+        assert job.pids == [] and job.starts == {}
+        job.pids, job.starts = [stranger.pid], {stranger.pid: start}  # now it is the agent: killed
+        job._release()
+        assert stranger.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if stranger.poll() is None:
+            stranger.kill()
+            stranger.wait()

@@ -59,6 +59,7 @@ class LocalJob(JobTrait):
         self.root_dir = root_dir
         self.ttl, self.python_exe, self.start_timeout = ttl, python_exe or sys.executable, start_timeout
         self.pids: list[int] = []
+        self.starts: dict[int, int] = {}  # pid -> its start time (_start_time): the agent, not a pid reused since
 
     def _start(self) -> dict[str, list[str]]:
         root = private_dir(self.root_dir or tempfile.mkdtemp(prefix="monarch-tensor-job-"))
@@ -86,6 +87,9 @@ class LocalJob(JobTrait):
                                                        key_file), cwd=workdir, env=agent_env, stdout=out, stderr=out,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
                 self.pids.append(p.pid)
+                start = _start_time(p.pid)
+                if start is not None:
+                    self.starts[p.pid] = start
                 started.append((name, p, addr_file, log))
         addrs: dict[str, list[str]] = {name: [] for name in self.meshes}
         deadline = time.monotonic() + self.start_timeout
@@ -104,11 +108,14 @@ class LocalJob(JobTrait):
         return addrs
 
     def _release(self) -> None:
+        """Wait for the agents to exit (5 s), then kill those left: only processes that are this job's agents
+        (their start time as recorded), never another process that got a dead agent's pid since. The job
+        then has no agents: a new start records its own."""
         deadline = time.monotonic() + 5
         for pid in self.pids:
-            while _alive(pid) and time.monotonic() < deadline:
+            while self._agent_alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.02)
-            if _alive(pid):
+            if self._agent_alive(pid):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -118,23 +125,39 @@ class LocalJob(JobTrait):
                 os.waitpid(pid, os.WNOHANG)
             except ChildProcessError:
                 pass
+        self.pids, self.starts = [], {}
+
+    def _agent_alive(self, pid: int) -> bool:
+        return _alive(pid) and (pid not in self.starts or _start_time(pid) == self.starts[pid])
 
     def _extra(self) -> dict:
-        return {"pids": self.pids, "root_dir": self.root_dir, "env": self.env}
+        return {"pids": self.pids, "starts": {str(p): t for p, t in self.starts.items()}, "root_dir": self.root_dir,
+                "env": self.env}
 
     def _spec(self) -> dict:
         return {"env": self.env}
 
     def _running(self) -> bool:
-        return self.active and any(_alive(pid) for pid in self.pids)
+        return self.active and any(self._agent_alive(pid) for pid in self.pids)
 
     def _adopt(self, running: JobTrait) -> None:
         self.pids, self.root_dir = list(running.pids), running.root_dir
+        self.starts = dict(getattr(running, "starts", {}))
 
     def _restore(self, data: dict) -> None:
         self.pids, self.root_dir = list(data.get("pids", [])), data.get("root_dir")
+        self.starts = {int(p): t for p, t in (data.get("starts") or {}).items()}
         self.env = dict(data.get("env") or {})
         self.ttl, self.python_exe, self.start_timeout = 600.0, sys.executable, START_TIMEOUT
+
+
+def _start_time(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot, /proc/<pid>/stat), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rpartition(")")[2].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _alive(pid: int) -> bool:
