@@ -64,6 +64,14 @@ def connect(info: dict, timeout: float = 5.0) -> socket.socket:
 
 
 def main(pid: int | None = None, wait: float = 60.0) -> int:
+    try:
+        return _main(pid, wait)
+    except KeyboardInterrupt:  # leaves the prompt; paused ranks stay paused (a later `debug` finds them)
+        print("\nmonarch-tensor debug: interrupted (paused ranks stay paused)", file=sys.stderr)
+        return 130
+
+
+def _main(pid: int | None, wait: float) -> int:
     deadline = time.monotonic() + wait
     info = find_server(pid)
     if info is None:

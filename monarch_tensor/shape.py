@@ -26,6 +26,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 
+class DimensionError(KeyError):
+    """A mesh has no dimension of that name. (A ``KeyError``, whose message prints as written, not quoted.)"""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 @dataclass(frozen=True, slots=True)
 class Shape:
     """Named dims over a strided view of flat ranks ``offset + sum(i * stride)``."""
@@ -120,7 +127,7 @@ class Shape:
         assert self.strides is not None
         for k in kwargs:
             if k not in self.names:
-                raise KeyError(f"mesh has no dimension {k!r}; its dimensions are {list(self.names)}")
+                raise DimensionError(f"mesh has no dimension {k!r}; its dimensions are {list(self.names)}")
         names, dims, strides, offset = [], [], [], self.offset
         for n, d, s in zip(self.names, self.dims, self.strides):
             if n not in kwargs:
@@ -204,7 +211,7 @@ class Shape:
             if not isinstance(v, str):
                 raise ValueError(f"rename({k}=...) takes the dimension's new name (a str), got {v!r}")
             if k not in self.names:
-                raise KeyError(f"mesh {self} has no dimension {k!r} to rename")
+                raise DimensionError(f"mesh {self} has no dimension {k!r} to rename")
         return self.split(**{k: (v,) for k, v in kwargs.items()})
 
     def flatten(self, name: str) -> Shape:
@@ -581,7 +588,7 @@ class MeshTrait:
             return len(self._shape)
         if isinstance(dim, str):
             if dim not in self._shape.names:
-                raise KeyError(f"{self._what()} has no dimension {dim!r}; its dimensions are "
+                raise DimensionError(f"{self._what()} has no dimension {dim!r}; its dimensions are "
                                f"{list(self._shape.names)}")
             return self._shape.dims[self._shape.names.index(dim)]
         n = 1

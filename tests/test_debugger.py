@@ -181,3 +181,26 @@ def test_debug_link_refuses_a_wrong_token(tmp_path):
         raw.settimeout(_debug_server.AUTH_TIMEOUT + 5)
         assert raw.recv(100).startswith(b"MTDBG1 ")
         assert raw.recv(100) in (b"", b"DENIED bad token\n")
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_leaves_the_debug_cli_without_a_traceback(tmp_path):
+    """Ctrl-C while ``monarch-tensor debug`` waits for a script (or at its prompt) exits with 130 and a line,
+    not Python's KeyboardInterrupt traceback."""
+    import signal
+
+    cli = subprocess.Popen([sys.executable, "-m", "monarch_tensor.cli", "debug", "--wait", "30"], cwd=tmp_path,
+                           env={**ENV, "TMPDIR": str(tmp_path)}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        line = ""
+        while "waiting for a script" not in line and time.monotonic() < deadline:
+            line = cli.stderr.readline()
+        cli.send_signal(signal.SIGINT)
+        _, err = cli.communicate(timeout=20)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+    assert cli.returncode == 130 and "interrupted" in err and "Traceback" not in err, err

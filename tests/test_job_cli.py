@@ -179,6 +179,14 @@ def test_contexts_hold_jobs_side_by_side(workdir):
     assert cli(workdir, "context", "use", "default").returncode == 0
     assert "/trainers-0/" in cli(workdir, *where).stdout
 
+    r = cli(workdir, "context", "rm", "nosuch")
+    assert r.returncode == 2 and "no context 'nosuch'" in r.stderr
+    (workdir / "broken.py").write_text("job = (\n")
+    r = cli(workdir, "apply", "broken.job")
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "syntax error" in r.stderr, r.stderr
+    r = cli(workdir, "exec", "--point", "bogus=0", "--", "true")
+    assert r.returncode == 2 and "has no dimension 'bogus'" in r.stderr and '"' not in r.stderr, r.stderr
+
     second = pids(workdir, "second")
     r = cli(workdir, "context", "rm", "second")  # kills its job
     assert r.returncode == 0, r.stderr
@@ -269,6 +277,10 @@ def test_exec_command(two_hosts, capfd):
     # a working directory the host lacks fails the Future, with its name
     with pytest.raises(ActorError, match="working directory '/no/such/dir' does not exist"):
         exec_command(two_hosts, ["true"], rank=0, workdir="/no/such/dir").get(timeout=60)
+    # a command the host lacks: a shell's status and words (127, "command not found")
+    capfd.readouterr()
+    assert exec_command(two_hosts, ["/no/such/cmd", "x"], rank=0).get(timeout=60) == 127
+    assert "/no/such/cmd: command not found" in capfd.readouterr().err
 
 
 @pytest.mark.timeout(60)

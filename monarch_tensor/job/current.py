@@ -116,6 +116,11 @@ def _import_job(module_path: str) -> JobTrait:
         mod = importlib.import_module(mod_name)
     except ImportError as e:
         raise ImportError(f"cannot import the job spec's module {mod_name!r} (from {module_path!r}): {e}") from e
+    except SyntaxError as e:
+        raise ImportError(f"the job spec's module {mod_name!r} has a syntax error: {e.msg} ({e.filename}, line "
+                          f"{e.lineno})") from e
+    except Exception as e:  # noqa: BLE001 - the module's own code raised
+        raise ImportError(f"the job spec's module {mod_name!r} raised while it was imported: {e!r}") from e
     job = getattr(mod, attr, None)
     if job is None:
         raise AttributeError(f"module {mod_name!r} has no {attr!r} (the job spec is {module_path!r})")
@@ -168,6 +173,8 @@ def kill_context(name: str | None = None) -> bool:
 def context_rm(name: str) -> None:
     """Remove context ``name``, killing its job; the active context falls back to ``default``."""
     was_active = current_context() == _check_name(name)
+    if not context_dir(name).exists() and name != DEFAULT_CONTEXT:
+        raise FileNotFoundError(f"no context {name!r} (see 'monarch-tensor context ls')")
     if context_state(name).exists():
         kill_context(name)
     shutil.rmtree(context_dir(name), ignore_errors=True)

@@ -148,12 +148,23 @@ class BashActor(Actor):
             os.makedirs(out_dir, exist_ok=True)
             with open(os.path.join(out_dir, "stdout.txt"), "wb") as out, \
                     open(os.path.join(out_dir, "stderr.txt"), "wb") as err:
-                p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=full_env, cwd=cwd,
-                                     start_new_session=True, preexec_fn=die_with_parent)
+                try:
+                    p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=full_env,
+                                         cwd=cwd, start_new_session=True, preexec_fn=die_with_parent)
+                except OSError as e:
+                    message, code = _not_started(argv, e)
+                    err.write(message)
+                    return code
                 self._children.add(p)
                 return await asyncio.to_thread(self._wait, p)
-        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             env=full_env, cwd=cwd, start_new_session=True, preexec_fn=die_with_parent)
+        try:
+            p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 env=full_env, cwd=cwd, start_new_session=True, preexec_fn=die_with_parent)
+        except OSError as e:
+            message, code = _not_started(argv, e)
+            if port is not None:
+                port.send((label, "err", message))
+            return code
         self._children.add(p)
         pumps = [threading.Thread(target=contextvars.copy_context().run, args=(_pump, pipe, kind, label, port),
                                   daemon=True, name=f"mt-exec-{kind}")
@@ -170,6 +181,13 @@ class BashActor(Actor):
             return returncode(p.wait())
         finally:
             self._children.discard(p)
+
+
+def _not_started(argv: list[str], e: OSError) -> tuple[bytes, int]:
+    """What a shell says and exits with when it cannot run ``argv``: 127 for no such command, 126 else."""
+    missing = isinstance(e, FileNotFoundError)
+    why = "command not found" if missing else (e.strerror or repr(e))
+    return f"{argv[0]}: {why} (on {os.uname().nodename})\n".encode(), 127 if missing else 126
 
 
 def _pump(pipe, kind: str, label: str, port) -> None:
