@@ -421,6 +421,9 @@ class ProcMesh(MeshTrait):
         while any(p.alive for p in alloc._procs) and time.monotonic() < deadline:
             time.sleep(0.01)
         _live_meshes.discard(alloc)
+        from . import logs
+
+        logs.flush()  # lines an aggregation window still holds: their procs said all they will
 
     def _kill(self, p: ProcInfo) -> None:
         """SIGKILL a proc that did not stop (a mesh on host agents overrides this)."""

@@ -7,6 +7,7 @@ folds identical lines from many ranks within the window into one line:
 
 from __future__ import annotations
 
+import atexit
 import sys
 import threading
 import time
@@ -108,6 +109,9 @@ def flush(older_than: float | None = None) -> None:
         else:
             out.write(f"[{ranks[0]}] {line}\n" if prefixed else f"{line}\n")
         out.flush()
+
+
+atexit.register(flush)  # what the last window folded (procs stopped at exit flush first: host.ProcMesh.stop)
 
 
 def _flush_loop() -> None:

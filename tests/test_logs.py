@@ -186,10 +186,14 @@ def test_aggregation_folds_identical_lines_from_four_ranks(tmp_path):
             talkers.talk.call("distinct").get(timeout=30)
             for r in range(4):
                 wait_for(sys.stdout, f"[{r}] distinct print rank {r}\\n")
+            # a long window: what it holds when the procs stop is printed then, not lost
+            procs.logging_option(stream_to_client=True, aggregate_window_sec=60).get(timeout=30)
+            talkers.say.call("held when they stop").get(timeout=30)
         finally:
             procs.stop().get(timeout=30)
     ''')
     stdout = lines(out.stdout)
+    assert "[4 similar lines] [rank 0-3] held when they stop" in stdout, out.stdout
     folded = [ln for ln in stdout if ln.startswith("FOLDED attempt ")]
     assert folded, out.stdout
     attempt = folded[0].split()[-1]
