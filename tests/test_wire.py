@@ -7,6 +7,7 @@ ROUTER socket is dropped and the proc keeps serving.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import operator
@@ -441,6 +442,20 @@ GARBAGE = {
 }
 
 
+@contextlib.contextmanager
+def _raw_socket(addr: str):
+    """A plain zmq DEALER connected to a proc's address (as anything on the network could send from)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(addr)
+        yield sock
+    finally:
+        sock.close()
+        ctx.term()
+
+
 def _raw_call(sock: zmq.Socket, actor: str, method: str, *args):
     """Send a CallEndpoint on ``sock`` (after whatever it sent before) and wait for the reply."""
     port, receiver = Channel.open()
@@ -453,37 +468,23 @@ def test_a_call_that_comes_before_its_actors_spawn_runs_once_the_actor_is_spawne
     spawner's SpawnActor (two senders: no order between them); the call waits for the spawn. A call to an
     actor that never comes fails, once it has waited (test_live_proc_answers_bad_calls_with_errors)."""
     procs, _, addr = live
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(addr)
+    with _raw_socket(addr) as sock:
         port, receiver = Channel.open()
         sock.send_multipart(_wire.encode(messages.CallEndpoint("later", "echo", (7,), {}, port._ref)))
         time.sleep(0.3)  # (it has come, and found no actor of that name)
         procs.spawn("later", Echo).initialized.get(timeout=30)
         assert receiver.recv().get(timeout=20) == 7
-    finally:
-        sock.close()
-        ctx.term()
 
 
 @pytest.mark.parametrize("name", list(GARBAGE))
 def test_live_proc_drops_garbage_and_keeps_serving(live, name):
     procs, echo, addr = live
     pid = echo.pid.call_one().get(timeout=20)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(addr)
+    with _raw_socket(addr) as sock:
         for _ in range(3):
             sock.send_multipart(GARBAGE[name])
         # Same socket, so the proc has handled the garbage before this call.
         assert _raw_call(sock, "echo", "echo", name) == name
-    finally:
-        sock.close()
-        ctx.term()
     assert echo.echo.call_one([1, 2]).get(timeout=20) == [1, 2]
     assert echo.pid.call_one().get(timeout=20) == pid, "the same proc answers: it did not restart"
     assert procs._procs[0].alive
@@ -493,16 +494,9 @@ def test_live_proc_logs_what_it_dropped(live, capsys):
     import time
 
     procs, echo, addr = live
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(addr)
+    with _raw_socket(addr) as sock:
         sock.send_multipart([b"ZQ9!" + bytes(GOOD[0])[4:], *GOOD[1:]])
         assert _raw_call(sock, "echo", "echo", 1) == 1
-    finally:
-        sock.close()
-        ctx.term()
     seen, deadline = "", time.monotonic() + 20
     while "ZQ9!" not in seen and time.monotonic() < deadline:
         cap = capsys.readouterr()
@@ -513,11 +507,7 @@ def test_live_proc_logs_what_it_dropped(live, capsys):
 
 def test_live_proc_answers_bad_calls_with_errors(live):
     procs, echo, addr = live
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(addr)
+    with _raw_socket(addr) as sock:
         with pytest.raises(ActorError, match="no actor named 'nobody'"):
             _raw_call(sock, "nobody", "echo", 1)
         with pytest.raises(ActorError, match="no endpoint 'missing'"):
@@ -525,9 +515,6 @@ def test_live_proc_answers_bad_calls_with_errors(live):
         with pytest.raises(ActorError, match="no endpoint '__init__'"):
             _raw_call(sock, "echo", "__init__")
         assert _raw_call(sock, "echo", "echo", 5) == 5
-    finally:
-        sock.close()
-        ctx.term()
 
 
 def test_large_arrays_reach_a_live_proc_intact(live):
