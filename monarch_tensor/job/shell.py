@@ -186,12 +186,12 @@ def _forward(sh, procs, receiver, stdin: int, stdout: int) -> int:
     try:
         with _raw(stdin):
             while True:
-                if errors:
-                    raise errors[0]
                 dead = [p for p in procs._procs if not p.alive]
-                if dead:
+                if dead:  # (first: a call to it that failed by its death says so less plainly)
                     raise SupervisionError(f"the remote shell's proc (pid {dead[0].pid}) died", proc=dead[0].addr,
                                            rank=dead[0].rank)
+                if errors:
+                    raise errors[0]
                 while item.done():
                     kind, value = item.get()
                     if kind == "exit":
