@@ -240,8 +240,8 @@ class ActorMesh(MeshTrait):
         return self._spawned
 
     def stop(self, reason: str = "stopped by client") -> Future:
-        """Stop these actors (Monarch's ``ActorMesh.stop``), not their procs: each finishes the call it runs,
-        its ``__cleanup__`` runs, and the calls queued behind it and every later one fail with an
+        """Stop these actors (Monarch's ``ActorMesh.stop``), not their procs, in order with their calls: the
+        calls sent before it run, then ``__cleanup__`` runs, and every call after it fails with an
         ``ActorError`` that gives ``reason``; the name may then be spawned again. A Future of None, once
         every actor has stopped."""
         from .messages import StopActor

@@ -130,8 +130,8 @@ class KnowPeers:
 @_fast_reduce
 @dataclass(frozen=True, slots=True)
 class StopActor:
-    """Client -> proc: stop actor ``name`` (``ActorMesh.stop``) once its running call ends: calls queued
-    behind it, and later ones, fail saying ``reason``; ack on ``reply``."""
+    """Client -> proc: stop actor ``name`` (``ActorMesh.stop``) after the calls that came before this; later
+    calls fail saying ``reason``; ack on ``reply``."""
 
     name: str
     reason: str
