@@ -24,6 +24,36 @@ class ActorContext:
     def actor_instance(self):
         return self
 
+    # ---- Monarch's ``Instance`` -------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        """The name this actor was spawned under (``"client"`` in the script)."""
+        return self.actor_name
+
+    @property
+    def class_name(self) -> str:
+        return type(self.instance).__name__ if self.instance is not None else ""
+
+    @property
+    def proc_id(self) -> str:
+        """This proc's address."""
+        from .mailbox import current_mailbox
+
+        return current_mailbox().addr
+
+    @property
+    def actor_id(self) -> str:
+        """``<proc address>/<name>[<rank in its mesh>]``: which actor this is, unique among the live ones."""
+        return f"{self.proc_id}/{self.actor_name}[{int(self.rank)}]"
+
+    @property
+    def proc(self):
+        """This proc as a mesh of one (Monarch's ``Instance.proc``): ``context().actor_instance.proc.spawn(
+        "sibling", Cls)`` spawns an actor beside this one."""
+        from .host import this_proc
+
+        return this_proc()
+
     @property
     def message_rank(self) -> Point:
         """Where this actor lies in the slice of its mesh that the current message was sent to (Monarch's:

@@ -357,12 +357,7 @@ class ProcRuntime:
         slot.stop_done = True
         for task in list(slot.tasks):
             task.cancel()
-        stop = getattr(slot.instance, "__cleanup__", None)
-        if callable(stop):
-            try:
-                stop()
-            except Exception:  # noqa: BLE001 - user code: its error is printed, the actor stops all the same
-                traceback.print_exc()
+        _cleanup(slot)
         slot.instance = None
         rank = slot.ctx.rank.rank
         for entry in list(slot.queue):  # (places reserved before the stop came, filled after it)
@@ -380,12 +375,7 @@ class ProcRuntime:
         for slot in self.actors.values():
             for task in list(slot.tasks):  # concurrent endpoints still running: cancelled before __cleanup__
                 task.cancel()
-            stop = getattr(slot.instance, "__cleanup__", None)
-            if callable(stop):
-                try:
-                    stop()
-                except Exception:  # noqa: BLE001
-                    traceback.print_exc()
+            _cleanup(slot)
         self.shutdown(0)
 
     def shutdown(self, code: int) -> None:
@@ -538,6 +528,35 @@ class ProcRuntime:
 
 # Results that are never awaitable (inspect.isawaitable's ABC check costs ~1 µs a call).
 _PLAIN = frozenset({type(None), bool, int, float, str, bytes, tuple, list, dict})
+
+
+def _cleanup(slot: _Slot) -> None:
+    """An actor's ``__cleanup__`` as it stops: Monarch's ``__cleanup__(self, exc)``, ``exc`` None on a normal
+    stop (one of no arguments works too); an ``async def`` one runs to its end on a loop of its own (this
+    thread runs the proc's), in the actor's context. Its error is printed; the actor stops all the same."""
+    stop = getattr(slot.instance, "__cleanup__", None)
+    if not callable(stop):
+        return
+    token = _context.enter(slot.ctx)
+    try:
+        try:
+            takes_exc = bool(inspect.signature(stop).parameters)
+        except (TypeError, ValueError):
+            takes_exc = False
+        result = stop(None) if takes_exc else stop()
+        if inspect.isawaitable(result):
+            import concurrent.futures
+            import contextvars
+
+            async def wait():
+                return await result
+
+            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="monarch-tensor-cleanup") as pool:
+                pool.submit(contextvars.copy_context().run, asyncio.run, wait()).result()
+    except Exception:  # noqa: BLE001 - user code
+        traceback.print_exc()
+    finally:
+        _context.leave(token)
 
 
 def _point_in(shape: Shape, rank: int) -> Point | None:

@@ -536,8 +536,9 @@ class Accumulator(Generic[R]):
 
 
 # ---- channels ------------------------------------------------------------------------
-class Port:
-    """The sending end of a channel; picklable, so it can be passed to actors."""
+class Port(Generic[R]):
+    """The sending end of a channel; picklable, so it can be passed to actors (``Port[int]`` in a type hint,
+    as Monarch's)."""
 
     def __init__(self, ref: PortRef | None) -> None:
         self._ref = ref  # None: nobody listens (an explicit response port of a broadcast)

@@ -592,9 +592,10 @@ def check_procs_per_host(per_host: dict, n: int) -> None:
 
 
 def _spawn_procs(shape: Shape, proc_bind: list | None = None, per: int = 1,
-                 python_exe: str | None = None) -> ProcMesh:
+                 python_exe: str | None = None, extra_env: dict[str, str] | None = None) -> ProcMesh:
     """Procs of ``shape`` on this machine; ``proc_bind`` (``_bind.check``ed) binds the ``per`` procs of
-    each host; ``python_exe`` runs them (default: this interpreter)."""
+    each host; ``python_exe`` runs them (default: this interpreter); ``extra_env`` is added to their
+    environment from the start."""
     mailbox = current_mailbox()
     n = len(shape)
     infos = [ProcInfo(new_ipc_address("proc"), r) for r in range(n)]
@@ -607,7 +608,7 @@ def _spawn_procs(shape: Shape, proc_bind: list | None = None, per: int = 1,
         env = {"MONARCH_TENSOR_RANK": str(point.rank), **settings, **_bind.env_for(proc_bind, point.rank % per)}
         if gpus and "gpus" in shape.names:
             env["CUDA_VISIBLE_DEVICES"] = str(point["gpus"] % gpus)
-        envs.append(env)
+        envs.append({**env, **(extra_env or {})})
     mesh = ProcMesh(infos, shape)
     mesh._python_exe = python_exe
     for info in infos:
@@ -775,8 +776,15 @@ def this_proc() -> ProcMesh:
     return ProcMesh([ProcInfo(mailbox.addr, ctx.proc_rank)], Shape((), ()))
 
 
-def proc_mesh(*, gpus: int | None = None, hosts: int | None = None, **dims: int) -> ProcMesh:
-    """The older form: ``proc_mesh(gpus=4)`` (also awaitable: ``await proc_mesh(gpus=4)``)."""
+def proc_mesh(*, gpus: int | None = None, hosts: int | None = None, env: dict[str, str] | None = None,
+              setup=None, **dims: int) -> ProcMesh:
+    """The older form: ``proc_mesh(gpus=4)`` (also awaitable: ``await proc_mesh(gpus=4)``). Monarch's ``env``
+    is added to the procs' environment from their start; ``setup`` (a function) runs on every proc before
+    the mesh is handed back, as ``spawn_procs(bootstrap=...)`` does."""
+    if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                              for k, v in env.items())):
+        raise TypeError(f"proc_mesh(env=...) maps variable names to string values, got {env!r}")
+    check_bootstrap(setup)
     sizes = {}
     if hosts is not None:
         sizes["hosts"] = hosts
@@ -785,7 +793,7 @@ def proc_mesh(*, gpus: int | None = None, hosts: int | None = None, **dims: int)
     sizes.update(dims)
     if not sizes:
         raise ValueError("proc_mesh needs at least one dimension, e.g. proc_mesh(gpus=4)")
-    return _spawn_procs(Shape.from_sizes(sizes))
+    return run_bootstrap(_spawn_procs(Shape.from_sizes(sizes), extra_env=env), setup)
 
 
 @atexit.register

@@ -23,6 +23,7 @@ from monarch_tensor.actor import (
     Channel,
     Context,
     Future,
+    Port,
     ProcMesh,
     ValueMesh,
     as_endpoint,
@@ -1277,3 +1278,67 @@ def test_stopping_an_actor_mesh_keeps_its_procs_and_fails_later_calls():
             again.stop(reason=5)
     finally:
         procs.stop()
+
+
+class Sibling(Actor):
+    @endpoint
+    def name(self) -> str:
+        return context().actor_instance.name
+
+
+class Compat(Actor):
+    """Monarch's spellings: ``Port[int]`` hints, ``actor_instance``'s attributes, ``__cleanup__(self, exc)``."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    @endpoint
+    def instance(self) -> tuple:
+        inst = context().actor_instance
+        sibling = inst.proc.spawn("sibling", Sibling)  # beside this actor, on its proc
+        return (inst.name, inst.class_name, inst.actor_id, inst.proc_id, sibling.name.call_one().get(timeout=20),
+                os.environ.get("COMPAT_ENV"), os.environ.get("COMPAT_SETUP"))
+
+    @endpoint
+    def answer(self, port: Port[int]) -> None:
+        port.send(42)
+
+    def __cleanup__(self, exc) -> None:
+        with open(self.marker, "w") as f:
+            f.write(f"exc={exc!r} rank={current_rank().rank}")
+
+
+class AsyncCleanup(Actor):
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    async def __cleanup__(self, exc) -> None:
+        await asyncio.sleep(0.01)
+        with open(self.marker, "w") as f:
+            f.write("async cleanup ran")
+
+
+def _compat_setup() -> None:
+    os.environ["COMPAT_SETUP"] = "ran"
+
+
+@pytest.mark.timeout(60)
+def test_monarch_spellings_of_proc_mesh_port_hints_instance_and_cleanup(tmp_path):
+    procs = proc_mesh(gpus=1, env={"COMPAT_ENV": "given"}, setup=_compat_setup)  # Monarch's env= and setup=
+    try:
+        c = procs.spawn("compat", Compat, str(tmp_path / "cleanup"))
+        name, cls, actor_id, proc_id, sibling, env, setup = c.instance.call_one().get(timeout=T)
+        assert (name, cls, sibling, env, setup) == ("compat", "Compat", "sibling", "given", "ran")
+        assert actor_id == f"{proc_id}/compat[0]" and proc_id == procs._procs[0].addr
+        port, receiver = Channel.open()
+        c.answer.call_one(port).get(timeout=T)
+        assert receiver.recv().get(timeout=T) == 42
+        a = procs.spawn("async_cleanup", AsyncCleanup, str(tmp_path / "async"))
+        c.stop().get(timeout=T)
+        a.stop().get(timeout=T)
+        assert (tmp_path / "cleanup").read_text() == "exc=None rank=0"  # exc is None on a normal stop
+        assert (tmp_path / "async").read_text() == "async cleanup ran"
+    finally:
+        procs.stop()
+    with pytest.raises(TypeError, match="string values"):
+        proc_mesh(gpus=1, env={"A": 1})
