@@ -303,8 +303,9 @@ def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs
     shape = Shape(procs._shape.names, procs._shape.dims)
     mailbox = current_mailbox()
     if mailbox.on_message is None and any(p.addr == mailbox.addr for p in members):
-        raise RuntimeError("actors cannot be spawned in the client script's own process (this_proc()); "
-                           "spawn procs with this_host().spawn_procs() and spawn on those")
+        # this_proc().spawn(...) in the script (Monarch's getting-started does it): the script's process hosts
+        # no actors here, so they go to one proc started for them, a mesh of one like this_proc()'s.
+        return _spawn_actor_mesh(_script_proc(), name, cls, args, kwargs)
     addrs = [p.addr for p in members]
     # Acks only come after the sends below, so `mesh` is bound by the time finish runs.
     col = Collector(addrs, list(range(len(members))), lambda _: mesh, f"spawn of actor mesh {name!r}",
@@ -330,6 +331,20 @@ def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs
             mailbox.close_port(port.port_id)
         raise
     return mesh
+
+
+_script_procs: ProcMesh | None = None
+_script_lock = threading.Lock()
+
+
+def _script_proc() -> ProcMesh:
+    """The proc that hosts the actors a script spawns on ``this_proc()``: started on first use, one per script,
+    stopped with the script's other procs at its exit (a mesh of one proc and no dims, as this_proc())."""
+    global _script_procs
+    with _script_lock:
+        if _script_procs is None or _script_procs._alloc._stopped or not _script_procs._procs[0].alive:
+            _script_procs = this_host().spawn_procs(per_host={"procs": 1}).slice(procs=0)
+        return _script_procs
 
 
 class Endpoint(Generic[R]):

@@ -1014,12 +1014,19 @@ def test_a_call_cut_short_by_stop_fails_and_awaiting_stop_leaves_the_loop_free()
         pending.get(timeout=T)
 
 
-@pytest.mark.timeout(30)
-def test_spawn_on_the_client_process_is_a_clear_error():
-    from monarch_tensor.actor import this_proc
+@pytest.mark.timeout(60)
+def test_spawn_on_this_proc_in_the_script_works_as_monarchs_getting_started_does():
+    """``this_proc().spawn("counter", Counter, initial_value=0)`` (Monarch's first example): the actors go to
+    one proc started for the script's own actors, a mesh of one with no dims, as this_proc() is."""
+    from monarch_tensor import actor as actor_mod
 
-    with pytest.raises(RuntimeError, match="client script's own process"):
-        this_proc().spawn("nope", Actor)
+    counter = this_proc().spawn("script_counter", Counter, 5)
+    counter.incr.call_one().get(timeout=T)
+    assert counter.value.call_one().get(timeout=T) == 6 and counter._shape.names == ()
+    other = this_proc().spawn("script_counter_2", Counter)  # the same proc for the next one
+    assert other._procs[0].addr == counter._procs[0].addr
+    assert other._procs[0].addr != this_proc()._procs[0].addr  # (not this process: it hosts no actors)
+    actor_mod._script_procs.stop().get(timeout=T)
 
 
 # ---- found by probing: each once hung, lost a value or gave a raw error ---------------------------
