@@ -665,6 +665,31 @@ class Remote:
 
         return resolve_function(self.fn)
 
+    # ---- Monarch's endpoint forms: the function on every proc of the active mesh, its results to the caller --
+    def _endpoint(self):
+        pm = state.ctx_mesh
+        if pm is None:
+            raise MeshTensorError(f"{getattr(self.fn, '__name__', self.fn)}.call() runs on the active mesh: call it "
+                                  f"inside `with mesh.activate():`")
+        return pm._runner().run
+
+    def call(self, *args, **kwargs):
+        """A Future of a ``ValueMesh``: the function's result on every proc of the active mesh (Monarch's
+        ``check_memory.call()``). Its arguments and results are plain values, not mesh tensors."""
+        return self._endpoint().call(self._local_fn(), args, kwargs)
+
+    def call_one(self, *args, **kwargs):
+        """Its result on the one proc of the active mesh."""
+        return self._endpoint().call_one(self._local_fn(), args, kwargs)
+
+    def broadcast(self, *args, **kwargs) -> None:
+        """Run it on every proc of the active mesh, results dropped."""
+        self._endpoint().broadcast(self._local_fn(), args, kwargs)
+
+    def send(self, args: tuple = (), kwargs: dict | None = None, port=None) -> None:
+        """Run it on every proc of the active mesh; with ``port``, each result goes there (``send(fn, ...)``)."""
+        self._endpoint().send((self._local_fn(), tuple(args), dict(kwargs or {})), {}, port)
+
     def __call__(self, *args, **kwargs):
         leaves, ctx = _leaves_ctx((args, kwargs), f"remote({getattr(self.fn, '__name__', self.fn)!r})")
         if ctx is None:

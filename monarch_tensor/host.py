@@ -351,13 +351,18 @@ class ProcMesh(MeshTrait):
         ``DeviceMeshError``)."""
         if not callable(fn):
             raise TypeError(f"execute() takes a function to run on every proc, got {fn!r}")
+        return self._runner().run.call(fn, args, kwargs).get(timeout=timeout)
+
+    def _runner(self):
+        """The actor mesh, one per proc, that runs functions for ``execute`` (and remote functions' ``call``),
+        shaped as this mesh."""
         alloc = self._alloc
         runner = getattr(alloc, "_executor", None)
         if runner is None:
             from .actor import _Executor
 
             runner = alloc._executor = alloc.spawn("_mt_execute", _Executor)
-        return runner._new_with_shape(self._shape).run.call(fn, args, kwargs).get(timeout=timeout)
+        return runner._new_with_shape(self._shape)
 
     def _check_alive(self) -> None:
         if self._alloc._stopped:

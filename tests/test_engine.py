@@ -702,3 +702,28 @@ def test_a_no_result_op_on_a_failed_input_leaves_other_fetches_alone(procs):
         assert torch.equal(fetch_shard(other, gpus=0).result(timeout=60), torch.full((2,), 3.0))
         with pytest.raises(RemoteException, match="index"):
             fetch_shard(factor, gpus=0).result(timeout=60)
+
+
+def _add_one(a, b=1):
+    return a + b, current_rank().rank
+
+
+add_one = remote(_add_one)
+
+
+def test_a_remote_function_called_as_an_endpoint_runs_on_every_proc(procs):
+    """Monarch's ``Remote`` is an endpoint: ``fn.call()`` inside ``activate()`` gives a ValueMesh of its plain
+    results, ``send(fn, args, kwargs, port=port)`` sends each to a port."""
+    from monarch_tensor.actor import Channel, send
+
+    with procs.activate():
+        assert add_one.call(2, b=5).get(timeout=60).values() == [(7, 0), (7, 1)]
+        port, receiver = Channel.open()
+        send(add_one, args=(10,), kwargs={}, port=port)
+        assert sorted(receiver.recv().get(timeout=60) for _ in range(2)) == [(11, 0), (11, 1)]
+        assert add_one.call_one.__doc__  # (call_one exists; it needs a mesh of one proc)
+        assert procs.slice(gpus=1) is not None
+    with procs.slice(gpus=1).activate():
+        assert add_one.call_one(1).get(timeout=60) == (2, 1)
+    with pytest.raises(MeshTensorError, match="inside `with mesh.activate\\(\\):`"):
+        add_one.call()
