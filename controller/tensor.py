@@ -376,6 +376,8 @@ def describe_outputs(out, fake_inputs: list) -> tuple:
 def _struct(out):
     if isinstance(out, (tuple, list)):
         return (type(out), tuple(_struct(x) for x in out))
+    if isinstance(out, dict):  # (its keys, then its values' structures, in its order)
+        return (dict, (tuple(out), tuple(_struct(x) for x in out.values())))
     if isinstance(out, OpaqueRef):
         return (OpaqueRef, (None,))
     return None
@@ -385,6 +387,9 @@ def _rebuild(struct, it):
     if struct is None:
         return next(it)
     typ, kids = struct
+    if typ is dict:
+        keys, subs = kids
+        return {k: _rebuild(sub, it) for k, sub in zip(keys, subs)}
     items = [_rebuild(k, it) for k in kids]
     if typ is tuple or typ is list:
         return typ(items)

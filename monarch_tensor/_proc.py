@@ -304,7 +304,7 @@ class ProcRuntime:
         """A place for a call to ``actor`` behind the calls queued so far (on the loop thread)."""
         entry = Reserved()
         slot = self.actors.get(actor)
-        if slot is not None:
+        if slot is not None and slot.stopped is None:  # (a stopped actor's call fails at fill(), with the reason)
             slot.queue.append(entry)
         return entry
 

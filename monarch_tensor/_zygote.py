@@ -244,6 +244,9 @@ def _child(req_fd, rep_fd, sig_r, sig_w, entry, args, env, pipes=None, others=()
         for fd in (req_fd, rep_fd, sig_r, sig_w, *others):
             os.close(fd)
         set_pdeathsig()
+        numpy = sys.modules.get("numpy")  # imported here before the fork: every proc would draw the same numbers
+        if numpy is not None:
+            numpy.random.seed()  # (from the OS's entropy, as a fresh process's numpy; Python's random reseeds itself)
         os.environ.update(env)
         if pipes is not None:  # fds 1 and 2 into the pipes; the proc's log forwarder reads them (and dup's
             (r1, r2), (w1, w2) = pipes  # of the terminal's fds for its fallback)

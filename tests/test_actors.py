@@ -1349,3 +1349,25 @@ def test_monarch_spellings_of_proc_mesh_port_hints_instance_and_cleanup(tmp_path
         procs.stop()
     with pytest.raises(TypeError, match="string values"):
         proc_mesh(gpus=1, env={"A": 1})
+
+
+class Draws(Actor):
+    @endpoint
+    def draw(self) -> float:
+        import numpy as np
+
+        return float(np.random.rand())
+
+
+@pytest.mark.timeout(60)
+def test_procs_draw_their_own_numpy_random_numbers():
+    """Procs are forked from a template that imported numpy: each reseeds it, as a fresh process would (every
+    proc drew the same numbers, in every mesh after the first)."""
+    draws = []
+    for _ in range(2):
+        procs = this_host().spawn_procs({"gpus": 3})
+        try:
+            draws += procs.spawn("draws", Draws).draw.call().get(timeout=T).values()
+        finally:
+            procs.stop()
+    assert len(set(draws)) == 6, draws

@@ -727,3 +727,32 @@ def test_a_remote_function_called_as_an_endpoint_runs_on_every_proc(procs):
         assert add_one.call_one(1).get(timeout=60) == (2, 1)
     with pytest.raises(MeshTensorError, match="inside `with mesh.activate\\(\\):`"):
         add_one.call()
+
+
+def _as_dict(x):
+    return {"twice": x * 2, "more": [x + 1, (x,)]}
+
+
+as_dict = remote(_as_dict, propagate=lambda x: {"twice": x.clone(), "more": [x.clone(), (x.clone(),)]})
+
+
+class Tripler(Actor):
+    @endpoint(propagate=lambda t: t)
+    def scaled(self, t):
+        return t * 3
+
+
+def test_remote_results_in_dicts_are_mesh_tensors_and_a_stopped_actors_rref_says_why(procs):
+    """A remote function's dict result holds mesh tensors, as its lists and tuples do (they came back as the
+    controller's fake tensors); a call through mesh tensors that reaches an actor after ``stop()`` fails
+    with the stop's reason (it ran on the stopped actor and failed with "NoneType has no endpoint")."""
+    with procs.activate():
+        out = as_dict(torch.ones(3))
+        assert inspect(out["twice"]).tolist() == [2.0] * 3 and inspect(out["more"][1][0]).tolist() == [1.0] * 3
+        assert inspect(out["more"][0] + out["twice"]).tolist() == [4.0] * 3
+    t = procs.spawn("tripler", Tripler)
+    t.stop("no more tripling").get(timeout=60)
+    with procs.activate():
+        y = t.scaled.rref(torch.ones(2))
+        with pytest.raises(RemoteException, match=r"was stopped \(no more tripling\)"):
+            inspect(y)

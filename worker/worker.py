@@ -75,18 +75,20 @@ def keep_freed_memory(keep_mb: int = KEEP_FREED_MB) -> bool:
 
 
 def flat_leaves(obj: Any) -> list:
-    """Leaves of nested tuples/lists, in order (the layout of ``CallOp.outs``); an ``OpaqueRef``'s leaf is
-    its key tensor."""
+    """Leaves of nested tuples/lists/dicts (a dict's values in its order), in order (the layout of
+    ``CallOp.outs``); an ``OpaqueRef``'s leaf is its key tensor."""
     if isinstance(obj, (tuple, list)):  # named tuples and torch.return_types too
         out = []
         for x in obj:
-            if isinstance(x, (tuple, list)):
+            if isinstance(x, (tuple, list, dict)):
                 out.extend(flat_leaves(x))
             elif isinstance(x, OpaqueRef):
                 out.append(x._key)
             else:
                 out.append(x)
         return out
+    if isinstance(obj, dict):
+        return flat_leaves(list(obj.values()))
     return [obj._key] if isinstance(obj, OpaqueRef) else [obj]
 
 
