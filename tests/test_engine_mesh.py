@@ -601,3 +601,33 @@ def test_mixing_streams_in_a_fetch_and_local_targets_are_clear_errors(mesh):
             x.tolist()
         assert inspect(torch.ones(2, 3).t()).shape == (3, 2)  # a strided reply unpickles inside activate()
         borrow.drop()
+
+
+def _fails(t):
+    raise ValueError("written wrong")
+
+
+fails = remote(_fails, propagate=lambda t: t.clone())
+
+
+def test_a_failure_written_into_a_mutable_borrow_reaches_the_lender(mesh):
+    """An op that writes a mutably borrowed tensor and fails leaves the failure in the lender's tensor after
+    the drop, as it would on the lender's own stream (it came back with its old value and no error, while a
+    successful write did show)."""
+    side = Stream("side_failures")
+    with mesh.activate():
+        z = torch.ones(2)
+        bz, borrow = side.borrow(z, mutable=True)
+        with side.activate():
+            bz.add_(fails(bz))
+        borrow.drop()
+        with pytest.raises(RemoteException, match="written wrong"):
+            inspect(z)
+        with pytest.raises(RemoteException, match="written wrong"):
+            inspect(z + 1)  # and what is computed from it
+        w = torch.ones(2)
+        bw, borrow = side.borrow(w, mutable=True)
+        with side.activate():
+            bw.mul_(5)
+        borrow.drop()
+        assert inspect(w).tolist() == [5.0, 5.0]

@@ -489,10 +489,15 @@ class TensorWorker(Actor):
         if entry[2] is not None:
             torch.cuda.current_stream().wait_event(entry[2])
         self.refs[msg.dst] = self.refs.get(msg.src, self.refs.get(msg.dst))
+        entry.append(msg.src)  # (lent: a failure written into the borrow goes back to it at the drop)
 
     def handle_BorrowDrop(self, msg: m.BorrowDrop) -> None:
         entry = self.borrows[msg.borrow]
-        self.refs.pop(msg.dst, None)
+        held = self.refs.pop(msg.dst, None)
+        if isinstance(held, RemoteException) and len(entry) > 3 and entry[3] in self.refs:
+            # An op that wrote the (mutable) borrow failed: the lender's tensor holds the failure too, as an
+            # in-place op's failure does on its own stream (the lender's stream waits for this drop to go on).
+            self.refs[entry[3]] = held
         if self.device.type == "cuda":
             entry[2] = torch.cuda.Event()
             entry[2].record()
