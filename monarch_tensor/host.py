@@ -507,9 +507,24 @@ class ProcMesh(MeshTrait):
 
         return rank_tensor(self, dim)
 
-    def rank(self, dim: str):
-        """Monarch's name for ``rank_tensor``: ``mesh.rank("gpus")``."""
-        return self.rank_tensor(dim)
+    def rank(self, dims):
+        """Monarch's name for ``rank_tensor``: ``mesh.rank("gpus")``; of several dims, ``mesh.rank(("hosts",
+        "gpus"))``, the rank within them, row-major (``hosts * gpus_size + gpus``)."""
+        if isinstance(dims, str):
+            return self.rank_tensor(dims)
+        dims = list(dims)
+        if not dims or not all(isinstance(d, str) for d in dims):
+            raise TypeError(f"rank() takes a dim name or a sequence of them, got {dims!r}")
+        sizes = self._shape.sizes
+        unknown = [d for d in dims if d not in sizes]
+        if unknown:
+            from .shape import DimensionError
+
+            raise DimensionError(f"mesh has no dimension {unknown[0]!r}; its dimensions are {list(sizes)}")
+        out = self.rank_tensor(dims[0])
+        for d in dims[1:]:
+            out = out * sizes[d] + self.rank_tensor(d)
+        return out
 
     def process_group(self, dims):
         """The process groups along ``dims`` (a name or a list of them), to pass to ``remote`` functions that

@@ -631,3 +631,18 @@ def test_a_failure_written_into_a_mutable_borrow_reaches_the_lender(mesh):
             bw.mul_(5)
         borrow.drop()
         assert inspect(w).tolist() == [5.0, 5.0]
+
+
+def test_rank_of_several_dims_is_the_row_major_rank_within_them(mesh):
+    """Monarch's ``mesh.rank(("hosts", "gpus"))``: the rank within those dims, in the order given."""
+    names = list(mesh._shape.names)
+    sizes = mesh._shape.sizes
+    both = mesh.rank(names)
+    reverse = mesh.rank(names[::-1])
+    for i in range(len(mesh._shape)):
+        coords = mesh._shape.point(i)
+        where = dict(coords)
+        assert inspect(both, **where).item() == coords[names[0]] * sizes[names[1]] + coords[names[1]]
+        assert inspect(reverse, **where).item() == coords[names[1]] * sizes[names[0]] + coords[names[0]]
+    with pytest.raises(KeyError, match="has no dimension 'nope'"):
+        mesh.rank((names[0], "nope"))
