@@ -113,7 +113,6 @@ class _LogForwarder:
             except OSError:
                 chunk = b""
             for on, run in lines.feed(chunk) if chunk else lines.end():
-                self.enabled[stream] = on
                 self._emit(stream, run, on)
             if not chunk:
                 break
@@ -545,14 +544,9 @@ def _cleanup(slot: _Slot) -> None:
             takes_exc = False
         result = stop(None) if takes_exc else stop()
         if inspect.isawaitable(result):
-            import concurrent.futures
-            import contextvars
+            from .future import run_to_end
 
-            async def wait():
-                return await result
-
-            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="monarch-tensor-cleanup") as pool:
-                pool.submit(contextvars.copy_context().run, asyncio.run, wait()).result()
+            run_to_end(result)
     except Exception:  # noqa: BLE001 - user code
         traceback.print_exc()
     finally:

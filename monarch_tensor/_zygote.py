@@ -191,10 +191,8 @@ def _drain(fd: int, limit: int | None) -> bytes:
     return got
 
 
-def _reap(children: dict[int, int], rep_fd: int, outputs: dict | None = None, relayed: dict | None = None,
-          waits=None) -> None:
+def _reap(children: dict[int, int], rep_fd: int, outputs: dict, relayed: dict, waits) -> None:
     """Report the procs that exited, each after what it wrote and nobody had read yet."""
-    outputs, relayed = {} if outputs is None else outputs, {} if relayed is None else relayed
     while children:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)

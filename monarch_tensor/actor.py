@@ -502,8 +502,9 @@ def send(endpoint: Endpoint, args: tuple, kwargs: dict, port: Port | None = None
     """Fire-and-forget call of ``endpoint`` on its mesh (Monarch's ``send``): results, if ``port`` is given,
     go to that port (``Channel.open()``). ``selection``: ``"all"`` the whole mesh, ``"choose"`` one live rank."""
     if not isinstance(endpoint, Endpoint):
-        if callable(getattr(endpoint, "send", None)) and hasattr(endpoint, "propagate") and selection == "all":
-            endpoint.send(args, kwargs, port)  # a remote function (Monarch's Remote is an endpoint): every proc
+        api = sys.modules.get("controller.api")  # (a remote function can only come from there, once imported)
+        if api is not None and isinstance(endpoint, api.Remote) and selection == "all":
+            endpoint.send(args, kwargs, port)  # Monarch's Remote is an endpoint: every proc of the active mesh
             return
         raise TypeError(f"send() needs an endpoint (mesh.method), got {endpoint!r}")
     if selection == "all":

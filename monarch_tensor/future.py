@@ -201,6 +201,28 @@ class ThreadFuture(Future):
     _by_thread = True
 
 
+def in_event_loop() -> bool:
+    """Whether this thread runs an asyncio event loop now (blocking here would stall it)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def run_to_end(awaitable) -> Any:
+    """Run ``awaitable`` to its end on an event loop of its own, on a helper thread (this one may be running
+    a loop), in this thread's context (``current_rank()``); its result, or its exception raised here."""
+    import concurrent.futures
+    import contextvars
+
+    async def wait():
+        return await awaitable
+
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="monarch-tensor-await") as pool:
+        return pool.submit(contextvars.copy_context().run, asyncio.run, wait()).result()
+
+
 def _call(fn: Callable[[Future], None], fut: Future) -> None:
     try:
         fn(fut)
@@ -266,12 +288,7 @@ class _BodyFuture(Future):
     def get(self, timeout: float | None = None):
         coro = self._take()
         if coro is not None:
-            try:
-                asyncio.get_running_loop()
-                inside_loop = True
-            except RuntimeError:
-                inside_loop = False
-            if inside_loop:  # never a second loop inside a running one: a helper thread runs it
+            if in_event_loop():  # never a second loop inside a running one: a helper thread runs it
                 threading.Thread(target=self._drive, args=(coro, timeout), daemon=True,
                                  name="mt-returns-future").start()
             else:

@@ -7,7 +7,6 @@ reports are how the runtime learns, within milliseconds, that a proc died.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import inspect
 import itertools
@@ -23,7 +22,7 @@ from typing import Any, Mapping
 
 from . import _context, _zygote
 from .errors import MeshStoppedError, SupervisionError
-from .future import Future
+from .future import Future, in_event_loop, run_to_end
 from .mailbox import current_mailbox, new_ipc_address
 from .messages import SetLogging, StopProc
 from .shape import MeshTrait, Shape
@@ -395,9 +394,7 @@ class ProcMesh(MeshTrait):
                     mailbox.send(p.addr, StopProc(reason))
                 except Exception:  # noqa: BLE001
                     pass
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:  # no loop on this thread: wait here
+        if not in_event_loop():  # wait here
             self._finish_stop()
             return Future.ready(None)
         done: Future = Future(f"stop of proc mesh {self._shape}")
@@ -575,15 +572,7 @@ def _bootstrap(fn) -> None:
     running the proc's), in this proc's context (``current_rank()``)."""
     result = fn()
     if inspect.isawaitable(result):
-        import asyncio
-        import contextvars
-        from concurrent.futures import ThreadPoolExecutor
-
-        async def wait():
-            return await result
-
-        with ThreadPoolExecutor(1, thread_name_prefix="monarch-tensor-bootstrap") as pool:
-            pool.submit(contextvars.copy_context().run, asyncio.run, wait()).result()
+        run_to_end(result)
 
 
 def run_bootstrap(mesh: ProcMesh, bootstrap) -> ProcMesh:

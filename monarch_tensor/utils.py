@@ -6,9 +6,7 @@
 
 from __future__ import annotations
 
-import asyncio
-
-from .future import Future
+from .future import Future, in_event_loop
 from .spmd import TIMEOUT, _setup
 
 
@@ -19,9 +17,7 @@ def setup_env_for_distributed(proc_mesh, master_addr: str | None = None, master_
     which returns once the variables are set (a Future of None, done). With ``use_ipaddr`` the master is
     named by its address."""
     fut = _setup(proc_mesh, master_addr, master_port, use_ipaddr)
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:  # no loop on this thread: wait here
+    if not in_event_loop():  # wait here
         fut.get(timeout=TIMEOUT)
     return fut
 
