@@ -201,6 +201,40 @@ class ThreadFuture(Future):
     _by_thread = True
 
 
+class CoroutineFuture(Future):
+    """A Future that is also a coroutine object, for the methods that are ``async def`` in Monarch
+    (``logging_option``): ``asyncio.run(procs.logging_option(...))`` and ``asyncio.create_task`` accept
+    it, as they do Monarch's; ``await`` and ``.get()`` work as on any Future. Driven as a coroutine
+    (``send``/``throw``/``close``) it runs once, as a coroutine does."""
+
+    __slots__ = ("_steps",)
+
+    def __init__(self, what: str = "result") -> None:
+        super().__init__(what)
+        self._steps = None
+
+    @classmethod
+    def of(cls, fut: Future) -> CoroutineFuture:
+        out = cls(fut._what)
+        fut.add_done_callback(lambda f: out._settle(f._state, f._value))
+        return out
+
+    def _iter(self):
+        if self._steps is None:
+            self._steps = self.__await__()
+        return self._steps
+
+    def send(self, value):
+        return self._iter().send(value)
+
+    def throw(self, *exc):
+        return self._iter().throw(*exc)
+
+    def close(self) -> None:
+        if self._steps is not None:
+            self._steps.close()
+
+
 def in_event_loop() -> bool:
     """Whether this thread runs an asyncio event loop now (blocking here would stall it)."""
     try:

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 from . import _context, _zygote
 from .errors import MeshStoppedError, SupervisionError
-from .future import Future, in_event_loop, run_to_end
+from .future import CoroutineFuture, Future, in_event_loop, run_to_end
 from .mailbox import current_mailbox, new_ipc_address
 from .messages import SetLogging, StopProc
 from .shape import MeshTrait, Shape
@@ -451,7 +451,7 @@ class ProcMesh(MeshTrait):
         port = mailbox.open_port(col)
         for a in addrs:
             mailbox.send(a, SetLogging(stream_to_client, port, level))
-        return col.future
+        return CoroutineFuture.of(col.future)  # async def in Monarch: asyncio.run() takes it
 
     def _failed(self, err: SupervisionError) -> None:
         """A proc of this allocation died unexpectedly: tell the owner, or the fault hook."""

@@ -267,3 +267,26 @@ def test_a_switch_applies_in_order_with_the_lines_around_it():
     assert sent == ["before", "partial", "after"]
     assert terminal == b"muted\n"
     assert fw.enabled == {1: True, 2: True}
+
+
+@pytest.mark.timeout(120)
+def test_logging_option_is_a_coroutine_as_in_monarch(tmp_path):
+    # Monarch's logging_option is `async def`: scripts hand it to asyncio.run or create_task.
+    out = run_script(tmp_path, '''
+        import asyncio
+        procs = this_host().spawn_procs(per_host={"procs": 2})
+        try:
+            assert asyncio.run(procs.logging_option(stream_to_client=True, level=logging.WARNING)) is None
+            assert procs.execute(lambda: logging.getLogger().level).values() == [logging.WARNING] * 2
+
+            async def main():
+                await asyncio.create_task(procs.logging_option(level=logging.DEBUG))
+                await procs.logging_option(level=logging.ERROR)  # plain await still works
+                return procs.execute(lambda: logging.getLogger().level).values()
+
+            assert asyncio.run(main()) == [logging.ERROR] * 2
+        finally:
+            procs.stop().get(timeout=30)
+        print("SCRIPT DONE")
+    ''')
+    assert "SCRIPT DONE" in out.stdout
