@@ -240,7 +240,9 @@ def _reduce_tensor(t):
     cuda = t.device.type == "cuda"
     if cuda:  # its bytes travel as a CPU tensor's would (out of band: on the data plane when large)
         t = t.to("cpu")
-    flat = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+    # (as_strided, not reshape(-1): a contiguous tensor's size-1 dims may have any stride, e.g. x[:, 0] of a batch
+    # of one, and reshape keeps it, which view(uint8) refuses)
+    flat = t.as_strided((t.numel(),), (1,)).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
     return _rebuild_cuda_tensor if cuda else _rebuild_tensor, (pickle.PickleBuffer(flat.numpy()), t.dtype,
                                                                tuple(t.shape))
 

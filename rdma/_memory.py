@@ -58,7 +58,10 @@ def _torch():
 def _flatten(obj: Any) -> Any:
     torch = _torch()
     if torch is not None and isinstance(obj, torch.Tensor):
-        return obj.detach().reshape(-1).view(torch.uint8)
+        obj = obj.detach()
+        if obj.is_contiguous():  # (its size-1 dims may have any stride, which reshape(-1) keeps)
+            return obj.as_strided((obj.numel(),), (1,)).view(torch.uint8)
+        return obj.reshape(-1).view(torch.uint8)
     if isinstance(obj, np.ndarray):
         return obj.reshape(-1).view(np.uint8)
     return np.frombuffer(memoryview(obj), dtype=np.uint8)

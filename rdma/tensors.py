@@ -33,7 +33,7 @@ class TensorHandle:
             raise ValueError(f"out has shape {tuple(out.shape)} and dtype {out.dtype}; the published tensor "
                              f"has {self.shape} and {self.dtype}")
         if out.numel():
-            self.buf.read_into(out.view(-1).view(torch.uint8), timeout=timeout).get(timeout)
+            self.buf.read_into(_flat_bytes(out), timeout=timeout).get(timeout)
         if drop:
             self.drop()
         return out
@@ -45,12 +45,18 @@ class TensorHandle:
 
 def publish_tensor(t: Any) -> TensorHandle:
     """Register ``t`` (made contiguous) for other procs to ``fetch``; keep the handle to ``drop`` it later."""
-    import torch
 
     src = t.detach().contiguous()
     if src.numel() == 0:
         return TensorHandle(_EmptyBuffer(), tuple(src.shape), src.dtype)
-    return TensorHandle(RDMABuffer(src.view(-1).view(torch.uint8)), tuple(src.shape), src.dtype)
+    return TensorHandle(RDMABuffer(_flat_bytes(src)), tuple(src.shape), src.dtype)
+
+
+def _flat_bytes(t: Any) -> Any:
+    """A contiguous tensor's bytes as a 1-D uint8 tensor (its size-1 dims may have any stride: no reshape)."""
+    import torch
+
+    return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
 
 
 class _EmptyBuffer:

@@ -33,6 +33,7 @@ from monarch_tensor.rdma import (
     get_rdma_backend,
     is_ibverbs_available,
     is_rdma_available,
+    publish_tensor,
     transfer_stats,
 )
 from rdma.backends import cma
@@ -508,6 +509,18 @@ def test_size_mismatch_and_bad_input_refused_before_transfer(owners):
         buf.read_into(torch.empty(12, dtype=torch.float64)._neg_view())
     with pytest.raises(ValueError, match="read-only"):
         RDMABuffer(b"abc").write_from(bytearray(b"x"))
+
+
+def test_one_element_tensor_with_an_odd_stride_is_a_buffer():
+    src = torch.arange(4.).reshape(1, 4)[:, 1]  # shape (1,), stride (4,): contiguous for torch
+    buf = RDMABuffer(src)
+    out = torch.zeros(4).reshape(1, 4)[:, 0]
+    buf.read_into(out).get(timeout=10)
+    assert out.item() == 1.0
+    buf.drop()
+    handle = publish_tensor(src)
+    assert torch.equal(handle.fetch(), src)
+    handle.drop()
 
 
 def test_buffers_of_bytes_and_memoryviews_in_process():

@@ -242,6 +242,14 @@ def test_torch_tensors_travel_out_of_band(tensor):
     assert sum(_nbytes(f) for f in frames[:PLAIN_FRAMES]) < 4096, "tensor bytes must not be pickled into the body"
 
 
+def test_contiguous_tensors_with_odd_strides_on_size_one_dims_travel():
+    # x[:, 0] of a batch of one: shape (1,), stride (4,), contiguous for torch; reshape(-1) keeps the stride
+    for t in (torch.arange(4.).reshape(1, 4)[:, 0], torch.arange(24.).reshape(2, 3, 4)[:1, 1:2, :].transpose(0, 1)):
+        assert t.is_contiguous()
+        out = _wire.decode(_wire.encode(messages.SendToPort(1, t, None, 0))).value
+        assert torch.equal(out, t) and out.shape == t.shape
+
+
 def _shm_files() -> set[str]:
     import glob
 
