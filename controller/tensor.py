@@ -209,6 +209,10 @@ class Tensor(DistributedMethods, torch.Tensor):
 
 
 _wrap = torch.Tensor._make_wrapper_subclass
+
+
+def _NO_PYTHON_KEY():
+    return torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Python))
 _base_data = torch.Tensor.data
 
 
@@ -242,6 +246,15 @@ def set_data(t: Tensor, new) -> None:
         t._aliases = group
     elif group is None and hasattr(t, "_aliases"):
         del t._aliases
+
+
+def _set_meta(t: Tensor, meta: tuple, mid: int) -> None:
+    """An in-place op changed ``t``'s metadata on the workers (``t.t_()``, ``unsqueeze_``, ``resize_``,
+    ``set_``): the controller's tensor takes the same shape, strides, offset and dtype, keeping its identity."""
+    new = _wrap(Tensor, meta[0], strides=meta[1], storage_offset=meta[2], dtype=meta[3], device="cpu")
+    with _NO_PYTHON_KEY():  # inside __torch_dispatch__, the setter's checks would come back here
+        _base_data.__set__(t, new)
+    t._meta, t._mid = meta, mid
 
 
 def new_tensor(meta: tuple, mid: int, ctx: Ctx, ref: int) -> Tensor:
@@ -357,14 +370,20 @@ def meta_of(t) -> tuple:
     return (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
 
 
-def describe_outputs(out, fake_inputs: list) -> tuple:
-    """(leaves, struct, single) for a fake result: the template of a call's outputs."""
+def describe_outputs(out, fake_inputs: list, metas_before: list | None = None) -> tuple:
+    """(leaves, struct, single) for a fake result: the template of a call's outputs. An input returned whose
+    metadata the call changed (``t.t_()``, ``unsqueeze_``, ``resize_``, ``set_``: ``metas_before`` had it
+    before) is ``("alias", idx, meta, mid)``: the controller's tensor takes the new metadata too."""
     leaves = []
     for leaf in flat_leaves(out):
         if isinstance(leaf, torch.Tensor):
             idx = next((i for i, f in enumerate(fake_inputs) if f is leaf), None)
             if idx is not None:
-                leaves.append(("alias", idx))
+                meta = meta_of(leaf)
+                if metas_before is not None and meta != metas_before[idx]:
+                    leaves.append(("alias", idx, meta, intern_meta(meta)))
+                else:
+                    leaves.append(("alias", idx))
             else:
                 meta = meta_of(leaf)
                 leaves.append(("new", meta, intern_meta(meta)))
@@ -421,6 +440,7 @@ def _propagate(func, args, kwargs, tensors) -> _Template:
 
             fargs = tuple(sub(a) for a in args)
             fkwargs = {k: sub(v) for k, v in kwargs.items()}
+            before = [meta_of(f) for f in fakes]
             try:
                 out = func(*fargs, **fkwargs)
             except DynamicOutputShapeException:
@@ -435,7 +455,7 @@ def _propagate(func, args, kwargs, tensors) -> _Template:
     finally:
         state.internal = False
         _fake_log.disabled = quiet
-    leaves, struct, single = describe_outputs(out, fakes)
+    leaves, struct, single = describe_outputs(out, fakes, before)
     pos, names = _mutated(func)
     # A view shares its input's memory on the workers (see _link_views).
     view = any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
@@ -584,10 +604,14 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
         else:
             out = tensors[leaf[1]]
             outs = (out._ref,)
+            if len(leaf) > 2:
+                _set_meta(out, leaf[2], leaf[3])
     else:
         out, outs = _outputs(tpl, tensors, ctx)
     if tpl.view:
         _link_views(tensors, out)
+    elif len(tensors) > 1 and tpl.name.startswith("aten::set_."):  # (a.set_(b): a shares b's memory)
+        _join_aliases(tensors)
     if written:
         _forget_aliases(written)
     if tpl.fold:
@@ -630,6 +654,8 @@ def _outputs(tpl: _Template, tensors: list, ctx: Ctx):
         elif kind == "alias":
             vals.append(tensors[leaf[1]])
             outl.append(tensors[leaf[1]]._ref)
+            if len(leaf) > 2:
+                _set_meta(tensors[leaf[1]], leaf[2], leaf[3])
         else:
             vals.append(leaf[1])
             outl.append(None)
@@ -724,6 +750,23 @@ def _link_views(tensors, out) -> None:
         if type(o) is Tensor and not hasattr(o, "_aliases"):
             o._aliases = group
             group.add(o)
+
+
+def _join_aliases(tensors: list) -> None:
+    """``a.set_(b)``: ``a`` now shares ``b``'s memory on the workers; their alias groups become one, so that a
+    write to either (or to a view of either) drops the other's known value."""
+    mesh = [t for t in tensors if type(t) is Tensor]
+    group = next((t._aliases for t in mesh if hasattr(t, "_aliases")), None)
+    if group is None:
+        group = weakref.WeakSet()
+    for t in mesh:
+        old = getattr(t, "_aliases", None)
+        if old is group:  # (adding a member again would compare tensors: an op)
+            continue
+        for member in list(old) if old is not None else (t,):
+            member._aliases = group
+            if not any(x is member for x in group):  # (set_data may have left it in this group)
+                group.add(member)
 
 
 def _forget_aliases(written: list) -> None:

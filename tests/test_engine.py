@@ -580,6 +580,67 @@ def test_bad_arguments_to_fetch_reduce_and_to_mesh_are_clear_errors(procs):
         assert fetch_shard(x.reduce(["gpus"])).result(timeout=60).tolist() == [2.0, 2.0, 2.0]
 
 
+def _inplace_metadata_programs():
+    def transpose_():
+        a = torch.arange(6.).reshape(2, 3)
+        a.t_()
+        return a.sum(1)
+
+    def transpose_flatten():
+        b = torch.arange(4.).reshape(2, 2)
+        b.transpose_(0, 1)
+        return b.flatten()
+
+    def unsqueeze_():
+        d = torch.arange(3.)
+        d.unsqueeze_(1)
+        return d + torch.ones(1, 4)
+
+    def squeeze_matmul():
+        h = torch.ones(1, 3)
+        h.squeeze_(0)
+        return h @ torch.arange(3.)
+
+    def as_strided_():
+        g = torch.arange(6.)
+        g.as_strided_((2, 2), (1, 2))
+        return g * 1
+
+    def resize_():
+        r = torch.arange(6.)
+        r.resize_(2, 3)
+        return r.sum(1)
+
+    def set_():
+        a = torch.zeros(3)
+        a.set_(torch.arange(4.).reshape(2, 2))
+        return a.sum(0)
+
+    return [transpose_, transpose_flatten, unsqueeze_, squeeze_matmul, as_strided_, resize_, set_]
+
+
+@pytest.mark.parametrize("program", _inplace_metadata_programs(), ids=lambda f: f.__name__)
+def test_in_place_ops_that_change_metadata_change_the_controllers_tensor_too(procs, program):
+    # t_(), unsqueeze_(), resize_(), set_() ... changed the workers' tensor only: the controller kept the old
+    # shape, so later ops were propagated (and checked) against it: wrong shapes, false errors, wrong values.
+    with no_mesh():
+        want = program()
+    with procs.activate():
+        got = program()
+        assert tuple(got.shape) == tuple(want.shape)
+        assert torch.equal(inspect(got), want)
+
+
+def test_a_set_tensor_forgets_its_known_value_when_its_new_memory_is_written(procs):
+    with procs.activate():
+        a, b = torch.zeros(2), torch.ones(2)
+        a.set_(b)  # a now shares b's memory on the workers
+        b.mul_(procs.rank_tensor("gpus") + 2)  # a value the controller cannot know
+        with pytest.raises(MeshTensorError, match="the value lives on the workers"):
+            a.sum().item()
+        assert inspect(a.sum(), gpus=1).item() == 6.0
+
+
 def _add_one_in_place(t):
     return t.add_(1)
 
