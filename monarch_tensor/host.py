@@ -102,7 +102,10 @@ class LocalHost:
         self.proc = subprocess.Popen(
             [python_exe or sys.executable, "-c", "import sys; from monarch_tensor._zygote import main; "
              "main(int(sys.argv[1]), int(sys.argv[2]))", str(req_r), str(rep_w)],
-            pass_fds=(req_r, rep_w), env=env, close_fds=True)
+            # In a session of its own: Ctrl-C at a terminal (and Jupyter's "interrupt kernel", os.killpg) signals
+            # the whole foreground process group, which killed the template and every proc while the script
+            # caught its KeyboardInterrupt to carry on. (The client's exit still ends them: see _zygote.main.)
+            pass_fds=(req_r, rep_w), env=env, close_fds=True, start_new_session=True)
         os.close(req_r)
         os.close(rep_w)
         self._lock = threading.Lock()

@@ -203,12 +203,13 @@ SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("mode", ["exit", "raise", "sigkill"])
+@pytest.mark.parametrize("mode", ["exit", "raise", "sigkill", "ctrl-c"])
 def test_no_orphans(tmp_path, mode):
     script = tmp_path / "client.py"
     script.write_text(SCRIPT.format(root=ROOT))
-    p = subprocess.Popen([sys.executable, str(script), "wait" if mode == "sigkill" else mode],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, str(script), "wait" if mode in ("sigkill", "ctrl-c") else mode],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)  # (its own process group, for the ctrl-c mode's killpg)
     line = p.stdout.readline()
     assert line.startswith("PIDS"), p.stderr.read()
     pids = [int(x) for x in line.split()[1:]]
@@ -217,6 +218,9 @@ def test_no_orphans(tmp_path, mode):
     p.stdin.flush()
     if mode == "sigkill":
         p.kill()
+    elif mode == "ctrl-c":  # what a terminal does: SIGINT to the script's whole process group
+        time.sleep(0.5)
+        os.killpg(p.pid, signal.SIGINT)
     p.wait(timeout=30)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
@@ -224,6 +228,47 @@ def test_no_orphans(tmp_path, mode):
     assert not any(_alive(pid) for pid in pids), f"orphans left after {mode}"
     if mode == "raise":
         assert "the script failed" in p.stderr.read()
+
+
+CTRL_C_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    sys.path.insert(0, {root!r})
+    from monarch_tensor.actor import Actor, endpoint, this_host
+    class Slow(Actor):
+        @endpoint
+        def nap(self, s):
+            time.sleep(s)
+            return "woke"
+        @endpoint
+        def pid(self):
+            return os.getpid()
+    procs = this_host().spawn_procs({{"gpus": 2}})
+    s = procs.spawn("s", Slow)
+    before = s.pid.call().get(timeout=60).values()
+    try:
+        f = s.nap.call(5)
+        time.sleep(0.5)
+        os.killpg(os.getpgid(0), signal.SIGINT)  # Ctrl-C at a terminal: the whole foreground process group
+        f.get(timeout=60)
+    except KeyboardInterrupt:
+        print("INTERRUPTED", flush=True)
+    time.sleep(2)  # (a template that died of it was noticed within this)
+    assert s.pid.call().get(timeout=60).values() == before
+    print("SAME PROCS", flush=True)
+    procs.stop().get(timeout=30)
+""")
+
+
+@pytest.mark.timeout(90)
+def test_ctrl_c_interrupts_the_script_and_leaves_its_procs_running(tmp_path):
+    # The template and procs were in the script's process group: a Ctrl-C the script caught (to save a
+    # checkpoint, or keep working in a notebook) killed them all, and the runtime then exited the script.
+    script = tmp_path / "client.py"
+    script.write_text(CTRL_C_SCRIPT.format(root=ROOT))
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=80,
+                       start_new_session=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "INTERRUPTED" in p.stdout and "SAME PROCS" in p.stdout
 
 
 @pytest.mark.timeout(60)
