@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,9 +42,15 @@ def client_for(pm) -> MeshClient:
     if alloc._stopped:
         pm._check_alive()  # raises MeshStoppedError
     if c is None:
-        pm._check_alive()
-        c = alloc._tensor_client = MeshClient(alloc)
+        with _client_lock:  # (two threads activating a fresh mesh at once: one client, one worker actor)
+            c = getattr(alloc, "_tensor_client", None)
+            if c is None:
+                pm._check_alive()
+                c = alloc._tensor_client = MeshClient(alloc)
     return c
+
+
+_client_lock = threading.Lock()
 
 
 def ctx_for(pm, stream: Stream | None = None) -> Ctx:

@@ -158,21 +158,22 @@ class MeshClient:
     def issue(self, instr, ranks: tuple) -> None:
         if self.alloc._stopped:
             raise self.stopped_error()
-        if ranks is not self._ranks:
-            self.flush()
-            self._ranks = ranks
-        q = self._q
-        if type(instr) is m.Reduce and q and self._fuse(instr):
-            return
-        q.append(instr)
-        if _held:  # inside coalescing(): the batch leaves at its end (or at a fetch, or a change of ranks)
-            _held.add(self)
-            return
-        n = len(q)
-        if n >= self._limit:
-            self.flush(grow=True)
-        elif n == 1:
-            _flusher.wake(self)
+        with self._lock:  # (threads of the script issue to one batch: its ranks and its order are one thing)
+            if ranks is not self._ranks:
+                self.flush()
+                self._ranks = ranks
+            q = self._q
+            if type(instr) is m.Reduce and q and self._fuse(instr):
+                return
+            q.append(instr)
+            if _held:  # inside coalescing(): the batch leaves at its end (or at a fetch, or a change of ranks)
+                _held.add(self)
+                return
+            n = len(q)
+            if n >= self._limit:
+                self.flush(grow=True)
+            elif n == 1:
+                _flusher.wake(self)
 
     def _fuse(self, r) -> bool:
         """Fold the reduce ``r`` into the batch's last instruction when that is a reduce of the same group,
@@ -281,8 +282,9 @@ class MeshClient:
                                                       exit_status=info.exit_status))
         procs = self.alloc._procs
         port = self.mailbox.open_port(_FetchPort(fut, procs[rank].addr, frozenset(procs[r].addr for r in mesh)))
-        self.issue(make_instr(port), (rank,))
-        self.flush()
+        with self._lock:  # (another thread's ops must not join the batch for this one rank)
+            self.issue(make_instr(port), (rank,))
+            self.flush()
         return fut
 
 

@@ -423,6 +423,14 @@ _fake_log = logging.getLogger("torch._subclasses.fake_tensor")
 
 
 def _propagate(func, args, kwargs, tensors) -> _Template:
+    with _propagate_lock:  # one FakeTensorMode for the process, which is not thread-safe
+        return _propagate_locked(func, args, kwargs, tensors)
+
+
+_propagate_lock = threading.RLock()
+
+
+def _propagate_locked(func, args, kwargs, tensors) -> _Template:
     mode = fake_mode()
     state.internal = True
     quiet, _fake_log.disabled = _fake_log.disabled, True  # a shape error is raised to the user, not logged

@@ -817,3 +817,39 @@ def test_remote_results_in_dicts_are_mesh_tensors_and_a_stopped_actors_rref_says
         y = t.scaled.rref(torch.ones(2))
         with pytest.raises(RemoteException, match=r"was stopped \(no more tripling\)"):
             inspect(y)
+
+
+def test_threads_of_the_script_use_one_mesh_at_once():
+    # Each of these raced: two threads activating a fresh mesh spawned two tensor workers ("already runs"),
+    # torch's FakeTensorMode (one per process) failed when two threads propagated shapes at once, and one
+    # thread's fetch from one rank took the other thread's ops for all ranks with it: wrong sums, then hangs.
+    import threading
+
+    mesh = this_host().spawn_procs(per_host={"gpus": 2})
+    start = threading.Barrier(3)
+    wrong, errors = [], []
+
+    def work(t):
+        try:
+            start.wait(timeout=30)
+            for i in range(8):
+                with mesh.activate():
+                    x = torch.ones(3, dtype=torch.float64) * (mesh.rank("gpus") + 1) * (t + 1) + i
+                    y = x.reshape(1, 3).expand(2 + t, 3).sum(0)  # a shape per thread: propagation misses
+                    got = fetch_shard(y.reduce("gpus", "sum"), gpus=i % 2).result(timeout=60)
+                want = (2 + t) * (3.0 * (t + 1) + 2 * i)
+                if got.tolist() != [want] * 3:
+                    wrong.append((t, i, got.tolist(), want))
+        except Exception as e:  # noqa: BLE001
+            errors.append((t, repr(e)))
+
+    try:
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(3)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=90)
+        assert not any(th.is_alive() for th in threads), "a thread hung"
+        assert errors == [] and wrong == []
+    finally:
+        mesh.stop().get(timeout=30)
