@@ -229,6 +229,12 @@ class ActorMesh(MeshTrait):
             return NotAnEndpoint(self, method)
         return Endpoint(self, method)
 
+    def __dir__(self) -> list[str]:
+        """The mesh's own names and its actors' endpoints (tab completion in a notebook or a REPL)."""
+        eps = [n for n in dir(self._class) if not n.startswith("_") and getattr(getattr(self._class, n, None),
+                                                                                "_is_endpoint", False)]
+        return sorted(set(super().__dir__()) | set(eps))
+
     def _new_with_shape(self, shape: Shape) -> ActorMesh:
         return ActorMesh(self._name, self._class, self._procs, shape, self._spawned, self._proc_mesh, self._whole)
 
@@ -357,6 +363,9 @@ class Endpoint(Generic[R]):
         # "name/port" for explicit_response_port), since it otherwise refuses to run one.
         self._wire_method = f"{method}/{plain}" if plain else method
         self._propagate = None  # as_endpoint(propagate=...); else the @endpoint's
+
+    def __repr__(self) -> str:
+        return f"<endpoint {self._mesh._name}.{self._method} of {self._mesh._what()} {self._mesh._shape}>"
 
     def _send(self, ranks: list[int], args, kwargs, port: PortRef | None, addrs: list[str] | None = None) -> None:
         mailbox = current_mailbox()

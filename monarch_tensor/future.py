@@ -188,7 +188,7 @@ class Future(Generic[R]):
         self._settle(_FAILED, error)
 
     def __repr__(self) -> str:
-        return f"<Future {self._what} {'pending' if not self._state else 'done'}>"
+        return f"<Future {self._what} {('pending', 'done', 'failed')[self._state]}>"
 
 
 class ThreadFuture(Future):

@@ -334,6 +334,13 @@ def test_call_gives_a_value_mesh(counter, pids):
         vm.item(hosts=1)
 
 
+def test_dir_and_repr_show_the_endpoints(counter):
+    # Tab completion in a notebook lists dir(): the endpoints, resolved by __getattr__, were missing.
+    names = dir(counter)
+    assert {"incr", "aincr", "pid"} <= set(names) and "slice" in names
+    assert repr(counter.incr) == "<endpoint counter.incr of actor mesh 'counter' {'hosts': 2, 'gpus': 2}>"
+
+
 def test_call_on_a_slice(counter):
     vm = counter.slice(gpus=1).who.call().get(timeout=T)
     assert vm.sizes == {"hosts": 2}

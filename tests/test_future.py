@@ -174,3 +174,11 @@ def test_returns_future_runs_its_body_once_where_first_observed():
         double(9).as_asyncio()
     with pytest.raises(TypeError, match="needs an async def"):
         returns_future(lambda: 1)
+
+
+def test_repr_says_pending_done_or_failed():
+    f = Future("reply of a.f")
+    assert repr(f) == "<Future reply of a.f pending>"
+    f._set_exception(ValueError("x"))
+    assert repr(f) == "<Future reply of a.f failed>"
+    assert repr(Future.ready(1)) == "<Future result done>"
