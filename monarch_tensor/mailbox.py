@@ -694,6 +694,9 @@ class Mailbox:
                     os.close(fd)
                 except OSError:
                     pass
+        self._unlink_socket_file()
+
+    def _unlink_socket_file(self) -> None:
         path = self.addr[len("ipc://"):] if self.addr.startswith("ipc://") else None
         if path and os.path.exists(path):
             try:
@@ -756,6 +759,9 @@ def _flush_at_exit() -> None:
             _mailbox.flush()
         except Exception:  # noqa: BLE001 - closed already
             pass
+        # Its socket file goes too (a script's was left in the socket directory, one per run); peers
+        # already connected keep their connections.
+        _mailbox._unlink_socket_file()
 
 
 def set_current_mailbox(mb: Mailbox) -> None:

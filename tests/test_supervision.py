@@ -1,5 +1,6 @@
 """Supervision: dead procs raise SupervisionError fast; no orphans whatever the client does."""
 
+import glob
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ import pytest
 
 import monarch_tensor.actor as actor_mod
 from monarch_tensor.actor import Actor, SupervisionError, endpoint, this_host
+from monarch_tensor.mailbox import socket_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -207,6 +209,7 @@ SCRIPT = textwrap.dedent("""
 def test_no_orphans(tmp_path, mode):
     script = tmp_path / "client.py"
     script.write_text(SCRIPT.format(root=ROOT))
+    files_before = set(glob.glob(f"{socket_dir()}/*"))  # (a pid of an earlier run may be this one's)
     p = subprocess.Popen([sys.executable, str(script), "wait" if mode in ("sigkill", "ctrl-c") else mode],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)  # (its own process group, for the ctrl-c mode's killpg)
@@ -226,6 +229,8 @@ def test_no_orphans(tmp_path, mode):
     while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
         time.sleep(0.05)
     assert not any(_alive(pid) for pid in pids), f"orphans left after {mode}"
+    if mode != "sigkill":  # nor socket files (a SIGKILLed script cannot remove its own)
+        assert [f for f in glob.glob(f"{socket_dir()}/*-{p.pid}-*") if f not in files_before] == []
     if mode == "raise":
         assert "the script failed" in p.stderr.read()
 
