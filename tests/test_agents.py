@@ -697,3 +697,19 @@ def _wait_gone(pid: int, timeout: float = 15) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"proc {pid} still alive after {timeout} s")
+
+
+@pytest.mark.timeout(120)
+def test_kill_removes_the_directory_the_job_made_and_the_key_of_one_it_was_given(tmp_path):
+    made = LocalJob(meshes={"m": 1}, ttl=60)  # its own temporary directory, with the job's secret key
+    given = LocalJob(meshes={"m": 1}, root_dir=str(tmp_path / "given"), ttl=60)
+    try:
+        made.state()
+        given.state()
+        root = made.root_dir
+        assert os.path.exists(os.path.join(root, "job.key"))
+    finally:
+        made.kill()
+        given.kill()
+    assert not os.path.exists(root)
+    assert not os.path.exists(tmp_path / "given" / "job.key") and os.path.exists(tmp_path / "given" / "m-0.log")

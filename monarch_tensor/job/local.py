@@ -8,6 +8,7 @@ controller (reattach with ``job_load``), in its own working directory
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,6 +63,8 @@ class LocalJob(JobTrait):
         self.starts: dict[int, int] = {}  # pid -> its start time (_start_time): the agent, not a pid reused since
 
     def _start(self) -> dict[str, list[str]]:
+        if not self.root_dir:
+            self.made_root = True  # kill() removes it
         root = private_dir(self.root_dir or tempfile.mkdtemp(prefix="monarch-tensor-job-"))
         self.root_dir = root
         key_file = os.path.join(root, "job.key")
@@ -127,12 +130,28 @@ class LocalJob(JobTrait):
                 pass
         self.pids, self.starts = [], {}
 
+    def kill(self) -> None:
+        """Stop the agents; then remove the job's directory when it made one (its key, logs and workspaces:
+        ``root_dir=`` given, only the key file goes)."""
+        super().kill()
+        root = self.root_dir
+        if not root:
+            return
+        if getattr(self, "made_root", False):
+            shutil.rmtree(root, ignore_errors=True)
+            self.root_dir = None
+        else:
+            try:
+                os.remove(os.path.join(root, "job.key"))
+            except FileNotFoundError:
+                pass
+
     def _agent_alive(self, pid: int) -> bool:
         return _alive(pid) and (pid not in self.starts or _start_time(pid) == self.starts[pid])
 
     def _extra(self) -> dict:
         return {"pids": self.pids, "starts": {str(p): t for p, t in self.starts.items()}, "root_dir": self.root_dir,
-                "env": self.env}
+                "made_root": getattr(self, "made_root", False), "env": self.env}
 
     def _spec(self) -> dict:
         return {"env": self.env}
@@ -142,10 +161,12 @@ class LocalJob(JobTrait):
 
     def _adopt(self, running: JobTrait) -> None:
         self.pids, self.root_dir = list(running.pids), running.root_dir
+        self.made_root = getattr(running, "made_root", False)
         self.starts = dict(getattr(running, "starts", {}))
 
     def _restore(self, data: dict) -> None:
         self.pids, self.root_dir = list(data.get("pids", [])), data.get("root_dir")
+        self.made_root = bool(data.get("made_root"))
         self.starts = {int(p): t for p, t in (data.get("starts") or {}).items()}
         self.env = dict(data.get("env") or {})
         self.ttl, self.python_exe, self.start_timeout = 600.0, sys.executable, START_TIMEOUT
