@@ -82,6 +82,20 @@ def test_a_job_slurm_refuses_is_a_clear_error(tmp_path):
         job.state(cached_path=None)
 
 
+@pytest.mark.timeout(120)
+def test_a_job_name_and_log_dir_with_spaces(tmp_path):
+    # Their #SBATCH directives were written unquoted: sbatch refused the job ("Invalid directive").
+    with pytest.raises(ValueError, match="without '/'"):
+        SlurmJob(meshes={"mesh0": 1}, job_name="a/b")
+    job = SlurmJob(meshes={"mesh0": 1}, job_name="mt ci spaces", time_limit="00:05:00",
+                   log_dir=str(tmp_path / "my logs"), ttl=60)
+    try:
+        procs = job.state(cached_path=None).mesh0.spawn_procs(per_host={"gpus": 1})
+        assert procs.spawn("nodes", Node).add.call(2, 3).get(timeout=60).values() == [5]
+    finally:
+        job.kill()
+
+
 @pytest.mark.timeout(60)
 def test_a_job_that_never_starts_is_a_clear_error_and_is_cancelled(tmp_path):
     job = SlurmJob(meshes={"mesh0": 1}, job_name="mt-never", log_dir=str(tmp_path / "logs"), start_timeout=3,

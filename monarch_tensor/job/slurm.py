@@ -74,6 +74,9 @@ class SlurmJob(JobTrait):
             if not (isinstance(monarch_port, int) and 0 < monarch_port < 65536):
                 raise ValueError(f"SlurmJob(monarch_port={monarch_port!r}): a TCP port is 1-65535")
             bind = f"tcp://0.0.0.0:{monarch_port}"
+        if not (isinstance(job_name, str) and job_name and "/" not in job_name and "\n" not in job_name):
+            raise ValueError(f"SlurmJob(job_name={job_name!r}): a job name is a non-empty string without '/' or "
+                             f"line breaks (it names the job's files)")
         self.job_name, self.time_limit, self.partition = job_name, time_limit, partition
         self.gpus_per_node, self.cpus_per_task, self.mem = gpus_per_node, cpus_per_task, mem
         self.exclusive, self.account, self.qos = bool(exclusive), account, qos
@@ -120,11 +123,14 @@ class SlurmJob(JobTrait):
         if self.mem:
             opts.append(f"--mem={self.mem}")
         opts += self.slurm_args
-        addr = f"{self.log_dir}/agent-$SLURM_JOB_ID-$SLURM_PROCID.addr"
+        # (in double quotes: a log dir with spaces; the shell in the job expands the variables)
+        addr = '"' + _dq(self.log_dir) + '/agent-$SLURM_JOB_ID-$SLURM_PROCID.addr"'
         cmd = " ".join(shlex.quote(c) for c in agent_command(self.python_exe, self.bind, "ADDR", self.ttl))
         cmd = cmd.replace("ADDR", addr)
         srun = f"srun --ntasks-per-node=1 bash -c {shlex.quote('exec ' + cmd)}"
-        lines = ["#!/bin/bash", *(f"#SBATCH {o}" for o in opts), "set -e", f"cd {shlex.quote(os.getcwd())}"]
+        n_ours = len(opts) - len(self.slurm_args)  # (the user's own slurm_args go as they were written)
+        lines = ["#!/bin/bash", *(f"#SBATCH {_directive(o) if i < n_ours else o}" for i, o in enumerate(opts)),
+                 "set -e", f"cd {shlex.quote(os.getcwd())}"]
         if client_script is None:
             lines.append(srun)
         else:  # the agents in the background; once they serve, the job file for the script, then the script
@@ -246,3 +252,17 @@ def write_batch_state(args: str) -> None:
     it = iter(addrs)
     job.addrs = {name: [next(it) for _ in range(n)] for name, n in job.meshes.items()}
     job.dump(a["path"])
+
+
+def _dq(s: str) -> str:
+    """``s`` for the inside of a shell's double quotes."""
+    return "".join("\\" + c if c in '\\"$`' else c for c in s)
+
+
+def _directive(opt: str) -> str:
+    """An ``#SBATCH`` option whose value has spaces or quotes, in double quotes (sbatch reads them so: a working
+    directory or a job name with a space was refused as "Invalid directive")."""
+    key, eq, value = opt.partition("=")
+    if not eq or not any(c in value for c in ' \t"\''):
+        return opt
+    return key + '="' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
