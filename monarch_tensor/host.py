@@ -109,6 +109,7 @@ class LocalHost:
         os.close(req_r)
         os.close(rep_w)
         self._lock = threading.Lock()
+        self.dead = False
         self._warmed = on_exit is not None  # a host agent runs no tensor engine
         self._next = 0
         self._spawned: dict[int, Future] = {}
@@ -143,6 +144,7 @@ class LocalHost:
                 if info is not None:
                     self._on_output(info, 0, b"")  # the end of its output: a last partial line
                     self._on_exit(info, status)
+        self.dead = True  # local_host() starts a new template for later meshes
         err = RuntimeError("the local host's template process exited")
         self._ready._set_exception(err)
         for fut in self._spawned.values():
@@ -155,6 +157,10 @@ class LocalHost:
         # served before anything it would import while idle.
         futs = []
         with self._lock:
+            if self.dead:
+                raise RuntimeError(f"this host's template process (pid {self.proc.pid}) has exited: "
+                                   f"{_zygote.describe_status(self.proc.wait()) if self.proc.poll() is not None else 'its pipe closed'}; "
+                                   f"a new mesh starts a new one")
             if self._bare and "torch" in sys.modules:
                 self._bare = self._warmed = False  # and warm up the tensor engine meanwhile, below
                 _zygote.write_msg(self._req_fd, ("preload", ["torch"], ["torch._dynamo"]))
@@ -216,10 +222,10 @@ def local_host(python_exe: str | None = None) -> LocalHost:
     with _local_lock:
         if python_exe is not None:
             host = _other_hosts.get(python_exe)
-            if host is None:
+            if host is None or host.dead:
                 host = _other_hosts[python_exe] = LocalHost(python_exe=python_exe)
             return host
-        if _local_host is None:
+        if _local_host is None or _local_host.dead:  # (none yet, or it died: killed, out of memory)
             _local_host = LocalHost()
     return _local_host
 
@@ -445,6 +451,7 @@ class ProcMesh(MeshTrait):
             raise TypeError(f"logging_option(stream_to_client=...) must be True or False, got {stream_to_client!r}")
         if not isinstance(level, int) or isinstance(level, bool) or level < 0:
             raise TypeError(f"logging_option(level=...) takes a logging level such as logging.INFO, got {level!r}")
+        self._check_alive()  # (a stopped mesh, or one with a dead proc: no proc would answer)
         logs.configure(aggregate_window_sec)
         members = [p for p in self._members() if p.alive]
         addrs = [p.addr for p in members]
@@ -473,7 +480,10 @@ class ProcMesh(MeshTrait):
                 err2 = SupervisionError(f"{err} (and __supervise__ raised {e!r})", proc=err.proc, rank=err.rank,
                                         exit_status=err.exit_status)
                 err2.mesh, err = self, err2
-        actor.unhandled_fault_hook(err)
+        try:
+            actor.unhandled_fault_hook(err)
+        except Exception:  # noqa: BLE001 - it runs on the thread that reports procs' exits: that must go on
+            log.exception("unhandled_fault_hook raised handling %s", err)
 
     # ---- interactive tools (workspace_sync.py, env.py) ---------------------------------
     def sync_workspace(self, workspace, conda: bool = False, auto_reload: bool = False) -> Future:

@@ -12,6 +12,7 @@ import pytest
 
 import monarch_tensor.actor as actor_mod
 from monarch_tensor.actor import Actor, SupervisionError, endpoint, this_host
+from monarch_tensor.errors import MeshStoppedError
 from monarch_tensor.mailbox import socket_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -420,3 +421,70 @@ def test_mesh_tensor_fetches_fail_when_a_proc_of_their_mesh_dies(mesh, faults):
             with pytest.raises(SupervisionError, match="rank 1"):
                 later.get(timeout=30)  # (a timeout would be a TimeoutError)
     assert faults == []
+
+
+def test_a_raising_fault_hook_leaves_supervision_working(monkeypatch):
+    # The hook runs on the thread that reports procs' exits: one that raised killed that thread, and later
+    # deaths went unnoticed (calls on them waited their whole timeout, spawns never finished).
+    seen = []
+
+    def hook(failure):
+        seen.append(failure)
+        raise RuntimeError("a bug in the user's hook")
+
+    monkeypatch.setattr(actor_mod, "unhandled_fault_hook", hook)
+    for _ in range(2):
+        procs = this_host().spawn_procs({"gpus": 1})
+        w = procs.spawn("w", Worker)
+        pid = w.pid.call_one().get(timeout=60)
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while len(seen) < _ + 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(seen) == _ + 1 and isinstance(seen[-1], SupervisionError)
+        procs.stop().get(timeout=30)
+
+
+def test_logging_option_on_a_stopped_mesh_or_one_with_a_dead_proc_raises(mesh, faults):
+    procs, w, pids = mesh
+    os.kill(pids[1], signal.SIGKILL)
+    with pytest.raises(SupervisionError, match="rank 1"):
+        w.sleep.call(0).get(timeout=30)
+    with pytest.raises(SupervisionError, match="rank 1"):  # (it waited for an answer for ever)
+        procs.logging_option(stream_to_client=True)
+    procs.stop().get(timeout=30)
+    with pytest.raises(MeshStoppedError):
+        procs.logging_option(stream_to_client=True)
+
+
+TEMPLATE_DEATH_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    sys.path.insert(0, {root!r})
+    import monarch_tensor.actor as actor_mod
+    from monarch_tensor import host
+    from monarch_tensor.actor import Actor, endpoint, this_host
+    class W(Actor):
+        @endpoint
+        def pid(self):
+            return os.getpid()
+    seen = []
+    actor_mod.unhandled_fault_hook = seen.append
+    procs = this_host().spawn_procs({{"gpus": 1}})
+    procs.spawn("w", W).pid.call_one().get(timeout=60)
+    os.kill(host.local_host().proc.pid, signal.SIGKILL)  # the template (the OOM killer's pick, say)
+    deadline = time.monotonic() + 20
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert seen and "lost with the template process" in str(seen[0]), seen
+    again = this_host().spawn_procs({{"gpus": 1}})  # a new template: it failed with BrokenPipeError for ever
+    print("PID", again.spawn("w", W).pid.call_one().get(timeout=60), flush=True)
+    again.stop().get(timeout=30)
+""")
+
+
+@pytest.mark.timeout(120)
+def test_meshes_after_the_template_process_died_get_a_new_one(tmp_path):
+    script = tmp_path / "client.py"
+    script.write_text(TEMPLATE_DEATH_SCRIPT.format(root=ROOT))
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100)
+    assert p.returncode == 0 and "PID" in p.stdout, p.stdout + p.stderr
