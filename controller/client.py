@@ -22,6 +22,7 @@ import sys
 import sysconfig
 import threading
 import time
+import weakref
 
 from monarch_tensor import _wire
 from monarch_tensor._net import ip_towards
@@ -34,6 +35,7 @@ from worker.worker import WORKER_NAME, TensorWorker
 MAX_BATCH = int(os.environ.get("MONARCH_TENSOR_MAX_BATCH", "512"))
 FIRST_BATCH = min(MAX_BATCH, int(os.environ.get("MONARCH_TENSOR_FIRST_BATCH", "16")))
 IDLE_S = float(os.environ.get("MONARCH_TENSOR_IDLE_FLUSH_S", "0.001"))
+DELETE_IDLE_S = 0.5  # how often the flusher looks for deletes left with no batch to go with
 
 
 # ---- where the user's script issued an op ------------------------------------------------
@@ -132,6 +134,7 @@ class MeshClient:
         self.store_addr = (host, self.store.port)
         self.workers = alloc.spawn(WORKER_NAME, TensorWorker, self.store_addr)
         self.closed = False
+        _flusher._clients.add(self)
 
     def ctx(self, pm, stream) -> Ctx:
         key = (pm._shape, stream.id)
@@ -247,6 +250,16 @@ class MeshClient:
                 if nd > MAX_BATCH:
                     self._send(self._take_deletes(nd), self.all_ranks)
 
+    def flush_deletes(self) -> None:
+        """Send the queued deletes, to every rank, when nothing else waits to be sent (every use of their refs
+        left already)."""
+        with self._lock:
+            if self._q or self.closed:
+                return
+            nd = len(self._dels)
+            if nd:
+                self._send(self._take_deletes(nd), self.all_ranks)
+
     def _send(self, batch: list, ranks: tuple) -> None:
         if not batch:
             return
@@ -320,6 +333,7 @@ class _Flusher:
         self._ev = threading.Event()
         self._pending: set = set()
         self._thread: threading.Thread | None = None
+        self._clients: weakref.WeakSet = weakref.WeakSet()  # every client: their deletes go out when idle
 
     def wake(self, client: MeshClient) -> None:
         self._pending.add(client)
@@ -330,7 +344,17 @@ class _Flusher:
 
     def _run(self) -> None:
         while True:
-            self._ev.wait()
+            if not self._ev.wait(DELETE_IDLE_S):
+                # A quiet script: the deletes of tensors it dropped go out anyway (they waited for its next
+                # batch, the workers holding the memory meanwhile). Not woken by Tensor.__del__ itself: that
+                # runs at any time, inside this Event's own lock too.
+                for c in list(self._clients):
+                    if c._dels and not c._q and not c.closed and c not in _held:
+                        try:
+                            c.flush_deletes()
+                        except Exception:  # noqa: BLE001 - e.g. a closed mailbox at exit
+                            pass
+                continue
             self._ev.clear()
             while self._pending:
                 sizes = {c: len(c._q) for c in list(self._pending)}

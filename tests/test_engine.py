@@ -853,3 +853,25 @@ def test_threads_of_the_script_use_one_mesh_at_once():
         assert errors == [] and wrong == []
     finally:
         mesh.stop().get(timeout=30)
+
+
+def _tensors_of_numel(n):
+    import gc
+
+    return sum(1 for o in gc.get_objects() if type(o) is torch.Tensor and o.numel() == n)
+
+
+def test_dropped_tensors_are_freed_on_the_workers_while_the_script_is_idle(procs):
+    # Their deletes waited for the script's next batch of ops: a script that went on with actors only, or
+    # sat in a notebook, kept the workers' memory.
+    n = 123457
+    with procs.activate():
+        x = torch.ones(n)
+        s = x.sum()
+    assert fetch_shard(s, gpus=0).result(timeout=60).item() == n  # (a fetch from one rank is the last batch)
+    assert procs.execute(_tensors_of_numel, n).values() == [1, 1]
+    del x, s
+    deadline = time.monotonic() + 30
+    while (left := procs.execute(_tensors_of_numel, n).values()) != [0, 0] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left == [0, 0]
