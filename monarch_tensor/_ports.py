@@ -89,12 +89,18 @@ class Receiver:
         self._values: collections.deque = collections.deque()
         self._waiters: collections.deque = collections.deque()
         self._once = once
+        self._received = False  # once: its value was handed to a recv()
 
     def recv(self, ranked: bool = False) -> Future:
         """The next value; with ``ranked``, ``(rank of its sender, value)``."""
         with self._lock:
+            if self._once and (self._received or self._waiters):
+                return Future.failed(ValueError(
+                    "recv() of a channel opened with once=True, whose one value was received (or is waited "
+                    "for) already; open another channel for another value"))
             if self._values:
                 msg = self._values.popleft()
+                self._received = True
             else:
                 fut = _ChannelValue(self, ranked)
                 self._waiters.append(fut)
@@ -109,6 +115,7 @@ class Receiver:
                 self._values.append(msg)
                 return self._once
             fut = self._waiters.popleft()
+            self._received = True
         _settle(fut, msg)
         return self._once
 
@@ -133,6 +140,7 @@ class Receiver:
                 self._waiters.append(fut)
                 return
             msg = self._values.popleft()
+            self._received = True
         _settle(fut, msg)
 
     def _give_back(self, fut: Future) -> None:
@@ -145,6 +153,7 @@ class Receiver:
         with self._lock:
             if not self._waiters:
                 self._values.appendleft(msg)
+                self._received = False
                 return
             nxt = self._waiters.popleft()
         _settle(nxt, msg)
@@ -160,11 +169,12 @@ def _settle(fut: Future, msg: SendToPort) -> None:
 class _ChannelValue(Future):
     """A ``recv()`` still waiting for its value (see ``Receiver``)."""
 
-    __slots__ = ("_receiver", "_withdrawn", "_ranked")
+    __slots__ = ("_receiver", "_withdrawn", "_ranked", "_lifetime")
 
     def __init__(self, receiver: Receiver, ranked: bool = False) -> None:
         super().__init__("channel value")
         self._receiver, self._withdrawn, self._ranked = receiver, False, ranked
+        self._lifetime = None  # (a waiting recv() keeps its channel open: see actor.Channel.open)
 
     def _rejoin(self) -> None:
         """Waited on again after a timeout or a cancellation: in line for a value again."""

@@ -26,6 +26,7 @@ import os
 import random
 import sys
 import threading
+import weakref
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
 from . import _context, _wire
@@ -590,22 +591,33 @@ class PortReceiver(Generic[R]):
 
     _ranked = False
 
-    def __init__(self, receiver: Receiver) -> None:
+    def __init__(self, receiver: Receiver, lifetime: object | None = None) -> None:
         self._r = receiver
+        self._lifetime = lifetime  # shared by the channel's receivers: the port closes when the last goes
 
     def recv(self) -> Future[R]:
-        return self._r.recv(self._ranked)
+        fut = self._r.recv(self._ranked)
+        if hasattr(fut, "_lifetime"):  # still waiting: it keeps the channel open, held or not
+            fut._lifetime = self._lifetime
+        return fut
 
     def ranked(self) -> RankedPortReceiver:
         """A receiver of the same channel whose ``recv()`` gives ``(rank, value)``: the rank of the sender in
         its actor mesh (0 for the client script)."""
-        return RankedPortReceiver(self._r)
+        return RankedPortReceiver(self._r, self._lifetime)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__}{' once' if self._r._once else ''}, {len(self._r._values)} values waiting>"
 
 
 class RankedPortReceiver(PortReceiver):
     """``recv()`` gives ``(sender's rank, value)``."""
 
     _ranked = True
+
+
+class _ChannelLifetime:
+    __slots__ = ("__weakref__",)
 
 
 class Channel(Generic[R]):
@@ -615,8 +627,13 @@ class Channel(Generic[R]):
     @staticmethod
     def open(once: bool = False) -> tuple[Port, PortReceiver]:
         r = Receiver(once=bool(once))
-        ref = current_mailbox().open_port(r)
-        return Port(ref), PortReceiver(r)
+        mailbox = current_mailbox()
+        ref = mailbox.open_port(r)
+        # Once no receiver of the channel is left, nobody can take its values: its port closes (values sent
+        # to it later are dropped, as for any closed port). Every channel stayed open before, ~2 KB each.
+        lifetime = _ChannelLifetime()
+        weakref.finalize(lifetime, mailbox.close_port, ref.port_id)
+        return Port(ref), PortReceiver(r, lifetime)
 
     @staticmethod
     def open_ranked(once: bool = False) -> tuple[Port, RankedPortReceiver]:

@@ -685,8 +685,39 @@ def test_ranked_and_once_channels(procs):
     once_port.send(1)
     once_port.send(2)  # the port closed after its first value
     assert once.recv().get(timeout=T) == 1
-    with pytest.raises(TimeoutError):
-        once.recv().get(timeout=0.3)
+    with pytest.raises(ValueError, match="once=True"):  # (it waited for ever)
+        once.recv().get(timeout=T)
+    once_port, once = Channel.open(once=True)
+    first = once.recv()
+    with pytest.raises(ValueError, match="once=True"):  # one waits for the one value already
+        once.recv().get(timeout=T)
+    once_port.send(3)
+    assert first.get(timeout=T) == 3
+
+
+def test_a_channel_closes_when_its_receivers_are_gone(procs):
+    import gc
+
+    from monarch_tensor.mailbox import current_mailbox
+
+    ports = current_mailbox()._ports
+    gc.collect()
+    before = len(ports)
+    for i in range(50):
+        port, receiver = Channel.open()
+        port.send(i)
+        assert receiver.ranked().recv().get(timeout=T) == (0, i)
+        del port, receiver
+    gc.collect()
+    assert len(ports) == before  # every channel's port stayed open (about 2 KB each) for ever
+
+    em = procs.spawn("emitter_unheld", Emitter)
+    port, receiver = Channel.open()
+    waiting = receiver.recv()
+    del receiver  # a waiting recv() keeps its channel open
+    gc.collect()
+    em.slice(hosts=1, gpus=0).emit.call_one(port, 1).get(timeout=T)
+    assert waiting.get(timeout=T) == (2, 0)
 
 
 def test_future_as_asyncio(counter):
