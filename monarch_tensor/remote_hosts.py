@@ -217,9 +217,16 @@ class AgentClient:
             deadline = time.monotonic() + timeout
             while True:
                 left = deadline - time.monotonic()
-                if left <= 0 or not self.sock.poll(int(left * 1000)):
+                if left <= 0:
                     raise HostUnreachableError(f"host agent {self.addr} did not answer "
                                                f"{type(msg).__name__} within {timeout:.0f} s")
+                # In slices of 0.2 s: the watcher may find the agent lost meanwhile (it died mid-request),
+                # which this wait would otherwise learn only at its timeout.
+                if not self.sock.poll(int(min(left, 0.2) * 1000) + 1):
+                    if self.lost:
+                        raise SupervisionError(f"host agent {self.addr} was lost while it handled "
+                                               f"{type(msg).__name__}: {self.lost}")
+                    continue
                 rid, value, error = _wire.decode(self.sock.recv_multipart())
                 if rid == req_id:
                     break

@@ -713,3 +713,24 @@ def test_kill_removes_the_directory_the_job_made_and_the_key_of_one_it_was_given
         given.kill()
     assert not os.path.exists(root)
     assert not os.path.exists(tmp_path / "given" / "job.key") and os.path.exists(tmp_path / "given" / "m-0.log")
+
+
+@pytest.mark.timeout(120)
+def test_an_agent_that_dies_while_it_handles_a_request_fails_it(tmp_path, monkeypatch):
+    # The request waited for its answer until its own timeout (60 s for a spawn), then blamed the network,
+    # though the watcher had found the agent lost seconds before.
+    import threading
+
+    monkeypatch.setattr(actor_mod, "unhandled_fault_hook", lambda failure: None)
+    job = LocalJob(meshes={"m": 1}, root_dir=str(tmp_path / "j"), ttl=60)
+    try:
+        hosts = job.state().m
+        pid = job.pids[0]
+        os.kill(pid, signal.SIGSTOP)  # it takes the request and never answers...
+        killer = threading.Timer(2.0, os.kill, (pid, signal.SIGKILL))  # ...then dies
+        killer.start()
+        with pytest.raises(SupervisionError, match="was lost while it handled SpawnProcs"):
+            hosts.spawn_procs(per_host={"gpus": 1})
+        killer.join()
+    finally:
+        job.kill()
