@@ -273,6 +273,13 @@ def _ask_start(procs: list, make, what: str) -> Future[list]:
     col = Collector([p.addr for p in procs], [p.rank for p in procs], list, what)
     port = mailbox.open_port(col)
     for p in procs:
+        # A proc that died before the port opened never fails it (its death was told to the ports open
+        # then): the sync waited its whole timeout, and the error did not name the proc.
+        err = mailbox.death_of(p.addr)
+        if err is not None:
+            col.proc_died(p.addr, err)
+            return col.future
+    for p in procs:
         mailbox.send(p.addr, make(port))
     return col.future
 

@@ -1230,3 +1230,31 @@ def test_a_local_jobs_hosts_get_the_conda_env_at_their_own_prefix(tmp_path, monk
         assert _agents_live_procs() == []
     finally:
         job.kill()
+
+
+def test_a_sync_step_to_a_proc_that_died_fails_at_once(monkeypatch):
+    # A proc that died between two steps of a sync (not the writer) made the next step wait its whole
+    # timeout (120 s), and the error did not name it.
+    import signal
+
+    import monarch_tensor.actor as actor_mod
+    from monarch_tensor import workspace_sync
+    from monarch_tensor.errors import SupervisionError
+    from monarch_tensor.mailbox import current_mailbox
+    from monarch_tensor.sync_messages import ReloadWorkspace
+
+    monkeypatch.setattr(actor_mod, "unhandled_fault_hook", lambda failure: None)
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    try:
+        pid = procs.execute(os.getpid).item(gpus=1)
+        os.kill(pid, signal.SIGKILL)
+        dead = procs._procs[1].addr
+        deadline = time.monotonic() + 30
+        while current_mailbox().death_of(dead) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        fut = workspace_sync._ask_start(procs._procs, lambda port: ReloadWorkspace("k", (), (), False, port),
+                                        "workspace reload")
+        with pytest.raises(SupervisionError, match="rank 1"):
+            fut.get(timeout=30)
+    finally:
+        procs.stop().get(timeout=30)
