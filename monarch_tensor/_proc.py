@@ -165,6 +165,7 @@ class ProcRuntime:
         # No I/O thread: the loop's own thread receives, so a call costs no thread hop here.
         self.mailbox = Mailbox(addr, on_message=self._handle, on_logs=self._relay_logs, io_thread=False)
         self.mailbox.on_deferred = self._defer
+        self.mailbox.on_lost_spawn = self._spawn_lost
         set_current_mailbox(self.mailbox)
         self.logs = _LogForwarder(self.mailbox, client_addr, rank)
         # The loop polls for the next message only while each of these says the proc is otherwise idle
@@ -266,6 +267,27 @@ class ProcRuntime:
         self.actors[msg.name] = slot
         self._reply(msg.reply, None, err, point.rank)
         timer, calls = self._awaiting.pop(msg.name, (None, ()))
+        if timer is not None:
+            timer.cancel()
+        for call in calls:
+            self.handle_CallEndpoint(call)
+
+    def _spawn_lost(self, msg: SpawnActor, error: BaseException) -> None:
+        """A SpawnActor that could not be unpickled here (an argument's class this proc cannot import, a
+        reducer that raises): calls to the actor fail with that error, as for a constructor that raised,
+        rather than wait for a spawn that never comes and then say none was made."""
+        try:
+            name, shape = msg.name, msg.shape
+            point = shape.point(msg.rank) if len(shape.names) else Point(0, {})
+            sizes = shape.sizes
+        except Exception:  # noqa: BLE001 - not even its name could be read: its caller hears of it all the same
+            return
+        if not isinstance(name, str) or name in self.actors:
+            return
+        slot = _Slot(name, None, _context.ActorContext(name, point, self.rank, sizes=sizes))
+        slot.init_error = ActorError(name, point.rank, "__init__", repr(error), "", error)
+        self.actors[name] = slot
+        timer, calls = self._awaiting.pop(name, (None, ()))
         if timer is not None:
             timer.cancel()
         for call in calls:

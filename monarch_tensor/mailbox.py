@@ -208,6 +208,8 @@ class Mailbox:
         self.receiver_ident: int | None = None  # the thread that receives (None: the I/O thread)
         # Where messages other than port values go while the receiving thread blocks in wait_until.
         self.on_deferred: Callable[[object], None] | None = None
+        # A proc's: told of a SpawnActor that could not be read here (its caller gets the error too).
+        self.on_lost_spawn: Callable[[object, BaseException], None] | None = None
         self._waits: list = []  # the futures the receiving thread waits on in wait_until, innermost last
         # Addresses reached through another one (a remote controller's ipc address -> its tcp gateway).
         self.aliases: dict[str, str] = json.loads(os.environ.get("MONARCH_TENSOR_ALIASES") or "{}")
@@ -649,6 +651,8 @@ class Mailbox:
                 if h is not None and h.deliver(SendToPort(msg.port_id, None, error, msg.rank)):
                     self.close_port(msg.port_id)
                 return
+            if self.on_lost_spawn is not None and type(msg).__name__ == "SpawnActor":
+                self.on_lost_spawn(msg, error)
             reply = getattr(msg, "reply", None)
             if isinstance(reply, PortRef):  # a call or request: its caller gets the error
                 self.send(reply.addr, SendToPort(reply.port_id, None, error, getattr(msg, "rank", -1)))

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from monarch_tensor import RemoteException, _wire, fetch_shard, remote, this_host
-from monarch_tensor.actor import Actor, endpoint
+from monarch_tensor.actor import Actor, ActorError, endpoint
 from monarch_tensor.errors import ProtocolError
 from monarch_tensor.messages import CallEndpoint, PortRef, SendToPort
 
@@ -191,6 +191,24 @@ def test_a_call_whose_arguments_cannot_be_unpickled_on_the_proc_fails_its_caller
                                             r"OnlyInClient: refuses to be rebuilt on a proc"):
         echo.take.call(OnlyInClient()).get(timeout=60)
     assert echo.ping.call().get(timeout=60).values() == [1, 1]  # the procs go on serving
+
+
+class Holds(Actor):
+    def __init__(self, x) -> None:
+        self.x = x
+
+    @endpoint
+    def ping(self) -> int:
+        return 1
+
+
+def test_calls_to_an_actor_whose_spawn_cannot_be_unpickled_fail_with_that_error(procs):
+    # They waited 2 s for a spawn that never came, then said no actor of that name was spawned.
+    holds = procs.spawn("holds_unreadable", Holds, RaisesOnLoad("in a spawn"))
+    with pytest.raises(ActorError, match="cannot unpickle a SpawnActor .*this reducer always raises"):
+        holds.ping.call().get(timeout=60)
+    with pytest.raises(ProtocolError, match="cannot unpickle a SpawnActor"):
+        holds.initialized.get(timeout=60)
 
 
 def test_a_reply_that_cannot_be_unpickled_in_the_client_fails_its_caller(procs):
