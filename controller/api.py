@@ -189,7 +189,31 @@ def _install_factories() -> None:
                          ctx.ranks)
         return gen
 
-    torch.manual_seed = manual_seed
+    # The generator's state, saved and restored: inside activate(), the workers' (torch.utils.checkpoint saves
+    # it at the forward and restores it to recompute: a dropout there drew another mask on the workers, and
+    # the gradients were wrong). A mesh tensor of states goes back to its workers, wherever it is restored.
+    from monarch_tensor.builtins import random as _random  # (imported before the wrappers: it reads a state)
+
+    get_state, set_state = torch.get_rng_state, torch.set_rng_state
+
+    @functools.wraps(get_state)
+    def get_rng_state():
+        """Inside ``activate()``, each worker's CPU generator state, as a mesh tensor."""
+        if state.ctx_mesh is None or state.internal:
+            return get_state()
+        return _random.get_rng_state_remote()
+
+    @functools.wraps(set_state)
+    def set_rng_state(new_state):
+        """A mesh tensor of states (from ``torch.get_rng_state()`` inside ``activate()``) sets the workers'."""
+        if type(new_state) is Tensor:
+            _random.set_rng_state_remote(new_state)
+            return None
+        return set_state(new_state)
+
+    torch.manual_seed = torch.random.manual_seed = manual_seed
+    torch.get_rng_state = torch.random.get_rng_state = get_rng_state
+    torch.set_rng_state = torch.random.set_rng_state = set_rng_state
 
 
 # ---- fetching ----------------------------------------------------------------------------------------

@@ -91,3 +91,41 @@ def test_log_remote_reaches_every_rank(mesh, capfd):
         got = capfd.readouterr()
         seen += got.err + got.out
     assert seen.count("step 3 of training") >= 2, seen
+
+
+def _checkpointed_dropout():
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    x = torch.ones(64, requires_grad=True)
+    y = checkpoint(lambda t: F.dropout(t, 0.5, training=True) * 3.0, x, use_reentrant=False)
+    y.sum().backward()
+    return y.detach(), x.grad
+
+
+def test_generator_state_saved_and_restored_inside_activate_is_the_workers(mesh):
+    # torch.get_rng_state()/set_rng_state() (and torch.random's, fork_rng's) acted on the controller only:
+    # checkpoint's recompute drew another dropout mask on the workers, and the gradients were silently wrong.
+    with no_mesh():
+        want_y, want_grad = _checkpointed_dropout()
+    with mesh.activate():
+        y, grad = _checkpointed_dropout()
+        assert torch.equal(inspect(y), want_y) and torch.equal(inspect(grad), want_grad)
+        torch.random.manual_seed(5)  # torch.random's own name seeds the workers too
+        a = torch.rand(3)
+        saved = torch.get_rng_state()
+        b = torch.rand(3)
+        torch.set_rng_state(saved)
+        c = torch.rand(3)
+        with torch.random.fork_rng():
+            torch.rand(5)
+        d = torch.rand(3)
+        torch.set_rng_state(saved)
+        e = torch.rand(6)
+    with no_mesh():
+        torch.manual_seed(5)
+        want_a, want_b = torch.rand(3), torch.rand(3)
+    assert torch.equal(inspect(a), want_a) and torch.equal(inspect(b), want_b)
+    assert torch.equal(inspect(c), want_b)  # replayed
+    assert torch.equal(torch.cat([inspect(c), inspect(d)]), inspect(e))  # fork_rng restored it
