@@ -74,6 +74,10 @@ class HostAgent:
                  advertise: str | None = None) -> None:
         if not bind.startswith("tcp://"):
             raise ValueError(f"a host agent listens on tcp://HOST:PORT, got {bind!r}")
+        host, _, port = bind[len("tcp://"):].rpartition(":")
+        if not host or not (port in ("*", "0") or (port.isdigit() and 0 < int(port) < 65536)):
+            raise ValueError(f"a host agent listens on tcp://HOST:PORT with a port of 1-65535 (or 0: any free "
+                             f"one), got {bind!r}")
         self.keys = keys.checked()
         # Procs inherit the job key from the zygote's environment: they need it to reach the controller.
         os.environ.update(keys.to_env())
@@ -93,7 +97,8 @@ class HostAgent:
             if e.errno == zmq.EADDRINUSE:
                 raise AddressInUseError(f"cannot listen on {bind}: the address is already in use "
                                         f"(another agent, or pick another port)") from e
-            raise
+            raise ValueError(f"cannot listen on {bind}: {e.strerror} (HOST must be an address or name of this "
+                             f"machine, or 0.0.0.0 for all of them)") from e
         bound_port = self.router.getsockopt(zmq.LAST_ENDPOINT).decode().rpartition(":")[2]
         if advertise is None:
             advertise = host if host not in ("*", "0.0.0.0", "") else _my_ip()

@@ -346,6 +346,18 @@ def test_address_in_use_is_a_clear_error(job):
         HostAgent(addr, job.keys)
 
 
+@pytest.mark.parametrize("bind, why", [
+    ("tcp://127.0.0.1:70000", "port of 1-65535"),  # (zmq wrapped it: 4464)
+    ("tcp://127.0.0.1:abc", "port of 1-65535"),
+    ("tcp://10.255.255.254:0", "cannot listen on .*HOST must be an address or name of this machine"),
+    ("tcp://nosuchhost.invalid:0", "cannot listen on .*HOST must be an address or name of this machine"),
+])
+def test_a_bad_bind_address_is_a_clear_error(bind, why):
+    # A raw zmq traceback before, or a port that silently wrapped.
+    with pytest.raises(ValueError, match=why):
+        HostAgent(bind, _curve.JobKeys.generate())
+
+
 @pytest.mark.timeout(60)
 def test_host_command_reports_address_in_use(job, tmp_path):
     key = str(tmp_path / "k")
