@@ -96,6 +96,21 @@ def test_a_job_name_and_log_dir_with_spaces(tmp_path):
         job.kill()
 
 
+@pytest.mark.timeout(120)
+def test_an_agent_that_fails_to_start_ends_the_job_with_its_error(tmp_path):
+    # This cluster's two nodes share one machine: a fixed port can serve only one of their agents. The other
+    # agent's error sat in the job's output while the client waited its whole start timeout, and the error
+    # then said only that the agents did not start.
+    job = SlurmJob(meshes={"mesh0": 2}, job_name="mt-port", exclusive=False, monarch_port=26613,
+                   log_dir=str(tmp_path / "logs"), job_start_timeout=45, ttl=600)
+    try:
+        with pytest.raises(JobStartError, match="(?s)ended .*cannot listen on tcp://0.0.0.0:26613: the address is "
+                                                "already in use"):
+            job.state(cached_path=None)
+    finally:
+        job.kill()
+
+
 @pytest.mark.timeout(60)
 def test_a_job_that_never_starts_is_a_clear_error_and_is_cancelled(tmp_path):
     job = SlurmJob(meshes={"mesh0": 1}, job_name="mt-never", log_dir=str(tmp_path / "logs"), start_timeout=3,

@@ -127,7 +127,9 @@ class SlurmJob(JobTrait):
         addr = '"' + _dq(self.log_dir) + '/agent-$SLURM_JOB_ID-$SLURM_PROCID.addr"'
         cmd = " ".join(shlex.quote(c) for c in agent_command(self.python_exe, self.bind, "ADDR", self.ttl))
         cmd = cmd.replace("ADDR", addr)
-        srun = f"srun --ntasks-per-node=1 bash -c {shlex.quote('exec ' + cmd)}"
+        # (--kill-on-bad-exit: an agent that fails to start, its port taken say, ends the job, which the
+        # client then reports with the job's output, rather than wait for it until its start timeout)
+        srun = f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c {shlex.quote('exec ' + cmd)}"
         n_ours = len(opts) - len(self.slurm_args)  # (the user's own slurm_args go as they were written)
         lines = ["#!/bin/bash", *(f"#SBATCH {_directive(o) if i < n_ours else o}" for i, o in enumerate(opts)),
                  "set -e", f"cd {shlex.quote(os.getcwd())}"]
@@ -190,8 +192,10 @@ class SlurmJob(JobTrait):
                                         f"agents served; its output ({out}):\n{log_tail(out)}")
             if now > deadline:
                 st, reason = self.squeue_state()
+                tail = log_tail(out) if os.path.exists(out) else ""
                 raise JobStartError(f"SLURM job {self.job_id} did not start its {nodes} agents within "
-                                    f"{self.start_timeout:.0f} s (state {st}, reason {reason}); it was cancelled")
+                                    f"{self.start_timeout:.0f} s (state {st}, reason {reason}); it was cancelled"
+                                    + (f"; its output ({out}):\n{tail}" if tail.strip() else ""))
             time.sleep(0.1)
 
     def squeue_state(self) -> tuple[str | None, str]:
