@@ -111,6 +111,44 @@ def test_an_agent_that_fails_to_start_ends_the_job_with_its_error(tmp_path):
         job.kill()
 
 
+@pytest.mark.timeout(120)
+def test_a_script_terminated_while_it_waits_for_its_allocation_cancels_it(tmp_path):
+    # SIGTERM (timeout, kill, a batch system) ended the script at once: the allocation stayed queued or
+    # running, with no job file naming it.
+    import signal
+
+    name = f"mt-term-{os.getpid()}"
+    script = tmp_path / "client.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {ROOT!r})
+        from monarch_tensor.job import SlurmJob
+        SlurmJob(meshes={{"mesh0": 1}}, job_name={name!r}, log_dir={str(tmp_path / "logs")!r}, start_timeout=90,
+                 slurm_args=["--begin=now+1hour"]).state(cached_path=None)
+    """))
+
+    def queued() -> str:
+        return subprocess.run(["squeue", "-h", "-n", name, "-o", "%i"], capture_output=True, text=True).stdout.strip()
+
+    p = subprocess.Popen([sys.executable, str(script)])
+    try:
+        deadline = time.monotonic() + 60
+        while not queued() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert queued(), "the job was never submitted"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 30
+        while queued() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not queued()
+    finally:
+        p.kill()
+        left = queued().split()
+        if left:
+            subprocess.run(["scancel", *left])
+
+
 @pytest.mark.timeout(60)
 def test_a_job_that_never_starts_is_a_clear_error_and_is_cancelled(tmp_path):
     job = SlurmJob(meshes={"mesh0": 1}, job_name="mt-never", log_dir=str(tmp_path / "logs"), start_timeout=3,

@@ -8,12 +8,15 @@ The job's key pair travels to the agents in the environment sbatch exports
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 from ..errors import JobStartError
@@ -147,12 +150,13 @@ class SlurmJob(JobTrait):
 
     def _start(self) -> dict[str, list[str]]:
         nodes = sum(self.meshes.values())
-        self._submit(nodes)
-        try:
-            addrs = self._wait_agents(nodes)
-        except BaseException:
-            self._release()
-            raise
+        with _termination_raises():  # (a script killed while it waits cancels the allocation it asked for)
+            self._submit(nodes)
+            try:
+                addrs = self._wait_agents(nodes)
+            except BaseException:
+                self._release()
+                raise
         it = iter(addrs)
         return {name: [next(it) for _ in range(n)] for name, n in self.meshes.items()}
 
@@ -270,3 +274,26 @@ def _directive(opt: str) -> str:
     if not eq or not any(c in value for c in ' \t"\''):
         return opt
     return key + '="' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+@contextlib.contextmanager
+def _termination_raises():
+    """SIGTERM and SIGHUP raise ``SystemExit`` in the main thread while this holds, where they would end the
+    process at once (their default): a script terminated (``timeout``, ``kill``, a closed terminal) while it
+    waits for its allocation then cancels it, instead of leaving it queued or running with nobody to use it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {}
+
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) == signal.SIG_DFL:
+            old[sig] = signal.signal(sig, terminate)
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
