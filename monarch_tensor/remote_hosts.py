@@ -289,11 +289,17 @@ class _Watcher:
                         finally:
                             a._lock.release()
                         self.agents.remove(a)
-                agents = [a for a in self.agents if not a.lost]
+                # (an agent whose sockets were closed elsewhere leaves the poll: one such made the poll raise,
+                # which ended this thread, and no agent's loss was noticed after)
+                agents = [a for a in self.agents if not a.lost and not a.monitor.closed]
             poller = zmq.Poller()
             for a in agents:
                 poller.register(a.monitor, zmq.POLLIN)
-            ready = dict(poller.poll(100)) if agents else (time.sleep(0.1) or {})
+            try:
+                ready = dict(poller.poll(100)) if agents else (time.sleep(0.1) or {})
+            except zmq.ZMQError:  # closed meanwhile: the next round leaves it out
+                time.sleep(0.01)
+                continue
             now = time.monotonic()
             for a in agents:
                 if a.monitor in ready:
@@ -496,6 +502,19 @@ def connect_agents(addrs: list[str], keys: _curve.JobKeys, timeout: float = CONN
     for a in agents:
         _watcher.add(a)
     return agents
+
+
+def reachable_agents(addrs: list[str], keys: _curve.JobKeys, timeout: float = 5.0) -> list[AgentClient]:
+    """Those of the agents at ``addrs`` that answer within ``timeout`` (in parallel; not watched): what a
+    job's ``kill()`` can still shut down when some of its hosts are gone."""
+
+    def connect(addr: str) -> AgentClient | None:
+        try:
+            return AgentClient(addr, keys, timeout)
+        except Exception:  # noqa: BLE001 - gone: nothing to shut down there
+            return None
+
+    return [a for a in _parallel([(connect, (a,)) for a in addrs]) if a is not None]
 
 
 def attach_to_workers(workers: list[str], name: str | None = None, ca: str | None = None, *,

@@ -746,3 +746,28 @@ def test_an_agent_that_dies_while_it_handles_a_request_fails_it(tmp_path, monkey
         killer.join()
     finally:
         job.kill()
+
+
+@pytest.mark.timeout(25)  # (kill() waited 30 s to connect to the dead agent, and then shut down none)
+def test_kill_of_a_loaded_job_with_a_dead_agent_shuts_down_the_rest_at_once(tmp_path):
+    job = LocalJob(meshes={"m": 2}, root_dir=str(tmp_path / "j"), ttl=60)
+    job.state(cached_path=None)
+    path = str(tmp_path / "job.json")
+    job.dump(path)
+    dead, live = job.pids
+    os.kill(dead, signal.SIGKILL)
+    os.waitpid(dead, 0)
+    job_load(path).kill()
+    _wait_gone(live, timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_state_of_a_loaded_job_whose_agents_exited_says_so(tmp_path):
+    job = LocalJob(meshes={"m": 1}, root_dir=str(tmp_path / "j"), ttl=60)
+    job.state(cached_path=None)
+    path = str(tmp_path / "job.json")
+    job.dump(path)
+    os.kill(job.pids[0], signal.SIGKILL)
+    os.waitpid(job.pids[0], 0)
+    with pytest.raises(HostUnreachableError, match="allocation no longer runs .its host agents exited"):
+        job_load(path).state()  # (it waited 30 s for the agent, then blamed the network)

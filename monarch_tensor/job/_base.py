@@ -21,8 +21,8 @@ import os
 from typing import Any
 
 from .. import _curve
-from ..errors import JobKeyError
-from ..remote_hosts import AgentClient, RemoteHostMesh, connect_agents, shutdown_agents
+from ..errors import HostUnreachableError, JobKeyError
+from ..remote_hosts import AgentClient, RemoteHostMesh, connect_agents, reachable_agents, shutdown_agents
 
 log = logging.getLogger("monarch_tensor.job")
 
@@ -89,6 +89,10 @@ class JobTrait:
         """Whether the job's allocation still runs (asked of the scheduler)."""
         return self.active
 
+    def _gone(self) -> str:
+        """What says the allocation ended (for errors)."""
+        return "its host agents exited"
+
     def _adopt(self, running: JobTrait) -> None:
         """Take over ``running``'s allocation (kind-specific fields; keys and addresses are done)."""
 
@@ -133,6 +137,10 @@ class JobTrait:
                     self.addrs = None
             if self._state is None:
                 fresh = self.addrs is None
+                if not fresh and not self._running():  # (a job file's, whose allocation ended: its agents
+                    # would each be waited for until the connect timeout, and the error blame the network)
+                    raise HostUnreachableError(f"this {type(self).__name__}'s allocation no longer runs "
+                                               f"({self._gone()}); kill() it and start it again")
                 self.apply()
                 self._connect()
                 if fresh and cached_path and reuse:
@@ -184,13 +192,15 @@ class JobTrait:
     def kill(self) -> None:
         """Stop every agent (and its procs) and release the allocation."""
         agents = [a for lst in self._agents.values() for a in lst]
+        connected = []
         if not agents and self.addrs is not None:
-            try:
-                self.state()
-                agents = [a for lst in self._agents.values() for a in lst]
-            except Exception:  # noqa: BLE001 - agents already gone: release what the scheduler holds
-                agents = []
+            # Each agent that still answers, in parallel and briefly: connecting the job (state()) waited 30 s
+            # for a dead one, and then shut down none of them.
+            agents = connected = reachable_agents([a for name in self.meshes for a in self.addrs.get(name, [])],
+                                                  self.keys)
         shutdown_agents(agents, "job killed")
+        for a in connected:  # (not watched: nothing else closes them)
+            a.close()
         self._release()
         self._state = None
         self._killed = True

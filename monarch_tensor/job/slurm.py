@@ -237,6 +237,10 @@ class SlurmJob(JobTrait):
     def _running(self) -> bool:
         return bool(self.job_id) and self.squeue_state()[0] == "RUNNING"
 
+    def _gone(self) -> str:
+        st, reason = self.squeue_state() if self.job_id else (None, "")
+        return f"SLURM job {self.job_id}: {st or 'ended, gone from the queue'}{f' ({reason})' if reason else ''}"
+
     def _adopt(self, running: JobTrait) -> None:
         self.job_id, self.log_dir = running.job_id, running.log_dir
 
