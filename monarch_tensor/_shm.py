@@ -203,6 +203,14 @@ class _MapCache:
                 self.bytes -= len(old)  # live views keep it mapped until they go
         return m
 
+    def forget_process(self, pid: int) -> None:
+        """Unmap the segments of process ``pid`` (it exited: it will send nothing more through them). Views
+        still alive keep theirs mapped until they go."""
+        prefix = f"mt-{pid}-"
+        with self.lock:
+            for name in [n for n in self.maps if n.startswith(prefix)]:
+                self.bytes -= len(self.maps.pop(name))
+
 
 _maps = _MapCache()
 
@@ -251,7 +259,9 @@ def _read_oneoff(name: str, layout: list[tuple[int, int]]) -> list[memoryview]:
 
 
 def remove_files_of(pid: int) -> None:
-    """Remove leftovers of a process that died before its receivers mapped them."""
+    """Remove leftovers of a process that died before its receivers mapped them, and this process's maps of
+    its segments (they stayed mapped, each with an open descriptor, up to the cache's 2 GiB)."""
+    _maps.forget_process(pid)
     for path in glob.glob(os.path.join(SHM_DIR, f"mt-{pid}-*")):
         try:
             os.unlink(path)
