@@ -77,6 +77,8 @@ def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None) -> No
     """Fork procs on request until the client goes away; import ``idle_imports`` when idle; relay the output
     of the procs spawned with ``relay`` (see ``_output_pipes``)."""
     idle_imports = list(idle_imports or [])
+    client = os.getppid()
+    spawned: list[int] = []  # every proc's pid: their files go when the client died without telling us
     children: dict[int, int] = {}  # pid -> request id
     outputs: dict[int, list] = {}  # pid -> [stdout read end, stderr read end] (None once it ended)
     relayed: dict[int, tuple[int, int]] = {}  # read end -> (pid, stream) of the procs whose output is relayed
@@ -88,55 +90,80 @@ def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None) -> No
     waits.register(req_fd, select.POLLIN)
     waits.register(sig_r, select.POLLIN)
     write_msg(rep_fd, ("ready", os.getpid()))
-    while True:
-        try:
-            readable = [fd for fd, _ in waits.poll(0 if idle_imports else 1000)]
-        except InterruptedError:
-            readable = [sig_r]
-        if not readable and idle_imports:
-            _try_import(idle_imports.pop(0))
-            continue
-        if sig_r in readable:
+    died = False
+    try:
+        while True:
             try:
-                os.read(sig_r, 4096)
-            except BlockingIOError:
-                pass
-        for fd in readable:
-            if fd in relayed:
-                _relay(fd, relayed, outputs, rep_fd, waits)
-        _reap(children, rep_fd, outputs, relayed, waits)
-        if req_fd in readable:
-            req = read_msg(req_fd)
-            if req is None or req[0] == "exit":
-                break
-            if req[0] == "spawn":
-                _, req_id, entry, args, env, relay = req
-                reads, writes = _output_pipes()
-                pid = os.fork()
-                if pid == 0:
-                    others = [fd for pair in outputs.values() for fd in pair if fd is not None]
-                    _child(req_fd, rep_fd, sig_r, sig_w, entry, args, env, (reads, writes), others, relay)
-                children[pid] = req_id
-                for w in writes:
-                    os.close(w)
-                outputs[pid] = list(reads)
-                if relay:
-                    for stream, fd in enumerate(reads, 1):
-                        relayed[fd] = (pid, stream)
-                        waits.register(fd, select.POLLIN)
-                write_msg(rep_fd, ("spawned", req_id, pid))
-            elif req[0] == "preload":  # the client imported torch after its first procs: later ones get it
-                for mod in req[1]:
-                    _try_import(mod)
-                idle_imports.extend(m for m in req[2] if m not in idle_imports)
-            elif req[0] == "kill":
-                _, pid, sig = req
-                if pid in children:
-                    try:
-                        os.kill(pid, sig)
-                    except ProcessLookupError:
-                        pass
+                readable = [fd for fd, _ in waits.poll(0 if idle_imports else 1000)]
+            except InterruptedError:
+                readable = [sig_r]
+            if not readable and idle_imports:
+                _try_import(idle_imports.pop(0))
+                continue
+            if sig_r in readable:
+                try:
+                    os.read(sig_r, 4096)
+                except BlockingIOError:
+                    pass
+            for fd in readable:
+                if fd in relayed:
+                    _relay(fd, relayed, outputs, rep_fd, waits)
+            _reap(children, rep_fd, outputs, relayed, waits)
+            if req_fd in readable:
+                req = read_msg(req_fd)
+                if req is None or req[0] == "exit":
+                    died = req is None
+                    break
+                if req[0] == "spawn":
+                    _, req_id, entry, args, env, relay = req
+                    reads, writes = _output_pipes()
+                    pid = os.fork()
+                    if pid == 0:
+                        others = [fd for pair in outputs.values() for fd in pair if fd is not None]
+                        _child(req_fd, rep_fd, sig_r, sig_w, entry, args, env, (reads, writes), others, relay)
+                    children[pid] = req_id
+                    spawned.append(pid)
+                    for w in writes:
+                        os.close(w)
+                    outputs[pid] = list(reads)
+                    if relay:
+                        for stream, fd in enumerate(reads, 1):
+                            relayed[fd] = (pid, stream)
+                            waits.register(fd, select.POLLIN)
+                    write_msg(rep_fd, ("spawned", req_id, pid))
+                elif req[0] == "preload":  # the client imported torch after its first procs: later ones get it
+                    for mod in req[1]:
+                        _try_import(mod)
+                    idle_imports.extend(m for m in req[2] if m not in idle_imports)
+                elif req[0] == "kill":
+                    _, pid, sig = req
+                    if pid in children:
+                        try:
+                            os.kill(pid, sig)
+                        except ProcessLookupError:
+                            pass
+    except BrokenPipeError:  # the client is gone: nothing to tell it any more
+        died = True
     _kill_all(children, rep_fd)
+    if died:  # (SIGKILLed, say): what it and its procs left in /dev/shm and the socket directory
+        _remove_files_of(client, spawned)
+
+
+def _remove_files_of(client: int, procs: list[int]) -> None:
+    """The shared-memory segments of ``client`` and ``procs`` (named ``mt-<pid>-...``), and the sockets of the
+    client and of the procs it named (``client-<pid>-...``, ``proc-<pid>-...``): a process that was killed
+    removes none of its own. Only once the client is gone: its own segments are in use while it lives."""
+    import glob
+
+    from .mailbox import socket_dir
+
+    paths = [p for pid in (client, *procs) for p in glob.glob(f"/dev/shm/mt-{pid}-*")]
+    paths += glob.glob(os.path.join(socket_dir(), f"*-{client}-*"))
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 # A proc's stdout and stderr are pipes whose read ends this process keeps. For the client's procs

@@ -189,12 +189,18 @@ SCRIPT = textwrap.dedent("""
     import os, sys, time
     sys.path.insert(0, {root!r})
     from monarch_tensor.actor import Actor, endpoint, this_host
+    import numpy as np
     class W(Actor):
         @endpoint
         def pid(self):
             return os.getpid()
+        @endpoint
+        def twice(self, a):
+            return a * 2
     procs = this_host().spawn_procs({{"gpus": 2}})
-    pids = procs.spawn("w", W).pid.call().get(timeout=60).values()
+    w = procs.spawn("w", W)
+    pids = w.pid.call().get(timeout=60).values()
+    w.twice.call(np.ones(1 << 20)).get(timeout=60)  # 8 MiB each way: through shared memory
     print("PIDS", *pids, flush=True)
     mode = sys.argv[1]
     sys.stdin.readline()  # the test has seen the procs alive
@@ -230,8 +236,14 @@ def test_no_orphans(tmp_path, mode):
     while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
         time.sleep(0.05)
     assert not any(_alive(pid) for pid in pids), f"orphans left after {mode}"
-    if mode != "sigkill":  # nor socket files (a SIGKILLed script cannot remove its own)
-        assert [f for f in glob.glob(f"{socket_dir()}/*-{p.pid}-*") if f not in files_before] == []
+    # Nor socket files (a SIGKILLed script's are removed by its template process once its procs are gone).
+    def left() -> list:
+        return [f for f in glob.glob(f"{socket_dir()}/*-{p.pid}-*") if f not in files_before]
+
+    while left() and time.monotonic() < deadline + 10:
+        time.sleep(0.05)
+    assert left() == []
+    assert [f for pid in (p.pid, *pids) for f in glob.glob(f"/dev/shm/mt-{pid}-*")] == []
     if mode == "raise":
         assert "the script failed" in p.stderr.read()
 
