@@ -76,7 +76,7 @@ def describe_status(status: int) -> str:
 def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None) -> None:
     """Fork procs on request until the client goes away; import ``idle_imports`` when idle; relay the output
     of the procs spawned with ``relay`` (see ``_output_pipes``)."""
-    idle_imports = list(idle_imports or [])
+    idle_imports = _in_steps(list(idle_imports or []))
     client = os.getppid()
     spawned: list[int] = []  # every proc's pid: their files go when the client died without telling us
     children: dict[int, int] = {}  # pid -> request id
@@ -134,7 +134,7 @@ def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None) -> No
                 elif req[0] == "preload":  # the client imported torch after its first procs: later ones get it
                     for mod in req[1]:
                         _try_import(mod)
-                    idle_imports.extend(m for m in req[2] if m not in idle_imports)
+                    idle_imports.extend(m for m in _in_steps(req[2]) if m not in idle_imports)
                 elif req[0] == "kill":
                     _, pid, sig = req
                     if pid in children:
@@ -299,6 +299,24 @@ def _child(req_fd, rep_fd, sig_r, sig_w, entry, args, env, pipes=None, others=()
 
 def _modules(var: str, default: str) -> list[str]:
     return [m for m in os.environ.get(var, default).split(",") if m]
+
+
+# Idle imports run in pieces, so that a spawn request or a proc's output is served between two of them:
+# torch._dynamo in one took about 1.9 s here, during which procs' lines waited (arriving cells late in a
+# notebook) and so did new procs; in these pieces the longest is about 0.8 s. The pieces are packages its
+# import loads, each importable on its own (its internal modules are not: imported out of its order they
+# fail on circular imports).
+_IMPORT_STEPS = {
+    "torch._dynamo": ["mpmath", "sympy", "torch.fx.experimental.symbolic_shapes", "torch.distributed.tensor",
+                      "torch.distributed.fsdp", "torch._dynamo"],
+}
+
+
+def _in_steps(mods: list[str]) -> list[str]:
+    out: list[str] = []
+    for mod in mods:
+        out += [m for m in _IMPORT_STEPS.get(mod, [mod]) if m not in out]
+    return out
 
 
 def _try_import(mod: str) -> None:

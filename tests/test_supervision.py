@@ -500,3 +500,14 @@ def test_meshes_after_the_template_process_died_get_a_new_one(tmp_path):
     script.write_text(TEMPLATE_DEATH_SCRIPT.format(root=ROOT))
     p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100)
     assert p.returncode == 0 and "PID" in p.stdout, p.stdout + p.stderr
+
+
+@pytest.mark.timeout(120)
+def test_the_templates_idle_import_steps_each_import_on_their_own():
+    # The template imports torch._dynamo while idle in pieces, serving spawns and procs' output between
+    # them; each piece must import on its own, in this order, with this torch.
+    code = ("import torch\nfrom monarch_tensor._zygote import _in_steps\nsteps = _in_steps(['torch._dynamo'])\n"
+            "assert steps[-1] == 'torch._dynamo' and len(steps) > 1, steps\nfor m in steps:\n    __import__(m)\n"
+            "print('OK')")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=100)
+    assert p.returncode == 0 and "OK" in p.stdout, p.stderr
