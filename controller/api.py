@@ -615,9 +615,17 @@ class Stream:
         bt = Tensor(t._meta, t._mid, dst, ref)
         if not mutable:
             bt._read_only = True
+        # Writes through a view of it, or to its base and the base's other views, are refused too: the root
+        # tensor of its memory (torch's ``_base``) shares the list (check_writable looks at both).
+        root = t._base
         lent = getattr(t, "_lent", None)
         if lent is None:
-            lent = t._lent = []
+            lent = getattr(root, "_lent", None) if root is not None else None
+            if lent is None:
+                lent = []
+            t._lent = lent
+        if root is not None and getattr(root, "_lent", None) is not lent:
+            root._lent = lent
         lent.append(self.name)
         return bt, Borrow(bid, bt, src, dst, mutable, t)
 
@@ -665,7 +673,7 @@ class Borrow:
         self._tensor = None
         lent = getattr(self._origin, "_lent", None)
         if lent is not None:
-            lent.remove(self._dst.stream.name)
+            lent.remove(self._dst.stream.name)  # (the list is shared with its root, which sees it empty too)
             if not lent:
                 del self._origin._lent
         self._origin = t._origin = None

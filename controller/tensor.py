@@ -686,9 +686,13 @@ def _mutated_tensors(pos, names, args, kwargs, func) -> list:
 
 
 def check_writable(func, t) -> None:
-    """Refuse a write to ``t`` while it is lent to another stream, or when it is a read-only borrow."""
+    """Refuse a write to ``t`` while it is lent to another stream, or when it is a read-only borrow; the same
+    for a write through a view, whose root (torch's ``_base``) says it for the memory they share."""
     if not (hasattr(t, "_lent") or hasattr(t, "_read_only")):
-        return
+        root = t._base
+        if root is None or not (hasattr(root, "_lent") or hasattr(root, "_read_only")):
+            return
+        t = root
     from .errors import BorrowError
 
     lent = getattr(t, "_lent", None)

@@ -610,6 +610,37 @@ def _fails(t):
 fails = remote(_fails, propagate=lambda t: t.clone())
 
 
+def test_borrow_rules_hold_for_views_and_bases(mesh):
+    # Only writes to the very tensor were refused: through a view of it, to its base, or through a view of a
+    # read-only borrow, they went through and changed memory the other stream was using.
+    from controller.errors import BorrowError
+
+    comms = Stream("comms_views")
+    with mesh.activate():
+        w = torch.ones(4)
+        v = w[1:]  # a view made before the loan
+        _, lent = comms.borrow(w, mutable=True)
+        for write in (lambda: w[0].fill_(9), lambda: w.view(2, 2).mul_(2), lambda: v.add_(1)):
+            with pytest.raises(BorrowError, match="lent to stream"):
+                write()
+        lent.drop()
+        v.add_(1)  # writable again, through every view
+        q = torch.ones(3)
+        bq, read_only = comms.borrow(q)
+        with comms.activate():
+            with pytest.raises(BorrowError, match="mutable=False"):
+                bq[:1].add_(5)
+        read_only.drop()
+        z = torch.ones(4)
+        _, part = comms.borrow(z[:2], mutable=True)
+        with pytest.raises(BorrowError, match="lent to stream"):
+            z.mul_(10)  # the base of a lent view
+        part.drop()
+        z.mul_(10)
+        assert inspect(w).tolist() == [1.0, 2.0, 2.0, 2.0] and inspect(q).tolist() == [1.0, 1.0, 1.0]
+        assert inspect(z).tolist() == [10.0] * 4
+
+
 def test_a_failure_written_into_a_mutable_borrow_reaches_the_lender(mesh):
     """An op that writes a mutably borrowed tensor and fails leaves the failure in the lender's tensor after
     the drop, as it would on the lender's own stream (it came back with its old value and no error, while a
