@@ -13,6 +13,7 @@ import itertools
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -172,11 +173,17 @@ class LocalHost:
                 _zygote.write_msg(self._req_fd, ("spawn", self._next, "monarch_tensor._proc.run_proc",
                                                  (info.addr, client_addr, info.rank), env, self._relay))
                 futs.append((info, fut))
-        if not self._warmed:  # the template is still importing torch: meanwhile, on another core, warm up
-            self._warmed = True
-            _warm_tensor_engine()
-        for info, fut in futs:
-            info.pid = fut.get(timeout=SPAWN_TIMEOUT)
+        try:
+            if not self._warmed:  # the template is still importing torch: meanwhile, on another core, warm up
+                self._warmed = True
+                _warm_tensor_engine()
+            for info, fut in futs:
+                info.pid = fut.get(timeout=SPAWN_TIMEOUT)
+        except BaseException:  # interrupted (Ctrl-C), or a spawn failed: none of these procs is wanted now
+            for info, fut in futs:
+                info.stopping = True  # (their exits are no supervision failures)
+                fut.add_done_callback(lambda f: f.exception() is None and self.kill(f.result(), signal.SIGKILL))
+            raise
 
     def kill(self, pid: int, sig: int) -> None:
         with self._lock:

@@ -511,3 +511,46 @@ def test_the_templates_idle_import_steps_each_import_on_their_own():
             "print('OK')")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=100)
     assert p.returncode == 0 and "OK" in p.stdout, p.stderr
+
+
+INTERRUPTED_SPAWN_SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {root!r})
+    import torch
+    from monarch_tensor import host
+    from monarch_tensor.actor import this_host
+
+    def interrupted():  # Ctrl-C while the first spawn warms the tensor engine up
+        raise KeyboardInterrupt
+    host._warm_tensor_engine = interrupted
+    try:
+        this_host().spawn_procs({{"gpus": 2}})
+    except KeyboardInterrupt:
+        print("INTERRUPTED", flush=True)
+    template = host.local_host().proc.pid
+
+    def procs():
+        kids = []
+        for p in os.listdir("/proc"):
+            try:
+                if p.isdigit() and int(open(f"/proc/{{p}}/stat").read().rsplit(")", 1)[1].split()[1]) == template:
+                    kids.append(int(p))
+            except OSError:
+                pass
+        return kids
+    deadline = time.monotonic() + 20
+    while procs() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print("LEFT", procs(), flush=True)
+""")
+
+
+@pytest.mark.timeout(90)
+def test_an_interrupted_spawn_stops_its_procs(tmp_path):
+    # They ran on, and the script's normal end then reported them lost as an unhandled failure (exit 1).
+    script = tmp_path / "client.py"
+    script.write_text(INTERRUPTED_SPAWN_SCRIPT.format(root=ROOT))
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=80)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "INTERRUPTED" in p.stdout and "LEFT []" in p.stdout, p.stdout
+    assert "unhandled supervision failure" not in p.stderr
