@@ -250,6 +250,19 @@ class MeshClient:
                 if nd > MAX_BATCH:
                     self._send(self._take_deletes(nd), self.all_ranks)
 
+    def peers_died(self, rank: int) -> None:
+        """The proc of ``rank`` died: tell the live workers, whose groups with it stop waiting for it to form
+        (a fire-and-forget message to each, off the batch: their streams may be stuck in that wait)."""
+        if self.closed:
+            return
+        msg = CallEndpoint(WORKER_NAME, "peers_died", ([rank],), {}, None)
+        for info in self.alloc._procs:
+            if info.alive and info.rank != rank:
+                try:
+                    self.mailbox.send(info.addr, msg)
+                except Exception:  # noqa: BLE001 - closing down
+                    pass
+
     def flush_deletes(self) -> None:
         """Send the queued deletes, to every rank, when nothing else waits to be sent (every use of their refs
         left already)."""

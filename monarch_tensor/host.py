@@ -279,6 +279,9 @@ def _proc_exited(info: ProcInfo, status: str) -> None:
         mailbox.proc_died(info.addr, MeshStoppedError(
             f"proc {info.addr} (rank {info.rank}) was stopped ({why}) before it answered"))
         return
+    client = getattr(getattr(mesh, "_alloc", None), "_tensor_client", None)
+    if client is not None:  # its tensor workers' groups with it stop waiting for it
+        client.peers_died(info.rank)
     where = f"rank {info.rank} of proc mesh {mesh._shape if mesh else '?'}"
     err = SupervisionError(f"proc {info.addr} ({where}, pid {info.pid}) died: {status}",
                            proc=info.addr, rank=info.rank, exit_status=status)

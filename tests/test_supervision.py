@@ -554,3 +554,37 @@ def test_an_interrupted_spawn_stops_its_procs(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     assert "INTERRUPTED" in p.stdout and "LEFT []" in p.stdout, p.stdout
     assert "unhandled supervision failure" not in p.stderr
+
+
+def _late_on_rank_2(x, r):
+    if int(r.item()) == 2:
+        time.sleep(3.0)  # the others wait for it in the group's first rendezvous
+    return x
+
+
+@pytest.mark.timeout(120)
+def test_a_proc_dying_before_its_group_forms_leaves_the_others_working(faults):
+    # The survivors waited in the rendezvous for the collective timeout (300 s), and all their later tensor
+    # work with them, on slices without the dead proc too.
+    import torch
+
+    from monarch_tensor import fetch_shard, remote
+
+    procs = this_host().spawn_procs({"gpus": 3})
+    try:
+        pids = procs.execute(os.getpid).values()
+        late = remote(_late_on_rank_2, propagate=lambda x, r: x)
+        with procs.activate():
+            x = late(torch.ones(4) * (procs.rank("gpus") + 1), procs.rank("gpus"))
+            total = fetch_shard(x.reduce("gpus", "sum"), gpus=0)
+            time.sleep(1.5)
+            os.kill(pids[2], signal.SIGKILL)
+            with pytest.raises(SupervisionError, match="rank 2"):
+                total.result(timeout=60)
+        with procs.slice(gpus=0).activate():
+            assert fetch_shard(torch.ones(2) + 1).result(timeout=60).tolist() == [2.0, 2.0]
+        with procs.slice(gpus=slice(0, 2)).activate():  # a group without the dead proc forms and works
+            y = torch.ones(2) * (procs.slice(gpus=slice(0, 2)).rank("gpus") + 1)
+            assert fetch_shard(y.reduce("gpus", "sum"), gpus=1).result(timeout=60).tolist() == [3.0, 3.0]
+    finally:
+        procs.stop().get(timeout=30)

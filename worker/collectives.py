@@ -18,6 +18,7 @@ rank, instead of leaving the others waiting for it until the timeout.
 from __future__ import annotations
 
 import os
+import threading
 from datetime import timedelta
 
 import torch
@@ -296,6 +297,45 @@ class Collectives:
         self._store = None
         self._groups: dict[tuple, object] = {}
         self._flags: dict[tuple, torch.Tensor] = {}
+        self.dead: set[int] = set()  # ranks of this mesh whose procs died (the controller tells: peers_died)
+        self._dead_cv = threading.Condition()
+
+    def peers_died(self, ranks) -> None:
+        """Procs of these ranks died: a group of theirs still forming fails now, later ones at once."""
+        with self._dead_cv:
+            self.dead.update(ranks)
+            self._dead_cv.notify_all()
+
+    def _form(self, ranks: tuple[int, ...], make):
+        """``make()``, a new group's rendezvous, on a thread of its own while this one waits for it or for the
+        death of a member: a proc that died before the group formed left the others in the rendezvous for
+        ``TIMEOUT`` (300 s), their stream (so their later work, on slices without the dead proc too) with them.
+        The abandoned rendezvous ends on its own timeout."""
+        def lost():
+            return sorted(self.dead.intersection(ranks))
+
+        if lost():
+            raise RuntimeError(f"the procs of rank(s) {lost()} of this group died: it cannot form")
+        out: dict = {}
+
+        def run() -> None:
+            try:
+                out["group"] = make()
+            except BaseException as e:  # noqa: BLE001 - raised on the waiting thread
+                out["error"] = e
+            finally:
+                with self._dead_cv:
+                    self._dead_cv.notify_all()
+
+        threading.Thread(target=run, daemon=True, name="monarch-tensor-rendezvous").start()
+        with self._dead_cv:
+            while not out and not lost():
+                self._dead_cv.wait()
+        if "group" in out:
+            return out["group"]
+        if "error" in out:
+            raise out["error"]
+        raise RuntimeError(f"the procs of rank(s) {lost()} of this group died while it formed")
 
     def _base_store(self):
         if self._store is None:
@@ -309,9 +349,16 @@ class Collectives:
         key = (ranks, stream)
         pg = self._groups.get(key)
         if pg is None:
-            store = dist.PrefixStore(f"pg/{stream}/" + "_".join(map(str, ranks)) + "/", self._base_store())
-            pg = self._groups[key] = new_group(store, ranks.index(self.rank), len(ranks), self.device,
-                                               self.store_addr[0])
+            prefix = f"pg/{stream}/" + "_".join(map(str, ranks)) + "/"
+
+            def make():
+                # A connection to the store of its own: a rendezvous abandoned for a dead member keeps waiting
+                # on its connection (until its timeout), which later groups' rendezvous would queue behind.
+                self._base_store()  # (its errors, on this thread)
+                store = dist.PrefixStore(prefix, connect_store(self.store_addr))
+                return new_group(store, ranks.index(self.rank), len(ranks), self.device, self.store_addr[0])
+
+            pg = self._groups[key] = self._form(ranks, make)
         return pg
 
     def process_group(self, ranks: tuple[int, ...], stream: int = 0) -> dist.ProcessGroup:

@@ -225,6 +225,11 @@ class TensorWorker(Actor):
             self._fail(msg.outs + msg.mutates, failure)
 
     @endpoint
+    def peers_died(self, ranks: list) -> None:
+        """The controller saw the procs of ``ranks`` die: groups with them stop waiting for them to form."""
+        self.coll.peers_died(ranks)
+
+    @endpoint
     def deliver(self, xfer: int, value: Any) -> None:
         self._put(xfer, value)
 
