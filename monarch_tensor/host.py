@@ -159,9 +159,11 @@ class LocalHost:
         futs = []
         with self._lock:
             if self.dead:
-                raise RuntimeError(f"this host's template process (pid {self.proc.pid}) has exited: "
-                                   f"{_zygote.describe_status(self.proc.wait()) if self.proc.poll() is not None else 'its pipe closed'}; "
-                                   f"a new mesh starts a new one")
+                rc = self.proc.poll()
+                how = "its pipe closed" if rc is None else \
+                    f"killed by signal {-rc}" if rc < 0 else f"it exited with code {rc}"
+                raise RuntimeError(f"this host's template process (pid {self.proc.pid}) has exited ({how}); a new "
+                                   f"mesh starts a new one")
             if self._bare and "torch" in sys.modules:
                 self._bare = self._warmed = False  # and warm up the tensor engine meanwhile, below
                 _zygote.write_msg(self._req_fd, ("preload", ["torch"], ["torch._dynamo"]))
