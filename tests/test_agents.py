@@ -771,3 +771,17 @@ def test_state_of_a_loaded_job_whose_agents_exited_says_so(tmp_path):
     os.waitpid(job.pids[0], 0)
     with pytest.raises(HostUnreachableError, match="allocation no longer runs .its host agents exited"):
         job_load(path).state()  # (it waited 30 s for the agent, then blamed the network)
+
+
+def test_a_log_tail_keeps_the_agents_own_errors(tmp_path):
+    # A scheduler's lines after an agent's error pushed it out of the tail that errors quote.
+    from monarch_tensor.job._base import log_tail
+
+    log = tmp_path / "job.out"
+    log.write_text("monarch-tensor host agent 7 serving on tcp://h:1\n"
+                   "monarch-tensor host: cannot listen on tcp://0.0.0.0:2: the address is already in use\n"
+                   + "srun: error: some scheduler noise\n" * 30)
+    tail = log_tail(str(log))
+    assert tail.startswith("monarch-tensor host: cannot listen on tcp://0.0.0.0:2")
+    assert tail.count("srun: error") == 15 and "serving on" not in tail
+    assert log_tail(str(tmp_path / "none")) == "(no log)"

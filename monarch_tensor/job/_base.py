@@ -281,11 +281,16 @@ def read_address(path: str) -> str | None:
 
 
 def log_tail(path: str, n: int = 15) -> str:
+    """The last ``n`` lines of a log; before them, the host agents' own error lines that they would leave out
+    (a scheduler may write many lines of its own after them)."""
     try:
         with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
+            lines = f.readlines()
     except OSError:
         return "(no log)"
+    tail = lines[-n:]
+    ours = [ln for ln in lines[:-n] if ln.startswith("monarch-tensor host:")][-5:]
+    return "".join([*ours, *(["...\n"] if ours else []), *tail])
 
 
 def private_dir(path: str) -> str:
