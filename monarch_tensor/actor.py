@@ -632,7 +632,7 @@ class Channel(Generic[R]):
         # Once no receiver of the channel is left, nobody can take its values: its port closes (values sent
         # to it later are dropped, as for any closed port). Every channel stayed open before, ~2 KB each.
         lifetime = _ChannelLifetime()
-        weakref.finalize(lifetime, mailbox.close_port, ref.port_id)
+        weakref.finalize(lifetime, mailbox.close_port_later, ref.port_id)
         return Port(ref), PortReceiver(r, lifetime)
 
     @staticmethod

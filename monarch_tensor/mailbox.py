@@ -25,6 +25,7 @@ leave in the order they were sent.
 from __future__ import annotations
 
 import atexit
+import collections
 import itertools
 import json
 import logging
@@ -198,6 +199,7 @@ class Mailbox:
         self._flush_wake = threading.Event()
         self.batches_sent = 0  # frames that carried more than one message
         self._ports: dict[int, PortHandler] = {}
+        self._ports_to_close: collections.deque = collections.deque()  # (close_port_later)
         self._ports_lock = threading.Lock()
         self._port_ids = itertools.count(1)
         self.on_message = on_message
@@ -382,7 +384,21 @@ class Mailbox:
         pid = next(self._port_ids)
         with self._ports_lock:
             self._ports[pid] = handler
+            while self._ports_to_close:
+                self._ports.pop(self._ports_to_close.popleft(), None)
         return PortRef(self.public_addr, pid)
+
+    def close_port_later(self, port_id: int) -> None:
+        """``close_port`` from a garbage collector's callback (a channel whose receivers are gone), which may
+        run on any thread at any allocation, this one's inside ``_ports_lock`` too: it closes the port now
+        when the lock is free, else the next ``open_port`` does."""
+        self._ports_to_close.append(port_id)
+        if self._ports_lock.acquire(blocking=False):
+            try:
+                while self._ports_to_close:
+                    self._ports.pop(self._ports_to_close.popleft(), None)
+            finally:
+                self._ports_lock.release()
 
     def close_port(self, port_id: int) -> None:
         with self._ports_lock:
