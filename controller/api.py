@@ -30,7 +30,17 @@ from worker.opaque import OpaqueRef
 from .client import Ctx, MeshClient, user_loc
 from .errors import BorrowError, MeshTensorError
 from .process_group import RemoteProcessGroup
-from .tensor import Tensor, check_live, check_writable, contiguous_meta, forget_value, intern_meta, record, state
+from .tensor import (
+    Tensor,
+    borrowing,
+    check_live,
+    check_writable,
+    contiguous_meta,
+    forget_value,
+    intern_meta,
+    record,
+    state,
+)
 
 RECV_TIMEOUT = 300.0
 
@@ -613,6 +623,7 @@ class Stream:
         src.client.issue(m.BorrowCreate(bid, t._ref, ref, src.sid, self.id), src.ranks)
         forget_value(t)  # the other stream shares its memory
         bt = Tensor(t._meta, t._mid, dst, ref)
+        borrowing[0] = True
         if not mutable:
             bt._read_only = True
         # Writes through a view of it, or to its base and the base's other views, are refused too: the root

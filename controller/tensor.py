@@ -467,6 +467,8 @@ def _propagate_locked(func, args, kwargs, tensors) -> _Template:
     pos, names = _mutated(func)
     # A view shares its input's memory on the workers (see _link_views).
     view = any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+    if not view and func.name().startswith("aten::set_."):
+        view = "set"  # a.set_(b): a shares b's memory from now on (see _join_aliases)
     fold = (torch.Tag.nondeterministic_seeded not in func.tags
             and all(_numel(leaf[1][0]) <= FOLD_NUMEL for leaf in leaves if leaf[0] == "new"))
     return _Template(func.name(), leaves, struct, single, (pos, names), fold, view)
@@ -617,9 +619,10 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
     else:
         out, outs = _outputs(tpl, tensors, ctx)
     if tpl.view:
-        _link_views(tensors, out)
-    elif len(tensors) > 1 and tpl.name.startswith("aten::set_."):  # (a.set_(b): a shares b's memory)
-        _join_aliases(tensors)
+        if tpl.view is True:
+            _link_views(tensors, out)
+        elif len(tensors) > 1:
+            _join_aliases(tensors)
     if written:
         _forget_aliases(written)
     if tpl.fold:
@@ -685,9 +688,14 @@ def _mutated_tensors(pos, names, args, kwargs, func) -> list:
     return mut
 
 
+borrowing = [False]  # set by the first Stream.borrow (controller/api.py)
+
+
 def check_writable(func, t) -> None:
     """Refuse a write to ``t`` while it is lent to another stream, or when it is a read-only borrow; the same
     for a write through a view, whose root (torch's ``_base``) says it for the memory they share."""
+    if not borrowing[0]:  # (no borrow yet in this process: nothing to check, per written tensor of every op)
+        return
     if not (hasattr(t, "_lent") or hasattr(t, "_read_only")):
         root = t._base
         if root is None or not (hasattr(root, "_lent") or hasattr(root, "_read_only")):
