@@ -254,12 +254,16 @@ def _set_meta(t: Tensor, meta: tuple, mid: int) -> None:
     new = _wrap(Tensor, meta[0], strides=meta[1], storage_offset=meta[2], dtype=meta[3], device="cpu")
     with _NO_PYTHON_KEY():  # inside __torch_dispatch__, the setter's checks would come back here
         _base_data.__set__(t, new)
+    if t.is_conj() or t.is_neg() or len(meta) > 4:
+        _set_bits(t, meta[4] if len(meta) > 4 else 0)
     t._meta, t._mid = meta, mid
 
 
 def new_tensor(meta: tuple, mid: int, ctx: Ctx, ref: int) -> Tensor:
     """A mesh tensor with metadata ``meta`` (interned as ``mid``) for worker ref ``ref``."""
     t = _wrap(Tensor, meta[0], strides=meta[1], storage_offset=meta[2], dtype=meta[3], device="cpu")
+    if len(meta) > 4:  # a lazily conjugated or negated view: torch's own fallbacks resolve it where ops need it
+        _set_bits(t, meta[4])
     t._meta = meta
     t._mid = mid
     t._ctx = ctx
@@ -358,16 +362,29 @@ def fake_mode() -> FakeTensorMode:
 
 
 def to_fake(meta: tuple):
-    shape, stride, offset, dtype = meta
+    shape, stride, offset, dtype = meta[:4]
     extent = offset + 1 + sum((s - 1) * st for s, st in zip(shape, stride) if s > 0)
     if any(s == 0 for s in shape):
         extent = offset
     base = torch.empty(max(extent, 1), dtype=dtype)
-    return base.as_strided(shape, stride, offset)
+    view = base.as_strided(shape, stride, offset)
+    if len(meta) > 4:  # torch's lazy conjugate / negative bits
+        _set_bits(view, meta[4])
+    return view
 
 
 def meta_of(t) -> tuple:
-    return (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+    """(shape, strides, offset, dtype), and a fifth element where torch's lazy conjugate or negative bit is set
+    (``z.conj()``, ``_neg_view()``): 1 for conjugate, 2 for negative, 3 for both."""
+    meta = (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+    bits = (1 if t.is_conj() else 0) | (2 if t.is_neg() else 0)
+    return meta + (bits,) if bits else meta
+
+
+def _set_bits(t, bits: int) -> None:
+    """Set (or clear) ``t``'s conjugate and negative bits as a meta's fifth element says (see ``meta_of``)."""
+    torch._C._set_conj(t, bool(bits & 1))
+    torch._C._set_neg(t, bool(bits & 2))
 
 
 def describe_outputs(out, fake_inputs: list, metas_before: list | None = None) -> tuple:

@@ -631,6 +631,50 @@ def test_in_place_ops_that_change_metadata_change_the_controllers_tensor_too(pro
         assert torch.equal(inspect(got), want)
 
 
+def _lazy_bit_programs():
+    def view_as_real_of_resolved_conj():
+        z = torch.complex(torch.arange(3.), torch.arange(3.) + 1)
+        return torch.view_as_real(z.conj().resolve_conj())
+
+    def arithmetic_on_a_conj_view():
+        z = torch.complex(torch.arange(4.), torch.ones(4))
+        c = z.conj()
+        return torch.view_as_real((c * 2 + z) @ c.reshape(4, 1).expand(4, 2))
+
+    def views_of_a_conj_view_keep_the_bit():
+        z = torch.complex(torch.arange(6.), -torch.arange(6.)).reshape(2, 3)
+        v = z.conj().t()[1:]
+        assert v.is_conj()
+        return torch.view_as_real(v.resolve_conj())
+
+    def writing_through_a_conj_view():
+        z = torch.complex(torch.arange(3.), torch.ones(3))
+        c = z.conj()
+        c.add_(torch.complex(torch.zeros(3), torch.ones(3)))  # z's imaginary part goes down by one
+        c[0] = 5 + 5j
+        return torch.view_as_real(z)
+
+    def a_neg_view():
+        n = torch.arange(4.)._neg_view()
+        assert n.is_neg()
+        return torch.stack([n.resolve_neg(), n + 1, n.clone()])
+
+    return [view_as_real_of_resolved_conj, arithmetic_on_a_conj_view, views_of_a_conj_view_keep_the_bit,
+            writing_through_a_conj_view, a_neg_view]
+
+
+@pytest.mark.parametrize("program", _lazy_bit_programs(), ids=lambda f: f.__name__)
+def test_conjugate_and_negative_views_behave_as_torchs(procs, program):
+    # The controller's tensors lacked torch's lazy conjugate / negative bits: z.conj().is_conj() was False, so
+    # resolve_conj() was never sent and view_as_real failed on the workers.
+    with no_mesh():
+        want = program()
+    with procs.activate():
+        got = program()
+        assert tuple(got.shape) == tuple(want.shape)
+        assert torch.equal(inspect(got), want)
+
+
 def test_a_set_tensor_forgets_its_known_value_when_its_new_memory_is_written(procs):
     with procs.activate():
         a, b = torch.zeros(2), torch.ones(2)
