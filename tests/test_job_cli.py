@@ -143,13 +143,16 @@ def test_apply_exec_kill(workdir):
     assert not sleeping("61.25")
     assert pids(workdir) == agents  # the job itself runs on
 
-    # the command's proc dies under it: a one-line error, status 2, and the command does not outlive it
+    # the command's proc dies under it: a one-line error, status 2, and neither the command nor the children it
+    # started outlive it
     r = cli(workdir, "exec", "--", "python", "-c",
-            "import os, signal, time; os.kill(os.getppid(), signal.SIGKILL); time.sleep(61.5)")
+            "import os, signal, subprocess, time; subprocess.Popen(['sleep', '61.75']); time.sleep(0.2); "
+            "os.kill(os.getppid(), signal.SIGKILL); time.sleep(61.5)")
     assert r.returncode == 2 and "died" in r.stderr and "Traceback" not in r.stderr, r.stderr
     deadline = time.monotonic() + 20
-    while subprocess.run(["pgrep", "-f", "time.sleep.61.5"], capture_output=True).returncode == 0:
-        assert time.monotonic() < deadline, "the command outlived its proc"
+    while subprocess.run(["pgrep", "-f", "time.sleep.61.5"], capture_output=True).returncode == 0 or \
+            sleeping("61.75"):
+        assert time.monotonic() < deadline, "the command or its child outlived its proc"
         time.sleep(0.1)
 
     # kill: the agents exit and the job file goes; a second kill says there is nothing to kill

@@ -6,7 +6,8 @@
 0
 
 Each targeted proc runs the command as a child process (in a process group of
-its own, ended with the proc), with ``MONARCH_RANK_<DIM>`` and
+its own, ended with the proc however the proc ends: a small watchdog process
+ends the group when the proc dies outright), with ``MONARCH_RANK_<DIM>`` and
 ``MONARCH_SIZE_<DIM>`` set for every dimension of the proc's rank (and for the
 host dims that ``rank`` or ``point`` picked one host along, which Monarch leaves
 out), ``env`` added, the procs' interpreter's directory first on ``PATH``, in
@@ -87,9 +88,70 @@ PR_SET_PDEATHSIG = 1
 
 def die_with_parent() -> None:
     """In a child, before it runs its command: SIGTERM when the proc that started it dies, however it died
-    (a proc killed outright runs no ``__cleanup__``). Its own children are reached by ``stop_group`` only."""
+    (a proc killed outright runs no ``__cleanup__``). Its own children are reached by ``stop_group`` or, when
+    the proc was killed outright, by the ``Watchdog``."""
     if _prctl is not None:
         _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+# The watchdog's program: it reads "+PGID" and "-PGID" lines (the groups to end) until the proc that started it
+# is gone (end of file: only that proc holds the pipe's other end), then ends the groups left.
+_WATCHDOG = """
+import os, signal, sys, time
+groups = set()
+for line in sys.stdin:
+    (groups.add if line[0] == "+" else groups.discard)(int(line[1:]))
+def alive(g):
+    try:
+        os.killpg(g, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+for sig in (signal.SIGTERM, signal.SIGKILL):
+    for g in [g for g in groups if alive(g)]:
+        os.killpg(g, sig)
+    deadline = time.monotonic() + %r
+    while any(alive(g) for g in groups) and time.monotonic() < deadline:
+        time.sleep(0.05)
+"""
+
+
+class Watchdog:
+    """A small process, started on first use, that ends the commands' process groups when their proc dies
+    without ending them itself (killed outright: no ``__cleanup__`` runs). A command's own children are in
+    its group, which ``PR_SET_PDEATHSIG`` alone does not reach. It learns of the proc's death from the end of
+    its standard input, whose other end only the proc holds."""
+
+    def __init__(self, grace: float = 1.0) -> None:
+        self._grace = grace
+        self._proc: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+
+    def _send(self, line: str) -> None:
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                self._proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _WATCHDOG % self._grace],
+                                              stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                              stderr=subprocess.DEVNULL, start_new_session=True, text=True)
+            with contextlib.suppress(OSError):
+                self._proc.stdin.write(line)
+                self._proc.stdin.flush()
+
+    def watch(self, pgid: int) -> None:
+        self._send(f"+{pgid}\n")
+
+    def forget(self, pgid: int) -> None:
+        if self._proc is not None:
+            self._send(f"-{pgid}\n")
+
+    def close(self) -> None:
+        """Let the watchdog go (it ends the groups still watched, which ``stop_group`` ended already)."""
+        with self._lock:
+            if self._proc is not None:
+                with contextlib.suppress(OSError):
+                    self._proc.stdin.close()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self._proc.wait(timeout=self._grace * 2 + 1)
 
 
 def stop_group(proc: subprocess.Popen, signals=(signal.SIGTERM, signal.SIGKILL), groups=(), grace: float = 1.0
@@ -122,10 +184,12 @@ class BashActor(Actor):
 
     def __init__(self) -> None:
         self._children: set[subprocess.Popen] = set()
+        self._watchdog = Watchdog()
 
     def __cleanup__(self) -> None:
         for p in list(self._children):
             stop_group(p)
+        self._watchdog.close()
 
     @endpoint
     async def run(self, cmd: list[str], env: dict[str, str] | None = None, workdir: str | None = None,
@@ -155,7 +219,7 @@ class BashActor(Actor):
                     message, code = _not_started(argv, e)
                     err.write(message)
                     return code
-                self._children.add(p)
+                self._started(p)
                 return await asyncio.to_thread(self._wait, p)
         try:
             p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -165,7 +229,7 @@ class BashActor(Actor):
             if port is not None:
                 port.send((label, "err", message))
             return code
-        self._children.add(p)
+        self._started(p)
         pumps = [threading.Thread(target=contextvars.copy_context().run, args=(_pump, pipe, kind, label, port),
                                   daemon=True, name=f"mt-exec-{kind}")
                  for pipe, kind in ((p.stdout, "out"), (p.stderr, "err"))]
@@ -176,11 +240,16 @@ class BashActor(Actor):
             await asyncio.to_thread(t.join)
         return code
 
+    def _started(self, p: subprocess.Popen) -> None:
+        self._children.add(p)
+        self._watchdog.watch(p.pid)  # its process group's id: it leads a session of its own
+
     def _wait(self, p: subprocess.Popen) -> int:
         try:
             return returncode(p.wait())
         finally:
             self._children.discard(p)
+            self._watchdog.forget(p.pid)
 
 
 def _not_started(argv: list[str], e: OSError) -> tuple[bytes, int]:
