@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import threading
 from typing import Callable
 
 from .errors import SupervisionError
 from .future import _FAILED, Future
 from .messages import SendToPort
+
+log = logging.getLogger("monarch_tensor")
 
 
 class Collector:
@@ -35,7 +38,12 @@ class Collector:
             self.future._set_exception(msg.error)
             return True
         with self._lock:
-            self._values[self._by_rank[msg.rank]] = msg.value
+            slot = self._by_rank.pop(msg.rank, None)  # each rank's first reply counts
+            if slot is None:
+                log.warning("%s: dropped a reply from rank %s, which answered already or was not called",
+                            self.future._what, msg.rank)
+                return False
+            self._values[slot] = msg.value
             self._left -= 1
             done = self._left == 0
         if done:

@@ -461,7 +461,7 @@ class ProcRuntime:
         if explicit:  # @endpoint(explicit_response_port=True): the endpoint answers through a port of its own
             from .actor import Port
 
-            args = (Port(msg.reply),) + tuple(args)
+            args = (Port(msg.reply, rank),) + tuple(args)
         try:
             is_coro = getattr(fn, "_endpoint_coro", None)  # set by @endpoint
             if is_coro is None:

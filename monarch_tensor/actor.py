@@ -119,8 +119,11 @@ def context() -> _context.ActorContext:
 
 
 def current_rank() -> Point:
-    """This actor's rank: ``current_rank().rank``, ``current_rank()["gpus"]``."""
-    return _context.current().rank
+    """Where the running actor lies in the mesh the current message was sent to (Monarch's: ``context().
+    message_rank``): ``current_rank().rank``, ``current_rank()["gpus"]``. A call to a slice
+    ``actors.slice(gpus=slice(2, 4))`` finds its actors at ranks 0 and 1 of it; in ``__init__`` and for
+    calls to the whole mesh, the actor's rank in the mesh it was spawned as (``context().actor_instance.rank``)."""
+    return _context.current().message_rank
 
 
 def current_actor_name() -> str:
@@ -130,8 +133,9 @@ def current_actor_name() -> str:
 
 
 def current_size() -> dict[str, int]:
-    """Sizes of the mesh the running actor belongs to."""
-    return dict(_context.current().sizes)
+    """The sizes of the mesh the current message was sent to (``current_rank()``'s extent, Monarch's)."""
+    extent = _context.current().message_rank.extent
+    return {k: extent[k] for k in extent}
 
 
 # ---- results ---------------------------------------------------------------------
@@ -567,22 +571,32 @@ class Accumulator(Generic[R]):
 # ---- channels ------------------------------------------------------------------------
 class Port(Generic[R]):
     """The sending end of a channel; picklable, so it can be passed to actors (``Port[int]`` in a type hint,
-    as Monarch's)."""
+    as Monarch's).
 
-    def __init__(self, ref: PortRef | None) -> None:
+    An endpoint's explicit response port carries the rank of the actor it answers for (Monarch's
+    ``Port._rank``), which travels with it: a reply sent from another thread, or by another actor it was
+    forwarded to, counts as that rank's. A channel's port has none: a value counts as its sender's."""
+
+    def __init__(self, ref: PortRef | None, rank: int | None = None) -> None:
         self._ref = ref  # None: nobody listens (an explicit response port of a broadcast)
+        self._rank = rank
+
+    def _sender_rank(self) -> int:
+        return self._rank if self._rank is not None else _context.current().rank.rank
 
     def send(self, value: Any) -> None:
         if self._ref is not None:
-            current_mailbox().send(self._ref.addr, SendToPort(self._ref.port_id, value, None, current_rank().rank))
+            current_mailbox().send(self._ref.addr, SendToPort(self._ref.port_id, value, None, self._sender_rank()))
 
     def exception(self, error: BaseException) -> None:
         if not isinstance(error, BaseException):
             raise TypeError(f"port.exception() needs an exception, got {type(error).__name__} {error!r}")
         if self._ref is not None:
-            current_mailbox().send(self._ref.addr, SendToPort(self._ref.port_id, None, error, current_rank().rank))
+            current_mailbox().send(self._ref.addr, SendToPort(self._ref.port_id, None, error, self._sender_rank()))
 
     def __repr__(self) -> str:
+        if self._ref is None:
+            return "Port(None)"
         return f"Port({self._ref.addr}, {self._ref.port_id})"
 
 

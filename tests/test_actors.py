@@ -47,6 +47,11 @@ T = 30  # seconds any single reply may take on a loaded 2-core machine
 
 
 # ---- actors ----------------------------------------------------------------------------------
+def _own_rank() -> int:
+    """The running actor's rank in the mesh it was spawned as (``current_rank()`` is the message's)."""
+    return context().actor_instance.rank.rank
+
+
 def _whoami() -> dict:
     r = current_rank()
     ctx = context()
@@ -163,9 +168,9 @@ class Faulty(Actor):
 
     @endpoint
     def fail_on(self, rank: int) -> int:
-        if current_rank().rank == rank:
+        if _own_rank() == rank:
             raise RuntimeError(f"rank {rank} fails on purpose")
-        return current_rank().rank
+        return _own_rank()
 
     @endpoint
     async def afail(self) -> None:
@@ -202,7 +207,7 @@ class Emitter(Actor):
     @endpoint
     def emit(self, port, n: int) -> int:
         for i in range(n):
-            port.send((current_rank().rank, i))
+            port.send((_own_rank(), i))
         return n
 
     @endpoint
@@ -344,13 +349,17 @@ def test_dir_and_repr_show_the_endpoints(counter):
 def test_call_on_a_slice(counter):
     vm = counter.slice(gpus=1).who.call().get(timeout=T)
     assert vm.sizes == {"hosts": 2}
-    assert [w["rank"] for w in vm.values()] == [1, 3], "an actor's rank is its rank in the spawned mesh"
+    assert [w["ctx_rank"] for w in vm.values()] == [1, 3], "an actor's own rank is its rank in the spawned mesh"
+    # Monarch's current_rank() and current_size(): the message's rank, in the slice it went to
+    assert [(w["rank"], w["coords"], w["sizes"]) for w in vm.values()] == \
+        [(0, {"hosts": 0}, {"hosts": 2}), (1, {"hosts": 1}, {"hosts": 2})]
     assert [dict(p) for p, _ in vm.items()] == [{"hosts": 0}, {"hosts": 1}]
-    assert vm.item(hosts=1)["coords"] == {"hosts": 1, "gpus": 1}
+    assert vm.item(hosts=1)["coords"] == {"hosts": 1}
     # Monarch's message_rank: where the actor lies in the slice the message went to
     assert [w["message_rank"] for w in vm.values()] == [(0, {"hosts": 0}), (1, {"hosts": 1})]
     one = counter.slice(hosts=1, gpus=0).awho.call_one().get(timeout=T)
-    assert one["rank"] == 2 and one["message_rank"] == (0, {})  # a singleton's point has no dims
+    assert one["ctx_rank"] == 2 and one["message_rank"] == (0, {})  # a singleton's point has no dims
+    assert one["rank"] == 0 and one["sizes"] == {}
     block = counter.slice(hosts=slice(1, 2), gpus=slice(0, 2))
     assert [w["message_rank"] for w in block.who.call().get(timeout=T).values()] == \
         [(0, {"hosts": 0, "gpus": 0}), (1, {"hosts": 0, "gpus": 1})]
@@ -480,10 +489,10 @@ def test_context_in_the_client():
 
 def test_call_one(counter):
     w = counter.slice(hosts=1, gpus=1).who.call_one().get(timeout=T)
-    assert w["rank"] == 3 and w["coords"] == {"hosts": 1, "gpus": 1}
+    assert w["ctx_rank"] == 3 and (w["rank"], w["coords"]) == (0, {})  # current_rank(): the message's
     # a one-actor mesh that still has dims
     w = counter.slice(hosts=slice(0, 1), gpus=slice(1, 2)).who.call_one().get(timeout=T)
-    assert w["rank"] == 1
+    assert w["ctx_rank"] == 1 and (w["rank"], w["coords"]) == (0, {"hosts": 0, "gpus": 0})
 
 
 def test_call_one_on_many_actors_is_an_error(counter):
@@ -522,7 +531,7 @@ def test_stream_yields_futures_for_every_reply(counter):
     futs = list(counter.who.stream())
     assert len(futs) == 4 and all(isinstance(f, Future) for f in futs)
     assert sorted(f.get(timeout=T)["rank"] for f in futs) == [0, 1, 2, 3]
-    got = [f.get(timeout=T)["rank"] for f in counter.slice(hosts=1).who.stream()]
+    got = [f.get(timeout=T)["ctx_rank"] for f in counter.slice(hosts=1).who.stream()]
     assert sorted(got) == [2, 3]
 
 
@@ -756,8 +765,8 @@ def test_ping_pong_between_two_actor_meshes(procs):
     pong.send.call("Pong").get(timeout=T)
     assert pong.received_msgs.call().get(timeout=T).values() == [["ping:0 Ping"], ["ping:1 Ping"]]
     assert ping.received_msgs.call().get(timeout=T).values() == [["pong:0 Pong"], ["pong:1 Pong"]]
-    # a sync endpoint that blocks on a call to the other mesh
-    assert ping.sync_relay.call("hi").get(timeout=T).values() == [("pong", 0, "hi"), ("pong", 1, "hi")]
+    # a sync endpoint that blocks on a call to its pair in the other mesh (a slice of one: rank 0 of it)
+    assert ping.sync_relay.call("hi").get(timeout=T).values() == [("pong", 0, "hi"), ("pong", 0, "hi")]
     # an async endpoint that awaits a call() on the whole other mesh
     assert pong.slice(gpus=1).async_relay_all.call_one("all").get(timeout=T) == [
         ("ping", 0, "all"), ("ping", 1, "all")]
@@ -1094,6 +1103,36 @@ class Reentrant(Actor):
     @endpoint(explicit_response_port=True)
     def answers_through_a_port(self, port, x):
         port.send(x + 1)
+
+
+class Replier(Actor):
+    """Answers calls through their explicit response port from elsewhere: another thread, another actor."""
+
+    @endpoint(explicit_response_port=True)
+    def from_a_thread(self, port):
+        rank = context().actor_instance.rank.rank
+        t = threading.Thread(target=port.send, args=(rank,))
+        t.start()
+        t.join()
+
+    @endpoint(explicit_response_port=True)
+    def through(self, port, helper):
+        helper.answer_for.call_one(port, context().actor_instance.rank.rank).get(timeout=T)
+
+    @endpoint
+    def answer_for(self, port, value):
+        port.send(value * 10)
+
+
+def test_a_response_port_answers_for_its_rank_wherever_it_is_used(procs):
+    # The port stamped its replies with the rank of whoever sent on it: the client's 0 from a thread, the
+    # helper's rank when forwarded. call() then gave None for some ranks, or hung on a slice.
+    r = procs.spawn("replier", Replier)
+    assert r.from_a_thread.call().get(timeout=T).values() == [0, 1, 2, 3]
+    helper = procs.spawn("replier_helper", Replier).slice(hosts=1, gpus=1)
+    assert r.through.call(helper).get(timeout=T).values() == [0, 10, 20, 30]
+    assert r.slice(gpus=1).through.call(helper).get(timeout=T).values() == [10, 30]
+    assert sorted(f.get(timeout=T) for f in r.from_a_thread.stream()) == [0, 1, 2, 3]
 
 
 class FailingInit(Actor):

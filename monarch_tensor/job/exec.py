@@ -38,7 +38,8 @@ import sys
 import threading
 from typing import Any
 
-from ..actor import Actor, Channel, current_rank, current_size, endpoint
+from .._context import current as _own  # the running actor (its rank and sizes in the mesh spawned)
+from ..actor import Actor, Channel, endpoint
 from ..future import Future
 
 CHUNK = 64 << 10
@@ -51,14 +52,14 @@ def rank_env(fixed: dict[str, tuple[int, int]] | None = None) -> dict[str, str]:
     fixed = fixed or {}
     return {**{f"MONARCH_RANK_{k}": str(c) for k, (c, _) in fixed.items()},
             **{f"MONARCH_SIZE_{k}": str(n) for k, (_, n) in fixed.items()},
-            **{f"MONARCH_RANK_{k}": str(v) for k, v in dict(current_rank()).items()},
-            **{f"MONARCH_SIZE_{k}": str(v) for k, v in current_size().items()}}
+            **{f"MONARCH_RANK_{k}": str(v) for k, v in dict(_own().rank).items()},
+            **{f"MONARCH_SIZE_{k}": str(v) for k, v in _own().sizes.items()}}
 
 
 def rank_label(fixed: dict[str, tuple[int, int]] | None = None) -> str:
     """``hosts_0_gpus_1``: the running actor's coordinates, ``fixed``'s first (``rank_0`` without any)."""
-    point = {**{k: c for k, (c, _) in (fixed or {}).items()}, **dict(current_rank())}
-    return "_".join(f"{k}_{v}" for k, v in point.items()) or f"rank_{current_rank().rank}"
+    point = {**{k: c for k, (c, _) in (fixed or {}).items()}, **dict(_own().rank)}
+    return "_".join(f"{k}_{v}" for k, v in point.items()) or f"rank_{_own().rank.rank}"
 
 
 def sliced_coords(host_mesh, rank: int | None = None, point: dict[str, int] | None = None) -> dict:
