@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 
 from monarch_tensor import _debug_cli, _debug_server
-from monarch_tensor.actor import Actor, endpoint, this_host
+from monarch_tensor.actor import Actor, SupervisionError, current_rank, endpoint, this_host
 from monarch_tensor.debugger import Repl, controller, parse_ranks, table
 
 pexpect = pytest.importorskip("pexpect", reason="pexpect is a dev extra: pip install -e '.[dev]'")
@@ -72,6 +72,13 @@ class AsyncDebugee(Actor):
         return y
 
 
+class Pauser(Actor):
+    @endpoint
+    def pause(self) -> int:
+        breakpoint()
+        return current_rank().rank
+
+
 @pytest.fixture
 def no_local_prompt(monkeypatch):
     """Breakpoints in this process's procs open no prompt in the terminal: the test drives its own."""
@@ -92,6 +99,28 @@ def test_next_over_an_await_stops_at_the_next_line(no_local_prompt):
         assert "-> y = x + 1\n(Pdb) 11\n" in keys.text, keys.text
         assert "continued" not in keys.text and "released 1 paused rank(s)" in keys.text, keys.text
         assert fut.get(timeout=60) == 2
+    finally:
+        procs.stop().get(timeout=30)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_dies_while_paused_leaves_the_debugger(no_local_prompt):
+    """The proc of a paused rank dies: its session ends at once (the attached prompt says so), ``list`` no
+    longer shows it and ``continue`` releases the others without waiting on it."""
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    try:
+        fut = procs.spawn("dying", Pauser).pause.call()
+        _until_paused(2)
+        keys = Keys(["attach dying 1", "!import os; os._exit(3)", "list", "continue"])
+        Repl(keys).run()
+        assert "rank 1 of 'dying' died (" in keys.text and "exited with code 3" in keys.text, keys.text
+        rows = [ln for ln in keys.text.splitlines() if ln.startswith("| dying")]
+        assert [r.split("|")[2].strip() for r in rows] == ["0"], keys.text
+        assert "no answer from rank" not in keys.text and "did not acknowledge" not in keys.text, keys.text
+        assert "released 1 paused rank(s)" in keys.text, keys.text
+        with pytest.raises(SupervisionError, match="exited with code 3"):
+            fut.get(timeout=60)
+        assert controller().paused() == []
     finally:
         procs.stop().get(timeout=30)
 
