@@ -9,6 +9,8 @@ keeps receiving: other actors on it keep serving.
 
 from __future__ import annotations
 
+import dis
+import inspect
 import os
 import pdb
 import socket
@@ -21,7 +23,20 @@ from .debug_messages import DebugEnd, DebugOutput, DebugRegister
 from .mailbox import current_mailbox
 
 # Frames of the runtime are never stopped in: stepping out of an endpoint ends the session.
-SKIP = ["monarch_tensor.*", "asyncio.*", "concurrent.*", "threading", "zmq.*"]
+SKIP = ["monarch_tensor.*", "asyncio.*", "concurrent.*", "selectors", "threading", "zmq.*"]
+
+_RESUMABLE = inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_GENERATOR
+_YIELD_VALUE = dis.opmap["YIELD_VALUE"]
+
+
+def _suspends(frame) -> bool:
+    """Whether a return event of ``frame`` is a coroutine or generator pausing at an ``await`` or ``yield``.
+
+    Python reports that pause as a return of the frame, like its end; the frame then runs on (and pdb's
+    ``n`` stops at its next line, as bdb does). A frame that pauses stands on its ``YIELD_VALUE``.
+    """
+    code = frame.f_code
+    return bool(code.co_flags & _RESUMABLE) and code.co_code[frame.f_lasti] == _YIELD_VALUE
 
 
 class _Out:
@@ -93,7 +108,7 @@ class RemotePdb(pdb.Pdb):
 
     def dispatch_return(self, frame, arg):
         r = super().dispatch_return(frame, arg)
-        if frame is self._entry and not self._ended:
+        if frame is self._entry and not self._ended and not _suspends(frame):
             self.set_continue()  # stepped out of the frame that called breakpoint(): done
         return r
 

@@ -42,6 +42,10 @@ class DebugOutput:
 @_fast_reduce
 @dataclass(frozen=True, slots=True)
 class DebugEnd:
-    """Proc -> client: the session's rank continued (or quit); it is no longer paused."""
+    """Proc -> client: the session's rank continued (or quit); it is no longer paused.
+
+    ``died`` says why when the rank's proc died instead: the process that watched that proc sends it.
+    """
 
     session: str
+    died: str = ""

@@ -4,7 +4,8 @@ Every ``breakpoint()`` hit in an endpoint registers a session here (see
 ``_debug_proc.py``). The prompt runs in ``monarch-tensor debug`` (another
 terminal, over an authenticated local TCP link: ``_debug_server.py``) or, when
 the script runs in a terminal and no debugger is connected, in the script's own
-terminal. Commands::
+terminal. A rank whose proc dies while paused leaves the debugger: the process that
+spawned the proc, which is told of its death, ends the session (``_DeathWatch``). Commands::
 
     list                                  paused ranks: actor, rank, coords, host, function, line
     attach NAME RANK                      a pdb session on that rank (n, s, p, l, c ...; detach to leave)
@@ -20,6 +21,7 @@ import threading
 from dataclasses import dataclass, field
 
 from .debug_messages import DebugEnd, DebugOutput, DebugRegister
+from .errors import SupervisionError
 from .mailbox import SYSTEM_HANDLERS, Mailbox, current_mailbox
 from .messages import PortRef, SendToPort
 
@@ -53,6 +55,7 @@ class Session:
     pending: list[str] = field(default_factory=list)
     waiting: bool = False
     ended: bool = False
+    died: str = ""  # why, when the rank's proc died while paused
 
 
 class Controller:
@@ -90,7 +93,7 @@ class Controller:
         with self.cond:
             s = self.sessions.pop(msg.session, None)
             if s is not None:
-                s.ended = True
+                s.ended, s.died = True, msg.died
                 self.cond.notify_all()
 
     # ---- driving sessions ---------------------------------------------------------------
@@ -133,17 +136,62 @@ def controller() -> Controller:
     return _controller
 
 
+class _DeathWatch:
+    """A port that hears only of deaths: when a paused rank's proc dies, its session ends (``DebugEnd`` with
+    ``died``) as if the rank had continued, instead of the prompt and ``continue`` waiting on it.
+
+    Opened by the process the proc reports to (the one that spawned it), which is the one told of its death.
+    """
+
+    observing = False  # the death is supervision's to report; this only ends the debug session
+
+    def __init__(self, mailbox: Mailbox, session: str, addr: str) -> None:
+        self.mailbox, self.session, self.addr = mailbox, session, addr
+
+    def deliver(self, msg: SendToPort) -> bool:
+        return False
+
+    def proc_died(self, addr: str, error: SupervisionError) -> bool:
+        if addr != self.addr:
+            return False
+        _on_end(self.mailbox, DebugEnd(self.session, str(error)))
+        return True
+
+
+_watches: dict[str, int] = {}  # session -> the port of its _DeathWatch, in this process
+
+
 def _on_register(mailbox: Mailbox, msg: DebugRegister) -> None:
     from ._proc import current_runtime
 
+    if msg.session not in _watches:  # (a rank that stops again at a `b` breakpoint registers again)
+        _watches[msg.session] = mailbox.open_port(_DeathWatch(mailbox, msg.session, msg.port.addr)).port_id
     rt = current_runtime()
     if rt is not None:  # a proc that spawned procs: pass up to our own client
         mailbox.send(rt.client_addr, msg)
-        return
-    controller().register(msg)
-    from . import _debug_server
+    else:
+        controller().register(msg)
+        from . import _debug_server
 
-    _debug_server.on_breakpoint()
+        _debug_server.on_breakpoint()
+    # A proc that died before its watch opened was not seen by it: end its session now. Checked after
+    # registering, so that a watch that fires meanwhile cannot end the session before it is registered.
+    death = mailbox.death_of(msg.port.addr)
+    if death is not None:
+        _on_end(mailbox, DebugEnd(msg.session, str(death)))
+
+
+def _on_end(mailbox: Mailbox, msg: DebugEnd) -> None:
+    from ._proc import current_runtime
+
+    port_id = _watches.pop(msg.session, None)
+    if port_id is not None:
+        mailbox.close_port(port_id)
+    rt = current_runtime()
+    if rt is not None:
+        mailbox.send(rt.client_addr, msg)
+    else:
+        controller().end(msg)
 
 
 def _relay_or(fn):
@@ -161,7 +209,7 @@ def _relay_or(fn):
 SYSTEM_HANDLERS.update({
     DebugRegister: _on_register,
     DebugOutput: _relay_or(lambda m: controller().output(m)),
-    DebugEnd: _relay_or(lambda m: controller().end(m)),
+    DebugEnd: _on_end,
 })
 
 
@@ -303,7 +351,7 @@ class Repl:
             self.ctl.send(s, line.rstrip("\n"))
             w(self.ctl.read(s))
             if s.ended:
-                w(f"rank {rank} of {actor!r} continued\n")
+                w(f"rank {rank} of {actor!r} died ({s.died})\n" if s.died else f"rank {rank} of {actor!r} continued\n")
                 return
 
     def cast(self, actor: str, pred, command: str) -> None:

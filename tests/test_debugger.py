@@ -2,12 +2,14 @@
 
 tests/debug_script.py pauses four ranks at breakpoints on two different lines.
 One test drives ``monarch-tensor debug`` from another terminal; one drives the
-prompt that opens in the script's own terminal. Plus unit tests of rank
+prompt that opens in the script's own terminal. Tests of single cases drive the
+prompt (``Repl``) in this process with scripted lines. Plus unit tests of rank
 selections and of the link's authentication.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -19,7 +21,8 @@ from types import SimpleNamespace
 import pytest
 
 from monarch_tensor import _debug_cli, _debug_server
-from monarch_tensor.debugger import parse_ranks, table
+from monarch_tensor.actor import Actor, SupervisionError, current_rank, endpoint, this_host
+from monarch_tensor.debugger import Repl, controller, parse_ranks, table
 
 pexpect = pytest.importorskip("pexpect", reason="pexpect is a dev extra: pip install -e '.[dev]'")
 
@@ -37,6 +40,89 @@ def _until_all_listed(p, n: int = 4) -> str:
         if p.before.count("| debugee") == n or time.monotonic() > deadline:
             return p.before
         time.sleep(0.2)
+
+
+class Keys:
+    """A person at ``monarch_dbg>`` who types ``lines`` in turn; ``text`` is what the prompt wrote."""
+
+    def __init__(self, lines: list[str]) -> None:
+        self.lines, self.text = list(lines), ""
+
+    def write(self, text: str) -> None:
+        self.text += text
+
+    def readline(self) -> str | None:
+        return self.lines.pop(0) + "\n" if self.lines else None
+
+
+def _until_paused(n: int) -> None:
+    deadline = time.monotonic() + 60
+    while len(controller().paused()) < n:
+        assert time.monotonic() < deadline, f"{len(controller().paused())} of {n} ranks paused"
+        time.sleep(0.05)
+
+
+class AsyncDebugee(Actor):
+    @endpoint
+    async def over_await(self) -> int:
+        x = 1
+        breakpoint()
+        await asyncio.sleep(0.01)
+        y = x + 1
+        return y
+
+
+class Pauser(Actor):
+    @endpoint
+    def pause(self) -> int:
+        breakpoint()
+        return current_rank().rank
+
+
+@pytest.fixture
+def no_local_prompt(monkeypatch):
+    """Breakpoints in this process's procs open no prompt in the terminal: the test drives its own."""
+    monkeypatch.setenv("MONARCH_TENSOR_DEBUG_LOCAL", "0")
+
+
+@pytest.mark.timeout(120)
+def test_next_over_an_await_stops_at_the_next_line(no_local_prompt):
+    """A coroutine pausing at ``await`` is reported to pdb as a return of its frame: that does not end the
+    session; ``n`` stops at the line after the ``await``, as plain pdb does."""
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        fut = procs.spawn("adebugee", AsyncDebugee).over_await.call_one()
+        _until_paused(1)
+        keys = Keys(["attach adebugee 0", "n", "p x + 10", "detach", "continue"])
+        Repl(keys).run()
+        assert "-> await asyncio.sleep(0.01)" in keys.text
+        assert "-> y = x + 1\n(Pdb) 11\n" in keys.text, keys.text
+        assert "continued" not in keys.text and "released 1 paused rank(s)" in keys.text, keys.text
+        assert fut.get(timeout=60) == 2
+    finally:
+        procs.stop().get(timeout=30)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_dies_while_paused_leaves_the_debugger(no_local_prompt):
+    """The proc of a paused rank dies: its session ends at once (the attached prompt says so), ``list`` no
+    longer shows it and ``continue`` releases the others without waiting on it."""
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    try:
+        fut = procs.spawn("dying", Pauser).pause.call()
+        _until_paused(2)
+        keys = Keys(["attach dying 1", "!import os; os._exit(3)", "list", "continue"])
+        Repl(keys).run()
+        assert "rank 1 of 'dying' died (" in keys.text and "exited with code 3" in keys.text, keys.text
+        rows = [ln for ln in keys.text.splitlines() if ln.startswith("| dying")]
+        assert [r.split("|")[2].strip() for r in rows] == ["0"], keys.text
+        assert "no answer from rank" not in keys.text and "did not acknowledge" not in keys.text, keys.text
+        assert "released 1 paused rank(s)" in keys.text, keys.text
+        with pytest.raises(SupervisionError, match="exited with code 3"):
+            fut.get(timeout=60)
+        assert controller().paused() == []
+    finally:
+        procs.stop().get(timeout=30)
 
 
 @pytest.mark.timeout(120)
