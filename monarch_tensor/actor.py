@@ -358,6 +358,28 @@ def _script_proc() -> ProcMesh:
         return _script_procs
 
 
+_signatures: dict = {}  # (class, method, explicit port) -> the signature calls are checked against, or None
+
+
+def _check_arguments(cls: type, method: str, explicit: bool, args: tuple, kwargs: dict) -> None:
+    """A call's arguments must fit its endpoint's signature: a ``TypeError`` at the call, as Monarch's (not an
+    ``ActorError`` from every rank later, nor only a log line for a broadcast)."""
+    key = (cls, method, explicit)
+    sig = _signatures.get(key, False)
+    if sig is False:
+        fn = inspect.getattr_static(cls, method, None)
+        try:
+            sig = inspect.signature(fn) if inspect.isfunction(fn) else None  # (a staticmethod and such: unchecked)
+        except (TypeError, ValueError):
+            sig = None
+        _signatures[key] = sig
+    if sig is not None:
+        try:
+            sig.bind(*((None, None) if explicit else (None,)), *args, **kwargs)  # self (and the reply port)
+        except TypeError as e:
+            raise TypeError(f"{cls.__name__}.{method}(): {e}") from None
+
+
 class Endpoint(Generic[R]):
     """``mesh.method``: call it with an adverb (``call``, ``call_one``, ``broadcast`` ...)."""
 
@@ -371,6 +393,12 @@ class Endpoint(Generic[R]):
 
     def __repr__(self) -> str:
         return f"<endpoint {self._mesh._name}.{self._method} of {self._mesh._what()} {self._mesh._shape}>"
+
+    def _check(self, args: tuple, kwargs: dict) -> None:
+        explicit = self._wire_method.endswith("/port") or (
+            "/" not in self._wire_method and getattr(getattr(self._mesh._class, self._method, None), "_explicit_port",
+                                                     False))
+        _check_arguments(self._mesh._class, self._method, explicit, args, kwargs)
 
     def _send(self, ranks: list[int], args, kwargs, port: PortRef | None, addrs: list[str] | None = None) -> None:
         mailbox = current_mailbox()
@@ -397,6 +425,7 @@ class Endpoint(Generic[R]):
             mailbox.send_frames(addr, frames, batch=True)
 
     def _collect(self, ranks: list[int], args, kwargs, finish) -> Future:
+        self._check(args, kwargs)
         try:
             self._mesh._check()
         except Exception as e:  # noqa: BLE001 - surfaces on .get()
@@ -436,6 +465,7 @@ class Endpoint(Generic[R]):
 
     def broadcast(self, *args, **kwargs) -> None:
         """Call every actor without waiting for results."""
+        self._check(args, kwargs)
         self._mesh._check()
         self._send(self._mesh._rank_list, args, kwargs, None)
 
@@ -443,12 +473,14 @@ class Endpoint(Generic[R]):
         """Low-level: call every actor; results (if ``port``) go to that port."""
         if port is not None and not isinstance(port, Port):
             raise TypeError(f"send(port=...) needs a Port (from Channel.open()), got {type(port).__name__} {port!r}")
+        self._check(tuple(args), dict(kwargs or {}))
         self._mesh._check()
         self._send(self._mesh._rank_list, tuple(args), dict(kwargs or {}), port._ref if port else None)
 
     def stream(self, *args, **kwargs) -> Iterator[Future[R]]:
         """Call every actor now; the returned generator yields a future per reply, in the order replies
         arrive (Monarch's): ``for f in counters.value.stream(): print(f.get(timeout=10))``."""
+        self._check(args, kwargs)
         self._mesh._check()
         ranks = self._mesh._rank_list
         mailbox = current_mailbox()
@@ -463,6 +495,7 @@ class Endpoint(Generic[R]):
         tensors (shapes from ``@endpoint(propagate=...)``), used by later ops without a round trip (Monarch's)."""
         from controller.api import actor_rref
 
+        self._check(args, kwargs)
         self._mesh._check()
         propagate = self._propagate
         if propagate is None:

@@ -905,8 +905,8 @@ def test_as_endpoint_calls_a_method_that_is_not_an_endpoint(procs):
         as_endpoint(c.value)
     with pytest.raises(ValueError, match="method of a spawned actor mesh"):
         as_endpoint(Counter.plain_add)
-    with pytest.raises(ActorError, match="TypeError.*plain_add"):  # the method's own error, by its name
-        as_endpoint(c.slice(hosts=0, gpus=0).plain_add).call_one().get(timeout=T)
+    with pytest.raises(TypeError, match=r"Counter\.plain_add\(\): missing a required argument"):  # at the call
+        as_endpoint(c.slice(hosts=0, gpus=0).plain_add).call_one()
 
 
 def test_actor_logger_is_named_for_its_class(counter):
@@ -1179,6 +1179,25 @@ def test_bad_input_to_meshes_and_endpoints_is_a_clear_error(counter):
         endpoint(lambda self: (yield 1))
     with pytest.raises(TypeError, match="unknown option"):
         endpoint(lambda self: 1, explicit_port=True)
+
+
+def test_arguments_that_do_not_fit_an_endpoint_are_a_type_error_at_the_call(counter, procs):
+    # Monarch binds them to the endpoint's signature at the call site: they failed later, on every rank, as an
+    # ActorError (and a broadcast's only as a log line on each proc).
+    one = counter.slice(hosts=0, gpus=1)
+    calls = [lambda: counter.set.call(1, 2), lambda: one.set.call_one(), lambda: counter.set.choose(w=1),
+             lambda: counter.set.broadcast(1, 2), lambda: counter.set.stream(), lambda: counter.set.send((1, 2)),
+             lambda: as_endpoint(counter.plain_add).call(1, 2)]
+    for call in calls:
+        with pytest.raises(TypeError, match=r"Counter\.(set|plain_add)\(\): "):
+            call()
+    r = procs.spawn("replier_args", Replier)
+    with pytest.raises(TypeError, match=r"Replier\.answer_for\(\): missing a required argument: 'value'"):
+        r.answer_for.call(None)
+    with pytest.raises(TypeError, match=r"Replier\.through\(\): too many positional"):
+        r.through.call(1, 2)  # an explicit response port is not one of the caller's arguments
+    assert counter.slice(hosts=0, gpus=0).set.call_one(v=7).get(timeout=T) is None  # keywords fit
+    assert counter.slice(hosts=0, gpus=0).value.call_one().get(timeout=T) == 7
 
 
 def test_value_mesh_slices_and_compares(counter):
