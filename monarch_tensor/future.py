@@ -28,10 +28,19 @@ _settle_hook: Callable[[], None] | None = None
 
 
 class Future(Generic[R]):
-    """``fut.get(timeout=None)`` / ``fut.result()`` / ``await fut``."""
+    """``fut.get(timeout=None)`` / ``fut.result()`` / ``await fut``.
+
+    ``Future(coro=some_coroutine)`` (Monarch's) is the Future of a coroutine's result: the coroutine runs
+    where the Future is first observed, as a ``@returns_future`` call's body does; ``Future.gather(*futures)``
+    is the Future of a list of results."""
 
     __slots__ = ("_state", "_value", "_waiter", "_callbacks", "_what")
     _by_thread = False  # ThreadFuture: settled by a thread of this process, never by a reply
+
+    def __new__(cls, what: str = "result", *, coro=None, **_):
+        if coro is not None and cls is Future:
+            return object.__new__(_BodyFuture)  # (Python then runs _BodyFuture.__init__ with these arguments)
+        return object.__new__(cls)
 
     def __init__(self, what: str = "result") -> None:
         self._state = _PENDING
@@ -187,6 +196,19 @@ class Future(Generic[R]):
     def _set_exception(self, error: BaseException) -> None:
         self._settle(_FAILED, error)
 
+    @staticmethod
+    def gather(*futures: Future, return_exceptions: bool = False) -> Future[list]:
+        """The Future of ``futures``' results, in their order (Monarch's); all run at once where it is
+        observed. The first error fails it, unless ``return_exceptions``: then errors are among the results."""
+        for f in futures:
+            if not isinstance(f, Future):
+                raise TypeError(f"Future.gather() takes Futures, got {type(f).__name__} {f!r}")
+
+        async def gathered() -> list:
+            return list(await asyncio.gather(*futures, return_exceptions=return_exceptions))
+
+        return Future(f"results of {len(futures)} futures", coro=gathered())
+
     def __repr__(self) -> str:
         return f"<Future {self._what} {('pending', 'done', 'failed')[self._state]}>"
 
@@ -287,10 +309,16 @@ class _BodyFuture(Future):
 
     __slots__ = ("_body", "_ctx")
 
-    def __init__(self, coro, ctx, what: str) -> None:
+    def __init__(self, what: str = "result", *, coro, ctx=None) -> None:
+        import contextvars
+        import inspect
+
+        self._body = []
+        if not inspect.isawaitable(coro):
+            raise TypeError(f"Future(coro=...) needs a coroutine, got {type(coro).__name__} {coro!r}")
         super().__init__(what)
         self._body = [coro]  # taken (``list.pop``, atomic) by the first observer
-        self._ctx = ctx
+        self._ctx = ctx if ctx is not None else contextvars.copy_context()
 
     def _take(self):
         try:
@@ -374,6 +402,6 @@ def returns_future(fn: Callable[..., Any]) -> Callable[..., Future]:
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs) -> Future:
-        return _BodyFuture(fn(*args, **kwargs), contextvars.copy_context(), f"result of {fn.__qualname__}")
+        return _BodyFuture(f"result of {fn.__qualname__}", coro=fn(*args, **kwargs), ctx=contextvars.copy_context())
 
     return wrapped

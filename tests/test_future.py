@@ -176,6 +176,37 @@ def test_returns_future_runs_its_body_once_where_first_observed():
         returns_future(lambda: 1)
 
 
+def test_a_future_of_a_coroutine_and_gather_as_monarchs():
+    runs: list = []
+
+    async def double(x, delay=0.0):
+        runs.append(x)
+        await asyncio.sleep(delay)
+        if x < 0:
+            raise ValueError("negative")
+        return x * 2
+
+    fut = Future(coro=double(3))
+    assert runs == [] and fut.get(timeout=10) == 6 and runs == [3]  # run where first observed
+    settled = Future("reply")
+    _later(lambda: settled._set_result("late"))
+    assert Future.gather(Future(coro=double(1)), settled, Future.ready(7)).get(timeout=10) == [2, "late", 7]
+    assert Future.gather().get(timeout=10) == []
+    with pytest.raises(ValueError, match="negative"):
+        Future.gather(Future(coro=double(-1)), Future(coro=double(2))).get(timeout=10)
+    got = Future.gather(Future(coro=double(-2)), Future(coro=double(4)), return_exceptions=True).get(timeout=10)
+    assert isinstance(got[0], ValueError) and got[1] == 8
+
+    async def in_a_loop():
+        return await Future.gather(Future(coro=double(5, 0.2)), Future(coro=double(6, 0.2)))
+
+    assert asyncio.run(in_a_loop()) == [10, 12]
+    with pytest.raises(TypeError, match="needs a coroutine"):
+        Future(coro=5)
+    with pytest.raises(TypeError, match="takes Futures"):
+        Future.gather(1)
+
+
 def test_repr_says_pending_done_or_failed():
     f = Future("reply of a.f")
     assert repr(f) == "<Future reply of a.f pending>"
