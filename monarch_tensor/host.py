@@ -431,6 +431,13 @@ class ProcMesh(MeshTrait):
         threading.Thread(target=finish, daemon=True, name="monarch-tensor-stop").start()
         return done
 
+    async def __aenter__(self) -> ProcMesh:
+        """``async with procs:`` (Monarch's): the mesh stops when the block ends, however it ends."""
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
     def _finish_stop(self) -> None:
         """``stop``'s wait: the procs get 5 s to exit, then are killed."""
         alloc = self._alloc
@@ -718,7 +725,7 @@ class HostMesh(MeshTrait):
         from . import _bind
 
         check_bootstrap(bootstrap)
-        per_host = dict(per_host or {"procs": 1})
+        per_host = dict(per_host) if per_host is not None else {}  # one proc per host, of the hosts' dims
         shape = _procs_shape(self._shape, per_host)
         check_procs_per_host(per_host, len(shape))
         per = len(shape) // max(1, len(self._shape))

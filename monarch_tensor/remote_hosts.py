@@ -395,7 +395,7 @@ class RemoteHostMesh(HostMesh):
         from . import _bind
 
         check_bootstrap(bootstrap)
-        per_host = dict(per_host or {"procs": 1})
+        per_host = dict(per_host) if per_host is not None else {}  # one proc per host, of the hosts' dims
         shape = _procs_shape(self._shape, per_host)  # the hosts' dims first: host h has ranks [h * per, ...)
         per = len(shape) // len(self._agents)
         check_procs_per_host(per_host, per)

@@ -295,6 +295,20 @@ def test_spawn_procs_forms(make):
         mesh.stop().get(timeout=T)
 
 
+def test_spawn_procs_with_no_dims_and_async_with():
+    # Monarch's per_host defaults to {}: one proc per host, with the hosts' extent ({} for this_host());
+    # it made a {"procs": 1} mesh, whose item() then needed a coordinate. `async with procs:` stops them.
+    async def main():
+        async with this_host().spawn_procs() as mesh:
+            assert mesh.extent == {} and len(mesh) == 1
+            c = mesh.spawn("c", Counter, 5)
+            assert (await c.value.call()).item() == 5 and await c.value.call_one() == 5
+        return mesh
+
+    mesh = asyncio.run(main())
+    assert mesh._alloc._stopped and not any(p.alive for p in mesh._procs)
+
+
 def test_proc_mesh_needs_a_dimension():
     with pytest.raises(ValueError, match="dimension"):
         proc_mesh()
