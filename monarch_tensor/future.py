@@ -37,7 +37,7 @@ class Future(Generic[R]):
     __slots__ = ("_state", "_value", "_waiter", "_callbacks", "_what")
     _by_thread = False  # ThreadFuture: settled by a thread of this process, never by a reply
 
-    def __new__(cls, what: str = "result", *, coro=None, **_):
+    def __new__(cls, *args, coro=None, **kwargs):
         if coro is not None and cls is Future:
             return object.__new__(_BodyFuture)  # (Python then runs _BodyFuture.__init__ with these arguments)
         return object.__new__(cls)

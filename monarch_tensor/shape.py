@@ -26,8 +26,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 
-class DimensionError(KeyError):
-    """A mesh has no dimension of that name. (A ``KeyError``, whose message prints as written, not quoted.)"""
+class DimensionError(KeyError, TypeError):
+    """A mesh has no dimension of that name. A ``KeyError`` (whose message prints as written, not quoted),
+    and a ``TypeError`` as Monarch's ``slice`` raises for it."""
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""

@@ -1255,6 +1255,8 @@ def test_meshes_split_rename_and_flatten_like_monarchs(procs, counter, pids):
         counter.size("gpu")
     with pytest.raises(KeyError, match="value mesh .* has no dimension 'gpu'"):
         pids.size("gpu")
+    with pytest.raises(TypeError, match="has no dimension 'gpu'"):  # Monarch's slice raises a TypeError
+        procs.slice(gpu=0)
     with pytest.raises(KeyError, match="no dimension 'gpu' to rename"):
         procs.rename(gpu="g")
     with pytest.raises(ValueError, match="cannot infer the sizes"):
