@@ -83,7 +83,15 @@ def reload_modules(names: list[str]) -> list[str]:
     for name in _import_order(names):
         mod = sys.modules[name]
         before = dict(mod.__dict__)
-        importlib.reload(mod)
+        try:
+            importlib.reload(mod)
+        except BaseException:
+            # The new code ran in the module's own namespace up to the error: put the old names back, so that
+            # the module keeps its old code and state until a reload succeeds. (What that code did outside
+            # the module, such as registering something elsewhere, stays done.)
+            mod.__dict__.clear()
+            mod.__dict__.update(before)
+            raise
         for attr, old in before.items():
             new = mod.__dict__.get(attr)
             if new is not None and new is not old:

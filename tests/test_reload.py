@@ -21,6 +21,9 @@ pytestmark = pytest.mark.timeout(60)
 def pkgdir(tmp_path, monkeypatch):
     """A directory on sys.path; the modules imported from it leave sys.modules afterwards."""
     monkeypatch.syspath_prepend(str(tmp_path))
+    # No .pyc files: a version written in the same second as the one before, with the same size, would
+    # otherwise be read from the cached bytecode of that one.
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
     monkeypatch.setattr(_reload, "_stale", {})
     before = set(sys.modules)
     yield tmp_path
@@ -137,3 +140,27 @@ def test_old_references_to_decorated_functions_run_the_new_code(pkgdir):
     assert evaluate() == ("e2", False)  # still under no_grad
     assert cached(0) == "c20"  # the cache of the old code's results was cleared
     assert plain() == "p2" and recursive(3) == "r2"
+
+
+def test_a_reload_that_raises_part_way_leaves_the_module_as_it_was(pkgdir):
+    write(pkgdir, "rg", "CACHE = {}\ndef version():\n    return 'v1'\n")
+    import rg
+
+    version = rg.version
+    rg.CACHE["calls"] = 1
+    write(pkgdir, "rg", """
+        CACHE = {}
+        def version():
+            return 'v2'
+        ADDED = 1
+        raise RuntimeError('config file missing')
+    """)
+    _reload.note_changed(["rg"])
+    with pytest.raises(_reload.ReloadError, match="config file missing"):
+        _reload.reload_stale()
+    assert rg.version is version and version() == "v1"  # not the new code that ran before the error
+    assert rg.CACHE == {"calls": 1} and not hasattr(rg, "ADDED")
+    write(pkgdir, "rg", "CACHE = {}\ndef version():\n    return 'v3'\n")
+    assert _reload.reload_stale() == ["rg"]  # still stale
+    assert version() == "v3"
+
