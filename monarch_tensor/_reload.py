@@ -6,7 +6,10 @@ module, every function and class the module had before is patched from its new
 version (the function's code, defaults and attributes; the class's methods and
 attributes; a decorated function's wrapped function too), as IPython's
 ``autoreload`` does. Existing actors, and anything that did ``from mod import
-f``, run the new code from the next call on.
+f``, run the new code from the next call on. The module then names those old
+objects again, so they stay the same objects over any number of reloads: the
+next reload patches them again, and what live objects hold is what the module
+names.
 
 A module whose file changed stays stale until a reload succeeds: one synced
 without ``auto_reload``, or whose reload failed, is reloaded by the next sync
@@ -94,34 +97,42 @@ def reload_modules(names: list[str]) -> list[str]:
             raise
         for attr, old in before.items():
             new = mod.__dict__.get(attr)
-            if new is not None and new is not old:
-                _update(old, new, name)
+            if new is not None and new is not old and _update(old, new, name):
+                # The module names the old object again, which runs the new code now: it is the one that live
+                # objects and ``from mod import f`` hold, and the one the next reload patches.
+                mod.__dict__[attr] = old
         done.append(name)
     return done
 
 
-def _update(old, new, module: str) -> None:
+def _update(old, new, module: str) -> bool:
+    """Make ``old`` run ``new``'s code; return whether it does (else the module keeps ``new``)."""
     if isinstance(old, types.FunctionType) and isinstance(new, types.FunctionType):
-        _update_function(old, new)
-    elif isinstance(old, type) and isinstance(new, type) and getattr(old, "__module__", None) == module:
+        return _update_function(old, new)
+    if isinstance(old, type) and isinstance(new, type) and getattr(old, "__module__", None) == module:
         _update_class(old, new)
-    elif type(old) is type(new) and isinstance(getattr(old, "__wrapped__", None), types.FunctionType) \
+        return True
+    if type(old) is type(new) and isinstance(getattr(old, "__wrapped__", None), types.FunctionType) \
             and isinstance(getattr(new, "__wrapped__", None), types.FunctionType):
-        _update_function(old.__wrapped__, new.__wrapped__)  # a wrapper object, as functools.lru_cache makes
+        if not _update_function(old.__wrapped__, new.__wrapped__):  # a wrapper object, as lru_cache makes
+            return False
         clear = getattr(old, "cache_clear", None)
         if callable(clear):
             clear()  # (its results came from the old code)
+        return True
+    return False
 
 
-def _update_function(old: types.FunctionType, new: types.FunctionType, seen: set | None = None) -> None:
+def _update_function(old: types.FunctionType, new: types.FunctionType, seen: set | None = None) -> bool:
     """``old`` runs ``new``'s code from now on; so does every function its closure holds that ``new``'s holds
     a new version of: a decorator's wrapper (``functools.wraps``, ``torch.no_grad()``) holds the function
-    it wraps there, and the old wrapper would call the old function."""
+    it wraps there, and the old wrapper would call the old function. Return whether ``old`` could be
+    patched."""
     if len(old.__code__.co_freevars) != len(new.__code__.co_freevars):
-        return  # a different closure shape: the old function keeps its code
+        return False  # a different closure shape: the old function keeps its code
     seen = set() if seen is None else seen
     if id(old) in seen:  # (a closure may hold its own function)
-        return
+        return True
     seen.add(id(old))
     old.__code__ = new.__code__
     old.__defaults__ = new.__defaults__
@@ -140,6 +151,7 @@ def _update_function(old: types.FunctionType, new: types.FunctionType, seen: set
         if x is not y and isinstance(x, types.FunctionType) and isinstance(y, types.FunctionType) \
                 and x.__qualname__ == y.__qualname__:
             _update_function(x, y, seen)
+    return True
 
 
 def _update_class(old: type, new: type) -> None:

@@ -164,3 +164,17 @@ def test_a_reload_that_raises_part_way_leaves_the_module_as_it_was(pkgdir):
     assert _reload.reload_stale() == ["rg"]  # still stale
     assert version() == "v3"
 
+
+def test_every_reload_reaches_old_references_and_the_module_keeps_naming_them(pkgdir):
+    source = "def f():\n    return 'f{v}'\nclass K:\n    def m(self):\n        return 'm{v}'\n"
+    write(pkgdir, "rf", source.format(v=1))
+    import rf
+    from rf import f  # as another module would hold it
+
+    k = rf.K()  # as a live actor is
+    for v in (2, 3, 4):
+        write(pkgdir, "rf", source.format(v=v))
+        _reload.note_changed(["rf"])
+        assert _reload.reload_stale() == ["rf"]
+        assert (f(), k.m()) == (f"f{v}", f"m{v}")
+    assert rf.f is f and rf.K is type(k)
