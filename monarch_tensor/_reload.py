@@ -18,10 +18,14 @@ that has it, whatever that sync changed.
 
 from __future__ import annotations
 
+import enum
 import importlib
+import logging
 import os
 import sys
 import types
+
+log = logging.getLogger("monarch_tensor.reload")
 
 # Modules whose files a sync changed after they were imported and that have not been reloaded since: the
 # sync had no ``auto_reload``, or their reload failed. The next reload takes them too, unless the module
@@ -95,14 +99,40 @@ def reload_modules(names: list[str]) -> list[str]:
             mod.__dict__.clear()
             mod.__dict__.update(before)
             raise
+        replaced = {}  # new class -> the old one the module names again
         for attr, old in before.items():
             new = mod.__dict__.get(attr)
             if new is not None and new is not old and _update(old, new, name):
                 # The module names the old object again, which runs the new code now: it is the one that live
                 # objects and ``from mod import f`` hold, and the one the next reload patches.
                 mod.__dict__[attr] = old
+                if isinstance(old, type):
+                    replaced[new] = old
+        _adopt_instances(mod, replaced)
         done.append(name)
     return done
+
+
+def _adopt_instances(mod: types.ModuleType, replaced: dict[type, type]) -> None:
+    """The module's values that its new code made of a class it then named the old version of again
+    (``DEFAULT = Cfg()``) become the old class's: instances of it, or for an enum its old member of that name.
+    (Such instances kept elsewhere, in a list say, stay the new class's.)"""
+    for attr, value in list(mod.__dict__.items()):
+        old = replaced.get(type(value))
+        if old is None:
+            continue
+        if isinstance(value, enum.Enum):
+            mod.__dict__[attr] = old[value.name]  # (members compare by identity)
+            continue
+        try:
+            value.__class__ = old
+        except TypeError:  # a layout that __class__ assignment refuses (other __slots__, say)
+            pass
+
+
+def _not_patched(module: str, old, why: str) -> None:
+    log.warning("reload of %s: %s %s; the module names its new version, and what holds the old one keeps the "
+                "old code", module, getattr(old, "__qualname__", repr(old)), why)
 
 
 def _update(old, new, module: str) -> bool:
@@ -110,8 +140,10 @@ def _update(old, new, module: str) -> bool:
     if isinstance(old, types.FunctionType) and isinstance(new, types.FunctionType):
         return _update_function(old, new)
     if isinstance(old, type) and isinstance(new, type) and getattr(old, "__module__", None) == module:
-        _update_class(old, new)
-        return True
+        if _update_class(old, new):
+            return True
+        _not_patched(module, old, "is an enum whose members changed, which cannot be done in place")
+        return False
     if type(old) is type(new) and isinstance(getattr(old, "__wrapped__", None), types.FunctionType) \
             and isinstance(getattr(new, "__wrapped__", None), types.FunctionType):
         if not _update_function(old.__wrapped__, new.__wrapped__):  # a wrapper object, as lru_cache makes
@@ -154,8 +186,16 @@ def _update_function(old: types.FunctionType, new: types.FunctionType, seen: set
     return True
 
 
-def _update_class(old: type, new: type) -> None:
+def _update_class(old: type, new: type) -> bool:
+    """Give ``old`` ``new``'s methods and attributes; return whether it could: an enum whose members changed
+    (or a class that became or stopped being an enum) cannot be."""
     skip = {"__dict__", "__weakref__", "__module__", "__qualname__"}
+    if isinstance(old, enum.EnumMeta) or isinstance(new, enum.EnumMeta):
+        if not (isinstance(old, enum.EnumMeta) and isinstance(new, enum.EnumMeta)) \
+                or _members(old) != _members(new):
+            return False
+        # Live objects hold the old members, and members compare by identity: keep them, and the maps to them.
+        skip |= {"_member_names_", "_member_map_", "_value2member_map_", "_unhashable_values_", *old.__members__}
     for name in list(old.__dict__):
         if name not in new.__dict__ and name not in skip:
             try:
@@ -177,3 +217,8 @@ def _update_class(old: type, new: type) -> None:
             setattr(old, name, value)
         except (AttributeError, TypeError):
             pass
+    return True
+
+
+def _members(cls: enum.EnumMeta) -> dict:
+    return {name: member.value for name, member in cls.__members__.items()}

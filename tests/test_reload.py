@@ -7,6 +7,7 @@ Modules live in a fresh directory on ``sys.path``; each test edits their files, 
 from __future__ import annotations
 
 import importlib
+import pickle
 import sys
 import textwrap
 
@@ -178,3 +179,44 @@ def test_every_reload_reaches_old_references_and_the_module_keeps_naming_them(pk
         assert _reload.reload_stale() == ["rf"]
         assert (f(), k.m()) == (f"f{v}", f"m{v}")
     assert rf.f is f and rf.K is type(k)
+
+
+VALUES = """
+import dataclasses
+import enum
+
+class State(enum.Enum):
+    IDLE = 1
+    RUNNING = 2
+
+    def label(self):
+        return "{v}" + self.name
+
+@dataclasses.dataclass
+class Cfg:
+    lr: float = 0.1
+
+DEFAULT = Cfg()
+"""
+
+
+def test_values_made_before_a_reload_still_match_the_modules_names(pkgdir, caplog):
+    write(pkgdir, "rh", VALUES.format(v=1))
+    import rh
+
+    state, cfg = rh.State.RUNNING, rh.Cfg()  # as a live actor holds them
+    write(pkgdir, "rh", VALUES.format(v=2))
+    _reload.note_changed(["rh"])
+    assert _reload.reload_stale() == ["rh"]
+    assert state.label() == "2RUNNING"
+    assert state is rh.State.RUNNING is rh.State(2) is rh.State["RUNNING"]
+    assert list(rh.State) == [rh.State.IDLE, state]
+    assert isinstance(cfg, rh.Cfg) and cfg == rh.Cfg() == rh.DEFAULT and isinstance(rh.DEFAULT, rh.Cfg)
+    assert pickle.loads(pickle.dumps((state, cfg))) == (state, cfg)  # as in a message to or from an actor
+    # An enum cannot gain members in place: the module names a new one, and says so.
+    write(pkgdir, "rh", VALUES.format(v=3).replace("RUNNING = 2", "RUNNING = 2\n    DONE = 3"))
+    _reload.note_changed(["rh"])
+    with caplog.at_level("WARNING", logger="monarch_tensor.reload"):
+        assert _reload.reload_stale() == ["rh"]
+    assert rh.State.DONE.value == 3 and "rh: State is an enum whose members changed" in caplog.text
+    assert isinstance(cfg, rh.Cfg) and cfg == rh.DEFAULT  # the rest of the module as before
