@@ -220,3 +220,61 @@ def test_values_made_before_a_reload_still_match_the_modules_names(pkgdir, caplo
         assert _reload.reload_stale() == ["rh"]
     assert rh.State.DONE.value == 3 and "rh: State is an enum whose members changed" in caplog.text
     assert isinstance(cfg, rh.Cfg) and cfg == rh.DEFAULT  # the rest of the module as before
+
+
+SUPER_V1 = """
+class Base:
+    def hello(self):
+        return "base"
+
+class Worker(Base):
+    def hello(self):
+        return "worker1"
+
+    def ping(self):
+        return "ping1"
+
+def f():
+    return "f1"
+"""
+
+SUPER_V2 = """
+class Base:
+    def hello(self):
+        return "base"
+
+class Worker(Base):
+    def hello(self):
+        return "worker2 / " + super().hello()  # a __class__ cell now
+
+    def ping(self):
+        return "ping2 / " + self.helper()
+
+    def helper(self):  # a new method with one
+        return "helper / " + super().hello()
+
+def exclaim(fn):
+    def wrapper():
+        return fn() + "!"
+    return wrapper
+
+@exclaim
+def f():  # a closure now: cannot be patched in place
+    return "f2"
+"""
+
+
+def test_methods_that_start_using_super_run_the_new_code_and_a_function_left_old_is_logged(pkgdir, caplog):
+    write(pkgdir, "rs", SUPER_V1)
+    import rs
+
+    w, f = rs.Worker(), rs.f
+    write(pkgdir, "rs", SUPER_V2)
+    _reload.note_changed(["rs"])
+    with caplog.at_level("WARNING", logger="monarch_tensor.reload"):
+        assert _reload.reload_stale() == ["rs"]
+    assert w.hello() == "worker2 / base"
+    assert w.ping() == "ping2 / helper / base"
+    assert isinstance(w, rs.Worker)
+    assert rs.f() == "f2!" and f() == "f1"  # the old function is not patched, and the log says so
+    assert "reload of rs: f " in caplog.text and "hello" not in caplog.text
