@@ -119,14 +119,14 @@ def reload_modules(names: list[str]) -> list[str]:
 
 def _adopt_instances(mod: types.ModuleType, replaced: dict[type, type]) -> None:
     """The module's values that its new code made of a class it then named the old version of again
-    (``DEFAULT = Cfg()``) become the old class's: instances of it, or for an enum its old member of that name.
+    (``DEFAULT = Cfg()``) become the old class's: instances of it, or for an enum its old member of that value.
     (Such instances kept elsewhere, in a list say, stay the new class's.)"""
     for attr, value in list(mod.__dict__.items()):
         old = replaced.get(type(value))
         if old is None:
             continue
         if isinstance(value, enum.Enum):
-            mod.__dict__[attr] = old[value.name]  # (members compare by identity)
+            mod.__dict__[attr] = old(value.value)  # (members compare by identity; a Flag's may be composite)
             continue
         try:
             value.__class__ = old

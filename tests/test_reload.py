@@ -197,6 +197,12 @@ class Cfg:
     lr: float = 0.1
 
 DEFAULT = Cfg()
+
+class Perm(enum.Flag):
+    R = 1
+    W = 2
+
+READ_WRITE = Perm.R | Perm.W
 """
 
 
@@ -211,6 +217,7 @@ def test_values_made_before_a_reload_still_match_the_modules_names(pkgdir, caplo
     assert state.label() == "2RUNNING"
     assert state is rh.State.RUNNING is rh.State(2) is rh.State["RUNNING"]
     assert list(rh.State) == [rh.State.IDLE, state]
+    assert rh.READ_WRITE is rh.Perm.R | rh.Perm.W  # (a composite Flag value has no member name)
     assert isinstance(cfg, rh.Cfg) and cfg == rh.Cfg() == rh.DEFAULT and isinstance(rh.DEFAULT, rh.Cfg)
     assert pickle.loads(pickle.dumps((state, cfg))) == (state, cfg)  # as in a message to or from an actor
     # An enum cannot gain members in place: the module names a new one, and says so.
