@@ -6,7 +6,13 @@ module, every function and class the module had before is patched from its new
 version (the function's code, defaults and attributes; the class's methods and
 attributes; a decorated function's wrapped function too), as IPython's
 ``autoreload`` does. Existing actors, and anything that did ``from mod import
-f``, run the new code from the next call on.
+f``, run the new code from the next call on. The module then names those old
+objects again, so they stay the same objects over any number of reloads: the
+next reload patches them again, and what live objects hold is what the module
+names. What cannot be patched in place (a function whose closure changed, an
+enum whose members changed) is left new in the module, with a warning in the
+log; a method whose closure changed (one that starts using ``super()``) is
+replaced on its class.
 
 A module whose file changed stays stale until a reload succeeds: one synced
 without ``auto_reload``, or whose reload failed, is reloaded by the next sync
@@ -15,10 +21,15 @@ that has it, whatever that sync changed.
 
 from __future__ import annotations
 
+import enum
 import importlib
+import inspect
+import logging
 import os
 import sys
 import types
+
+log = logging.getLogger("monarch_tensor.reload")
 
 # Modules whose files a sync changed after they were imported and that have not been reloaded since: the
 # sync had no ``auto_reload``, or their reload failed. The next reload takes them too, unless the module
@@ -83,47 +94,102 @@ def reload_modules(names: list[str]) -> list[str]:
     for name in _import_order(names):
         mod = sys.modules[name]
         before = dict(mod.__dict__)
-        importlib.reload(mod)
+        try:
+            importlib.reload(mod)
+        except BaseException:
+            # The new code ran in the module's own namespace up to the error: put the old names back, so that
+            # the module keeps its old code and state until a reload succeeds. (What that code did outside
+            # the module, such as registering something elsewhere, stays done.)
+            mod.__dict__.clear()
+            mod.__dict__.update(before)
+            raise
+        replaced = {}  # new class -> the old one the module names again
         for attr, old in before.items():
             new = mod.__dict__.get(attr)
-            if new is not None and new is not old:
-                _update(old, new, name)
+            if new is not None and new is not old and _update(old, new, name):
+                # The module names the old object again, which runs the new code now: it is the one that live
+                # objects and ``from mod import f`` hold, and the one the next reload patches.
+                mod.__dict__[attr] = old
+                if isinstance(old, type):
+                    replaced[new] = old
+        _adopt_instances(mod, replaced)
         done.append(name)
     return done
 
 
-def _update(old, new, module: str) -> None:
+def _adopt_instances(mod: types.ModuleType, replaced: dict[type, type]) -> None:
+    """The module's values that its new code made of a class it then named the old version of again
+    (``DEFAULT = Cfg()``) become the old class's: instances of it, or for an enum its old member of that value.
+    (Such instances kept elsewhere, in a list say, stay the new class's.)"""
+    for attr, value in list(mod.__dict__.items()):
+        old = replaced.get(type(value))
+        if old is None:
+            continue
+        if isinstance(value, enum.Enum):
+            mod.__dict__[attr] = old(value.value)  # (members compare by identity; a Flag's may be composite)
+            continue
+        try:
+            value.__class__ = old
+        except TypeError:  # a layout that __class__ assignment refuses (other __slots__, say)
+            pass
+
+
+def _not_patched(module: str, old, why: str) -> None:
+    log.warning("reload of %s: %s %s; the module names its new version, and what holds the old one keeps the "
+                "old code", module, getattr(old, "__qualname__", repr(old)), why)
+
+
+def _update(old, new, module: str) -> bool:
+    """Make ``old`` run ``new``'s code; return whether it does (else the module keeps ``new``)."""
     if isinstance(old, types.FunctionType) and isinstance(new, types.FunctionType):
-        _update_function(old, new)
-    elif isinstance(old, type) and isinstance(new, type) and getattr(old, "__module__", None) == module:
-        _update_class(old, new)
-    elif type(old) is type(new) and isinstance(getattr(old, "__wrapped__", None), types.FunctionType) \
+        if _update_function(old, new):
+            return True
+        _not_patched(module, old, _CLOSURE_CHANGED)
+        return False
+    if isinstance(old, type) and isinstance(new, type) and getattr(old, "__module__", None) == module:
+        if _update_class(old, new):
+            return True
+        _not_patched(module, old, "is an enum whose members changed, which cannot be done in place")
+        return False
+    if type(old) is type(new) and isinstance(getattr(old, "__wrapped__", None), types.FunctionType) \
             and isinstance(getattr(new, "__wrapped__", None), types.FunctionType):
-        _update_function(old.__wrapped__, new.__wrapped__)  # a wrapper object, as functools.lru_cache makes
+        if not _update_function(old.__wrapped__, new.__wrapped__):  # a wrapper object, as lru_cache makes
+            _not_patched(module, old, _CLOSURE_CHANGED)
+            return False
         clear = getattr(old, "cache_clear", None)
         if callable(clear):
             clear()  # (its results came from the old code)
+        return True
+    return False
 
 
-def _update_function(old: types.FunctionType, new: types.FunctionType, seen: set | None = None) -> None:
+_CLOSURE_CHANGED = "cannot be patched in place: it, or a function it wraps, closes over other variables now"
+
+
+def _update_function(old: types.FunctionType, new: types.FunctionType, seen: set | None = None) -> bool:
     """``old`` runs ``new``'s code from now on; so does every function its closure holds that ``new``'s holds
     a new version of: a decorator's wrapper (``functools.wraps``, ``torch.no_grad()``) holds the function
-    it wraps there, and the old wrapper would call the old function."""
-    if len(old.__code__.co_freevars) != len(new.__code__.co_freevars):
-        return  # a different closure shape: the old function keeps its code
+    it wraps there, and the old wrapper would call the old function.
+
+    Return whether all of them could be patched. A function's closure cannot change, so one whose new code
+    has other free variables (a method that starts using ``super()`` needs a ``__class__`` cell; a function
+    that is now decorated is now the decorator's wrapper) keeps its old code."""
+    if old.__code__.co_freevars != new.__code__.co_freevars:
+        return False
     seen = set() if seen is None else seen
     if id(old) in seen:  # (a closure may hold its own function)
-        return
+        return True
     seen.add(id(old))
     old.__code__ = new.__code__
     old.__defaults__ = new.__defaults__
     old.__kwdefaults__ = new.__kwdefaults__
     old.__doc__ = new.__doc__
+    ok = True
     wrapped = old.__dict__.get("__wrapped__")
     old.__dict__.update(new.__dict__)
     if isinstance(wrapped, types.FunctionType) and isinstance(new.__dict__.get("__wrapped__"), types.FunctionType):
         old.__wrapped__ = wrapped  # the old wrapper names the function it calls, which runs the new code now
-        _update_function(wrapped, new.__wrapped__, seen)
+        ok = _update_function(wrapped, new.__wrapped__, seen) and ok
     for a, b in zip(old.__closure__ or (), new.__closure__ or ()):
         try:
             x, y = a.cell_contents, b.cell_contents
@@ -131,11 +197,21 @@ def _update_function(old: types.FunctionType, new: types.FunctionType, seen: set
             continue
         if x is not y and isinstance(x, types.FunctionType) and isinstance(y, types.FunctionType) \
                 and x.__qualname__ == y.__qualname__:
-            _update_function(x, y, seen)
+            ok = _update_function(x, y, seen) and ok
+    return ok
 
 
-def _update_class(old: type, new: type) -> None:
+def _update_class(old: type, new: type) -> bool:
+    """Give ``old`` ``new``'s methods and attributes; return whether it could: an enum whose members changed
+    (or a class that became or stopped being an enum) cannot be."""
     skip = {"__dict__", "__weakref__", "__module__", "__qualname__"}
+    if isinstance(old, enum.EnumMeta) or isinstance(new, enum.EnumMeta):
+        if not (isinstance(old, enum.EnumMeta) and isinstance(new, enum.EnumMeta)) \
+                or _members(old) != _members(new):
+            return False
+        # Live objects hold the old members, and members compare by identity: keep them, and the maps to them.
+        skip |= {"_member_names_", "_member_map_", "_value2member_map_", "_unhashable_values_", *old.__members__}
+    _point_class_cell(new, old)
     for name in list(old.__dict__):
         if name not in new.__dict__ and name not in skip:
             try:
@@ -146,14 +222,41 @@ def _update_class(old: type, new: type) -> None:
         if name in skip:
             continue
         current = old.__dict__.get(name)
-        if isinstance(current, types.FunctionType) and isinstance(value, types.FunctionType):
-            _update_function(current, value)
+        # A method that cannot be patched in place is replaced on the class, as a new one is added: calls
+        # through the class and its instances run the new code.
+        if isinstance(current, types.FunctionType) and isinstance(value, types.FunctionType) \
+                and _update_function(current, value):
             continue
         if isinstance(current, (classmethod, staticmethod)) and type(current) is type(value):
-            if isinstance(current.__func__, types.FunctionType) and isinstance(value.__func__, types.FunctionType):
-                _update_function(current.__func__, value.__func__)
+            if isinstance(current.__func__, types.FunctionType) and isinstance(value.__func__, types.FunctionType) \
+                    and _update_function(current.__func__, value.__func__):
                 continue
         try:
             setattr(old, name, value)
         except (AttributeError, TypeError):
             pass
+    return True
+
+
+def _point_class_cell(new: type, old: type) -> None:
+    """Make ``new``'s methods that use ``super()`` or ``__class__`` see ``old``: the methods of a class body
+    share one ``__class__`` cell holding the class, and those of ``new`` that ``old`` takes as they are (a new
+    method, or one that cannot be patched in place) would call ``super(new, self)``, which fails on the
+    instances of ``old``. (``new`` itself is dropped: the module names ``old``.)"""
+    for value in new.__dict__.values():
+        for fn in (value, *(getattr(value, a, None) for a in ("__func__", "fget", "fset", "fdel"))):
+            if not callable(fn):
+                continue
+            try:
+                fn = inspect.unwrap(fn)  # (a decorated method: the class body's function)
+            except ValueError:  # a cycle of __wrapped__
+                continue
+            if isinstance(fn, types.FunctionType) and "__class__" in fn.__code__.co_freevars:
+                cell = fn.__closure__[fn.__code__.co_freevars.index("__class__")]
+                if cell.cell_contents is new:
+                    cell.cell_contents = old
+                    return  # (the one cell of the class body)
+
+
+def _members(cls: enum.EnumMeta) -> dict:
+    return {name: member.value for name, member in cls.__members__.items()}

@@ -7,6 +7,7 @@ Modules live in a fresh directory on ``sys.path``; each test edits their files, 
 from __future__ import annotations
 
 import importlib
+import pickle
 import sys
 import textwrap
 
@@ -21,6 +22,9 @@ pytestmark = pytest.mark.timeout(60)
 def pkgdir(tmp_path, monkeypatch):
     """A directory on sys.path; the modules imported from it leave sys.modules afterwards."""
     monkeypatch.syspath_prepend(str(tmp_path))
+    # No .pyc files: a version written in the same second as the one before, with the same size, would
+    # otherwise be read from the cached bytecode of that one.
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
     monkeypatch.setattr(_reload, "_stale", {})
     before = set(sys.modules)
     yield tmp_path
@@ -137,3 +141,147 @@ def test_old_references_to_decorated_functions_run_the_new_code(pkgdir):
     assert evaluate() == ("e2", False)  # still under no_grad
     assert cached(0) == "c20"  # the cache of the old code's results was cleared
     assert plain() == "p2" and recursive(3) == "r2"
+
+
+def test_a_reload_that_raises_part_way_leaves_the_module_as_it_was(pkgdir):
+    write(pkgdir, "rg", "CACHE = {}\ndef version():\n    return 'v1'\n")
+    import rg
+
+    version = rg.version
+    rg.CACHE["calls"] = 1
+    write(pkgdir, "rg", """
+        CACHE = {}
+        def version():
+            return 'v2'
+        ADDED = 1
+        raise RuntimeError('config file missing')
+    """)
+    _reload.note_changed(["rg"])
+    with pytest.raises(_reload.ReloadError, match="config file missing"):
+        _reload.reload_stale()
+    assert rg.version is version and version() == "v1"  # not the new code that ran before the error
+    assert rg.CACHE == {"calls": 1} and not hasattr(rg, "ADDED")
+    write(pkgdir, "rg", "CACHE = {}\ndef version():\n    return 'v3'\n")
+    assert _reload.reload_stale() == ["rg"]  # still stale
+    assert version() == "v3"
+
+
+def test_every_reload_reaches_old_references_and_the_module_keeps_naming_them(pkgdir):
+    source = "def f():\n    return 'f{v}'\nclass K:\n    def m(self):\n        return 'm{v}'\n"
+    write(pkgdir, "rf", source.format(v=1))
+    import rf
+    from rf import f  # as another module would hold it
+
+    k = rf.K()  # as a live actor is
+    for v in (2, 3, 4):
+        write(pkgdir, "rf", source.format(v=v))
+        _reload.note_changed(["rf"])
+        assert _reload.reload_stale() == ["rf"]
+        assert (f(), k.m()) == (f"f{v}", f"m{v}")
+    assert rf.f is f and rf.K is type(k)
+
+
+VALUES = """
+import dataclasses
+import enum
+
+class State(enum.Enum):
+    IDLE = 1
+    RUNNING = 2
+
+    def label(self):
+        return "{v}" + self.name
+
+@dataclasses.dataclass
+class Cfg:
+    lr: float = 0.1
+
+DEFAULT = Cfg()
+
+class Perm(enum.Flag):
+    R = 1
+    W = 2
+
+READ_WRITE = Perm.R | Perm.W
+"""
+
+
+def test_values_made_before_a_reload_still_match_the_modules_names(pkgdir, caplog):
+    write(pkgdir, "rh", VALUES.format(v=1))
+    import rh
+
+    state, cfg = rh.State.RUNNING, rh.Cfg()  # as a live actor holds them
+    write(pkgdir, "rh", VALUES.format(v=2))
+    _reload.note_changed(["rh"])
+    assert _reload.reload_stale() == ["rh"]
+    assert state.label() == "2RUNNING"
+    assert state is rh.State.RUNNING is rh.State(2) is rh.State["RUNNING"]
+    assert list(rh.State) == [rh.State.IDLE, state]
+    assert rh.READ_WRITE is rh.Perm.R | rh.Perm.W  # (a composite Flag value has no member name)
+    assert isinstance(cfg, rh.Cfg) and cfg == rh.Cfg() == rh.DEFAULT and isinstance(rh.DEFAULT, rh.Cfg)
+    assert pickle.loads(pickle.dumps((state, cfg))) == (state, cfg)  # as in a message to or from an actor
+    # An enum cannot gain members in place: the module names a new one, and says so.
+    write(pkgdir, "rh", VALUES.format(v=3).replace("RUNNING = 2", "RUNNING = 2\n    DONE = 3"))
+    _reload.note_changed(["rh"])
+    with caplog.at_level("WARNING", logger="monarch_tensor.reload"):
+        assert _reload.reload_stale() == ["rh"]
+    assert rh.State.DONE.value == 3 and "rh: State is an enum whose members changed" in caplog.text
+    assert isinstance(cfg, rh.Cfg) and cfg == rh.DEFAULT  # the rest of the module as before
+
+
+SUPER_V1 = """
+class Base:
+    def hello(self):
+        return "base"
+
+class Worker(Base):
+    def hello(self):
+        return "worker1"
+
+    def ping(self):
+        return "ping1"
+
+def f():
+    return "f1"
+"""
+
+SUPER_V2 = """
+class Base:
+    def hello(self):
+        return "base"
+
+class Worker(Base):
+    def hello(self):
+        return "worker2 / " + super().hello()  # a __class__ cell now
+
+    def ping(self):
+        return "ping2 / " + self.helper()
+
+    def helper(self):  # a new method with one
+        return "helper / " + super().hello()
+
+def exclaim(fn):
+    def wrapper():
+        return fn() + "!"
+    return wrapper
+
+@exclaim
+def f():  # a closure now: cannot be patched in place
+    return "f2"
+"""
+
+
+def test_methods_that_start_using_super_run_the_new_code_and_a_function_left_old_is_logged(pkgdir, caplog):
+    write(pkgdir, "rs", SUPER_V1)
+    import rs
+
+    w, f = rs.Worker(), rs.f
+    write(pkgdir, "rs", SUPER_V2)
+    _reload.note_changed(["rs"])
+    with caplog.at_level("WARNING", logger="monarch_tensor.reload"):
+        assert _reload.reload_stale() == ["rs"]
+    assert w.hello() == "worker2 / base"
+    assert w.ping() == "ping2 / helper / base"
+    assert isinstance(w, rs.Worker)
+    assert rs.f() == "f2!" and f() == "f1"  # the old function is not patched, and the log says so
+    assert "reload of rs: f " in caplog.text and "hello" not in caplog.text
