@@ -22,7 +22,6 @@ import enum
 import functools
 import inspect
 import logging
-import os
 import random
 import sys
 import threading
@@ -100,12 +99,17 @@ def concurrent_endpoint(fn: Callable | None = None, **options):
 
 
 def unhandled_fault_hook(failure: SupervisionError) -> None:
-    """Called when a proc dies and nothing handled it; replace it to handle failures yourself.
+    """Called with a failure nothing handled (a proc that died, and no owner's ``__supervise__`` returned
+    True); replace it to handle failures yourself: a hook that returns drops the fault.
 
-    The default stops the script with a clear message instead of leaving it hanging.
+    The default (Monarch's) writes the failure to stderr and raises ``SystemExit``. A hook that raises leaves
+    the fault unhandled: the script's main thread then gets a ``KeyboardInterrupt``, so that its ``finally``
+    blocks, context managers and ``atexit`` hooks run as it ends. (In a proc, an unhandled fault ends the
+    proc, whose owner is told in turn.)
     """
-    print(f"monarch_tensor: unhandled supervision failure, exiting: {failure}", file=sys.stderr, flush=True)
-    os._exit(1)
+    sys.stderr.write(f"monarch_tensor: unhandled supervision failure, exiting: {failure}\n")
+    sys.stderr.flush()
+    sys.exit(1)
 
 
 def _call_fault_hook(err: SupervisionError) -> None:

@@ -292,6 +292,25 @@ def _proc_exited(info: ProcInfo, status: str) -> None:
         mesh._failed(err)
 
 
+def _unhandled_fault(err: SupervisionError, raised: BaseException) -> None:
+    """The fault hook raised (the default one does, with ``SystemExit``): the fault is unhandled. The script's
+    main thread gets a ``KeyboardInterrupt`` (Monarch's), so that it ends running its ``finally`` blocks and
+    ``atexit`` hooks; a proc ends at once, and its owner is told. Where no Python handler takes SIGINT (a
+    script started with it ignored), the process ends at once too."""
+    from ._proc import current_runtime
+
+    if not isinstance(raised, SystemExit):
+        log.error("unhandled_fault_hook raised %r handling %s", raised, err)
+    main = threading.main_thread()
+    if current_runtime() is None and callable(signal.getsignal(signal.SIGINT)) and main.is_alive():
+        print("monarch_tensor: delivering KeyboardInterrupt to the main thread to end the script",
+              file=sys.stderr, flush=True)
+        signal.pthread_kill(main.ident, signal.SIGINT)
+        return
+    sys.stderr.flush()
+    os._exit(1)
+
+
 class ProcMesh(MeshTrait):
     """Procs with a named shape; ``spawn`` actors on them, ``slice`` them like arrays.
 
@@ -501,8 +520,8 @@ class ProcMesh(MeshTrait):
                 err2.mesh, err = self, err2
         try:
             actor.unhandled_fault_hook(err)
-        except Exception:  # noqa: BLE001 - it runs on the thread that reports procs' exits: that must go on
-            log.exception("unhandled_fault_hook raised handling %s", err)
+        except BaseException as e:  # noqa: BLE001 - it runs on the thread that reports procs' exits: that goes on
+            _unhandled_fault(err, e)
 
     # ---- interactive tools (workspace_sync.py, env.py) ---------------------------------
     def sync_workspace(self, workspace, conda: bool = False, auto_reload: bool = False) -> Future:

@@ -18,7 +18,7 @@ import zmq
 
 import monarch_tensor.actor as actor_mod
 from monarch_tensor import _curve, _fanout, _wire
-from monarch_tensor.actor import Actor, SupervisionError, current_rank, endpoint, this_host
+from monarch_tensor.actor import Actor, SupervisionError, context, endpoint, this_host
 from monarch_tensor.agent import HostAgent
 from monarch_tensor.agent_messages import REPORTS, REQUESTS, OpenSession
 from monarch_tensor.errors import AddressInUseError, HostUnreachableError, JobKeyError, JobStartError, MeshStoppedError
@@ -34,7 +34,7 @@ class Where(Actor):
 
     @endpoint
     def where(self):
-        return current_rank().rank, os.getcwd(), os.getpid()
+        return context().actor_instance.rank.rank, os.getcwd(), os.getpid()  # its rank in the mesh spawned
 
     @endpoint
     def note(self, x) -> None:

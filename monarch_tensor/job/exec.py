@@ -380,7 +380,9 @@ def interrupt_commands() -> None:
 
 
 def _run(target, cmd, env, workdir, client_cwd, output_dir, per_host, fixed, cancel) -> int:
-    procs = target.spawn_procs(per_host=per_host)
+    # One proc per host unless told: a "procs" dim of 1, so that each has a label and MONARCH_RANK_procs
+    # (hosts_0_procs_0) as before spawn_procs() took Monarch's default of no dims of its own.
+    procs = target.spawn_procs(per_host=per_host or {"procs": 1})
     try:
         actors = procs.spawn("BashActor", BashActor)
         port = receiver = None
