@@ -32,7 +32,11 @@ class ActorContext:
 
     @property
     def class_name(self) -> str:
-        return type(self.instance).__name__ if self.instance is not None else ""
+        """The actor's class, ``module.QualName`` (Monarch's); ``""`` in the script."""
+        if self.instance is None:
+            return ""
+        cls = type(self.instance)
+        return f"{cls.__module__}.{cls.__qualname__}"
 
     @property
     def proc_id(self) -> str:

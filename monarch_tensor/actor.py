@@ -47,9 +47,24 @@ __all__ = [
     "MeshFailure", "NotAnEndpoint", "Point", "Port", "PortReceiver", "ProcMesh", "RankedPortReceiver",
     "SupervisionError", "ChannelTransport", "enable_transport",
     "ValueMesh", "as_endpoint", "concurrent_endpoint", "context", "current_actor_name", "current_rank",
-    "current_size", "endpoint", "get_meter", "get_or_spawn_controller", "proc_mesh", "returns_future", "send",
-    "shutdown_context", "span", "this_host", "this_proc", "traced", "unhandled_fault_hook",
+    "current_size", "endpoint", "get_meter", "get_or_spawn_controller", "gpu_direct_rdma_supported",
+    "local_proc_mesh", "proc_mesh", "returns_future", "send", "shutdown_context", "span", "this_host", "this_proc",
+    "traced", "unhandled_fault_hook",
 ]
+
+local_proc_mesh = proc_mesh  # Monarch's older name for a mesh of procs on this host: local_proc_mesh(gpus=4)
+
+
+def gpu_direct_rdma_supported() -> bool:
+    """Whether the data plane can move GPU memory with RDMA directly (Monarch's): an RDMA device (the
+    ``verbs`` backend, which registers CUDA memory through dmabuf) and a GPU are both present."""
+    from rdma import is_ibverbs_available
+
+    if not is_ibverbs_available():
+        return False
+    import torch
+
+    return torch.cuda.is_available()
 
 
 class Actor:

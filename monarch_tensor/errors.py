@@ -20,9 +20,18 @@ class ActorError(Exception):
         return (ActorError, (self.actor, self.rank, self.method, self.exc_repr, self.traceback,
                              self.exception))
 
+    @property
+    def message(self) -> str:
+        """What failed, without the traceback (Monarch's ``ActorError.message``)."""
+        return f"endpoint {self.actor}.{self.method} raised on rank {self.rank}: {self.exc_repr}"
+
+    @property
+    def exception_formatted(self) -> str:
+        """The remote traceback, formatted (Monarch's name for ``.traceback``)."""
+        return self.traceback
+
     def __str__(self) -> str:
-        return (f"endpoint {self.actor}.{self.method} raised on rank {self.rank}: {self.exc_repr}\n"
-                f"remote traceback:\n{self.traceback}")
+        return f"{self.message}\nremote traceback:\n{self.traceback}"
 
 
 class DeviceMeshError(Exception):

@@ -1214,6 +1214,21 @@ def test_arguments_that_do_not_fit_an_endpoint_are_a_type_error_at_the_call(coun
     assert counter.slice(hosts=0, gpus=0).value.call_one().get(timeout=T) == 7
 
 
+def test_monarchs_other_names(procs):
+    from monarch_tensor.actor import gpu_direct_rdma_supported, local_proc_mesh
+
+    assert gpu_direct_rdma_supported() is False  # no RDMA device on these machines
+    mesh = local_proc_mesh(gpus=1)
+    try:
+        with pytest.raises(ActorError) as info:
+            mesh.spawn("faulty_names", Faulty).fail_on.call_one(0).get(timeout=T)
+        e = info.value
+        assert e.message == "endpoint faulty_names.fail_on raised on rank 0: RuntimeError('rank 0 fails on purpose')"
+        assert e.exception_formatted == e.traceback and "fails on purpose" in e.exception_formatted
+    finally:
+        mesh.stop().get(timeout=T)
+
+
 def test_value_mesh_slices_and_compares(counter):
     who = counter.who.call().get(timeout=T)
     ranks = ValueMesh(who.shape, [w["rank"] for w in who.values()])
@@ -1447,7 +1462,7 @@ def test_monarch_spellings_of_proc_mesh_port_hints_instance_and_cleanup(tmp_path
     try:
         c = procs.spawn("compat", Compat, str(tmp_path / "cleanup"))
         name, cls, actor_id, proc_id, sibling, env, setup = c.instance.call_one().get(timeout=T)
-        assert (name, cls, sibling, env, setup) == ("compat", "Compat", "sibling", "given", "ran")
+        assert (name, cls, sibling, env, setup) == ("compat", f"{__name__}.Compat", "sibling", "given", "ran")
         assert actor_id == f"{proc_id}/compat[0]" and proc_id == procs._procs[0].addr
         port, receiver = Channel.open()
         c.answer.call_one(port).get(timeout=T)
