@@ -24,7 +24,17 @@ from typing import Callable
 from . import _context, _proc_ext, _zygote
 from .errors import ActorError
 from .mailbox import _EVENTS, _POLLIN, Mailbox, set_current_mailbox
-from .messages import CallEndpoint, ForwardLogs, KnowPeers, SendToPort, SetLogging, SpawnActor, StopActor, StopProc
+from .messages import (
+    ActorFault,
+    CallEndpoint,
+    ForwardLogs,
+    KnowPeers,
+    SendToPort,
+    SetLogging,
+    SpawnActor,
+    StopActor,
+    StopProc,
+)
 from .shape import Point, Shape
 
 # A call to an actor this proc does not have waits this long for its spawn before it fails (see
@@ -46,6 +56,7 @@ class _Slot:
     tasks: set = field(default_factory=set)  # running @concurrent_endpoint calls
     stopped: str | None = None  # ActorMesh.stop()'s reason: calls that come after it fail
     stop_done: bool = False  # the calls before it have run, and the actor has stopped
+    owner: str = ""  # the address of the process that spawned it: told of errors nobody awaits
 
 
 class Reserved:
@@ -253,7 +264,7 @@ class ProcRuntime:
                         point.rank)
             return
         ctx = _context.ActorContext(msg.name, point, self.rank, sizes=shape.sizes)
-        slot = _Slot(msg.name, None, ctx)
+        slot = _Slot(msg.name, None, ctx, owner=msg.reply.addr)
         token = _context.enter(ctx)
         try:
             slot.instance = msg.cls(*msg.args, **msg.kwargs)
@@ -533,8 +544,14 @@ class ProcRuntime:
     def _reply(self, port, value, error, rank, slot: _Slot | None = None, method: str = "?") -> None:
         """Send ``value`` (or ``error``) to ``port``; ``slot`` and ``method``: the endpoint that made it."""
         if port is None:
-            if error is not None:
-                print(f"[monarch_tensor] unawaited error: {error}", file=sys.stderr)
+            if error is not None:  # nobody awaits it (a broadcast): the supervision of its spawner hears of it
+                slot = self.actors.get(getattr(error, "actor", None))
+                try:
+                    self.mailbox.send(slot.owner if slot is not None and slot.owner else self.client_addr,
+                                      ActorFault(self.mailbox.addr, error))
+                except Exception as e:  # noqa: BLE001 - e.g. an error that does not pickle: at least it is seen here
+                    print(f"[monarch_tensor] unawaited error: {error} (not reported to the owner: {e!r})",
+                          file=sys.stderr)
             return
         try:
             self.mailbox.send(port.addr, SendToPort(port.port_id, value, error, rank), batch=True)

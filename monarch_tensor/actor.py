@@ -319,6 +319,11 @@ class ActorMesh(MeshTrait):
         return f"<ActorMesh {self._name!r} {self._class.__name__} {self._shape}>"
 
 
+# (proc address, actor name) -> who spawned it there from this process (its context; None: the script): the
+# owner that hears of a failure of a call nobody awaited (``host._on_actor_fault``).
+_mesh_owners: dict[tuple[str, str], _context.ActorContext | None] = {}
+
+
 def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs: dict) -> ActorMesh:
     if not (isinstance(cls, type) and issubclass(cls, Actor)):
         raise TypeError(f"spawn() needs a subclass of Actor, got {cls!r}")
@@ -342,8 +347,10 @@ def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs
                     observing=False)
     port = mailbox.open_port(col)
     mesh = ActorMesh(name, cls, members, shape, col.future, procs)
+    owner = None if _context.in_client() else _context.current()
     for p in members:
         p.actors.add(name)
+        _mesh_owners[(p.addr, name)] = owner
 
     def failed(f: Future) -> None:  # a constructor that raised: the name may be used again
         if f.exception() is not None:
@@ -643,8 +650,9 @@ class Port(Generic[R]):
     def exception(self, error: BaseException) -> None:
         if not isinstance(error, BaseException):
             raise TypeError(f"port.exception() needs an exception, got {type(error).__name__} {error!r}")
-        if self._ref is not None:
-            current_mailbox().send(self._ref.addr, SendToPort(self._ref.port_id, None, error, self._sender_rank()))
+        if self._ref is None:  # nobody listens (a broadcast's): the endpoint fails with it, as Monarch's
+            raise error
+        current_mailbox().send(self._ref.addr, SendToPort(self._ref.port_id, None, error, self._sender_rank()))
 
     def __repr__(self) -> str:
         if self._ref is None:

@@ -24,8 +24,8 @@ from typing import Any, Mapping
 from . import _context, _zygote
 from .errors import MeshStoppedError, SupervisionError
 from .future import CoroutineFuture, Future, in_event_loop, run_to_end
-from .mailbox import current_mailbox, new_ipc_address
-from .messages import SetLogging, StopProc
+from .mailbox import SYSTEM_HANDLERS, current_mailbox, new_ipc_address
+from .messages import ActorFault, SetLogging, StopProc
 from .shape import MeshTrait, Shape
 
 log = logging.getLogger("monarch_tensor.host")
@@ -292,6 +292,45 @@ def _proc_exited(info: ProcInfo, status: str) -> None:
         mesh._failed(err)
 
 
+def _supervise(owner, err: SupervisionError) -> None:
+    """A failure for ``owner`` (an actor's context, None for the script): its ``__supervise__(err)`` may
+    handle it by returning True; else ``unhandled_fault_hook`` runs (Monarch's order)."""
+    from . import actor
+
+    handler = getattr(owner.instance, "__supervise__", None) if owner is not None else None
+    if handler is not None:
+        try:
+            if handler(err):
+                return
+        except Exception as e:  # noqa: BLE001
+            err2 = SupervisionError(f"{err} (and __supervise__ raised {e!r})", proc=err.proc, rank=err.rank,
+                                    exit_status=err.exit_status)
+            err2.mesh, err = err.mesh, err2
+    try:
+        actor.unhandled_fault_hook(err)
+    except BaseException as e:  # noqa: BLE001 - it runs on the thread that reports procs' exits: that goes on
+        _unhandled_fault(err, e)
+
+
+def _on_actor_fault(mailbox, msg: ActorFault) -> None:
+    """An endpoint nobody awaited (called with ``broadcast``) raised, on an actor this process spawned: a
+    supervision event for the actor mesh's owner (its ``__supervise__``, else ``unhandled_fault_hook``), as
+    Monarch's, rather than a line in the proc's output only. The actor goes on serving. Handled on a thread
+    of its own: a hook may block."""
+    from .actor import _mesh_owners
+
+    name = getattr(msg.error, "actor", "?")
+    owner = _mesh_owners.get((msg.proc, name))
+    what = getattr(msg.error, "message", None) or repr(msg.error)
+    rank = getattr(msg.error, "rank", None)
+    err = SupervisionError(f"{what} (in a call nobody awaited: a broadcast)", proc=msg.proc, rank=rank)
+    err.mesh = next((m for m in list(_live_meshes) if any(p.addr == msg.proc for p in m._procs)), None)
+    threading.Thread(target=_supervise, args=(owner, err), daemon=True, name="monarch-tensor-actor-fault").start()
+
+
+SYSTEM_HANDLERS[ActorFault] = _on_actor_fault
+
+
 def _unhandled_fault(err: SupervisionError, raised: BaseException) -> None:
     """The fault hook raised (the default one does, with ``SystemExit``): the fault is unhandled. The script's
     main thread gets a ``KeyboardInterrupt`` (Monarch's), so that it ends running its ``finally`` blocks and
@@ -503,25 +542,10 @@ class ProcMesh(MeshTrait):
 
     def _failed(self, err: SupervisionError) -> None:
         """A proc of this allocation died unexpectedly: tell the owner, or the fault hook."""
-        from . import actor
-
         if err.mesh is None:
             err.mesh = self
         self._failures.append(err)
-        owner = self._owner
-        handler = getattr(owner.instance, "__supervise__", None) if owner is not None else None
-        if handler is not None:
-            try:
-                if handler(err):
-                    return
-            except Exception as e:  # noqa: BLE001
-                err2 = SupervisionError(f"{err} (and __supervise__ raised {e!r})", proc=err.proc, rank=err.rank,
-                                        exit_status=err.exit_status)
-                err2.mesh, err = self, err2
-        try:
-            actor.unhandled_fault_hook(err)
-        except BaseException as e:  # noqa: BLE001 - it runs on the thread that reports procs' exits: that goes on
-            _unhandled_fault(err, e)
+        _supervise(self._owner, err)
 
     # ---- interactive tools (workspace_sync.py, env.py) ---------------------------------
     def sync_workspace(self, workspace, conda: bool = False, auto_reload: bool = False) -> Future:

@@ -96,6 +96,16 @@ _wire.COMPACT_DECODERS.update({
 
 @_fast_reduce
 @dataclass(frozen=True, slots=True)
+class ActorFault:
+    """Proc -> client: an endpoint called with no reply port (``broadcast``, ``send`` without a port) raised
+    ``error`` on proc ``proc``: nobody awaits it, so it is a supervision event for the actor mesh's owner."""
+
+    proc: str
+    error: BaseException
+
+
+@_fast_reduce
+@dataclass(frozen=True, slots=True)
 class ForwardLogs:
     """Proc -> client: lines a proc wrote to stdout (``stream=1``) or stderr (``2``)."""
 

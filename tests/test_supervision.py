@@ -442,6 +442,68 @@ def test_mesh_tensor_fetches_fail_when_a_proc_of_their_mesh_dies(mesh, faults):
     assert faults == []
 
 
+class Broadcaster(Actor):
+    """Raises in calls nobody awaits, and owns a mesh whose actors do."""
+
+    def __init__(self) -> None:
+        self.failures = []
+
+    @endpoint
+    def fail(self, why: str) -> None:
+        raise ValueError(why)
+
+    @endpoint(explicit_response_port=True)
+    def fail_through_port(self, port, why: str) -> None:
+        port.exception(ValueError(why))  # a broadcast's port has nobody listening: the endpoint fails with it
+
+    @endpoint
+    def ping(self) -> str:
+        return "pong"
+
+    @endpoint
+    def own_a_failing_mesh(self) -> None:
+        self.child = this_host().spawn_procs({"gpus": 1}).spawn("child", Broadcaster)
+        self.child.fail.broadcast("the child's")
+
+    @endpoint
+    def seen(self) -> list:
+        return self.failures
+
+    def __supervise__(self, failure) -> bool:
+        self.failures.append(str(failure))
+        return True
+
+
+def _wait_for(cond, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(120)
+def test_an_error_nobody_awaits_is_a_supervision_event_for_the_meshs_owner(faults):
+    # Monarch's: an exception in an endpoint called with broadcast reaches the owner of the actor mesh (its
+    # __supervise__, else unhandled_fault_hook); it was only a line in the proc's output.
+    procs = this_host().spawn_procs({"gpus": 2})
+    try:
+        b = procs.spawn("b", Broadcaster)
+        b.slice(gpus=1).fail.broadcast("on purpose")
+        _wait_for(lambda: faults)
+        assert len(faults) == 1 and isinstance(faults[0], SupervisionError)
+        assert "b.fail raised on rank 1: ValueError('on purpose')" in str(faults[0]) and faults[0].rank == 1
+        b.slice(gpus=0).fail_through_port.broadcast("through the port")
+        _wait_for(lambda: len(faults) == 2)
+        assert "ValueError('through the port')" in str(faults[1])
+        assert b.ping.call().get(timeout=30).values() == ["pong", "pong"]  # the actors go on serving
+        owner = b.slice(gpus=0)
+        owner.own_a_failing_mesh.call_one().get(timeout=60)
+        _wait_for(lambda: owner.seen.call_one().get(timeout=30))
+        assert ["ValueError(\"the child's\")" in f for f in owner.seen.call_one().get(timeout=30)] == [True]
+        assert len(faults) == 2  # the owner handled it: not the script's hook
+    finally:
+        procs.stop().get(timeout=30)
+
+
 RAISING_HOOK_SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
     sys.path.insert(0, {root!r})
