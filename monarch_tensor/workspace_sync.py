@@ -263,14 +263,23 @@ def _refuse_own_env(roots: list, prefix: str) -> None:
                              f"CONDA_PREFIX to another directory, or sync the active environment")
 
 
-def _ask(procs: list, make, what: str) -> list:
-    return _ask_start(procs, make, what).get(timeout=SYNC_TIMEOUT)
+def _ask(procs: list, make, what: str, why_late: str = "") -> list:
+    """``_ask_start``'s replies, waited for up to ``SYNC_TIMEOUT``; a timeout names the procs that did not
+    answer, and ``why_late`` says what may keep them."""
+    col = Collector([p.addr for p in procs], [p.rank for p in procs], list, what)
+    try:
+        return _ask_start(procs, make, what, col).get(timeout=SYNC_TIMEOUT)
+    except TimeoutError:
+        late = sorted(col._by_rank)  # (the ranks still waited for)
+        raise TimeoutError(f"no {what} from the proc(s) of rank {late} within {SYNC_TIMEOUT} s "
+                           f"(MONARCH_TENSOR_SYNC_TIMEOUT){': ' + why_late if why_late else ''}") from None
 
 
-def _ask_start(procs: list, make, what: str) -> Future[list]:
+def _ask_start(procs: list, make, what: str, col: Collector | None = None) -> Future[list]:
     """Send ``make(port)`` to each proc; a Future of their replies, in order."""
     mailbox = current_mailbox()
-    col = Collector([p.addr for p in procs], [p.rank for p in procs], list, what)
+    if col is None:
+        col = Collector([p.addr for p in procs], [p.rank for p in procs], list, what)
     port = mailbox.open_port(col)
     for p in procs:
         # A proc that died before the port opened never fails it (its death was told to the ports open
@@ -631,7 +640,9 @@ def _sync(procs: list, workspace: Workspace, auto_reload: bool, root_var: str = 
     if procs and not root_var:
         names = tuple(sorted(k for k in changed if k.endswith(".py")))  # (stale until reloaded, see _reload)
         replies = _ask(procs, lambda port: ReloadWorkspace(key, dirs, names, auto_reload, port),
-                       "workspace reload")
+                       "workspace reload", "the files are written on every host, but a proc takes a sync's reload "
+                       "between its actors' calls, and these still run one (a long endpoint, or a rank paused in "
+                       "the debugger); each reloads when its call returns")
         result.reloaded = {p.rank: r for p, r in zip(procs, replies)}
     t4 = time.perf_counter()
     result.seconds = t4 - t0

@@ -405,6 +405,41 @@ def test_a_renamed_module_and_a_failed_reload_leave_no_module_stale(tmp_path):
         procs.stop()
 
 
+class Busy(Actor):
+    @endpoint
+    def wait_for(self, path: str) -> str:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return "done"
+
+
+@pytest.mark.timeout(120)
+def test_a_sync_whose_reload_waits_behind_a_running_endpoint_says_so(tmp_path, monkeypatch):
+    # A proc takes a sync's reload between its actors' calls: behind a long endpoint the sync failed with
+    # "no workspace reload within N s", naming neither the proc nor why, although the files were written.
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "conf.txt").write_text("lr=0.1\n")
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    try:
+        procs.env.set("WORKSPACE_DIR", str(tmp_path / "root")).get(timeout=30)
+        ws = Workspace(dirs=[proj])
+        procs.sync_workspace(ws).get(timeout=60)
+        gate = tmp_path / "gate"
+        running = procs.spawn("busy", Busy).slice(gpus=1).wait_for.call_one(str(gate))
+        (proj / "conf.txt").write_text("lr=0.01\n")
+        monkeypatch.setattr(ws_sync, "SYNC_TIMEOUT", 2.0)
+        with pytest.raises(TimeoutError, match=r"no workspace reload from the proc\(s\) of rank \[1\] within 2.0 s"
+                                               r".*the files are written on every host.*still run one"):
+            procs.sync_workspace(ws).get(timeout=60)
+        assert (tmp_path / "root" / "proj" / "conf.txt").read_text() == "lr=0.01\n"
+        gate.write_text("")
+        assert running.get(timeout=60) == "done"
+    finally:
+        procs.stop()
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend", ["cma", "tcp"])
 def test_large_files_are_pulled_over_the_data_plane(tmp_path, monkeypatch, backend):
