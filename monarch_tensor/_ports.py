@@ -216,6 +216,22 @@ class _ChannelValue(Future):
                 self.add_done_callback(self._receiver._give_back)
             raise
 
+    def as_asyncio(self) -> asyncio.Future:
+        """An asyncio future of the value; cancelled (``asyncio.wait_for`` gave up, a task was cancelled),
+        it gives its place in line, or the value, back, as an ``await`` does."""
+        self._rejoin()
+        out = Future.as_asyncio(self)
+
+        def cancelled(f: asyncio.Future) -> None:
+            if f.cancelled():
+                if not self.done() and self._receiver._withdraw(self):
+                    self._withdrawn = True
+                else:
+                    self.add_done_callback(self._receiver._give_back)
+
+        out.add_done_callback(cancelled)
+        return out
+
 
 class StreamCollector(Receiver):
     """``stream()``'s replies: one value per rank, each to the oldest waiting ``recv()`` (arrival order);

@@ -479,9 +479,11 @@ class ProcRuntime:
                 is_coro = inspect.iscoroutinefunction(fn)
             if is_coro:
                 if getattr(fn, "_concurrent", False):  # @concurrent_endpoint: the actor takes its next message now
-                    task = self.loop.create_task(self._run_concurrent(slot, msg, fn(*args, **msg.kwargs), explicit))
+                    body = fn(*args, **msg.kwargs)
+                    task = self.loop.create_task(self._run_concurrent(slot, msg, body, explicit))
                     slot.tasks.add(task)
                     task.add_done_callback(slot.tasks.discard)
+                    task.add_done_callback(lambda t: self._concurrent_cancelled(t, slot, msg, body))
                     return task
                 slot.busy = True
                 self.loop.create_task(self._run_async(slot, msg, fn(*args, **msg.kwargs), explicit))
@@ -522,13 +524,27 @@ class ProcRuntime:
         rank = slot.ctx.rank.rank
         try:
             value = await aw
-        except asyncio.CancelledError:
-            raise  # the proc stops
+        except asyncio.CancelledError as e:
+            if asyncio.current_task().cancelling():
+                raise  # the actor stops: _concurrent_cancelled answers
+            # the user's code ended in a cancellation of its own: the caller hears of it as of any error
+            self._reply(msg.reply, None, self._error(slot, msg, e), rank)
         except BaseException as e:  # noqa: BLE001 - user code
             self._reply(msg.reply, None, self._error(slot, msg, e), rank)
         else:
             if not explicit:
                 self._reply(msg.reply, value, None, rank, slot, msg.method.partition("/")[0])
+
+    def _concurrent_cancelled(self, task: asyncio.Task, slot: _Slot, msg: CallEndpoint, body) -> None:
+        """A ``@concurrent_endpoint`` call's task was cancelled (the actor stops: ``ActorMesh.stop``, or the
+        proc stops), maybe before it started: its caller is answered rather than left waiting for ever."""
+        if not task.cancelled():
+            return
+        body.close()  # (one that never started: no "never awaited" warning)
+        err = self._stopped_error(slot, msg.method) if slot.stopped is not None else ActorError(
+            slot.name, slot.ctx.rank.rank, msg.method.partition("/")[0], "the call was cancelled as its proc "
+            "stopped", "")
+        self._reply(msg.reply, None, err, slot.ctx.rank.rank)
 
     def _error(self, slot: _Slot, msg: CallEndpoint, e: BaseException) -> ActorError:
         tb = e.__traceback__

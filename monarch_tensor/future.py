@@ -329,6 +329,15 @@ class _BodyFuture(Future):
     async def _run_body(self, coro, timeout: float | None = None) -> None:
         try:
             value = await (coro if timeout is None else asyncio.wait_for(coro, timeout))  # cancelled at it
+        except asyncio.CancelledError as e:
+            # Its task was cancelled (by the loop it ran on: an asyncio.run that ended, a cancelled awaiter's
+            # loop) or the body itself ended in a cancellation: observers elsewhere get an Exception saying so,
+            # not a bare CancelledError that `except Exception` misses. The task ends cancelled all the same.
+            err = RuntimeError(f"{self._what}: cancelled before it ended (its body ran as a task of an event loop "
+                               f"that cancelled it, or cancelled itself)")
+            err.__cause__ = e
+            self._set_exception(err)
+            raise
         except BaseException as e:  # noqa: BLE001 - the observers get it
             if timeout is not None and type(e) is TimeoutError and not e.args:  # wait_for's, at the timeout
                 e = TimeoutError(f"no {self._what} within {timeout} s (the body was cancelled)")
@@ -341,29 +350,44 @@ class _BodyFuture(Future):
     def _drive(self, coro, timeout: float | None) -> None:
         """Run the body on a loop of this thread, as ``asyncio.run`` does; at the timeout it is cancelled."""
         loop = asyncio.new_event_loop()
+        self._run_loop(loop, self._ctx.run(loop.create_task, self._run_body(coro, timeout)))
+
+    def _run_loop(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task) -> None:
+        """Run ``loop`` until the body's ``task`` ends. Interrupted (Ctrl-C in the waiting ``get``), the body
+        is kept, paused with its loop, for the next observer to run on: the Future does not stay pending for
+        ever, with the loop's work lost."""
         try:
-            loop.run_until_complete(self._ctx.run(loop.create_task, self._run_body(coro, timeout)))
+            loop.run_until_complete(task)
+        except BaseException:
+            if not task.done():
+                self._body.append(_Paused(loop, task))
+            raise
         finally:
-            loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.close()
+            if task.done():
+                loop.run_until_complete(loop.shutdown_asyncgens())
+                loop.close()
 
     def get(self, timeout: float | None = None):
-        coro = self._take()
-        if coro is not None:
+        body = self._take()
+        if body is not None:
+            run, args = (self._run_loop, (body.loop, body.task)) if type(body) is _Paused else \
+                (self._drive, (body, timeout))
             if in_event_loop():  # never a second loop inside a running one: a helper thread runs it
-                threading.Thread(target=self._drive, args=(coro, timeout), daemon=True,
-                                 name="mt-returns-future").start()
+                threading.Thread(target=run, args=args, daemon=True, name="mt-returns-future").start()
             else:
-                self._drive(coro, timeout)
+                run(*args)
         return Future.get(self, timeout)
 
     result = get
 
     def _start_on_loop(self) -> None:
-        coro = self._take()
-        if coro is not None:
+        body = self._take()
+        if type(body) is _Paused:  # (its task belongs to a loop of its own: that loop runs on, on a thread)
+            threading.Thread(target=self._run_loop, args=(body.loop, body.task), daemon=True,
+                             name="mt-returns-future").start()
+        elif body is not None:
             loop = asyncio.get_running_loop()
-            task = self._ctx.run(loop.create_task, self._run_body(coro))
+            task = self._ctx.run(loop.create_task, self._run_body(body))
             _running_bodies.add(task)  # asyncio holds tasks only weakly
             task.add_done_callback(_running_bodies.discard)
 
@@ -380,9 +404,25 @@ class _BodyFuture(Future):
         return Future.as_asyncio(self)
 
     def __del__(self) -> None:
-        coro = self._take()
-        if coro is not None:
-            coro.close()  # never observed: its code never runs
+        body = self._take()
+        if type(body) is _Paused:  # interrupted and never observed again: its task is cancelled, its loop closed
+            body.task.cancel()
+            try:
+                body.loop.run_until_complete(asyncio.gather(body.task, return_exceptions=True))
+            except BaseException:  # noqa: BLE001 - at garbage collection: nothing to tell
+                pass
+            body.loop.close()
+        elif body is not None:
+            body.close()  # never observed: its code never runs
+
+
+class _Paused:
+    """A body interrupted in a ``get`` (Ctrl-C): its task and the loop it runs on, to go on with later."""
+
+    __slots__ = ("loop", "task")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task) -> None:
+        self.loop, self.task = loop, task
 
 
 _running_bodies: set = set()

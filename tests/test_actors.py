@@ -684,6 +684,14 @@ def test_a_recv_that_timed_out_does_not_swallow_the_next_value():
 
     assert asyncio.run(cancelled_then_again()) == "fourth"
 
+    async def cancelled_as_asyncio_then_again():  # (it kept its place, and took the next value)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(receiver.recv().as_asyncio(), 0.2)
+        port.send("fifth")
+        return await asyncio.wait_for(receiver.recv(), T)
+
+    assert asyncio.run(cancelled_as_asyncio_then_again()) == "fifth"
+
 
 def test_ranked_and_once_channels(procs):
     em = procs.spawn("emitter_ranked", Emitter)
@@ -955,6 +963,12 @@ class Gate(Actor):
         await asyncio.sleep(0)
         raise ValueError("a concurrent endpoint fails on purpose")
 
+    @concurrent_endpoint
+    async def cancelled_inside(self) -> None:
+        inner = asyncio.ensure_future(asyncio.sleep(10))
+        asyncio.get_running_loop().call_soon(inner.cancel)
+        await inner  # ends in the inner task's CancelledError
+
 
 def test_concurrent_endpoints_overlap_and_start_in_order(procs):
     gate = procs.slice(hosts=0, gpus=1).spawn("gate", Gate)
@@ -964,6 +978,15 @@ def test_concurrent_endpoints_overlap_and_start_in_order(procs):
     with pytest.raises(ActorError, match="a concurrent endpoint fails on purpose"):
         gate.fails.call_one().get(timeout=T)
     assert gate.wait_open.call_one("c").get(timeout=T) == "c"  # the actor keeps serving
+    # A body that ends in a cancellation of its own, and calls running when the actor stops, are answered:
+    # their callers waited for ever.
+    with pytest.raises(ActorError, match="CancelledError"):
+        gate.cancelled_inside.call_one().get(timeout=T)
+    closed = procs.slice(hosts=0, gpus=1).spawn("closed_gate", Gate)
+    waiting = closed.wait_open.call_one("d")  # (waits for an open() that never comes)
+    closed.stop("the test stops it").get(timeout=T)
+    with pytest.raises(ActorError, match="was stopped \\(the test stops it\\)"):
+        waiting.get(timeout=T)
     with pytest.raises(TypeError, match="needs an async def"):
         concurrent_endpoint(lambda self: None)
 

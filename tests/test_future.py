@@ -207,6 +207,44 @@ def test_a_future_of_a_coroutine_and_gather_as_monarchs():
         Future.gather(1)
 
 
+def test_a_body_interrupted_in_get_goes_on_for_the_next_observer():
+    # Ctrl-C in a Future(coro=...).get() closed the body's loop with its task pending: the Future stayed
+    # pending for ever ("Task was destroyed but it is pending!" at exit).
+    import signal
+
+    go_on = threading.Event()
+
+    async def body():
+        while not go_on.is_set():
+            await asyncio.sleep(0.01)
+        return 7
+
+    fut = Future(coro=body())
+    threading.Timer(0.1, signal.pthread_kill, args=(threading.get_ident(), signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        fut.get(timeout=30)
+    assert not fut.done()
+    go_on.set()
+    assert fut.get(timeout=30) == 7
+
+
+def test_a_body_cancelled_by_the_loop_it_ran_on_fails_with_an_exception():
+    # First awaited in an asyncio.run that ended (its tasks cancelled), the body's Future held a bare
+    # CancelledError, a BaseException that `except Exception` misses, for every later observer.
+    async def forever():
+        await asyncio.sleep(60)
+
+    fut = Future("result of forever", coro=forever())
+
+    async def impatient():
+        await asyncio.wait_for(asyncio.shield(fut.as_asyncio()), 0.05)
+
+    with pytest.raises(TimeoutError):
+        asyncio.run(impatient())
+    with pytest.raises(RuntimeError, match="result of forever: cancelled before it ended"):
+        fut.get(timeout=10)
+
+
 def test_repr_says_pending_done_or_failed():
     f = Future("reply of a.f")
     assert repr(f) == "<Future reply of a.f pending>"
