@@ -38,6 +38,7 @@ from .tensor import (
     contiguous_meta,
     forget_value,
     intern_meta,
+    memory_span,
     record,
     state,
 )
@@ -471,7 +472,7 @@ def _reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool) -> Te
         check_writable("reduce_", t)
         forget_value(t)
         client.issue(m.Reduce(t._ref, t._ref, groups, reduction, scatter, True, t.numel(), t.dtype, ctx.sid,
-                              user_loc()), ctx.ranks)
+                              user_loc()), ctx.ranks, memory=memory_span(t))
         return t
     ref = next(client.refs)
     meta = contiguous_meta(out_shape, t.dtype)

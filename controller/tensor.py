@@ -228,11 +228,14 @@ def set_data(t: Tensor, new) -> None:
     if getattr(t, "_dist", None) is not None or getattr(new, "_dist", None) is not None:
         raise MeshTensorError("t.data = new of a distributed (DTensor) mesh tensor is not supported; assign to the "
                               "DTensor itself")
+    old_memory = memory_of(t)
     alias = record(torch.ops.aten.alias.default, (new,), {}, None)
     _base_data.__set__(t, alias)  # the controller's metadata: shape, strides, dtype
     t._meta, alias._meta = alias._meta, t._meta
     t._mid, alias._mid = alias._mid, t._mid
     t._ref, alias._ref = alias._ref, t._ref
+    # ``t`` now uses ``new``'s memory; the alias object, with ``t``'s old ref, uses ``t``'s old memory.
+    t._memory, alias._memory = alias._memory, old_memory
     if hasattr(t, "_val"):
         del t._val
     if hasattr(alias, "_val"):
@@ -638,8 +641,10 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
     if tpl.view:
         if tpl.view is True:
             _link_views(tensors, out)
+            _share_memory(tensors, out)
         elif len(tensors) > 1:
             _join_aliases(tensors)
+            _share_memory(tensors[1:], tensors[0])
     if written:
         _forget_aliases(written)
     if tpl.fold:
@@ -787,6 +792,36 @@ def _link_views(tensors, out) -> None:
         if type(o) is Tensor and not hasattr(o, "_aliases"):
             o._aliases = group
             group.add(o)
+
+
+def memory_of(t: Tensor) -> int:
+    """Which memory ``t`` uses on the workers, as the ref of the tensor that allocated it: a view (``t[:2]``,
+    ``detach()``, ``.data``) or ``a.set_(b)`` uses its input's. Equal answers may overlap; different ones do
+    not, as far as the controller saw (a remote function may still return a view of its argument)."""
+    return getattr(t, "_memory", t._ref)
+
+
+def memory_span(t: Tensor) -> tuple:
+    """``(memory_of(t), first byte, end byte)``: the bytes of that memory which ``t``'s elements lie within
+    (its metadata's offset and strides count in that memory, as torch's views do)."""
+    shape, stride, offset, dtype = t._meta[:4]
+    size = dtype.itemsize
+    if any(d == 0 for d in shape):
+        return (memory_of(t), offset * size, offset * size)
+    last = offset + sum((d - 1) * abs(st) for d, st in zip(shape, stride))
+    return (memory_of(t), offset * size, (last + 1) * size)
+
+
+def _share_memory(tensors: list, out) -> None:
+    """A view's outputs (or ``set_``'s target) use the memory of the op's first mesh tensor input (see
+    ``memory_of``): ``MeshClient._fuse`` must not put in-place reduces of one memory in one collective."""
+    src = next((t for t in tensors if type(t) is Tensor), None)
+    if src is None:
+        return
+    mem = memory_of(src)
+    for o in flat_leaves(out):
+        if type(o) is Tensor and o is not src:
+            o._memory = mem
 
 
 def _join_aliases(tensors: list) -> None:

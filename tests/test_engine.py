@@ -919,3 +919,47 @@ def test_dropped_tensors_are_freed_on_the_workers_while_the_script_is_idle(procs
     while (left := procs.execute(_tensors_of_numel, n).values()) != [0, 0] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert left == [0, 0]
+
+
+def test_in_place_reduces_of_overlapping_memory_are_not_folded_into_one_collective(procs):
+    # Adjacent reduces of a batch become one collective, which reads every input before it writes any: a
+    # reduce_ of a view (or a detach()) of a tensor reduced just before lost its own reduction.
+    from monarch_tensor import coalescing, reduce_
+    from worker import messages as m
+
+    def local(n, *parts):
+        """Rank r's ``ones(n) * (r + 1)`` with each part (a slice) summed over the two ranks, one at a time."""
+        ranks = [torch.ones(n) * (rank + 1) for rank in range(2)]
+        for part in parts:
+            total = ranks[0][part] + ranks[1][part]
+            for t in ranks:
+                t[part] = total
+        return ranks[1].tolist()
+
+    with procs.activate():
+        r = procs.rank_tensor("gpus")
+        with coalescing():  # (one batch, however the script is timed)
+            b = torch.ones(4) * (r + 1)
+            v = b[:2]
+            b.reduce_("gpus", "sum")
+            v.reduce_("gpus", "sum")
+            d = torch.ones(3) * (r + 1)
+            alias = d.detach()
+            d.reduce_("gpus", "sum")
+            alias.reduce_("gpus", "sum")
+            flat = torch.ones(6) * (r + 1)
+            pieces = [flat[:2], flat[2:]]
+            flat.reduce_("gpus", "sum")
+            for t in pieces:  # disjoint views of one buffer: still one collective for both
+                t.reduce_("gpus", "sum")
+            last = r._ctx.client._q[-1]
+            assert type(last) is m.ReduceMany and last.srcs == tuple(t._ref for t in pieces)
+            e = torch.ones(4) * (r + 1)
+            reduce_([e, e[1:3]], "gpus", "sum")  # a pytree's leaves: as one at a time
+        got = [inspect(t, gpus=1) for t in (b, d, flat, e)]
+
+    every = slice(None)
+    assert got[0].tolist() == local(4, every, slice(0, 2)) == [6, 6, 3, 3]
+    assert got[1].tolist() == local(3, every, every) == [6, 6, 6]
+    assert got[2].tolist() == local(6, every, slice(0, 2), slice(2, 6)) == [6] * 6
+    assert got[3].tolist() == local(4, every, slice(1, 3)) == [3, 6, 6, 3]
