@@ -306,6 +306,10 @@ def _scan(a, key: list, tensors: list, local: list):
     if isinstance(a, tuple) and hasattr(t, "_fields"):  # a named tuple (torch's pytrees look inside them too)
         key.append(t)
         return t(*(_scan(x, key, tensors, local) for x in a))
+    if t is torch.Generator:  # its state travels (see _draw); the op's shapes do not depend on it
+        key.append(t)
+        key.append(a.device)
+        return _copy_generator(a)
     if t is RemoteProcessGroup:
         key.append(t)
         key.append(a.dims)
@@ -619,6 +623,8 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
         mutates = tuple(t._ref for t in written)
     else:
         written, mutates = (), ()
+    if deep and type(kwargs.get("generator")) is torch.Generator:  # (its copy made the call deep: _scan)
+        _draw(func, args, kwargs)
     client = ctx.client
     loc = user_loc()
     if local:
@@ -875,6 +881,40 @@ def _forget_values(pos, names, args, kwargs) -> None:
         for t in (a if type(a) in (list, tuple) else (a,)):
             if type(t) is Tensor and hasattr(t, "_val"):
                 del t._val
+
+
+# A torch.Generator passed to a random op (``torch.randn(3, generator=g)``) stays the script's: each op
+# takes a copy of its state to the workers (every rank draws what a local run would), and the controller
+# draws the same numbers from ``g`` itself, so that ``g`` moves on as it would locally: the next op, the
+# next batch or a local use after activate() continue the stream rather than repeat it.
+def _copy_generator(g: torch.Generator) -> torch.Generator:
+    copy = torch.Generator(device=g.device)
+    copy.set_state(g.get_state())
+    return copy
+
+
+def _draw(func, args, kwargs) -> None:
+    """Run ``func`` here on stand-ins of its mesh tensors (ones of their shapes and dtypes), on its generator's
+    device, to advance that generator as much as the workers' copies advance. (A sampler that draws as many
+    numbers as the values ask for, as ``torch.poisson``, may advance it differently; the workers' numbers
+    are right all the same.)"""
+    device = kwargs["generator"].device
+
+    def stand_in(a):
+        if type(a) is Tensor:
+            return torch.ones(a.shape, dtype=a.dtype, device=device)
+        if type(a) is list or type(a) is tuple:
+            return type(a)(stand_in(x) for x in a)
+        return a
+
+    kwargs = {k: stand_in(v) for k, v in kwargs.items()}
+    if "device" in kwargs:  # a factory (recorded for the CPU: the workers make it on theirs)
+        kwargs["device"] = device
+    state.internal = True
+    try:
+        func(*stand_in(args), **kwargs)
+    finally:
+        state.internal = False
 
 
 def _upload(client, ctx: Ctx, local: list, wargs, wkwargs):

@@ -963,3 +963,30 @@ def test_in_place_reduces_of_overlapping_memory_are_not_folded_into_one_collecti
     assert got[1].tolist() == local(3, every, every) == [6, 6, 6]
     assert got[2].tolist() == local(6, every, slice(0, 2), slice(2, 6)) == [6] * 6
     assert got[3].tolist() == local(4, every, slice(1, 3)) == [3, 6, 6, 3]
+
+
+def test_a_generator_given_to_random_ops_draws_what_it_draws_locally_and_moves_on(procs):
+    # The generator went into each instruction as it was when the batch left: ops of two batches repeated
+    # the same numbers, and the script's generator never moved on.
+    from monarch_tensor import coalescing
+
+    def draws(g, x):
+        return [torch.randn(3, generator=g), torch.randint(0, 100, (4,), generator=g),
+                torch.randperm(5, generator=g), x.clone().normal_(generator=g), torch.bernoulli(x / 2, generator=g)]
+
+    ref = torch.Generator(WORKER_DEVICE).manual_seed(5)  # (on the GPU where the workers use one)
+    with torch.device(WORKER_DEVICE):
+        want = [t.cpu() for t in draws(ref, torch.ones(2)) + draws(ref, torch.ones(2))]
+    g = torch.Generator(WORKER_DEVICE).manual_seed(5)
+    with procs.activate():
+        x = torch.ones(2) + procs.rank_tensor("gpus") * 0
+        first = draws(g, x)
+        got = [inspect(t, gpus=1) for t in first]  # (a fetch: the next draws are another batch)
+        with coalescing():
+            second = draws(g, x)
+        got += [inspect(t, gpus=0) for t in second]
+        assert torch.equal(g.get_state(), ref.get_state())
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    with torch.device(WORKER_DEVICE):  # a local use goes on after
+        assert torch.equal(torch.rand(3, generator=g), torch.rand(3, generator=ref))
