@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import sys
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -145,6 +146,13 @@ def _holds_mesh_tensor(data) -> bool:
     return any(type(x) is Tensor or (type(x) in (list, tuple) and _holds_mesh_tensor(x)) for x in data)
 
 
+def _called_by_data_loading() -> bool:
+    """Whether the factory wrapper calling this was called by ``torch.utils.data``: a DataLoader's seed
+    (``torch.empty((), dtype=torch.int64).random_().item()``), a sampler's permutation, a collate's
+    ``torch.tensor(numbers)``. That is the script's own bookkeeping, local as in a plain run."""
+    return sys._getframe(2).f_globals.get("__name__", "").startswith("torch.utils.data")
+
+
 def _install_factories() -> None:
     """Wrap torch's factory functions: inside ``activate()`` they create mesh tensors.
 
@@ -166,6 +174,8 @@ def _install_factories() -> None:
             def factory(*args, **kwargs):
                 pm = state.ctx_mesh
                 if pm is None or state.internal or _wire.decoding():  # (a message's tensors being rebuilt)
+                    return orig(*args, **kwargs)
+                if _called_by_data_loading():
                     return orig(*args, **kwargs)
                 if any(type(a) is Tensor for a in args):  # *_like of a mesh tensor: dispatches already
                     return orig(*args, **kwargs)

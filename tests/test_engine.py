@@ -990,3 +990,31 @@ def test_a_generator_given_to_random_ops_draws_what_it_draws_locally_and_moves_o
         assert torch.equal(a, b)
     with torch.device(WORKER_DEVICE):  # a local use goes on after
         assert torch.equal(torch.rand(3, generator=g), torch.rand(3, generator=ref))
+
+
+def test_a_data_loader_iterates_inside_activate_as_in_plain_torch(procs):
+    # torch.utils.data makes host-side tensors of its own (the iterator's seed, read with .item(); a
+    # sampler's permutation; a collate's torch.tensor(numbers)): inside activate() they became mesh tensors
+    # and iterating failed with a message about an .item() the script never called.
+    from torch.utils import _pytree as pytree
+    from torch.utils.data import DataLoader, TensorDataset
+
+    ds = TensorDataset(torch.arange(10.0).reshape(10, 1), torch.arange(10))
+
+    def batches(shuffle, seed=3):
+        loader = DataLoader(ds, batch_size=4, shuffle=shuffle, generator=torch.Generator().manual_seed(seed))
+        return [(x, y) for x, y in loader] + [torch.utils.data.default_collate([1.5, 2.5])]
+
+    want = batches(False) + batches(True)
+    torch.manual_seed(7)
+    want_global = [y for _, y in DataLoader(ds, batch_size=5, shuffle=True)]
+    with procs.activate():
+        got = batches(False) + batches(True)
+        torch.manual_seed(7)
+        got_global = [y for _, y in DataLoader(ds, batch_size=5, shuffle=True)]
+        w = torch.ones(1) * 2
+        scaled = inspect(got[0][0] * w, gpus=1)
+    assert all(type(b) is not type(w) for b in pytree.tree_leaves(got + got_global))  # local, as in plain torch
+    assert all(torch.equal(a, b) for a, b in zip(pytree.tree_leaves(got), pytree.tree_leaves(want)))
+    assert all(torch.equal(a, b) for a, b in zip(got_global, want_global))
+    assert scaled.tolist() == [[0.0], [2.0], [4.0], [6.0]]
