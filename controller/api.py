@@ -236,6 +236,21 @@ def _install_factories() -> None:
     torch.get_rng_state = torch.random.get_rng_state = get_rng_state
     torch.set_rng_state = torch.random.set_rng_state = set_rng_state
 
+    # optimizer.load_state_dict() moves each state tensor to its parameter with ``value.to(device=param.device)``;
+    # a mesh tensor names the CPU as its device, so a local checkpoint's state stayed local and the next step()
+    # failed. Here it goes to the parameter's mesh, as a module's load_state_dict copies local values there.
+    optimizer = torch.optim.Optimizer
+    process = optimizer._process_value_according_to_param_policy
+
+    @functools.wraps(process)
+    def process_value(param, value, *args, **kwargs):
+        out = process(param, value, *args, **kwargs)
+        if type(param) is Tensor and param._dist is None and type(out) is torch.Tensor:
+            return record(torch.ops.aten.clone.default, (out,), {}, param._ctx)  # (a local tensor is uploaded)
+        return out
+
+    optimizer._process_value_according_to_param_policy = staticmethod(process_value)
+
 
 # ---- fetching ----------------------------------------------------------------------------------------
 def _is_opaque(x) -> bool:

@@ -6,6 +6,7 @@ One mesh of two procs (``{"gpus": 2}``) is shared by the whole module.
 from __future__ import annotations
 
 import asyncio
+import copy
 import gc
 import os
 import time
@@ -1018,3 +1019,40 @@ def test_a_data_loader_iterates_inside_activate_as_in_plain_torch(procs):
     assert all(torch.equal(a, b) for a, b in zip(pytree.tree_leaves(got), pytree.tree_leaves(want)))
     assert all(torch.equal(a, b) for a, b in zip(got_global, want_global))
     assert scaled.tolist() == [[0.0], [2.0], [4.0], [6.0]]
+
+
+def test_an_optimizer_loads_a_local_state_onto_the_mesh_and_trains_on_as_locally(procs):
+    # torch moves each loaded state tensor with value.to(device=param.device), which kept it local for a mesh
+    # parameter: the next step() wrote a mesh result into a local tensor and failed.
+    from torch import nn
+
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
+
+    def train(m, opt, x, n):
+        for _ in range(n):
+            opt.zero_grad()
+            m(x).pow(2).mean().backward()
+            opt.step()
+
+    ref = model()
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.05)
+    train(ref, ref_opt, x, 2)
+    checkpoint = {"m": {k: v.clone() for k, v in ref.state_dict().items()},
+                  "o": copy.deepcopy(ref_opt.state_dict())}
+    train(ref, ref_opt, x, 2)
+    with procs.activate():
+        m = model()
+        opt = torch.optim.Adam(m.parameters(), lr=0.05)
+        m.load_state_dict(checkpoint["m"])
+        opt.load_state_dict(checkpoint["o"])
+        assert all(type(v) is type(m[0].weight) for s in opt.state.values() for v in s.values())
+        train(m, opt, torch.tensor(x.tolist()), 2)
+        got = [inspect(p, gpus=1) for p in m.parameters()]
+        got_avg = inspect(opt.state[m[0].weight]["exp_avg_sq"], gpus=0)
+    for p, want in zip(got, ref.parameters()):
+        torch.testing.assert_close(p, want.detach())
+    torch.testing.assert_close(got_avg, ref_opt.state[ref[0].weight]["exp_avg_sq"])
