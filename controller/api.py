@@ -251,6 +251,16 @@ def _install_factories() -> None:
 
     optimizer._process_value_according_to_param_policy = staticmethod(process_value)
 
+    # torch.compile (Dynamo) compiles each Python frame that a compiled function calls, the engine's recording
+    # of an op on a mesh tensor too: it broke its graph at every other line there and ended in a RecursionError
+    # after a minute. Dynamo leaves the engine's packages alone: an op on mesh tensors in a compiled function
+    # is a graph break (as for any tensor subclass Dynamo cannot trace) and is recorded as without compile.
+    # (torch._dynamo is imported already, or soon: the fake-tensor mode imports it.)
+    from torch._dynamo import trace_rules
+
+    for package in ("controller", "worker", "monarch_tensor"):
+        trace_rules.add(package)
+
 
 # ---- fetching ----------------------------------------------------------------------------------------
 def _is_opaque(x) -> bool:

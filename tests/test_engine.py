@@ -1056,3 +1056,43 @@ def test_an_optimizer_loads_a_local_state_onto_the_mesh_and_trains_on_as_locally
     for p, want in zip(got, ref.parameters()):
         torch.testing.assert_close(p, want.detach())
     torch.testing.assert_close(got_avg, ref_opt.state[ref[0].weight]["exp_avg_sq"])
+
+
+_COMPILE_SCRIPT = """
+import torch
+from monarch_tensor import inspect, this_host
+
+@torch.compile  # (before the first activate(), as a decorator at the top of a script is)
+def f(x):
+    return torch.sin(x) * 2 + x.sum()
+
+torch.manual_seed(0)
+local = torch.nn.Linear(4, 2)
+procs = this_host().spawn_procs(per_host={"gpus": 2})
+with procs.activate():
+    x = torch.arange(4.0) + procs.rank_tensor("gpus")
+    y = f(x)
+    torch.manual_seed(0)
+    model = torch.compile(torch.nn.Linear(4, 2))
+    model(x).sum().backward()
+    got = inspect(y, gpus=1), inspect(model.weight.grad, gpus=1)
+x = torch.arange(4.0) + 1
+local(x).sum().backward()
+assert torch.allclose(got[0], torch.sin(x) * 2 + x.sum()), got
+assert torch.allclose(got[1], local.weight.grad), got
+print("compiled ok")
+procs.stop().get(timeout=30)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_torch_compile_of_a_function_of_mesh_tensors_runs_it_as_without_compile(tmp_path):
+    # Dynamo compiled the engine's own frames (recording an op) too, graph-breaking at every other line,
+    # and ended in a RecursionError after a minute. Now each op on a mesh tensor is a graph break.
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], cwd=str(tmp_path), env=dict(os.environ, PYTHONPATH=root),
+                       capture_output=True, text=True, timeout=100)
+    assert p.returncode == 0 and "compiled ok" in p.stdout, p.stderr[-3000:]
