@@ -251,6 +251,21 @@ def _install_factories() -> None:
 
     optimizer._process_value_according_to_param_policy = staticmethod(process_value)
 
+    # F.one_hot(t) without num_classes sizes its result by t.max().item() + 1, a read of the value that torch
+    # makes inside the op: refused, it named an .item() the script never called. It is an op whose output
+    # shape depends on the data, and says so as the others do.
+    one_hot = torch.nn.functional.one_hot
+
+    @functools.wraps(one_hot)
+    def one_hot_(tensor, num_classes=-1):
+        if type(tensor) is Tensor and num_classes < 0 and not hasattr(tensor, "_val"):
+            raise MeshTensorError("torch.nn.functional.one_hot(t) without num_classes has an output shape that "
+                                  "depends on the data (t.max() + 1), which the controller cannot know; pass "
+                                  "num_classes, or compute it in a remote() function with propagate=... instead")
+        return one_hot(tensor, num_classes)
+
+    torch.nn.functional.one_hot = one_hot_
+
     # torch.compile (Dynamo) compiles each Python frame that a compiled function calls, the engine's recording
     # of an op on a mesh tensor too: it broke its graph at every other line there and ended in a RecursionError
     # after a minute. Dynamo leaves the engine's packages alone: an op on mesh tensors in a compiled function

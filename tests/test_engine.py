@@ -1096,3 +1096,20 @@ def test_torch_compile_of_a_function_of_mesh_tensors_runs_it_as_without_compile(
     p = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], cwd=str(tmp_path), env=dict(os.environ, PYTHONPATH=root),
                        capture_output=True, text=True, timeout=100)
     assert p.returncode == 0 and "compiled ok" in p.stdout, p.stderr[-3000:]
+
+
+def test_one_hot_without_num_classes_of_a_value_on_the_workers_says_its_shape_depends_on_the_data(procs):
+    # It sizes its result by t.max().item() + 1 inside the op: the refusal named an .item() the script never
+    # called, where other ops whose output shape depends on the data point to remote(..., propagate=...).
+    from torch.nn import functional as F
+
+    with procs.activate():
+        idx = torch.tensor([0, 1]) + procs.rank_tensor("gpus")
+        with pytest.raises(MeshTensorError, match=r"one_hot\(t\) without num_classes has an output shape that "
+                                                  r"depends on the data .* propagate="):
+            F.one_hot(idx)
+        given = inspect(F.one_hot(idx, 4), gpus=1)
+        known = F.one_hot(torch.tensor([0, 2]))  # (a value the controller knows: its shape is known too)
+        got_known = inspect(known, gpus=0)
+    assert torch.equal(given, F.one_hot(torch.tensor([1, 2]), 4))
+    assert torch.equal(got_known, F.one_hot(torch.tensor([0, 2])))
