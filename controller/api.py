@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import sys
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -38,6 +39,7 @@ from .tensor import (
     contiguous_meta,
     forget_value,
     intern_meta,
+    memory_span,
     record,
     state,
 )
@@ -144,6 +146,13 @@ def _holds_mesh_tensor(data) -> bool:
     return any(type(x) is Tensor or (type(x) in (list, tuple) and _holds_mesh_tensor(x)) for x in data)
 
 
+def _called_by_data_loading() -> bool:
+    """Whether the factory wrapper calling this was called by ``torch.utils.data``: a DataLoader's seed
+    (``torch.empty((), dtype=torch.int64).random_().item()``), a sampler's permutation, a collate's
+    ``torch.tensor(numbers)``. That is the script's own bookkeeping, local as in a plain run."""
+    return sys._getframe(2).f_globals.get("__name__", "").startswith("torch.utils.data")
+
+
 def _install_factories() -> None:
     """Wrap torch's factory functions: inside ``activate()`` they create mesh tensors.
 
@@ -165,6 +174,8 @@ def _install_factories() -> None:
             def factory(*args, **kwargs):
                 pm = state.ctx_mesh
                 if pm is None or state.internal or _wire.decoding():  # (a message's tensors being rebuilt)
+                    return orig(*args, **kwargs)
+                if _called_by_data_loading():
                     return orig(*args, **kwargs)
                 if any(type(a) is Tensor for a in args):  # *_like of a mesh tensor: dispatches already
                     return orig(*args, **kwargs)
@@ -224,6 +235,46 @@ def _install_factories() -> None:
     torch.manual_seed = torch.random.manual_seed = manual_seed
     torch.get_rng_state = torch.random.get_rng_state = get_rng_state
     torch.set_rng_state = torch.random.set_rng_state = set_rng_state
+
+    # optimizer.load_state_dict() moves each state tensor to its parameter with ``value.to(device=param.device)``;
+    # a mesh tensor names the CPU as its device, so a local checkpoint's state stayed local and the next step()
+    # failed. Here it goes to the parameter's mesh, as a module's load_state_dict copies local values there.
+    optimizer = torch.optim.Optimizer
+    process = optimizer._process_value_according_to_param_policy
+
+    @functools.wraps(process)
+    def process_value(param, value, *args, **kwargs):
+        out = process(param, value, *args, **kwargs)
+        if type(param) is Tensor and param._dist is None and type(out) is torch.Tensor:
+            return record(torch.ops.aten.clone.default, (out,), {}, param._ctx)  # (a local tensor is uploaded)
+        return out
+
+    optimizer._process_value_according_to_param_policy = staticmethod(process_value)
+
+    # F.one_hot(t) without num_classes sizes its result by t.max().item() + 1, a read of the value that torch
+    # makes inside the op: refused, it named an .item() the script never called. It is an op whose output
+    # shape depends on the data, and says so as the others do.
+    one_hot = torch.nn.functional.one_hot
+
+    @functools.wraps(one_hot)
+    def one_hot_(tensor, num_classes=-1):
+        if type(tensor) is Tensor and num_classes < 0 and not hasattr(tensor, "_val"):
+            raise MeshTensorError("torch.nn.functional.one_hot(t) without num_classes has an output shape that "
+                                  "depends on the data (t.max() + 1), which the controller cannot know; pass "
+                                  "num_classes, or compute it in a remote() function with propagate=... instead")
+        return one_hot(tensor, num_classes)
+
+    torch.nn.functional.one_hot = one_hot_
+
+    # torch.compile (Dynamo) compiles each Python frame that a compiled function calls, the engine's recording
+    # of an op on a mesh tensor too: it broke its graph at every other line there and ended in a RecursionError
+    # after a minute. Dynamo leaves the engine's packages alone: an op on mesh tensors in a compiled function
+    # is a graph break (as for any tensor subclass Dynamo cannot trace) and is recorded as without compile.
+    # (torch._dynamo is imported already, or soon: the fake-tensor mode imports it.)
+    from torch._dynamo import trace_rules
+
+    for package in ("controller", "worker", "monarch_tensor"):
+        trace_rules.add(package)
 
 
 # ---- fetching ----------------------------------------------------------------------------------------
@@ -471,7 +522,7 @@ def _reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool) -> Te
         check_writable("reduce_", t)
         forget_value(t)
         client.issue(m.Reduce(t._ref, t._ref, groups, reduction, scatter, True, t.numel(), t.dtype, ctx.sid,
-                              user_loc()), ctx.ranks)
+                              user_loc()), ctx.ranks, memory=memory_span(t))
         return t
     ref = next(client.refs)
     meta = contiguous_meta(out_shape, t.dtype)

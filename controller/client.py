@@ -106,6 +106,11 @@ class Ctx:
         self.sid = stream.id
 
 
+def _overlap(a: tuple, b: tuple) -> bool:
+    """Whether two ``(memory, first byte, end byte)`` spans (``tensor.memory_span``) may share bytes."""
+    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+
+
 class MeshClient:
     """The controller's side of one allocation's tensor workers."""
 
@@ -122,6 +127,7 @@ class MeshClient:
         self._dels: collections.deque = collections.deque()
         self._ranks = self.all_ranks
         self._limit = FIRST_BATCH  # the size bound of the batch being filled (see the module docstring)
+        self._fused = (None, [])  # the last Reduce or ReduceMany queued, and the memories it writes (_fuse)
         self._lock = threading.RLock()
         self._ctxs: dict = {}
         self._streams = {0}
@@ -158,7 +164,9 @@ class MeshClient:
 
         return MeshStoppedError(f"the proc mesh of these tensors was stopped ({len(self.addrs)} procs)")
 
-    def issue(self, instr, ranks: tuple) -> None:
+    def issue(self, instr, ranks: tuple, memory=None) -> None:
+        """Queue ``instr`` for ``ranks``. ``memory``: for an in-place ``Reduce``, the memory it writes
+        (``tensor.memory_span``), which ``_fuse`` looks at."""
         if self.alloc._stopped:
             raise self.stopped_error()
         with self._lock:  # (threads of the script issue to one batch: its ranks and its order are one thing)
@@ -166,8 +174,10 @@ class MeshClient:
                 self.flush()
                 self._ranks = ranks
             q = self._q
-            if type(instr) is m.Reduce and q and self._fuse(instr):
-                return
+            if type(instr) is m.Reduce:
+                if q and self._fuse(instr, memory):
+                    return
+                self._fused = (instr, [memory] if memory is not None else [])
             q.append(instr)
             if _held:  # inside coalescing(): the batch leaves at its end (or at a fetch, or a change of ranks)
                 _held.add(self)
@@ -178,10 +188,13 @@ class MeshClient:
             elif n == 1:
                 _flusher.wake(self)
 
-    def _fuse(self, r) -> bool:
+    def _fuse(self, r, memory) -> bool:
         """Fold the reduce ``r`` into the batch's last instruction when that is a reduce of the same group,
         reduction, dtype, stream and kind (in place or not): one collective for a run of them, as for
-        ``for p in params: p.grad.reduce_("dp", "avg")`` (each result still fails on its own)."""
+        ``for p in params: p.grad.reduce_("dp", "avg")`` (each result still fails on its own).
+
+        Not when ``r`` writes in place (``memory``) to memory that one of them wrote: one collective reads
+        every input before it writes any, so ``b.reduce_(); b[:2].reduce_()`` would reduce ``b[:2]`` once."""
         if r.scatter or r.reduction == "stack":
             return False
         with self._lock:  # (a flush on the flusher's thread pops from the batch meanwhile)
@@ -189,6 +202,9 @@ class MeshClient:
             if not q:
                 return False
             last = q[-1]
+            fused, memories = self._fused
+            if fused is not last or (memory is not None and any(_overlap(memory, w) for w in memories)):
+                return False
             t = type(last)
             if t is m.Reduce:
                 if last.scatter or last.reduction == "stack":
@@ -203,6 +219,9 @@ class MeshClient:
             q[-1] = m.ReduceMany(last.outs + (r.out,), last.srcs + (r.src,), last.groups, last.reduction,
                                  last.inplace, last.numels + (r.numel,), last.dtype, last.stream,
                                  last.locs + (r.loc,))
+            if memory is not None:
+                memories.append(memory)
+            self._fused = (q[-1], memories)
             return True
 
     def delete(self, ref: int, sid: int) -> None:

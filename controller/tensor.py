@@ -228,11 +228,14 @@ def set_data(t: Tensor, new) -> None:
     if getattr(t, "_dist", None) is not None or getattr(new, "_dist", None) is not None:
         raise MeshTensorError("t.data = new of a distributed (DTensor) mesh tensor is not supported; assign to the "
                               "DTensor itself")
+    old_memory = memory_of(t)
     alias = record(torch.ops.aten.alias.default, (new,), {}, None)
     _base_data.__set__(t, alias)  # the controller's metadata: shape, strides, dtype
     t._meta, alias._meta = alias._meta, t._meta
     t._mid, alias._mid = alias._mid, t._mid
     t._ref, alias._ref = alias._ref, t._ref
+    # ``t`` now uses ``new``'s memory; the alias object, with ``t``'s old ref, uses ``t``'s old memory.
+    t._memory, alias._memory = alias._memory, old_memory
     if hasattr(t, "_val"):
         del t._val
     if hasattr(alias, "_val"):
@@ -303,6 +306,10 @@ def _scan(a, key: list, tensors: list, local: list):
     if isinstance(a, tuple) and hasattr(t, "_fields"):  # a named tuple (torch's pytrees look inside them too)
         key.append(t)
         return t(*(_scan(x, key, tensors, local) for x in a))
+    if t is torch.Generator:  # its state travels (see _draw); the op's shapes do not depend on it
+        key.append(t)
+        key.append(a.device)
+        return _copy_generator(a)
     if t is RemoteProcessGroup:
         key.append(t)
         key.append(a.dims)
@@ -616,6 +623,8 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
         mutates = tuple(t._ref for t in written)
     else:
         written, mutates = (), ()
+    if deep and type(kwargs.get("generator")) is torch.Generator:  # (its copy made the call deep: _scan)
+        _draw(func, args, kwargs)
     client = ctx.client
     loc = user_loc()
     if local:
@@ -638,8 +647,10 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
     if tpl.view:
         if tpl.view is True:
             _link_views(tensors, out)
+            _share_memory(tensors, out)
         elif len(tensors) > 1:
             _join_aliases(tensors)
+            _share_memory(tensors[1:], tensors[0])
     if written:
         _forget_aliases(written)
     if tpl.fold:
@@ -789,6 +800,36 @@ def _link_views(tensors, out) -> None:
             group.add(o)
 
 
+def memory_of(t: Tensor) -> int:
+    """Which memory ``t`` uses on the workers, as the ref of the tensor that allocated it: a view (``t[:2]``,
+    ``detach()``, ``.data``) or ``a.set_(b)`` uses its input's. Equal answers may overlap; different ones do
+    not, as far as the controller saw (a remote function may still return a view of its argument)."""
+    return getattr(t, "_memory", t._ref)
+
+
+def memory_span(t: Tensor) -> tuple:
+    """``(memory_of(t), first byte, end byte)``: the bytes of that memory which ``t``'s elements lie within
+    (its metadata's offset and strides count in that memory, as torch's views do)."""
+    shape, stride, offset, dtype = t._meta[:4]
+    size = dtype.itemsize
+    if any(d == 0 for d in shape):
+        return (memory_of(t), offset * size, offset * size)
+    last = offset + sum((d - 1) * abs(st) for d, st in zip(shape, stride))
+    return (memory_of(t), offset * size, (last + 1) * size)
+
+
+def _share_memory(tensors: list, out) -> None:
+    """A view's outputs (or ``set_``'s target) use the memory of the op's first mesh tensor input (see
+    ``memory_of``): ``MeshClient._fuse`` must not put in-place reduces of one memory in one collective."""
+    src = next((t for t in tensors if type(t) is Tensor), None)
+    if src is None:
+        return
+    mem = memory_of(src)
+    for o in flat_leaves(out):
+        if type(o) is Tensor and o is not src:
+            o._memory = mem
+
+
 def _join_aliases(tensors: list) -> None:
     """``a.set_(b)``: ``a`` now shares ``b``'s memory on the workers; their alias groups become one, so that a
     write to either (or to a view of either) drops the other's known value."""
@@ -840,6 +881,40 @@ def _forget_values(pos, names, args, kwargs) -> None:
         for t in (a if type(a) in (list, tuple) else (a,)):
             if type(t) is Tensor and hasattr(t, "_val"):
                 del t._val
+
+
+# A torch.Generator passed to a random op (``torch.randn(3, generator=g)``) stays the script's: each op
+# takes a copy of its state to the workers (every rank draws what a local run would), and the controller
+# draws the same numbers from ``g`` itself, so that ``g`` moves on as it would locally: the next op, the
+# next batch or a local use after activate() continue the stream rather than repeat it.
+def _copy_generator(g: torch.Generator) -> torch.Generator:
+    copy = torch.Generator(device=g.device)
+    copy.set_state(g.get_state())
+    return copy
+
+
+def _draw(func, args, kwargs) -> None:
+    """Run ``func`` here on stand-ins of its mesh tensors (ones of their shapes and dtypes), on its generator's
+    device, to advance that generator as much as the workers' copies advance. (A sampler that draws as many
+    numbers as the values ask for, as ``torch.poisson``, may advance it differently; the workers' numbers
+    are right all the same.)"""
+    device = kwargs["generator"].device
+
+    def stand_in(a):
+        if type(a) is Tensor:
+            return torch.ones(a.shape, dtype=a.dtype, device=device)
+        if type(a) is list or type(a) is tuple:
+            return type(a)(stand_in(x) for x in a)
+        return a
+
+    kwargs = {k: stand_in(v) for k, v in kwargs.items()}
+    if "device" in kwargs:  # a factory (recorded for the CPU: the workers make it on theirs)
+        kwargs["device"] = device
+    state.internal = True
+    try:
+        func(*stand_in(args), **kwargs)
+    finally:
+        state.internal = False
 
 
 def _upload(client, ctx: Ctx, local: list, wargs, wkwargs):

@@ -6,6 +6,7 @@ One mesh of two procs (``{"gpus": 2}``) is shared by the whole module.
 from __future__ import annotations
 
 import asyncio
+import copy
 import gc
 import os
 import time
@@ -919,3 +920,196 @@ def test_dropped_tensors_are_freed_on_the_workers_while_the_script_is_idle(procs
     while (left := procs.execute(_tensors_of_numel, n).values()) != [0, 0] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert left == [0, 0]
+
+
+def test_in_place_reduces_of_overlapping_memory_are_not_folded_into_one_collective(procs):
+    # Adjacent reduces of a batch become one collective, which reads every input before it writes any: a
+    # reduce_ of a view (or a detach()) of a tensor reduced just before lost its own reduction.
+    from monarch_tensor import coalescing, reduce_
+    from worker import messages as m
+
+    def local(n, *parts):
+        """Rank r's ``ones(n) * (r + 1)`` with each part (a slice) summed over the two ranks, one at a time."""
+        ranks = [torch.ones(n) * (rank + 1) for rank in range(2)]
+        for part in parts:
+            total = ranks[0][part] + ranks[1][part]
+            for t in ranks:
+                t[part] = total
+        return ranks[1].tolist()
+
+    with procs.activate():
+        r = procs.rank_tensor("gpus")
+        with coalescing():  # (one batch, however the script is timed)
+            b = torch.ones(4) * (r + 1)
+            v = b[:2]
+            b.reduce_("gpus", "sum")
+            v.reduce_("gpus", "sum")
+            d = torch.ones(3) * (r + 1)
+            alias = d.detach()
+            d.reduce_("gpus", "sum")
+            alias.reduce_("gpus", "sum")
+            flat = torch.ones(6) * (r + 1)
+            pieces = [flat[:2], flat[2:]]
+            flat.reduce_("gpus", "sum")
+            for t in pieces:  # disjoint views of one buffer: still one collective for both
+                t.reduce_("gpus", "sum")
+            last = r._ctx.client._q[-1]
+            assert type(last) is m.ReduceMany and last.srcs == tuple(t._ref for t in pieces)
+            e = torch.ones(4) * (r + 1)
+            reduce_([e, e[1:3]], "gpus", "sum")  # a pytree's leaves: as one at a time
+        got = [inspect(t, gpus=1) for t in (b, d, flat, e)]
+
+    every = slice(None)
+    assert got[0].tolist() == local(4, every, slice(0, 2)) == [6, 6, 3, 3]
+    assert got[1].tolist() == local(3, every, every) == [6, 6, 6]
+    assert got[2].tolist() == local(6, every, slice(0, 2), slice(2, 6)) == [6] * 6
+    assert got[3].tolist() == local(4, every, slice(1, 3)) == [3, 6, 6, 3]
+
+
+def test_a_generator_given_to_random_ops_draws_what_it_draws_locally_and_moves_on(procs):
+    # The generator went into each instruction as it was when the batch left: ops of two batches repeated
+    # the same numbers, and the script's generator never moved on.
+    from monarch_tensor import coalescing
+
+    def draws(g, x):
+        return [torch.randn(3, generator=g), torch.randint(0, 100, (4,), generator=g),
+                torch.randperm(5, generator=g), x.clone().normal_(generator=g), torch.bernoulli(x / 2, generator=g)]
+
+    ref = torch.Generator(WORKER_DEVICE).manual_seed(5)  # (on the GPU where the workers use one)
+    with torch.device(WORKER_DEVICE):
+        want = [t.cpu() for t in draws(ref, torch.ones(2)) + draws(ref, torch.ones(2))]
+    g = torch.Generator(WORKER_DEVICE).manual_seed(5)
+    with procs.activate():
+        x = torch.ones(2) + procs.rank_tensor("gpus") * 0
+        first = draws(g, x)
+        got = [inspect(t, gpus=1) for t in first]  # (a fetch: the next draws are another batch)
+        with coalescing():
+            second = draws(g, x)
+        got += [inspect(t, gpus=0) for t in second]
+        assert torch.equal(g.get_state(), ref.get_state())
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    with torch.device(WORKER_DEVICE):  # a local use goes on after
+        assert torch.equal(torch.rand(3, generator=g), torch.rand(3, generator=ref))
+
+
+def test_a_data_loader_iterates_inside_activate_as_in_plain_torch(procs):
+    # torch.utils.data makes host-side tensors of its own (the iterator's seed, read with .item(); a
+    # sampler's permutation; a collate's torch.tensor(numbers)): inside activate() they became mesh tensors
+    # and iterating failed with a message about an .item() the script never called.
+    from torch.utils import _pytree as pytree
+    from torch.utils.data import DataLoader, TensorDataset
+
+    ds = TensorDataset(torch.arange(10.0).reshape(10, 1), torch.arange(10))
+
+    def batches(shuffle, seed=3):
+        loader = DataLoader(ds, batch_size=4, shuffle=shuffle, generator=torch.Generator().manual_seed(seed))
+        return [(x, y) for x, y in loader] + [torch.utils.data.default_collate([1.5, 2.5])]
+
+    want = batches(False) + batches(True)
+    torch.manual_seed(7)
+    want_global = [y for _, y in DataLoader(ds, batch_size=5, shuffle=True)]
+    with procs.activate():
+        got = batches(False) + batches(True)
+        torch.manual_seed(7)
+        got_global = [y for _, y in DataLoader(ds, batch_size=5, shuffle=True)]
+        w = torch.ones(1) * 2
+        scaled = inspect(got[0][0] * w, gpus=1)
+    assert all(type(b) is not type(w) for b in pytree.tree_leaves(got + got_global))  # local, as in plain torch
+    assert all(torch.equal(a, b) for a, b in zip(pytree.tree_leaves(got), pytree.tree_leaves(want)))
+    assert all(torch.equal(a, b) for a, b in zip(got_global, want_global))
+    assert scaled.tolist() == [[0.0], [2.0], [4.0], [6.0]]
+
+
+def test_an_optimizer_loads_a_local_state_onto_the_mesh_and_trains_on_as_locally(procs):
+    # torch moves each loaded state tensor with value.to(device=param.device), which kept it local for a mesh
+    # parameter: the next step() wrote a mesh result into a local tensor and failed.
+    from torch import nn
+
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
+
+    def train(m, opt, x, n):
+        for _ in range(n):
+            opt.zero_grad()
+            m(x).pow(2).mean().backward()
+            opt.step()
+
+    ref = model()
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.05)
+    train(ref, ref_opt, x, 2)
+    checkpoint = {"m": {k: v.clone() for k, v in ref.state_dict().items()},
+                  "o": copy.deepcopy(ref_opt.state_dict())}
+    train(ref, ref_opt, x, 2)
+    with procs.activate():
+        m = model()
+        opt = torch.optim.Adam(m.parameters(), lr=0.05)
+        m.load_state_dict(checkpoint["m"])
+        opt.load_state_dict(checkpoint["o"])
+        assert all(type(v) is type(m[0].weight) for s in opt.state.values() for v in s.values())
+        train(m, opt, torch.tensor(x.tolist()), 2)
+        got = [inspect(p, gpus=1) for p in m.parameters()]
+        got_avg = inspect(opt.state[m[0].weight]["exp_avg_sq"], gpus=0)
+    for p, want in zip(got, ref.parameters()):
+        torch.testing.assert_close(p, want.detach())
+    torch.testing.assert_close(got_avg, ref_opt.state[ref[0].weight]["exp_avg_sq"])
+
+
+_COMPILE_SCRIPT = """
+import torch
+from monarch_tensor import inspect, this_host
+
+@torch.compile  # (before the first activate(), as a decorator at the top of a script is)
+def f(x):
+    return torch.sin(x) * 2 + x.sum()
+
+torch.manual_seed(0)
+local = torch.nn.Linear(4, 2)
+procs = this_host().spawn_procs(per_host={"gpus": 2})
+with procs.activate():
+    x = torch.arange(4.0) + procs.rank_tensor("gpus")
+    y = f(x)
+    torch.manual_seed(0)
+    model = torch.compile(torch.nn.Linear(4, 2))
+    model(x).sum().backward()
+    got = inspect(y, gpus=1), inspect(model.weight.grad, gpus=1)
+x = torch.arange(4.0) + 1
+local(x).sum().backward()
+assert torch.allclose(got[0], torch.sin(x) * 2 + x.sum()), got
+assert torch.allclose(got[1], local.weight.grad), got
+print("compiled ok")
+procs.stop().get(timeout=30)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_torch_compile_of_a_function_of_mesh_tensors_runs_it_as_without_compile(tmp_path):
+    # Dynamo compiled the engine's own frames (recording an op) too, graph-breaking at every other line,
+    # and ended in a RecursionError after a minute. Now each op on a mesh tensor is a graph break.
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], cwd=str(tmp_path), env=dict(os.environ, PYTHONPATH=root),
+                       capture_output=True, text=True, timeout=100)
+    assert p.returncode == 0 and "compiled ok" in p.stdout, p.stderr[-3000:]
+
+
+def test_one_hot_without_num_classes_of_a_value_on_the_workers_says_its_shape_depends_on_the_data(procs):
+    # It sizes its result by t.max().item() + 1 inside the op: the refusal named an .item() the script never
+    # called, where other ops whose output shape depends on the data point to remote(..., propagate=...).
+    from torch.nn import functional as F
+
+    with procs.activate():
+        idx = torch.tensor([0, 1]) + procs.rank_tensor("gpus")
+        with pytest.raises(MeshTensorError, match=r"one_hot\(t\) without num_classes has an output shape that "
+                                                  r"depends on the data .* propagate="):
+            F.one_hot(idx)
+        given = inspect(F.one_hot(idx, 4), gpus=1)
+        known = F.one_hot(torch.tensor([0, 2]))  # (a value the controller knows: its shape is known too)
+        got_known = inspect(known, gpus=0)
+    assert torch.equal(given, F.one_hot(torch.tensor([1, 2]), 4))
+    assert torch.equal(got_known, F.one_hot(torch.tensor([0, 2])))
