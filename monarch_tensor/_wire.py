@@ -255,7 +255,13 @@ def _rebuild_tensor(buf, dtype, shape):
         return torch.empty(shape, dtype=dtype)
     if mv.readonly:
         mv = memoryview(bytearray(mv))
-    return torch.frombuffer(mv, dtype=torch.uint8).view(dtype).reshape(shape)
+    t = torch.frombuffer(mv, dtype=torch.uint8)
+    if t.data_ptr() % dtype.itemsize:
+        # A frame's bytes may sit at any address (zmq keeps a small frame's inside its message, 12 bytes
+        # past a 16-byte boundary, say), and torch's kernels assume data aligned to the dtype: a 3-element
+        # complex128 tensor there crashed the process that used it (SIGSEGV). Copied: the copy is aligned.
+        t = t.clone()
+    return t.view(dtype).reshape(shape)
 
 
 def _rebuild_cuda_tensor(buf, dtype, shape):
