@@ -35,6 +35,12 @@ class Echo(Actor):
             self.kept = x
 
     @endpoint
+    def keep_and_add(self, x) -> None:
+        """Keeps ``x`` and adds this rank + 1 to it in place."""
+        self.kept = x
+        x += current_rank().rank + 1
+
+    @endpoint
     def kept_total(self) -> float:
         return float(self.kept.sum())
 
@@ -86,6 +92,16 @@ def test_broadcast_to_several_procs_waits_for_every_reader(echo):
         totals = echo.total.call(arr * i).get(timeout=30).values()
         assert totals == [float(arr.size * i)] * 2
     assert echo.slice(gpus=1).kept_total.call_one().get(timeout=30) == float(arr.size * 7)  # not overwritten
+
+
+@pytest.mark.timeout(60)
+def test_receivers_of_one_broadcast_change_only_their_own_arguments(echo):
+    # Both receivers mapped the one segment shared and writable: each saw the other's += as well (3 and 3).
+    arr = np.zeros(2 * MIB // 8, dtype=np.float64)
+    echo.keep_and_add.call(arr).get(timeout=30)
+    assert echo.kept_total.call().get(timeout=30).values() == [float(arr.size), float(arr.size * 2)]
+    assert not arr.any()
+    assert echo.slice(gpus=0).total.call_one(arr).get(timeout=30) == 0.0
 
 
 class _Big(Actor):
