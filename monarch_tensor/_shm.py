@@ -19,8 +19,9 @@ A segment's first ``HEADER`` bytes are one hold flag per reader: the sender
 sets them before sending; each reader clears its own when the last view of
 the message's buffers is freed (a finalizer on the buffer objects), and the
 sender reuses a segment only once every flag is clear. The pool is bounded
-(``SHM_POOL_BYTES``); beyond it a message gets a one-off file that the
-reader unlinks on arrival. Files are named ``mt-<pid>-...`` so those of a
+(``SHM_POOL_BYTES``); beyond it a message gets a one-off file, with one name
+(a hard link) per reader that the reader unlinks on arrival: the bytes go with
+the last name. Files are named ``mt-<pid>-...`` so those of a
 proc that died can be removed by whoever reaps it.
 """
 
@@ -155,7 +156,7 @@ def write(buffers: list, readers: int = 1) -> tuple:
     layout, total = _layout(views)
     seg = _get_pool().take(HEADER + total, readers) if 0 < readers <= MAX_READERS else None
     if seg is None:
-        return _write_oneoff(views, layout, total)
+        return _write_oneoff(views, layout, total, readers)
     mm = seg.mm
     for v, (off, n) in zip(views, layout):
         mm[HEADER + off:HEADER + off + n] = v
@@ -163,20 +164,36 @@ def write(buffers: list, readers: int = 1) -> tuple:
 
 
 def for_reader(desc: tuple, i: int) -> tuple:
-    """The descriptor reader ``i`` gets (one-off files have a single reader)."""
+    """The descriptor reader ``i`` gets: its hold flag in a pooled segment, its own name of a one-off file."""
     name, layout, idx = desc
-    return desc if idx < 0 else (name, layout, i)
+    if idx < 0:
+        return desc if i == 0 else (_oneoff_name(name, i), layout, -1)
+    return name, layout, i
 
 
-def _write_oneoff(views, layout, total) -> tuple:
+def _oneoff_name(name: str, i: int) -> str:
+    return name if i == 0 else f"{name}-{i}"
+
+
+def _write_oneoff(views, layout, total, readers: int) -> tuple:
+    """A file outside the pool, with a name per reader: each reader unlinks its own once it mapped it (the
+    first reader to unlink the only name left the other readers of a broadcast nothing to open)."""
     name = f"mt-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     path = os.path.join(SHM_DIR, name)
     mm = _create(path, max(total, 1))
+    links = []
     try:
         for v, (off, n) in zip(views, layout):
             mm[off:off + n] = v
+        for i in range(1, readers):
+            links.append(os.path.join(SHM_DIR, _oneoff_name(name, i)))
+            os.link(path, links[-1])
     except BaseException:
-        os.unlink(path)
+        for p in [path, *links]:
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
         raise
     finally:
         mm.close()
@@ -287,7 +304,7 @@ def _read_oneoff(name: str, layout: list[tuple[int, int]]) -> list[memoryview]:
     path = os.path.join(SHM_DIR, name)
     fd = os.open(path, os.O_RDWR)
     try:
-        m = mmap.mmap(fd, os.fstat(fd).st_size)
+        m = _map_private(fd, os.fstat(fd).st_size)  # (the other readers' names are of the same file)
     finally:
         os.close(fd)
         os.unlink(path)

@@ -104,6 +104,32 @@ def test_receivers_of_one_broadcast_change_only_their_own_arguments(echo):
     assert echo.slice(gpus=0).total.call_one(arr).get(timeout=30) == 0.0
 
 
+def _oneoff_files() -> set[str]:
+    return set(glob.glob(f"/dev/shm/mt-{os.getpid()}-*")) - _pool_files()
+
+
+@pytest.mark.timeout(60)
+def test_a_broadcast_beyond_the_pool_reaches_every_reader(echo, monkeypatch):
+    # It went into a one-off file that the first reader unlinked on arrival: the other could not open it,
+    # and the call never completed.
+    monkeypatch.setattr(_shm, "SHM_POOL_BYTES", MIB)
+    arr = np.ones(4 * MIB // 8, dtype=np.float64)
+    before = _oneoff_files()
+    assert echo.total.call(arr).get(timeout=30).values() == [float(arr.size)] * 2
+    assert _oneoff_files() == before, "each reader unlinks its own name of the file"
+
+
+@pytest.mark.timeout(60)
+def test_a_message_a_reader_cannot_map_fails_the_call(echo, monkeypatch):
+    # The reader only logged it; the caller waited for ever.
+    real = _shm.for_reader
+    monkeypatch.setattr(_shm, "for_reader", lambda desc, i: ("mt-0-gone", *real(desc, i)[1:]) if i else desc)
+    with pytest.raises(Exception, match="cannot map the shared-memory buffers .* of the arguments of "):
+        echo.total.call(np.ones(2 * MIB // 8)).get(timeout=30)
+    monkeypatch.undo()
+    assert echo.total.call(np.ones(2 * MIB // 8)).get(timeout=30).values() == [float(2 * MIB // 8)] * 2
+
+
 class _Big(Actor):
     @endpoint
     def array(self, n: int):
