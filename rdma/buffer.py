@@ -197,7 +197,7 @@ class RDMABuffer:
         return self
 
     def __reduce__(self):
-        d = self._desc
+        d = self._desc = _with_owner(self._desc)
         towards = _wire.destination()
         if towards and d.tcp is not None and d.pid == os.getpid() and not os.environ.get("MONARCH_TENSOR_RDMA_HOST"):
             # Pickled into a message for another host: announce the tcp server (which listens on every
@@ -215,7 +215,8 @@ class RDMABuffer:
     @property
     def owner(self) -> str:
         """The owner process: its mailbox address (or ``pid:<pid>`` where it has none)."""
-        return self._desc.owner or f"pid:{self._desc.pid}"
+        d = self._desc = _with_owner(self._desc)
+        return d.owner or f"pid:{d.pid}"
 
     @property
     def device(self) -> str:
@@ -321,6 +322,18 @@ class RDMABuffer:
                 log.warning("%s; falling back to the next backend", e)
                 last = e
         raise BackendUnavailableError(f"every backend refused buffer {d.buf_id}: {last}")
+
+
+def _with_owner(d: Descriptor) -> Descriptor:
+    """``d`` naming its owner's mailbox: a buffer registered here before this process had one (a script's
+    buffer made before its first mesh) names it once there is one, so that a handle sent on can reach the
+    owner (a holder's ``drop()`` was silently ignored: it had no address to send the drop to)."""
+    if not d.owner and d.pid == my_pid() and d.host == host_id():
+        from monarch_tensor import mailbox as _mb
+
+        if _mb._mailbox is not None:
+            return dataclasses.replace(d, owner=_mb._mailbox.addr)
+    return d
 
 
 def _probe_cuda() -> Mem:

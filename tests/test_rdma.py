@@ -64,6 +64,10 @@ class Owner(Actor):
         self.bufs[key].drop()
 
     @endpoint
+    def drop_handle(self, buf: RDMABuffer) -> None:
+        buf.drop()
+
+    @endpoint
     def pid(self) -> int:
         return os.getpid()
 
@@ -472,6 +476,19 @@ def test_drop_from_a_non_owner(owners, backend):
     o.pid.call_one().get()  # the owner handled it (messages from us arrive in order)
     with pytest.raises(BufferDroppedError):
         buf.read_into(torch.empty(4096, dtype=torch.uint8)).get(timeout=30)
+
+
+def test_a_holder_drops_a_buffer_made_before_its_owner_had_a_mailbox(owners, monkeypatch):
+    # Its handle named no owner address, and a holder's drop() did nothing.
+    from monarch_tensor import mailbox
+
+    src = torch.arange(100, dtype=torch.uint8)
+    with monkeypatch.context() as m:
+        m.setattr(mailbox, "_mailbox", None)  # as in a script before its first mesh
+        buf = RDMABuffer(src)
+    _owner(owners).drop_handle.call_one(buf).get(timeout=30)  # (its drop arrives here before the reply)
+    with pytest.raises(BufferDroppedError):
+        buf.read_into(torch.empty(100, dtype=torch.uint8)).get(timeout=30)
 
 
 def test_bad_handle_is_refused(owners, backend):
