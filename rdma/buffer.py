@@ -40,6 +40,7 @@ from .errors import (
     BackendUnavailableError,
     BufferDroppedError,
     OwnerDiedError,
+    RDMAError,
     RDMAReadTransferWarning,
     RDMATcpFallbackWarning,
     RDMAWriteTransferWarning,
@@ -247,21 +248,34 @@ class RDMABuffer:
             raise ValueError(f"{self!r} wraps read-only memory: it cannot be written")
         return self._submit("write", local, offset, _check_timeout(timeout))
 
-    def drop(self) -> None:
-        """End the registration (from the owner, or from anywhere holding the handle)."""
+    def drop(self) -> Future[None]:
+        """End the registration (from the owner, or from anywhere holding the handle); a Future of None, set
+        once it took effect (at once in the owner; elsewhere when the owner answers), as Monarch's.
+
+        >>> buf.drop().get()      # or ``await buf.drop()``; a later read fails with BufferDroppedError
+        """
         d = self._desc
         if d.pid == my_pid() and d.host == host_id():
             registry().drop(d.buf_id)
-            return
+            return Future.ready(None)
         from monarch_tensor.mailbox import current_mailbox
 
         from .messages import DropBuffer
 
-        if d.owner:
-            try:
-                current_mailbox().send(d.owner, DropBuffer(d.buf_id, d.token))
-            except Exception as e:  # noqa: BLE001 - a dead owner has nothing left to drop
-                log.debug("drop of %r: %s", self, e)
+        if not d.owner:
+            return Future.failed(RDMAError(
+                f"cannot drop buffer {d.buf_id} from here: its handle was pickled before its owner (pid {d.pid}) "
+                f"had a mailbox, so it names no address to send the drop to; drop it in its owner"))
+        mb = current_mailbox()
+        done = _DropDone(d.owner, f"drop of buffer {d.buf_id}")
+        port = mb.open_port(done)
+        try:
+            mb.send(d.owner, DropBuffer(d.buf_id, d.token, port))
+        except Exception as e:  # noqa: BLE001 - a dead owner has nothing left to drop
+            log.debug("drop of %r: %s", self, e)
+            mb.close_port(port.port_id)
+            done.future._set_result(None)
+        return done.future
 
     def _check(self, obj: Any, offset: int, what: str, into: bool = False) -> Mem:
         local = as_mem(obj, what)
@@ -334,6 +348,30 @@ def _with_owner(d: Descriptor) -> Descriptor:
         if _mb._mailbox is not None:
             return dataclasses.replace(d, owner=_mb._mailbox.addr)
     return d
+
+
+class _DropDone:
+    """The port of a drop sent to the owner: its answer settles the Future; so does the owner's death (a
+    dead owner has nothing left to drop)."""
+
+    observing = False
+
+    def __init__(self, owner: str, what: str) -> None:
+        self.future: Future[None] = Future(what)
+        self._owner = owner
+
+    def deliver(self, msg) -> bool:
+        if msg.error is not None:
+            self.future._set_exception(msg.error)
+        else:
+            self.future._set_result(None)
+        return True
+
+    def proc_died(self, addr: str, error: BaseException) -> bool:
+        if addr == self._owner:
+            self.future._set_result(None)
+            return True
+        return False
 
 
 def _probe_cuda() -> Mem:

@@ -478,6 +478,23 @@ def test_drop_from_a_non_owner(owners, backend):
         buf.read_into(torch.empty(4096, dtype=torch.uint8)).get(timeout=30)
 
 
+def test_drop_is_a_future_set_once_the_drop_took_effect(owners):
+    # Monarch's drop() returns a Future[None]; it returned None here, and a holder could not wait for it.
+    import asyncio
+
+    buf = _owner(owners).make.call_one("drop-future", 4096).get()
+    assert buf.drop().get(timeout=30) is None  # the owner answered: dropped there
+    with pytest.raises(BufferDroppedError):
+        buf.read_into(torch.empty(4096, dtype=torch.uint8)).get(timeout=30)
+
+    async def drop_again():
+        return await buf.drop()  # dropping a dropped buffer does nothing
+
+    assert asyncio.run(drop_again()) is None
+    local = RDMABuffer(torch.zeros(8)).drop()
+    assert local.done() and local.get() is None  # in the owner: at once
+
+
 def test_a_holder_drops_a_buffer_made_before_its_owner_had_a_mailbox(owners, monkeypatch):
     # Its handle named no owner address, and a holder's drop() did nothing.
     from monarch_tensor import mailbox
