@@ -1142,6 +1142,28 @@ def test_tcp_headers_keep_the_data_aligned():
         buf.drop()
 
 
+@pytest.mark.parametrize("timeout", [float("inf"), 1e10])
+def test_tcp_transfer_takes_a_timeout_past_what_a_socket_takes(timeout):
+    # Its connect passed the timeout to the socket: OverflowError.
+    from rdma._memory import as_mem
+    from rdma.backends import tcp
+
+    src = bytearray(b"no time limit")
+    buf = RDMABuffer(memoryview(src))
+    backend = tcp.TcpBackend()  # no idle connection: it connects
+    try:
+        out = bytearray(len(src))
+        backend.read(buf._desc, 0, as_mem(out), timeout)
+        assert out == src
+        backend.write(buf._desc, 0, as_mem(b"NO"), timeout)
+        assert src.startswith(b"NO time")
+    finally:
+        for socks in backend._idle.values():
+            for s in socks:
+                s.close()
+        buf.drop()
+
+
 def test_tcp_reader_takes_an_answer_in_pieces():
     """An owner whose answer header comes in pieces (a pause inside it, then the rest with the data): the
     reader completes the header before it takes the data."""
