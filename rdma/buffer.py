@@ -236,10 +236,15 @@ class RDMABuffer:
         return f"RDMABuffer({d.nbytes} bytes, {d.device}, pid {d.pid}, id {d.buf_id})"
 
     # ---- transfers --------------------------------------------------------------------
-    def read_into(self, dst: Any, *, offset: int = 0, timeout: float = DEFAULT_TIMEOUT) -> Future[None]:
-        """Copy ``dst.nbytes`` bytes of the buffer, from ``offset``, into ``dst``; a Future of None."""
-        local = self._check(dst, offset, "read_into destination", into=True)
-        return self._submit("read", local, offset, _check_timeout(timeout))
+    def read_into(self, dst: Any, *, offset: int | None = None, timeout: float = DEFAULT_TIMEOUT) -> Future[None]:
+        """Copy the buffer into the start of ``dst``, which must be at least as large (Monarch's rule); with
+        ``offset``, copy ``dst.nbytes`` bytes of the buffer from ``offset`` on (a part of it). A Future of None.
+
+        >>> buf.read_into(out).get()                  # all of buf; out may be larger
+        >>> buf.read_into(out[:16], offset=64).get()  # buf's bytes [64, 80)
+        """
+        local = self._check_read(dst, offset, "read_into destination")
+        return self._submit("read", local, offset or 0, _check_timeout(timeout))
 
     def write_from(self, src: Any, *, offset: int = 0, timeout: float = DEFAULT_TIMEOUT) -> Future[None]:
         """Copy ``src`` into the buffer at ``offset``; a Future of None."""
@@ -277,13 +282,26 @@ class RDMABuffer:
             done.future._set_result(None)
         return done.future
 
-    def _check(self, obj: Any, offset: int, what: str, into: bool = False) -> Mem:
+    def _check_read(self, dst: Any, offset: int | None, what: str) -> Mem:
+        """The memory a read moves into: with ``offset``, all of ``dst``; without, the first ``size()`` bytes of
+        ``dst`` (Monarch's read takes the whole buffer, into a destination at least as large)."""
+        if offset is not None:
+            return self._check(dst, offset, what, into=True)
+        local = self._check(dst, 0, what, into=True, whole=False)
+        if local.nbytes < self._desc.nbytes:
+            raise ValueError(f"size mismatch: {what} has {local.nbytes} bytes, but the buffer has {self._desc.nbytes}: "
+                             f"a read without offset= moves the whole buffer, so the destination must be at least "
+                             f"as large (read a part with offset=)")
+        return local.head(self._desc.nbytes)
+
+    def _check(self, obj: Any, offset: int, what: str, into: bool = False, whole: bool = True) -> Mem:
+        """``obj`` as memory to move from or into the buffer at ``offset``; with ``whole``, all of it must fit."""
         local = as_mem(obj, what)
         if into and not local.writable:
             raise ValueError(f"{what} is read-only ({type(obj).__name__}): a read needs memory it may write")
         if not isinstance(offset, int) or offset < 0:
             raise ValueError(f"offset must be a non-negative int, got {offset!r}")
-        if offset + local.nbytes > self._desc.nbytes:
+        if whole and offset + local.nbytes > self._desc.nbytes:
             raise ValueError(f"size mismatch: {what} has {local.nbytes} bytes, but the buffer has "
                              f"{self._desc.nbytes} bytes from which {self._desc.nbytes - offset} are left at "
                              f"offset {offset}")
@@ -438,10 +456,11 @@ class RDMAAction:
     def __init__(self) -> None:
         self._ops: list[tuple[str, RDMABuffer, Mem, int]] = []
 
-    def read_remote(self, dst: Any, src: RDMABuffer, *, offset: int = 0) -> RDMAAction:
-        """Queue a read of the RDMA buffer ``src`` (from ``offset``) into local memory ``dst``."""
+    def read_remote(self, dst: Any, src: RDMABuffer, *, offset: int | None = None) -> RDMAAction:
+        """Queue a read of the RDMA buffer ``src`` into local memory ``dst``, as ``src.read_into(dst,
+        offset=offset)`` does: all of it into a ``dst`` at least as large, or with ``offset`` a part."""
         local, buf = _local_and_buffer("read_remote", dst, src)
-        self._ops.append(("read", buf, buf._check(local, offset, "read_remote destination", into=True), offset))
+        self._ops.append(("read", buf, buf._check_read(local, offset, "read_remote destination"), offset or 0))
         return self
 
     def write_remote(self, dst: RDMABuffer, src: Any, *, offset: int = 0) -> RDMAAction:

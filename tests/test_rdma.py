@@ -508,6 +508,23 @@ def test_a_holder_drops_a_buffer_made_before_its_owner_had_a_mailbox(owners, mon
         buf.read_into(torch.empty(100, dtype=torch.uint8)).get(timeout=30)
 
 
+def test_a_read_takes_a_larger_destination_and_refuses_a_smaller_one(owners, backend):
+    # Monarch's rule: the whole buffer, into a destination at least as large. Here a larger one was refused,
+    # and a smaller one silently got the buffer's first bytes only.
+    o = _owner(owners)
+    buf = o.make.call_one("larger-dst", 100).get()
+    ref = o.value.call_one("larger-dst").get()
+    for read in (lambda out: buf.read_into(out), lambda out: RDMAAction().read_remote(out, buf).submit()):
+        out = torch.full((128,), 7, dtype=torch.uint8)
+        read(out).get(timeout=30)
+        assert torch.equal(out[:100], ref) and bool((out[100:] == 7).all())
+        with pytest.raises(ValueError, match="must be at least as large"):
+            read(torch.empty(64, dtype=torch.uint8))
+    part = torch.empty(64, dtype=torch.uint8)
+    buf.read_into(part, offset=10).get(timeout=30)  # with offset=: a part of the buffer
+    assert torch.equal(part, ref[10:74])
+
+
 def test_bad_handle_is_refused(owners, backend):
     buf = _owner(owners).make.call_one("forged", 4096).get()
     d = buf._desc
@@ -521,7 +538,9 @@ def test_bad_handle_is_refused(owners, backend):
 def test_size_mismatch_and_bad_input_refused_before_transfer(owners):
     buf = _owner(owners).make.call_one("sizes", 100).get()
     with pytest.raises(ValueError, match="size mismatch"):
-        buf.read_into(torch.empty(101, dtype=torch.uint8))
+        buf.read_into(torch.empty(99, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="size mismatch"):
+        buf.read_into(torch.empty(10, dtype=torch.uint8), offset=95)
     with pytest.raises(ValueError, match="size mismatch"):
         buf.write_from(torch.empty(10, dtype=torch.uint8), offset=95)
     with pytest.raises(ValueError, match="offset"):
