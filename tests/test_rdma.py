@@ -967,7 +967,7 @@ def test_a_shorter_wait_runs_the_transfer_then_hands_it_over(owners, monkeypatch
     _, fut, pid, holds = _transfer_with_the_owner_stopped(owners, f"handoff-{kind}", 1 << 16, 13, kind, timeout=30)
     try:
         t0 = time.monotonic()
-        with pytest.raises(TimeoutError) as err:
+        with pytest.raises(TimeoutError, match=r"within 0\.5 s") as err:  # (it said "within 0 s")
             fut.get(timeout=0.5)
         assert not isinstance(err.value, TransferTimeoutError)  # the wait ended; the transfer did not fail
         assert time.monotonic() - t0 < 5 and not fut.done()
