@@ -253,7 +253,7 @@ def one_size(n, buf, raw_read) -> dict:
         "memcpy": (None, lambda: ctypes.memmove(a.data_ptr(), b.data_ptr(), n)),
         "copy_": (None, lambda: a.copy_(b)),
         "raw_tcp": (None, lambda: raw_read(raw_dst)),
-        **{f"{name} read": (name, lambda: buf.read_into(dst).get(timeout=TIMEOUT)) for name in ("cma", "tcp")},
+        **{f"{name} read": (name, lambda: buf.read_into(dst, offset=0).get(timeout=TIMEOUT)) for name in ("cma", "tcp")},
         **{f"{name} write": (name, lambda: buf.write_from(dst).get(timeout=TIMEOUT)) for name in ("cma", "tcp")},
     }, REPEATS)
     after = transfer_stats()
@@ -382,7 +382,7 @@ def run_layers():
                         "raw tcp stream": (None, lambda raw_dst=raw_dst: raw_read(raw_dst)),
                         "our reader, minimal owner": (None, exchange(minimal)),
                         "our reader and owner": (None, exchange(buf._desc)),
-                        "read_into().get()": ("tcp", lambda dst=dst: buf.read_into(dst).get(timeout=TIMEOUT)),
+                        "read_into().get()": ("tcp", lambda dst=dst: buf.read_into(dst, offset=0).get(timeout=TIMEOUT)),
                     }, REPEATS)
                     assert int(dst[0]) == 1 and int(dst[-1]) == 1, "a read brought the wrong bytes"
                     for name, t in got.items():
@@ -448,7 +448,7 @@ def run_distance():
             def f():
                 cma.STAGE_MIN = stage_min if staged else 1 << 62
                 try:
-                    (buf.read_into(mem) if kind == "read" else buf.write_from(mem)).get(timeout=TIMEOUT)
+                    (buf.read_into(mem, offset=0) if kind == "read" else buf.write_from(mem)).get(timeout=TIMEOUT)
                 finally:
                     cma.STAGE_MIN = stage_min
 
@@ -528,10 +528,10 @@ def _cuda_size(n, buf) -> dict:
     before = transfer_stats()
     got = in_turns({
         "d2d copy_": (None, synced(lambda: a.copy_(b))),
-        "cuda_ipc read": ("cuda_ipc", lambda: buf.read_into(dst).get(timeout=TIMEOUT)),
+        "cuda_ipc read": ("cuda_ipc", lambda: buf.read_into(dst, offset=0).get(timeout=TIMEOUT)),
         "cuda_ipc write": ("cuda_ipc", lambda: buf.write_from(dst).get(timeout=TIMEOUT)),
-        "cuda_ipc read to cpu": ("cuda_ipc", lambda: buf.read_into(cpu_dst).get(timeout=TIMEOUT)),
-        "tcp read (staged)": ("tcp", lambda: buf.read_into(dst).get(timeout=TIMEOUT)),
+        "cuda_ipc read to cpu": ("cuda_ipc", lambda: buf.read_into(cpu_dst, offset=0).get(timeout=TIMEOUT)),
+        "tcp read (staged)": ("tcp", lambda: buf.read_into(dst, offset=0).get(timeout=TIMEOUT)),
     }, REPEATS)
     after = transfer_stats()
     assert int(dst[-1]) == 1 and int(cpu_dst[-1]) == 1, "a read brought the wrong bytes"

@@ -6,14 +6,22 @@ is sent with its buffers copied once into a shared-memory segment in
 mapping (no copy). Through the control socket the same bytes would be copied
 several times by zmq and the kernel.
 
-Segments are pooled and stay mapped on both sides, so their pages are faulted
-in once, not per message (a fresh 64 MiB file costs ~65 ms of page faults).
+Each receiver maps a message privately (copy-on-write): the buffers are its
+own to change, as a copy would be, and a change stays in its process (the
+receivers of one broadcast share one segment; a shared mapping showed one
+receiver's ``x.add_(1)`` in the others' arguments). Only the pages it writes
+are copied.
+
+Segments are pooled and stay in the page cache (the sender keeps them
+mapped), so their pages are allocated once, not per message (a fresh 64 MiB
+file costs ~65 ms of page faults).
 A segment's first ``HEADER`` bytes are one hold flag per reader: the sender
 sets them before sending; each reader clears its own when the last view of
 the message's buffers is freed (a finalizer on the buffer objects), and the
 sender reuses a segment only once every flag is clear. The pool is bounded
-(``SHM_POOL_BYTES``); beyond it a message gets a one-off file that the
-reader unlinks on arrival. Files are named ``mt-<pid>-...`` so those of a
+(``SHM_POOL_BYTES``); beyond it a message gets a one-off file, with one name
+(a hard link) per reader that the reader unlinks on arrival: the bytes go with
+the last name. Files are named ``mt-<pid>-...`` so those of a
 proc that died can be removed by whoever reaps it.
 """
 
@@ -148,7 +156,7 @@ def write(buffers: list, readers: int = 1) -> tuple:
     layout, total = _layout(views)
     seg = _get_pool().take(HEADER + total, readers) if 0 < readers <= MAX_READERS else None
     if seg is None:
-        return _write_oneoff(views, layout, total)
+        return _write_oneoff(views, layout, total, readers)
     mm = seg.mm
     for v, (off, n) in zip(views, layout):
         mm[HEADER + off:HEADER + off + n] = v
@@ -156,93 +164,139 @@ def write(buffers: list, readers: int = 1) -> tuple:
 
 
 def for_reader(desc: tuple, i: int) -> tuple:
-    """The descriptor reader ``i`` gets (one-off files have a single reader)."""
+    """The descriptor reader ``i`` gets: its hold flag in a pooled segment, its own name of a one-off file."""
     name, layout, idx = desc
-    return desc if idx < 0 else (name, layout, i)
+    if idx < 0:
+        return desc if i == 0 else (_oneoff_name(name, i), layout, -1)
+    return name, layout, i
 
 
-def _write_oneoff(views, layout, total) -> tuple:
+def _oneoff_name(name: str, i: int) -> str:
+    return name if i == 0 else f"{name}-{i}"
+
+
+def _write_oneoff(views, layout, total, readers: int) -> tuple:
+    """A file outside the pool, with a name per reader: each reader unlinks its own once it mapped it (the
+    first reader to unlink the only name left the other readers of a broadcast nothing to open)."""
     name = f"mt-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     path = os.path.join(SHM_DIR, name)
     mm = _create(path, max(total, 1))
+    links = []
     try:
         for v, (off, n) in zip(views, layout):
             mm[off:off + n] = v
+        for i in range(1, readers):
+            links.append(os.path.join(SHM_DIR, _oneoff_name(name, i)))
+            os.link(path, links[-1])
     except BaseException:
-        os.unlink(path)
+        for p in [path, *links]:
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
         raise
     finally:
         mm.close()
     return name, layout, -1
 
 
+class _Opened:
+    """A segment of another process, opened here: its hold flags mapped shared, and its file."""
+
+    __slots__ = ("flags", "fd", "size")
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.size = fd, os.fstat(fd).st_size
+        self.flags = mmap.mmap(fd, HEADER)
+
+    def close(self) -> None:
+        os.close(self.fd)  # (the flags map, and each message's map, hold descriptors of their own)
+
+
 class _MapCache:
-    """The receiving side: segments of other processes, mapped once (LRU, bounded in bytes)."""
+    """The receiving side: segments of other processes, opened once (LRU, bounded in bytes)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.maps: collections.OrderedDict[str, mmap.mmap] = collections.OrderedDict()
+        self.maps: collections.OrderedDict[str, _Opened] = collections.OrderedDict()
         self.bytes = 0
 
-    def get(self, name: str) -> mmap.mmap:
+    def get(self, name: str) -> tuple[mmap.mmap, mmap.mmap]:
+        """The segment's hold flags (shared), and a private copy-on-write map of the whole segment."""
         with self.lock:
-            m = self.maps.get(name)
-            if m is not None:
+            seg = self.maps.get(name)
+            if seg is not None:
                 self.maps.move_to_end(name)
-                return m
+                return seg.flags, _map_private(seg.fd, seg.size)  # (under the lock: evicting closes the fd)
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
         try:
-            m = mmap.mmap(fd, os.fstat(fd).st_size)
-        finally:
+            seg = _Opened(fd)
+        except BaseException:
             os.close(fd)
+            raise
         with self.lock:
-            self.maps[name] = m
-            self.bytes += len(m)
+            old = self.maps.pop(name, None)  # (another thread opened it meanwhile)
+            if old is not None:
+                self.bytes -= old.size
+                old.close()
+            self.maps[name] = seg
+            self.bytes += seg.size
+            mm = _map_private(seg.fd, seg.size)
             while self.bytes > SHM_MAP_CACHE_BYTES and len(self.maps) > 1:
                 _, old = self.maps.popitem(last=False)
-                self.bytes -= len(old)  # live views keep it mapped until they go
-        return m
+                self.bytes -= old.size  # live views keep their maps until they go
+                old.close()
+        return seg.flags, mm
 
     def forget_process(self, pid: int) -> None:
-        """Unmap the segments of process ``pid`` (it exited: it will send nothing more through them). Views
+        """Close the segments of process ``pid`` (it exited: it will send nothing more through them). Views
         still alive keep theirs mapped until they go."""
         prefix = f"mt-{pid}-"
         with self.lock:
             for name in [n for n in self.maps if n.startswith(prefix)]:
-                self.bytes -= len(self.maps.pop(name))
+                old = self.maps.pop(name)
+                self.bytes -= old.size
+                old.close()
+
+
+def _map_private(fd: int, size: int) -> mmap.mmap:
+    """A copy-on-write map of the file: writes to it stay in this map, and pages never written show the
+    file. Each message gets its own: a page once written would keep its copy for the next message."""
+    return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)
 
 
 _maps = _MapCache()
 
 
-def _release(mm: mmap.mmap, idx: int, left: list) -> None:
+def _release(flags: mmap.mmap, idx: int, left: list) -> None:
     left[0] -= 1
     if left[0] == 0:
         try:
-            mm[idx] = 0
+            flags[idx] = 0
         except (ValueError, IndexError):
             pass
 
 
 def read(name: str, layout: list[tuple[int, int]], idx: int = -1) -> list:
-    """Buffers of a message: views into the segment (released when the last view is freed)."""
+    """Buffers of a message: views into a private map of the segment (released when the last view is
+    freed)."""
     if "/" in name or not name.startswith("mt-"):
         raise ValueError(f"bad shared-memory name {name!r}")
     if idx < 0:
         return _read_oneoff(name, layout)
     if idx >= MAX_READERS:
         raise ValueError(f"bad reader index {idx}")
-    mm = _maps.get(name)
+    flags, mm = _maps.get(name)
     if HEADER + max((o + n for o, n in layout), default=0) > len(mm):
         raise ValueError(f"layout runs past the end of segment {name!r}")
     left = [len(layout)]
     out = []
     for off, n in layout:
         c = (ctypes.c_char * n).from_buffer(mm, HEADER + off)
-        weakref.finalize(c, _release, mm, idx, left)
+        weakref.finalize(c, _release, flags, idx, left)
         out.append(c)
     if not out:
-        mm[idx] = 0
+        flags[idx] = 0
     return out
 
 
@@ -250,7 +304,7 @@ def _read_oneoff(name: str, layout: list[tuple[int, int]]) -> list[memoryview]:
     path = os.path.join(SHM_DIR, name)
     fd = os.open(path, os.O_RDWR)
     try:
-        m = mmap.mmap(fd, os.fstat(fd).st_size)
+        m = _map_private(fd, os.fstat(fd).st_size)  # (the other readers' names are of the same file)
     finally:
         os.close(fd)
         os.unlink(path)

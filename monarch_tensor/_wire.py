@@ -58,8 +58,8 @@ class Unreadable(ProtocolError):
 
 
 class PayloadLost(Unreadable):
-    """A message's buffers could not be pulled from its sender; ``message`` is the message rebuilt over
-    zeroed buffers."""
+    """A message's buffers could not be pulled from its sender, or mapped from shared memory; ``message`` is
+    the message rebuilt over zeroed buffers."""
 
 
 def encode(msg: object, shm: bool | int = False, remote: tuple[int, str, str] | None = None) -> list:
@@ -255,7 +255,13 @@ def _rebuild_tensor(buf, dtype, shape):
         return torch.empty(shape, dtype=dtype)
     if mv.readonly:
         mv = memoryview(bytearray(mv))
-    return torch.frombuffer(mv, dtype=torch.uint8).view(dtype).reshape(shape)
+    t = torch.frombuffer(mv, dtype=torch.uint8)
+    if t.data_ptr() % dtype.itemsize:
+        # A frame's bytes may sit at any address (zmq keeps a small frame's inside its message, 12 bytes
+        # past a 16-byte boundary, say), and torch's kernels assume data aligned to the dtype: a 3-element
+        # complex128 tensor there crashed the process that used it (SIGSEGV). Copied: the copy is aligned.
+        t = t.clone()
+    return t.view(dtype).reshape(shape)
 
 
 def _rebuild_cuda_tensor(buf, dtype, shape):
@@ -328,11 +334,10 @@ def decode(frames: list) -> object:
         raise ProtocolError(f"header announces {nbuf} buffers, got {len(frames) - 1}")
     body = memoryview(first)[_HEADER.size:]
     bufs = [f.buffer if hasattr(f, "buffer") else f for f in frames[1:]]
+    if magic != MAGIC and nbuf != 1:
+        raise ProtocolError(f"a message of magic {bytes(magic)!r} has one descriptor frame, got {nbuf}")
     if magic == MAGIC_SHM:
-        try:
-            bufs = _shm.read(*pickle.loads(bufs[0]))
-        except Exception as e:  # noqa: BLE001
-            raise ProtocolError(f"cannot map the message's shared-memory buffers: {e!r}") from e
+        bufs = _map_shm(body, bufs[0])
     elif magic == MAGIC_DP:
         bufs = _pull(body, bufs[0])
     try:
@@ -535,6 +540,26 @@ def _describe(msg: object) -> str:
     if hasattr(msg, "port_id") and hasattr(msg, "value"):
         return "a reply"
     return f"a {type(msg).__name__} message"
+
+
+def _map_shm(body: memoryview, desc) -> list:
+    try:
+        d = pickle.loads(desc)  # (name, layout, reader index)
+        layout = list(d[1])
+    except Exception as e:  # noqa: BLE001
+        raise ProtocolError(f"cannot read the message's shared-memory descriptor: {e!r}") from e
+    try:
+        return _shm.read(*d)
+    except Exception as e:  # noqa: BLE001 - rebuild the message over zeros to fail whoever waits on it
+        try:
+            import numpy as np
+
+            msg = _loads(body, [memoryview(np.zeros(n, dtype=np.uint8)) for _, n in layout])  # (calloc: untouched)
+        except Exception:  # noqa: BLE001
+            msg = None
+        error = ProtocolError(f"cannot map the shared-memory buffers ({d[0]}) of {_describe(msg)} where it "
+                              f"arrived: {e!r}")
+        raise PayloadLost(error, msg) from e
 
 
 def _pull(body: memoryview, desc) -> list:

@@ -81,6 +81,7 @@ class TransferFuture(Future):
             _pool().submit(self._run_taken)
 
     def get(self, timeout: float | None = None):
+        wait = timeout  # (what the caller asked for, for the message: ``timeout`` becomes what is left of it)
         job = self._take() if self._job else None
         if job is not None:
             buf, kind, local, offset, own, cands = job
@@ -103,7 +104,7 @@ class TransferFuture(Future):
         if self.done():
             # not Future.get: it would report a TransferTimeoutError (a TimeoutError) as its own timeout
             return self._result()
-        return super().get(0)
+        raise TimeoutError(f"no {self._what} within {wait} s")
 
     result = get
 

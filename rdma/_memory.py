@@ -47,6 +47,12 @@ class Mem:
         assert not self.is_cuda
         return _memory_view(self.ptr + offset, n, _PYBUF_WRITE)
 
+    def head(self, n: int) -> Mem:
+        """The first ``n`` bytes (of a destination larger than what is read into it)."""
+        if n == self.nbytes:
+            return self
+        return Mem(self.ptr, n, self.device, self.writable, None, self.flat[:n])
+
     def slice(self, offset: int, n: int):
         return self.flat[offset:offset + n]
 

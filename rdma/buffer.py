@@ -40,6 +40,7 @@ from .errors import (
     BackendUnavailableError,
     BufferDroppedError,
     OwnerDiedError,
+    RDMAError,
     RDMAReadTransferWarning,
     RDMATcpFallbackWarning,
     RDMAWriteTransferWarning,
@@ -197,7 +198,7 @@ class RDMABuffer:
         return self
 
     def __reduce__(self):
-        d = self._desc
+        d = self._desc = _with_owner(self._desc)
         towards = _wire.destination()
         if towards and d.tcp is not None and d.pid == os.getpid() and not os.environ.get("MONARCH_TENSOR_RDMA_HOST"):
             # Pickled into a message for another host: announce the tcp server (which listens on every
@@ -215,7 +216,8 @@ class RDMABuffer:
     @property
     def owner(self) -> str:
         """The owner process: its mailbox address (or ``pid:<pid>`` where it has none)."""
-        return self._desc.owner or f"pid:{self._desc.pid}"
+        d = self._desc = _with_owner(self._desc)
+        return d.owner or f"pid:{d.pid}"
 
     @property
     def device(self) -> str:
@@ -234,10 +236,15 @@ class RDMABuffer:
         return f"RDMABuffer({d.nbytes} bytes, {d.device}, pid {d.pid}, id {d.buf_id})"
 
     # ---- transfers --------------------------------------------------------------------
-    def read_into(self, dst: Any, *, offset: int = 0, timeout: float = DEFAULT_TIMEOUT) -> Future[None]:
-        """Copy ``dst.nbytes`` bytes of the buffer, from ``offset``, into ``dst``; a Future of None."""
-        local = self._check(dst, offset, "read_into destination", into=True)
-        return self._submit("read", local, offset, _check_timeout(timeout))
+    def read_into(self, dst: Any, *, offset: int | None = None, timeout: float = DEFAULT_TIMEOUT) -> Future[None]:
+        """Copy the buffer into the start of ``dst``, which must be at least as large (Monarch's rule); with
+        ``offset``, copy ``dst.nbytes`` bytes of the buffer from ``offset`` on (a part of it). A Future of None.
+
+        >>> buf.read_into(out).get()                  # all of buf; out may be larger
+        >>> buf.read_into(out[:16], offset=64).get()  # buf's bytes [64, 80)
+        """
+        local = self._check_read(dst, offset, "read_into destination")
+        return self._submit("read", local, offset or 0, _check_timeout(timeout))
 
     def write_from(self, src: Any, *, offset: int = 0, timeout: float = DEFAULT_TIMEOUT) -> Future[None]:
         """Copy ``src`` into the buffer at ``offset``; a Future of None."""
@@ -246,29 +253,55 @@ class RDMABuffer:
             raise ValueError(f"{self!r} wraps read-only memory: it cannot be written")
         return self._submit("write", local, offset, _check_timeout(timeout))
 
-    def drop(self) -> None:
-        """End the registration (from the owner, or from anywhere holding the handle)."""
+    def drop(self) -> Future[None]:
+        """End the registration (from the owner, or from anywhere holding the handle); a Future of None, set
+        once it took effect (at once in the owner; elsewhere when the owner answers), as Monarch's.
+
+        >>> buf.drop().get()      # or ``await buf.drop()``; a later read fails with BufferDroppedError
+        """
         d = self._desc
         if d.pid == my_pid() and d.host == host_id():
             registry().drop(d.buf_id)
-            return
+            return Future.ready(None)
         from monarch_tensor.mailbox import current_mailbox
 
         from .messages import DropBuffer
 
-        if d.owner:
-            try:
-                current_mailbox().send(d.owner, DropBuffer(d.buf_id, d.token))
-            except Exception as e:  # noqa: BLE001 - a dead owner has nothing left to drop
-                log.debug("drop of %r: %s", self, e)
+        if not d.owner:
+            return Future.failed(RDMAError(
+                f"cannot drop buffer {d.buf_id} from here: its handle was pickled before its owner (pid {d.pid}) "
+                f"had a mailbox, so it names no address to send the drop to; drop it in its owner"))
+        mb = current_mailbox()
+        done = _DropDone(d.owner, f"drop of buffer {d.buf_id}")
+        port = mb.open_port(done)
+        try:
+            mb.send(d.owner, DropBuffer(d.buf_id, d.token, port))
+        except Exception as e:  # noqa: BLE001 - a dead owner has nothing left to drop
+            log.debug("drop of %r: %s", self, e)
+            mb.close_port(port.port_id)
+            done.future._set_result(None)
+        return done.future
 
-    def _check(self, obj: Any, offset: int, what: str, into: bool = False) -> Mem:
+    def _check_read(self, dst: Any, offset: int | None, what: str) -> Mem:
+        """The memory a read moves into: with ``offset``, all of ``dst``; without, the first ``size()`` bytes of
+        ``dst`` (Monarch's read takes the whole buffer, into a destination at least as large)."""
+        if offset is not None:
+            return self._check(dst, offset, what, into=True)
+        local = self._check(dst, 0, what, into=True, whole=False)
+        if local.nbytes < self._desc.nbytes:
+            raise ValueError(f"size mismatch: {what} has {local.nbytes} bytes, but the buffer has {self._desc.nbytes}: "
+                             f"a read without offset= moves the whole buffer, so the destination must be at least "
+                             f"as large (read a part with offset=)")
+        return local.head(self._desc.nbytes)
+
+    def _check(self, obj: Any, offset: int, what: str, into: bool = False, whole: bool = True) -> Mem:
+        """``obj`` as memory to move from or into the buffer at ``offset``; with ``whole``, all of it must fit."""
         local = as_mem(obj, what)
         if into and not local.writable:
             raise ValueError(f"{what} is read-only ({type(obj).__name__}): a read needs memory it may write")
         if not isinstance(offset, int) or offset < 0:
             raise ValueError(f"offset must be a non-negative int, got {offset!r}")
-        if offset + local.nbytes > self._desc.nbytes:
+        if whole and offset + local.nbytes > self._desc.nbytes:
             raise ValueError(f"size mismatch: {what} has {local.nbytes} bytes, but the buffer has "
                              f"{self._desc.nbytes} bytes from which {self._desc.nbytes - offset} are left at "
                              f"offset {offset}")
@@ -321,6 +354,42 @@ class RDMABuffer:
                 log.warning("%s; falling back to the next backend", e)
                 last = e
         raise BackendUnavailableError(f"every backend refused buffer {d.buf_id}: {last}")
+
+
+def _with_owner(d: Descriptor) -> Descriptor:
+    """``d`` naming its owner's mailbox: a buffer registered here before this process had one (a script's
+    buffer made before its first mesh) names it once there is one, so that a handle sent on can reach the
+    owner (a holder's ``drop()`` was silently ignored: it had no address to send the drop to)."""
+    if not d.owner and d.pid == my_pid() and d.host == host_id():
+        from monarch_tensor import mailbox as _mb
+
+        if _mb._mailbox is not None:
+            return dataclasses.replace(d, owner=_mb._mailbox.addr)
+    return d
+
+
+class _DropDone:
+    """The port of a drop sent to the owner: its answer settles the Future; so does the owner's death (a
+    dead owner has nothing left to drop)."""
+
+    observing = False
+
+    def __init__(self, owner: str, what: str) -> None:
+        self.future: Future[None] = Future(what)
+        self._owner = owner
+
+    def deliver(self, msg) -> bool:
+        if msg.error is not None:
+            self.future._set_exception(msg.error)
+        else:
+            self.future._set_result(None)
+        return True
+
+    def proc_died(self, addr: str, error: BaseException) -> bool:
+        if addr == self._owner:
+            self.future._set_result(None)
+            return True
+        return False
 
 
 def _probe_cuda() -> Mem:
@@ -387,10 +456,11 @@ class RDMAAction:
     def __init__(self) -> None:
         self._ops: list[tuple[str, RDMABuffer, Mem, int]] = []
 
-    def read_remote(self, dst: Any, src: RDMABuffer, *, offset: int = 0) -> RDMAAction:
-        """Queue a read of the RDMA buffer ``src`` (from ``offset``) into local memory ``dst``."""
+    def read_remote(self, dst: Any, src: RDMABuffer, *, offset: int | None = None) -> RDMAAction:
+        """Queue a read of the RDMA buffer ``src`` into local memory ``dst``, as ``src.read_into(dst,
+        offset=offset)`` does: all of it into a ``dst`` at least as large, or with ``offset`` a part."""
         local, buf = _local_and_buffer("read_remote", dst, src)
-        self._ops.append(("read", buf, buf._check(local, offset, "read_remote destination", into=True), offset))
+        self._ops.append(("read", buf, buf._check_read(local, offset, "read_remote destination"), offset or 0))
         return self
 
     def write_remote(self, dst: RDMABuffer, src: Any, *, offset: int = 0) -> RDMAAction:

@@ -24,10 +24,12 @@ class ConnectQueuePair:
 
 @dataclass(frozen=True, slots=True)
 class DropBuffer:
-    """Anyone -> owner: drop registration ``buf_id`` (``token`` proves the sender holds the handle)."""
+    """Anyone -> owner: drop registration ``buf_id`` (``token`` proves the sender holds the handle); then
+    answer ``reply`` (if any) with None."""
 
     buf_id: int
     token: int
+    reply: PortRef | None = None
 
 
 @dataclass(frozen=True, slots=True)

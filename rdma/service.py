@@ -27,6 +27,8 @@ def handle_DropBuffer(mb: _mailbox.Mailbox, msg: DropBuffer) -> None:
     reg = registry().lookup(msg.buf_id, msg.token)
     if reg is not None:
         registry().drop(msg.buf_id)
+    if msg.reply is not None:  # (dropped already, or never ours: there is nothing left to drop either way)
+        mb.send(msg.reply.addr, SendToPort(msg.reply.port_id, None, None, 0))
 
 
 def handle_ReleasePayload(mb: _mailbox.Mailbox, msg: ReleasePayload) -> None:

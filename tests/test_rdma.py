@@ -64,6 +64,10 @@ class Owner(Actor):
         self.bufs[key].drop()
 
     @endpoint
+    def drop_handle(self, buf: RDMABuffer) -> None:
+        buf.drop()
+
+    @endpoint
     def pid(self) -> int:
         return os.getpid()
 
@@ -474,6 +478,53 @@ def test_drop_from_a_non_owner(owners, backend):
         buf.read_into(torch.empty(4096, dtype=torch.uint8)).get(timeout=30)
 
 
+def test_drop_is_a_future_set_once_the_drop_took_effect(owners):
+    # Monarch's drop() returns a Future[None]; it returned None here, and a holder could not wait for it.
+    import asyncio
+
+    buf = _owner(owners).make.call_one("drop-future", 4096).get()
+    assert buf.drop().get(timeout=30) is None  # the owner answered: dropped there
+    with pytest.raises(BufferDroppedError):
+        buf.read_into(torch.empty(4096, dtype=torch.uint8)).get(timeout=30)
+
+    async def drop_again():
+        return await buf.drop()  # dropping a dropped buffer does nothing
+
+    assert asyncio.run(drop_again()) is None
+    local = RDMABuffer(torch.zeros(8)).drop()
+    assert local.done() and local.get() is None  # in the owner: at once
+
+
+def test_a_holder_drops_a_buffer_made_before_its_owner_had_a_mailbox(owners, monkeypatch):
+    # Its handle named no owner address, and a holder's drop() did nothing.
+    from monarch_tensor import mailbox
+
+    src = torch.arange(100, dtype=torch.uint8)
+    with monkeypatch.context() as m:
+        m.setattr(mailbox, "_mailbox", None)  # as in a script before its first mesh
+        buf = RDMABuffer(src)
+    _owner(owners).drop_handle.call_one(buf).get(timeout=30)  # (its drop arrives here before the reply)
+    with pytest.raises(BufferDroppedError):
+        buf.read_into(torch.empty(100, dtype=torch.uint8)).get(timeout=30)
+
+
+def test_a_read_takes_a_larger_destination_and_refuses_a_smaller_one(owners, backend):
+    # Monarch's rule: the whole buffer, into a destination at least as large. Here a larger one was refused,
+    # and a smaller one silently got the buffer's first bytes only.
+    o = _owner(owners)
+    buf = o.make.call_one("larger-dst", 100).get()
+    ref = o.value.call_one("larger-dst").get()
+    for read in (lambda out: buf.read_into(out), lambda out: RDMAAction().read_remote(out, buf).submit()):
+        out = torch.full((128,), 7, dtype=torch.uint8)
+        read(out).get(timeout=30)
+        assert torch.equal(out[:100], ref) and bool((out[100:] == 7).all())
+        with pytest.raises(ValueError, match="must be at least as large"):
+            read(torch.empty(64, dtype=torch.uint8))
+    part = torch.empty(64, dtype=torch.uint8)
+    buf.read_into(part, offset=10).get(timeout=30)  # with offset=: a part of the buffer
+    assert torch.equal(part, ref[10:74])
+
+
 def test_bad_handle_is_refused(owners, backend):
     buf = _owner(owners).make.call_one("forged", 4096).get()
     d = buf._desc
@@ -487,7 +538,9 @@ def test_bad_handle_is_refused(owners, backend):
 def test_size_mismatch_and_bad_input_refused_before_transfer(owners):
     buf = _owner(owners).make.call_one("sizes", 100).get()
     with pytest.raises(ValueError, match="size mismatch"):
-        buf.read_into(torch.empty(101, dtype=torch.uint8))
+        buf.read_into(torch.empty(99, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="size mismatch"):
+        buf.read_into(torch.empty(10, dtype=torch.uint8), offset=95)
     with pytest.raises(ValueError, match="size mismatch"):
         buf.write_from(torch.empty(10, dtype=torch.uint8), offset=95)
     with pytest.raises(ValueError, match="offset"):
@@ -914,7 +967,7 @@ def test_a_shorter_wait_runs_the_transfer_then_hands_it_over(owners, monkeypatch
     _, fut, pid, holds = _transfer_with_the_owner_stopped(owners, f"handoff-{kind}", 1 << 16, 13, kind, timeout=30)
     try:
         t0 = time.monotonic()
-        with pytest.raises(TimeoutError) as err:
+        with pytest.raises(TimeoutError, match=r"within 0\.5 s") as err:  # (it said "within 0 s")
             fut.get(timeout=0.5)
         assert not isinstance(err.value, TransferTimeoutError)  # the wait ended; the transfer did not fail
         assert time.monotonic() - t0 < 5 and not fut.done()
@@ -1105,6 +1158,28 @@ def test_tcp_headers_keep_the_data_aligned():
             with pytest.raises(TimeoutError):  # nothing follows a failure's answer
                 s.recv(1)
     finally:
+        buf.drop()
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), 1e10])
+def test_tcp_transfer_takes_a_timeout_past_what_a_socket_takes(timeout):
+    # Its connect passed the timeout to the socket: OverflowError.
+    from rdma._memory import as_mem
+    from rdma.backends import tcp
+
+    src = bytearray(b"no time limit")
+    buf = RDMABuffer(memoryview(src))
+    backend = tcp.TcpBackend()  # no idle connection: it connects
+    try:
+        out = bytearray(len(src))
+        backend.read(buf._desc, 0, as_mem(out), timeout)
+        assert out == src
+        backend.write(buf._desc, 0, as_mem(b"NO"), timeout)
+        assert src.startswith(b"NO time")
+    finally:
+        for socks in backend._idle.values():
+            for s in socks:
+                s.close()
         buf.drop()
 
 

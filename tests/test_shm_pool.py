@@ -35,6 +35,12 @@ class Echo(Actor):
             self.kept = x
 
     @endpoint
+    def keep_and_add(self, x) -> None:
+        """Keeps ``x`` and adds this rank + 1 to it in place."""
+        self.kept = x
+        x += current_rank().rank + 1
+
+    @endpoint
     def kept_total(self) -> float:
         return float(self.kept.sum())
 
@@ -86,6 +92,42 @@ def test_broadcast_to_several_procs_waits_for_every_reader(echo):
         totals = echo.total.call(arr * i).get(timeout=30).values()
         assert totals == [float(arr.size * i)] * 2
     assert echo.slice(gpus=1).kept_total.call_one().get(timeout=30) == float(arr.size * 7)  # not overwritten
+
+
+@pytest.mark.timeout(60)
+def test_receivers_of_one_broadcast_change_only_their_own_arguments(echo):
+    # Both receivers mapped the one segment shared and writable: each saw the other's += as well (3 and 3).
+    arr = np.zeros(2 * MIB // 8, dtype=np.float64)
+    echo.keep_and_add.call(arr).get(timeout=30)
+    assert echo.kept_total.call().get(timeout=30).values() == [float(arr.size), float(arr.size * 2)]
+    assert not arr.any()
+    assert echo.slice(gpus=0).total.call_one(arr).get(timeout=30) == 0.0
+
+
+def _oneoff_files() -> set[str]:
+    return set(glob.glob(f"/dev/shm/mt-{os.getpid()}-*")) - _pool_files()
+
+
+@pytest.mark.timeout(60)
+def test_a_broadcast_beyond_the_pool_reaches_every_reader(echo, monkeypatch):
+    # It went into a one-off file that the first reader unlinked on arrival: the other could not open it,
+    # and the call never completed.
+    monkeypatch.setattr(_shm, "SHM_POOL_BYTES", MIB)
+    arr = np.ones(4 * MIB // 8, dtype=np.float64)
+    before = _oneoff_files()
+    assert echo.total.call(arr).get(timeout=30).values() == [float(arr.size)] * 2
+    assert _oneoff_files() == before, "each reader unlinks its own name of the file"
+
+
+@pytest.mark.timeout(60)
+def test_a_message_a_reader_cannot_map_fails_the_call(echo, monkeypatch):
+    # The reader only logged it; the caller waited for ever.
+    real = _shm.for_reader
+    monkeypatch.setattr(_shm, "for_reader", lambda desc, i: ("mt-0-gone", *real(desc, i)[1:]) if i else desc)
+    with pytest.raises(Exception, match="cannot map the shared-memory buffers .* of the arguments of "):
+        echo.total.call(np.ones(2 * MIB // 8)).get(timeout=30)
+    monkeypatch.undo()
+    assert echo.total.call(np.ones(2 * MIB // 8)).get(timeout=30).values() == [float(2 * MIB // 8)] * 2
 
 
 class _Big(Actor):

@@ -287,6 +287,28 @@ def test_torch_tensors_round_trip():
     assert torch.equal(out["t"], t) and torch.equal(out["view"], t[:, 1])
 
 
+def _at_misaligned_address(frame, off: int) -> memoryview:
+    """A copy of ``frame`` whose bytes start ``off`` bytes past a 16-byte boundary (zmq keeps a small frame's
+    bytes at any address)."""
+    raw = bytearray(len(frame) + 32)
+    shift = (off - np.frombuffer(raw, dtype=np.uint8).ctypes.data) % 16
+    view = memoryview(raw)[shift:shift + len(frame)]
+    view[:] = frame
+    return view
+
+
+@pytest.mark.parametrize("dtype", [torch.complex128, torch.float64, torch.int32])
+def test_tensors_whose_frame_is_misaligned_arrive_aligned(dtype):
+    # A 3-element complex128 tensor arrived 12 bytes past a 16-byte boundary, and torch's kernels
+    # on it crashed the receiver (SIGSEGV).
+    t = torch.arange(3).to(dtype)
+    frames = _wire.encode(messages.SendToPort(1, t, None, 0))
+    assert len(frames) == 2, "the tensor's bytes should be a buffer frame"
+    out = _wire.decode([frames[0], _at_misaligned_address(frames[1], 12)]).value
+    assert out.data_ptr() % dtype.itemsize == 0
+    assert torch.equal(out.clone(), t) and out.sum().item() == t.sum().item()
+
+
 def test_lazy_conjugate_and_negative_views_travel_as_their_values():
     z = torch.randn(5, dtype=torch.complex64)
     x = torch.randn(6)

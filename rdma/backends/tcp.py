@@ -35,6 +35,9 @@ MIN_STREAM_CHUNK = 4 << 20  # below this a transfer uses one connection
 # such requests keep coming within that time (see _next_request).
 SPIN_S = float(os.environ.get("MONARCH_TENSOR_RDMA_TCP_SPIN_US", "200")) * 1e-6
 TICK_S = 0.1  # a reader's socket waits in the kernel at most this long at a time, then checks its deadline
+# The longest a connect may wait: a socket refuses a timeout past about 9.2e9 s (OverflowError; a transfer's
+# timeout may be float("inf")), and the kernel gives up on an unanswered connect after about 2 minutes anyway.
+CONNECT_MAX_S = 3600.0
 # Every header on a data connection is HEAD bytes. Data behind a header of another length (a 1-byte
 # status before) lay misaligned against the reader's memory, and the kernel's copy out of the socket
 # slowed down: 1-4 MiB reads were 1.6x slower on this project's VM.
@@ -375,7 +378,8 @@ class TcpBackend(Backend):
             if idle:
                 return idle.pop()
         try:
-            s = socket.create_connection(addr, timeout=check_deadline(deadline, "connecting to the owner"))
+            s = socket.create_connection(addr, timeout=min(check_deadline(deadline, "connecting to the owner"),
+                                                           CONNECT_MAX_S))
         except (ConnectionRefusedError, socket.timeout, OSError) as e:
             raise self._lost(desc, e) from e
         return client_socket(s)
