@@ -830,7 +830,7 @@ def test_a_remote_function_called_as_an_endpoint_runs_on_every_proc(procs):
         assert add_one.call_one.__doc__  # (call_one exists; it needs a mesh of one proc)
         assert procs.slice(gpus=1) is not None
     with procs.slice(gpus=1).activate():
-        assert add_one.call_one(1).get(timeout=60) == (2, 1)
+        assert add_one.call_one(1).get(timeout=60) == (2, 0)  # current_rank(): its rank in the slice called
     with pytest.raises(MeshTensorError, match="inside `with mesh.activate\\(\\):`"):
         add_one.call()
 
