@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import runpy
+import signal
 import sys
 from pathlib import Path
 
@@ -46,7 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     _job_parsers(sub)
     args = p.parse_args(argv)
     if args.cmd in ("apply", "exec", "shell", "kill", "context"):
-        return _job_command(args)
+        code = _job_command(args)
+        # Done: a Ctrl-C while this process exits (ending its sessions with the agents, which end a session
+        # that goes quiet by themselves) ends it at once, without a traceback from wherever the exit was.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        return code
     if args.cmd == "debug":
         from . import _debug_cli
 
@@ -171,7 +176,13 @@ def _job_command(args) -> int:
         from .job.exec import interrupt_commands
 
         interrupt_commands()  # (their threads stop the procs, and the commands with them, before we exit)
-        print(f"monarch-tensor {args.cmd}: interrupted; stopping the command's procs", file=sys.stderr)
+        what = "interrupted"
+        if args.cmd in ("exec", "shell"):
+            what += "; stopping the command's procs"
+        elif args.cmd == "apply":  # (a job that started and was not recorded was stopped: JobTrait.state)
+            what += ("; the job runs ('monarch-tensor kill' stops it)" if c.context_state(c.current_context()).exists()
+                     else "; no job was left running")
+        print(f"monarch-tensor {args.cmd}: {what}", file=sys.stderr)
         return 130
 
 

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -451,3 +452,75 @@ def test_releasing_a_local_job_kills_only_its_own_agents(tmp_path):
         if stranger.poll() is None:
             stranger.kill()
             stranger.wait()
+
+
+def _interrupt_apply(cwd, marker, env) -> subprocess.CompletedProcess:
+    """Run ``apply job.job`` in ``cwd``, Ctrl-C it once ``marker`` exists; its result."""
+    p = subprocess.Popen([sys.executable, "-m", "monarch_tensor.cli", "apply", "job.job"], cwd=cwd, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), p.communicate(timeout=10)
+        time.sleep(0.2)  # (the marker's writer is in its wait)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_while_apply_starts_the_agents_stops_them(tmp_path):
+    """Ctrl-C while ``apply`` waits for its agents to serve: they are stopped and the job's directory (its key)
+    removed, as no job file records them for ``kill``."""
+    agent = tmp_path / "agent.sh"  # an agent that never serves: apply waits for it
+    agent.write_text(f"#!/bin/sh\necho $$ >> {tmp_path}/started\nexec sleep 62.5\n")
+    agent.chmod(0o755)
+    (tmp_path / "job.py").write_text("from monarch_tensor.job import LocalJob\n"
+                                     f"job = LocalJob(meshes={{'hosts': 2}}, python_exe={str(agent)!r})\n")
+    (tmp_path / "tmp").mkdir()
+    r = _interrupt_apply(tmp_path, tmp_path / "started", dict(ENV, TMPDIR=str(tmp_path / "tmp")))
+    assert r.returncode == 130 and "no job was left running" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    started = [int(x) for x in (tmp_path / "started").read_text().split()]
+    assert started and not any(alive(p) for p in started)
+    assert os.listdir(tmp_path / "tmp") == []  # the job's directory, with its key, is gone
+    assert not (tmp_path / ".monarch" / "default" / "state.json").exists()
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_after_apply_started_the_agents_stops_them(tmp_path):
+    """Ctrl-C once the agents serve, before the job file is written (connecting to them): ``state()`` kills the
+    job it started, which nothing else could find."""
+    (tmp_path / "job.py").write_text(textwrap.dedent(f"""
+        import time
+        from monarch_tensor.job import LocalJob
+        class SlowToConnect(LocalJob):
+            def _connect(self):
+                with open({str(tmp_path / "started")!r}, "w") as f:
+                    print(*self.pids, file=f)
+                    print(self.root_dir, file=f)
+                time.sleep(60)
+        job = SlowToConnect(meshes={{"hosts": 2}}, ttl=120)
+        """))
+    r = _interrupt_apply(tmp_path, tmp_path / "started", ENV)
+    assert r.returncode == 130 and "no job was left running" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    agents, root = (tmp_path / "started").read_text().splitlines()
+    agents = [int(p) for p in agents.split()]
+    assert len(agents) == 2 and not any(alive(p) for p in agents)
+    assert not os.path.exists(root)
+    assert not (tmp_path / ".monarch" / "default" / "state.json").exists()
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_a_job_command_exits_shows_no_traceback(tmp_path):
+    """A Ctrl-C that comes as a job command finishes (its exit ends the sessions with the agents) ends the
+    process at once, not with a KeyboardInterrupt traceback from the exit's cleanup."""
+    script = ("import atexit, os, signal, sys, time\n"
+              "from monarch_tensor import cli\n"
+              "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(1)))  # (runs last)\n"
+              "sys.exit(cli.main(['context', 'ls']))\n")
+    r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == -signal.SIGINT and "Traceback" not in r.stderr, r.stderr

@@ -141,10 +141,15 @@ class JobTrait:
                     # would each be waited for until the connect timeout, and the error blame the network)
                     raise HostUnreachableError(f"this {type(self).__name__}'s allocation no longer runs "
                                                f"({self._gone()}); kill() it and start it again")
-                self.apply()
-                self._connect()
-                if fresh and cached_path and reuse:
-                    self.dump(cached_path)
+                try:
+                    self.apply()
+                    self._connect()
+                    if fresh and cached_path and reuse:
+                        self.dump(cached_path)
+                except BaseException:
+                    if fresh:  # (started here, then unusable or unrecorded: an interrupt, an agent that did
+                        self._abandon()  # not answer; nobody could find its agents to kill them)
+                    raise
             if getattr(self, "_mounts", None):
                 from . import mounts
 
@@ -162,6 +167,16 @@ class JobTrait:
         it = iter(agents)
         self._agents = {name: [next(it) for _ in self.addrs[name]] for name in self.meshes}
         self._state = JobState({name: RemoteHostMesh(a) for name, a in self._agents.items()})
+
+    def _abandon(self) -> None:
+        """Kill a job that ``state()`` started and could not hand over, and forget it: the job is as before
+        ``apply()`` (a later ``state()`` starts it again; ``kill()`` has nothing to do)."""
+        if self.addrs is not None:
+            try:
+                self.kill()
+            except Exception as e:  # noqa: BLE001 - best effort: what failed is the error to report
+                log.warning("stopping the job that did not start: %r", e)
+        self.addrs, self._agents, self._state, self._killed = None, {}, None, False
 
     def _adopt_cached(self, path: str) -> bool:
         """Reattach to the running job of this spec at ``path``; cancel one of another spec found there."""

@@ -96,18 +96,25 @@ class LocalJob(JobTrait):
                 started.append((name, p, addr_file, log))
         addrs: dict[str, list[str]] = {name: [] for name in self.meshes}
         deadline = time.monotonic() + self.start_timeout
-        for name, p, addr_file, log in started:
-            while (a := read_address(addr_file)) is None:
-                if p.poll() is not None:
-                    self._release()
-                    raise JobStartError(f"host agent {name} exited with code {p.returncode} before serving; "
-                                        f"its log ({log}):\n{log_tail(log)}")
-                if time.monotonic() > deadline:
-                    self._release()
-                    raise JobStartError(f"host agent {name} did not start within {self.start_timeout:.0f} s; "
-                                        f"its log ({log}):\n{log_tail(log)}")
-                time.sleep(0.02)
-            addrs[name].append(a)
+        try:
+            for name, p, addr_file, log in started:
+                while (a := read_address(addr_file)) is None:
+                    if p.poll() is not None:
+                        raise JobStartError(f"host agent {name} exited with code {p.returncode} before serving; "
+                                            f"its log ({log}):\n{log_tail(log)}")
+                    if time.monotonic() > deadline:
+                        raise JobStartError(f"host agent {name} did not start within {self.start_timeout:.0f} s; "
+                                            f"its log ({log}):\n{log_tail(log)}")
+                    time.sleep(0.02)
+                addrs[name].append(a)
+        except BaseException as e:
+            # Interrupted too (Ctrl-C): the agents are not recorded anywhere yet, and would run until their ttl.
+            for _, p, _, _ in started:
+                p.terminate()  # (an agent exits on SIGTERM as on a shutdown)
+            self._release()
+            if not isinstance(e, JobStartError):  # (a failed start keeps its logs: the error names one)
+                self._remove_root()
+            raise
         return addrs
 
     def _release(self) -> None:
@@ -134,6 +141,9 @@ class LocalJob(JobTrait):
         """Stop the agents; then remove the job's directory when it made one (its key, logs and workspaces:
         ``root_dir=`` given, only the key file goes)."""
         super().kill()
+        self._remove_root()
+
+    def _remove_root(self) -> None:
         root = self.root_dir
         if not root:
             return
