@@ -524,3 +524,29 @@ def test_ctrl_c_while_a_job_command_exits_shows_no_traceback(tmp_path):
     r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=ENV, capture_output=True, text=True,
                        timeout=30)
     assert r.returncode == -signal.SIGINT and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.timeout(120)
+def test_killing_a_local_job_whose_procs_run_leaves_no_socket_files(tmp_path):
+    """``job.kill()`` while the job's procs still run (no ``stop()``: a script's ``finally: job.kill()``): the
+    procs, killed by their template, leave no socket files in the socket directory."""
+    script = textwrap.dedent("""
+        from monarch_tensor.actor import Actor, endpoint
+        from monarch_tensor.job import LocalJob
+        class A(Actor):
+            @endpoint
+            def ping(self):
+                return 1
+        job = LocalJob(meshes={"hosts": 1}, ttl=60)
+        procs = job.state(cached_path=None).hosts.spawn_procs(per_host={"gpus": 2})
+        assert list(procs.spawn("a", A).ping.call().get().values()) == [1, 1]
+        job.kill()
+        """)
+    r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=dict(ENV, TMPDIR=str(tmp_path)),
+                       capture_output=True, text=True, timeout=90)
+    assert r.returncode == 0, r.stderr
+    sockets = tmp_path / f"monarch-tensor-{os.getuid()}"
+    deadline = time.monotonic() + 20
+    while (left := [p.name for p in sockets.glob("proc-*")]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left == []
