@@ -81,6 +81,7 @@ def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None) -> No
     spawned: list[int] = []  # every proc's pid: their files go when the client died without telling us
     children: dict[int, int] = {}  # pid -> request id
     sockets: dict[int, str] = {}  # pid -> its ipc socket file, removed once it exited (see _remove_socket)
+    clients: set[str] = set()  # the client addresses given to its procs (their workspace roots are named so)
     outputs: dict[int, list] = {}  # pid -> [stdout read end, stderr read end] (None once it ended)
     relayed: dict[int, tuple[int, int]] = {}  # read end -> (pid, stream) of the procs whose output is relayed
     sig_r, sig_w = os.pipe()
@@ -124,8 +125,10 @@ def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None) -> No
                         _child(req_fd, rep_fd, sig_r, sig_w, entry, args, env, (reads, writes), others, relay)
                     children[pid] = req_id
                     spawned.append(pid)
-                    if isinstance(args[0], str) and args[0].startswith("ipc://"):  # (run_proc's own address)
-                        sockets[pid] = args[0][len("ipc://"):]
+                    if isinstance(args[0], str) and args[0].startswith("ipc://"):  # (run_proc's own address,
+                        sockets[pid] = args[0][len("ipc://"):]  # and its client's)
+                    if len(args) > 1 and isinstance(args[1], str):
+                        clients.add(args[1])
                     for w in writes:
                         os.close(w)
                     outputs[pid] = list(reads)
@@ -151,16 +154,21 @@ def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None) -> No
     for pid in list(sockets):  # (those killed just now: a job killed while its procs ran, say)
         _remove_socket(sockets, pid)
     if died:  # (SIGKILLed, say): what it and its procs left in /dev/shm and the socket directory
-        _remove_files_of(client, spawned)
+        _remove_files_of(client, spawned, clients)
 
 
-def _remove_files_of(client: int, procs: list[int]) -> None:
-    """The shared-memory segments of ``client`` and ``procs`` (named ``mt-<pid>-...``), and the sockets of the
-    client and of the procs it named (``client-<pid>-...``, ``proc-<pid>-...``): a process that was killed
+def _remove_files_of(client: int, procs: list[int], client_addrs=()) -> None:
+    """The shared-memory segments of ``client`` and ``procs`` (named ``mt-<pid>-...``), the sockets of the
+    client and of the procs it named (``client-<pid>-...``, ``proc-<pid>-...``), and the client session's
+    default workspace root (``client_addrs``: see ``_sync_proc.default_root``): a process that was killed
     removes none of its own. Only once the client is gone: its own segments are in use while it lives."""
     import glob
 
+    from ._sync_proc import remove_default_root
     from .mailbox import socket_dir
+
+    for addr in client_addrs:
+        remove_default_root(addr)
 
     paths = [p for pid in (client, *procs) for p in glob.glob(f"/dev/shm/mt-{pid}-*")]
     paths += glob.glob(os.path.join(socket_dir(), f"*-{client}-*"))

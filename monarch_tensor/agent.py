@@ -59,6 +59,7 @@ DEFAULT_TTL = float(os.environ.get("MONARCH_TENSOR_AGENT_TTL", "3600"))
 class _Session:
     last_seen: float
     procs: dict = field(default_factory=dict)  # pid -> (ProcInfo, events PortRef)
+    clients: set = field(default_factory=set)  # its controllers' addresses (their procs' workspace roots)
 
 
 class HostAgent:
@@ -246,6 +247,7 @@ class HostAgent:
 
     def handle_SpawnProcs(self, ident, req_id, msg: SpawnProcs) -> None:
         session = self._session(msg.session)
+        session.clients.add(msg.client_addr)
         infos, envs = [], []
         gpus = _gpu_count()
         for rank, env in zip(msg.ranks, msg.envs):
@@ -286,6 +288,7 @@ class HostAgent:
         if s is not None:
             for pid in list(s.procs):
                 _signal(pid, signal.SIGKILL)
+            _remove_roots(s)
 
     # ---- proc exits (the zygote's reader thread) ----------------------------------------
     def _proc_output(self, info: ProcInfo, stream: int, data: bytes) -> None:
@@ -315,6 +318,8 @@ class HostAgent:
         self._stopping = True
         self._spawner.stop()
         self._close_zygote()
+        for s in self.sessions.values():
+            _remove_roots(s)
         self._drain_inbox()
         for s in self._out.values():
             s.close(linger=500)
@@ -377,6 +382,14 @@ class _Worker:
                 frames = _wire.encode((req_id, None, e))
             self.agent._inbox.put((ident, frames))
             self.agent._wake()
+
+
+def _remove_roots(session: _Session) -> None:
+    """The default workspace roots of a session that ended (its procs are gone): see ``_sync_proc``."""
+    from ._sync_proc import remove_default_root
+
+    for addr in session.clients:
+        remove_default_root(addr)
 
 
 def _signal(pid: int, sig: int) -> None:

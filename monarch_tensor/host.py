@@ -856,7 +856,6 @@ def proc_mesh(*, gpus: int | None = None, hosts: int | None = None, env: dict[st
     return run_bootstrap(_spawn_procs(Shape.from_sizes(sizes), extra_env=env), setup)
 
 
-@atexit.register
 def _shutdown() -> None:
     for mesh in list(_live_meshes):
         try:
@@ -866,6 +865,19 @@ def _shutdown() -> None:
     for host in [_local_host, *_other_hosts.values()]:
         if host is not None:
             host.close()
+
+
+@atexit.register
+def _shutdown_at_exit() -> None:
+    """Stop this machine's procs; then remove this client session's default workspace root here, which its
+    procs wrote and nothing reads any more (a killed script's goes with its template, ``_zygote``; a host
+    agent's with the session, ``HostAgent._end``)."""
+    _shutdown()
+    sync = sys.modules.get("monarch_tensor._sync_proc")  # (imported by any sync from here)
+    from . import mailbox
+
+    if sync is not None and mailbox._mailbox is not None:
+        sync.remove_default_root(mailbox._mailbox.addr)
 
 
 def _agents_of(procs: list[ProcInfo]) -> list:
