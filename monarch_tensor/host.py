@@ -524,16 +524,17 @@ class ProcMesh(MeshTrait):
             _unhandled_fault(err, e)
 
     # ---- interactive tools (workspace_sync.py, env.py) ---------------------------------
-    def sync_workspace(self, workspace, conda: bool = False, auto_reload: bool = False) -> Future:
+    def sync_workspace(self, workspace, conda: bool = False, auto_reload: bool = False) -> CoroutineFuture:
         """Mirror ``workspace``'s dirs onto the hosts of this mesh; ``auto_reload`` re-imports changed modules;
-        ``conda`` first mirrors the conda environment onto each host's ``$CONDA_PREFIX`` (``sync_env``).
+        ``conda`` first mirrors the conda environment onto each host's ``$CONDA_PREFIX`` (``sync_env``). A
+        Future that is a coroutine too (``async def`` in Monarch: ``asyncio.run()`` takes it).
 
         >>> await procs.sync_workspace(Workspace(dirs=["./proj"]), auto_reload=True)  # doctest: +SKIP
         """
         from .workspace_sync import sync_workspace
 
         self._check_alive()
-        return sync_workspace(self._members(), workspace, auto_reload, conda=conda)
+        return CoroutineFuture.of(sync_workspace(self._members(), workspace, auto_reload, conda=conda))
 
     @property
     def env(self):
@@ -757,11 +758,15 @@ class HostMesh(MeshTrait):
     def _runs_here(self, p: ProcInfo) -> bool:
         return getattr(p, "agent", None) is None  # (a host agent's procs are on its host)
 
-    def sync_workspace(self, workspace, conda: bool = False, auto_reload: bool = False) -> Future:
-        """Mirror ``workspace`` onto these hosts' workspace roots and reload the procs running there.
+    def sync_workspace(self, workspace, conda: bool = False, auto_reload: bool = False) -> CoroutineFuture:
+        """Mirror ``workspace`` onto these hosts' workspace roots and reload the procs running there (a Future
+        that is a coroutine too, as ``ProcMesh.sync_workspace``).
 
         >>> await this_host().sync_workspace(Workspace(dirs=["./proj"]))  # doctest: +SKIP
         """
+        return CoroutineFuture.of(self._sync_workspace(workspace, conda, auto_reload))
+
+    def _sync_workspace(self, workspace, conda: bool, auto_reload: bool) -> Future:
         from .workspace_sync import SyncResult, conda_prefix, sync_local, sync_workspace
 
         procs = [p for mesh in list(_live_meshes) for p in mesh._procs if p.alive and self._runs_here(p)]

@@ -941,6 +941,7 @@ def test_a_local_jobs_hosts_have_roots_of_their_own(tmp_path):
         assert second.changed == ["proj/helper.py"] and sorted(second.roots) == sorted(roots)
         assert sorted(second.reloaded) == [0, 1]
         assert [v[:2] for v in probes.run.call().get(timeout=60).values()] == [(4, "version 4")] * 2
+        assert asyncio.run(hosts.sync_workspace(ws)).changed == []  # (a coroutine, as Monarch's async def)
 
         # This host's own mesh syncs to this host only, not to the procs of the job's agents.
         other = tmp_path / "other"
@@ -951,6 +952,30 @@ def test_a_local_jobs_hosts_have_roots_of_their_own(tmp_path):
         assert not any(os.path.exists(os.path.join(r, "other")) for r in roots)
     finally:
         job.kill()
+
+
+@pytest.mark.timeout(120)
+def test_sync_workspace_is_a_coroutine_as_monarchs_async_def(tmp_path):
+    """``asyncio.run(mesh.sync_workspace(ws))`` works, as for Monarch's ``async def``; so do ``await`` and
+    ``.get()``."""
+    proj = tmp_path / "coro"
+    proj.mkdir()
+    (proj / "coro_mod.py").write_text("X = 1\n")
+    ws = Workspace(dirs=[proj])
+    assert asyncio.run(this_host().sync_workspace(ws)).files_sent == 1  # no proc runs: written here
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        (proj / "coro_mod.py").write_text("X = 2\n")
+        assert asyncio.run(procs.sync_workspace(ws)).changed == ["coro/coro_mod.py"]
+        assert asyncio.run(this_host().sync_workspace(ws)).changed == []
+
+        async def awaited():
+            return await procs.sync_workspace(ws)
+
+        assert asyncio.run(awaited()).changed == []
+        assert procs.sync_workspace(ws).get(timeout=60).changed == []
+    finally:
+        procs.stop()
 
 
 class Early(Actor):
