@@ -278,6 +278,11 @@ def test_exec_command(two_hosts, capfd):
         exec_command(two_hosts, ["true"], rank=2)
     with pytest.raises(TypeError, match="string values"):
         exec_command(two_hosts, ["true"], env={"A": 1})
+    # per_host with a dim of the host mesh: refused on one host too, whose slice lost the dim (its procs were
+    # told hosts ranks 0 and 1 on one host)
+    for target in ({}, {"rank": 0}, {"point": {"hosts": 1}}):
+        with pytest.raises(ValueError, match="per_host cannot have a 'hosts' dimension"):
+            exec_command(two_hosts, ["true"], per_host={"hosts": 2}, **target)
     # a working directory the host lacks fails the Future, with its name
     with pytest.raises(ActorError, match="working directory '/no/such/dir' does not exist"):
         exec_command(two_hosts, ["true"], rank=0, workdir="/no/such/dir").get(timeout=60)
