@@ -210,7 +210,8 @@ def _warm_tensor_engine() -> None:
     """Build the tensor engine's fake-tensor mode now, while the first procs start: it imports
     torch._dynamo, 1.6-2.2 s here, which the script's first mesh-tensor op would pay otherwise. Only in a
     script that imported torch itself; a failure here is left for that op to report."""
-    if "torch" not in sys.modules or "torch._dynamo" in sys.modules or os.environ.get("MONARCH_TENSOR_NO_WARMUP"):
+    if "torch" not in sys.modules or "torch._dynamo" in sys.modules or \
+            os.environ.get("MONARCH_TENSOR_NO_WARMUP", "0") not in ("", "0"):  # (=0: warm up, as 0 is off elsewhere)
         return
     try:
         from controller.tensor import fake_mode
