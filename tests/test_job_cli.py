@@ -555,3 +555,35 @@ def test_killing_a_local_job_whose_procs_run_leaves_no_socket_files(tmp_path):
     while (left := [p.name for p in sockets.glob("proc-*")]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert left == []
+
+
+def _root_dir(cwd) -> str:
+    with open(os.path.join(cwd, ".monarch", "default", "state.json")) as f:
+        return json.load(f)["root_dir"]
+
+
+@pytest.mark.timeout(240)
+def test_a_dead_local_job_is_replaced_and_cleaned_up(tmp_path):
+    """The next command replaces a LocalJob with a dead agent at once (its pids say so: no connecting to the
+    dead agent first), stopping the agent left and removing the old job's directory (its key, logs); so for
+    one whose agents all died."""
+    (tmp_path / "myjob.py").write_text(SPEC.format(meshes={"hosts": 2}))
+    try:
+        assert cli(tmp_path, "apply", "myjob.job").returncode == 0
+        for victims in (slice(0, 1), slice(None)):  # one agent of two dead; then all of them
+            old, old_root = pids(tmp_path), _root_dir(tmp_path)
+            for p in old[victims]:
+                os.kill(p, signal.SIGKILL)
+            r = cli(tmp_path, "exec", "--", "echo", "ran")
+            assert (r.returncode, r.stdout) == (0, "ran\n"), r.stderr
+            assert "did not answer" not in r.stderr, r.stderr  # (it waited for the dead agent to connect)
+            new = pids(tmp_path)
+            assert not set(new) & set(old) and all(alive(p) for p in new)
+            deadline = time.monotonic() + 20
+            while any(alive(p) for p in old) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not any(alive(p) for p in old)  # the one left of the old job too
+            assert not os.path.exists(old_root)
+            assert os.path.isdir(_root_dir(tmp_path))
+    finally:
+        cli(tmp_path, "kill")

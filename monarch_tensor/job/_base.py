@@ -86,8 +86,13 @@ class JobTrait:
         return {}
 
     def _running(self) -> bool:
-        """Whether the job's allocation still runs (asked of the scheduler)."""
+        """Whether the job's allocation still runs, all of it (asked of the scheduler)."""
         return self.active
+
+    def _live_addrs(self) -> list[str]:
+        """The addresses of the agents that ``kill()`` asks to shut down when it is not connected to them:
+        all of them, unless the kind knows which are gone (each dead one costs a wait)."""
+        return [a for name in self.meshes for a in (self.addrs or {}).get(name, [])]
 
     def _gone(self) -> str:
         """What says the allocation ended (for errors)."""
@@ -133,8 +138,7 @@ class JobTrait:
                     self._connect()
                 except Exception as e:  # noqa: BLE001 - its agents are gone: start afresh
                     log.warning("the cached job at %s did not answer (%r): starting a new one", cached_path, e)
-                    self._release()
-                    self.addrs = None
+                    self._abandon()  # (what is left of it: agents, a LocalJob's directory)
             if self._state is None:
                 fresh = self.addrs is None
                 if not fresh and not self._running():  # (a job file's, whose allocation ended: its agents
@@ -192,8 +196,11 @@ class JobTrait:
             self._adopt(cached)
             log.info("reattached to the running job of %s", path)
             return True
-        if cached.active and cached._running():
-            log.warning("the job at %s runs another spec than this one: cancelling it", path)
+        if cached.active:  # another spec, or one that no longer runs (all of it): what is left of it goes
+            if cached._running():
+                log.warning("the job at %s runs another spec than this one: cancelling it", path)
+            else:
+                log.info("the job at %s no longer runs: cleaning up after it", path)
             try:
                 cached.kill()
             except Exception as e:  # noqa: BLE001 - best effort: the new job starts all the same
@@ -211,8 +218,7 @@ class JobTrait:
         if not agents and self.addrs is not None:
             # Each agent that still answers, in parallel and briefly: connecting the job (state()) waited 30 s
             # for a dead one, and then shut down none of them.
-            agents = connected = reachable_agents([a for name in self.meshes for a in self.addrs.get(name, [])],
-                                                  self.keys)
+            agents = connected = reachable_agents(self._live_addrs(), self.keys)
         shutdown_agents(agents, "job killed")
         for a in connected:  # (not watched: nothing else closes them)
             a.close()

@@ -167,7 +167,20 @@ class LocalJob(JobTrait):
         return {"env": self.env}
 
     def _running(self) -> bool:
-        return self.active and any(self._agent_alive(pid) for pid in self.pids)
+        """Whether every agent runs: one that died cannot serve its host (connecting would wait for it)."""
+        return self.active and bool(self.pids) and all(self._agent_alive(pid) for pid in self.pids)
+
+    def _gone(self) -> str:
+        dead = [pid for pid in self.pids if not self._agent_alive(pid)]
+        if not dead or len(dead) == len(self.pids):
+            return "its host agents exited"
+        return f"its host agent(s) {dead} of {len(self.pids)} exited"
+
+    def _live_addrs(self) -> list[str]:
+        addrs = super()._live_addrs()
+        if len(addrs) != len(self.pids):  # (started in mesh order, as the addresses are)
+            return addrs
+        return [a for a, pid in zip(addrs, self.pids) if self._agent_alive(pid)]
 
     def _adopt(self, running: JobTrait) -> None:
         self.pids, self.root_dir = list(running.pids), running.root_dir
