@@ -418,7 +418,11 @@ def _start_agent(address: str, ca: str | None, key_file: str | None, ttl: float,
     logging.basicConfig(level=logging.INFO, format="%(asctime)s agent %(process)d %(levelname)s %(message)s")
     agent = HostAgent(address, keys, ttl=ttl)
     if address_file:
-        _curve.write_private(address_file, agent.addr + "\n")
+        try:
+            _curve.write_private(address_file, agent.addr + "\n")
+        except OSError as e:
+            agent.close()
+            raise ValueError(f"cannot write the address file {address_file}: {e.strerror or e}") from None
     print(f"monarch-tensor host agent {os.getpid()} serving on {agent.addr} (workdir {agent.workdir})",
           file=sys.stderr, flush=True)
     return agent
@@ -439,7 +443,22 @@ def run_worker_loop_until_shutdown(address: str, ca: str | None = None, *, key_f
     agent = _start_agent(address, ca, key_file, ttl, address_file)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: setattr(agent, "_stopping", True))
-    agent.serve_forever()
+    try:
+        agent.serve_forever()
+    finally:
+        _remove_address_file(address_file, agent.addr)
+
+
+def _remove_address_file(path: str | None, addr: str) -> None:
+    """An agent that stops takes back the address it wrote (unless another agent has written its own there
+    since): nothing serves there any more."""
+    if path:
+        try:
+            with open(path) as f:
+                if f.read().strip() == addr:
+                    os.remove(path)
+        except OSError:
+            pass
 
 
 def run_worker_loop_forever(address: str, ca: str | None = None, *, key_file: str | None = None,
