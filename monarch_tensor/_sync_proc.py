@@ -22,6 +22,7 @@ import hashlib
 import importlib
 import mmap
 import os
+import shutil
 import socket
 import sys
 import threading
@@ -42,6 +43,13 @@ def client_key(client_addr: str) -> str:
 
 def default_root(key: str) -> str:
     return os.path.join(socket_dir(), f"workspace-{key}")
+
+
+def remove_default_root(client_addr: str) -> None:
+    """Remove client session ``client_addr``'s default root on this host once the session ended (the client
+    exited or was killed; its procs are gone): nothing reads it any more. Roots in ``$WORKSPACE_DIR`` are
+    the user's or a job's, and stay."""
+    shutil.rmtree(default_root(client_key(client_addr)), ignore_errors=True)
 
 
 def workspace_root(key: str, root_var: str = "") -> str:

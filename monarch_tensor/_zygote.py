@@ -80,6 +80,8 @@ def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None) -> No
     client = os.getppid()
     spawned: list[int] = []  # every proc's pid: their files go when the client died without telling us
     children: dict[int, int] = {}  # pid -> request id
+    sockets: dict[int, str] = {}  # pid -> its ipc socket file, removed once it exited (see _remove_socket)
+    clients: set[str] = set()  # the client addresses given to its procs (their workspace roots are named so)
     outputs: dict[int, list] = {}  # pid -> [stdout read end, stderr read end] (None once it ended)
     relayed: dict[int, tuple[int, int]] = {}  # read end -> (pid, stream) of the procs whose output is relayed
     sig_r, sig_w = os.pipe()
@@ -108,7 +110,7 @@ def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None) -> No
             for fd in readable:
                 if fd in relayed:
                     _relay(fd, relayed, outputs, rep_fd, waits)
-            _reap(children, rep_fd, outputs, relayed, waits)
+            _reap(children, rep_fd, outputs, relayed, waits, sockets)
             if req_fd in readable:
                 req = read_msg(req_fd)
                 if req is None or req[0] == "exit":
@@ -123,6 +125,10 @@ def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None) -> No
                         _child(req_fd, rep_fd, sig_r, sig_w, entry, args, env, (reads, writes), others, relay)
                     children[pid] = req_id
                     spawned.append(pid)
+                    if isinstance(args[0], str) and args[0].startswith("ipc://"):  # (run_proc's own address,
+                        sockets[pid] = args[0][len("ipc://"):]  # and its client's)
+                    if len(args) > 1 and isinstance(args[1], str):
+                        clients.add(args[1])
                     for w in writes:
                         os.close(w)
                     outputs[pid] = list(reads)
@@ -145,17 +151,24 @@ def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None) -> No
     except BrokenPipeError:  # the client is gone: nothing to tell it any more
         died = True
     _kill_all(children, rep_fd)
+    for pid in list(sockets):  # (those killed just now: a job killed while its procs ran, say)
+        _remove_socket(sockets, pid)
     if died:  # (SIGKILLed, say): what it and its procs left in /dev/shm and the socket directory
-        _remove_files_of(client, spawned)
+        _remove_files_of(client, spawned, clients)
 
 
-def _remove_files_of(client: int, procs: list[int]) -> None:
-    """The shared-memory segments of ``client`` and ``procs`` (named ``mt-<pid>-...``), and the sockets of the
-    client and of the procs it named (``client-<pid>-...``, ``proc-<pid>-...``): a process that was killed
+def _remove_files_of(client: int, procs: list[int], client_addrs=()) -> None:
+    """The shared-memory segments of ``client`` and ``procs`` (named ``mt-<pid>-...``), the sockets of the
+    client and of the procs it named (``client-<pid>-...``, ``proc-<pid>-...``), and the client session's
+    default workspace root (``client_addrs``: see ``_sync_proc.default_root``): a process that was killed
     removes none of its own. Only once the client is gone: its own segments are in use while it lives."""
     import glob
 
+    from ._sync_proc import remove_default_root
     from .mailbox import socket_dir
+
+    for addr in client_addrs:
+        remove_default_root(addr)
 
     paths = [p for pid in (client, *procs) for p in glob.glob(f"/dev/shm/mt-{pid}-*")]
     paths += glob.glob(os.path.join(socket_dir(), f"*-{client}-*"))
@@ -218,7 +231,7 @@ def _drain(fd: int, limit: int | None) -> bytes:
     return got
 
 
-def _reap(children: dict[int, int], rep_fd: int, outputs: dict, relayed: dict, waits) -> None:
+def _reap(children: dict[int, int], rep_fd: int, outputs: dict, relayed: dict, waits, sockets: dict) -> None:
     """Report the procs that exited, each after what it wrote and nobody had read yet."""
     while children:
         try:
@@ -238,6 +251,18 @@ def _reap(children: dict[int, int], rep_fd: int, outputs: dict, relayed: dict, w
                 if left:
                     write_msg(rep_fd, ("output", pid, stream, left))
             write_msg(rep_fd, ("exited", pid, describe_status(status)))
+            _remove_socket(sockets, pid)
+
+
+def _remove_socket(sockets: dict[int, str], pid: int) -> None:
+    """The socket file of a proc that exited: one that was killed (SIGKILL, or SIGTERM when its template
+    shuts down) leaves it in the socket directory; one that exited cleanly removed it already."""
+    path = sockets.pop(pid, None)
+    if path is not None:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 def _kill_all(children: dict[int, int], rep_fd: int) -> None:

@@ -59,6 +59,7 @@ DEFAULT_TTL = float(os.environ.get("MONARCH_TENSOR_AGENT_TTL", "3600"))
 class _Session:
     last_seen: float
     procs: dict = field(default_factory=dict)  # pid -> (ProcInfo, events PortRef)
+    clients: set = field(default_factory=set)  # its controllers' addresses (their procs' workspace roots)
 
 
 class HostAgent:
@@ -246,6 +247,7 @@ class HostAgent:
 
     def handle_SpawnProcs(self, ident, req_id, msg: SpawnProcs) -> None:
         session = self._session(msg.session)
+        session.clients.add(msg.client_addr)
         infos, envs = [], []
         gpus = _gpu_count()
         for rank, env in zip(msg.ranks, msg.envs):
@@ -286,6 +288,7 @@ class HostAgent:
         if s is not None:
             for pid in list(s.procs):
                 _signal(pid, signal.SIGKILL)
+            _remove_roots(s)
 
     # ---- proc exits (the zygote's reader thread) ----------------------------------------
     def _proc_output(self, info: ProcInfo, stream: int, data: bytes) -> None:
@@ -315,6 +318,8 @@ class HostAgent:
         self._stopping = True
         self._spawner.stop()
         self._close_zygote()
+        for s in self.sessions.values():
+            _remove_roots(s)
         self._drain_inbox()
         for s in self._out.values():
             s.close(linger=500)
@@ -379,6 +384,14 @@ class _Worker:
             self.agent._wake()
 
 
+def _remove_roots(session: _Session) -> None:
+    """The default workspace roots of a session that ended (its procs are gone): see ``_sync_proc``."""
+    from ._sync_proc import remove_default_root
+
+    for addr in session.clients:
+        remove_default_root(addr)
+
+
 def _signal(pid: int, sig: int) -> None:
     """Signal a proc directly: its zygote may be busy importing, and it still reaps and reports the exit."""
     try:
@@ -405,7 +418,11 @@ def _start_agent(address: str, ca: str | None, key_file: str | None, ttl: float,
     logging.basicConfig(level=logging.INFO, format="%(asctime)s agent %(process)d %(levelname)s %(message)s")
     agent = HostAgent(address, keys, ttl=ttl)
     if address_file:
-        _curve.write_private(address_file, agent.addr + "\n")
+        try:
+            _curve.write_private(address_file, agent.addr + "\n")
+        except OSError as e:
+            agent.close()
+            raise ValueError(f"cannot write the address file {address_file}: {e.strerror or e}") from None
     print(f"monarch-tensor host agent {os.getpid()} serving on {agent.addr} (workdir {agent.workdir})",
           file=sys.stderr, flush=True)
     return agent
@@ -426,7 +443,22 @@ def run_worker_loop_until_shutdown(address: str, ca: str | None = None, *, key_f
     agent = _start_agent(address, ca, key_file, ttl, address_file)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: setattr(agent, "_stopping", True))
-    agent.serve_forever()
+    try:
+        agent.serve_forever()
+    finally:
+        _remove_address_file(address_file, agent.addr)
+
+
+def _remove_address_file(path: str | None, addr: str) -> None:
+    """An agent that stops takes back the address it wrote (unless another agent has written its own there
+    since): nothing serves there any more."""
+    if path:
+        try:
+            with open(path) as f:
+                if f.read().strip() == addr:
+                    os.remove(path)
+        except OSError:
+            pass
 
 
 def run_worker_loop_forever(address: str, ca: str | None = None, *, key_file: str | None = None,

@@ -21,7 +21,9 @@ The job workflow (Monarch 0.7's ``monarch apply/exec/shell/kill/context``), in a
 from __future__ import annotations
 
 import argparse
+import math
 import runpy
+import signal
 import sys
 from pathlib import Path
 
@@ -38,15 +40,20 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--bind", required=True, help="tcp://HOST:PORT to listen on (PORT 0: any free port)")
     h.add_argument("--key-file", default=None, help="the job's key file (else MONARCH_TENSOR_KEY_FILE or "
                                                     "MONARCH_TENSOR_CURVE_PUBLIC/SECRET)")
-    h.add_argument("--ttl", type=float, default=3600.0, help="exit after this many seconds without a controller")
+    h.add_argument("--ttl", type=_seconds(more_than_0=True), default=3600.0,
+                   help="exit after this many seconds without a controller")
     h.add_argument("--address-file", default=None, help="write the address controllers should use here (0600)")
     dbg = sub.add_parser("debug", help="attach to the ranks of a running script paused at breakpoint()")
     dbg.add_argument("--pid", type=int, default=None, help="the script's process id (default: the newest)")
-    dbg.add_argument("--wait", type=float, default=60.0, help="seconds to wait for a script to pause")
+    dbg.add_argument("--wait", type=_seconds(), default=60.0, help="seconds to wait for a script to pause")
     _job_parsers(sub)
     args = p.parse_args(argv)
     if args.cmd in ("apply", "exec", "shell", "kill", "context"):
-        return _job_command(args)
+        code = _job_command(args)
+        # Done: a Ctrl-C while this process exits (ending its sessions with the agents, which end a session
+        # that goes quiet by themselves) ends it at once, without a traceback from wherever the exit was.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        return code
     if args.cmd == "debug":
         from . import _debug_cli
 
@@ -59,7 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "keygen":
         from ._curve import JobKeys
 
-        JobKeys.generate().save(args.path)
+        try:
+            JobKeys.generate().save(args.path)
+        except OSError as e:
+            print(f"monarch-tensor keygen: cannot write {args.path}: {e.strerror or e}", file=sys.stderr)
+            return 2
         print(f"wrote a job key pair to {args.path} (mode 0600)")
         return 0
     if args.cmd == "host":
@@ -71,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         except (AddressInUseError, JobKeyError, ValueError) as e:
             print(f"monarch-tensor host: {e}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:  # (Ctrl-C where it runs in a terminal: it stopped its procs and exited)
+            print("monarch-tensor host: interrupted; the agent stopped", file=sys.stderr)
+            return 130
         return 0
     if args.cmd == "demo":
         demo = Path(__file__).resolve().parent.parent / "examples" / "actors_basics.py"
@@ -80,6 +94,21 @@ def main(argv: list[str] | None = None) -> int:
         runpy.run_path(str(demo), run_name="__main__")
         return 0
     return 2
+
+
+def _seconds(more_than_0: bool = False):
+    """An argparse type: a finite number of seconds, >= 0 (> 0 with ``more_than_0``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not math.isfinite(value) or value < 0 or (more_than_0 and value == 0):
+            raise argparse.ArgumentTypeError(f"a number of seconds {'> 0' if more_than_0 else '>= 0'}, got {text!r}")
+        return value
+
+    return parse
 
 
 def _job_parsers(sub) -> None:
@@ -171,7 +200,13 @@ def _job_command(args) -> int:
         from .job.exec import interrupt_commands
 
         interrupt_commands()  # (their threads stop the procs, and the commands with them, before we exit)
-        print(f"monarch-tensor {args.cmd}: interrupted; stopping the command's procs", file=sys.stderr)
+        what = "interrupted"
+        if args.cmd in ("exec", "shell"):
+            what += "; stopping the command's procs"
+        elif args.cmd == "apply":  # (a job that started and was not recorded was stopped: JobTrait.state)
+            what += ("; the job runs ('monarch-tensor kill' stops it)" if c.context_state(c.current_context()).exists()
+                     else "; no job was left running")
+        print(f"monarch-tensor {args.cmd}: {what}", file=sys.stderr)
         return 130
 
 

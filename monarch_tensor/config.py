@@ -15,6 +15,7 @@ than ignoring them.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from typing import Any, Iterator
 
@@ -47,6 +48,26 @@ _runtime: dict[str, Any] = {}
 
 def _env_name(name: str) -> str:
     return f"MONARCH_TENSOR_{name.upper()}"
+
+
+def env_number(name: str, default: float, what: str, *, integer: bool = False, least: float = 0) -> Any:
+    """The number in environment variable ``name`` (``default`` where it is unset), read where a module
+    starts: one that is not a number, or is below ``least``, is an error naming the variable and what it
+    takes (``what``: "a number of microseconds (0: block at once)") rather than a bare ``int()`` error or a
+    value that breaks things later.
+
+    >>> SPIN_S = env_number("MONARCH_TENSOR_SPIN_US", 200, "a number of microseconds (0: block at once)") * 1e-6
+    """
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw) if integer else float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be {what}, got {raw!r}") from None
+    if not (value >= least and math.isfinite(value)):  # (nan compares false)
+        raise ValueError(f"{name} must be {what}, at least {least:g}, got {raw!r}")
+    return value
 
 
 def _check(name: str, value: Any) -> None:

@@ -210,7 +210,8 @@ def _warm_tensor_engine() -> None:
     """Build the tensor engine's fake-tensor mode now, while the first procs start: it imports
     torch._dynamo, 1.6-2.2 s here, which the script's first mesh-tensor op would pay otherwise. Only in a
     script that imported torch itself; a failure here is left for that op to report."""
-    if "torch" not in sys.modules or "torch._dynamo" in sys.modules or os.environ.get("MONARCH_TENSOR_NO_WARMUP"):
+    if "torch" not in sys.modules or "torch._dynamo" in sys.modules or \
+            os.environ.get("MONARCH_TENSOR_NO_WARMUP", "0") not in ("", "0"):  # (=0: warm up, as 0 is off elsewhere)
         return
     try:
         from controller.tensor import fake_mode
@@ -548,16 +549,17 @@ class ProcMesh(MeshTrait):
         _supervise(self._owner, err)
 
     # ---- interactive tools (workspace_sync.py, env.py) ---------------------------------
-    def sync_workspace(self, workspace, conda: bool = False, auto_reload: bool = False) -> Future:
+    def sync_workspace(self, workspace, conda: bool = False, auto_reload: bool = False) -> CoroutineFuture:
         """Mirror ``workspace``'s dirs onto the hosts of this mesh; ``auto_reload`` re-imports changed modules;
-        ``conda`` first mirrors the conda environment onto each host's ``$CONDA_PREFIX`` (``sync_env``).
+        ``conda`` first mirrors the conda environment onto each host's ``$CONDA_PREFIX`` (``sync_env``). A
+        Future that is a coroutine too (``async def`` in Monarch: ``asyncio.run()`` takes it).
 
         >>> await procs.sync_workspace(Workspace(dirs=["./proj"]), auto_reload=True)  # doctest: +SKIP
         """
         from .workspace_sync import sync_workspace
 
         self._check_alive()
-        return sync_workspace(self._members(), workspace, auto_reload, conda=conda)
+        return CoroutineFuture.of(sync_workspace(self._members(), workspace, auto_reload, conda=conda))
 
     @property
     def env(self):
@@ -781,11 +783,15 @@ class HostMesh(MeshTrait):
     def _runs_here(self, p: ProcInfo) -> bool:
         return getattr(p, "agent", None) is None  # (a host agent's procs are on its host)
 
-    def sync_workspace(self, workspace, conda: bool = False, auto_reload: bool = False) -> Future:
-        """Mirror ``workspace`` onto these hosts' workspace roots and reload the procs running there.
+    def sync_workspace(self, workspace, conda: bool = False, auto_reload: bool = False) -> CoroutineFuture:
+        """Mirror ``workspace`` onto these hosts' workspace roots and reload the procs running there (a Future
+        that is a coroutine too, as ``ProcMesh.sync_workspace``).
 
         >>> await this_host().sync_workspace(Workspace(dirs=["./proj"]))  # doctest: +SKIP
         """
+        return CoroutineFuture.of(self._sync_workspace(workspace, conda, auto_reload))
+
+    def _sync_workspace(self, workspace, conda: bool, auto_reload: bool) -> Future:
         from .workspace_sync import SyncResult, conda_prefix, sync_local, sync_workspace
 
         procs = [p for mesh in list(_live_meshes) for p in mesh._procs if p.alive and self._runs_here(p)]
@@ -880,7 +886,6 @@ def proc_mesh(*, gpus: int | None = None, hosts: int | None = None, env: dict[st
     return run_bootstrap(_spawn_procs(Shape.from_sizes(sizes), extra_env=env), setup)
 
 
-@atexit.register
 def _shutdown() -> None:
     for mesh in list(_live_meshes):
         try:
@@ -890,6 +895,19 @@ def _shutdown() -> None:
     for host in [_local_host, *_other_hosts.values()]:
         if host is not None:
             host.close()
+
+
+@atexit.register
+def _shutdown_at_exit() -> None:
+    """Stop this machine's procs; then remove this client session's default workspace root here, which its
+    procs wrote and nothing reads any more (a killed script's goes with its template, ``_zygote``; a host
+    agent's with the session, ``HostAgent._end``)."""
+    _shutdown()
+    sync = sys.modules.get("monarch_tensor._sync_proc")  # (imported by any sync from here)
+    from . import mailbox
+
+    if sync is not None and mailbox._mailbox is not None:
+        sync.remove_default_root(mailbox._mailbox.addr)
 
 
 def _agents_of(procs: list[ProcInfo]) -> list:

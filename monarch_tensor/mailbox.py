@@ -41,6 +41,7 @@ import zmq
 from . import _wire
 from . import future as _future
 from ._fanout import ROUTE_SEP, routed_frames
+from .config import env_number
 from .errors import ProtocolError, SupervisionError
 from .messages import ForwardLogs, PortRef, SendToPort
 
@@ -49,14 +50,7 @@ log = logging.getLogger("monarch_tensor.mailbox")
 
 def _us_from_env(name: str, default: str, zero: str) -> float:
     """Seconds from an environment variable that holds microseconds."""
-    raw = os.environ.get(name, default)
-    try:
-        us = float(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a number of microseconds ({zero}), got {raw!r}") from None
-    if us < 0:
-        raise ValueError(f"{name} must not be negative, got {raw!r}")
-    return us * 1e-6
+    return env_number(name, float(default), f"a number of microseconds ({zero})") * 1e-6
 
 
 # Batching of calls and replies (see Mailbox.send_frames); MONARCH_TENSOR_BATCH_GAP_US=0 turns it off.

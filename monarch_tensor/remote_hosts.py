@@ -32,7 +32,7 @@ from ._fanout import ROUTE_SEP
 from ._net import ip_towards
 from .agent_messages import EndSession, KeepSession, KillProcs, OpenSession, ReportExit, ShutdownAgent, SpawnProcs
 from .errors import HostUnreachableError, JobKeyError, SupervisionError
-from .future import Future
+from .future import CoroutineFuture, Future
 from .host import (
     HostMesh,
     ProcInfo,
@@ -436,10 +436,10 @@ class RemoteHostMesh(HostMesh):
         share_peers(infos)  # (of other jobs' agents)
         return run_bootstrap(mesh, bootstrap)
 
-    def sync_workspace(self, workspace, conda: bool = False, auto_reload: bool = False) -> Future:
+    def sync_workspace(self, workspace, conda: bool = False, auto_reload: bool = False) -> CoroutineFuture:
         """Mirror ``workspace`` onto these hosts' workspace roots and reload the procs running there. A host
         where no proc runs yet gets one for the sync, stopped after it; procs spawned there later start
-        with the synced dirs on ``sys.path``.
+        with the synced dirs on ``sys.path``. A Future that is a coroutine too, as ``ProcMesh.sync_workspace``.
 
         >>> await job.state().trainers.sync_workspace(Workspace(dirs=["./proj"]))  # doctest: +SKIP
         """
@@ -448,7 +448,7 @@ class RemoteHostMesh(HostMesh):
         procs = [p for mesh in list(_live_meshes) for p in mesh._procs if p.alive and self._runs_here(p)]
         idle = [a for a in self._agents if not any(p.agent is a for p in procs)]
         spawn = (lambda: RemoteHostMesh(idle).spawn_procs(name="workspace-sync")) if idle else None
-        return sync_workspace(procs, workspace, auto_reload, spawn, conda=conda)
+        return CoroutineFuture.of(sync_workspace(procs, workspace, auto_reload, spawn, conda=conda))
 
     def shutdown(self) -> Future:
         """Stop the procs on these hosts, then their agents: the hosts take no new procs afterwards."""

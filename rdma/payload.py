@@ -34,13 +34,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from monarch_tensor.config import env_number
+
 from ._host import per_process
 from .errors import RDMAError
 
 log = logging.getLogger("monarch_tensor.rdma")
 
-THRESHOLD = int(os.environ.get("MONARCH_TENSOR_PAYLOAD_THRESHOLD", str(1 << 20)))
-TTL = float(os.environ.get("MONARCH_TENSOR_PAYLOAD_TTL", "300"))
+THRESHOLD = env_number("MONARCH_TENSOR_PAYLOAD_THRESHOLD", 1 << 20,
+                       "a whole number of bytes (0: every payload in the message frames)", integer=True)
+# (0 or less dropped every registration at once, failing every pull: at least a second)
+TTL = env_number("MONARCH_TENSOR_PAYLOAD_TTL", 300.0, "a number of seconds a payload waits to be pulled", least=1)
 MAX_BYTES = int(os.environ.get("MONARCH_TENSOR_PAYLOAD_MAX_BYTES", str(4 << 30)))
 PULL_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_PAYLOAD_TIMEOUT", "60"))
 POOL_BYTES = int(os.environ.get("MONARCH_TENSOR_PAYLOAD_POOL_BYTES", str(1 << 30)))  # snapshots kept warm

@@ -618,9 +618,7 @@ def test_attach_to_workers_and_job_load_give_the_same_hosts(job, tmp_path):
     hosts = attach_to_workers(workers=job.addrs["mesh0"], key_file=key)
     listed = HostListJob({"m": job.addrs["mesh0"]}, key_file=key).state().m
     assert hosts.workdirs == listed.workdirs == job.state().mesh0.workdirs == job_load(path).state().mesh0.workdirs
-    data = json.loads(job.dumps())
-    del data["meshes"]["spare"], data["addrs"]["spare"]  # (a test kills the spare's agent)
-    again = job_loads(json.dumps(data).encode())
+    again = job_loads(json.dumps(_without_spare(json.loads(job.dumps()))).encode())
     assert again.active and job.active and type(again) is type(job)
     assert again.state().mesh0.workdirs == hosts.workdirs
     with pytest.raises(ValueError, match="not a monarch-tensor job file"):
@@ -690,12 +688,19 @@ def test_agent_messages_round_trip_and_have_handlers(cls):
         assert hasattr(HostAgent, f"handle_{cls.__name__}")
 
 
-def _dump_without_spare(job, path: str) -> None:
-    """The job file, without the spare host (a test kills its agent)."""
-    job.dump(path)
-    data = json.loads(open(path).read())
+def _without_spare(data: dict) -> dict:
+    """A job file's data without the spare host (a test kills its agent): its mesh, address and agent's pid
+    (a LocalJob runs while every agent of its file does)."""
     del data["meshes"]["spare"], data["addrs"]["spare"]
-    _curve.write_private(path, json.dumps(data))
+    spare = data["pids"].pop()  # (the last mesh's: pids are in mesh order)
+    data["starts"].pop(str(spare), None)
+    return data
+
+
+def _dump_without_spare(job, path: str) -> None:
+    """The job file, without the spare host."""
+    job.dump(path)
+    _curve.write_private(path, json.dumps(_without_spare(json.loads(open(path).read()))))
 
 
 def _wait_gone(pid: int, timeout: float = 15) -> None:

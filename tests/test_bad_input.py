@@ -190,3 +190,59 @@ def test_enable_transport_accepts_what_runs_here_and_refuses_the_rest():
     finally:
         enable_transport("ipc")
     assert actor.config.get("prefix_with_rank") in (True, False)  # Monarch's monarch.actor.config
+
+
+def _cli(*args, timeout: float = 30):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "-m", "monarch_tensor.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, PYTHONPATH=root))
+
+
+def test_the_cli_refuses_bad_paths_and_seconds_in_one_line(tmp_path):
+    """A path it cannot write and a number of seconds that is none (negative, nan) are one line on stderr and
+    status 2, not a traceback, nor accepted (``--ttl -1`` exited at once, ``nan`` never)."""
+    from monarch_tensor._curve import JobKeys
+
+    key = str(tmp_path / "job.key")
+    JobKeys.generate().save(key)
+    host = ["host", "--bind", "tcp://127.0.0.1:0", "--key-file", key]
+    for args, says in ((["keygen", "/nonexistent/dir/k"], "cannot write /nonexistent/dir/k"),
+                       ([*host, "--address-file", "/nonexistent/a"], "cannot write the address file /nonexistent/a"),
+                       ([*host, "--ttl", "-1"], "--ttl: a number of seconds > 0"),
+                       ([*host, "--ttl", "nan"], "--ttl: a number of seconds > 0"),
+                       ([*host, "--ttl", "0"], "--ttl: a number of seconds > 0"),
+                       (["debug", "--wait", "-5"], "--wait: a number of seconds >= 0")):
+        r = _cli(*args)
+        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+
+
+def test_ctrl_c_stops_a_host_agent_cleanly_and_takes_back_its_address_file(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from monarch_tensor._curve import JobKeys
+
+    key, addr = str(tmp_path / "job.key"), tmp_path / "addr"
+    JobKeys.generate().save(key)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.Popen([sys.executable, "-m", "monarch_tensor.cli", "host", "--bind", "tcp://127.0.0.1:0",
+                          "--key-file", key, "--address-file", str(addr)], env=dict(os.environ, PYTHONPATH=root),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not addr.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert addr.exists()
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=30)
+    finally:
+        p.kill()
+    assert p.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
+    assert not addr.exists()

@@ -114,3 +114,57 @@ def test_log_settings_reach_the_script_and_procs_spawned_afterwards(tmp_path):
     # Not forwarded: the quiet proc's line went to its own stdout (here the same pipe), without a prefix.
     assert "QUIET LINE KEPT" in stdout and "from a quiet proc" in stdout and "[0] from a quiet proc" not in stdout
     assert "SCRIPT DONE" in stdout
+
+
+def test_env_number_names_the_variable_and_what_it_takes(monkeypatch):
+    monkeypatch.delenv("MONARCH_TENSOR_X", raising=False)
+    assert config.env_number("MONARCH_TENSOR_X", 7, "a number") == 7
+    monkeypatch.setenv("MONARCH_TENSOR_X", "12")
+    assert config.env_number("MONARCH_TENSOR_X", 7, "a whole number", integer=True) == 12
+    for raw, kw in (("abc", {}), ("1.5", {"integer": True}), ("-1", {}), ("nan", {}), ("inf", {}),
+                    ("0", {"least": 1})):
+        monkeypatch.setenv("MONARCH_TENSOR_X", raw)
+        with pytest.raises(ValueError, match=r"MONARCH_TENSOR_X must be a thing \(0: none\)"):
+            config.env_number("MONARCH_TENSOR_X", 7, "a thing (0: none)", **kw)
+
+
+_ENV_CASES = [  # (variable, bad value, the module that reads it at import, what the error says it takes)
+    ("MONARCH_TENSOR_KEEP_FREED_MB", "abc", "worker.worker", "a whole number of MiB"),
+    ("MONARCH_TENSOR_KEEP_FREED_MB", "-5", "worker.worker", "a whole number of MiB"),
+    ("MONARCH_TENSOR_RDMA_TCP_SPIN_US", "abc", "rdma.backends.tcp", "a number of microseconds"),
+    ("MONARCH_TENSOR_PAYLOAD_THRESHOLD", "abc", "rdma.payload", "a whole number of bytes"),
+    ("MONARCH_TENSOR_PAYLOAD_TTL", "abc", "rdma.payload", "a number of seconds"),
+    ("MONARCH_TENSOR_PAYLOAD_TTL", "0", "rdma.payload", "at least 1"),
+    ("MONARCH_TENSOR_PAYLOAD_TTL", "-1", "rdma.payload", "at least 1"),
+]
+
+
+@pytest.mark.parametrize("var,raw,module,takes", _ENV_CASES, ids=[f"{c[0][15:]}={c[1]}" for c in _ENV_CASES])
+def test_documented_variables_with_a_bad_value_are_a_clear_error(var, raw, module, takes):
+    """A documented ``MONARCH_TENSOR_*`` number that is not one (or out of range) fails where it is read, with
+    the variable's name and what it takes (bare int()/float() errors named neither; a TTL of 0 failed every
+    cross-host payload later)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", f"import {module}"], env=dict(os.environ, PYTHONPATH=root, **{var: raw}),
+                       capture_output=True, text=True, timeout=60)
+    last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""
+    assert r.returncode != 0 and last.startswith(f"ValueError: {var} must be ") and takes in last, r.stderr
+
+
+@pytest.mark.parametrize("raw,warms", [("0", True), ("1", False), ("", True)])
+def test_no_warmup_reads_0_as_off_as_the_other_switches(raw, warms):
+    """``MONARCH_TENSOR_NO_WARMUP=0`` leaves the warm-up on (it turned it off: any value did)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import sys, torch\nfrom monarch_tensor import host\nhost._warm_tensor_engine()\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90,
+                       env=dict(os.environ, PYTHONPATH=root, MONARCH_TENSOR_NO_WARMUP=raw))
+    assert r.stdout.strip() == str(warms), r.stderr

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -277,6 +278,11 @@ def test_exec_command(two_hosts, capfd):
         exec_command(two_hosts, ["true"], rank=2)
     with pytest.raises(TypeError, match="string values"):
         exec_command(two_hosts, ["true"], env={"A": 1})
+    # per_host with a dim of the host mesh: refused on one host too, whose slice lost the dim (its procs were
+    # told hosts ranks 0 and 1 on one host)
+    for target in ({}, {"rank": 0}, {"point": {"hosts": 1}}):
+        with pytest.raises(ValueError, match="per_host cannot have a 'hosts' dimension"):
+            exec_command(two_hosts, ["true"], per_host={"hosts": 2}, **target)
     # a working directory the host lacks fails the Future, with its name
     with pytest.raises(ActorError, match="working directory '/no/such/dir' does not exist"):
         exec_command(two_hosts, ["true"], rank=0, workdir="/no/such/dir").get(timeout=60)
@@ -451,3 +457,133 @@ def test_releasing_a_local_job_kills_only_its_own_agents(tmp_path):
         if stranger.poll() is None:
             stranger.kill()
             stranger.wait()
+
+
+def _interrupt_apply(cwd, marker, env) -> subprocess.CompletedProcess:
+    """Run ``apply job.job`` in ``cwd``, Ctrl-C it once ``marker`` exists; its result."""
+    p = subprocess.Popen([sys.executable, "-m", "monarch_tensor.cli", "apply", "job.job"], cwd=cwd, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), p.communicate(timeout=10)
+        time.sleep(0.2)  # (the marker's writer is in its wait)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_while_apply_starts_the_agents_stops_them(tmp_path):
+    """Ctrl-C while ``apply`` waits for its agents to serve: they are stopped and the job's directory (its key)
+    removed, as no job file records them for ``kill``."""
+    agent = tmp_path / "agent.sh"  # an agent that never serves: apply waits for it
+    agent.write_text(f"#!/bin/sh\necho $$ >> {tmp_path}/started\nexec sleep 62.5\n")
+    agent.chmod(0o755)
+    (tmp_path / "job.py").write_text("from monarch_tensor.job import LocalJob\n"
+                                     f"job = LocalJob(meshes={{'hosts': 2}}, python_exe={str(agent)!r})\n")
+    (tmp_path / "tmp").mkdir()
+    r = _interrupt_apply(tmp_path, tmp_path / "started", dict(ENV, TMPDIR=str(tmp_path / "tmp")))
+    assert r.returncode == 130 and "no job was left running" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    started = [int(x) for x in (tmp_path / "started").read_text().split()]
+    assert started and not any(alive(p) for p in started)
+    assert os.listdir(tmp_path / "tmp") == []  # the job's directory, with its key, is gone
+    assert not (tmp_path / ".monarch" / "default" / "state.json").exists()
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_after_apply_started_the_agents_stops_them(tmp_path):
+    """Ctrl-C once the agents serve, before the job file is written (connecting to them): ``state()`` kills the
+    job it started, which nothing else could find."""
+    (tmp_path / "job.py").write_text(textwrap.dedent(f"""
+        import time
+        from monarch_tensor.job import LocalJob
+        class SlowToConnect(LocalJob):
+            def _connect(self):
+                with open({str(tmp_path / "started")!r}, "w") as f:
+                    print(*self.pids, file=f)
+                    print(self.root_dir, file=f)
+                time.sleep(60)
+        job = SlowToConnect(meshes={{"hosts": 2}}, ttl=120)
+        """))
+    r = _interrupt_apply(tmp_path, tmp_path / "started", ENV)
+    assert r.returncode == 130 and "no job was left running" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    agents, root = (tmp_path / "started").read_text().splitlines()
+    agents = [int(p) for p in agents.split()]
+    assert len(agents) == 2 and not any(alive(p) for p in agents)
+    assert not os.path.exists(root)
+    assert not (tmp_path / ".monarch" / "default" / "state.json").exists()
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_a_job_command_exits_shows_no_traceback(tmp_path):
+    """A Ctrl-C that comes as a job command finishes (its exit ends the sessions with the agents) ends the
+    process at once, not with a KeyboardInterrupt traceback from the exit's cleanup."""
+    script = ("import atexit, os, signal, sys, time\n"
+              "from monarch_tensor import cli\n"
+              "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(1)))  # (runs last)\n"
+              "sys.exit(cli.main(['context', 'ls']))\n")
+    r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == -signal.SIGINT and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.timeout(120)
+def test_killing_a_local_job_whose_procs_run_leaves_no_socket_files(tmp_path):
+    """``job.kill()`` while the job's procs still run (no ``stop()``: a script's ``finally: job.kill()``): the
+    procs, killed by their template, leave no socket files in the socket directory."""
+    script = textwrap.dedent("""
+        from monarch_tensor.actor import Actor, endpoint
+        from monarch_tensor.job import LocalJob
+        class A(Actor):
+            @endpoint
+            def ping(self):
+                return 1
+        job = LocalJob(meshes={"hosts": 1}, ttl=60)
+        procs = job.state(cached_path=None).hosts.spawn_procs(per_host={"gpus": 2})
+        assert list(procs.spawn("a", A).ping.call().get().values()) == [1, 1]
+        job.kill()
+        """)
+    r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=dict(ENV, TMPDIR=str(tmp_path)),
+                       capture_output=True, text=True, timeout=90)
+    assert r.returncode == 0, r.stderr
+    sockets = tmp_path / f"monarch-tensor-{os.getuid()}"
+    deadline = time.monotonic() + 20
+    while (left := [p.name for p in sockets.glob("proc-*")]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left == []
+
+
+def _root_dir(cwd) -> str:
+    with open(os.path.join(cwd, ".monarch", "default", "state.json")) as f:
+        return json.load(f)["root_dir"]
+
+
+@pytest.mark.timeout(240)
+def test_a_dead_local_job_is_replaced_and_cleaned_up(tmp_path):
+    """The next command replaces a LocalJob with a dead agent at once (its pids say so: no connecting to the
+    dead agent first), stopping the agent left and removing the old job's directory (its key, logs); so for
+    one whose agents all died."""
+    (tmp_path / "myjob.py").write_text(SPEC.format(meshes={"hosts": 2}))
+    try:
+        assert cli(tmp_path, "apply", "myjob.job").returncode == 0
+        for victims in (slice(0, 1), slice(None)):  # one agent of two dead; then all of them
+            old, old_root = pids(tmp_path), _root_dir(tmp_path)
+            for p in old[victims]:
+                os.kill(p, signal.SIGKILL)
+            r = cli(tmp_path, "exec", "--", "echo", "ran")
+            assert (r.returncode, r.stdout) == (0, "ran\n"), r.stderr
+            assert "did not answer" not in r.stderr, r.stderr  # (it waited for the dead agent to connect)
+            new = pids(tmp_path)
+            assert not set(new) & set(old) and all(alive(p) for p in new)
+            deadline = time.monotonic() + 20
+            while any(alive(p) for p in old) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not any(alive(p) for p in old)  # the one left of the old job too
+            assert not os.path.exists(old_root)
+            assert os.path.isdir(_root_dir(tmp_path))
+    finally:
+        cli(tmp_path, "kill")

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import pathlib
 import shutil
 import time
 from unittest import mock
@@ -975,6 +976,7 @@ def test_a_local_jobs_hosts_have_roots_of_their_own(tmp_path):
         assert second.changed == ["proj/helper.py"] and sorted(second.roots) == sorted(roots)
         assert sorted(second.reloaded) == [0, 1]
         assert [v[:2] for v in probes.run.call().get(timeout=60).values()] == [(4, "version 4")] * 2
+        assert asyncio.run(hosts.sync_workspace(ws)).changed == []  # (a coroutine, as Monarch's async def)
 
         # This host's own mesh syncs to this host only, not to the procs of the job's agents.
         other = tmp_path / "other"
@@ -985,6 +987,30 @@ def test_a_local_jobs_hosts_have_roots_of_their_own(tmp_path):
         assert not any(os.path.exists(os.path.join(r, "other")) for r in roots)
     finally:
         job.kill()
+
+
+@pytest.mark.timeout(120)
+def test_sync_workspace_is_a_coroutine_as_monarchs_async_def(tmp_path):
+    """``asyncio.run(mesh.sync_workspace(ws))`` works, as for Monarch's ``async def``; so do ``await`` and
+    ``.get()``."""
+    proj = tmp_path / "coro"
+    proj.mkdir()
+    (proj / "coro_mod.py").write_text("X = 1\n")
+    ws = Workspace(dirs=[proj])
+    assert asyncio.run(this_host().sync_workspace(ws)).files_sent == 1  # no proc runs: written here
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        (proj / "coro_mod.py").write_text("X = 2\n")
+        assert asyncio.run(procs.sync_workspace(ws)).changed == ["coro/coro_mod.py"]
+        assert asyncio.run(this_host().sync_workspace(ws)).changed == []
+
+        async def awaited():
+            return await procs.sync_workspace(ws)
+
+        assert asyncio.run(awaited()).changed == []
+        assert procs.sync_workspace(ws).get(timeout=60).changed == []
+    finally:
+        procs.stop()
 
 
 class Early(Actor):
@@ -1293,3 +1319,96 @@ def test_a_sync_step_to_a_proc_that_died_fails_at_once(monkeypatch):
             fut.get(timeout=30)
     finally:
         procs.stop().get(timeout=30)
+
+
+_SYNC_AND_EXIT = """
+import os, sys
+from monarch_tensor import Workspace, this_host
+from monarch_tensor.remote_hosts import attach_to_workers
+hosts = attach_to_workers([sys.argv[2]], key_file=sys.argv[3]) if len(sys.argv) > 2 else this_host()
+procs = hosts.spawn_procs(per_host={"gpus": 2})
+print(*procs.sync_workspace(Workspace(dirs=[sys.argv[1]])).get(timeout=60).roots, flush=True)
+procs.stop().get(timeout=30)
+if os.environ.get("KILL_ME"):
+    os.kill(os.getpid(), 9)
+"""
+
+
+def _run_sync_script(tmp_path, *args, kill: bool = False) -> list[str]:
+    """Run ``_SYNC_AND_EXIT`` (its own TMPDIR: its socket directory); the roots it synced to."""
+    import subprocess
+    import sys
+
+    (tmp_path / "client").mkdir(exist_ok=True)
+    env = dict(os.environ, TMPDIR=str(tmp_path / "client"), PYTHONPATH=os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), **({"KILL_ME": "1"} if kill else {}))
+    env.pop("WORKSPACE_DIR", None)
+    r = subprocess.run([sys.executable, "-c", _SYNC_AND_EXIT, *args], env=env, capture_output=True, text=True,
+                       timeout=90)
+    assert r.returncode == (-9 if kill else 0), r.stderr
+    roots = r.stdout.split()
+    assert roots and all(os.path.basename(root).startswith("workspace-") for root in roots), r.stdout
+    return roots
+
+
+@pytest.fixture
+def short_tmp():
+    """A directory with a short path (socket paths under it stay within the 107 characters of a socket's)."""
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="mt-ws-")
+    yield pathlib.Path(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _gone(paths, within: float = 30.0) -> bool:
+    deadline = time.monotonic() + within
+    while any(os.path.exists(p) for p in paths) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(os.path.exists(p) for p in paths)
+
+
+@pytest.mark.timeout(120)
+def test_a_sessions_default_roots_go_when_it_ends_or_is_killed(short_tmp):
+    """The default root (no ``$WORKSPACE_DIR``) of a script's session on this host is removed when the script
+    exits, and by its template when the script is killed."""
+    proj = short_tmp / "proj"
+    proj.mkdir()
+    (proj / "m.py").write_text("X = 1\n")
+    for kill in (False, True):
+        roots = _run_sync_script(short_tmp, str(proj), kill=kill)
+        assert _gone(roots), (kill, roots)
+
+
+@pytest.mark.timeout(180)
+def test_a_host_agent_removes_a_sessions_default_roots_when_it_ends(short_tmp):
+    """On a host agent's host (started by hand: no ``$WORKSPACE_DIR``), a session's default root goes when the
+    session ends: its client exited, or was killed and went quiet."""
+    import subprocess
+    import sys
+
+    from monarch_tensor._curve import JobKeys
+
+    proj = short_tmp / "proj"
+    proj.mkdir()
+    (proj / "m.py").write_text("X = 1\n")
+    (short_tmp / "agent").mkdir()
+    JobKeys.generate().save(str(short_tmp / "job.key"))
+    env = dict(os.environ, TMPDIR=str(short_tmp / "agent"), MONARCH_TENSOR_SESSION_TIMEOUT="2",
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env.pop("WORKSPACE_DIR", None)
+    agent = subprocess.Popen([sys.executable, "-m", "monarch_tensor.cli", "host", "--bind", "tcp://127.0.0.1:0",
+                              "--key-file", str(short_tmp / "job.key"), "--address-file", str(short_tmp / "addr"),
+                              "--ttl", "120"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (short_tmp / "addr").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        addr = (short_tmp / "addr").read_text().strip()
+        for kill in (False, True):
+            roots = _run_sync_script(short_tmp, str(proj), addr, str(short_tmp / "job.key"), kill=kill)
+            assert all(r.startswith(str(short_tmp / "agent")) for r in roots), roots  # (the agent's host's)
+            assert _gone(roots), (kill, roots)
+    finally:
+        agent.terminate()
+        agent.wait(timeout=30)

@@ -32,6 +32,7 @@ import torch
 from monarch_tensor import _wire
 from monarch_tensor._proc import current_runtime
 from monarch_tensor.actor import Actor, current_rank, endpoint
+from monarch_tensor.config import env_number
 from monarch_tensor.mailbox import LOST_REWRITES, current_mailbox
 from monarch_tensor.messages import CallEndpoint, SendToPort
 
@@ -46,7 +47,8 @@ log = logging.getLogger("monarch_tensor.worker")
 WORKER_NAME = "tensor_engine_worker"
 RECV_TIMEOUT = TIMEOUT
 # Freed tensor memory a worker keeps for its next allocations, in MiB (0: glibc's defaults).
-KEEP_FREED_MB = int(os.environ.get("MONARCH_TENSOR_KEEP_FREED_MB", "1024"))
+KEEP_FREED_MB = env_number("MONARCH_TENSOR_KEEP_FREED_MB", 1024, "a whole number of MiB (0: glibc's defaults)",
+                           integer=True)
 
 
 def keep_freed_memory(keep_mb: int = KEEP_FREED_MB) -> bool:

@@ -86,8 +86,13 @@ class JobTrait:
         return {}
 
     def _running(self) -> bool:
-        """Whether the job's allocation still runs (asked of the scheduler)."""
+        """Whether the job's allocation still runs, all of it (asked of the scheduler)."""
         return self.active
+
+    def _live_addrs(self) -> list[str]:
+        """The addresses of the agents that ``kill()`` asks to shut down when it is not connected to them:
+        all of them, unless the kind knows which are gone (each dead one costs a wait)."""
+        return [a for name in self.meshes for a in (self.addrs or {}).get(name, [])]
 
     def _gone(self) -> str:
         """What says the allocation ended (for errors)."""
@@ -133,18 +138,22 @@ class JobTrait:
                     self._connect()
                 except Exception as e:  # noqa: BLE001 - its agents are gone: start afresh
                     log.warning("the cached job at %s did not answer (%r): starting a new one", cached_path, e)
-                    self._release()
-                    self.addrs = None
+                    self._abandon()  # (what is left of it: agents, a LocalJob's directory)
             if self._state is None:
                 fresh = self.addrs is None
                 if not fresh and not self._running():  # (a job file's, whose allocation ended: its agents
                     # would each be waited for until the connect timeout, and the error blame the network)
                     raise HostUnreachableError(f"this {type(self).__name__}'s allocation no longer runs "
                                                f"({self._gone()}); kill() it and start it again")
-                self.apply()
-                self._connect()
-                if fresh and cached_path and reuse:
-                    self.dump(cached_path)
+                try:
+                    self.apply()
+                    self._connect()
+                    if fresh and cached_path and reuse:
+                        self.dump(cached_path)
+                except BaseException:
+                    if fresh:  # (started here, then unusable or unrecorded: an interrupt, an agent that did
+                        self._abandon()  # not answer; nobody could find its agents to kill them)
+                    raise
             if getattr(self, "_mounts", None):
                 from . import mounts
 
@@ -163,6 +172,16 @@ class JobTrait:
         self._agents = {name: [next(it) for _ in self.addrs[name]] for name in self.meshes}
         self._state = JobState({name: RemoteHostMesh(a) for name, a in self._agents.items()})
 
+    def _abandon(self) -> None:
+        """Kill a job that ``state()`` started and could not hand over, and forget it: the job is as before
+        ``apply()`` (a later ``state()`` starts it again; ``kill()`` has nothing to do)."""
+        if self.addrs is not None:
+            try:
+                self.kill()
+            except Exception as e:  # noqa: BLE001 - best effort: what failed is the error to report
+                log.warning("stopping the job that did not start: %r", e)
+        self.addrs, self._agents, self._state, self._killed = None, {}, None, False
+
     def _adopt_cached(self, path: str) -> bool:
         """Reattach to the running job of this spec at ``path``; cancel one of another spec found there."""
         if not os.path.exists(path):
@@ -177,8 +196,11 @@ class JobTrait:
             self._adopt(cached)
             log.info("reattached to the running job of %s", path)
             return True
-        if cached.active and cached._running():
-            log.warning("the job at %s runs another spec than this one: cancelling it", path)
+        if cached.active:  # another spec, or one that no longer runs (all of it): what is left of it goes
+            if cached._running():
+                log.warning("the job at %s runs another spec than this one: cancelling it", path)
+            else:
+                log.info("the job at %s no longer runs: cleaning up after it", path)
             try:
                 cached.kill()
             except Exception as e:  # noqa: BLE001 - best effort: the new job starts all the same
@@ -196,8 +218,7 @@ class JobTrait:
         if not agents and self.addrs is not None:
             # Each agent that still answers, in parallel and briefly: connecting the job (state()) waited 30 s
             # for a dead one, and then shut down none of them.
-            agents = connected = reachable_agents([a for name in self.meshes for a in self.addrs.get(name, [])],
-                                                  self.keys)
+            agents = connected = reachable_agents(self._live_addrs(), self.keys)
         shutdown_agents(agents, "job killed")
         for a in connected:  # (not watched: nothing else closes them)
             a.close()

@@ -339,6 +339,9 @@ def exec_command(host_mesh, cmd: list[str], env: dict[str, str] | None = None, w
     the command and stopped after it. Bad arguments and a rank or point the mesh does not have raise here;
     what fails after the procs start fails the Future."""
     cmd = _check(cmd, env, workdir, output_dir, rank, point, per_host)
+    for name in per_host or {}:  # (here: the one host that rank or point picks has lost the mesh's dims)
+        if name in dict(host_mesh.sizes):
+            raise ValueError(f"per_host cannot have a {name!r} dimension: the host mesh {host_mesh} has it")
     fixed = {}
     if point is not None:
         target = host_mesh.slice(**point)

@@ -96,18 +96,25 @@ class LocalJob(JobTrait):
                 started.append((name, p, addr_file, log))
         addrs: dict[str, list[str]] = {name: [] for name in self.meshes}
         deadline = time.monotonic() + self.start_timeout
-        for name, p, addr_file, log in started:
-            while (a := read_address(addr_file)) is None:
-                if p.poll() is not None:
-                    self._release()
-                    raise JobStartError(f"host agent {name} exited with code {p.returncode} before serving; "
-                                        f"its log ({log}):\n{log_tail(log)}")
-                if time.monotonic() > deadline:
-                    self._release()
-                    raise JobStartError(f"host agent {name} did not start within {self.start_timeout:.0f} s; "
-                                        f"its log ({log}):\n{log_tail(log)}")
-                time.sleep(0.02)
-            addrs[name].append(a)
+        try:
+            for name, p, addr_file, log in started:
+                while (a := read_address(addr_file)) is None:
+                    if p.poll() is not None:
+                        raise JobStartError(f"host agent {name} exited with code {p.returncode} before serving; "
+                                            f"its log ({log}):\n{log_tail(log)}")
+                    if time.monotonic() > deadline:
+                        raise JobStartError(f"host agent {name} did not start within {self.start_timeout:.0f} s; "
+                                            f"its log ({log}):\n{log_tail(log)}")
+                    time.sleep(0.02)
+                addrs[name].append(a)
+        except BaseException as e:
+            # Interrupted too (Ctrl-C): the agents are not recorded anywhere yet, and would run until their ttl.
+            for _, p, _, _ in started:
+                p.terminate()  # (an agent exits on SIGTERM as on a shutdown)
+            self._release()
+            if not isinstance(e, JobStartError):  # (a failed start keeps its logs: the error names one)
+                self._remove_root()
+            raise
         return addrs
 
     def _release(self) -> None:
@@ -134,6 +141,9 @@ class LocalJob(JobTrait):
         """Stop the agents; then remove the job's directory when it made one (its key, logs and workspaces:
         ``root_dir=`` given, only the key file goes)."""
         super().kill()
+        self._remove_root()
+
+    def _remove_root(self) -> None:
         root = self.root_dir
         if not root:
             return
@@ -157,7 +167,20 @@ class LocalJob(JobTrait):
         return {"env": self.env}
 
     def _running(self) -> bool:
-        return self.active and any(self._agent_alive(pid) for pid in self.pids)
+        """Whether every agent runs: one that died cannot serve its host (connecting would wait for it)."""
+        return self.active and bool(self.pids) and all(self._agent_alive(pid) for pid in self.pids)
+
+    def _gone(self) -> str:
+        dead = [pid for pid in self.pids if not self._agent_alive(pid)]
+        if not dead or len(dead) == len(self.pids):
+            return "its host agents exited"
+        return f"its host agent(s) {dead} of {len(self.pids)} exited"
+
+    def _live_addrs(self) -> list[str]:
+        addrs = super()._live_addrs()
+        if len(addrs) != len(self.pids):  # (started in mesh order, as the addresses are)
+            return addrs
+        return [a for a, pid in zip(addrs, self.pids) if self._agent_alive(pid)]
 
     def _adopt(self, running: JobTrait) -> None:
         self.pids, self.root_dir = list(running.pids), running.root_dir

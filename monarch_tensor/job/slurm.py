@@ -237,6 +237,9 @@ class SlurmJob(JobTrait):
     def _running(self) -> bool:
         return bool(self.job_id) and self.squeue_state()[0] == "RUNNING"
 
+    def _live_addrs(self) -> list[str]:
+        return super()._live_addrs() if self._running() else []  # (an ended allocation's agents are gone)
+
     def _gone(self) -> str:
         st, reason = self.squeue_state() if self.job_id else (None, "")
         return f"SLURM job {self.job_id}: {st or 'ended, gone from the queue'}{f' ({reason})' if reason else ''}"

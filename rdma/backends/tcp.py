@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from monarch_tensor.mailbox import _crowded, _sched_yield
+from monarch_tensor.mailbox import _crowded, _sched_yield, _us_from_env
 
 from .._host import alive, host_id, per_process
 from .._memory import Mem
@@ -33,7 +33,7 @@ MIN_STREAM_CHUNK = 4 << 20  # below this a transfer uses one connection
 # waited for the scheduler to wake its core (65 µs for a 4 KiB read on this project's 2-core VM; 24 µs polling).
 # The owner's thread polls as long for the next request after a transfer that had one connection, while
 # such requests keep coming within that time (see _next_request).
-SPIN_S = float(os.environ.get("MONARCH_TENSOR_RDMA_TCP_SPIN_US", "200")) * 1e-6
+SPIN_S = _us_from_env("MONARCH_TENSOR_RDMA_TCP_SPIN_US", "200", "0: block at once")
 TICK_S = 0.1  # a reader's socket waits in the kernel at most this long at a time, then checks its deadline
 # The longest a connect may wait: a socket refuses a timeout past about 9.2e9 s (OverflowError; a transfer's
 # timeout may be float("inf")), and the kernel gives up on an unanswered connect after about 2 minutes anyway.
