@@ -395,6 +395,35 @@ def test_process_groups_run_torch_distributed_collectives_in_remote_functions(me
     torch.testing.assert_close(alone, _local(3))
 
 
+@remote(propagate=lambda t, group: t.clone())
+def _pass_along(t, group):
+    """Each rank sends its tensor to the next rank of the group (global ranks) and receives the previous one's:
+    send/recv, and isend/irecv waited on by the caller."""
+    ranks = torch.distributed.get_process_group_ranks(group)
+    me = ranks.index(torch.distributed.get_global_rank(group, group.rank()))
+    out = torch.empty_like(t)
+    nxt, prev = ranks[(me + 1) % len(ranks)], ranks[(me - 1) % len(ranks)]
+    if me == 0:
+        torch.distributed.send(t, dst=nxt, group=group)
+        torch.distributed.recv(out, src=prev, group=group)
+    else:
+        got = torch.distributed.irecv(out, src=prev, group=group)
+        got.wait()
+        torch.distributed.isend(t, dst=nxt, group=group).wait()
+    return out
+
+
+def test_send_and_recv_on_a_process_group(mesh):
+    # torch's send/recv wait on the Work they get, which the group had waited on already: a second wait of a
+    # gloo send or recv never returned, and the remote function hung.
+    by_gpus = mesh.process_group("gpus")
+    with mesh.activate():
+        got = _pass_along(_per_rank(mesh), by_gpus)
+        for h in range(2):
+            for g in range(2):
+                torch.testing.assert_close(inspect(got, hosts=h, gpus=g), _local(h * 2 + (1 - g)))
+
+
 def test_process_group_on_another_stream_and_on_a_slice(mesh):
     comms = Stream("pg_comms")
     half = mesh.slice(hosts=1)

@@ -58,6 +58,27 @@ class _Done:
         return self._value
 
 
+class _Waited:
+    """A send's or recv's gloo ``Work`` that ``_staged`` waited for already: torch's ``send``/``recv`` (and a
+    user's ``isend(...).wait()``) wait again on what they get, and a second ``wait()`` of a gloo send or
+    recv never returns."""
+
+    def __init__(self, work) -> None:
+        self._work = work
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def __getattr__(self, name: str):
+        return getattr(self._work, name)  # (recv_anysource's _source_rank(), say)
+
+
 class DummyProcessGroup(dist.ProcessGroup):
     """Stands in for a mesh's process group where a function runs once to learn its output shapes (on fake
     tensors on the controller, or on one rank for ``propagate="inspect"``): its collectives return at once
@@ -191,13 +212,13 @@ class StagedGroup(dist.ProcessGroup):
         return self._staged("scatter", [outputs], [inputs], opts or dist.ScatterOptions())
 
     def send(self, tensors, dst, tag=0):
-        return self._staged("send", [], [tensors], dst, tag)
+        return _Waited(self._staged("send", [], [tensors], dst, tag))
 
     def recv(self, tensors, src, tag=0):
-        return self._staged("recv", [tensors], [], src, tag)
+        return _Waited(self._staged("recv", [tensors], [], src, tag))
 
     def recv_anysource(self, tensors, tag=0):
-        return self._staged("recv_anysource", [tensors], [], tag)
+        return _Waited(self._staged("recv_anysource", [tensors], [], tag))
 
     def barrier(self, opts=None):
         return self.backend.barrier(opts or dist.BarrierOptions())
