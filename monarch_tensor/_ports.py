@@ -19,7 +19,10 @@ class Collector:
     """Waits for one reply from each of ``addrs``; the reply of rank ``ranks[i]`` goes to slot i.
 
     ``finish(values)`` builds the future's value once every reply is in; the
-    first error (an ``ActorError`` or a dead proc) fails the future.
+    first error (an ``ActorError`` or a dead proc) fails the future. After an
+    error it goes on listening until every rank answered or died: the death of
+    a rank that had not answered is this call's, seen by its caller (a proc
+    dying mid-collective fails its peers' calls first), not an unhandled fault.
     """
 
     def __init__(self, addrs: list[str], ranks: list[int], finish: Callable[[list], object],
@@ -27,6 +30,7 @@ class Collector:
         self.future: Future = Future(what)
         self.observing = observing  # a user's call: its failure counts as seen by the user
         self._by_rank = {r: i for i, r in enumerate(ranks)}
+        self._addr_of = dict(zip(ranks, addrs))
         self._values: list = [None] * len(addrs)
         self._left = len(addrs)
         self._finish = finish
@@ -34,19 +38,21 @@ class Collector:
         self._waiting = set(addrs)
 
     def deliver(self, msg: SendToPort) -> bool:
-        if msg.error is not None:
-            self.future._set_exception(msg.error)
-            return True
         with self._lock:
             slot = self._by_rank.pop(msg.rank, None)  # each rank's first reply counts
-            if slot is None:
-                log.warning("%s: dropped a reply from rank %s, which answered already or was not called",
-                            self.future._what, msg.rank)
-                return False
-            self._values[slot] = msg.value
-            self._left -= 1
+            if slot is not None:
+                self._waiting.discard(self._addr_of[msg.rank])
+                self._left -= 1
             done = self._left == 0
-        if done:
+        if msg.error is not None:
+            self.future._set_exception(msg.error)  # (the first error wins)
+            return done or slot is None  # (an error not from a rank of the call: nothing more to wait for)
+        if slot is None:
+            log.warning("%s: dropped a reply from rank %s, which answered already or was not called",
+                        self.future._what, msg.rank)
+            return False
+        self._values[slot] = msg.value
+        if done and not self.future.done():
             try:
                 self.future._set_result(self._finish(self._values))
             except BaseException as e:  # noqa: BLE001
@@ -54,10 +60,12 @@ class Collector:
         return done
 
     def proc_died(self, addr: str, error: SupervisionError) -> bool:
-        if addr in self._waiting and not self.future.done():
-            self.future._set_exception(error)
-            return True
-        return False
+        with self._lock:
+            if addr not in self._waiting:
+                return False
+            self._waiting.discard(addr)
+        self.future._set_exception(error)  # (a no-op where an error came first: the death is seen all the same)
+        return True
 
 
 class OneReply:

@@ -11,7 +11,7 @@ import time
 import pytest
 
 import monarch_tensor.actor as actor_mod
-from monarch_tensor.actor import Actor, SupervisionError, endpoint, this_host
+from monarch_tensor.actor import Actor, ActorError, SupervisionError, current_rank, endpoint, this_host
 from monarch_tensor.errors import MeshStoppedError
 from monarch_tensor.mailbox import socket_dir
 
@@ -440,6 +440,31 @@ def test_mesh_tensor_fetches_fail_when_a_proc_of_their_mesh_dies(mesh, faults):
             with pytest.raises(SupervisionError, match="rank 1"):
                 later.get(timeout=30)  # (a timeout would be a TimeoutError)
     assert faults == []
+
+
+class FailsThenDies(Actor):
+    @endpoint
+    def step(self) -> None:
+        if current_rank().rank == 0:
+            raise RuntimeError("a peer's collective failed")  # what survivors of a dead peer see first
+        time.sleep(0.3)
+        os._exit(9)
+
+
+@pytest.mark.timeout(60)
+def test_a_proc_that_dies_after_its_call_failed_elsewhere_is_seen_by_that_call(faults):
+    # The first error ended the call, and the death of a rank that had not answered then went to no waiter:
+    # an unhandled fault, which ends the script (KeyboardInterrupt) while it handles the call's error.
+    procs = this_host().spawn_procs({"gpus": 2})
+    try:
+        w = procs.spawn("fails_then_dies", FailsThenDies)
+        with pytest.raises(ActorError, match="a peer's collective failed"):
+            w.step.call().get(timeout=30)
+        _wait_for(lambda: not procs._procs[1].alive)  # (no call waits on it now)
+        _wait_for(lambda: faults, timeout=2)  # (a fault would be reported right after)
+        assert "exited with code 9" in procs._procs[1].exit_status and faults == []
+    finally:
+        procs.stop().get(timeout=30)
 
 
 class Broadcaster(Actor):
