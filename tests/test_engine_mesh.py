@@ -424,6 +424,49 @@ def test_send_and_recv_on_a_process_group(mesh):
                 torch.testing.assert_close(inspect(got, hosts=h, gpus=g), _local(h * 2 + (1 - g)))
 
 
+@remote(propagate=lambda t, group: (t.new_empty(2 * t.numel()), t.new_empty(t.numel() // 2), t.clone()))
+def _newer_collectives(t, group):
+    """torch 2.13's all_gather_into_tensor / reduce_scatter_tensor (all_gather_single, reduce_scatter_single on
+    the group), monitored_barrier, and a functional collective, which finds the group by its name."""
+    import torch.distributed._functional_collectives as funcol
+
+    gathered = t.new_empty(2 * t.numel())
+    torch.distributed.all_gather_into_tensor(gathered, t, group=group)
+    scattered = t.new_empty(t.numel() // 2)
+    torch.distributed.reduce_scatter_tensor(scattered, t.clone(), group=group)
+    torch.distributed.monitored_barrier(group=group)
+    return gathered, scattered, funcol.all_reduce(t, "sum", group)
+
+
+@remote(propagate=lambda t, group: t.clone())
+def _broadcast_after_a_destroy(t, group):
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d._world.pg_map.clear()  # what the script's own dist.destroy_process_group() does to torch's registry
+    c10d._world.pg_group_ranks.clear()
+    return t
+
+
+def test_newer_collectives_and_a_group_after_the_scripts_destroy_process_group():
+    # They failed ('No backend type associated with device type cpu', 'Could not resolve the process group
+    # registered under the name'); after an actor's dist.destroy_process_group() on the same procs, calls
+    # naming global ranks failed on the engine's group ('is not registered').
+    procs = this_host().spawn_procs({"gpus": 2})
+    try:
+        pg = procs.process_group("gpus")
+        with procs.activate():
+            x = procs.rank("gpus").float() * 10 + torch.arange(4.)
+            gathered, scattered, summed = _newer_collectives(x, pg)
+            for r in range(2):
+                assert inspect(gathered, gpus=r).tolist() == [0, 1, 2, 3, 10, 11, 12, 13]
+                assert inspect(scattered, gpus=r).tolist() == [[10, 12], [14, 16]][r]
+                assert inspect(summed, gpus=r).tolist() == [10, 12, 14, 16]
+            inspect(_broadcast_after_a_destroy(x, pg), gpus=0)
+            assert inspect(_broadcast_from(x, pg, 1), gpus=0).tolist() == [10, 11, 12, 13]
+    finally:
+        procs.stop()
+
+
 def test_process_group_on_another_stream_and_on_a_slice(mesh):
     comms = Stream("pg_comms")
     half = mesh.slice(hosts=1)

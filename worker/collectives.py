@@ -192,6 +192,18 @@ class StagedGroup(dist.ProcessGroup):
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         return _each(self._reduce_scatter_base, outputs, inputs, opts)
 
+    # torch 2.13's names of the two above (dist.all_gather_into_tensor and reduce_scatter_tensor call these)
+    def all_gather_single(self, output, input, opts=None):
+        return self._allgather_base(output, input, opts)
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        return self._reduce_scatter_base(output, input, opts)
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks: bool = False):
+        if hasattr(self.backend, "monitored_barrier"):
+            return self.backend.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
+        return self.barrier()
+
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         return self._staged("alltoall_base", [output], [input], output_split_sizes, input_split_sizes,
                             opts or dist.AllToAllOptions())
@@ -302,6 +314,16 @@ def _register(pg, name: str, backend: str, store, ranks: tuple[int, ...]) -> Non
         world.pg_backend_config[pg] = backend
     except (AttributeError, TypeError):
         _unregister(pg)
+    try:  # by name too, for the functional collectives (torch.distributed._functional_collectives)
+        from torch._C._distributed_c10d import _register_process_group
+
+        _register_process_group(name, pg)
+    except (ImportError, RuntimeError):  # (a torch without it; the name taken already)
+        pass
+
+
+def _registered(pg) -> bool:
+    return pg in getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", {})
 
 
 def _unregister(pg) -> None:
@@ -317,6 +339,7 @@ class Collectives:
         self.rank, self.store_addr, self.device = rank, store_addr, device
         self._store = None
         self._groups: dict[tuple, object] = {}
+        self._registrations: dict[tuple, tuple] = {}  # a user group's key -> _register's arguments for it
         self._flags: dict[tuple, torch.Tensor] = {}
         self.dead: set[int] = set()  # ranks of this mesh whose procs died (the controller tells: peers_died)
         self._dead_cv = threading.Condition()
@@ -389,6 +412,10 @@ class Collectives:
         ``get_process_group_ranks``): a global rank is a proc's rank in its mesh."""
         key = ("pg", ranks, stream)
         pg = self._groups.get(key)
+        if pg is not None and not _registered(pg):
+            # The script's own dist.destroy_process_group() (an actor's torchrun-style cleanup on these procs)
+            # empties torch's registry, this group's entry too: enter it again.
+            _register(pg, *self._registrations[key])
         if pg is None:
             backend = self.group(ranks, stream)
             prefix = f"pg/{stream}/" + "_".join(map(str, ranks)) + "/user/"
@@ -401,7 +428,8 @@ class Collectives:
             pg = user_group(backend, me, n, self.device, store, cpu)
             name = f"monarch_tensor/{stream}/" + "_".join(map(str, ranks))
             pg._set_group_name(name)
-            _register(pg, name, "nccl" if is_nccl(backend) else "gloo", store, ranks)
+            self._registrations[key] = (name, "nccl" if is_nccl(backend) else "gloo", store, ranks)
+            _register(pg, *self._registrations[key])
             self._groups[key] = pg
         return pg
 
