@@ -58,22 +58,17 @@ class _Done:
         return self._value
 
 
-class _Waited:
+class _Waited(_Done):
     """A send's or recv's gloo ``Work`` that ``_staged`` waited for already: torch's ``send``/``recv`` (and a
     user's ``isend(...).wait()``) wait again on what they get, and a second ``wait()`` of a gloo send or
     recv never returns."""
 
     def __init__(self, work) -> None:
+        super().__init__(None)
         self._work = work
 
-    def wait(self, timeout=None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def is_success(self) -> bool:
-        return True
+    def result(self):
+        return self._work.result()
 
     def __getattr__(self, name: str):
         return getattr(self._work, name)  # (recv_anysource's _source_rank(), say)
