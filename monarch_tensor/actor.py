@@ -384,24 +384,26 @@ def _script_proc() -> ProcMesh:
         return _script_procs
 
 
-_signatures: dict = {}  # (class, method, explicit port) -> the signature calls are checked against, or None
+_signatures: dict = {}  # (class, wire method) -> (the signature calls are checked against, its leading args)
 
 
-def _check_arguments(cls: type, method: str, explicit: bool, args: tuple, kwargs: dict) -> None:
+def _check_arguments(cls: type, method: str, wire_method: str, args: tuple, kwargs: dict) -> None:
     """A call's arguments must fit its endpoint's signature: a ``TypeError`` at the call, as Monarch's (not an
-    ``ActorError`` from every rank later, nor only a log line for a broadcast)."""
-    key = (cls, method, explicit)
-    sig = _signatures.get(key, False)
-    if sig is False:
+    ``ActorError`` from every rank later, nor only a log line for a broadcast). ``wire_method``: the method as
+    sent (``"name/port"``: as_endpoint(..., explicit_response_port=True)); found once per class and method."""
+    entry = _signatures.get((cls, wire_method))
+    if entry is None:
         fn = inspect.getattr_static(cls, method, None)
         try:
             sig = inspect.signature(fn) if inspect.isfunction(fn) else None  # (a staticmethod and such: unchecked)
         except (TypeError, ValueError):
             sig = None
-        _signatures[key] = sig
+        explicit = wire_method.endswith("/port") or ("/" not in wire_method and getattr(fn, "_explicit_port", False))
+        entry = _signatures[(cls, wire_method)] = (sig, (None, None) if explicit else (None,))  # self (and port)
+    sig, leading = entry
     if sig is not None:
         try:
-            sig.bind(*((None, None) if explicit else (None,)), *args, **kwargs)  # self (and the reply port)
+            sig.bind(*leading, *args, **kwargs)
         except TypeError as e:
             raise TypeError(f"{cls.__name__}.{method}(): {e}") from None
 
@@ -421,10 +423,7 @@ class Endpoint(Generic[R]):
         return f"<endpoint {self._mesh._name}.{self._method} of {self._mesh._what()} {self._mesh._shape}>"
 
     def _check(self, args: tuple, kwargs: dict) -> None:
-        explicit = self._wire_method.endswith("/port") or (
-            "/" not in self._wire_method and getattr(getattr(self._mesh._class, self._method, None), "_explicit_port",
-                                                     False))
-        _check_arguments(self._mesh._class, self._method, explicit, args, kwargs)
+        _check_arguments(self._mesh._class, self._method, self._wire_method, args, kwargs)
 
     def _send(self, ranks: list[int], args, kwargs, port: PortRef | None, addrs: list[str] | None = None) -> None:
         mailbox = current_mailbox()
