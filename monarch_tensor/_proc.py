@@ -176,6 +176,7 @@ class ProcRuntime:
         # No I/O thread: the loop's own thread receives, so a call costs no thread hop here.
         self.mailbox = Mailbox(addr, on_message=self._handle, on_logs=self._relay_logs, io_thread=False)
         self.mailbox.on_deferred = self._defer
+        self.mailbox.on_held = self._wake_for_held
         self.mailbox.on_lost_spawn = self._spawn_lost
         set_current_mailbox(self.mailbox)
         self.logs = _LogForwarder(self.mailbox, client_addr, rank)
@@ -229,14 +230,26 @@ class ProcRuntime:
         poll for the next message a while before the loop blocks (``mailbox.Spin``): in a loop of
         synchronous calls the next one comes within a few tens of µs of the reply."""
         mb, spin = self.mailbox, self.mailbox._spin
-        came = mb._router.getsockopt(_EVENTS) & _POLLIN  # not every wake-up of zmq's descriptor is one
+        with mb._rx_lock:  # (the socket is used by one thread at a time: Mailbox.receive_for)
+            came = mb._router.getsockopt(_EVENTS) & _POLLIN or mb._held  # not every wake-up of zmq's descriptor is one
         if came:
             spin.woke()
         mb.drain()
         ready = getattr(self.loop, "_ready", None)  # asyncio's queue of callbacks due now (async endpoints)
         gates = self.spin_gates
-        while came and not ready and all(idle() for idle in gates) and spin.poll():
+        while came and not ready and all(idle() for idle in gates) and self._spin_poll():
             mb.drain()
+
+    def _spin_poll(self) -> bool:
+        with self.mailbox._rx_lock:
+            return self.mailbox._spin.poll()
+
+    def _wake_for_held(self) -> None:
+        """Another thread received messages for this one while it was busy (``Mailbox.receive_for``)."""
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop closed: the proc is stopping
+            pass
 
     def _handle(self, msg: object) -> None:
         handler = self._handlers.get(type(msg))

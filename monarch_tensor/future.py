@@ -76,6 +76,10 @@ class Future(Generic[R]):
                 # A client's thread: receive ourselves while we wait (one thread hand-off less).
                 _mailbox.lead(self, timeout)
                 settled = self._state != _PENDING
+            elif _mailbox is not None and not self._by_thread and _mailbox.helps_here():
+                # Another thread of a proc (its receiving thread may be busy waiting for this one).
+                _mailbox.receive_for(self, timeout)
+                settled = self._state != _PENDING
             else:
                 settled = self._wait(timeout)
             if not settled:
@@ -128,6 +132,8 @@ class Future(Generic[R]):
                     pass
 
             self.add_done_callback(wake)
+            if _mailbox is not None and not self._by_thread and _mailbox.helps_here():
+                _mailbox.receive_on_loop(loop, woken)  # (an async __cleanup__ run on a loop of its own)
             yield from woken.__await__()
         return self._result()
 

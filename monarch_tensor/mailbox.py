@@ -71,6 +71,7 @@ SPIN_S = _us_from_env("MONARCH_TENSOR_SPIN_US", "200", "0: block at once")
 _sched_yield = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))  # both release the GIL
 _LEAD_SLICE_MS = 100  # a receiving waiter's longest poll before it looks at the clock and the mailbox
 _LINGER_S = 0.002  # after a waiter received, the I/O thread waits this long for the next one before it takes over
+_HELP_TICK_S = 0.002  # how long a message waits on a busy proc's socket before a waiting thread takes it (receive_for)
 
 
 # System messages (workspace sync, env, debugger, the data plane's) handled by whichever process receives them,
@@ -207,6 +208,11 @@ class Mailbox:
         # A proc's: told of a SpawnActor that could not be read here (its caller gets the error too).
         self.on_lost_spawn: Callable[[object, BaseException], None] | None = None
         self._waits: list = []  # the futures the receiving thread waits on in wait_until, innermost last
+        # A mailbox without an I/O thread (a proc's): messages that another thread waiting on a reply received
+        # while the receiving thread was busy (``receive_for``), for the receiving thread, in order, as
+        # (message, Unreadable or None); ``on_held()`` tells the receiving thread that some are there.
+        self._held: collections.deque = collections.deque()
+        self.on_held: Callable[[], None] | None = None
         # Addresses reached through another one (a remote controller's ipc address -> its tcp gateway).
         self.aliases: dict[str, str] = json.loads(os.environ.get("MONARCH_TENSOR_ALIASES") or "{}")
         # A proc behind a host agent: its controller's tcp gateway, which also relays to the controller's
@@ -221,7 +227,10 @@ class Mailbox:
         # Who receives (the socket is used by one thread at a time): the I/O thread, unless a waiter
         # took over (``lead``). ``_rx_lock`` is held while receiving; waiters that want the socket count
         # themselves in ``_wanted`` and poke the I/O thread's pipe so it parks.
-        self._rx_lock = threading.Lock()
+        # Re-entrant: the thread that receives holds it while it delivers a reply, and a callback of that
+        # reply's Future may wait on another reply (receiving meanwhile), as may a payload's pull while a
+        # proc's thread decodes a message (rdma/_future.py).
+        self._rx_lock = threading.RLock()
         self._lead_cv = threading.Condition()
         self._wanted = 0
         self._lead_until = _NEVER  # the I/O thread stays parked until then (see _loop)
@@ -551,15 +560,116 @@ class Mailbox:
 
         With ``defer``, messages other than port values and logs are handed to it
         instead of ``on_message`` (used while a handler blocks waiting for a reply).
+
+        The socket is used under ``_rx_lock``, which another thread waiting on a reply takes while this
+        one is busy in a handler (``receive_for``); port values and logs are delivered as they are
+        received, under the lock, so that each port gets its values in order whichever thread took them.
         """
-        r = self._router
-        while not self._closed and r.getsockopt(_EVENTS) & _POLLIN:
-            try:
-                frames = self._recv(_NOBLOCK)
-            except zmq.Again:
-                return
-            self._dispatch(frames, defer)
+        while not self._closed:
+            with self._rx_lock:
+                if self._held:
+                    items = [self._held.popleft()]
+                else:
+                    items = self._receive_one()
+                    if items is None:
+                        break
+            for msg, unreadable in items:
+                if unreadable is not None:
+                    self._lost(msg, unreadable.error, defer, payload_lost=isinstance(unreadable, _wire.PayloadLost))
+                else:
+                    self._route(msg, defer)
         self.flush()
+
+    def _receive_one(self) -> list | None:
+        """Under ``_rx_lock``: receive one message (a batch: all of it), deliver its port values and logs,
+        and return the rest, in order, as (message, Unreadable or None); None when none is waiting."""
+        r = self._router
+        if self._closed or not r.getsockopt(_EVENTS) & _POLLIN:
+            return None
+        try:
+            frames = self._recv(_NOBLOCK)
+        except zmq.Again:
+            return None
+        if len(frames) == 1 and _wire.is_batch(frames[0]):
+            try:
+                parts = [[part] for part in _wire.unpack_batch(frames[0])]
+            except ProtocolError as e:
+                log.warning("dropped a malformed batch on %s: %s", self.addr, e)
+                return []
+        else:
+            parts = [frames]
+        rest = []
+        for part in parts:
+            try:
+                msg = _wire.decode(part)
+            except _wire.Unreadable as e:
+                if e.message is None:
+                    log.warning("dropped a malformed message on %s: %s", self.addr, e)
+                else:
+                    rest.append((e.message, e))
+                continue
+            except ProtocolError as e:
+                log.warning("dropped a malformed message on %s: %s", self.addr, e)
+                continue
+            if isinstance(msg, (SendToPort, ForwardLogs)):
+                self._route(msg)
+            else:
+                rest.append((msg, None))
+        return rest
+
+    def helps_here(self) -> bool:
+        """Whether this thread, waiting on a reply, should help receive it (``receive_for``): a thread other
+        than the receiving one of a mailbox without an I/O thread (a proc's)."""
+        return self._thread is None and self.receiver_ident not in (None, threading.get_ident())
+
+    def receive_for(self, fut, timeout: float | None) -> None:
+        """Wait for ``fut``, a reply that a thread other than the receiving one of a mailbox without an I/O
+        thread waits on (a thread a proc's endpoint started: a ``ThreadPoolExecutor`` fanning out calls).
+        While the receiving thread is busy (in that endpoint, waiting for this thread), a message that
+        has waited a whole tick on the socket is received here instead (``_help``)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        seen = False
+        while not fut.done() and not self._closed:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return
+            if fut._wait(_HELP_TICK_S if left is None else min(left, _HELP_TICK_S)):
+                return
+            seen = self._help(seen)
+
+    def receive_on_loop(self, loop, woken) -> None:
+        """``receive_for`` for an await on an event loop of another thread than the receiving one: a look
+        at the socket each tick on that loop, until ``woken`` (the awaiting side's future) is done."""
+        seen = False
+
+        def look() -> None:
+            nonlocal seen
+            if woken.done() or self._closed:
+                return
+            seen = self._help(seen)
+            loop.call_later(_HELP_TICK_S, look)
+
+        loop.call_later(_HELP_TICK_S, look)
+
+    def _help(self, seen: bool) -> bool:
+        """One look at the socket for a waiting thread: when a message waited there at this look and the last
+        (``seen``), nobody received for a tick, so the receiving thread is busy: receive what is waiting,
+        deliver port values, and hold the rest for the receiving thread (``drain``), which ``on_held``
+        wakes. Returns whether a message waited."""
+        if not self._rx_lock.acquire(blocking=False):  # the receiving thread receives
+            return False
+        held = False
+        try:
+            waiting = bool(not self._closed and self._router.getsockopt(_EVENTS) & _POLLIN)
+            if waiting and seen:
+                while (items := self._receive_one()) is not None:
+                    self._held.extend(items)
+                    held = held or bool(items)
+        finally:
+            self._rx_lock.release()
+        if held and self.on_held is not None:
+            self.on_held()
+        return waiting
 
     def wait_until(self, done: Callable[[], bool], timeout: float | None) -> None:
         """Block the receiving thread until ``done()``, dispatching port values as they come."""
@@ -588,7 +698,8 @@ class Mailbox:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return
-            self._router.poll(100 if left is None else max(1, min(100, int(left * 1000))), zmq.POLLIN)
+            with self._rx_lock:
+                self._router.poll(100 if left is None else max(1, min(100, int(left * 1000))), zmq.POLLIN)
 
     def _dispatch(self, frames: list, defer: Callable[[object], None] | None = None) -> None:
         if len(frames) == 1 and _wire.is_batch(frames[0]):
@@ -611,6 +722,11 @@ class Mailbox:
         except ProtocolError as e:
             log.warning("dropped a malformed message on %s: %s", self.addr, e)
             return
+        self._route(msg, defer)
+
+    def _route(self, msg: object, defer: Callable[[object], None] | None = None) -> None:
+        """Hand a received message to whoever takes it: its port, the log sink, a system handler, ``defer``
+        or ``on_message``."""
         try:
             if isinstance(msg, SendToPort):
                 with self._ports_lock:

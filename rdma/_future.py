@@ -146,7 +146,8 @@ class TransferFuture(Future):
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return
-                poller.poll(100 if left is None else max(1, min(100, int(left * 1000))))
+                with mb._rx_lock:  # the socket is used by one thread at a time (Mailbox.receive_for)
+                    poller.poll(100 if left is None else max(1, min(100, int(left * 1000))))
         finally:
             os.close(r)
             try:

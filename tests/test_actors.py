@@ -1395,6 +1395,83 @@ def test_waiting_with_get_on_an_async_endpoint_of_the_same_proc_is_a_clear_error
         procs.stop()
 
 
+class Leaf(Actor):
+    @endpoint
+    def double(self, x: int) -> int:
+        return 2 * x
+
+    @endpoint
+    def numbers(self, n: int, port: Port[int]) -> None:
+        for i in range(n):
+            port.send(i)
+
+
+class FanOut(Actor):
+    """Waits on replies from threads of its own making, as a user's code does with a thread pool."""
+
+    def __init__(self, leaf, note: str = "") -> None:
+        self.leaf = leaf
+        self.note = note  # where __cleanup__ writes what it got
+
+    @endpoint
+    def fan(self, n: int) -> list:
+        from concurrent.futures import ThreadPoolExecutor
+
+        def chain(i):  # a few calls one after the other on each thread
+            return [self.leaf.double.call_one(i * 10 + k).get(timeout=T) for k in range(3)]
+
+        with ThreadPoolExecutor(4) as pool:
+            return list(pool.map(chain, range(n)))
+
+    @endpoint
+    def stream(self, n: int) -> list:
+        """A thread reads a channel's values while this endpoint waits for it: they come in order."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        def read():
+            port, recv = Channel.open()
+            self.leaf.numbers.call_one(n, port).get(timeout=T)
+            return [recv.recv().get(timeout=T) for _ in range(n)]
+
+        with ThreadPoolExecutor(1) as pool:
+            return pool.submit(read).result(timeout=T)
+
+    @endpoint
+    def ping(self) -> str:
+        return "pong"
+
+    async def __cleanup__(self, exc) -> None:
+        if self.note:
+            got = await self.leaf.double.call_one(21)
+            with open(self.note, "w") as f:
+                f.write(str(got))
+
+
+@pytest.mark.timeout(120)
+def test_threads_of_an_endpoint_get_their_replies_while_it_waits_for_them(tmp_path):
+    """A proc's messages are received by its own thread, which runs the endpoints. A thread an endpoint
+    started that waits on a reply while the endpoint waits on that thread, and an async ``__cleanup__``
+    awaiting a call (on a loop of its own while the proc's thread stops the actor), get their replies:
+    they receive them while the proc's thread is busy (``Mailbox.receive_for``); before, each waited for
+    its timeout (the endpoint failed, the stop timed out). Calls to the proc's actors that came meanwhile run after, and a channel's values
+    arrive in order."""
+    procs = this_host().spawn_procs({"gpus": 2})
+    try:
+        leaf = procs.slice(gpus=1).spawn("leaf", Leaf)
+        note = tmp_path / "cleanup"
+        fan = procs.slice(gpus=0).spawn("fan", FanOut, leaf, str(note))
+        other = procs.slice(gpus=0).spawn("other", FanOut, leaf)
+        calls = [fan.fan.call_one(6) for _ in range(3)] + [other.ping.call_one() for _ in range(5)]
+        assert calls[0].get(timeout=T) == [[2 * (i * 10 + k) for k in range(3)] for i in range(6)]
+        assert [c.get(timeout=T) for c in calls[1:3]] == [calls[0].get()] * 2
+        assert [c.get(timeout=T) for c in calls[3:]] == ["pong"] * 5
+        assert fan.stream.call_one(200).get(timeout=T) == list(range(200))
+        fan.stop().get(timeout=T)
+        assert note.read_text() == "42"
+    finally:
+        procs.stop().get(timeout=T)
+
+
 class Stoppable(Actor):
     def __init__(self) -> None:
         self.n = 0

@@ -904,6 +904,8 @@ def test_dropped_tensors_are_freed_on_the_workers_while_the_script_is_idle(procs
         x = torch.ones(n)
         s = x.sum()
     assert fetch_shard(s, gpus=0).result(timeout=60).item() == n  # (a fetch from one rank is the last batch)
+    assert fetch_shard(s, gpus=1).result(timeout=60).item() == n  # (rank 1's streams ran the ops too: execute()
+    # runs on the procs' own thread, not after their streams)
     assert procs.execute(_tensors_of_numel, n).values() == [1, 1]
     del x, s
     deadline = time.monotonic() + 30

@@ -153,7 +153,7 @@ def test_a_waiter_whose_reply_another_waiter_receives_waits_on_its_future(echo, 
     def second() -> None:
         try:
             mb, deadline = mb_mod._mailbox, time.monotonic() + 30
-            while not (mb._rx_lock.locked() and mb.receiver_ident == main) and time.monotonic() < deadline:
+            while mb.receiver_ident != main and time.monotonic() < deadline:
                 time.sleep(0.001)  # until the main thread receives
             gate = str(tmp_path / "gate")
             f = echo.gated.call_one("inner", gate)  # replies once the gate is open: after the callback is on
