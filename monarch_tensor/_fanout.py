@@ -102,10 +102,15 @@ def build_tree(items: list[tuple[str, list[str]]], fanout: int | None = None) ->
 def routed_frames(agent: str, inner: str, frames: list) -> tuple[str, list]:
     """Where to send ``frames`` for proc ``inner`` of ``agent``, and what: straight to a child of this
     sender with a route frame, else to the first hop of its path with a one-branch plan."""
-    hops = path(agent)
-    if len(hops) == 1:
+    if len(path(agent)) == 1:
         return agent, [ROUTE_MAGIC + inner.encode(), *frames]
-    plan: dict = {"t": [inner], "c": []}
+    return tree_frames(agent, {"t": [inner], "c": []}, frames)
+
+
+def tree_frames(agent: str, plan: dict, frames: list) -> tuple[str, list]:
+    """Where to send ``frames`` with ``agent``'s ``plan`` (a tree message for ``agent``), and what: the first
+    hop of its path, with the plan nested in one branch per hop."""
+    hops = path(agent)
     for child in reversed(hops[1:]):
         plan = {"t": [], "c": [[child, plan]]}
     return hops[0], [TREE_MAGIC + json.dumps(plan).encode(), *frames]

@@ -489,6 +489,25 @@ def _salvage(body, bufs) -> object:
     return _expand(msg)
 
 
+def envelopes(frames: list) -> list:
+    """The records that ``frames`` (one message or a batch of them) travel in, with their reply ports, their
+    payloads left unread (stubs): for a relay that cannot deliver them and tells their senders. ``[]`` where
+    even the envelope cannot be read."""
+    first = frames[0].buffer if hasattr(frames[0], "buffer") else frames[0]
+    messages = [[m] for m in unpack_batch(first)] if is_batch(first) else [frames]
+    out = []
+    for msg in messages:
+        head = memoryview(msg[0])
+        if len(head) < _HEADER.size or _HEADER.unpack_from(head)[0] not in _MAGICS:
+            continue
+        try:  # any buffer (a tensor's bytes, a shared-memory or data-plane descriptor) reads as empty
+            body = io.BytesIO(head[_HEADER.size:])
+            out.append(_expand(_EnvelopeUnpickler(body, buffers=iter(lambda: b"", None)).load()))
+        except Exception:  # noqa: BLE001 - not even the envelope: nothing to tell
+            continue
+    return out
+
+
 def holds(obj: object, kinds: tuple[type, ...] = (_Stub,), budget: int = 100_000) -> bool:
     """Whether ``obj`` (a piece of a message that could not be read whole) holds an instance of ``kinds``
     (by default: something that could not be unpickled here); True also when it is too large to look

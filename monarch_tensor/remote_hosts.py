@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import json
 import logging
 import os
 import socket
@@ -47,7 +48,7 @@ from .host import (
     share_peers,
 )
 from .mailbox import current_mailbox
-from .messages import SendToPort, StopProc
+from .messages import PortRef, SendToPort, StopProc
 from .shape import Shape
 
 log = logging.getLogger("monarch_tensor.remote_hosts")
@@ -111,14 +112,21 @@ class _Gateway:
                 out.send_multipart(frames[1:], copy=False)
 
     def _relay(self, addr: str, frames: list) -> None:
-        if ROUTE_SEP in addr:  # a proc of another job's agent: with that job's key, from here
-            if addr.partition(ROUTE_SEP)[0] not in _curve.peers():
-                log.debug("gateway dropped a message for %s: not behind an agent this process attached to", addr)
+        agent = addr.partition(ROUTE_SEP)[0]
+        if agent.startswith("tcp://"):  # another job's agent, or a proc behind it: with that job's key, from here
+            if agent not in _curve.peers():
+                self._undeliverable(addr, frames, "it is not behind a host agent this process attached to")
                 return
             try:
-                current_mailbox().send_frames(addr, frames)
-            except Exception as e:  # noqa: BLE001 - the gateway serves on; the sender's call times out
-                log.warning("gateway could not pass a message on to %s: %r", addr, e)
+                if ROUTE_SEP in addr:
+                    current_mailbox().send_frames(addr, frames)
+                elif frames and frames[0].buffer[:4] == _fanout.TREE_MAGIC:  # for several of its procs
+                    plan = json.loads(bytes(frames[0].buffer[4:]))
+                    current_mailbox().send_frames(*_fanout.tree_frames(addr, plan, frames[1:]))
+                else:
+                    self._undeliverable(addr, frames, "a message for a host agent itself is not relayed")
+            except Exception as e:  # noqa: BLE001 - the gateway serves on
+                self._undeliverable(addr, frames, repr(e))
             return
         got = self.procs.get(addr)
         if got is None or not got[0].alive:
@@ -126,7 +134,7 @@ class _Gateway:
             for gone in [a for a in self.procs if a not in live]:  # stopped procs: close their sockets
                 self.procs.pop(gone)[1].close(linger=0)
             if addr not in live:
-                log.debug("gateway dropped a message for %s: not a live proc of this process", addr)
+                self._undeliverable(addr, frames, "it is not a live proc of this process")
                 return
             s = self.ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 1000)
@@ -134,6 +142,24 @@ class _Gateway:
             s.connect(addr)
             got = self.procs[addr] = (live[addr], s)
         got[1].send_multipart(frames, copy=False)
+
+    def _undeliverable(self, addr: str, frames: list, why: str) -> None:
+        """Drop a message the gateway cannot pass on, failing the reply port of each call in it (the
+        caller would otherwise wait for its timeout, or for ever)."""
+        log.warning("gateway dropped a message for %s: %s", addr, why)
+        if frames and frames[0].buffer[:4] == _fanout.TREE_MAGIC:
+            frames = frames[1:]
+        if not frames:
+            return
+        for msg in _wire.envelopes(frames):
+            reply = getattr(msg, "reply", None)
+            if type(reply) is not PortRef:
+                continue
+            error = HostUnreachableError(f"the controller's gateway could not pass a message on to {addr}: {why}")
+            try:  # rank -1: from no rank of the call, it fails the whole call
+                current_mailbox().send(reply.addr, SendToPort(reply.port_id, None, error, -1))
+            except Exception as e:  # noqa: BLE001
+                log.warning("gateway could not tell %s that its message was dropped: %r", reply.addr, e)
 
 
 _gateways: dict[str, _Gateway] = {}

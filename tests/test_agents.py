@@ -50,6 +50,11 @@ class Where(Actor):
         return other.where.call_one().get(timeout=30)[2]
 
     @endpoint
+    def pids_of(self, other) -> list:
+        """Call a whole actor mesh from this proc: its pids, sorted."""
+        return sorted(p for _, _, p in other.where.call().get(timeout=30).values())
+
+    @endpoint
     def ask(self, other, rank: int):
         """Call another actor mesh from this proc (proc -> proc across agents, reply back to this proc)."""
         return other.slice(hosts=rank // 2, gpus=rank % 2).where.call_one().get(timeout=30)[0]
@@ -503,6 +508,52 @@ def test_procs_of_two_jobs_call_each_other_through_the_controller(job, tmp_path)
     finally:
         ours.stop().get(timeout=60)
         other.kill()
+
+
+@pytest.mark.timeout(180)
+def test_a_proc_calls_a_mesh_of_several_procs_of_another_job(job, tmp_path):
+    """A call from a proc to several procs of another job's agent leaves it as one tree message for that
+    agent; the controller's gateway passes it on down that job's tree, and every proc answers."""
+    other = LocalJob(meshes={"m": 1}, root_dir=str(tmp_path), ttl=60)
+    ours = job.state().mesh0.slice(hosts=0).spawn_procs(per_host={"gpus": 1})
+    try:
+        theirs = other.state().m.spawn_procs(per_host={"gpus": 2})
+        a, b = ours.spawn("a", Where), theirs.spawn("b", Where)
+        b_pids = sorted(p for _, _, p in b.where.call().get(timeout=60).values())
+        assert a.pids_of.call_one(b).get(timeout=60) == b_pids
+    finally:
+        ours.stop().get(timeout=60)
+        other.kill()
+
+
+@pytest.mark.timeout(60)
+def test_the_gateway_fails_a_call_it_cannot_pass_on(job):
+    """A call the gateway drops (for no live proc of this process, or for an agent this process never
+    attached to) fails its caller's reply port at once instead of leaving the caller waiting."""
+    from monarch_tensor import remote_hosts
+    from monarch_tensor._ports import OneReply
+    from monarch_tensor.mailbox import current_mailbox, new_ipc_address
+    from monarch_tensor.messages import CallEndpoint
+
+    gateway = remote_hosts._gateway_for(job.keys, job.addrs["mesh0"][0])
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    _curve.connect_curve(s, job.keys)
+    s.connect(gateway.addr)
+    try:
+        gone = new_ipc_address("gone")
+        for route, first, why in [(gone, [], "not a live proc"),
+                                  ("tcp://127.0.0.1:1", [_fanout.TREE_MAGIC + b'{"t": ["1", "2"], "c": []}'],
+                                   "not behind a host agent this process attached to")]:
+            handler = OneReply(gone, "a call through the gateway")
+            call = _wire.encode(CallEndpoint("a", "where", (), {}, current_mailbox().open_port(handler)))
+            s.send_multipart([_fanout.ROUTE_MAGIC + route.encode(), *first, *call])
+            with pytest.raises(HostUnreachableError, match=why):
+                handler.future.get(timeout=30)
+    finally:
+        s.close()
+        ctx.term()
 
 
 @pytest.mark.timeout(60)
