@@ -23,6 +23,7 @@ import os
 import queue
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -114,6 +115,7 @@ class HostAgent:
         os.set_blocking(self._wake_w, False)
         self._last_contact = time.monotonic()
         self._stopping = False
+        self.terminated = False  # SIGTERM: its scheduler ends the job (see on_sigterm)
         self.host = LocalHost(on_exit=self._proc_exited, on_output=self._proc_output)
         self._other_hosts: dict[str, LocalHost] = {}  # templates of other interpreters (SpawnProcs.python_exe)
         self._spawner = _Worker(self)
@@ -303,8 +305,34 @@ class HostAgent:
         self._inbox.put((None, [gateway, *_wire.encode(ForwardLogs(info.rank, stream, tuple(lines)))]))
         self._wake()
 
+    def on_sigterm(self, *_) -> None:
+        """SIGTERM: stop, and tell each client that its procs went with this host agent. (A scheduler ending
+        the job, scancel or its time limit, signals every process of it: the template and the procs die too,
+        and would be reported lost with it, which does not say why.)"""
+        self.terminated = True
+        self._stopping = True
+
+    def _terminated_why(self) -> str:
+        """Why this host is going away where a SIGTERM says so: to the agent, or to a template (which the
+        agent stops with a request or SIGKILL, never SIGTERM): the reason given for its procs' exits."""
+        if not self.terminated:
+            for host in [self.host, *list(self._other_hosts.values())]:
+                try:  # (a dead template closed its pipe as it exited: its status follows at once)
+                    self.terminated = host.dead and host.proc.wait(timeout=1) == -signal.SIGTERM
+                except subprocess.TimeoutExpired:
+                    continue
+                if self.terminated:
+                    break
+        if not self.terminated:
+            return ""
+        return (f"its host agent {self.addr} was terminated (SIGTERM: its scheduler ended the job, e.g. scancel "
+                f"or a time limit, or someone stopped the agent)")
+
     def _proc_exited(self, info: ProcInfo, status: str) -> None:
         sid, events, pid_key, gateway = info.owner
+        why = self._terminated_why()
+        if why:
+            status = f"{why}; {status}"
         self.local_addrs.pop(pid_key, None)
         s = self.sessions.get(sid)
         if s is not None:
@@ -442,7 +470,7 @@ def run_worker_loop_until_shutdown(address: str, ca: str | None = None, *, key_f
     """
     agent = _start_agent(address, ca, key_file, ttl, address_file)
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: setattr(agent, "_stopping", True))
+        signal.signal(signal.SIGTERM, agent.on_sigterm)
     try:
         agent.serve_forever()
     finally:

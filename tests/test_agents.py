@@ -313,6 +313,35 @@ def test_killing_an_agent_fails_its_procs_with_a_supervision_error(job, faults):
     procs.stop().get(timeout=30)
 
 
+class Slow(Actor):
+    @endpoint
+    def slow(self) -> None:
+        time.sleep(60)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("who", ["agent", "every process"])
+def test_a_terminated_agent_says_so_in_its_procs_supervision_errors(tmp_path, who):
+    """SIGTERM to the agent (``scancel``, a time limit: a scheduler signals every process of the job, its
+    template and procs too) fails a pending call with an error that names the agent's end, not only the
+    template's."""
+    j = LocalJob(meshes={"m": 1}, root_dir=str(tmp_path), ttl=60)
+    try:
+        procs = j.state().m.spawn_procs(per_host={"gpus": 1})
+        fut = procs.spawn("s", Slow).slow.call()
+        agent = j.pids[0]
+        family = [agent]
+        if who == "every process":
+            family += [int(p) for p in subprocess.run(["pgrep", "-P", str(agent)], capture_output=True,
+                                                      text=True).stdout.split()]
+        for pid in family:
+            os.kill(pid, signal.SIGTERM)
+        with pytest.raises(SupervisionError, match=f"host agent {j.addrs['m'][0]} was terminated"):
+            fut.get(timeout=60)
+    finally:
+        j.kill()
+
+
 @pytest.mark.timeout(180)
 def test_sigkilled_controller_leaves_agents_serving_and_a_second_script_reattaches(job, tmp_path):
     path = str(tmp_path / "job.json")
