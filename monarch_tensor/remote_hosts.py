@@ -172,13 +172,32 @@ def _gateway_for(keys: _curve.JobKeys, agent_addr: str) -> _Gateway:
     return g
 
 
+def _speaks_zmtp(addr: str, timeout: float = 2.0) -> bool:
+    """Whether the server at ``addr`` greets as zmq does (ZMTP: 0xFF, 8 bytes, 0x7F, sent on accepting): a
+    CURVE handshake that failed there was refused for its key; anything else (an HTTP server at a mistyped
+    port) is no host agent. (zmq's client sees both as a connection dropped during the handshake.)"""
+    host, _, port = addr[len("tcp://"):].rpartition(":")
+    greeting = b""
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as s:
+            while len(greeting) < 10:
+                data = s.recv(10 - len(greeting))
+                if not data:
+                    break
+                greeting += data
+    except OSError:
+        pass
+    return len(greeting) == 10 and greeting[0] == 0xFF and greeting[9] == 0x7F
+
+
 # ---- one agent --------------------------------------------------------------------------------
 class AgentClient:
     """The control connection to one host agent; ``request`` is a round trip with a timeout."""
 
     def __init__(self, addr: str, keys: _curve.JobKeys, timeout: float = CONNECT_TIMEOUT) -> None:
-        if not addr.startswith("tcp://"):
-            raise ValueError(f"a host agent's address is tcp://HOST:PORT, got {addr!r}")
+        port = addr.rpartition(":")[2]
+        if not addr.startswith("tcp://") or not (port.isdigit() and 1 <= int(port) <= 65535):
+            raise ValueError(f"a host agent's address is tcp://HOST:PORT with PORT in 1-65535, got {addr!r}")
         self.addr, self.keys = addr, keys
         self.ctx = _agents_context()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -226,6 +245,9 @@ class AgentClient:
             elif ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 return self.request(OpenSession(SESSION), timeout=max(1.0, deadline - time.monotonic()))
         self.close()
+        if failed and not _speaks_zmtp(self.addr):
+            raise HostUnreachableError(f"{self.addr} is not a host agent (protocol mismatch): something else "
+                                       f"listens there (check the address and port)")
         if failed:
             raise JobKeyError(f"the host agent at {self.addr} refused this controller's key: it serves another "
                               f"job (use that job's key file, or job_load() its job file)")

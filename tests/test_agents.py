@@ -435,6 +435,36 @@ def test_wrong_key_is_refused_with_a_clear_error(job):
         AgentClient(job.addrs["mesh0"][0], _curve.JobKeys.generate(), timeout=5)
 
 
+@pytest.mark.timeout(60)
+def test_an_address_that_is_no_host_agent_is_a_clear_error():
+    """Some other TCP service (an HTTP server at a mistyped port) is no host agent, not a refused key; a
+    port outside 1-65535 is refused before any wait."""
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+
+    def serve() -> None:
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            c.sendall(b"HTTP/1.0 200 OK\r\n\r\nhello")
+            c.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        with pytest.raises(HostUnreachableError, match=r"not a host agent \(protocol mismatch\)"):
+            AgentClient(f"tcp://127.0.0.1:{srv.getsockname()[1]}", _curve.JobKeys.generate(), timeout=10)
+    finally:
+        srv.close()
+    with pytest.raises(ValueError, match="PORT in 1-65535"):
+        AgentClient("tcp://127.0.0.1:99999", _curve.JobKeys.generate(), timeout=30)
+
+
 def _send_or_refused(sock: zmq.Socket, frames: list) -> None:
     """Send, unless the server has already dropped the connection (a failed CURVE handshake leaves a
     DEALER with no peer to queue for: its send would block until the next reconnect, forever)."""
