@@ -98,6 +98,7 @@ class LocalHost:
         self._bare = on_exit is None and "torch" not in sys.modules and "MONARCH_TENSOR_PRELOAD" not in env
         if self._bare:
             env["MONARCH_TENSOR_PRELOAD"] = env["MONARCH_TENSOR_IDLE_PRELOAD"] = ""
+        self._python_exe = python_exe  # (None: this interpreter)
         req_r, self._req_fd = os.pipe()
         self._rep_fd, rep_w = os.pipe()
         self.proc = subprocess.Popen(
@@ -116,6 +117,7 @@ class LocalHost:
         self._spawned: dict[int, Future] = {}
         self._by_pid: dict[int, ProcInfo] = {}
         self._ready = Future("zygote start")
+        self._started = False  # it said it is ready: its interpreter runs monarch_tensor
         self._reader = threading.Thread(target=self._read, daemon=True, name="monarch-tensor-host")
         self._reader.start()
 
@@ -126,6 +128,7 @@ class LocalHost:
                 break
             kind = msg[0]
             if kind == "ready":
+                self._started = True
                 self._ready._set_result(msg[1])
             elif kind == "spawned":
                 _, req_id, pid = msg
@@ -146,7 +149,7 @@ class LocalHost:
                     self._on_output(info, 0, b"")  # the end of its output: a last partial line
                     self._on_exit(info, status)
         self.dead = True  # local_host() starts a new template for later meshes
-        err = RuntimeError("the local host's template process exited")
+        err = RuntimeError(self._exited())
         self._ready._set_exception(err)
         for fut in self._spawned.values():
             fut._set_exception(err)
@@ -159,22 +162,11 @@ class LocalHost:
         futs = []
         with self._lock:
             if self.dead:
-                rc = self.proc.poll()
-                how = "its pipe closed" if rc is None else \
-                    f"killed by signal {-rc}" if rc < 0 else f"it exited with code {rc}"
-                raise RuntimeError(f"this host's template process (pid {self.proc.pid}) has exited ({how}); a new "
-                                   f"mesh starts a new one")
-            if self._bare and "torch" in sys.modules:
-                self._bare = self._warmed = False  # and warm up the tensor engine meanwhile, below
-                _zygote.write_msg(self._req_fd, ("preload", ["torch"], ["torch._dynamo"]))
-            for info, env in zip(infos, envs):
-                self._next += 1
-                fut = Future("proc spawn")
-                self._spawned[self._next] = fut
-                self._infos[self._next] = info
-                _zygote.write_msg(self._req_fd, ("spawn", self._next, "monarch_tensor._proc.run_proc",
-                                                 (info.addr, client_addr, info.rank), env, self._relay))
-                futs.append((info, fut))
+                raise RuntimeError(f"{self._exited()}; a new mesh starts a new one")
+            try:
+                self._request_spawns(infos, client_addr, envs, futs)
+            except BrokenPipeError:  # the template exited before reading them (an interpreter that does not run)
+                raise RuntimeError(self._exited()) from None
         try:
             if not self._warmed:  # the template is still importing torch: meanwhile, on another core, warm up
                 self._warmed = True
@@ -186,6 +178,34 @@ class LocalHost:
                 info.stopping = True  # (their exits are no supervision failures)
                 fut.add_done_callback(lambda f: f.exception() is None and self.kill(f.result(), signal.SIGKILL))
             raise
+
+    def _request_spawns(self, infos: list[ProcInfo], client_addr: str, envs: list[dict], futs: list) -> None:
+        if self._bare and "torch" in sys.modules:
+            self._bare = self._warmed = False  # and warm up the tensor engine meanwhile (spawn)
+            _zygote.write_msg(self._req_fd, ("preload", ["torch"], ["torch._dynamo"]))
+        for info, env in zip(infos, envs):
+            self._next += 1
+            fut = Future("proc spawn")
+            self._spawned[self._next] = fut
+            self._infos[self._next] = info
+            _zygote.write_msg(self._req_fd, ("spawn", self._next, "monarch_tensor._proc.run_proc",
+                                             (info.addr, client_addr, info.rank), env, self._relay))
+            futs.append((info, fut))
+
+    def _exited(self) -> str:
+        """What became of the template process, which closed its pipes: its exit status, and for an interpreter
+        other than this one (``with_python_executable``) that it may be no working Python."""
+        try:
+            rc = self.proc.wait(timeout=5)  # (it closed its pipes as it exited)
+        except subprocess.TimeoutExpired:
+            rc = None
+        how = "closed its pipes" if rc is None else \
+            f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
+        what = f"this host's template process (pid {self.proc.pid}) {how}"
+        if self._python_exe is not None and not self._started:
+            what += (f" before it started: {self._python_exe} (with_python_executable) is not a working Python "
+                     f"with monarch_tensor importable? (what it wrote went to the stderr of the process that started it)")
+        return what
 
     def kill(self, pid: int, sig: int) -> None:
         with self._lock:

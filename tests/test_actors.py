@@ -489,6 +489,18 @@ def test_with_python_executable_runs_procs_with_another_interpreter(tmp_path):
         this_host().with_python_executable(None)
 
 
+@pytest.mark.timeout(60)
+def test_with_python_executable_that_is_no_working_python_says_so(tmp_path):
+    """An interpreter that exits at once (a broken venv) fails the spawn with an error naming it and its
+    exit status, whether the template had exited before the spawn asked or while it asked (a broken pipe)."""
+    broken = tmp_path / "python"
+    broken.write_text("#!/bin/sh\necho 'python: error while loading shared libraries' >&2\nexit 127\n")
+    broken.chmod(0o755)
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match=f"exited with code 127 before it started: {broken} .* not a working"):
+            this_host().with_python_executable(str(broken)).spawn_procs({"gpus": 1})
+
+
 def test_proc_mesh_to_table(procs):
     table = procs.to_table().splitlines()
     assert table[0].split() == ["rank", "hosts", "gpus", "pid", "address"] and len(table) == 2 + 4
