@@ -467,6 +467,51 @@ def test_a_proc_that_dies_after_its_call_failed_elsewhere_is_seen_by_that_call(f
         procs.stop().get(timeout=30)
 
 
+class DiesInTurn(Actor):
+    @endpoint
+    def step(self) -> int:
+        rank = current_rank().rank
+        if rank > 0:
+            time.sleep(0.4 * rank)
+            os._exit(rank)
+        time.sleep(3)
+        return rank
+
+
+@pytest.mark.timeout(60)
+def test_every_death_of_the_ranks_an_awaited_call_waits_on_is_that_calls(faults):
+    # The first death finished the call and closed its port: the second found no port waiting on it, an
+    # unhandled fault, which ends the script (KeyboardInterrupt) while it handles the call's error.
+    procs = this_host().spawn_procs({"gpus": 3})
+    try:
+        w = procs.spawn("dies_in_turn", DiesInTurn)
+        with pytest.raises(SupervisionError, match="died: exited with code"):
+            w.step.call().get(timeout=30)
+        _wait_for(lambda: not procs._procs[1].alive and not procs._procs[2].alive)
+        _wait_for(lambda: faults, timeout=2)  # (a fault would be reported right after)
+        assert [f"exited with code {r}" in procs._procs[r].exit_status for r in (1, 2)] == [True, True]
+        assert faults == []
+    finally:
+        procs.stop().get(timeout=30)
+
+
+@pytest.mark.timeout(60)
+def test_a_death_a_stream_hands_to_its_receiver_is_handled(mesh, faults):
+    # The stream's port, still waiting on the other ranks, did not count the death as seen: the hook ran.
+    procs, w, pids = mesh
+    futs = list(w.sleep.stream(2))
+    os.kill(pids[1], signal.SIGKILL)
+    got = []
+    for f in futs:
+        try:
+            got.append(f.get(timeout=30))
+        except SupervisionError as e:
+            got.append(e.rank)
+    assert sorted(got) == [1, 2, 2]  # (rank 1's failure, and the two others' 2 s)
+    _wait_for(lambda: faults, timeout=2)
+    assert faults == []
+
+
 class Broadcaster(Actor):
     """Raises in calls nobody awaits, and owns a mesh whose actors do."""
 
