@@ -89,11 +89,11 @@ class _FetchPort:
             self.fut._set_result(msg.value)
         return True
 
-    def proc_died(self, addr: str, error) -> bool:
+    def proc_died(self, addr: str, error) -> tuple[bool, bool]:
         if addr != self.addr and addr not in self.mesh:
-            return False
+            return False, False
         self.fut._set_exception(error)
-        return True
+        return True, True
 
 
 class Ctx:

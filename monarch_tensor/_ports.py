@@ -59,13 +59,17 @@ class Collector:
                 self.future._set_exception(e)
         return done
 
-    def proc_died(self, addr: str, error: SupervisionError) -> bool:
+    def proc_died(self, addr: str, error: SupervisionError) -> tuple[bool, bool]:
         with self._lock:
             if addr not in self._waiting:
-                return False
+                return False, False
             self._waiting.discard(addr)
+            for rank in [r for r in self._by_rank if self._addr_of[r] == addr]:
+                del self._by_rank[rank]  # (it answers no more: the port is finished once the others did)
+                self._left -= 1
+            done = self._left == 0
         self.future._set_exception(error)  # (a no-op where an error came first: the death is seen all the same)
-        return True
+        return True, done
 
 
 class OneReply:
@@ -85,11 +89,11 @@ class OneReply:
             self.future._set_result(msg.value)
         return True
 
-    def proc_died(self, addr: str, error: SupervisionError) -> bool:
+    def proc_died(self, addr: str, error: SupervisionError) -> tuple[bool, bool]:
         if addr == self._addr and not self.future.done():
             self.future._set_exception(error)
-            return True
-        return False
+            return True, True
+        return False, False
 
 
 class Receiver:
@@ -135,8 +139,8 @@ class Receiver:
         _settle(fut, msg)
         return self._once
 
-    def proc_died(self, addr: str, error: SupervisionError) -> bool:
-        return False
+    def proc_died(self, addr: str, error: SupervisionError) -> tuple[bool, bool]:
+        return False, False
 
     def _withdraw(self, fut: Future) -> bool:
         """Take back a waiting ``recv()``; False when a value was handed to it already."""
@@ -254,8 +258,9 @@ class StreamCollector(Receiver):
         super().deliver(msg)
         return not self._waiting
 
-    def proc_died(self, addr: str, error: SupervisionError) -> bool:
-        for rank in [r for r, a in self._waiting.items() if a == addr]:
+    def proc_died(self, addr: str, error: SupervisionError) -> tuple[bool, bool]:
+        ranks = [r for r, a in self._waiting.items() if a == addr]
+        for rank in ranks:
             del self._waiting[rank]
             super().deliver(SendToPort(-1, None, error, rank))
-        return not self._waiting
+        return bool(ranks), not self._waiting  # (its recv() gets the failure: the death is seen)

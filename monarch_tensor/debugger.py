@@ -151,11 +151,11 @@ class _DeathWatch:
     def deliver(self, msg: SendToPort) -> bool:
         return False
 
-    def proc_died(self, addr: str, error: SupervisionError) -> bool:
+    def proc_died(self, addr: str, error: SupervisionError) -> tuple[bool, bool]:
         if addr != self.addr:
-            return False
+            return False, False
         _on_end(self.mailbox, DebugEnd(self.session, str(error)))
-        return True
+        return True, True
 
 
 _watches: dict[str, int] = {}  # session -> the port of its _DeathWatch, in this process

@@ -12,6 +12,7 @@ import inspect
 import itertools
 import logging
 import os
+import queue
 import shutil
 import signal
 import subprocess
@@ -313,6 +314,29 @@ def _proc_exited(info: ProcInfo, status: str) -> None:
         mesh._failed(err)
 
 
+_to_supervise: queue.SimpleQueue = queue.SimpleQueue()  # (owner, failure), for the supervision thread
+_supervisor: threading.Thread | None = None
+_supervisor_lock = threading.Lock()
+
+
+def _supervise_later(owner, err: SupervisionError) -> None:
+    """``_supervise(owner, err)`` on the supervision thread, one failure at a time in the order they came.
+    Not on the thread that reports them: a hook or ``__supervise__`` may block (``heal_mesh`` waits for a
+    spawn, whose reply that thread reads), and procs' exits must still be reported meanwhile."""
+    global _supervisor
+    _to_supervise.put((owner, err))
+    with _supervisor_lock:
+        if _supervisor is None or not _supervisor.is_alive():  # (not started, or not in this forked child)
+            _supervisor = threading.Thread(target=_supervision_loop, daemon=True, name="monarch-tensor-supervise")
+            _supervisor.start()
+
+
+def _supervision_loop() -> None:
+    while True:
+        owner, err = _to_supervise.get()
+        _supervise(owner, err)
+
+
 def _supervise(owner, err: SupervisionError) -> None:
     """A failure for ``owner`` (an actor's context, None for the script): its ``__supervise__(err)`` may
     handle it by returning True; else ``unhandled_fault_hook`` runs (Monarch's order)."""
@@ -329,15 +353,15 @@ def _supervise(owner, err: SupervisionError) -> None:
             err2.mesh, err = err.mesh, err2
     try:
         actor.unhandled_fault_hook(err)
-    except BaseException as e:  # noqa: BLE001 - it runs on the thread that reports procs' exits: that goes on
+    except BaseException as e:  # noqa: BLE001 - the supervision thread goes on to the next failure
         _unhandled_fault(err, e)
 
 
 def _on_actor_fault(mailbox, msg: ActorFault) -> None:
     """An endpoint nobody awaited (called with ``broadcast``) raised, on an actor this process spawned: a
     supervision event for the actor mesh's owner (its ``__supervise__``, else ``unhandled_fault_hook``), as
-    Monarch's, rather than a line in the proc's output only. The actor goes on serving. Handled on a thread
-    of its own: a hook may block."""
+    Monarch's, rather than a line in the proc's output only. The actor goes on serving. Handled on the
+    supervision thread, in order with procs' deaths: a hook may block."""
     from .actor import _mesh_owners
 
     name = getattr(msg.error, "actor", "?")
@@ -346,7 +370,7 @@ def _on_actor_fault(mailbox, msg: ActorFault) -> None:
     rank = getattr(msg.error, "rank", None)
     err = SupervisionError(f"{what} (in a call nobody awaited: a broadcast)", proc=msg.proc, rank=rank)
     err.mesh = next((m for m in list(_live_meshes) if any(p.addr == msg.proc for p in m._procs)), None)
-    threading.Thread(target=_supervise, args=(owner, err), daemon=True, name="monarch-tensor-actor-fault").start()
+    _supervise_later(owner, err)
 
 
 SYSTEM_HANDLERS[ActorFault] = _on_actor_fault
@@ -562,11 +586,12 @@ class ProcMesh(MeshTrait):
         return CoroutineFuture.of(col.future)  # async def in Monarch: asyncio.run() takes it
 
     def _failed(self, err: SupervisionError) -> None:
-        """A proc of this allocation died unexpectedly: tell the owner, or the fault hook."""
+        """A proc of this allocation died unexpectedly: tell the owner, or the fault hook (soon after, on the
+        supervision thread)."""
         if err.mesh is None:
             err.mesh = self
         self._failures.append(err)
-        _supervise(self._owner, err)
+        _supervise_later(self._owner, err)
 
     # ---- interactive tools (workspace_sync.py, env.py) ---------------------------------
     def sync_workspace(self, workspace, conda: bool = False, auto_reload: bool = False) -> CoroutineFuture:

@@ -90,8 +90,10 @@ class PortHandler(Protocol):
     def deliver(self, msg: SendToPort) -> bool:
         """Take one value; return True when the port is finished and can be closed."""
 
-    def proc_died(self, addr: str, error: SupervisionError) -> bool:
-        """A proc this port waits on died; return True when the port is finished."""
+    def proc_died(self, addr: str, error: SupervisionError) -> tuple[bool, bool]:
+        """A proc died; return whether this port waited on its answer (its waiter is told: the death is
+        seen, not an unhandled fault), and whether the port is finished and can be closed. A port that
+        waits on several procs stays open after a first death, to see the next one too."""
 
 
 def socket_dir() -> str:
@@ -414,8 +416,10 @@ class Mailbox:
             items = list(self._ports.items())
         observed = 0
         for pid, h in items:
-            if h.proc_died(addr, error):
+            waited, finished = h.proc_died(addr, error)
+            if waited:
                 observed += getattr(h, "observing", True)
+            if finished:
                 self.close_port(pid)
         self.forget(addr)
         return observed

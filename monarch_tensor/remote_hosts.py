@@ -393,8 +393,8 @@ class _Events:
                 _proc_exited(info, report.status)
         return False
 
-    def proc_died(self, addr: str, error: SupervisionError) -> bool:
-        return False
+    def proc_died(self, addr: str, error: SupervisionError) -> tuple[bool, bool]:
+        return False, False
 
 
 # ---- meshes -------------------------------------------------------------------------------------

@@ -385,11 +385,11 @@ class _DropDone:
             self.future._set_result(None)
         return True
 
-    def proc_died(self, addr: str, error: BaseException) -> bool:
+    def proc_died(self, addr: str, error: BaseException) -> tuple[bool, bool]:
         if addr == self._owner:
             self.future._set_result(None)
-            return True
-        return False
+            return True, True
+        return False, False
 
 
 def _probe_cuda() -> Mem:

@@ -6,11 +6,13 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
 
 import monarch_tensor.actor as actor_mod
+from monarch_tensor import heal_mesh
 from monarch_tensor.actor import Actor, ActorError, SupervisionError, current_rank, endpoint, this_host
 from monarch_tensor.errors import MeshStoppedError
 from monarch_tensor.mailbox import socket_dir
@@ -129,6 +131,7 @@ def test_a_raising_supervise_passes_the_failure_on_with_its_mesh(mesh, faults, m
 
     monkeypatch.setattr(procs, "_owner", types.SimpleNamespace(instance=Owner()))
     procs._failed(SupervisionError("proc x died: exited with code 3", proc="x", rank=2, exit_status="exited with code 3"))
+    _wait_for(lambda: faults)  # (on the supervision thread)
     assert len(faults) == 1
     f = faults[0]
     assert "and __supervise__ raised RuntimeError('the handler itself fails')" in str(f)
@@ -465,6 +468,87 @@ def test_a_proc_that_dies_after_its_call_failed_elsewhere_is_seen_by_that_call(f
         assert "exited with code 9" in procs._procs[1].exit_status and faults == []
     finally:
         procs.stop().get(timeout=30)
+
+
+class DiesInTurn(Actor):
+    @endpoint
+    def step(self) -> int:
+        rank = current_rank().rank
+        if rank > 0:
+            time.sleep(0.4 * rank)
+            os._exit(rank)
+        time.sleep(3)
+        return rank
+
+
+@pytest.mark.timeout(60)
+def test_every_death_of_the_ranks_an_awaited_call_waits_on_is_that_calls(faults):
+    # The first death finished the call and closed its port: the second found no port waiting on it, an
+    # unhandled fault, which ends the script (KeyboardInterrupt) while it handles the call's error.
+    procs = this_host().spawn_procs({"gpus": 3})
+    try:
+        w = procs.spawn("dies_in_turn", DiesInTurn)
+        with pytest.raises(SupervisionError, match="died: exited with code"):
+            w.step.call().get(timeout=30)
+        _wait_for(lambda: not procs._procs[1].alive and not procs._procs[2].alive)
+        _wait_for(lambda: faults, timeout=2)  # (a fault would be reported right after)
+        assert [f"exited with code {r}" in procs._procs[r].exit_status for r in (1, 2)] == [True, True]
+        assert faults == []
+    finally:
+        procs.stop().get(timeout=30)
+
+
+@pytest.mark.timeout(60)
+def test_a_death_a_stream_hands_to_its_receiver_is_handled(mesh, faults):
+    # The stream's port, still waiting on the other ranks, did not count the death as seen: the hook ran.
+    procs, w, pids = mesh
+    futs = list(w.sleep.stream(2))
+    os.kill(pids[1], signal.SIGKILL)
+    got = []
+    for f in futs:
+        try:
+            got.append(f.get(timeout=30))
+        except SupervisionError as e:
+            got.append(e.rank)
+    assert sorted(got) == [1, 2, 2]  # (rank 1's failure, and the two others' 2 s)
+    _wait_for(lambda: faults, timeout=2)
+    assert faults == []
+
+
+@pytest.mark.timeout(120)
+def test_a_fault_hook_can_heal_the_mesh_and_deaths_are_reported_meanwhile(monkeypatch):
+    # The hook ran on the thread that reads the template's replies: heal_mesh in it waited for the reply to
+    # its spawn (60 s, then failed), and every other spawn and death report waited with it.
+    healed, faults, release = [], [], threading.Event()
+
+    def hook(failure):
+        faults.append(failure)
+        if len(faults) == 1:
+            try:
+                healed.append(heal_mesh(failure.mesh))
+            except Exception as e:  # noqa: BLE001 - the test's failure, not a fault left unhandled
+                healed.append(e)
+            release.wait(60)  # (still in the hook while the next proc dies)
+
+    monkeypatch.setattr(actor_mod, "unhandled_fault_hook", hook)
+    procs = this_host().spawn_procs({"gpus": 2})
+    other = this_host().spawn_procs({"gpus": 1})
+    try:
+        w = procs.spawn("w", Worker)
+        os.kill(w.pid.call().get(timeout=60).values()[1], signal.SIGKILL)
+        _wait_for(lambda: healed)
+        assert len(healed[0].spawn("w", Worker).pid.call().get(timeout=60).values()) == 2
+        fut = other.spawn("w", Worker).sleep.call_one(30)  # a call on a proc that dies while the hook blocks
+        os.kill(other._procs[0].pid, signal.SIGKILL)
+        with pytest.raises(SupervisionError, match="SIGKILL"):
+            fut.get(timeout=10)
+        release.set()
+        _wait_for(lambda: len(faults) > 1, timeout=2)
+        assert [f.mesh for f in faults] == [procs]  # (the waiting call saw the second death)
+    finally:
+        release.set()
+        for m in [procs, other, *healed]:
+            m.stop().get(timeout=30)
 
 
 class Broadcaster(Actor):

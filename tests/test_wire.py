@@ -145,7 +145,7 @@ def _dispatched_by_mailbox(cls) -> bool:
                 return False
 
             def proc_died(self, addr, error):
-                return False
+                return False, False
 
         sink = Sink()
         ref = mb.open_port(sink)

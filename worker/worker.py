@@ -588,8 +588,8 @@ class _Result:
         self.ready.set()
         return True  # the port closes
 
-    def proc_died(self, addr: str, error) -> bool:
-        return False
+    def proc_died(self, addr: str, error) -> tuple[bool, bool]:
+        return False, False
 
 
 def _check_result(result, outs: tuple, metas: tuple) -> None:

@@ -385,11 +385,11 @@ def exchange_over_mailbox(owner: str, device_name: str, endpoint: bytes, timeout
             fut._set_exception(msg.error) if msg.error is not None else fut._set_result(msg.value)
             return True
 
-        def proc_died(self, addr, error) -> bool:
+        def proc_died(self, addr, error) -> tuple[bool, bool]:
             if addr == owner:
                 fut._set_exception(error)
-                return True
-            return False
+                return True, True
+            return False, False
 
     port = mb.open_port(_Reply())
     mb.send(owner, ConnectQueuePair(mb.addr, device_name, endpoint, port))
