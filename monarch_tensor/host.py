@@ -273,6 +273,7 @@ def _proc_exited(info: ProcInfo, status: str) -> None:
     from . import _shm
 
     _shm.remove_files_of(info.pid)
+    _shm.release_reader(info.addr)  # what it held of our messages (killed before it let go)
     info.alive = False
     info.exit_status = status
     mailbox = current_mailbox()
