@@ -24,6 +24,11 @@ sender reuses a segment only once every flag is clear. The pool is bounded
 (a hard link) per reader that the reader unlinks on arrival: the bytes go with
 the last name. Files are named ``mt-<pid>-...`` so those of a
 proc that died can be removed by whoever reaps it.
+
+A reader that dies before it let go never clears its flag nor unlinks its
+name: the sender notes which reader (by address) holds each, and whoever
+reaps a proc calls :func:`release_reader` for it (else each message it died
+holding stayed in ``/dev/shm`` until the sender exited).
 """
 
 from __future__ import annotations
@@ -74,11 +79,12 @@ def _create(path: str, size: int) -> mmap.mmap:
 
 
 class _Segment:
-    __slots__ = ("name", "size", "mm")
+    __slots__ = ("name", "size", "mm", "holders")
 
     def __init__(self, name: str, size: int) -> None:
         self.name, self.size = name, size
         self.mm = _create(os.path.join(SHM_DIR, name), size)
+        self.holders: list[str | None] = []  # the reader of each hold flag of the last message, where known
 
     def free(self) -> bool:
         return self.mm[:HEADER] == _CLEAR
@@ -100,7 +106,7 @@ class _Pool:
         self.ids = itertools.count()
         self.tag = uuid.uuid4().hex[:8]
 
-    def take(self, need: int, readers: int) -> _Segment | None:
+    def take(self, need: int, readers: int, holders: list[str] | None = None) -> _Segment | None:
         with self.lock:
             best = None
             for s in self.segments:
@@ -121,7 +127,17 @@ class _Pool:
                 best = _Segment(f"mt-{os.getpid()}-p{self.tag}-{next(self.ids)}", size)
                 self.segments.append(best)
             best.mm[:readers] = b"\1" * readers
+            best.holders = list(holders) if holders else []
             return best
+
+    def release(self, holder: str) -> None:
+        """Clear the hold flags ``holder`` (a reader that died) left set."""
+        with self.lock:
+            for s in self.segments:
+                for i, h in enumerate(s.holders):
+                    if h == holder:
+                        s.mm[i] = 0
+                        s.holders[i] = None
 
     def close(self) -> None:
         with self.lock:
@@ -147,17 +163,21 @@ def _close_pool() -> None:
         _pool.close()
 
 
-def write(buffers: list, readers: int = 1) -> tuple:
+def write(buffers: list, readers: int = 1, holders: list[str] | None = None) -> tuple:
     """Copy ``buffers`` into a segment for ``readers`` receivers; return its descriptor.
 
     The descriptor is ``(name, layout, reader_index, readers)``, ``reader_index`` -1
     for a one-off file; :func:`for_reader` makes the descriptor of the other readers.
+    ``holders``, where given, are the readers' addresses (for :func:`release_reader`).
     """
     views = [memoryview(b).cast("B") for b in buffers]
     layout, total = _layout(views)
-    seg = _get_pool().take(HEADER + total, readers) if 0 < readers <= MAX_READERS else None
+    seg = _get_pool().take(HEADER + total, readers, holders) if 0 < readers <= MAX_READERS else None
     if seg is None:
-        return _write_oneoff(views, layout, total, readers)
+        desc = _write_oneoff(views, layout, total, readers)
+        if holders:
+            _note_oneoff(desc[0], holders)
+        return desc
     mm = seg.mm
     for v, (off, n) in zip(views, layout):
         mm[HEADER + off:HEADER + off + n] = v
@@ -199,6 +219,35 @@ def _write_oneoff(views, layout, total, readers: int) -> tuple:
     finally:
         mm.close()
     return name, layout, -1, readers
+
+
+_oneoff_lock = threading.Lock()
+_oneoff_names: dict[str, set[str]] = {}  # reader address -> names of one-off files it may not have unlinked yet
+
+
+def _note_oneoff(name: str, holders: list[str]) -> None:
+    """Note each reader's name of one-off file ``name``, forgetting those it has unlinked since (a live
+    reader unlinks its name on arrival: the set stays as small as its backlog)."""
+    with _oneoff_lock:
+        for i, holder in enumerate(holders):
+            names = _oneoff_names.setdefault(holder, set())
+            names -= {n for n in names if not os.path.exists(os.path.join(SHM_DIR, n))}
+            names.add(_oneoff_name(name, i))
+
+
+def release_reader(holder: str) -> None:
+    """Let go of what reader ``holder`` (an address) held of this process's messages: it exited, maybe
+    killed before it released them. Its hold flags on pooled segments are cleared (the segments can be
+    reused) and its names of one-off files unlinked (the bytes go with the last name)."""
+    if _pool is not None and _pool_pid == os.getpid():
+        _pool.release(holder)
+    with _oneoff_lock:
+        names = _oneoff_names.pop(holder, ())
+    for n in names:
+        try:
+            os.unlink(os.path.join(SHM_DIR, n))
+        except OSError:
+            pass
 
 
 class _Opened:

@@ -62,11 +62,12 @@ class PayloadLost(Unreadable):
     the message rebuilt over zeroed buffers."""
 
 
-def encode(msg: object, shm: bool | int = False, remote: tuple[int, str, str] | None = None) -> list:
+def encode(msg: object, shm: bool | int | list[str] = False, remote: tuple[int, str, str] | None = None) -> list:
     """Frames for ``msg``: header and body, then out-of-band buffers.
 
-    With ``shm`` (the number of receivers, all on this host; ``True`` is one),
-    large buffers go through shared memory; :func:`frames_for_reader` gives
+    With ``shm`` (the receivers, all on this host: their addresses, which lets
+    ``_shm.release_reader`` free what one that dies held, or their number;
+    ``True`` is one), large buffers go through shared memory; :func:`frames_for_reader` gives
     each receiver its frames. With ``remote`` = (receivers, the address of
     one of them, the sender's own address), for receivers on other hosts,
     large buffers are pulled by each receiver over the data plane.
@@ -84,7 +85,7 @@ COMPACT_ENCODERS: dict[type, Callable[[object], tuple]] = {}
 COMPACT_DECODERS: dict[str, Callable[[tuple], object]] = {}
 
 
-def _encode(msg: object, shm: bool | int, remote: tuple[int, str, str] | None) -> list:
+def _encode(msg: object, shm: bool | int | list[str], remote: tuple[int, str, str] | None) -> list:
     buffers: list[pickle.PickleBuffer] = []
     compact = COMPACT_ENCODERS.get(type(msg))
     if compact is not None:
@@ -106,7 +107,8 @@ def _encode(msg: object, shm: bool | int, remote: tuple[int, str, str] | None) -
         body = f.getvalue()
     raws = [b.raw() for b in buffers]
     if shm and raws and sum(r.nbytes for r in raws) >= _shm.SHM_THRESHOLD and _shm.available():
-        desc = pickle.dumps(_shm.write(raws, readers=int(shm)))
+        holders = shm if isinstance(shm, list) else None
+        desc = pickle.dumps(_shm.write(raws, readers=len(holders) if holders else int(shm), holders=holders))
         return [_HEADER.pack(MAGIC_SHM, 1) + body, desc]
     if remote and raws and _payload().wanted(raws):
         try:
@@ -201,11 +203,11 @@ def encode_for(msg: object, addrs: list[str], mailbox=None) -> list[list]:
     if len(addrs) == 1 and mailbox is not None:  # the common case, without the lists
         target = mailbox.route_of(addrs[0])
         if target.startswith("ipc://"):
-            return [encode(msg, shm=True)]
+            return [encode(msg, shm=[target])]
         return [encode(msg, remote=(1, target, mailbox.public_addr))]
     targets = [mailbox.route_of(a) if mailbox is not None else a for a in addrs]
     if all(t.startswith("ipc://") for t in targets):
-        frames = encode(msg, shm=len(addrs) if len(addrs) <= _shm.MAX_READERS else False)
+        frames = encode(msg, shm=targets if len(targets) <= _shm.MAX_READERS else False)
         return [frames_for_reader(frames, i) for i in range(len(addrs))]
     remote = None
     if mailbox is not None:

@@ -154,7 +154,16 @@ class LocalHost:
         self._ready._set_exception(err)
         for fut in self._spawned.values():
             fut._set_exception(err)
-        for info in list(self._by_pid.values()):
+        lost = list(self._by_pid.values())
+        # Its procs die with it (PDEATHSIG), killed: the template removed the socket file of each proc it
+        # reaped, and now nobody would remove theirs, nor those of procs it was still starting.
+        for info in [*lost, *self._infos.values()]:
+            if info.addr.startswith("ipc://"):
+                try:
+                    os.unlink(info.addr[len("ipc://"):])
+                except OSError:
+                    pass
+        for info in lost:
             self._on_exit(info, "lost with the template process")
 
     def spawn(self, infos: list[ProcInfo], client_addr: str, envs: list[dict]) -> None:
@@ -294,6 +303,7 @@ def _proc_exited(info: ProcInfo, status: str) -> None:
     from . import _shm
 
     _shm.remove_files_of(info.pid)
+    _shm.release_reader(info.addr)  # what it held of our messages (killed before it let go)
     info.alive = False
     info.exit_status = status
     mailbox = current_mailbox()

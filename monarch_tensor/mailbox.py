@@ -289,7 +289,7 @@ class Mailbox:
     def send(self, addr: str, msg: object, batch: bool = False) -> None:
         target = self.route_of(addr)
         if target.startswith("ipc://"):  # this host: large buffers through shared memory
-            frames = _wire.encode(msg, shm=True)
+            frames = _wire.encode(msg, shm=[target])
         else:  # another host: large buffers pulled by the receiver over the data plane
             frames = _wire.encode(msg, remote=(1, target, self.public_addr))
         self.send_frames(addr, frames, batch)

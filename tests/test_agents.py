@@ -842,6 +842,45 @@ def test_kill_removes_the_directory_the_job_made_and_the_key_of_one_it_was_given
     assert not os.path.exists(tmp_path / "given" / "job.key") and os.path.exists(tmp_path / "given" / "m-0.log")
 
 
+UNRECORDED_JOB_SCRIPT = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, {root!r})
+    from monarch_tensor.job import LocalJob
+    from tests.test_agents import Where
+    job = LocalJob(meshes={{"m": 1}}, ttl=60)
+    procs = job.state(cached_path=None).m.spawn_procs(per_host={{"gpus": 1}})
+    procs.spawn("w", Where).where.call().get(timeout=60)
+    if {dump!r}:
+        job.dump({dump!r})
+    print("JOB", json.dumps({{"pids": job.pids, "root": job.root_dir}}), flush=True)
+""")
+
+
+@pytest.mark.timeout(120)
+def test_a_local_job_no_file_names_ends_with_the_script_that_started_it(tmp_path):
+    # Its agents ran on until their ttl with the job's directory and key, though nothing could reattach
+    # to them: each run of such a script left another set. One that a job file names runs on.
+    from monarch_tensor.job.local import _alive
+
+    def run(dump: str) -> dict:
+        r = subprocess.run([sys.executable, "-c", UNRECORDED_JOB_SCRIPT.format(root=ROOT, dump=dump)], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=90)
+        assert r.returncode == 0 and "JOB" in r.stdout, r.stdout + r.stderr
+        return json.loads(r.stdout.split("JOB", 1)[1])
+
+    ended = run("")
+    for pid in ended["pids"]:
+        _wait_gone(pid, timeout=10)
+    assert not os.path.exists(ended["root"])
+    path = str(tmp_path / "job.json")
+    kept = run(path)
+    try:
+        assert all(_alive(pid) for pid in kept["pids"])
+        assert os.path.exists(os.path.join(kept["root"], "job.key"))
+    finally:
+        job_load(path).kill()
+
+
 @pytest.mark.timeout(120)
 def test_an_agent_that_dies_while_it_handles_a_request_fails_it(tmp_path, monkeypatch):
     # The request waited for its answer until its own timeout (60 s for a spawn), then blamed the network,

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import glob
 import os
+import signal
 
 import numpy as np
 import pytest
 
+import monarch_tensor.actor as actor_mod
 from monarch_tensor import _shm
 from monarch_tensor.actor import Actor, current_rank, endpoint, this_host
 
@@ -43,6 +45,10 @@ class Echo(Actor):
     @endpoint
     def kept_total(self) -> float:
         return float(self.kept.sum())
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
 
 
 def _pool_files() -> set[str]:
@@ -165,3 +171,35 @@ def test_a_stopped_procs_segments_are_unmapped_here():
     gc.collect()
     assert not any(n.startswith(f"mt-{pid}-") for pid in pids for n in _shm._maps.maps)
     assert [f for pid in pids for f in _mapped_fds_of(pid)] == []
+
+
+@pytest.mark.timeout(60)
+def test_what_a_killed_reader_held_is_released(monkeypatch):
+    # A reader killed before it let go never cleared its hold flag on our pooled segment (never reused
+    # again) nor unlinked its name of a one-off file: each such call left its bytes in /dev/shm until the
+    # script exited (64 MiB more per call of a script that killed a receiver each time).
+    if not _shm.available():
+        pytest.skip("no writable /dev/shm")
+    from monarch_tensor.errors import SupervisionError
+
+    monkeypatch.setattr(actor_mod, "unhandled_fault_hook", lambda failure: None)
+    before = _oneoff_files()
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    try:
+        echo = procs.spawn("shm_killed", Echo)
+        pids = echo.pid.call().get(timeout=30).values()
+        os.kill(pids[1], signal.SIGSTOP)  # rank 1 reads nothing from now on
+        _shm._close_pool()
+        arr = np.ones(2 * MIB // 8)
+        pooled = echo.total.call(arr)  # a pooled segment, rank 1's flag set
+        monkeypatch.setattr(_shm, "SHM_POOL_BYTES", MIB)
+        oneoff = echo.total.call(arr * 2)  # no room in the pool: a one-off file, one name per rank
+        assert _shm._get_pool().segments
+        os.kill(pids[1], signal.SIGKILL)
+        for fut in (pooled, oneoff):
+            with pytest.raises(SupervisionError, match="SIGKILL"):
+                fut.get(timeout=30)
+        assert _oneoff_files() == before, "the dead reader's name of the one-off file is unlinked"
+        assert all(s.free() for s in _shm._get_pool().segments), "the dead reader's hold flag is cleared"
+    finally:
+        procs.stop().get(timeout=30)

@@ -696,6 +696,42 @@ def test_meshes_after_the_template_process_died_get_a_new_one(tmp_path):
     assert p.returncode == 0 and "PID" in p.stdout, p.stdout + p.stderr
 
 
+TEMPLATE_DEATH_SOCKETS_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    sys.path.insert(0, {root!r})
+    import monarch_tensor.actor as actor_mod
+    from monarch_tensor import host
+    from monarch_tensor.actor import Actor, endpoint, this_host
+    class W(Actor):
+        @endpoint
+        def pid(self):
+            return os.getpid()
+    seen = []
+    actor_mod.unhandled_fault_hook = seen.append
+    procs = this_host().spawn_procs({{"gpus": 2}})
+    procs.spawn("w", W).pid.call().get(timeout=60)
+    sockets = [p.addr[len("ipc://"):] for p in procs._procs]
+    assert all(os.path.exists(s) for s in sockets), sockets
+    os.kill(host.local_host().proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while len(seen) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(seen) == 2 and all("lost with the template process" in str(f) for f in seen), seen
+    procs.stop().get(timeout=30)
+    print("LEFT", [s for s in sockets if os.path.exists(s)], flush=True)
+""")
+
+
+@pytest.mark.timeout(120)
+def test_procs_lost_with_the_template_process_leave_no_socket_files(tmp_path):
+    # Their procs died with it, killed (PDEATHSIG): the template removes a reaped proc's socket file, and
+    # once it was gone nobody removed theirs (4-5 files in the socket directory per such run).
+    script = tmp_path / "client.py"
+    script.write_text(TEMPLATE_DEATH_SOCKETS_SCRIPT.format(root=ROOT))
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100)
+    assert p.returncode == 0 and "LEFT []" in p.stdout, p.stdout + p.stderr
+
+
 @pytest.mark.timeout(120)
 def test_the_templates_idle_import_steps_each_import_on_their_own():
     # The template imports torch._dynamo while idle in pieces, serving spawns and procs' output between

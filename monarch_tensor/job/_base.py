@@ -11,10 +11,16 @@ A job that holds a scheduler's allocation (``SlurmJob``) also keeps its file at
 working directory by default): running the script again with the same job
 reattaches to that allocation if it still runs, instead of queueing again; a
 job of another spec found there is cancelled first (the spec changed).
+
+A job that is not ``reusable`` (``LocalJob``) and that this script started is
+killed when the script exits unless a job file names it (``dump``, ``dumps``,
+the job commands): nothing could ever reattach to its agents, which ran on
+until their ttl, one more set each run.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -110,6 +116,18 @@ class JobTrait:
                             f"for scheduler jobs (SlurmJob); run it here, it attaches with job.state()")
         if self.addrs is None:
             self.addrs = self._start()
+            if not self.reusable:  # (unless a job file names it by then: see dumps())
+                self._started_pid = os.getpid()
+                atexit.register(self._kill_unrecorded)
+
+    def _kill_unrecorded(self) -> None:
+        """At the script's exit: kill this job, started here and named by no job file (nothing could reattach
+        to its agents). Not in a forked child of the script (its exit is not the script's)."""
+        if self.active and getattr(self, "_started_pid", None) == os.getpid():
+            try:
+                self.kill()
+            except Exception as e:  # noqa: BLE001 - the interpreter is going: say why they may be left
+                log.warning("stopping the job at exit: %r", e)
 
     def remote_mount(self, source: str, mntpoint: str | None = None, meshes: list[str] | None = None,
                      python_exe: str | None = ".venv/bin/python", **options) -> None:
@@ -219,6 +237,7 @@ class JobTrait:
             # Each agent that still answers, in parallel and briefly: connecting the job (state()) waited 30 s
             # for a dead one, and then shut down none of them.
             agents = connected = reachable_agents(self._live_addrs(), self.keys)
+        atexit.unregister(self._kill_unrecorded)
         shutdown_agents(agents, "job killed")
         for a in connected:  # (not watched: nothing else closes them)
             a.close()
@@ -237,6 +256,7 @@ class JobTrait:
         self.apply()
         data = {"kind": self.kind, "meshes": self.meshes, "addrs": self.addrs,
                 "keys": {"public": self.keys.public, "secret": self.keys.secret}, **self._extra()}
+        atexit.unregister(self._kill_unrecorded)  # (its agents outlive the script: the file reattaches)
         return json.dumps(data, indent=1).encode()
 
     def dump(self, filename: str) -> None:

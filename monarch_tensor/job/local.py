@@ -1,7 +1,8 @@
 """``LocalJob``: N host agents on this machine acting as N hosts (tests, laptops).
 
 Each agent is its own process, started in a new session so it outlives the
-controller (reattach with ``job_load``), in its own working directory
+controller (reattach with ``job_load``; a job no job file names is killed when
+the script exits: see ``_base.py``), in its own working directory
 ``<root>/<mesh>-<i>/`` so that file sync between "hosts" is real.
 """
 
