@@ -352,21 +352,37 @@ def _on_actor_fault(mailbox, msg: ActorFault) -> None:
 SYSTEM_HANDLERS[ActorFault] = _on_actor_fault
 
 
+# The proc meshes whose unhandled faults interrupted the script's main thread (None: faults of no known mesh).
+_interrupted_for: set[ProcMesh | None] = set()
+_interrupted_lock = threading.Lock()
+
+
 def _unhandled_fault(err: SupervisionError, raised: BaseException) -> None:
     """The fault hook raised (the default one does, with ``SystemExit``): the fault is unhandled. The script's
     main thread gets a ``KeyboardInterrupt`` (Monarch's), so that it ends running its ``finally`` blocks and
     ``atexit`` hooks; a proc ends at once, and its owner is told. Where no Python handler takes SIGINT (a
-    script started with it ignored), the process ends at once too."""
+    script started with it ignored), the process ends at once too.
+
+    One interrupt per proc mesh: a broadcast that raises on every proc, or a host that dies with all its procs,
+    is several faults at once, each on a thread of its own, and a second interrupt would cut off the
+    ``finally`` blocks and ``atexit`` hooks the first one started. The later faults are only printed (by the
+    hook). A script that catches the interrupt and goes on is interrupted again by a fault of another mesh."""
     from ._proc import current_runtime
 
     if not isinstance(raised, SystemExit):
         log.error("unhandled_fault_hook raised %r handling %s", raised, err)
-    main = threading.main_thread()
-    if current_runtime() is None and callable(signal.getsignal(signal.SIGINT)) and main.is_alive():
-        print("monarch_tensor: delivering KeyboardInterrupt to the main thread to end the script",
-              file=sys.stderr, flush=True)
-        signal.pthread_kill(main.ident, signal.SIGINT)
-        return
+    if current_runtime() is None and callable(signal.getsignal(signal.SIGINT)):
+        mesh = getattr(err.mesh, "_alloc", None)
+        with _interrupted_lock:
+            if mesh in _interrupted_for:  # its first fault ends the script already (maybe in its atexit hooks)
+                return
+            _interrupted_for.add(mesh)
+        main = threading.main_thread()
+        if main.is_alive():
+            print("monarch_tensor: delivering KeyboardInterrupt to the main thread to end the script",
+                  file=sys.stderr, flush=True)
+            signal.pthread_kill(main.ident, signal.SIGINT)
+            return
     sys.stderr.flush()
     os._exit(1)
 
