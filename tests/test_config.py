@@ -136,6 +136,8 @@ _ENV_CASES = [  # (variable, bad value, the module that reads it at import, what
     ("MONARCH_TENSOR_PAYLOAD_TTL", "abc", "rdma.payload", "a number of seconds"),
     ("MONARCH_TENSOR_PAYLOAD_TTL", "0", "rdma.payload", "at least 1"),
     ("MONARCH_TENSOR_PAYLOAD_TTL", "-1", "rdma.payload", "at least 1"),
+    ("MONARCH_TENSOR_COLLECTIVE_TIMEOUT", "abc", "worker.collectives", "a number of seconds"),
+    ("MONARCH_TENSOR_COLLECTIVE_TIMEOUT", "-5", "worker.collectives", "at least 1"),
 ]
 
 
