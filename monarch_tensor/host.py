@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from . import _context, _zygote
+from .config import env_flag
 from .errors import MeshStoppedError, SupervisionError
 from .future import CoroutineFuture, Future, in_event_loop, run_to_end
 from .mailbox import SYSTEM_HANDLERS, current_mailbox, new_ipc_address
@@ -231,7 +232,7 @@ def _warm_tensor_engine() -> None:
     torch._dynamo, 1.6-2.2 s here, which the script's first mesh-tensor op would pay otherwise. Only in a
     script that imported torch itself; a failure here is left for that op to report."""
     if "torch" not in sys.modules or "torch._dynamo" in sys.modules or \
-            os.environ.get("MONARCH_TENSOR_NO_WARMUP", "0") not in ("", "0"):  # (=0: warm up, as 0 is off elsewhere)
+            env_flag("MONARCH_TENSOR_NO_WARMUP", False):
         return
     try:
         from controller.tensor import fake_mode
