@@ -792,6 +792,11 @@ class Mailbox:
             log.exception("while failing a message whose payload was lost")
         log.error("dropped %s on %s: %s", type(msg).__name__ if msg is not None else "a message", self.addr, error)
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` ran (this process is stopping): sends raise ``RuntimeError``."""
+        return self._closed
+
     def close(self) -> None:
         if self._closed:
             return
