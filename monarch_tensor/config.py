@@ -44,6 +44,8 @@ _HYPERACTOR = {
     "rdma_min_stripe_size_kb", "rdma_qps_per_cq", "rdma_cq_poller_per_device", "rdma_runtime_worker_threads",
 }
 _runtime: dict[str, Any] = {}
+# How an on/off switch in the environment may be written (any case).
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def _env_name(name: str) -> str:
@@ -70,6 +72,22 @@ def env_number(name: str, default: float, what: str, *, integer: bool = False, l
     return value
 
 
+def env_flag(name: str, default: bool) -> bool:
+    """Whether the switch in environment variable ``name`` is on (``default`` where it is unset or empty):
+    1/0, true/false, yes/no or on/off, in any case. Anything else is an error naming the variable, rather than
+    a value read silently as one or the other (``=true`` was read as off where only ``1`` was on).
+
+    >>> COPY_LOCAL = env_flag("MONARCH_TENSOR_SYNC_COPY_LOCAL", True)
+    """
+    raw = os.environ.get(name, "")
+    word = raw.strip().lower()
+    if not word:
+        return default
+    if word in _ON or word in _OFF:
+        return word in _ON
+    raise ValueError(f"{name} must be 1 or 0 (true or false), got {raw!r}")
+
+
 def _check(name: str, value: Any) -> None:
     if name not in SETTINGS:
         why = ("a setting of Monarch's Rust runtime (hyperactor), which has no counterpart here"
@@ -86,9 +104,9 @@ def _from_env(name: str) -> Any:
         return None
     default = SETTINGS[name][0]
     if isinstance(default, bool):
-        if raw.strip().lower() in ("1", "true", "yes", "on"):
+        if raw.strip().lower() in _ON:
             return True
-        if raw.strip().lower() in ("0", "false", "no", "off", ""):
+        if raw.strip().lower() in (*_OFF, ""):
             return False
         raise ValueError(f"{_env_name(name)} must be 1 or 0 (true or false), not {raw!r}")
     return type(default)(raw)

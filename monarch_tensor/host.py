@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from . import _context, _zygote
+from .config import env_flag
 from .errors import MeshStoppedError, SupervisionError
 from .future import CoroutineFuture, Future, in_event_loop, run_to_end
 from .mailbox import SYSTEM_HANDLERS, current_mailbox, new_ipc_address
@@ -241,7 +242,7 @@ def _warm_tensor_engine() -> None:
     torch._dynamo, 1.6-2.2 s here, which the script's first mesh-tensor op would pay otherwise. Only in a
     script that imported torch itself; a failure here is left for that op to report."""
     if "torch" not in sys.modules or "torch._dynamo" in sys.modules or \
-            os.environ.get("MONARCH_TENSOR_NO_WARMUP", "0") not in ("", "0"):  # (=0: warm up, as 0 is off elsewhere)
+            env_flag("MONARCH_TENSOR_NO_WARMUP", False):
         return
     try:
         from controller.tensor import fake_mode
@@ -386,21 +387,37 @@ def _on_actor_fault(mailbox, msg: ActorFault) -> None:
 SYSTEM_HANDLERS[ActorFault] = _on_actor_fault
 
 
+# The proc meshes whose unhandled faults interrupted the script's main thread (None: faults of no known mesh).
+_interrupted_for: set[ProcMesh | None] = set()
+_interrupted_lock = threading.Lock()
+
+
 def _unhandled_fault(err: SupervisionError, raised: BaseException) -> None:
     """The fault hook raised (the default one does, with ``SystemExit``): the fault is unhandled. The script's
     main thread gets a ``KeyboardInterrupt`` (Monarch's), so that it ends running its ``finally`` blocks and
     ``atexit`` hooks; a proc ends at once, and its owner is told. Where no Python handler takes SIGINT (a
-    script started with it ignored), the process ends at once too."""
+    script started with it ignored), the process ends at once too.
+
+    One interrupt per proc mesh: a broadcast that raises on every proc, or a host that dies with all its procs,
+    is several faults at once, each on a thread of its own, and a second interrupt would cut off the
+    ``finally`` blocks and ``atexit`` hooks the first one started. The later faults are only printed (by the
+    hook). A script that catches the interrupt and goes on is interrupted again by a fault of another mesh."""
     from ._proc import current_runtime
 
     if not isinstance(raised, SystemExit):
         log.error("unhandled_fault_hook raised %r handling %s", raised, err)
-    main = threading.main_thread()
-    if current_runtime() is None and callable(signal.getsignal(signal.SIGINT)) and main.is_alive():
-        print("monarch_tensor: delivering KeyboardInterrupt to the main thread to end the script",
-              file=sys.stderr, flush=True)
-        signal.pthread_kill(main.ident, signal.SIGINT)
-        return
+    if current_runtime() is None and callable(signal.getsignal(signal.SIGINT)):
+        mesh = getattr(err.mesh, "_alloc", None)
+        with _interrupted_lock:
+            if mesh in _interrupted_for:  # its first fault ends the script already (maybe in its atexit hooks)
+                return
+            _interrupted_for.add(mesh)
+        main = threading.main_thread()
+        if main.is_alive():
+            print("monarch_tensor: delivering KeyboardInterrupt to the main thread to end the script",
+                  file=sys.stderr, flush=True)
+            signal.pthread_kill(main.ident, signal.SIGINT)
+            return
     sys.stderr.flush()
     os._exit(1)
 

@@ -41,7 +41,7 @@ import zmq
 from . import _wire
 from . import future as _future
 from ._fanout import ROUTE_SEP, routed_frames
-from .config import env_number
+from .config import env_flag, env_number
 from .errors import ProtocolError, SupervisionError
 from .messages import ForwardLogs, PortRef, SendToPort
 
@@ -65,7 +65,7 @@ _EVENTS, _POLLIN, _RCVMORE, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq
 # A thread that blocks on a reply receives on the client's socket itself while it waits, instead of
 # waiting for the I/O thread to hand the reply over: a synchronous call then pays one thread wake-up
 # less (measured 230-240 -> 158 µs a round trip on a 2-core VM). 0 turns it off.
-RECEIVE_ON_WAIT = os.environ.get("MONARCH_TENSOR_RECEIVE_ON_WAIT", "1") != "0"
+RECEIVE_ON_WAIT = env_flag("MONARCH_TENSOR_RECEIVE_ON_WAIT", True)
 # Polling before blocking for the next message (see Spin); 0 turns it off.
 SPIN_S = _us_from_env("MONARCH_TENSOR_SPIN_US", "200", "0: block at once")
 _sched_yield = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))  # both release the GIL
@@ -795,6 +795,11 @@ class Mailbox:
         except Exception:  # noqa: BLE001 - never kills the I/O thread
             log.exception("while failing a message whose payload was lost")
         log.error("dropped %s on %s: %s", type(msg).__name__ if msg is not None else "a message", self.addr, error)
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` ran (this process is stopping): sends raise ``RuntimeError``."""
+        return self._closed
 
     def close(self) -> None:
         if self._closed:

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 
 from . import _filetree, _sync_proc
 from ._ports import Collector
+from .config import env_flag
 from .future import Future, ThreadFuture
 from .mailbox import current_mailbox
 from .sync_messages import DescribeWorkspace, DiffWorkspace, ReloadWorkspace, ScanWorkspace, WorkspaceDiff, WriteFiles
@@ -65,10 +66,10 @@ PULL_MAX = 2 << 30  # bytes registered for pulls at once in one sync; further fi
 # file in the messages, which travel through shared memory there: bench/sync_bench.py measured that 1.3x
 # faster than pulling (the pull's cross-memory read and the file write both run in the writer; the
 # messages' copy runs in the client, in parallel).
-PULL_SAME_HOST = os.environ.get("MONARCH_TENSOR_SYNC_PULL_SAME_HOST", "") == "1"
+PULL_SAME_HOST = env_flag("MONARCH_TENSOR_SYNC_PULL_SAME_HOST", False)
 # A writer that sees the client's source dirs (same host and file system) copies whole files of INBAND
 # bytes and more from them itself, two at a time: one kernel copy per byte, no message or pull at all.
-COPY_LOCAL = os.environ.get("MONARCH_TENSOR_SYNC_COPY_LOCAL", "1") != "0"
+COPY_LOCAL = env_flag("MONARCH_TENSOR_SYNC_COPY_LOCAL", True)
 
 _roots: dict[tuple[str, str], tuple[str, str]] = {}  # (proc addr, root variable) -> (hostname, root)
 

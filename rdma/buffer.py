@@ -83,6 +83,15 @@ def backend_named(name: str) -> Backend:
     raise BackendUnavailableError(f"no data-plane backend named {name!r}; known: {[b.name for b in backends()]}")
 
 
+def _forced_backend(name: str) -> Backend:
+    """The backend ``$MONARCH_TENSOR_RDMA_BACKEND`` names: a name that is none is an error naming the variable
+    (a bare "no data-plane backend named ..." left the user to find where that name came from)."""
+    try:
+        return backend_named(name)
+    except BackendUnavailableError as e:
+        raise BackendUnavailableError(f"{ENV_BACKEND}={name}: {e}") from None
+
+
 def _forced() -> str | None:
     """``$MONARCH_TENSOR_RDMA_BACKEND``, read at every transfer (a test or a notebook may set it at any time),
     from the environment's own dict where there is one: ``os.environ.get`` of a name that is not set raises
@@ -109,7 +118,7 @@ def get_rdma_backend() -> str:
     """Name of the backend this process prefers for CPU memory (``"verbs"`` where a NIC is found)."""
     forced = _forced()
     if forced:
-        return backend_named(forced).name
+        return _forced_backend(forced).name
     for b in backends():
         if b.name in ("verbs", "cma", "tcp") and b.available():
             return b.name
@@ -132,7 +141,7 @@ def candidates(desc: Descriptor, local: Mem) -> list[Backend]:
     """Backends that can serve the pair (``desc``'s owner, this process), best first."""
     forced = _forced()
     if forced:
-        b = backend_named(forced)
+        b = _forced_backend(forced)
         if not b.can_serve(desc, local):
             raise BackendUnavailableError(f"{ENV_BACKEND}={forced} but that backend cannot move buffer "
                                           f"{desc.buf_id} ({desc.device} in pid {desc.pid}) to {local.device} here")

@@ -128,6 +128,45 @@ def test_env_number_names_the_variable_and_what_it_takes(monkeypatch):
             config.env_number("MONARCH_TENSOR_X", 7, "a thing (0: none)", **kw)
 
 
+def test_env_flag_reads_the_usual_spellings_and_names_the_variable_otherwise(monkeypatch):
+    monkeypatch.delenv("MONARCH_TENSOR_X", raising=False)
+    assert config.env_flag("MONARCH_TENSOR_X", True) is True and config.env_flag("MONARCH_TENSOR_X", False) is False
+    for raw, on in (("1", True), ("true", True), ("Yes", True), (" ON ", True), ("0", False), ("FALSE", False),
+                    ("no", False), ("off", False)):
+        monkeypatch.setenv("MONARCH_TENSOR_X", raw)
+        assert config.env_flag("MONARCH_TENSOR_X", not on) is on, raw
+    monkeypatch.setenv("MONARCH_TENSOR_X", "")
+    assert config.env_flag("MONARCH_TENSOR_X", True) is True
+    monkeypatch.setenv("MONARCH_TENSOR_X", "maybe")
+    with pytest.raises(ValueError, match=r"MONARCH_TENSOR_X must be 1 or 0 \(true or false\), got 'maybe'"):
+        config.env_flag("MONARCH_TENSOR_X", True)
+
+
+_SWITCHES = [  # (variable, the module that reads it at import, the module's name for it)
+    ("MONARCH_TENSOR_SYNC_PULL_SAME_HOST", "monarch_tensor.workspace_sync", "PULL_SAME_HOST"),
+    ("MONARCH_TENSOR_SYNC_COPY_LOCAL", "monarch_tensor.workspace_sync", "COPY_LOCAL"),
+    ("MONARCH_TENSOR_RECEIVE_ON_WAIT", "monarch_tensor.mailbox", "RECEIVE_ON_WAIT"),
+]
+
+
+@pytest.mark.parametrize("var,module,attr", _SWITCHES, ids=[c[0][15:] for c in _SWITCHES])
+def test_documented_switches_read_true_and_false_and_refuse_other_words(var, module, attr):
+    """``=true`` turned PULL_SAME_HOST off (only ``1`` was on), ``=false`` left COPY_LOCAL and RECEIVE_ON_WAIT
+    on (only ``0`` was off), with no error; a word that is neither is an error naming the variable."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for raw, on in (("true", True), ("false", False), ("On", True), ("off", False)):
+        r = subprocess.run([sys.executable, "-c", f"import {module} as m; print(m.{attr})"], capture_output=True,
+                           text=True, timeout=60, env=dict(os.environ, PYTHONPATH=root, **{var: raw}))
+        assert r.stdout.strip() == str(on), (raw, r.stderr)
+    r = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PYTHONPATH=root, **{var: "maybe"}))
+    assert r.returncode != 0 and f"ValueError: {var} must be 1 or 0 (true or false), got 'maybe'" in r.stderr, r.stderr
+
+
 _ENV_CASES = [  # (variable, bad value, the module that reads it at import, what the error says it takes)
     ("MONARCH_TENSOR_KEEP_FREED_MB", "abc", "worker.worker", "a whole number of MiB"),
     ("MONARCH_TENSOR_KEEP_FREED_MB", "-5", "worker.worker", "a whole number of MiB"),
@@ -136,6 +175,8 @@ _ENV_CASES = [  # (variable, bad value, the module that reads it at import, what
     ("MONARCH_TENSOR_PAYLOAD_TTL", "abc", "rdma.payload", "a number of seconds"),
     ("MONARCH_TENSOR_PAYLOAD_TTL", "0", "rdma.payload", "at least 1"),
     ("MONARCH_TENSOR_PAYLOAD_TTL", "-1", "rdma.payload", "at least 1"),
+    ("MONARCH_TENSOR_COLLECTIVE_TIMEOUT", "abc", "worker.collectives", "a number of seconds"),
+    ("MONARCH_TENSOR_COLLECTIVE_TIMEOUT", "-5", "worker.collectives", "at least 1"),
 ]
 
 
@@ -155,9 +196,10 @@ def test_documented_variables_with_a_bad_value_are_a_clear_error(var, raw, modul
     assert r.returncode != 0 and last.startswith(f"ValueError: {var} must be ") and takes in last, r.stderr
 
 
-@pytest.mark.parametrize("raw,warms", [("0", True), ("1", False), ("", True)])
+@pytest.mark.parametrize("raw,warms", [("0", True), ("1", False), ("", True), ("false", True), ("TRUE", False)])
 def test_no_warmup_reads_0_as_off_as_the_other_switches(raw, warms):
-    """``MONARCH_TENSOR_NO_WARMUP=0`` leaves the warm-up on (it turned it off: any value did)."""
+    """``MONARCH_TENSOR_NO_WARMUP=0`` (or ``false``) leaves the warm-up on (it turned it off: any value other
+    than 0 did)."""
     import os
     import subprocess
     import sys

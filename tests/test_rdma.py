@@ -765,9 +765,11 @@ def test_forced_backend_that_cannot_serve_is_a_clear_error(owners, monkeypatch):
     buf = _owner(owners).make.call_one("forced", 100).get()
     with pytest.raises(Exception, match="cannot move buffer"):
         buf.read_into(torch.empty(100, dtype=torch.uint8)).get(timeout=10)
-    monkeypatch.setenv(ENV_BACKEND, "nonsense")
-    with pytest.raises(Exception, match="no data-plane backend named"):
+    monkeypatch.setenv(ENV_BACKEND, "nonsense")  # the error names the variable the name came from
+    with pytest.raises(Exception, match=f"{ENV_BACKEND}=nonsense: no data-plane backend named 'nonsense'"):
         get_rdma_backend()
+    with pytest.raises(Exception, match=f"{ENV_BACKEND}=nonsense: no data-plane backend named 'nonsense'"):
+        buf.read_into(torch.empty(100, dtype=torch.uint8)).get(timeout=10)
 
 
 def test_forced_backend_is_read_at_every_transfer(owners, monkeypatch):

@@ -321,6 +321,39 @@ def test_unhandled_failure_stops_the_script_by_default(tmp_path):
     assert "KeyboardInterrupt" in p.stderr and "finally ran" in p.stdout and "atexit ran" in p.stdout, p
 
 
+
+@pytest.mark.timeout(60)
+def test_several_unhandled_faults_at_once_interrupt_the_script_once(tmp_path):
+    # A broadcast that raises on every proc is four faults at once, each on a thread of its own: each sent
+    # the main thread a KeyboardInterrupt, and the later ones cut off its finally blocks and the library's
+    # atexit cleanup ("Exception ignored in atexit callback"), or ended it with os._exit(1).
+    script = tmp_path / "client.py"
+    script.write_text(textwrap.dedent(f"""
+        import atexit, sys, time
+        sys.path.insert(0, {ROOT!r})
+        from monarch_tensor.actor import Actor, endpoint, this_host
+        class E(Actor):
+            @endpoint
+            def boom(self):
+                raise ValueError("boom in broadcast")
+        atexit.register(lambda: print("atexit ran", flush=True))
+        procs = this_host().spawn_procs({{"gpus": 4}})
+        procs.spawn("e", E).boom.broadcast()
+        try:
+            time.sleep(30)
+            print("NOT REACHED")
+        finally:
+            time.sleep(1)  # cleanup that takes a moment, while the other faults arrive
+            print("finally ran", flush=True)
+    """))
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=50)
+    assert p.returncode == -signal.SIGINT, p
+    assert "boom in broadcast" in p.stderr, p
+    assert p.stderr.count("delivering KeyboardInterrupt") == 1, p
+    assert p.stdout.splitlines() == ["finally ran", "atexit ran"], p
+    assert "Exception ignored" not in p.stderr, p
+
+
 TORCHLESS_SCRIPT = textwrap.dedent("""
     import sys
     sys.path.insert(0, {root!r})

@@ -17,7 +17,6 @@ rank, instead of leaving the others waiting for it until the timeout.
 
 from __future__ import annotations
 
-import os
 import threading
 from datetime import timedelta
 
@@ -27,8 +26,10 @@ from torch._C._distributed_c10d import AllgatherOptions as _AllgatherOptions  # 
 from torch.utils._pytree import tree_leaves, tree_map
 
 from monarch_tensor._net import ip_towards
+from monarch_tensor.config import env_number
 
-TIMEOUT = float(os.environ.get("MONARCH_TENSOR_COLLECTIVE_TIMEOUT", "300"))
+TIMEOUT = env_number("MONARCH_TENSOR_COLLECTIVE_TIMEOUT", 300.0, "a number of seconds a collective waits for "
+                     "its group", least=1)
 
 _OPS = {
     "sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
