@@ -183,8 +183,20 @@ def _get_pool() -> _Pool:
 
 @atexit.register
 def _close_pool() -> None:
+    """Remove this process's pooled segments and the names of its one-off files no reader has taken yet
+    (unlinked only by a reader, on arrival: a message still queued to a proc that never read it stayed in
+    ``/dev/shm`` after this process exited)."""
     if _pool is not None and _pool_pid == os.getpid():
         _pool.close()
+    mine = f"mt-{os.getpid()}-"  # (a forked child's notes are its parent's: not its to remove)
+    with _oneoff_lock:
+        names = [n for held in _oneoff_names.values() for n in held if n.startswith(mine)]
+        _oneoff_names.clear()
+    for n in names:
+        try:
+            os.unlink(os.path.join(SHM_DIR, n))
+        except OSError:
+            pass
 
 
 def write(buffers: list, readers: int = 1, holders: list[str] | None = None) -> tuple:

@@ -251,3 +251,24 @@ def test_kept_messages_hold_no_descriptors():
         assert _shm_fds() == [], "our pool's segments are mapped without a descriptor each"
     finally:
         procs.stop().get(timeout=30)
+
+
+@pytest.mark.timeout(60)
+def test_oneoff_files_no_reader_took_are_removed_at_exit(monkeypatch):
+    # Only a reader unlinked its name of a one-off file (on arrival), and the sender's exit hook removed
+    # only its pooled segments: a message still queued to a proc that never read it stayed in /dev/shm
+    # after the script exited.
+    if not _shm.available():
+        pytest.skip("no writable /dev/shm")
+    _shm._close_pool()  # (a free pooled segment would take the message)
+    monkeypatch.setattr(_shm, "SHM_POOL_BYTES", 0)  # no room in the pool: a one-off file
+    holders = ["ipc://nobody-0", "ipc://nobody-1"]
+    before = _oneoff_files()
+    try:
+        _shm.write([np.ones(MIB // 8)], readers=2, holders=holders)
+        assert len(_oneoff_files() - before) == 2, "one name per reader"
+        _shm._close_pool()  # the exit hook
+        assert _oneoff_files() == before, "the names no reader took are removed"
+    finally:
+        for h in holders:
+            _shm.release_reader(h)
