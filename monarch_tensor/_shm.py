@@ -66,11 +66,35 @@ def _layout(views: list[memoryview]) -> tuple[list[tuple[int, int]], int]:
     return layout, offset
 
 
-def _create(path: str, size: int) -> mmap.mmap:
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _map(fd: int, size: int, private: bool = False) -> memoryview:
+    """The first ``size`` bytes of file ``fd``, mapped shared (or private: copy-on-write), as a writable byte
+    view; unmapped once it and every view made of it are gone, and holding no descriptor (``fd`` can be
+    closed at once). Python's ``mmap.mmap`` keeps a duplicate of ``fd`` open while it lives (before 3.13):
+    one per segment in the sender's pool, three per segment mapped by a reader, so a few hundred kept
+    1 MiB messages ran out of the common limit of 1024 descriptors."""
+    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE,
+                      mmap.MAP_PRIVATE if private else mmap.MAP_SHARED, fd, 0)
+    if addr is None or addr == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    whole = (ctypes.c_char * size).from_address(addr)
+    # (not at exit: views still alive then, a finalizer clearing a hold flag one, must stay readable)
+    weakref.finalize(whole, _libc.munmap, addr, size).atexit = False
+    return memoryview(whole).cast("B")
+
+
+def _create(path: str, size: int) -> memoryview:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, size)
-        return mmap.mmap(fd, size)
+        return _map(fd, size)
     except BaseException:
         os.unlink(path)
         raise
@@ -159,8 +183,20 @@ def _get_pool() -> _Pool:
 
 @atexit.register
 def _close_pool() -> None:
+    """Remove this process's pooled segments and the names of its one-off files no reader has taken yet
+    (unlinked only by a reader, on arrival: a message still queued to a proc that never read it stayed in
+    ``/dev/shm`` after this process exited)."""
     if _pool is not None and _pool_pid == os.getpid():
         _pool.close()
+    mine = f"mt-{os.getpid()}-"  # (a forked child's notes are its parent's: not its to remove)
+    with _oneoff_lock:
+        names = [n for held in _oneoff_names.values() for n in held if n.startswith(mine)]
+        _oneoff_names.clear()
+    for n in names:
+        try:
+            os.unlink(os.path.join(SHM_DIR, n))
+        except OSError:
+            pass
 
 
 def write(buffers: list, readers: int = 1, holders: list[str] | None = None) -> tuple:
@@ -217,7 +253,7 @@ def _write_oneoff(views, layout, total, readers: int) -> tuple:
                 pass
         raise
     finally:
-        mm.close()
+        mm.release()
     return name, layout, -1, readers
 
 
@@ -251,28 +287,32 @@ def release_reader(holder: str) -> None:
 
 
 class _Opened:
-    """A segment of another process, opened here: its hold flags mapped shared, its file, and (for messages
-    with this one reader) the whole segment mapped shared once."""
+    """A segment of another process, opened here: mapped shared once (its hold flags, and the data of
+    messages with this one reader), no descriptor kept (see ``_map``)."""
 
-    __slots__ = ("flags", "fd", "size", "shared")
+    __slots__ = ("name", "size", "shared")
 
-    def __init__(self, fd: int) -> None:
-        self.fd, self.size = fd, os.fstat(fd).st_size
-        self.flags = mmap.mmap(fd, HEADER)
-        self.shared: mmap.mmap | None = None
+    def __init__(self, name: str) -> None:
+        self.name = name
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+        try:
+            self.size = os.fstat(fd).st_size
+            self.shared = _map(fd, self.size)
+        finally:
+            os.close(fd)
 
-    def map(self, private: bool) -> mmap.mmap:
+    def map(self, private: bool) -> memoryview:
         """A message's map: private (copy-on-write, its own) where the segment has other readers; else the
-        segment's shared map, made once, whose pages stay mapped from message to message (a private map
-        takes its page faults anew each time: 64 MiB read in 23-27 ms against 15)."""
-        if private:
-            return _map_private(self.fd, self.size)
-        if self.shared is None:
-            self.shared = mmap.mmap(self.fd, self.size)
-        return self.shared
-
-    def close(self) -> None:
-        os.close(self.fd)  # (the maps hold descriptors of their own; live views keep theirs mapped)
+        segment's shared map, whose pages stay mapped from message to message (a private map takes its page
+        faults anew each time: 64 MiB read in 23-27 ms against 15). The file is opened again for a private
+        map: its sender keeps its name while our hold flag is set."""
+        if not private:
+            return self.shared
+        fd = os.open(os.path.join(SHM_DIR, self.name), os.O_RDWR)
+        try:
+            return _map_private(fd, self.size)
+        finally:
+            os.close(fd)
 
 
 class _MapCache:
@@ -283,55 +323,45 @@ class _MapCache:
         self.maps: collections.OrderedDict[str, _Opened] = collections.OrderedDict()
         self.bytes = 0
 
-    def get(self, name: str, private: bool = True) -> tuple[mmap.mmap, mmap.mmap]:
+    def get(self, name: str, private: bool = True) -> tuple[memoryview, memoryview]:
         """The segment's hold flags (shared), and a map of the whole segment: a private, copy-on-write one
         when ``private`` (see ``_Opened.map``)."""
         with self.lock:
             seg = self.maps.get(name)
             if seg is not None:
                 self.maps.move_to_end(name)
-                return seg.flags, seg.map(private)  # (under the lock: evicting closes the fd)
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
-        try:
-            seg = _Opened(fd)
-        except BaseException:
-            os.close(fd)
-            raise
-        with self.lock:
-            old = self.maps.pop(name, None)  # (another thread opened it meanwhile)
-            if old is not None:
-                self.bytes -= old.size
-                old.close()
-            self.maps[name] = seg
-            self.bytes += seg.size
-            mm = seg.map(private)
-            while self.bytes > SHM_MAP_CACHE_BYTES and len(self.maps) > 1:
-                _, old = self.maps.popitem(last=False)
-                self.bytes -= old.size  # live views keep their maps until they go
-                old.close()
-        return seg.flags, mm
+        if seg is None:
+            seg = _Opened(name)
+            with self.lock:
+                old = self.maps.pop(name, None)  # (another thread opened it meanwhile)
+                if old is not None:
+                    self.bytes -= old.size
+                self.maps[name] = seg
+                self.bytes += seg.size
+                while self.bytes > SHM_MAP_CACHE_BYTES and len(self.maps) > 1:
+                    _, old = self.maps.popitem(last=False)
+                    self.bytes -= old.size  # live views keep their maps until they go
+        return seg.shared[:HEADER], seg.map(private)
 
     def forget_process(self, pid: int) -> None:
-        """Close the segments of process ``pid`` (it exited: it will send nothing more through them). Views
+        """Forget the segments of process ``pid`` (it exited: it will send nothing more through them). Views
         still alive keep theirs mapped until they go."""
         prefix = f"mt-{pid}-"
         with self.lock:
             for name in [n for n in self.maps if n.startswith(prefix)]:
-                old = self.maps.pop(name)
-                self.bytes -= old.size
-                old.close()
+                self.bytes -= self.maps.pop(name).size
 
 
-def _map_private(fd: int, size: int) -> mmap.mmap:
+def _map_private(fd: int, size: int) -> memoryview:
     """A copy-on-write map of the file: writes to it stay in this map, and pages never written show the
     file. Each message gets its own: a page once written would keep its copy for the next message."""
-    return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)
+    return _map(fd, size, private=True)
 
 
 _maps = _MapCache()
 
 
-def _release(flags: mmap.mmap, idx: int, left: list) -> None:
+def _release(flags: memoryview, idx: int, left: list) -> None:
     left[0] -= 1
     if left[0] == 0:
         try:
@@ -372,13 +402,12 @@ def _read_oneoff(name: str, layout: list[tuple[int, int]]) -> list[memoryview]:
     finally:
         os.close(fd)
         os.unlink(path)
-    whole = memoryview(m)
-    return [whole[off:off + n] for off, n in layout]
+    return [m[off:off + n] for off, n in layout]
 
 
 def remove_files_of(pid: int) -> None:
     """Remove leftovers of a process that died before its receivers mapped them, and this process's maps of
-    its segments (they stayed mapped, each with an open descriptor, up to the cache's 2 GiB)."""
+    its segments (they stayed mapped up to the cache's 2 GiB)."""
     _maps.forget_process(pid)
     for path in glob.glob(os.path.join(SHM_DIR, f"mt-{pid}-*")):
         try:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copyreg
+import errno
 import io
 import logging
 import pickle
@@ -578,8 +579,11 @@ def _map_shm(body: memoryview, desc) -> list:
             msg = _loads(body, [memoryview(np.zeros(n, dtype=np.uint8)) for _, n in layout])  # (calloc: untouched)
         except Exception:  # noqa: BLE001
             msg = None
+        why = repr(e)
+        if isinstance(e, OSError) and e.errno == errno.EMFILE:  # (the bare errno read as a shared-memory fault)
+            why += ": this process has no file descriptor left (raise its limit, `ulimit -n`, or close some)"
         error = ProtocolError(f"cannot map the shared-memory buffers ({d[0]}) of {_describe(msg)} where it "
-                              f"arrived: {e!r}")
+                              f"arrived: {why}")
         raise PayloadLost(error, msg) from e
 
 

@@ -203,3 +203,72 @@ def test_what_a_killed_reader_held_is_released(monkeypatch):
         assert all(s.free() for s in _shm._get_pool().segments), "the dead reader's hold flag is cleared"
     finally:
         procs.stop().get(timeout=30)
+
+
+def _shm_fds() -> list[str]:
+    """The shared-memory files (of any process) this process holds a descriptor of."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(f"{_shm.SHM_DIR}/mt-"):
+            out.append(target)
+    return out
+
+
+class _Keeper(Actor):
+    def __init__(self) -> None:
+        self.kept = []
+
+    @endpoint
+    def keep(self, x) -> list[str]:
+        self.kept.append(x)
+        return _shm_fds()
+
+    @endpoint
+    def array(self, n: int):
+        return np.full(n, 7, dtype=np.uint8)
+
+
+@pytest.mark.timeout(60)
+def test_kept_messages_hold_no_descriptors():
+    # Each kept message pins its own segment of the sender's pool, and a Python mmap keeps a duplicate of
+    # its file's descriptor open: one per segment in the sender, three per segment in the reader (kept
+    # after the message was freed), so a few hundred kept 1 MiB results or arguments ran out of the common
+    # `ulimit -n 1024` ("cannot map the shared-memory buffers ... Too many open files").
+    if not _shm.available():
+        pytest.skip("no writable /dev/shm")
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        keeper = procs.spawn("shm_keeper", _Keeper)
+        results = [keeper.array.call_one(_shm.SHM_THRESHOLD).get(timeout=30) for _ in range(20)]
+        assert all(int(r[0]) == 7 for r in results)
+        assert _shm_fds() == [], "the results' segments are mapped here without a descriptor each"
+        held = [keeper.keep.call_one(np.ones(MIB // 8)).get(timeout=30) for _ in range(20)]
+        assert held[-1] == [], "the proc maps the arguments it keeps without a descriptor each"
+        assert _shm_fds() == [], "our pool's segments are mapped without a descriptor each"
+    finally:
+        procs.stop().get(timeout=30)
+
+
+@pytest.mark.timeout(60)
+def test_oneoff_files_no_reader_took_are_removed_at_exit(monkeypatch):
+    # Only a reader unlinked its name of a one-off file (on arrival), and the sender's exit hook removed
+    # only its pooled segments: a message still queued to a proc that never read it stayed in /dev/shm
+    # after the script exited.
+    if not _shm.available():
+        pytest.skip("no writable /dev/shm")
+    _shm._close_pool()  # (a free pooled segment would take the message)
+    monkeypatch.setattr(_shm, "SHM_POOL_BYTES", 0)  # no room in the pool: a one-off file
+    holders = ["ipc://nobody-0", "ipc://nobody-1"]
+    before = _oneoff_files()
+    try:
+        _shm.write([np.ones(MIB // 8)], readers=2, holders=holders)
+        assert len(_oneoff_files() - before) == 2, "one name per reader"
+        _shm._close_pool()  # the exit hook
+        assert _oneoff_files() == before, "the names no reader took are removed"
+    finally:
+        for h in holders:
+            _shm.release_reader(h)

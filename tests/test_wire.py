@@ -285,6 +285,30 @@ def test_shared_memory_path_round_trips_and_leaves_no_file():
     np.testing.assert_array_equal(_wire.decode(small).value, np.arange(10))
 
 
+
+def test_running_out_of_descriptors_says_so_where_a_message_cannot_be_mapped(monkeypatch):
+    # It read "cannot map the shared-memory buffers ... OSError(24, 'Too many open files')": a fault of the
+    # shared memory, not of the receiving process's descriptor limit.
+    import errno
+
+    from monarch_tensor import _shm
+
+    if not _shm.available():
+        pytest.skip("no writable /dev/shm")
+    arr = np.arange(_shm.SHM_THRESHOLD // 8 + 10, dtype=np.float64)
+    frames = _wire.encode(messages.SendToPort(1, arr, None, 0), shm=True)
+
+    def out_of_descriptors(*args):
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    monkeypatch.setattr(_shm, "read", out_of_descriptors)
+    with pytest.raises(_wire.PayloadLost, match=r"no file descriptor left .*ulimit -n") as info:
+        _wire.decode(frames)
+    assert isinstance(info.value.message, messages.SendToPort), "the message rebuilt, to fail its caller"
+    monkeypatch.undo()
+    _shm._close_pool()  # (the segment's flag stays set: no reader took the message)
+
+
 def test_torch_tensors_round_trip():
     t = torch.randn(3, 4)
     out = _roundtrip(messages.SendToPort(1, {"t": t, "view": t[:, 1]}, None, 0)).value
