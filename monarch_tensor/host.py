@@ -387,6 +387,7 @@ class ProcMesh(MeshTrait):
         if alloc is None:
             self._owner = _context.current()
             self._stopped, self._stop_reason = False, ""
+            self._stop_pending = False  # stop() began, its procs may not have exited yet (a Ctrl-C ended it)
             self._failures: list[SupervisionError] = []
             self._seq = next(_mesh_seq)  # names it in errors (``_label``)
 
@@ -478,22 +479,24 @@ class ProcMesh(MeshTrait):
         gets 5 s to finish what it runs, then is killed). ``reason`` (Monarch's) is what later calls on the
         mesh are told, and calls still waiting on its procs (``MeshStoppedError``). Called on a thread that
         runs an asyncio loop (``await procs.stop()``), it returns at once and the waiting happens on another
-        thread; elsewhere it returns once the procs exited."""
+        thread; elsewhere it returns once the procs exited. A Ctrl-C while it waits kills the procs at once;
+        stop() again then waits for them to have exited."""
         if not isinstance(reason, str):
             raise TypeError(f"stop(reason=...) takes a string, got {reason!r}")
         alloc = self._alloc
-        if alloc._stopped:
+        if alloc._stopped and not alloc._stop_pending:
             return Future.ready(None)
-        alloc._stopped, alloc._stop_reason = True, reason
-        mailbox = current_mailbox()
-        for p in alloc._procs:
-            p.stopping = True
-            stopped_addrs.add(p.addr)
-            if p.alive:
-                try:
-                    mailbox.send(p.addr, StopProc(reason))
-                except Exception:  # noqa: BLE001
-                    pass
+        if not alloc._stopped:  # (else a stop that was interrupted: this one finishes it)
+            alloc._stopped, alloc._stop_reason, alloc._stop_pending = True, reason, True
+            mailbox = current_mailbox()
+            for p in alloc._procs:
+                p.stopping = True
+                stopped_addrs.add(p.addr)
+                if p.alive:
+                    try:
+                        mailbox.send(p.addr, StopProc(reason))
+                    except Exception:  # noqa: BLE001
+                        pass
         if not in_event_loop():  # wait here
             self._finish_stop()
             return Future.ready(None)
@@ -518,17 +521,22 @@ class ProcMesh(MeshTrait):
         await self.stop()
 
     def _finish_stop(self) -> None:
-        """``stop``'s wait: the procs get 5 s to exit, then are killed."""
+        """``stop``'s wait: the procs get 5 s to exit, then are killed. A Ctrl-C cuts the 5 s short, not the
+        stop: the procs are killed before it goes on up (they ran on, a busy one spinning a core, with calls
+        waiting on them for ever)."""
         alloc = self._alloc
         deadline = time.monotonic() + 5
-        while any(p.alive for p in alloc._procs) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        for p in alloc._procs:
-            if p.alive:
-                alloc._kill(p)
+        try:
+            while any(p.alive for p in alloc._procs) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        finally:
+            for p in alloc._procs:
+                if p.alive:
+                    alloc._kill(p)
         deadline = time.monotonic() + 5
         while any(p.alive for p in alloc._procs) and time.monotonic() < deadline:
             time.sleep(0.01)
+        alloc._stop_pending = False
         _live_meshes.discard(alloc)
         from . import logs
 

@@ -666,6 +666,52 @@ def test_an_interrupted_spawn_stops_its_procs(tmp_path):
     assert "unhandled supervision failure" not in p.stderr
 
 
+INTERRUPTED_STOP_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, threading
+    sys.path.insert(0, {root!r})
+    from monarch_tensor import host
+    from monarch_tensor.actor import Actor, endpoint, this_host
+    from monarch_tensor.errors import MeshStoppedError
+    class Busy(Actor):
+        @endpoint
+        def pid(self):
+            return os.getpid()
+        @endpoint
+        def spin(self):
+            while True:
+                pass
+    procs = this_host().spawn_procs({{"gpus": 2}})
+    b = procs.spawn("b", Busy)
+    print("PIDS", *b.pid.call().get(timeout=60).values(), flush=True)
+    f = b.spin.call()
+    threading.Timer(1, os.kill, (os.getpid(), signal.SIGINT)).start()  # Ctrl-C within the procs' 5 s
+    try:
+        procs.stop().get()
+    except KeyboardInterrupt:
+        print("INTERRUPTED", flush=True)
+    try:
+        f.get(timeout=20)
+    except MeshStoppedError:
+        print("CALL STOPPED", flush=True)
+    procs.stop().get(timeout=30)
+    print("LIVE", procs in host._live_meshes, flush=True)
+""")
+
+
+@pytest.mark.timeout(90)
+def test_ctrl_c_during_stop_still_ends_the_procs(tmp_path):
+    # The interrupt skipped the kill: busy procs spun on, calls waiting on them never ended, and a second
+    # stop() returned at once, the mesh marked stopped.
+    script = tmp_path / "client.py"
+    script.write_text(INTERRUPTED_STOP_SCRIPT.format(root=ROOT))
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=80,
+                       start_new_session=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "INTERRUPTED" in p.stdout and "CALL STOPPED" in p.stdout and "LIVE False" in p.stdout, p.stdout
+    pids = [int(x) for x in p.stdout.split("PIDS", 1)[1].splitlines()[0].split()]
+    assert not any(_alive(pid) for pid in pids)
+
+
 def _late_on_rank_2(x, r):
     if int(r.item()) == 2:
         time.sleep(3.0)  # the others wait for it in the group's first rendezvous
