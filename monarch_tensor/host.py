@@ -170,7 +170,12 @@ class LocalHost:
         try:
             if not self._warmed:  # the template is still importing torch: meanwhile, on another core, warm up
                 self._warmed = True
-                _warm_tensor_engine()
+                # On a thread of its own, out of a Ctrl-C's reach: the interrupt ends the wait for it, not its
+                # imports (torch._dynamo, sympy), which a KeyboardInterrupt leaves half done, breaking every
+                # later mesh tensor op of the script ("module 'sympy' has no attribute 'core'").
+                warm_up = threading.Thread(target=_warm_tensor_engine, daemon=True, name="monarch-tensor-warm-up")
+                warm_up.start()
+                warm_up.join()
             for info, fut in futs:
                 info.pid = fut.get(timeout=SPAWN_TIMEOUT)
         except BaseException:  # interrupted (Ctrl-C), or a spawn failed: none of these procs is wanted now
