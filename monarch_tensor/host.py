@@ -698,6 +698,17 @@ def run_bootstrap(mesh: ProcMesh, bootstrap) -> ProcMesh:
     return mesh
 
 
+def per_host_sizes(per_host: Mapping[str, int] | None) -> dict[str, int]:
+    """``spawn_procs``' ``per_host`` as a dict; None is one proc per host, of the hosts' dims. Anything but a
+    mapping is refused by name: ``per_host=2`` (a torchrun user's "2 procs per host") failed with "'int'
+    object is not iterable", a list of names with a ``dict()`` error about update sequences."""
+    if per_host is None:
+        return {}
+    if not isinstance(per_host, Mapping):
+        raise TypeError(f"per_host must be a dict of dimension sizes, e.g. {{'gpus': 2}}, got {per_host!r}")
+    return dict(per_host)
+
+
 def check_procs_per_host(per_host: dict, n: int) -> None:
     """Refuse ``n`` procs on each host above ``MONARCH_TENSOR_MAX_PROCS_PER_HOST`` (default 1024)."""
     raw = os.environ.get("MONARCH_TENSOR_MAX_PROCS_PER_HOST", "")
@@ -803,7 +814,7 @@ class HostMesh(MeshTrait):
         from . import _bind
 
         check_bootstrap(bootstrap)
-        per_host = dict(per_host) if per_host is not None else {}  # one proc per host, of the hosts' dims
+        per_host = per_host_sizes(per_host)
         shape = _procs_shape(self._shape, per_host)
         check_procs_per_host(per_host, len(shape))
         per = len(shape) // max(1, len(self._shape))
