@@ -181,7 +181,12 @@ class LocalHost:
         try:
             if not self._warmed:  # the template is still importing torch: meanwhile, on another core, warm up
                 self._warmed = True
-                _warm_tensor_engine()
+                # On a thread of its own, out of a Ctrl-C's reach: the interrupt ends the wait for it, not its
+                # imports (torch._dynamo, sympy), which a KeyboardInterrupt leaves half done, breaking every
+                # later mesh tensor op of the script ("module 'sympy' has no attribute 'core'").
+                warm_up = threading.Thread(target=_warm_tensor_engine, daemon=True, name="monarch-tensor-warm-up")
+                warm_up.start()
+                warm_up.join()
             for info, fut in futs:
                 info.pid = fut.get(timeout=SPAWN_TIMEOUT)
         except BaseException:  # interrupted (Ctrl-C), or a spawn failed: none of these procs is wanted now
@@ -438,6 +443,7 @@ class ProcMesh(MeshTrait):
         if alloc is None:
             self._owner = _context.current()
             self._stopped, self._stop_reason = False, ""
+            self._stop_pending = False  # stop() began, its procs may not have exited yet (a Ctrl-C ended it)
             self._failures: list[SupervisionError] = []
             self._seq = next(_mesh_seq)  # names it in errors (``_label``)
 
@@ -529,22 +535,24 @@ class ProcMesh(MeshTrait):
         gets 5 s to finish what it runs, then is killed). ``reason`` (Monarch's) is what later calls on the
         mesh are told, and calls still waiting on its procs (``MeshStoppedError``). Called on a thread that
         runs an asyncio loop (``await procs.stop()``), it returns at once and the waiting happens on another
-        thread; elsewhere it returns once the procs exited."""
+        thread; elsewhere it returns once the procs exited. A Ctrl-C while it waits kills the procs at once;
+        stop() again then waits for them to have exited."""
         if not isinstance(reason, str):
             raise TypeError(f"stop(reason=...) takes a string, got {reason!r}")
         alloc = self._alloc
-        if alloc._stopped:
+        if alloc._stopped and not alloc._stop_pending:
             return Future.ready(None)
-        alloc._stopped, alloc._stop_reason = True, reason
-        mailbox = current_mailbox()
-        for p in alloc._procs:
-            p.stopping = True
-            stopped_addrs.add(p.addr)
-            if p.alive:
-                try:
-                    mailbox.send(p.addr, StopProc(reason))
-                except Exception:  # noqa: BLE001
-                    pass
+        if not alloc._stopped:  # (else a stop that was interrupted: this one finishes it)
+            alloc._stopped, alloc._stop_reason, alloc._stop_pending = True, reason, True
+            mailbox = current_mailbox()
+            for p in alloc._procs:
+                p.stopping = True
+                stopped_addrs.add(p.addr)
+                if p.alive:
+                    try:
+                        mailbox.send(p.addr, StopProc(reason))
+                    except Exception:  # noqa: BLE001
+                        pass
         if not in_event_loop():  # wait here
             self._finish_stop()
             return Future.ready(None)
@@ -569,17 +577,22 @@ class ProcMesh(MeshTrait):
         await self.stop()
 
     def _finish_stop(self) -> None:
-        """``stop``'s wait: the procs get 5 s to exit, then are killed."""
+        """``stop``'s wait: the procs get 5 s to exit, then are killed. A Ctrl-C cuts the 5 s short, not the
+        stop: the procs are killed before it goes on up (they ran on, a busy one spinning a core, with calls
+        waiting on them for ever)."""
         alloc = self._alloc
         deadline = time.monotonic() + 5
-        while any(p.alive for p in alloc._procs) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        for p in alloc._procs:
-            if p.alive:
-                alloc._kill(p)
+        try:
+            while any(p.alive for p in alloc._procs) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        finally:
+            for p in alloc._procs:
+                if p.alive:
+                    alloc._kill(p)
         deadline = time.monotonic() + 5
         while any(p.alive for p in alloc._procs) and time.monotonic() < deadline:
             time.sleep(0.01)
+        alloc._stop_pending = False
         _live_meshes.discard(alloc)
         from . import logs
 
@@ -737,6 +750,17 @@ def run_bootstrap(mesh: ProcMesh, bootstrap) -> ProcMesh:
     return mesh
 
 
+def per_host_sizes(per_host: Mapping[str, int] | None) -> dict[str, int]:
+    """``spawn_procs``' ``per_host`` as a dict; None is one proc per host, of the hosts' dims. Anything but a
+    mapping is refused by name: ``per_host=2`` (a torchrun user's "2 procs per host") failed with "'int'
+    object is not iterable", a list of names with a ``dict()`` error about update sequences."""
+    if per_host is None:
+        return {}
+    if not isinstance(per_host, Mapping):
+        raise TypeError(f"per_host must be a dict of dimension sizes, e.g. {{'gpus': 2}}, got {per_host!r}")
+    return dict(per_host)
+
+
 def check_procs_per_host(per_host: dict, n: int) -> None:
     """Refuse ``n`` procs on each host above ``MONARCH_TENSOR_MAX_PROCS_PER_HOST`` (default 1024)."""
     raw = os.environ.get("MONARCH_TENSOR_MAX_PROCS_PER_HOST", "")
@@ -842,7 +866,7 @@ class HostMesh(MeshTrait):
         from . import _bind
 
         check_bootstrap(bootstrap)
-        per_host = dict(per_host) if per_host is not None else {}  # one proc per host, of the hosts' dims
+        per_host = per_host_sizes(per_host)
         shape = _procs_shape(self._shape, per_host)
         check_procs_per_host(per_host, len(shape))
         per = len(shape) // max(1, len(self._shape))

@@ -44,6 +44,7 @@ from .host import (
     check_bootstrap,
     check_procs_per_host,
     local_procs,
+    per_host_sizes,
     run_bootstrap,
     share_peers,
 )
@@ -443,7 +444,7 @@ class RemoteHostMesh(HostMesh):
         from . import _bind
 
         check_bootstrap(bootstrap)
-        per_host = dict(per_host) if per_host is not None else {}  # one proc per host, of the hosts' dims
+        per_host = per_host_sizes(per_host)
         shape = _procs_shape(self._shape, per_host)  # the hosts' dims first: host h has ranks [h * per, ...)
         per = len(shape) // len(self._agents)
         check_procs_per_host(per_host, per)

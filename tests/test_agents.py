@@ -126,6 +126,8 @@ def test_host_meshes_slice_rename_and_split_like_other_meshes(job):
     assert hosts.split(hosts=("racks", "nodes"), nodes=1).sizes == {"racks": 2, "nodes": 1}
     with pytest.raises(ValueError, match="'dp' dimension: the host mesh"):
         dp.spawn_procs(per_host={"dp": 2})
+    with pytest.raises(TypeError, match="per_host must be a dict of dimension sizes"):
+        dp.spawn_procs(per_host=2)
     one.stop().get(timeout=30)  # every proc mesh with procs on host 1 stops, the one across both hosts too
     with pytest.raises(MeshStoppedError):
         w.slice(dp=0).where.call_one().get(timeout=30)

@@ -154,6 +154,14 @@ def test_spawn_procs_refuses_more_procs_per_host_than_its_limit(monkeypatch):
         mesh.stop().get(timeout=60)
 
 
+@pytest.mark.parametrize("per_host", [2, ["gpus"], "gpus", [("gpus", 2)]])
+def test_spawn_procs_per_host_that_is_no_dict_is_a_type_error_naming_it(per_host):
+    # per_host=2 (a torchrun user's "2 procs per host") failed with "'int' object is not iterable", a list
+    # of names with "dictionary update sequence element #0 has length 4; 2 is required".
+    with pytest.raises(TypeError, match=r"per_host must be a dict of dimension sizes, e.g. \{'gpus': 2\}, got "):
+        this_host().spawn_procs(per_host=per_host)
+
+
 def test_job_load_of_a_file_that_is_no_job_file_says_so(tmp_path):
     from monarch_tensor._curve import write_private
     from monarch_tensor.job import job_load

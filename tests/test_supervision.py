@@ -777,14 +777,14 @@ def test_the_templates_idle_import_steps_each_import_on_their_own():
 
 
 INTERRUPTED_SPAWN_SCRIPT = textwrap.dedent("""
-    import os, sys, time
+    import os, signal, sys, time
     sys.path.insert(0, {root!r})
     import torch
     from monarch_tensor import host
     from monarch_tensor.actor import this_host
 
     def interrupted():  # Ctrl-C while the first spawn warms the tensor engine up
-        raise KeyboardInterrupt
+        os.kill(os.getpid(), signal.SIGINT)
     host._warm_tensor_engine = interrupted
     try:
         this_host().spawn_procs({{"gpus": 2}})
@@ -817,6 +817,92 @@ def test_an_interrupted_spawn_stops_its_procs(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     assert "INTERRUPTED" in p.stdout and "LEFT []" in p.stdout, p.stdout
     assert "unhandled supervision failure" not in p.stderr
+
+
+INTERRUPTED_STOP_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, threading
+    sys.path.insert(0, {root!r})
+    from monarch_tensor import host
+    from monarch_tensor.actor import Actor, endpoint, this_host
+    from monarch_tensor.errors import MeshStoppedError
+    class Busy(Actor):
+        @endpoint
+        def pid(self):
+            return os.getpid()
+        @endpoint
+        def spin(self):
+            while True:
+                pass
+    procs = this_host().spawn_procs({{"gpus": 2}})
+    b = procs.spawn("b", Busy)
+    print("PIDS", *b.pid.call().get(timeout=60).values(), flush=True)
+    f = b.spin.call()
+    threading.Timer(1, os.kill, (os.getpid(), signal.SIGINT)).start()  # Ctrl-C within the procs' 5 s
+    try:
+        procs.stop().get()
+    except KeyboardInterrupt:
+        print("INTERRUPTED", flush=True)
+    try:
+        f.get(timeout=20)
+    except MeshStoppedError:
+        print("CALL STOPPED", flush=True)
+    procs.stop().get(timeout=30)
+    print("LIVE", procs in host._live_meshes, flush=True)
+""")
+
+
+@pytest.mark.timeout(90)
+def test_ctrl_c_during_stop_still_ends_the_procs(tmp_path):
+    # The interrupt skipped the kill: busy procs spun on, calls waiting on them never ended, and a second
+    # stop() returned at once, the mesh marked stopped.
+    script = tmp_path / "client.py"
+    script.write_text(INTERRUPTED_STOP_SCRIPT.format(root=ROOT))
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=80,
+                       start_new_session=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "INTERRUPTED" in p.stdout and "CALL STOPPED" in p.stdout and "LIVE False" in p.stdout, p.stdout
+    pids = [int(x) for x in p.stdout.split("PIDS", 1)[1].splitlines()[0].split()]
+    assert not any(_alive(pid) for pid in pids)
+
+
+INTERRUPTED_WARM_UP_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    sys.path.insert(0, {root!r})
+    import torch
+    from monarch_tensor import fetch_shard, host
+    from monarch_tensor.actor import this_host
+
+    class CtrlC:  # Ctrl-C halfway through the first spawn's warm-up: as its import of torch._dynamo imports sympy
+        def find_spec(self, name, path=None, target=None):
+            if name == "sympy.printing":
+                sys.meta_path.remove(self)
+                os.kill(os.getpid(), signal.SIGINT)
+    sys.meta_path.insert(0, CtrlC())
+    try:
+        this_host().spawn_procs({{"gpus": 1}})
+    except KeyboardInterrupt:
+        print("INTERRUPTED", flush=True)
+    import controller.tensor
+    deadline = time.monotonic() + 60
+    while controller.tensor._fake_mode is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print("WARMED", controller.tensor._fake_mode is not None, flush=True)
+    procs = this_host().spawn_procs({{"gpus": 1}})
+    with procs.activate():
+        print("SUM", fetch_shard(torch.ones(2) + 1).result(timeout=60).tolist(), flush=True)
+    procs.stop().get(timeout=30)
+""")
+
+
+@pytest.mark.timeout(150)
+def test_ctrl_c_during_the_tensor_engine_warm_up_leaves_its_imports_whole(tmp_path):
+    # The warm-up ran on the main thread: a Ctrl-C in it left sympy and torch._dynamo half imported, and
+    # every later mesh tensor op failed ("module 'sympy' has no attribute 'core'") until a restart.
+    script = tmp_path / "client.py"
+    script.write_text(INTERRUPTED_WARM_UP_SCRIPT.format(root=ROOT))
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=140)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "INTERRUPTED" in p.stdout and "WARMED True" in p.stdout and "SUM [2.0, 2.0]" in p.stdout, p.stdout
 
 
 def _late_on_rank_2(x, r):
