@@ -149,6 +149,45 @@ class Tensor(DistributedMethods, torch.Tensor):
         raise MeshTensorError("t.numpy() of a mesh tensor is not possible on the controller: the value lives on "
                               "the workers; fetch it with fetch_shard(t).result().numpy()")
 
+    # Methods that reach the tensor's memory directly rather than through an aten op: the controller's
+    # tensor is a wrapper with no memory (its values live on the workers), and torch's own code for these
+    # crashed the controller (SIGSEGV: ``apply_``, ``share_memory_``) or read a dangling pointer (``__dlpack__``).
+    def apply_(self, callable):
+        _no_memory("t.apply_(fn)", "calls a Python function on each element here; write the computation with "
+                                   "tensor ops, or run it on the workers in a remote() function")
+
+    def map_(self, tensor, callable):
+        _no_memory("t.map_(other, fn)", "calls a Python function on each element here; write the computation "
+                                        "with tensor ops, or run it on the workers in a remote() function")
+
+    def map2_(self, x, y, callable):
+        _no_memory("t.map2_(x, y, fn)", "calls a Python function on each element here; write the computation "
+                                        "with tensor ops, or run it on the workers in a remote() function")
+
+    def share_memory_(self):
+        _no_memory("t.share_memory_()", "moves memory the controller does not have; fetch the value with "
+                                        "fetch_shard(t).result() and share that")
+
+    def is_shared(self):
+        _no_memory("t.is_shared()", "fetch the value with fetch_shard(t).result()")
+
+    def pin_memory(self, device=None):
+        """Pinning is for copies from the host to a GPU: a mesh tensor is on its workers' device already (as
+        ``cuda()`` says)."""
+        return self
+
+    def untyped_storage(self):
+        _no_memory("t.untyped_storage()", "fetch the value with fetch_shard(t).result()")
+
+    def storage(self):
+        _no_memory("t.storage()", "fetch the value with fetch_shard(t).result()")
+
+    def __array__(self, dtype=None, copy=None):
+        _no_memory("numpy.asarray(t)", "fetch the value with fetch_shard(t).result().numpy()")
+
+    def __dlpack__(self, *args, **kwargs):
+        _no_memory("DLPack export of a mesh tensor", "fetch the value with fetch_shard(t).result()")
+
     # ---- Monarch's tensor methods ---------------------------------------------------------------
     @property
     def mesh(self):
@@ -206,6 +245,11 @@ class Tensor(DistributedMethods, torch.Tensor):
     def dropped(self) -> bool:
         """Whether ``drop()`` freed this tensor (or, for a borrowed one, ``borrow.drop()``)."""
         return self._ctx.sid < 0
+
+
+def _no_memory(what: str, instead: str):
+    raise MeshTensorError(f"{what} is not possible on the controller: a mesh tensor's memory lives on the "
+                          f"workers; {instead}")
 
 
 _wrap = torch.Tensor._make_wrapper_subclass

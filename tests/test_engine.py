@@ -168,6 +168,28 @@ def test_values_read_on_the_controller_are_clear_errors(procs):
         assert inspect(torch.stack([a[0], b[1]])).tolist() == [1.0, 1.0]
 
 
+def test_methods_that_reach_a_tensors_memory_are_clear_errors_not_crashes(procs):
+    # The controller's tensor has no memory: torch's own apply_ and share_memory_ crashed the controller
+    # (SIGSEGV), and DLPack exported a dangling pointer.
+    import numpy as np
+
+    with procs.activate():
+        x = torch.arange(4.0)
+        for what, call in [("apply_", lambda: x.apply_(lambda v: v * 2)),
+                           ("map_", lambda: x.map_(x, lambda a, b: a + b)),
+                           ("map2_", lambda: x.map2_(x, x, lambda a, b, c: a)),
+                           ("share_memory_", lambda: x.share_memory_()),
+                           ("is_shared", lambda: x.is_shared()),
+                           ("untyped_storage", lambda: x.untyped_storage()),
+                           ("storage", lambda: x.storage()),
+                           ("numpy.asarray", lambda: np.asarray(x)),
+                           ("DLPack", lambda: torch.from_dlpack(x))]:
+            with pytest.raises(MeshTensorError, match=rf"{what}.*memory lives on the workers"):
+                call()
+        assert x.pin_memory() is x  # (on the workers' device already, as cuda() says)
+        assert inspect(x).tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
 def test_metadata_and_local_constants(procs):
     with procs.activate():
         a = torch.arange(6.0).reshape(2, 3)
