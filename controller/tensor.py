@@ -188,6 +188,14 @@ class Tensor(DistributedMethods, torch.Tensor):
     def __dlpack__(self, *args, **kwargs):
         _no_memory("DLPack export of a mesh tensor", "fetch the value with fetch_shard(t).result()")
 
+    def __format__(self, format_spec: str) -> str:
+        """``f"{loss:.4f}"`` of a 0-dim tensor formats ``loss.item()``, as torch's does (whose ``__format__``
+        does that only for ``torch.Tensor`` itself): a value the controller knows, else the clear error of
+        ``item()``. With no format spec it is ``str(t)``, as ``print(t)`` shows it, and never reads the value."""
+        if format_spec and self.dim() == 0:
+            return self.item().__format__(format_spec)
+        return object.__format__(self, format_spec)
+
     # ---- Monarch's tensor methods ---------------------------------------------------------------
     @property
     def mesh(self):

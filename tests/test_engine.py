@@ -190,6 +190,17 @@ def test_methods_that_reach_a_tensors_memory_are_clear_errors_not_crashes(procs)
         assert inspect(x).tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
+def test_a_format_spec_formats_a_0_dim_tensors_item_as_torchs_does(procs):
+    # torch.Tensor.__format__ formats item() only for torch.Tensor itself: f"{loss:.4f}" raised TypeError.
+    with procs.activate():
+        known = torch.tensor(1.23456) * 2  # a value the controller knows
+        assert f"{known:.3f}" == "2.469" and f"{known}" == str(known)
+        unknown = torch.ones(()) * procs.rank_tensor("gpus")
+        with pytest.raises(MeshTensorError, match="fetch_shard"):
+            f"{unknown:.3f}"
+        assert f"{unknown}".startswith("MeshTensor(")
+
+
 def test_metadata_and_local_constants(procs):
     with procs.activate():
         a = torch.arange(6.0).reshape(2, 3)
