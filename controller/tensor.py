@@ -536,11 +536,14 @@ def _propagate_locked(func, args, kwargs, tensors) -> _Template:
                     f"{func} returns a Python value computed from the data (as torch.allclose and torch.equal do), "
                     f"which lives on the workers; compute a tensor instead (e.g. (a - b).abs().max()) and fetch it "
                     f"with fetch_shard(t).result() or inspect(t)") from None
+        pos, names = _mutated(func)
+        if (pos or names) and any(torch._debug_has_internal_overlap(t) == 1 for t in _written(pos, names, fargs, fkwargs)
+                                  if isinstance(t, torch.Tensor)):
+            _raise_as_torch(func, args, kwargs, tensors)
     finally:
         state.internal = False
         _fake_log.disabled = quiet
     leaves, struct, single = describe_outputs(out, fakes, before)
-    pos, names = _mutated(func)
     # A view shares its input's memory on the workers (see _link_views).
     view = any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
     if not view and func.name().startswith("aten::set_."):
@@ -548,6 +551,29 @@ def _propagate_locked(func, args, kwargs, tensors) -> _Template:
     fold = (torch.Tag.nondeterministic_seeded not in func.tags
             and all(_numel(leaf[1][0]) <= FOLD_NUMEL for leaf in leaves if leaf[0] == "new"))
     return _Template(func.name(), leaves, struct, single, (pos, names), fold, view)
+
+
+def _written(pos, names, args, kwargs) -> list:
+    """The arguments at ``pos``/``names`` (what an op writes in place), lists of them flattened."""
+    written = [args[p] for p in pos if p < len(args)] + [kwargs[n] for n in names if n in kwargs]
+    return [t for a in written for t in (a if type(a) in (list, tuple) else (a,))]
+
+
+def _raise_as_torch(func, args, kwargs, tensors) -> None:
+    """Run ``func`` here, outside the fake mode, on zeros of its mesh tensors' metadata, to raise torch's own
+    error: torch refuses most in-place writes to a tensor whose elements overlap (``x.expand(2, 3).mul_(2)``)
+    at the call, and the meta kernels that propagation runs do not check it (the workers' error came only at a
+    fetch). An op that allows it (``fill_``) passes."""
+    it = iter([to_fake(t._meta).zero_() if type(t) is Tensor else t for t in tensors])
+
+    def sub(a):
+        if isinstance(a, torch.Tensor):
+            return next(it)
+        if type(a) in (list, tuple):
+            return type(a)(sub(x) for x in a)
+        return a
+
+    func(*(sub(a) for a in args), **{k: sub(v) for k, v in kwargs.items()})
 
 
 FOLD_NUMEL = 64

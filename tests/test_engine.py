@@ -833,6 +833,33 @@ def test_a_no_result_op_on_a_failed_input_leaves_other_fetches_alone(procs):
             fetch_shard(factor, gpus=0).result(timeout=60)
 
 
+def test_a_failed_write_through_a_view_fails_the_tensors_that_share_its_memory(procs):
+    # The failure was held by the view alone: its base and other views read as if nothing had happened.
+    with procs.activate():
+        x = torch.zeros(4)
+        head = x[:1]
+        x[1:].index_put_((torch.tensor([9]),), torch.tensor(1.0))  # index 9 is out of range: fails on the workers
+        after = x + 1
+        w = torch.arange(5.0)
+        w[1:].copy_(w[:-1])  # partial overlap: torch refuses it (on the workers)
+        other = torch.ones(2)
+        for t in (x, head, after):
+            with pytest.raises(RemoteException, match="index 9 is out of bounds"):
+                fetch_shard(t, gpus=1).result(timeout=60)
+        with pytest.raises(RemoteException, match="refer to a single memory location"):
+            fetch_shard(w, gpus=0).result(timeout=60)
+        assert inspect(other).tolist() == [1.0, 1.0]
+
+
+def test_an_in_place_write_to_a_tensor_whose_elements_overlap_raises_at_the_line(procs):
+    with procs.activate():
+        z = torch.ones(3)
+        with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+            z.expand(2, 3).mul_(2)
+        z.expand(2, 3).fill_(2.0)  # (which torch allows)
+        assert inspect(z).tolist() == [2.0, 2.0, 2.0]
+
+
 def _add_one(a, b=1):
     return a + b, current_rank().rank
 
@@ -1138,3 +1165,4 @@ def test_one_hot_without_num_classes_of_a_value_on_the_workers_says_its_shape_de
         got_known = inspect(known, gpus=0)
     assert torch.equal(given, F.one_hot(torch.tensor([1, 2]), 4))
     assert torch.equal(got_known, F.one_hot(torch.tensor([0, 2])))
+
