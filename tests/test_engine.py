@@ -1166,3 +1166,17 @@ def test_one_hot_without_num_classes_of_a_value_on_the_workers_says_its_shape_de
     assert torch.equal(given, F.one_hot(torch.tensor([1, 2]), 4))
     assert torch.equal(got_known, F.one_hot(torch.tensor([0, 2])))
 
+
+def test_one_hot_of_a_class_value_out_of_range_is_torchs_error(procs):
+    # Recorded as aten ops it gave a wrong result and no error (torch checks only tensors of its own type).
+    from torch.nn import functional as F
+
+    with procs.activate():
+        with pytest.raises(RuntimeError, match="Class values must be smaller than num_classes"):
+            F.one_hot(torch.tensor([0, 5]), 3)  # a value the controller knows: at the line
+        idx = torch.tensor([0, 2]) + procs.rank_tensor("gpus")
+        hot = F.one_hot(idx, 3)
+        assert hot.shape == (2, 3) and hot.dtype == torch.int64
+        assert torch.equal(fetch_shard(hot, gpus=0).result(timeout=60), F.one_hot(torch.tensor([0, 2]), 3))
+        with pytest.raises(RemoteException, match="Class values must be smaller than num_classes"):
+            fetch_shard(hot, gpus=1).result(timeout=60)  # (rank 1 holds the class value 3)
