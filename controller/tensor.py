@@ -543,6 +543,11 @@ def _propagate_locked(func, args, kwargs, tensors) -> _Template:
     finally:
         state.internal = False
         _fake_log.disabled = quiet
+    for leaf in flat_leaves(out):
+        if isinstance(leaf, torch.Tensor) and leaf.layout is not torch.strided:
+            raise MeshTensorError(f"{func} returns a tensor of layout {leaf.layout}: sparse (and other non-strided) "
+                                  f"layouts are not supported on mesh tensors; keep them dense, or use them inside "
+                                  f"a remote() function")
     leaves, struct, single = describe_outputs(out, fakes, before)
     # A view shares its input's memory on the workers (see _link_views).
     view = any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)

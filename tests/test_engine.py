@@ -201,6 +201,15 @@ def test_a_format_spec_formats_a_0_dim_tensors_item_as_torchs_does(procs):
         assert f"{unknown}".startswith("MeshTensor(")
 
 
+def test_an_op_returning_a_sparse_tensor_is_refused_at_the_line(procs):
+    # The controller recorded a strided tensor where the workers held a sparse one: later ops failed there.
+    with procs.activate():
+        x = torch.tensor([0.0, 2.0, 0.0, 3.0])
+        with pytest.raises(MeshTensorError, match="layout torch.sparse_coo: sparse .* not supported on mesh"):
+            x.to_sparse()
+        assert inspect(x + 1).tolist() == [1.0, 3.0, 1.0, 4.0]
+
+
 def test_metadata_and_local_constants(procs):
     with procs.activate():
         a = torch.arange(6.0).reshape(2, 3)
