@@ -525,6 +525,8 @@ def _propagate_locked(func, args, kwargs, tensors) -> _Template:
             fargs = tuple(sub(a) for a in args)
             fkwargs = {k: sub(v) for k, v in kwargs.items()}
             before = [meta_of(f) for f in fakes]
+            if func.name() in _INDEX_PUTS:
+                _check_indices_broadcast(fargs[1] if len(fargs) > 1 else fkwargs["indices"])
             try:
                 out = func(*fargs, **fkwargs)
             except DynamicOutputShapeException:
@@ -556,6 +558,24 @@ def _propagate_locked(func, args, kwargs, tensors) -> _Template:
     fold = (torch.Tag.nondeterministic_seeded not in func.tags
             and all(_numel(leaf[1][0]) <= FOLD_NUMEL for leaf in leaves if leaf[0] == "new"))
     return _Template(func.name(), leaves, struct, single, (pos, names), fold, view)
+
+
+_INDEX_PUTS = {"aten::index_put_", "aten::index_put", "aten::_index_put_impl_"}
+
+
+def _check_indices_broadcast(indices) -> None:
+    """torch's ``index_put_`` refuses integer index tensors that do not broadcast together (``x[[0, 0], [0, 0, 0]]
+    = v``) at the call; its meta kernel does not check, and the workers' error came only at a fetch. (A boolean
+    mask stands for as many indices as it has true elements: a shape only the workers know.)"""
+    indices = [i for i in indices if i is not None]
+    if any(i.dtype in (torch.bool, torch.uint8) for i in indices):
+        return
+    try:
+        torch.broadcast_shapes(*(i.shape for i in indices))
+    except RuntimeError:
+        shapes = ", ".join(str(list(i.shape)) for i in indices)
+        raise IndexError(f"shape mismatch: indexing tensors could not be broadcast together with shapes {shapes}") \
+            from None
 
 
 def _written(pos, names, args, kwargs) -> list:

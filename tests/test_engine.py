@@ -210,6 +210,17 @@ def test_an_op_returning_a_sparse_tensor_is_refused_at_the_line(procs):
         assert inspect(x + 1).tolist() == [1.0, 3.0, 1.0, 4.0]
 
 
+def test_index_lists_that_do_not_broadcast_are_torchs_index_error_at_the_line(procs):
+    # index_put_'s meta kernel does not check them: the workers' error came only at a fetch.
+    with procs.activate():
+        x = torch.zeros(2, 3, 4)
+        for target in (x, x[:, :, 0]):  # (the second through a view: x[..., 0] = v)
+            with pytest.raises(IndexError, match=r"could not be broadcast together with shapes \[2\], \[3\]"):
+                target[[0, 0], [0, 0, 0]] = 5.0
+        x[[0, 1], [2]] = 5.0  # ([2] and [1] broadcast)
+        assert inspect(x.sum()).item() == 40.0
+
+
 def test_metadata_and_local_constants(procs):
     with procs.activate():
         a = torch.arange(6.0).reshape(2, 3)
