@@ -253,16 +253,25 @@ def _install_factories() -> None:
 
     # F.one_hot(t) without num_classes sizes its result by t.max().item() + 1, a read of the value that torch
     # makes inside the op: refused, it named an .item() the script never called. It is an op whose output
-    # shape depends on the data, and says so as the others do.
+    # shape depends on the data, and says so as the others do. Torch checks the class values only for a
+    # tensor of its own (not a subclass's), so recorded as aten ops a class value out of range gave a wrong
+    # result and no error: a value only the workers know runs torch's own one_hot there (its error comes at
+    # a fetch, as other workers' errors do), and a value the controller knows is checked here.
     one_hot = torch.nn.functional.one_hot
+    one_hot_on_workers = Remote("torch.nn.functional.one_hot", propagate=one_hot)
 
     @functools.wraps(one_hot)
     def one_hot_(tensor, num_classes=-1):
-        if type(tensor) is Tensor and num_classes < 0 and not hasattr(tensor, "_val"):
+        if type(tensor) is not Tensor or tensor._dist is not None:
+            return one_hot(tensor, num_classes)
+        if hasattr(tensor, "_val"):
+            one_hot(tensor._val, num_classes)  # (torch's error, at the line)
+            return one_hot(tensor, num_classes)
+        if num_classes < 0:
             raise MeshTensorError("torch.nn.functional.one_hot(t) without num_classes has an output shape that "
                                   "depends on the data (t.max() + 1), which the controller cannot know; pass "
                                   "num_classes, or compute it in a remote() function with propagate=... instead")
-        return one_hot(tensor, num_classes)
+        return one_hot_on_workers(tensor, num_classes)
 
     torch.nn.functional.one_hot = one_hot_
 

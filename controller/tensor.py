@@ -149,6 +149,53 @@ class Tensor(DistributedMethods, torch.Tensor):
         raise MeshTensorError("t.numpy() of a mesh tensor is not possible on the controller: the value lives on "
                               "the workers; fetch it with fetch_shard(t).result().numpy()")
 
+    # Methods that reach the tensor's memory directly rather than through an aten op: the controller's
+    # tensor is a wrapper with no memory (its values live on the workers), and torch's own code for these
+    # crashed the controller (SIGSEGV: ``apply_``, ``share_memory_``) or read a dangling pointer (``__dlpack__``).
+    def apply_(self, callable):
+        _no_memory("t.apply_(fn)", "calls a Python function on each element here; write the computation with "
+                                   "tensor ops, or run it on the workers in a remote() function")
+
+    def map_(self, tensor, callable):
+        _no_memory("t.map_(other, fn)", "calls a Python function on each element here; write the computation "
+                                        "with tensor ops, or run it on the workers in a remote() function")
+
+    def map2_(self, x, y, callable):
+        _no_memory("t.map2_(x, y, fn)", "calls a Python function on each element here; write the computation "
+                                        "with tensor ops, or run it on the workers in a remote() function")
+
+    def share_memory_(self):
+        _no_memory("t.share_memory_()", "moves memory the controller does not have; fetch the value with "
+                                        "fetch_shard(t).result() and share that")
+
+    def is_shared(self):
+        _no_memory("t.is_shared()", "fetch the value with fetch_shard(t).result()")
+
+    def pin_memory(self, device=None):
+        """Pinning is for copies from the host to a GPU: a mesh tensor is on its workers' device already (as
+        ``cuda()`` says)."""
+        return self
+
+    def untyped_storage(self):
+        _no_memory("t.untyped_storage()", "fetch the value with fetch_shard(t).result()")
+
+    def storage(self):
+        _no_memory("t.storage()", "fetch the value with fetch_shard(t).result()")
+
+    def __array__(self, dtype=None, copy=None):
+        _no_memory("numpy.asarray(t)", "fetch the value with fetch_shard(t).result().numpy()")
+
+    def __dlpack__(self, *args, **kwargs):
+        _no_memory("DLPack export of a mesh tensor", "fetch the value with fetch_shard(t).result()")
+
+    def __format__(self, format_spec: str) -> str:
+        """``f"{loss:.4f}"`` of a 0-dim tensor formats ``loss.item()``, as torch's does (whose ``__format__``
+        does that only for ``torch.Tensor`` itself): a value the controller knows, else the clear error of
+        ``item()``. With no format spec it is ``str(t)``, as ``print(t)`` shows it, and never reads the value."""
+        if format_spec and self.dim() == 0:
+            return self.item().__format__(format_spec)
+        return object.__format__(self, format_spec)
+
     # ---- Monarch's tensor methods ---------------------------------------------------------------
     @property
     def mesh(self):
@@ -206,6 +253,11 @@ class Tensor(DistributedMethods, torch.Tensor):
     def dropped(self) -> bool:
         """Whether ``drop()`` freed this tensor (or, for a borrowed one, ``borrow.drop()``)."""
         return self._ctx.sid < 0
+
+
+def _no_memory(what: str, instead: str):
+    raise MeshTensorError(f"{what} is not possible on the controller: a mesh tensor's memory lives on the "
+                          f"workers; {instead}")
 
 
 _wrap = torch.Tensor._make_wrapper_subclass
@@ -473,6 +525,8 @@ def _propagate_locked(func, args, kwargs, tensors) -> _Template:
             fargs = tuple(sub(a) for a in args)
             fkwargs = {k: sub(v) for k, v in kwargs.items()}
             before = [meta_of(f) for f in fakes]
+            if func.name() in _INDEX_PUTS:
+                _check_indices_broadcast(fargs[1] if len(fargs) > 1 else fkwargs["indices"])
             try:
                 out = func(*fargs, **fkwargs)
             except DynamicOutputShapeException:
@@ -484,11 +538,19 @@ def _propagate_locked(func, args, kwargs, tensors) -> _Template:
                     f"{func} returns a Python value computed from the data (as torch.allclose and torch.equal do), "
                     f"which lives on the workers; compute a tensor instead (e.g. (a - b).abs().max()) and fetch it "
                     f"with fetch_shard(t).result() or inspect(t)") from None
+        pos, names = _mutated(func)
+        if (pos or names) and any(torch._debug_has_internal_overlap(t) == 1 for t in _written(pos, names, fargs, fkwargs)
+                                  if isinstance(t, torch.Tensor)):
+            _raise_as_torch(func, args, kwargs, tensors)
     finally:
         state.internal = False
         _fake_log.disabled = quiet
+    for leaf in flat_leaves(out):
+        if isinstance(leaf, torch.Tensor) and leaf.layout is not torch.strided:
+            raise MeshTensorError(f"{func} returns a tensor of layout {leaf.layout}: sparse (and other non-strided) "
+                                  f"layouts are not supported on mesh tensors; keep them dense, or use them inside "
+                                  f"a remote() function")
     leaves, struct, single = describe_outputs(out, fakes, before)
-    pos, names = _mutated(func)
     # A view shares its input's memory on the workers (see _link_views).
     view = any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
     if not view and func.name().startswith("aten::set_."):
@@ -496,6 +558,47 @@ def _propagate_locked(func, args, kwargs, tensors) -> _Template:
     fold = (torch.Tag.nondeterministic_seeded not in func.tags
             and all(_numel(leaf[1][0]) <= FOLD_NUMEL for leaf in leaves if leaf[0] == "new"))
     return _Template(func.name(), leaves, struct, single, (pos, names), fold, view)
+
+
+_INDEX_PUTS = {"aten::index_put_", "aten::index_put", "aten::_index_put_impl_"}
+
+
+def _check_indices_broadcast(indices) -> None:
+    """torch's ``index_put_`` refuses integer index tensors that do not broadcast together (``x[[0, 0], [0, 0, 0]]
+    = v``) at the call; its meta kernel does not check, and the workers' error came only at a fetch. (A boolean
+    mask stands for as many indices as it has true elements: a shape only the workers know.)"""
+    indices = [i for i in indices if i is not None]
+    if any(i.dtype in (torch.bool, torch.uint8) for i in indices):
+        return
+    try:
+        torch.broadcast_shapes(*(i.shape for i in indices))
+    except RuntimeError:
+        shapes = ", ".join(str(list(i.shape)) for i in indices)
+        raise IndexError(f"shape mismatch: indexing tensors could not be broadcast together with shapes {shapes}") \
+            from None
+
+
+def _written(pos, names, args, kwargs) -> list:
+    """The arguments at ``pos``/``names`` (what an op writes in place), lists of them flattened."""
+    written = [args[p] for p in pos if p < len(args)] + [kwargs[n] for n in names if n in kwargs]
+    return [t for a in written for t in (a if type(a) in (list, tuple) else (a,))]
+
+
+def _raise_as_torch(func, args, kwargs, tensors) -> None:
+    """Run ``func`` here, outside the fake mode, on zeros of its mesh tensors' metadata, to raise torch's own
+    error: torch refuses most in-place writes to a tensor whose elements overlap (``x.expand(2, 3).mul_(2)``)
+    at the call, and the meta kernels that propagation runs do not check it (the workers' error came only at a
+    fetch). An op that allows it (``fill_``) passes."""
+    it = iter([to_fake(t._meta).zero_() if type(t) is Tensor else t for t in tensors])
+
+    def sub(a):
+        if isinstance(a, torch.Tensor):
+            return next(it)
+        if type(a) in (list, tuple):
+            return type(a)(sub(x) for x in a)
+        return a
+
+    func(*(sub(a) for a in args), **{k: sub(v) for k, v in kwargs.items()})
 
 
 FOLD_NUMEL = 64

@@ -168,6 +168,59 @@ def test_values_read_on_the_controller_are_clear_errors(procs):
         assert inspect(torch.stack([a[0], b[1]])).tolist() == [1.0, 1.0]
 
 
+def test_methods_that_reach_a_tensors_memory_are_clear_errors_not_crashes(procs):
+    # The controller's tensor has no memory: torch's own apply_ and share_memory_ crashed the controller
+    # (SIGSEGV), and DLPack exported a dangling pointer.
+    import numpy as np
+
+    with procs.activate():
+        x = torch.arange(4.0)
+        for what, call in [("apply_", lambda: x.apply_(lambda v: v * 2)),
+                           ("map_", lambda: x.map_(x, lambda a, b: a + b)),
+                           ("map2_", lambda: x.map2_(x, x, lambda a, b, c: a)),
+                           ("share_memory_", lambda: x.share_memory_()),
+                           ("is_shared", lambda: x.is_shared()),
+                           ("untyped_storage", lambda: x.untyped_storage()),
+                           ("storage", lambda: x.storage()),
+                           ("numpy.asarray", lambda: np.asarray(x)),
+                           ("DLPack", lambda: torch.from_dlpack(x))]:
+            with pytest.raises(MeshTensorError, match=rf"{what}.*memory lives on the workers"):
+                call()
+        assert x.pin_memory() is x  # (on the workers' device already, as cuda() says)
+        assert inspect(x).tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_format_spec_formats_a_0_dim_tensors_item_as_torchs_does(procs):
+    # torch.Tensor.__format__ formats item() only for torch.Tensor itself: f"{loss:.4f}" raised TypeError.
+    with procs.activate():
+        known = torch.tensor(1.23456) * 2  # a value the controller knows
+        assert f"{known:.3f}" == "2.469" and f"{known}" == str(known)
+        unknown = torch.ones(()) * procs.rank_tensor("gpus")
+        with pytest.raises(MeshTensorError, match="fetch_shard"):
+            f"{unknown:.3f}"
+        assert f"{unknown}".startswith("MeshTensor(")
+
+
+def test_an_op_returning_a_sparse_tensor_is_refused_at_the_line(procs):
+    # The controller recorded a strided tensor where the workers held a sparse one: later ops failed there.
+    with procs.activate():
+        x = torch.tensor([0.0, 2.0, 0.0, 3.0])
+        with pytest.raises(MeshTensorError, match="layout torch.sparse_coo: sparse .* not supported on mesh"):
+            x.to_sparse()
+        assert inspect(x + 1).tolist() == [1.0, 3.0, 1.0, 4.0]
+
+
+def test_index_lists_that_do_not_broadcast_are_torchs_index_error_at_the_line(procs):
+    # index_put_'s meta kernel does not check them: the workers' error came only at a fetch.
+    with procs.activate():
+        x = torch.zeros(2, 3, 4)
+        for target in (x, x[:, :, 0]):  # (the second through a view: x[..., 0] = v)
+            with pytest.raises(IndexError, match=r"could not be broadcast together with shapes \[2\], \[3\]"):
+                target[[0, 0], [0, 0, 0]] = 5.0
+        x[[0, 1], [2]] = 5.0  # ([2] and [1] broadcast)
+        assert inspect(x.sum()).item() == 40.0
+
+
 def test_metadata_and_local_constants(procs):
     with procs.activate():
         a = torch.arange(6.0).reshape(2, 3)
@@ -828,6 +881,33 @@ def test_a_no_result_op_on_a_failed_input_leaves_other_fetches_alone(procs):
             fetch_shard(factor, gpus=0).result(timeout=60)
 
 
+def test_a_failed_write_through_a_view_fails_the_tensors_that_share_its_memory(procs):
+    # The failure was held by the view alone: its base and other views read as if nothing had happened.
+    with procs.activate():
+        x = torch.zeros(4)
+        head = x[:1]
+        x[1:].index_put_((torch.tensor([9]),), torch.tensor(1.0))  # index 9 is out of range: fails on the workers
+        after = x + 1
+        w = torch.arange(5.0)
+        w[1:].copy_(w[:-1])  # partial overlap: torch refuses it (on the workers)
+        other = torch.ones(2)
+        for t in (x, head, after):
+            with pytest.raises(RemoteException, match="index 9 is out of bounds"):
+                fetch_shard(t, gpus=1).result(timeout=60)
+        with pytest.raises(RemoteException, match="refer to a single memory location"):
+            fetch_shard(w, gpus=0).result(timeout=60)
+        assert inspect(other).tolist() == [1.0, 1.0]
+
+
+def test_an_in_place_write_to_a_tensor_whose_elements_overlap_raises_at_the_line(procs):
+    with procs.activate():
+        z = torch.ones(3)
+        with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+            z.expand(2, 3).mul_(2)
+        z.expand(2, 3).fill_(2.0)  # (which torch allows)
+        assert inspect(z).tolist() == [2.0, 2.0, 2.0]
+
+
 def _add_one(a, b=1):
     return a + b, current_rank().rank
 
@@ -1133,3 +1213,18 @@ def test_one_hot_without_num_classes_of_a_value_on_the_workers_says_its_shape_de
         got_known = inspect(known, gpus=0)
     assert torch.equal(given, F.one_hot(torch.tensor([1, 2]), 4))
     assert torch.equal(got_known, F.one_hot(torch.tensor([0, 2])))
+
+
+def test_one_hot_of_a_class_value_out_of_range_is_torchs_error(procs):
+    # Recorded as aten ops it gave a wrong result and no error (torch checks only tensors of its own type).
+    from torch.nn import functional as F
+
+    with procs.activate():
+        with pytest.raises(RuntimeError, match="Class values must be smaller than num_classes"):
+            F.one_hot(torch.tensor([0, 5]), 3)  # a value the controller knows: at the line
+        idx = torch.tensor([0, 2]) + procs.rank_tensor("gpus")
+        hot = F.one_hot(idx, 3)
+        assert hot.shape == (2, 3) and hot.dtype == torch.int64
+        assert torch.equal(fetch_shard(hot, gpus=0).result(timeout=60), F.one_hot(torch.tensor([0, 2]), 3))
+        with pytest.raises(RemoteException, match="Class values must be smaller than num_classes"):
+            fetch_shard(hot, gpus=1).result(timeout=60)  # (rank 1 holds the class value 3)

@@ -315,14 +315,23 @@ class TensorWorker(Actor):
             if r is not None:
                 self.refs[r] = v
 
+    def _sharing_memory(self, written: tuple) -> tuple:
+        """The refs of every tensor that shares memory with a tensor of ``written``: a view's base and its other
+        views (``x[1:].index_put_(...)`` writes ``x``). A write that failed leaves that memory as it was, so
+        they hold the failure too: a fetch of ``x`` raised nothing and returned the value from before."""
+        memory = {_memory(self.refs.get(r)) for r in written} - {None}
+        if not memory:
+            return ()
+        return tuple(r for r, v in list(self.refs.items()) if _memory(v) in memory)
+
     def _run(self, what: str, msg, call) -> None:
         try:
             result = call()
         except _Propagate as p:
-            self._fail(msg.outs + msg.mutates, p.failure, own=False)
+            self._fail(msg.outs + msg.mutates + self._sharing_memory(msg.mutates), p.failure, own=False)
             return
         except Exception as e:  # noqa: BLE001 - user code failed: the error becomes the value
-            self._fail(msg.outs + msg.mutates, self._failure(what, msg.loc, e))
+            self._fail(msg.outs + msg.mutates + self._sharing_memory(msg.mutates), self._failure(what, msg.loc, e))
             return
         self._store(msg.outs, result)
 
@@ -597,6 +606,13 @@ class _Result:
 
     def proc_died(self, addr: str, error) -> tuple[bool, bool]:
         return False, False
+
+
+def _memory(v) -> int | None:
+    """Where a ref's tensor's memory starts (views of one tensor share it); None for a value of no memory."""
+    if not isinstance(v, torch.Tensor) or v.layout is not torch.strided:
+        return None
+    return v.untyped_storage().data_ptr() or None
 
 
 def _check_result(result, outs: tuple, metas: tuple) -> None:
