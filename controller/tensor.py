@@ -420,12 +420,17 @@ def fake_mode() -> FakeTensorMode:
     return _fake_mode
 
 
+def _extent(meta: tuple) -> int:
+    """How many elements of storage a tensor of this metadata spans, from its storage's start."""
+    shape, stride, offset = meta[:3]
+    if any(s == 0 for s in shape):
+        return offset
+    return offset + 1 + sum((s - 1) * st for s, st in zip(shape, stride) if s > 0)
+
+
 def to_fake(meta: tuple):
     shape, stride, offset, dtype = meta[:4]
-    extent = offset + 1 + sum((s - 1) * st for s, st in zip(shape, stride) if s > 0)
-    if any(s == 0 for s in shape):
-        extent = offset
-    base = torch.empty(max(extent, 1), dtype=dtype)
+    base = torch.empty(max(_extent(meta), 1), dtype=dtype)
     view = base.as_strided(shape, stride, offset)
     if len(meta) > 4:  # torch's lazy conjugate / negative bits
         _set_bits(view, meta[4])
@@ -527,6 +532,7 @@ def _propagate_locked(func, args, kwargs, tensors) -> _Template:
             before = [meta_of(f) for f in fakes]
             if func.name() in _INDEX_PUTS:
                 _check_indices_broadcast(fargs[1] if len(fargs) > 1 else fkwargs["indices"])
+            fake_error = None
             try:
                 out = func(*fargs, **fkwargs)
             except DynamicOutputShapeException:
@@ -538,6 +544,10 @@ def _propagate_locked(func, args, kwargs, tensors) -> _Template:
                     f"{func} returns a Python value computed from the data (as torch.allclose and torch.equal do), "
                     f"which lives on the workers; compute a tensor instead (e.g. (a - b).abs().max()) and fetch it "
                     f"with fetch_shard(t).result() or inspect(t)") from None
+            except _META_ERRORS as e:
+                fake_error = e  # raised below, outside the fake mode, as torch would raise it
+        if fake_error is not None:
+            _raise_torch_error(func, args, kwargs, tensors, fake_error)
         pos, names = _mutated(func)
         if (pos or names) and any(torch._debug_has_internal_overlap(t) == 1 for t in _written(pos, names, fargs, fkwargs)
                                   if isinstance(t, torch.Tensor)):
@@ -585,11 +595,12 @@ def _written(pos, names, args, kwargs) -> list:
 
 
 def _raise_as_torch(func, args, kwargs, tensors) -> None:
-    """Run ``func`` here, outside the fake mode, on zeros of its mesh tensors' metadata, to raise torch's own
+    """Run ``func`` here, outside the fake mode, on zeros of its tensors' metadata, to raise torch's own
     error: torch refuses most in-place writes to a tensor whose elements overlap (``x.expand(2, 3).mul_(2)``)
     at the call, and the meta kernels that propagation runs do not check it (the workers' error came only at a
-    fetch). An op that allows it (``fill_``) passes."""
-    it = iter([to_fake(t._meta).zero_() if type(t) is Tensor else t for t in tensors])
+    fetch). An op that allows it (``fill_``) passes. A local tensor argument is replaced by zeros too: the call
+    must not write to the script's own tensor."""
+    it = iter([to_fake(t._meta if type(t) is Tensor else meta_of(t)).zero_() for t in tensors])
 
     def sub(a):
         if isinstance(a, torch.Tensor):
@@ -599,6 +610,30 @@ def _raise_as_torch(func, args, kwargs, tensors) -> None:
         return a
 
     func(*(sub(a) for a in args), **{k: sub(v) for k, v in kwargs.items()})
+
+
+# The exception types torch's meta kernels raise for a wrong call (torch._check and its kin). The fake mode's
+# own exceptions (an op without a fake kernel, ...) are subclasses, and are left as they are.
+_META_ERRORS = (RuntimeError, ValueError, IndexError, TypeError, NotImplementedError)
+
+RERUN_NUMEL = 1 << 20
+
+
+def _raise_torch_error(func, args, kwargs, tensors, error: Exception) -> None:
+    """Raise torch's own error for a call whose fake run raised ``error``. A meta kernel checks what torch's
+    kernel checks, but some raise another exception type: ``x.t().view(12)`` and ``x.clamp()`` a ValueError
+    (torch: RuntimeError, with its "use .reshape" hint), ``x[[0, 0], [0, 0, 0]]`` and ``torch.empty(0).argmax()``
+    a RuntimeError (torch: IndexError), which an ``except`` written for local torch misses. So the call runs
+    again on zeros of its inputs' metadata (see _raise_as_torch), and what torch raises there is raised, from
+    ``error``. Only where that is cheap (at most RERUN_NUMEL elements in all) and harmless (an aten op that
+    draws no random numbers); else, or where the real call passes (a meta kernel's own limit), ``error`` is."""
+    if (type(error) in _META_ERRORS and func.namespace == "aten" and torch.Tag.nondeterministic_seeded not in func.tags
+            and sum(_extent(t._meta if type(t) is Tensor else meta_of(t)) for t in tensors) <= RERUN_NUMEL):
+        try:
+            _raise_as_torch(func, args, kwargs, tensors)
+        except Exception as real:
+            raise real from error
+    raise error
 
 
 FOLD_NUMEL = 64
