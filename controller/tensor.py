@@ -518,17 +518,7 @@ def _propagate_locked(func, args, kwargs, tensors) -> _Template:
     try:
         with mode:
             fakes = [to_fake(t._meta) if type(t) is Tensor else mode.from_tensor(t) for t in tensors]
-            it = iter(fakes)
-
-            def sub(a):
-                if isinstance(a, torch.Tensor):
-                    return next(it)
-                if type(a) in (list, tuple):
-                    return type(a)(sub(x) for x in a)
-                return a
-
-            fargs = tuple(sub(a) for a in args)
-            fkwargs = {k: sub(v) for k, v in kwargs.items()}
+            fargs, fkwargs = _substituted(args, kwargs, fakes)
             before = [meta_of(f) for f in fakes]
             if func.name() in _INDEX_PUTS:
                 _check_indices_broadcast(fargs[1] if len(fargs) > 1 else fkwargs["indices"])
@@ -600,7 +590,15 @@ def _raise_as_torch(func, args, kwargs, tensors) -> None:
     at the call, and the meta kernels that propagation runs do not check it (the workers' error came only at a
     fetch). An op that allows it (``fill_``) passes. A local tensor argument is replaced by zeros too: the call
     must not write to the script's own tensor."""
-    it = iter([to_fake(t._meta if type(t) is Tensor else meta_of(t)).zero_() for t in tensors])
+    zeros = [to_fake(t._meta if type(t) is Tensor else meta_of(t)).zero_() for t in tensors]
+    zargs, zkwargs = _substituted(args, kwargs, zeros)
+    func(*zargs, **zkwargs)
+
+
+def _substituted(args, kwargs, replacements: list) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with their tensors (also those in lists and tuples), in order, replaced by
+    ``replacements``."""
+    it = iter(replacements)
 
     def sub(a):
         if isinstance(a, torch.Tensor):
@@ -609,7 +607,7 @@ def _raise_as_torch(func, args, kwargs, tensors) -> None:
             return type(a)(sub(x) for x in a)
         return a
 
-    func(*(sub(a) for a in args), **{k: sub(v) for k, v in kwargs.items()})
+    return tuple(sub(a) for a in args), {k: sub(v) for k, v in kwargs.items()}
 
 
 # The exception types torch's meta kernels raise for a wrong call (torch._check and its kin). The fake mode's

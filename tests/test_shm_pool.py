@@ -143,15 +143,7 @@ class _Big(Actor):
 
 
 def _mapped_fds_of(pid: int) -> list[str]:
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if f"/mt-{pid}-" in target:
-            out.append(target)
-    return out
+    return [target for target in _shm_fds() if f"/mt-{pid}-" in target]
 
 
 def test_a_stopped_procs_segments_are_unmapped_here():
