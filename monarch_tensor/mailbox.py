@@ -578,10 +578,7 @@ class Mailbox:
                     if items is None:
                         break
             for msg, unreadable in items:
-                if unreadable is not None:
-                    self._lost(msg, unreadable.error, defer, payload_lost=isinstance(unreadable, _wire.PayloadLost))
-                else:
-                    self._route(msg, defer)
+                self._take(msg, unreadable, defer)
         self.flush()
 
     def _receive_one(self) -> list | None:
@@ -594,31 +591,12 @@ class Mailbox:
             frames = self._recv(_NOBLOCK)
         except zmq.Again:
             return None
-        if len(frames) == 1 and _wire.is_batch(frames[0]):
-            try:
-                parts = [[part] for part in _wire.unpack_batch(frames[0])]
-            except ProtocolError as e:
-                log.warning("dropped a malformed batch on %s: %s", self.addr, e)
-                return []
-        else:
-            parts = [frames]
         rest = []
-        for part in parts:
-            try:
-                msg = _wire.decode(part)
-            except _wire.Unreadable as e:
-                if e.message is None:
-                    log.warning("dropped a malformed message on %s: %s", self.addr, e)
-                else:
-                    rest.append((e.message, e))
-                continue
-            except ProtocolError as e:
-                log.warning("dropped a malformed message on %s: %s", self.addr, e)
-                continue
-            if isinstance(msg, (SendToPort, ForwardLogs)):
+        for msg, unreadable in self._decoded(frames):
+            if unreadable is None and isinstance(msg, (SendToPort, ForwardLogs)):
                 self._route(msg)
             else:
-                rest.append((msg, None))
+                rest.append((msg, unreadable))
         return rest
 
     def helps_here(self) -> bool:
@@ -706,27 +684,38 @@ class Mailbox:
                 self._router.poll(100 if left is None else max(1, min(100, int(left * 1000))), zmq.POLLIN)
 
     def _dispatch(self, frames: list, defer: Callable[[object], None] | None = None) -> None:
+        for msg, unreadable in self._decoded(frames):
+            self._take(msg, unreadable, defer)
+
+    def _decoded(self, frames: list):
+        """The messages ``frames`` hold (a batch: each of its messages, decoded one at a time as they are
+        taken), as (message, None), or (what could be read of it, Unreadable) for one that could not be read
+        whole; malformed ones are logged and dropped."""
         if len(frames) == 1 and _wire.is_batch(frames[0]):
             try:
-                parts = _wire.unpack_batch(frames[0])
+                parts = [[part] for part in _wire.unpack_batch(frames[0])]
             except ProtocolError as e:
                 log.warning("dropped a malformed batch on %s: %s", self.addr, e)
                 return
-            for part in parts:
-                self._dispatch([part], defer)
-            return
-        try:
-            msg = _wire.decode(frames)
-        except _wire.Unreadable as e:
-            if e.message is None:
+        else:
+            parts = [frames]
+        for part in parts:
+            try:
+                yield _wire.decode(part), None
+            except _wire.Unreadable as e:
+                if e.message is None:
+                    log.warning("dropped a malformed message on %s: %s", self.addr, e)
+                else:
+                    yield e.message, e
+            except ProtocolError as e:
                 log.warning("dropped a malformed message on %s: %s", self.addr, e)
-                return
-            self._lost(e.message, e.error, defer, payload_lost=isinstance(e, _wire.PayloadLost))
-            return
-        except ProtocolError as e:
-            log.warning("dropped a malformed message on %s: %s", self.addr, e)
-            return
-        self._route(msg, defer)
+
+    def _take(self, msg: object, unreadable: _wire.Unreadable | None, defer: Callable[[object], None] | None) -> None:
+        """``_route`` a message, or fail whoever waits on one that could not be read whole (``_lost``)."""
+        if unreadable is not None:
+            self._lost(msg, unreadable.error, defer, payload_lost=isinstance(unreadable, _wire.PayloadLost))
+        else:
+            self._route(msg, defer)
 
     def _route(self, msg: object, defer: Callable[[object], None] | None = None) -> None:
         """Hand a received message to whoever takes it: its port, the log sink, a system handler, ``defer``
