@@ -696,7 +696,8 @@ def test_logging_option_on_a_stopped_mesh_or_one_with_a_dead_proc_raises(mesh, f
         procs.logging_option(stream_to_client=True)
 
 
-TEMPLATE_DEATH_SCRIPT = textwrap.dedent("""
+# A client script whose procs will lose their template process; it records the faults in ``seen``.
+_TEMPLATE_DEATH_START = textwrap.dedent("""
     import os, signal, sys, time
     sys.path.insert(0, {root!r})
     import monarch_tensor.actor as actor_mod
@@ -708,6 +709,9 @@ TEMPLATE_DEATH_SCRIPT = textwrap.dedent("""
             return os.getpid()
     seen = []
     actor_mod.unhandled_fault_hook = seen.append
+""")
+
+TEMPLATE_DEATH_SCRIPT = _TEMPLATE_DEATH_START + textwrap.dedent("""
     procs = this_host().spawn_procs({{"gpus": 1}})
     procs.spawn("w", W).pid.call_one().get(timeout=60)
     os.kill(host.local_host().proc.pid, signal.SIGKILL)  # the template (the OOM killer's pick, say)
@@ -729,18 +733,7 @@ def test_meshes_after_the_template_process_died_get_a_new_one(tmp_path):
     assert p.returncode == 0 and "PID" in p.stdout, p.stdout + p.stderr
 
 
-TEMPLATE_DEATH_SOCKETS_SCRIPT = textwrap.dedent("""
-    import os, signal, sys, time
-    sys.path.insert(0, {root!r})
-    import monarch_tensor.actor as actor_mod
-    from monarch_tensor import host
-    from monarch_tensor.actor import Actor, endpoint, this_host
-    class W(Actor):
-        @endpoint
-        def pid(self):
-            return os.getpid()
-    seen = []
-    actor_mod.unhandled_fault_hook = seen.append
+TEMPLATE_DEATH_SOCKETS_SCRIPT = _TEMPLATE_DEATH_START + textwrap.dedent("""
     procs = this_host().spawn_procs({{"gpus": 2}})
     procs.spawn("w", W).pid.call().get(timeout=60)
     sockets = [p.addr[len("ipc://"):] for p in procs._procs]
