@@ -74,9 +74,11 @@ def _rank() -> int:
     return rt.rank if rt is not None else 0
 
 
-def _reply(mailbox: Mailbox, port, value=None, error: BaseException | None = None) -> None:
-    if port is not None:
-        mailbox.send(port.addr, SendToPort(port.port_id, value, error, _rank()))
+def _reply(mailbox: Mailbox, msg, value=None, error: BaseException | None = None) -> None:
+    """Answer ``msg`` on its ``reply`` port, keyed by its ``slot``, not by this proc's rank: a host mesh's
+    sync asks the procs of several meshes at once, whose ranks repeat."""
+    if msg.reply is not None:
+        mailbox.send(msg.reply.addr, SendToPort(msg.reply.port_id, value, error, msg.slot))
 
 
 def _failed(what: str, e: BaseException) -> Exception:
@@ -108,9 +110,9 @@ def handle_describe(mailbox: Mailbox, msg: DescribeWorkspace) -> None:
     try:
         answer = where(msg.client_key, msg.root_var)
     except Exception as e:  # noqa: BLE001 - reported to the client
-        _reply(mailbox, msg.reply, error=_failed("workspace roots", e))
+        _reply(mailbox, msg, error=_failed("workspace roots", e))
         return
-    _reply(mailbox, msg.reply, answer)
+    _reply(mailbox, msg, answer)
 
 
 def scan_root(root: str, dirs) -> dict[str, tuple[int, int, int]]:
@@ -197,7 +199,7 @@ def handle_diff(mailbox: Mailbox, msg: DiffWorkspace) -> None:
         root = workspace_root(msg.client_key, msg.root_var)
         scanned = _scans.pop(msg.sync_id, None)
         if msg.root_var and _is_source(root, msg.sources):
-            _reply(mailbox, msg.reply, WorkspaceDiff((), {}, {}, (), root, same=True))
+            _reply(mailbox, msg, WorkspaceDiff((), {}, {}, (), root, same=True))
             return
         if msg.root_var.startswith("/"):
             check_mount_point(root)
@@ -206,9 +208,9 @@ def handle_diff(mailbox: Mailbox, msg: DiffWorkspace) -> None:
         if sees_sources(msg.sources):
             value = dataclasses.replace(value, local=True)
     except Exception as e:  # noqa: BLE001 - reported to the client
-        _reply(mailbox, msg.reply, error=_failed("workspace diff", e))
+        _reply(mailbox, msg, error=_failed("workspace diff", e))
         return
-    _reply(mailbox, msg.reply, value)
+    _reply(mailbox, msg, value)
 
 
 SYNC_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_SYNC_TIMEOUT", "120"))  # every wait of a sync, both sides
@@ -664,7 +666,7 @@ def handle_write(mailbox: Mailbox, msg: WriteFiles) -> None:
         root = workspace_root(msg.client_key, msg.root_var)
     except Exception as e:  # noqa: BLE001 - (it was there for the diff: the variable was unset since)
         if msg.last:
-            _reply(mailbox, msg.reply, error=_failed("workspace write", e))
+            _reply(mailbox, msg, error=_failed("workspace write", e))
         return
     if msg.sync_id not in _failures:
         got = _writers.get(msg.sync_id)
@@ -692,7 +694,7 @@ def handle_write(mailbox: Mailbox, msg: WriteFiles) -> None:
             commit(root, msg.dirs, w.ops, msg.scan_ns, env=bool(msg.root_var))
         except Exception as e:  # noqa: BLE001
             err = _failed("workspace commit", e)
-    _reply(mailbox, msg.reply, None if err else root, err)
+    _reply(mailbox, msg, None if err else root, err)
 
 
 def handle_reload(mailbox: Mailbox, msg: ReloadWorkspace) -> None:
@@ -703,9 +705,9 @@ def handle_reload(mailbox: Mailbox, msg: ReloadWorkspace) -> None:
         _reload.note_changed(n for n in (_filetree.module_name(k, list(msg.dirs)) for k in msg.changed) if n)
         reloaded = _reload.reload_stale() if msg.auto_reload else []
     except Exception as e:  # noqa: BLE001
-        _reply(mailbox, msg.reply, error=_failed("workspace reload", e))
+        _reply(mailbox, msg, error=_failed("workspace reload", e))
         return
-    _reply(mailbox, msg.reply, tuple(reloaded))
+    _reply(mailbox, msg, tuple(reloaded))
 
 
 def on_start(client_addr: str) -> None:

@@ -4,7 +4,9 @@ A sync is three rounds: ``DescribeWorkspace`` to every proc (once per mesh:
 which host and root each proc has), ``ScanWorkspace``, ``DiffWorkspace`` then
 ``WriteFiles`` to one writer proc per distinct root, and ``ReloadWorkspace``
 to every proc.
-Replies are ``SendToPort`` values (``WorkspaceDiff``, tuples).
+Replies are ``SendToPort`` values (``WorkspaceDiff``, tuples), keyed by the ``slot`` of the message that
+asked: the proc's place in the client's request (a host mesh's sync asks the procs of several meshes at
+once, and their ranks repeat).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class DescribeWorkspace:
     client_key: str
     reply: PortRef
     root_var: str = ""
+    slot: int = 0
 
 
 @_fast_reduce
@@ -56,6 +59,7 @@ class DiffWorkspace:
     reply: PortRef
     sources: tuple = ()
     root_var: str = ""
+    slot: int = 0
 
 
 @_fast_reduce
@@ -82,6 +86,7 @@ class WriteFiles:
     last: bool
     reply: PortRef | None
     root_var: str = ""
+    slot: int = 0
 
 
 @_fast_reduce
@@ -95,6 +100,7 @@ class ReloadWorkspace:
     changed: tuple[str, ...]
     auto_reload: bool
     reply: PortRef
+    slot: int = 0
 
 
 @_fast_reduce

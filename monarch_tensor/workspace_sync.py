@@ -86,7 +86,9 @@ class SyncResult:
     deleted: int = 0
     roots: list[str] = field(default_factory=list)
     changed: list[str] = field(default_factory=list)
-    reloaded: dict[int, tuple[str, ...]] = field(default_factory=dict)  # proc rank -> modules
+    # proc rank -> modules; (proc mesh, rank) -> modules where the procs synced are several meshes' (a
+    # host mesh's sync, the procs it spawned on hosts where none ran included: ranks repeat), ``_proc_keys``
+    reloaded: dict = field(default_factory=dict)
     seconds: float = 0.0
     # Where the seconds went, in order: "roots" (asking procs not seen before for their host and root,
     # while this process scans its dirs), "diff" (scanning here and at the writers, and comparing),
@@ -264,23 +266,39 @@ def _refuse_own_env(roots: list, prefix: str) -> None:
                              f"CONDA_PREFIX to another directory, or sync the active environment")
 
 
+def _proc_keys(procs: list) -> list:
+    """How a result names each of ``procs`` (``SyncResult.reloaded``): by rank where they are one proc
+    mesh's, by ``(proc mesh, rank)`` where they are several meshes' (a host mesh's sync), whose ranks repeat."""
+    if len({id(p.owner) for p in procs}) <= 1:
+        return [p.rank for p in procs]
+    return [(p.owner, p.rank) for p in procs]
+
+
+def _collector(procs: list, what: str) -> Collector:
+    """Waits for a reply from each of ``procs``, keyed by its place in the list (the ``slot`` of the message
+    it answers), not by rank: the procs of a host mesh's sync are several meshes', whose ranks repeat."""
+    return Collector([p.addr for p in procs], list(range(len(procs))), list, what)
+
+
 def _ask(procs: list, make, what: str, why_late: str = "") -> list:
     """``_ask_start``'s replies, waited for up to ``SYNC_TIMEOUT``; a timeout names the procs that did not
     answer, and ``why_late`` says what may keep them."""
-    col = Collector([p.addr for p in procs], [p.rank for p in procs], list, what)
+    col = _collector(procs, what)
     try:
         return _ask_start(procs, make, what, col).get(timeout=SYNC_TIMEOUT)
     except TimeoutError:
-        late = sorted(col._by_rank)  # (the ranks still waited for)
+        keys = _proc_keys(procs)
+        late = [keys[i] for i in sorted(col._by_rank)]  # (the slots still waited for)
         raise TimeoutError(f"no {what} from the proc(s) of rank {late} within {SYNC_TIMEOUT} s "
                            f"(MONARCH_TENSOR_SYNC_TIMEOUT){': ' + why_late if why_late else ''}") from None
 
 
 def _ask_start(procs: list, make, what: str, col: Collector | None = None) -> Future[list]:
-    """Send ``make(port)`` to each proc; a Future of their replies, in order."""
+    """Send ``make(port, slot)`` to each proc (``slot``: its place in ``procs``, which keys its reply); a
+    Future of their replies, in order."""
     mailbox = current_mailbox()
     if col is None:
-        col = Collector([p.addr for p in procs], [p.rank for p in procs], list, what)
+        col = _collector(procs, what)
     port = mailbox.open_port(col)
     for p in procs:
         # A proc that died before the port opened never fails it (its death was told to the ports open
@@ -289,8 +307,8 @@ def _ask_start(procs: list, make, what: str, col: Collector | None = None) -> Fu
         if err is not None:
             col.proc_died(p.addr, err)
             return col.future
-    for p in procs:
-        mailbox.send(p.addr, make(port))
+    for slot, p in enumerate(procs):
+        mailbox.send(p.addr, make(port, slot))
     return col.future
 
 
@@ -336,11 +354,13 @@ def _source_ids(workspace: Workspace) -> tuple:
 
 
 class _Batcher:
-    """Packs ops into ``WriteFiles`` messages of about ``CHUNK`` bytes (carried or to pull) for one writer."""
+    """Packs ops into ``WriteFiles`` messages of about ``CHUNK`` bytes (carried or to pull) for one writer
+    (``slot``: the key of its reply)."""
 
-    def __init__(self, send, sync_id: str, key: str, dirs: tuple, scan_ns: int, root_var: str = "") -> None:
+    def __init__(self, send, sync_id: str, key: str, dirs: tuple, scan_ns: int, root_var: str = "",
+                 slot: int = 0) -> None:
         self.send, self.sync_id, self.key, self.dirs, self.scan_ns = send, sync_id, key, dirs, scan_ns
-        self.root_var = root_var
+        self.root_var, self.slot = root_var, slot
         self.ops: list = []
         self.nbytes = 0
         self.limit = FIRST_CHUNK
@@ -360,7 +380,7 @@ class _Batcher:
 
     def flush(self, last: bool, reply) -> None:
         self.send(WriteFiles(self.sync_id, self.key, self.dirs, tuple(self.ops), self.scan_ns, last, reply,
-                             self.root_var))
+                             self.root_var, self.slot))
         self.ops, self.nbytes, self.limit = [], 0, CHUNK
 
 
@@ -559,7 +579,7 @@ def _describe_start(procs: list, root_var: str) -> tuple | None:
     if not unknown:
         return None
     key = _sync_proc.client_key(current_mailbox().addr)
-    return unknown, root_var, _ask_start(unknown, lambda port: DescribeWorkspace(key, port, root_var),
+    return unknown, root_var, _ask_start(unknown, lambda port, slot: DescribeWorkspace(key, port, root_var, slot),
                                          "workspace roots")
 
 
@@ -604,20 +624,21 @@ def _sync(procs: list, workspace: Workspace, auto_reload: bool, root_var: str = 
         t1 = time.perf_counter()
     where = _source_ids(workspace) if COPY_LOCAL or root_var else ()
     diffs: list[WorkspaceDiff] = _ask(
-        writers, lambda port: DiffWorkspace(sync_id, key, dirs, manifest, port, where, root_var),
+        writers, lambda port, slot: DiffWorkspace(sync_id, key, dirs, manifest, port, where, root_var, slot),
         "workspace diff") if writers else []
     t2 = time.perf_counter()
     busy = [(w, d) for w, d in zip(writers, diffs) if not d.same]  # (a root that is the source: nothing to do)
     if guard is not None:
         _refuse_own_env([_roots[(w.addr, root_var)] for w, _ in busy], guard)
     result.roots = [d.root for d in diffs if d.same]
-    col = Collector([w.addr for w, _ in busy], [w.rank for w, _ in busy], list, "workspace write")
+    col = _collector([w for w, _ in busy], "workspace write")
     port = mailbox.open_port(col)
     changed: set[str] = set()
     pulls = _Pulls()
     try:
-        for w, diff in busy:
-            b = _Batcher(lambda msg, addr=w.addr: mailbox.send(addr, msg), sync_id, key, dirs, scan_ns, root_var)
+        for slot, (w, diff) in enumerate(busy):
+            b = _Batcher(lambda msg, addr=w.addr: mailbox.send(addr, msg), sync_id, key, dirs, scan_ns, root_var,
+                         slot)
             host, root = _roots[(w.addr, root_var)]
             remote = PULL_SAME_HOST or host != socket.gethostname()
             copy = diff.local and not PULL_SAME_HOST
@@ -640,11 +661,11 @@ def _sync(procs: list, workspace: Workspace, auto_reload: bool, root_var: str = 
     result.changed = sorted(changed)
     if procs and not root_var:
         names = tuple(sorted(k for k in changed if k.endswith(".py")))  # (stale until reloaded, see _reload)
-        replies = _ask(procs, lambda port: ReloadWorkspace(key, dirs, names, auto_reload, port),
+        replies = _ask(procs, lambda port, slot: ReloadWorkspace(key, dirs, names, auto_reload, port, slot),
                        "workspace reload", "the files are written on every host, but a proc takes a sync's reload "
                        "between its actors' calls, and these still run one (a long endpoint, or a rank paused in "
                        "the debugger); each reloads when its call returns")
-        result.reloaded = {p.rank: r for p, r in zip(procs, replies)}
+        result.reloaded = dict(zip(_proc_keys(procs), replies))
     t4 = time.perf_counter()
     result.seconds = t4 - t0
     result.phases = {"roots": t1 - t0, "diff": t2 - t1, "write": t3 - t2, "reload": t4 - t3}

@@ -938,6 +938,33 @@ def test_host_sync_before_procs_then_procs_import_it(tmp_path):
         procs.stop()
 
 
+@pytest.mark.timeout(120)
+def test_host_sync_reaches_the_procs_of_two_meshes(tmp_path, monkeypatch):
+    # The procs of two meshes share ranks (0 and 0): their replies were keyed by rank, so the second of
+    # each was dropped and the host's sync waited for it until SYNC_TIMEOUT.
+    monkeypatch.setattr(ws_sync, "SYNC_TIMEOUT", 30.0)
+    proj = tmp_path / "two"
+    proj.mkdir()
+    (proj / "helper.py").write_text(HELPER.format(v=1))
+    ws = Workspace(dirs=[proj])
+    a = this_host().spawn_procs(per_host={"gpus": 1})
+    b = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        first = this_host().sync_workspace(ws, auto_reload=True).get(timeout=60)
+        assert first.files_sent == 1 and set(first.reloaded) == {(a, 0), (b, 0)}  # (ranks repeat: by mesh)
+        probes = [m.spawn("probe", Probe) for m in (a, b)]
+        assert [p.run.call_one().get(timeout=30)[:2] for p in probes] == [(1, "version 1")] * 2
+
+        (proj / "helper.py").write_text(HELPER.format(v=2))
+        second = this_host().sync_workspace(ws, auto_reload=True).get(timeout=60)
+        assert second.reloaded == {(a, 0): ("helper",), (b, 0): ("helper",)}
+        assert [p.run.call_one().get(timeout=30)[:2] for p in probes] == [(2, "version 2")] * 2
+        assert sorted(a.sync_workspace(ws).get(timeout=60).reloaded) == [0]  # one mesh's: by rank, as before
+    finally:
+        a.stop()
+        b.stop()
+
+
 def _agents_live_procs() -> list:
     from monarch_tensor.host import _live_meshes
 
@@ -985,6 +1012,39 @@ def test_a_local_jobs_hosts_have_roots_of_their_own(tmp_path):
         mine = this_host().sync_workspace(Workspace(dirs=[other])).get(timeout=60)
         assert not set(mine.roots) & set(roots)
         assert not any(os.path.exists(os.path.join(r, "other")) for r in roots)
+    finally:
+        job.kill()
+
+
+@pytest.mark.timeout(240)
+def test_a_jobs_host_sync_with_procs_on_one_host_reaches_both(tmp_path, monkeypatch):
+    # Procs on host 0 only: the sync spawned a helper proc on host 1, of another mesh, and both were rank 0;
+    # their replies were keyed by rank, so one was dropped, the sync timed out and host 1 got nothing.
+    from monarch_tensor.job import LocalJob
+
+    monkeypatch.setattr(ws_sync, "SYNC_TIMEOUT", 30.0)
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "helper.py").write_text(HELPER.format(v=1))
+    ws = Workspace(dirs=[proj])
+    job = LocalJob(meshes={"m": 2}, root_dir=str(tmp_path / "job"), ttl=120)
+    try:
+        hosts = job.state().m
+        roots = [os.path.join(w, "workspace") for w in hosts.workdirs]
+        first_procs = hosts.slice(hosts=0).spawn_procs(per_host={"gpus": 1})
+        first = hosts.sync_workspace(ws, auto_reload=True).get(timeout=120)
+        assert sorted(first.roots) == sorted(roots)
+        assert len(first.reloaded) == 2 and (first_procs, 0) in first.reloaded  # (and the helper's rank 0)
+        assert len(_agents_live_procs()) == 1  # the helper proc was stopped
+        second_procs = hosts.slice(hosts=1).spawn_procs(per_host={"gpus": 1})
+        probes = [m.spawn("probe", Probe) for m in (first_procs, second_procs)]
+        vals = [p.run.call_one().get(timeout=60) for p in probes]
+        assert vals == [(1, "version 1", os.path.join(r, "proj", "helper.py")) for r in roots]
+
+        (proj / "helper.py").write_text(HELPER.format(v=2))
+        second = hosts.sync_workspace(ws, auto_reload=True).get(timeout=120)  # two meshes, both of rank 0
+        assert second.reloaded == {(first_procs, 0): ("helper",), (second_procs, 0): ("helper",)}
+        assert [p.run.call_one().get(timeout=60)[:2] for p in probes] == [(2, "version 2")] * 2
     finally:
         job.kill()
 
@@ -1313,7 +1373,7 @@ def test_a_sync_step_to_a_proc_that_died_fails_at_once(monkeypatch):
         deadline = time.monotonic() + 30
         while current_mailbox().death_of(dead) is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        fut = workspace_sync._ask_start(procs._procs, lambda port: ReloadWorkspace("k", (), (), False, port),
+        fut = workspace_sync._ask_start(procs._procs, lambda port, slot: ReloadWorkspace("k", (), (), False, port, slot),
                                         "workspace reload")
         with pytest.raises(SupervisionError, match="rank 1"):
             fut.get(timeout=30)
