@@ -21,8 +21,10 @@ that has it, whatever that sync changed.
 
 from __future__ import annotations
 
+import ast
 import enum
 import importlib
+import importlib.util
 import inspect
 import logging
 import os
@@ -81,10 +83,59 @@ def reload_stale() -> list[str]:
 
 
 def _import_order(names) -> list[str]:
-    """``names`` that are imported, dependencies first: a module imported by another one entered
-    ``sys.modules`` after it, so modules come in reverse order of import."""
+    """``names`` that are imported, dependencies first: each comes after the others among ``names`` that its
+    source imports outside its functions (``import b``, ``from b import x``, ``from . import b``), so that
+    ``from b import x`` finds the new ``x`` of a ``b`` changed with it. Otherwise, and within an import cycle,
+    modules keep the order in which their first import finished: CPython moves a module to the end of
+    ``sys.modules`` when its code has run, after the modules it imported."""
     wanted = set(names)
-    return [n for n in reversed(list(sys.modules)) if n in wanted and sys.modules[n] is not None]
+    order = [n for n in list(sys.modules) if n in wanted and sys.modules[n] is not None]
+    deps = {n: (_imports(sys.modules[n]) & set(order)) - {n} for n in order}
+    done: list[str] = []
+    while len(done) < len(order):
+        left = [n for n in order if n not in done]
+        done.append(next((n for n in left if deps[n] <= set(done)), left[0]))  # (left[0]: a cycle)
+    return done
+
+
+def _imports(mod: types.ModuleType) -> set[str]:
+    """The modules that ``mod``'s source file imports when it runs (not in its functions), with their parent
+    packages; none where the source cannot be read or parsed (its reload then says why)."""
+    path = getattr(mod, "__file__", None)
+    if not path or not path.endswith(".py"):
+        return set()
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return set()
+    found = set()
+    for node in _run_at_import(tree.body):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                found |= _with_parents(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            try:
+                base = importlib.util.resolve_name("." * node.level + (node.module or ""), mod.__package__ or "")
+            except (ImportError, ValueError):  # (a relative import beyond the top-level package)
+                continue
+            found |= _with_parents(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)  # (``from pkg import submodule``)
+    return found
+
+
+def _run_at_import(nodes):
+    """The statements of ``nodes`` and those nested in them, but not the bodies of functions."""
+    for node in nodes:
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            yield node
+            yield from _run_at_import(ast.iter_child_nodes(node))
+
+
+def _with_parents(name: str) -> set[str]:
+    """``a.b.c`` -> ``{a, a.b, a.b.c}``: importing a submodule runs its packages first."""
+    parts = name.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
 
 
 def reload_modules(names: list[str]) -> list[str]:

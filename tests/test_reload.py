@@ -285,3 +285,40 @@ def test_methods_that_start_using_super_run_the_new_code_and_a_function_left_old
     assert isinstance(w, rs.Worker)
     assert rs.f() == "f2!" and f() == "f1"  # the old function is not patched, and the log says so
     assert "reload of rs: f " in caplog.text and "hello" not in caplog.text
+
+
+def test_changed_modules_reload_after_the_changed_modules_they_import(pkgdir):
+    # A chain (top -> mid -> low), a diamond (dia -> left, right -> base_), a package whose __init__ re-exports
+    # from its submodule, and a cycle: each edit adds a name that a module imports from one changed with it.
+    (pkgdir / "pkg").mkdir()
+    files = {
+        "low": "LR = {v}\n", "mid": "from low import LR\nMID = ('mid', LR)\n",
+        "top": "from mid import MID\nTOP = ('top', MID)\n",
+        "base_": "B = {v}\n", "left": "import base_\nL = base_.B\n", "right": "from base_ import B\nR = B\n",
+        "dia": "from left import L\nfrom right import R\nD = (L, R)\n",
+        "pkg/__init__": "from .core import old_fn\n", "pkg/core": "def old_fn():\n    return 1\n",
+        "cy_a": "import cy_b\nA = {v}\n", "cy_b": "import cy_a\ndef get():\n    return cy_a.A\n",
+    }
+    for name, text in files.items():
+        write(pkgdir, name, text.format(v=1))
+    import cy_b
+    import dia
+    import pkg
+    import top
+
+    assert (top.TOP, dia.D, pkg.old_fn(), cy_b.get()) == (("top", ("mid", 1)), (1, 1), 1, 1)
+    files["mid"] = "from low import LR, NEW\nMID = ('mid', LR, NEW)\n"
+    files["low"] = "LR = {v}\nNEW = 'new'\n"
+    files["pkg/__init__"] = "from .core import old_fn, new_fn\n"
+    files["pkg/core"] = "def old_fn():\n    return 1\ndef new_fn():\n    return 2\n"
+    for name, text in files.items():
+        write(pkgdir, name, text.format(v=2))
+    names = [n.replace("/__init__", "").replace("/", ".") for n in files]
+    _reload.note_changed(names)
+    done = _reload.reload_stale()
+    assert sorted(done) == sorted(names)
+    for before, after in [("low", "mid"), ("mid", "top"), ("base_", "left"), ("base_", "right"), ("left", "dia"),
+                          ("right", "dia"), ("pkg.core", "pkg")]:
+        assert done.index(before) < done.index(after), (before, after, done)
+    assert top.TOP == ("top", ("mid", 2, "new")) and dia.D == (2, 2)
+    assert pkg.new_fn() == 2 and cy_b.get() == 2
