@@ -157,7 +157,7 @@ def reload_modules(names: list[str]) -> list[str]:
         replaced = {}  # new class -> the old one the module names again
         for attr, old in before.items():
             new = mod.__dict__.get(attr)
-            if new is not None and new is not old and _update(old, new, name):
+            if new is not None and new is not old and _update(old, new, name, replaced):
                 # The module names the old object again, which runs the new code now: it is the one that live
                 # objects and ``from mod import f`` hold, and the one the next reload patches.
                 mod.__dict__[attr] = old
@@ -190,17 +190,19 @@ def _not_patched(module: str, old, why: str) -> None:
                 "old code", module, getattr(old, "__qualname__", repr(old)), why)
 
 
-def _update(old, new, module: str) -> bool:
-    """Make ``old`` run ``new``'s code; return whether it does (else the module keeps ``new``)."""
+def _update(old, new, module: str, replaced: dict[type, type]) -> bool:
+    """Make ``old`` run ``new``'s code; return whether it does (else the module keeps ``new``). ``replaced``:
+    the module's new classes patched so far -> their old versions, which the module names again."""
     if isinstance(old, types.FunctionType) and isinstance(new, types.FunctionType):
         if _update_function(old, new):
             return True
         _not_patched(module, old, _CLOSURE_CHANGED)
         return False
     if isinstance(old, type) and isinstance(new, type) and getattr(old, "__module__", None) == module:
-        if _update_class(old, new):
+        why = _update_class(old, new, replaced)
+        if not why:
             return True
-        _not_patched(module, old, "is an enum whose members changed, which cannot be done in place")
+        _not_patched(module, old, why)
         return False
     if type(old) is type(new) and isinstance(getattr(old, "__wrapped__", None), types.FunctionType) \
             and isinstance(getattr(new, "__wrapped__", None), types.FunctionType):
@@ -252,25 +254,39 @@ def _update_function(old: types.FunctionType, new: types.FunctionType, seen: set
     return ok
 
 
-def _update_class(old: type, new: type) -> bool:
-    """Give ``old`` ``new``'s methods and attributes; return whether it could: an enum whose members changed
-    (or a class that became or stopped being an enum) cannot be."""
-    skip = {"__dict__", "__weakref__", "__module__", "__qualname__"}
+def _update_class(old: type, new: type, replaced: dict[type, type]) -> str:
+    """Give ``old`` ``new``'s methods, attributes and base classes (each patched base as its old version,
+    ``replaced``); return why it cannot be done in place, or ``""`` when it was.
+
+    An enum whose members changed (or a class that became or stopped being an enum) cannot be, nor a class
+    whose metaclass or ``__slots__`` changed (the instances of ``old`` hold its slots, which ``new``'s slot
+    descriptors refuse), nor one given bases that Python refuses to put in ``old.__bases__``."""
+    skip = {"__dict__", "__weakref__", "__module__", "__qualname__", "__slots__"}
     if isinstance(old, enum.EnumMeta) or isinstance(new, enum.EnumMeta):
         if not (isinstance(old, enum.EnumMeta) and isinstance(new, enum.EnumMeta)) \
                 or _members(old) != _members(new):
-            return False
+            return "is an enum whose members changed, which cannot be done in place"
         # Live objects hold the old members, and members compare by identity: keep them, and the maps to them.
         skip |= {"_member_names_", "_member_map_", "_value2member_map_", "_unhashable_values_", *old.__members__}
+    if type(old) is not type(new):
+        return "has another metaclass now, which cannot be changed in place"
+    if _slots(old) != _slots(new):
+        return "has other __slots__ now, which its instances cannot take in place"
+    bases = tuple(replaced.get(base, base) for base in new.__bases__)
+    if bases != old.__bases__:
+        try:
+            old.__bases__ = bases  # (its subclasses' method resolution order follows)
+        except TypeError:  # (Python refuses it for a class that had no base but ``object``, or another layout)
+            return "has other base classes now, which Python does not let it take in place"
     _point_class_cell(new, old)
     for name in list(old.__dict__):
-        if name not in new.__dict__ and name not in skip:
+        if name not in new.__dict__ and name not in skip and not isinstance(old.__dict__[name], _SLOT):
             try:
                 delattr(old, name)
             except (AttributeError, TypeError):
                 pass
     for name, value in new.__dict__.items():
-        if name in skip:
+        if name in skip or isinstance(value, _SLOT):  # (``old``'s own slot descriptors stay: same slots)
             continue
         current = old.__dict__.get(name)
         # A method that cannot be patched in place is replaced on the class, as a new one is added: calls
@@ -286,7 +302,16 @@ def _update_class(old: type, new: type) -> bool:
             setattr(old, name, value)
         except (AttributeError, TypeError):
             pass
-    return True
+    return ""
+
+
+_SLOT = types.MemberDescriptorType  # what a class's ``__slots__`` puts in its namespace, one per slot
+
+
+def _slots(cls: type) -> tuple[str, ...] | None:
+    """The slots ``cls`` itself declares (``None``: no ``__slots__``, its instances have a ``__dict__``)."""
+    slots = cls.__dict__.get("__slots__")
+    return None if slots is None else ((slots,) if isinstance(slots, str) else tuple(slots))
 
 
 def _point_class_cell(new: type, old: type) -> None:

@@ -322,3 +322,84 @@ def test_changed_modules_reload_after_the_changed_modules_they_import(pkgdir):
         assert done.index(before) < done.index(after), (before, after, done)
     assert top.TOP == ("top", ("mid", 2, "new")) and dia.D == (2, 2)
     assert pkg.new_fn() == 2 and cy_b.get() == 2
+
+
+SLOTS = """
+import dataclasses
+
+class Point:
+    __slots__ = {slots}
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def norm(self):
+        return ("{v}", self.x + self.y)
+
+@dataclasses.dataclass(slots=True)
+class Item:
+    name: str
+    qty: int = 1
+
+    def label(self):
+        return ("{v}", self.name, self.qty)
+"""
+
+
+def test_a_class_with_slots_is_patched_and_one_whose_slots_changed_is_left_with_a_warning(pkgdir, caplog):
+    write(pkgdir, "rslot", SLOTS.format(v=1, slots="('x', 'y')"))
+    import rslot
+
+    p, i = rslot.Point(1, 2), rslot.Item("a", 3)
+    write(pkgdir, "rslot", SLOTS.format(v=2, slots="('x', 'y')"))
+    _reload.note_changed(["rslot"])
+    assert _reload.reload_stale() == ["rslot"]
+    assert (p.norm(), p.x, i.label()) == (("2", 3), 1, ("2", "a", 3))
+    assert rslot.Point(3, 4).norm() == ("2", 7) and rslot.Item("b").label() == ("2", "b", 1)
+    assert type(p) is rslot.Point and type(i) is rslot.Item
+    # Other slots: the old instances cannot take the new class; they keep the old one, and the log says so.
+    write(pkgdir, "rslot", SLOTS.format(v=3, slots="('x', 'y', 'z')"))
+    _reload.note_changed(["rslot"])
+    with caplog.at_level("WARNING", logger="monarch_tensor.reload"):
+        assert _reload.reload_stale() == ["rslot"]
+    assert "reload of rslot: Point has other __slots__ now" in caplog.text
+    assert p.norm() == ("2", 3) and rslot.Point(3, 4).norm() == ("3", 7)
+    assert i.label() == ("3", "a", 3)  # (Item's slots did not change)
+
+
+def test_a_class_given_other_base_classes_takes_them_where_python_allows_and_else_says_so(pkgdir, caplog):
+    write(pkgdir, "rmix", "class Loud:\n    def shout(self):\n        return self.speak().upper()\n")
+    animals = """
+        from rmix import Loud
+
+        class Pet:
+            def name(self):
+                return "pet"
+
+        class Dog{dog}:
+            def speak(self):
+                return "woof"
+
+        class Puppy(Dog):
+            pass
+
+        class Cat{cat}:
+            def speak(self):
+                return "meow"
+    """
+    write(pkgdir, "ranimals", animals.format(dog="(Pet)", cat=""))
+    import ranimals
+    import rmix
+
+    dog, puppy, cat = ranimals.Dog(), ranimals.Puppy(), ranimals.Cat()
+    write(pkgdir, "ranimals", animals.format(dog="(Pet, Loud)", cat="(Loud)"))
+    _reload.note_changed(["ranimals"])
+    with caplog.at_level("WARNING", logger="monarch_tensor.reload"):
+        assert _reload.reload_stale() == ["ranimals"]
+    assert ranimals.Dog.__mro__ == (ranimals.Dog, ranimals.Pet, rmix.Loud, object)  # as in a fresh process
+    assert (dog.shout(), dog.name(), puppy.shout()) == ("WOOF", "pet", "WOOF")
+    assert type(dog) is ranimals.Dog and type(puppy) is ranimals.Puppy
+    # Python refuses other bases to a class that had none but object: the module names the new class, what
+    # holds the old one keeps it, and the log says so.
+    assert "reload of ranimals: Cat has other base classes now, which Python does not let it take" in caplog.text
+    assert ranimals.Cat().shout() == "MEOW" and type(cat) is not ranimals.Cat and not hasattr(cat, "shout")
