@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import enum
+import gc
 import importlib
 import importlib.util
 import inspect
@@ -67,15 +68,16 @@ def reload_stale() -> list[str]:
         if path and not os.path.exists(path):
             del sys.modules[name]
             del _stale[name]
-    done, failed = [], []
+    done, failed, replaced = [], [], {}
     for name in _import_order(_stale):
         try:
-            reload_modules([name])
+            replaced.update(_reload_module(name))
         except Exception as e:  # noqa: BLE001 - named in the ReloadError below
             failed.append(f"{name}: {e!r}")
             continue
         _stale.pop(name, None)
         done.append(name)
+    _point_at_old(replaced)
     if failed:
         raise ReloadError(f"{len(failed)} module(s) failed to reload and keep their old code until a later reload "
                           f"succeeds (reloaded: {done or 'none'}): " + "; ".join(failed))
@@ -141,31 +143,41 @@ def _with_parents(name: str) -> set[str]:
 def reload_modules(names: list[str]) -> list[str]:
     """Reload the imported ones among ``names`` (dependencies first, ``_import_order``); return those
     reloaded. The first failure raises."""
-    done = []
-    for name in _import_order(names):
-        mod = sys.modules[name]
-        before = dict(mod.__dict__)
-        try:
-            importlib.reload(mod)
-        except BaseException:
-            # The new code ran in the module's own namespace up to the error: put the old names back, so that
-            # the module keeps its old code and state until a reload succeeds. (What that code did outside
-            # the module, such as registering something elsewhere, stays done.)
-            mod.__dict__.clear()
-            mod.__dict__.update(before)
-            raise
-        replaced = {}  # new class -> the old one the module names again
-        for attr, old in before.items():
-            new = mod.__dict__.get(attr)
-            if new is not None and new is not old and _update(old, new, name, replaced):
-                # The module names the old object again, which runs the new code now: it is the one that live
-                # objects and ``from mod import f`` hold, and the one the next reload patches.
-                mod.__dict__[attr] = old
-                if isinstance(old, type):
-                    replaced[new] = old
-        _adopt_instances(mod, replaced)
-        done.append(name)
+    done, replaced = [], {}
+    try:
+        for name in _import_order(names):
+            replaced.update(_reload_module(name))
+            done.append(name)
+    finally:
+        _point_at_old(replaced)
     return done
+
+
+def _reload_module(name: str) -> dict[type, type]:
+    """Re-execute module ``name`` and patch its old functions and classes from their new versions, which it
+    names again; return its new classes -> the old ones it names (for ``_point_at_old``)."""
+    mod = sys.modules[name]
+    before = dict(mod.__dict__)
+    try:
+        importlib.reload(mod)
+    except BaseException:
+        # The new code ran in the module's own namespace up to the error: put the old names back, so that
+        # the module keeps its old code and state until a reload succeeds. (What that code did outside
+        # the module, such as registering something elsewhere, stays done.)
+        mod.__dict__.clear()
+        mod.__dict__.update(before)
+        raise
+    replaced = {}  # new class -> the old one the module names again
+    for attr, old in before.items():
+        new = mod.__dict__.get(attr)
+        if new is not None and new is not old and _update(old, new, name, replaced):
+            # The module names the old object again, which runs the new code now: it is the one that live
+            # objects and ``from mod import f`` hold, and the one the next reload patches.
+            mod.__dict__[attr] = old
+            if isinstance(old, type):
+                replaced[new] = old
+    _adopt_instances(mod, replaced)
+    return replaced
 
 
 def _adopt_instances(mod: types.ModuleType, replaced: dict[type, type]) -> None:
@@ -183,6 +195,44 @@ def _adopt_instances(mod: types.ModuleType, replaced: dict[type, type]) -> None:
             value.__class__ = old
         except TypeError:  # a layout that __class__ assignment refuses (other __slots__, say)
             pass
+
+
+def _point_at_old(replaced: dict[type, type]) -> None:
+    """Dicts, lists and classes that hold a new class of ``replaced`` hold its old version instead, which runs
+    the new code and which its module names: a registry that a decorator or ``__init_subclass__`` filled as
+    the module was re-executed then holds ``models.Linear`` itself, as in a fresh process, and the next
+    reload patches what it holds. (Dict keys stay: the old class is a key there too, since its module was
+    first imported.)
+
+    One pass over the objects the garbage collector tracks (a second one where a class's namespace holds a
+    new class): tens of milliseconds in a proc that has imported torch, so only when a reload replaced
+    classes."""
+    if not replaced:
+        return
+    old_of = {id(new): old for new, old in replaced.items()}
+    holders = [h for h in gc.get_referrers(*replaced) if type(h) in (dict, list) and h is not replaced]
+    # A class's namespace changes through setattr only (which keeps its method caches right): find the class.
+    maybe_namespaces = [h for h in holders if type(h) is dict and "__module__" in h]  # (every class statement's)
+    owner = {id(d): t for t in (gc.get_referrers(*maybe_namespaces) if maybe_namespaces else ())
+             if isinstance(t, type) for d in gc.get_referents(t) if type(d) is dict}
+    for holder in holders:
+        if type(holder) is list:
+            for i, value in enumerate(holder):
+                if id(value) in old_of:
+                    holder[i] = old_of[id(value)]
+            continue
+        cls = owner.get(id(holder))
+        if cls in replaced:  # (a new class itself: dropped)
+            continue
+        for key, value in list(holder.items()):
+            if id(value) in old_of:
+                if cls is None:
+                    holder[key] = old_of[id(value)]
+                else:
+                    try:
+                        setattr(cls, key, old_of[id(value)])
+                    except (AttributeError, TypeError):
+                        pass
 
 
 def _not_patched(module: str, old, why: str) -> None:

@@ -403,3 +403,33 @@ def test_a_class_given_other_base_classes_takes_them_where_python_allows_and_els
     # holds the old one keeps it, and the log says so.
     assert "reload of ranimals: Cat has other base classes now, which Python does not let it take" in caplog.text
     assert ranimals.Cat().shout() == "MEOW" and type(cat) is not ranimals.Cat and not hasattr(cat, "shout")
+
+
+def test_a_registry_filled_by_the_reload_holds_the_class_the_module_names(pkgdir):
+    # The registries live in a module that is not reloaded, as in a fresh process they would be filled by
+    # models' import; the reload fills them with the new classes.
+    write(pkgdir, "rreg", """
+        REG, PLUGINS = {}, []
+
+        def register(cls):
+            REG[cls.__name__] = cls
+            PLUGINS.append(cls)
+            setattr(Holder, cls.__name__, cls)
+            return cls
+
+        class Holder:
+            pass
+    """)
+    models = "from rreg import register\n\n@register\nclass Linear:\n    def name(self):\n        return 'v{v}'\n"
+    write(pkgdir, "rmodels", models.format(v=1))
+    import rmodels
+    import rreg
+
+    for v in (2, 3):
+        write(pkgdir, "rmodels", models.format(v=v))
+        _reload.note_changed(["rmodels"])
+        assert _reload.reload_stale() == ["rmodels"]
+        assert rreg.REG["Linear"] is rmodels.Linear and isinstance(rreg.REG["Linear"](), rmodels.Linear)
+        assert rreg.REG["Linear"]().name() == f"v{v}"
+        assert rreg.Holder.Linear is rmodels.Linear
+        assert rreg.PLUGINS == [rmodels.Linear] * v  # (appended to at each import: once in a fresh process)
