@@ -9,10 +9,14 @@ attributes; a decorated function's wrapped function too), as IPython's
 f``, run the new code from the next call on. The module then names those old
 objects again, so they stay the same objects over any number of reloads: the
 next reload patches them again, and what live objects hold is what the module
-names. What cannot be patched in place (a function whose closure changed, an
-enum whose members changed) is left new in the module, with a warning in the
-log; a method whose closure changed (one that starts using ``super()``) is
-replaced on its class.
+names; dicts, lists and classes that the re-import filled with a new class (a
+registry) get the old one too. What cannot be patched in place (a function
+whose closure changed, an enum whose members changed, a class whose slots or
+metaclass changed or whose new bases Python refuses to set) is left new in the
+module, with a warning in the log; a method whose closure changed (one that
+starts using ``super()``) is replaced on its class. A class's data attributes
+take the new class body's values, even one filled since (a registry that
+subclasses fill): a warning says so when a filled container becomes empty.
 
 A module whose file changed stays stale until a reload succeeds: one synced
 without ``auto_reload``, or whose reload failed, is reloaded by the next sync
@@ -249,7 +253,7 @@ def _update(old, new, module: str, replaced: dict[type, type]) -> bool:
         _not_patched(module, old, _CLOSURE_CHANGED)
         return False
     if isinstance(old, type) and isinstance(new, type) and getattr(old, "__module__", None) == module:
-        why = _update_class(old, new, replaced)
+        why = _update_class(old, new, replaced, module)
         if not why:
             return True
         _not_patched(module, old, why)
@@ -304,7 +308,7 @@ def _update_function(old: types.FunctionType, new: types.FunctionType, seen: set
     return ok
 
 
-def _update_class(old: type, new: type, replaced: dict[type, type]) -> str:
+def _update_class(old: type, new: type, replaced: dict[type, type], module: str) -> str:
     """Give ``old`` ``new``'s methods, attributes and base classes (each patched base as its old version,
     ``replaced``); return why it cannot be done in place, or ``""`` when it was.
 
@@ -348,6 +352,13 @@ def _update_class(old: type, new: type, replaced: dict[type, type]) -> str:
             if isinstance(current.__func__, types.FunctionType) and isinstance(value.__func__, types.FunctionType) \
                     and _update_function(current.__func__, value.__func__):
                 continue
+        if isinstance(current, (dict, list, set)) and current and type(value) is type(current) and not value:
+            # Most likely filled after the class statement (a registry that subclasses or a decorator fill):
+            # the new empty one is not refilled by modules that are not reloaded. (Telling that apart from an
+            # edit of its definition would need the source the module was imported from.)
+            log.warning("reload of %s: %s.%s is the new class body's empty %s; what was added to the old one "
+                        "since its class statement ran (a registry's entries, say) is dropped", module,
+                        old.__qualname__, name, type(value).__name__)
         try:
             setattr(old, name, value)
         except (AttributeError, TypeError):

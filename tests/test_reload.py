@@ -433,3 +433,30 @@ def test_a_registry_filled_by_the_reload_holds_the_class_the_module_names(pkgdir
         assert rreg.REG["Linear"]().name() == f"v{v}"
         assert rreg.Holder.Linear is rmodels.Linear
         assert rreg.PLUGINS == [rmodels.Linear] * v  # (appended to at each import: once in a fresh process)
+
+
+def test_a_class_attribute_filled_after_its_class_statement_takes_the_new_value_with_a_warning(pkgdir, caplog):
+    base = """
+        class Plugin:
+            registry = {{}}
+
+            def __init_subclass__(cls, **kw):
+                super().__init_subclass__(**kw)
+                Plugin.registry[cls.__name__] = cls
+
+            def run(self):
+                return "base v{v}"
+    """
+    write(pkgdir, "rplug", base.format(v=1))
+    write(pkgdir, "rimpl", "from rplug import Plugin\nclass A(Plugin):\n    pass\n")
+    import rimpl
+    import rplug
+
+    write(pkgdir, "rplug", base.format(v=2))
+    _reload.note_changed(["rplug"])
+    with caplog.at_level("WARNING", logger="monarch_tensor.reload"):
+        assert _reload.reload_stale() == ["rplug"]
+    assert rimpl.A().run() == "base v2"
+    # A fresh process would have {"A": A}: the reload does not say otherwise silently.
+    assert rplug.Plugin.registry == {}
+    assert "reload of rplug: Plugin.registry is the new class body's empty dict" in caplog.text
