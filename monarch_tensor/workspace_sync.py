@@ -663,8 +663,9 @@ def _sync(procs: list, workspace: Workspace, auto_reload: bool, root_var: str = 
         names = tuple(sorted(k for k in changed if k.endswith(".py")))  # (stale until reloaded, see _reload)
         replies = _ask(procs, lambda port, slot: ReloadWorkspace(key, dirs, names, auto_reload, port, slot),
                        "workspace reload", "the files are written on every host, but a proc takes a sync's reload "
-                       "between its actors' calls, and these still run one (a long endpoint, or a rank paused in "
-                       "the debugger); each reloads when its call returns")
+                       "between its actors' calls of synchronous endpoints (an async endpoint waiting at an await "
+                       "lets it in, and goes on in the new code), and these still run one (a long endpoint, or a "
+                       "rank paused in the debugger); each reloads when its call returns")
         result.reloaded = dict(zip(_proc_keys(procs), replies))
     t4 = time.perf_counter()
     result.seconds = t4 - t0

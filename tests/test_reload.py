@@ -285,3 +285,178 @@ def test_methods_that_start_using_super_run_the_new_code_and_a_function_left_old
     assert isinstance(w, rs.Worker)
     assert rs.f() == "f2!" and f() == "f1"  # the old function is not patched, and the log says so
     assert "reload of rs: f " in caplog.text and "hello" not in caplog.text
+
+
+def test_changed_modules_reload_after_the_changed_modules_they_import(pkgdir):
+    # A chain (top -> mid -> low), a diamond (dia -> left, right -> base_), a package whose __init__ re-exports
+    # from its submodule, and a cycle: each edit adds a name that a module imports from one changed with it.
+    (pkgdir / "pkg").mkdir()
+    files = {
+        "low": "LR = {v}\n", "mid": "from low import LR\nMID = ('mid', LR)\n",
+        "top": "from mid import MID\nTOP = ('top', MID)\n",
+        "base_": "B = {v}\n", "left": "import base_\nL = base_.B\n", "right": "from base_ import B\nR = B\n",
+        "dia": "from left import L\nfrom right import R\nD = (L, R)\n",
+        "pkg/__init__": "from .core import old_fn\n", "pkg/core": "def old_fn():\n    return 1\n",
+        "cy_a": "import cy_b\nA = {v}\n", "cy_b": "import cy_a\ndef get():\n    return cy_a.A\n",
+    }
+    for name, text in files.items():
+        write(pkgdir, name, text.format(v=1))
+    import cy_b
+    import dia
+    import pkg
+    import top
+
+    assert (top.TOP, dia.D, pkg.old_fn(), cy_b.get()) == (("top", ("mid", 1)), (1, 1), 1, 1)
+    files["mid"] = "from low import LR, NEW\nMID = ('mid', LR, NEW)\n"
+    files["low"] = "LR = {v}\nNEW = 'new'\n"
+    files["pkg/__init__"] = "from .core import old_fn, new_fn\n"
+    files["pkg/core"] = "def old_fn():\n    return 1\ndef new_fn():\n    return 2\n"
+    for name, text in files.items():
+        write(pkgdir, name, text.format(v=2))
+    names = [n.replace("/__init__", "").replace("/", ".") for n in files]
+    _reload.note_changed(names)
+    done = _reload.reload_stale()
+    assert sorted(done) == sorted(names)
+    for before, after in [("low", "mid"), ("mid", "top"), ("base_", "left"), ("base_", "right"), ("left", "dia"),
+                          ("right", "dia"), ("pkg.core", "pkg")]:
+        assert done.index(before) < done.index(after), (before, after, done)
+    assert top.TOP == ("top", ("mid", 2, "new")) and dia.D == (2, 2)
+    assert pkg.new_fn() == 2 and cy_b.get() == 2
+
+
+SLOTS = """
+import dataclasses
+
+class Point:
+    __slots__ = {slots}
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def norm(self):
+        return ("{v}", self.x + self.y)
+
+@dataclasses.dataclass(slots=True)
+class Item:
+    name: str
+    qty: int = 1
+
+    def label(self):
+        return ("{v}", self.name, self.qty)
+"""
+
+
+def test_a_class_with_slots_is_patched_and_one_whose_slots_changed_is_left_with_a_warning(pkgdir, caplog):
+    write(pkgdir, "rslot", SLOTS.format(v=1, slots="('x', 'y')"))
+    import rslot
+
+    p, i = rslot.Point(1, 2), rslot.Item("a", 3)
+    write(pkgdir, "rslot", SLOTS.format(v=2, slots="('x', 'y')"))
+    _reload.note_changed(["rslot"])
+    assert _reload.reload_stale() == ["rslot"]
+    assert (p.norm(), p.x, i.label()) == (("2", 3), 1, ("2", "a", 3))
+    assert rslot.Point(3, 4).norm() == ("2", 7) and rslot.Item("b").label() == ("2", "b", 1)
+    assert type(p) is rslot.Point and type(i) is rslot.Item
+    # Other slots: the old instances cannot take the new class; they keep the old one, and the log says so.
+    write(pkgdir, "rslot", SLOTS.format(v=3, slots="('x', 'y', 'z')"))
+    _reload.note_changed(["rslot"])
+    with caplog.at_level("WARNING", logger="monarch_tensor.reload"):
+        assert _reload.reload_stale() == ["rslot"]
+    assert "reload of rslot: Point has other __slots__ now" in caplog.text
+    assert p.norm() == ("2", 3) and rslot.Point(3, 4).norm() == ("3", 7)
+    assert i.label() == ("3", "a", 3)  # (Item's slots did not change)
+
+
+def test_a_class_given_other_base_classes_takes_them_where_python_allows_and_else_says_so(pkgdir, caplog):
+    write(pkgdir, "rmix", "class Loud:\n    def shout(self):\n        return self.speak().upper()\n")
+    animals = """
+        from rmix import Loud
+
+        class Pet:
+            def name(self):
+                return "pet"
+
+        class Dog{dog}:
+            def speak(self):
+                return "woof"
+
+        class Puppy(Dog):
+            pass
+
+        class Cat{cat}:
+            def speak(self):
+                return "meow"
+    """
+    write(pkgdir, "ranimals", animals.format(dog="(Pet)", cat=""))
+    import ranimals
+    import rmix
+
+    dog, puppy, cat = ranimals.Dog(), ranimals.Puppy(), ranimals.Cat()
+    write(pkgdir, "ranimals", animals.format(dog="(Pet, Loud)", cat="(Loud)"))
+    _reload.note_changed(["ranimals"])
+    with caplog.at_level("WARNING", logger="monarch_tensor.reload"):
+        assert _reload.reload_stale() == ["ranimals"]
+    assert ranimals.Dog.__mro__ == (ranimals.Dog, ranimals.Pet, rmix.Loud, object)  # as in a fresh process
+    assert (dog.shout(), dog.name(), puppy.shout()) == ("WOOF", "pet", "WOOF")
+    assert type(dog) is ranimals.Dog and type(puppy) is ranimals.Puppy
+    # Python refuses other bases to a class that had none but object: the module names the new class, what
+    # holds the old one keeps it, and the log says so.
+    assert "reload of ranimals: Cat has other base classes now, which Python does not let it take" in caplog.text
+    assert ranimals.Cat().shout() == "MEOW" and type(cat) is not ranimals.Cat and not hasattr(cat, "shout")
+
+
+def test_a_registry_filled_by_the_reload_holds_the_class_the_module_names(pkgdir):
+    # The registries live in a module that is not reloaded, as in a fresh process they would be filled by
+    # models' import; the reload fills them with the new classes.
+    write(pkgdir, "rreg", """
+        REG, PLUGINS = {}, []
+
+        def register(cls):
+            REG[cls.__name__] = cls
+            PLUGINS.append(cls)
+            setattr(Holder, cls.__name__, cls)
+            return cls
+
+        class Holder:
+            pass
+    """)
+    models = "from rreg import register\n\n@register\nclass Linear:\n    def name(self):\n        return 'v{v}'\n"
+    write(pkgdir, "rmodels", models.format(v=1))
+    import rmodels
+    import rreg
+
+    for v in (2, 3):
+        write(pkgdir, "rmodels", models.format(v=v))
+        _reload.note_changed(["rmodels"])
+        assert _reload.reload_stale() == ["rmodels"]
+        assert rreg.REG["Linear"] is rmodels.Linear and isinstance(rreg.REG["Linear"](), rmodels.Linear)
+        assert rreg.REG["Linear"]().name() == f"v{v}"
+        assert rreg.Holder.Linear is rmodels.Linear
+        assert rreg.PLUGINS == [rmodels.Linear] * v  # (appended to at each import: once in a fresh process)
+
+
+def test_a_class_attribute_filled_after_its_class_statement_takes_the_new_value_with_a_warning(pkgdir, caplog):
+    base = """
+        class Plugin:
+            registry = {{}}
+
+            def __init_subclass__(cls, **kw):
+                super().__init_subclass__(**kw)
+                Plugin.registry[cls.__name__] = cls
+
+            def run(self):
+                return "base v{v}"
+    """
+    write(pkgdir, "rplug", base.format(v=1))
+    write(pkgdir, "rimpl", "from rplug import Plugin\nclass A(Plugin):\n    pass\n")
+    import rimpl
+    import rplug
+
+    write(pkgdir, "rplug", base.format(v=2))
+    _reload.note_changed(["rplug"])
+    with caplog.at_level("WARNING", logger="monarch_tensor.reload"):
+        assert _reload.reload_stale() == ["rplug"]
+    assert rimpl.A().run() == "base v2"
+    # A fresh process would have {"A": A}: the reload does not say otherwise silently.
+    assert rplug.Plugin.registry == {}
+    assert "reload of rplug: Plugin.registry is the new class body's empty dict" in caplog.text
