@@ -1,6 +1,7 @@
 """The distributed debugger, driven through pseudo-terminals (pexpect) like a person at a keyboard.
 
-tests/debug_script.py pauses four ranks at breakpoints on two different lines.
+tests/debug_script.py pauses four ranks at breakpoints on two different lines (tests/debug_loop_script.py
+one rank, again and again).
 One test drives ``monarch-tensor debug`` from another terminal; one drives the
 prompt that opens in the script's own terminal. Tests of single cases drive the
 prompt (``Repl``) in this process with scripted lines. Plus unit tests of rank
@@ -28,6 +29,7 @@ pexpect = pytest.importorskip("pexpect", reason="pexpect is a dev extra: pip ins
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join("tests", "debug_script.py")
+LOOP_SCRIPT = os.path.join("tests", "debug_loop_script.py")
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
 
 
@@ -221,6 +223,24 @@ def test_prompt_in_the_scripts_own_terminal():
         p.sendline("continue")
         p.expect_exact("DONE")
         assert "RESULT [1, 12, 21, 32]" in p.before
+        p.expect(pexpect.EOF)
+    finally:
+        p.close(force=True)
+
+
+@pytest.mark.timeout(120)
+def test_the_prompt_in_the_scripts_terminal_reopens_for_each_pause():
+    """A rank that pauses again right after ``continue`` (a breakpoint in a loop) gets the prompt again: it
+    can pause before the prompt that released it has closed, which must then reopen, not leave it paused
+    with nothing on the screen."""
+    n = 25
+    p = pexpect.spawn(sys.executable, [LOOP_SCRIPT, str(n)], cwd=ROOT, env=ENV, encoding="utf-8", timeout=30)
+    try:
+        for _ in range(n):
+            p.expect_exact("monarch_dbg> ")
+            p.sendline("continue")
+        p.expect_exact("DONE")
+        assert f"RESULT {sum(range(n))}" in p.before
         p.expect(pexpect.EOF)
     finally:
         p.close(force=True)
