@@ -4,7 +4,11 @@
 registers its session with the client (``DebugRegister``), sends what it prints
 (``DebugOutput``) and reads input lines from a port of its own; the client's
 debug controller (``debugger.py``) is the other end. While paused, the proc
-keeps receiving: other actors on it keep serving.
+keeps receiving, and its other actors' sync endpoints keep serving: they run
+on the paused thread while pdb waits for its next line. pdb's wait holds the
+proc's event loop, though (a frame cannot pause anywhere else), so calls of
+async endpoints, and the calls queued behind them, run once the rank continues;
+a ``breakpoint()`` in such a call pauses only then.
 """
 
 from __future__ import annotations

@@ -81,6 +81,16 @@ class Pauser(Actor):
         return current_rank().rank
 
 
+class Neighbour(Actor):
+    @endpoint
+    def ping(self) -> str:
+        return "sync"
+
+    @endpoint
+    async def aping(self) -> str:
+        return "async"
+
+
 @pytest.fixture
 def no_local_prompt(monkeypatch):
     """Breakpoints in this process's procs open no prompt in the terminal: the test drives its own."""
@@ -123,6 +133,25 @@ def test_a_rank_that_dies_while_paused_leaves_the_debugger(no_local_prompt):
         with pytest.raises(SupervisionError, match="exited with code 3"):
             fut.get(timeout=60)
         assert controller().paused() == []
+    finally:
+        procs.stop().get(timeout=30)
+
+
+@pytest.mark.timeout(120)
+def test_other_actors_on_a_paused_proc(no_local_prompt):
+    """While a rank is paused, another actor on its proc answers sync endpoints at once; its async endpoints
+    need the proc's event loop, which pdb's wait holds, so they answer once the rank continues."""
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        paused = procs.spawn("held", Pauser).pause.call_one()
+        _until_paused(1)
+        neighbour = procs.spawn("neighbour", Neighbour)
+        assert neighbour.ping.call_one().get(timeout=30) == "sync"
+        later = neighbour.aping.call_one()
+        keys = Keys(["continue"])
+        Repl(keys).run()
+        assert "released 1 paused rank(s)" in keys.text, keys.text
+        assert later.get(timeout=30) == "async" and paused.get(timeout=30) == 0
     finally:
         procs.stop().get(timeout=30)
 
