@@ -86,17 +86,12 @@ class RemotePdb(pdb.Pdb):
         super().__init__(stdin=_In(self), stdout=self.out, skip=SKIP, nosigint=True, readrc=False)
         self.use_rawinput = False
         self.prompt = "(Pdb) "
-        self._entry = None
         self._ended = False
         ctx = _context.current()
         self.actor, self.point = ctx.actor_name, ctx.rank
 
     def send(self, msg) -> None:
         current_mailbox().send(self.client_addr, msg)
-
-    def set_trace(self, frame=None) -> None:
-        self._entry = frame or sys._getframe(1)
-        super().set_trace(self._entry)
 
     def interaction(self, frame, tb) -> None:
         if self._ended:  # stopped again (a pdb breakpoint set with `b`): a new session on the same pdb
@@ -112,9 +107,18 @@ class RemotePdb(pdb.Pdb):
 
     def dispatch_return(self, frame, arg):
         r = super().dispatch_return(frame, arg)
-        if frame is self._entry and not self._ended and not _suspends(frame):
-            self.set_continue()  # stepped out of the frame that called breakpoint(): done
+        if not self._ended and self._returns_to_runtime(frame) and not _suspends(frame):
+            self.set_continue()  # stepped out of the endpoint (or of a thread's function): done
         return r
+
+    def _returns_to_runtime(self, frame) -> bool:
+        """Whether ``frame`` is user code that the runtime's own code (frames pdb skips) called: a helper
+        that called breakpoint() returns to its caller instead, where ``n`` goes on, as in plain pdb. (The
+        runtime's frames below the endpoint are traced too, since set_trace; their returns do not count.)"""
+        if self.is_skipped_module(frame.f_globals.get("__name__")):
+            return False
+        caller = frame.f_back
+        return caller is None or self.is_skipped_module(caller.f_globals.get("__name__"))
 
     def _end(self) -> None:
         if not self._ended:

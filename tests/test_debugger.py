@@ -81,6 +81,19 @@ class Pauser(Actor):
         return current_rank().rank
 
 
+def _helper(x: int) -> int:
+    breakpoint()
+    return x + 1
+
+
+class Stepper(Actor):
+    @endpoint
+    def step(self) -> int:
+        y = _helper(1)
+        z = y * 100
+        return z
+
+
 class Neighbour(Actor):
     @endpoint
     def ping(self) -> str:
@@ -133,6 +146,23 @@ def test_a_rank_that_dies_while_paused_leaves_the_debugger(no_local_prompt):
         with pytest.raises(SupervisionError, match="exited with code 3"):
             fut.get(timeout=60)
         assert controller().paused() == []
+    finally:
+        procs.stop().get(timeout=30)
+
+
+@pytest.mark.timeout(120)
+def test_next_out_of_a_helper_stops_in_its_caller(no_local_prompt):
+    """``n`` out of a helper that called breakpoint() stops at the caller's next line, as plain pdb does; the
+    session ends when the endpoint itself returns to the runtime."""
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        fut = procs.spawn("stepper", Stepper).step.call_one()
+        _until_paused(1)
+        keys = Keys(["attach stepper 0", "n", "n", "p y", "n", "n", "n", "continue"])
+        Repl(keys).run()
+        assert "_helper()->2" in keys.text and "-> z = y * 100\n(Pdb) 2\n" in keys.text, keys.text
+        assert "step()->200" in keys.text and "rank 0 of 'stepper' continued" in keys.text, keys.text
+        assert fut.get(timeout=60) == 200
     finally:
         procs.stop().get(timeout=30)
 
