@@ -120,11 +120,11 @@ class RemotePdb(pdb.Pdb):
         caller = frame.f_back
         return caller is None or self.is_skipped_module(caller.f_globals.get("__name__"))
 
-    def _end(self) -> None:
+    def _end(self, quit: bool = False) -> None:
         if not self._ended:
             self._ended = True
             self.out.flush()
-            self.send(DebugEnd(self.session))
+            self.send(DebugEnd(self.session, quit=quit))
             current_mailbox().close_port(self.port.port_id)
 
     def set_continue(self) -> None:
@@ -133,7 +133,7 @@ class RemotePdb(pdb.Pdb):
 
     def set_quit(self) -> None:
         super().set_quit()
-        self._end()
+        self._end(quit=True)  # (bdb raises BdbQuit in the endpoint next)
 
 
 def breakpoint_hook(*args, **kwargs) -> None:

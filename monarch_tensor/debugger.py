@@ -56,6 +56,7 @@ class Session:
     waiting: bool = False
     ended: bool = False
     died: str = ""  # why, when the rank's proc died while paused
+    quit: bool = False  # pdb's q ended it: the endpoint raises BdbQuit
 
 
 class Controller:
@@ -93,7 +94,7 @@ class Controller:
         with self.cond:
             s = self.sessions.pop(msg.session, None)
             if s is not None:
-                s.ended, s.died = True, msg.died
+                s.ended, s.died, s.quit = True, msg.died, msg.quit
                 self.cond.notify_all()
 
     # ---- driving sessions ---------------------------------------------------------------
@@ -351,7 +352,9 @@ class Repl:
             self.ctl.send(s, line.rstrip("\n"))
             w(self.ctl.read(s))
             if s.ended:
-                w(f"rank {rank} of {actor!r} died ({s.died})\n" if s.died else f"rank {rank} of {actor!r} continued\n")
+                w(f"rank {rank} of {actor!r} died ({s.died})\n" if s.died else
+                  f"rank {rank} of {actor!r} quit: its call raises BdbQuit\n" if s.quit else
+                  f"rank {rank} of {actor!r} continued\n")
                 return
 
     def cast(self, actor: str, pred, command: str) -> None:

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 
 from monarch_tensor import _debug_cli, _debug_server
-from monarch_tensor.actor import Actor, SupervisionError, current_rank, endpoint, this_host
+from monarch_tensor.actor import Actor, ActorError, SupervisionError, current_rank, endpoint, this_host
 from monarch_tensor.debugger import Repl, controller, parse_ranks, table
 
 pexpect = pytest.importorskip("pexpect", reason="pexpect is a dev extra: pip install -e '.[dev]'")
@@ -163,6 +163,24 @@ def test_next_out_of_a_helper_stops_in_its_caller(no_local_prompt):
         assert "_helper()->2" in keys.text and "-> z = y * 100\n(Pdb) 2\n" in keys.text, keys.text
         assert "step()->200" in keys.text and "rank 0 of 'stepper' continued" in keys.text, keys.text
         assert fut.get(timeout=60) == 200
+    finally:
+        procs.stop().get(timeout=30)
+
+
+@pytest.mark.timeout(120)
+def test_pdb_quit_says_the_call_raises(no_local_prompt):
+    """pdb's ``q`` quits the endpoint as it quits a program in plain pdb (``BdbQuit``): the prompt says so,
+    not that the rank continued, and the call fails."""
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        fut = procs.spawn("quitter", Pauser).pause.call_one()
+        _until_paused(1)
+        keys = Keys(["attach quitter 0", "q", "continue"])
+        Repl(keys).run()
+        assert "rank 0 of 'quitter' quit: its call raises BdbQuit" in keys.text, keys.text
+        assert "continued" not in keys.text, keys.text
+        with pytest.raises(ActorError, match="BdbQuit"):
+            fut.get(timeout=60)
     finally:
         procs.stop().get(timeout=30)
 
