@@ -338,8 +338,17 @@ def test_rank_selections():
     assert pick("*") == list(range(8))
     assert pick("gpus=0:2") == [0, 1, 4, 5]
     assert pick("hosts=1, gpus=(0,3)") == [4, 7]
+    assert pick("0:8:") == list(range(8))
+    assert pick("5:2") == []
     with pytest.raises(ValueError, match="cannot read ranks"):
         parse_ranks("a,b")
+    # Only the paused ranks are known, not a dimension's size: no counting from the end, no backward steps
+    for spec in ("-1", "-3:", "0,-1", "gpus=-2:", "hosts=(0,-1)"):
+        with pytest.raises(ValueError, match="is negative: ranks and coordinates count from 0"):
+            parse_ranks(spec)
+    for spec in ("3:0:-1", "0:4:0", "gpus=0:4:0"):
+        with pytest.raises(ValueError, match="step must be positive"):
+            parse_ranks(spec)
     assert "| debugee    | 2    |" in table([SimpleNamespace(actor="debugee", rank=2, coords={}, hostname="h",
                                                               function="m.f", lineno=7)])
 
