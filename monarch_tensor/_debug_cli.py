@@ -8,6 +8,7 @@ lines both ways until the prompt closes.
 
 from __future__ import annotations
 
+import codecs
 import glob
 import json
 import os
@@ -90,6 +91,7 @@ def _main(pid: int | None, wait: float) -> int:
         return 1
 
     def pump() -> None:
+        text = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may span two reads
         while True:
             try:
                 data = conn.recv(65536)
@@ -97,7 +99,7 @@ def _main(pid: int | None, wait: float) -> int:
                 data = b""
             if not data:
                 os._exit(0)  # the prompt closed (continue/quit) or the script ended
-            sys.stdout.write(data.decode(errors="replace"))
+            sys.stdout.write(text.decode(data))
             sys.stdout.flush()
 
     threading.Thread(target=pump, daemon=True).start()

@@ -186,6 +186,34 @@ def test_pdb_quit_says_the_call_raises(no_local_prompt):
 
 
 @pytest.mark.timeout(120)
+def test_debug_cli_keeps_characters_that_span_two_reads(no_local_prompt):
+    """Large output of non-ASCII text reaches ``monarch-tensor debug`` in several reads, some of which end in
+    the middle of a character: it comes out whole, not with U+FFFD where the reads were cut."""
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    cli = None
+    try:
+        fut = procs.spawn("wide", Pauser).pause.call_one()
+        _until_paused(1)
+        cli = pexpect.spawn(sys.executable, ["-m", "monarch_tensor.cli", "debug", "--pid", str(os.getpid())],
+                            cwd=ROOT, env=ENV, encoding="utf-8", timeout=60)
+        cli.expect_exact("monarch_dbg> ")
+        cli.sendline("attach wide 0")
+        cli.expect_exact("(Pdb) ")
+        cli.sendline("p 'é' * 100000")
+        cli.expect_exact("(Pdb) ")
+        assert "\ufffd" not in cli.before and "'" + "é" * 100000 + "'" in cli.before
+        cli.sendline("c")
+        cli.expect_exact("monarch_dbg> ")
+        cli.sendline("quit")
+        cli.expect(pexpect.EOF)
+        assert fut.get(timeout=60) == 0
+    finally:
+        if cli is not None:
+            cli.close(force=True)
+        procs.stop().get(timeout=30)
+
+
+@pytest.mark.timeout(120)
 def test_other_actors_on_a_paused_proc(no_local_prompt):
     """While a rank is paused, another actor on its proc answers sync endpoints at once; its async endpoints
     need the proc's event loop, which pdb's wait holds, so they answer once the rank continues."""
