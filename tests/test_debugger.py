@@ -351,6 +351,32 @@ def test_the_prompt_in_the_scripts_terminal_reopens_for_each_pause():
         p.close(force=True)
 
 
+@pytest.mark.timeout(120)
+def test_a_killed_scripts_debug_file_is_removed():
+    """``debug-<pid>.json`` (the debug server's port and token) of a script SIGKILLed while ranks are paused
+    is removed by its template process, as the rest of what it left in the socket directory."""
+    script = subprocess.Popen([sys.executable, SCRIPT], cwd=ROOT, env=ENV, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while "run `monarch-tensor debug`" not in line:  # printed after the file is written
+            line = script.stderr.readline()
+            assert line, "the script ended before a rank paused"
+        path = _debug_server.info_path(script.pid)
+        assert os.path.exists(path)
+        script.kill()
+        script.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(path)
+    finally:
+        if script.poll() is None:
+            script.kill()
+        script.wait(timeout=30)
+        script.stderr.close()
+
+
 def test_rank_selections():
     sessions = [SimpleNamespace(rank=r, coords={"hosts": r // 4, "gpus": r % 4}) for r in range(8)]
 
