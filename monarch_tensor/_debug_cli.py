@@ -103,8 +103,8 @@ def _main(pid: int | None, wait: float) -> int:
             sys.stdout.flush()
 
     threading.Thread(target=pump, daemon=True).start()
-    for line in sys.stdin:
-        conn.sendall(line.encode())
+    for line in sys.stdin.buffer:  # the bytes as typed: the server reads what is not UTF-8 as U+FFFD
+        conn.sendall(line)
     conn.shutdown(socket.SHUT_WR)
     time.sleep(0.5)
     return 0

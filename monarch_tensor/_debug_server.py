@@ -89,7 +89,8 @@ def _accept(srv: socket.socket) -> None:
 class _SocketIO:
     def __init__(self, conn: socket.socket) -> None:
         self.conn = conn
-        self.r = conn.makefile("r", encoding="utf-8", newline="\n")
+        # (bytes that are not UTF-8 read as U+FFFD: a bad command or token, not the end of the link)
+        self.r = conn.makefile("r", encoding="utf-8", errors="replace", newline="\n")
         self.seen = _pause_count()  # the pauses before the last line read: what its command could see
 
     def write(self, text: str) -> None:
@@ -112,7 +113,7 @@ def _serve(conn: socket.socket) -> None:
             conn.sendall(f"{MAGIC} {nonce}\n".encode())
             io = _SocketIO(conn)
             reply = (io.readline() or "").strip()
-            if not hmac.compare_digest(reply, answer(_token, nonce)):
+            if not hmac.compare_digest(reply.encode(), answer(_token, nonce).encode()):  # (str: ASCII only)
                 conn.sendall(b"DENIED bad token\n")
                 return
             conn.sendall(b"OK\n")

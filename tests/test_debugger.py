@@ -430,6 +430,23 @@ def test_debug_link_refuses_a_wrong_token(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_debug_link_reads_bytes_that_are_not_utf8():
+    """Bytes that are not UTF-8 (a Latin-1 terminal, a stray client) are a wrong token or an unknown command,
+    not a traceback: in the script's server thread, or in ``monarch-tensor debug`` under the C locale."""
+    host, port = _debug_server.ensure_server()
+    with socket.create_connection((host, port)) as raw:
+        raw.settimeout(30)
+        assert raw.recv(100).startswith(b"MTDBG1 ")
+        raw.sendall(b"\xff\xfe\n")
+        assert raw.recv(100) == b"DENIED bad token\n"
+    cli = subprocess.run([sys.executable, "-m", "monarch_tensor.cli", "debug", "--pid", str(os.getpid())],
+                         cwd=ROOT, env={**ENV, "LC_ALL": "C", "LANG": "C"}, input=b"p\xe9t\xe9\nquit\n",
+                         capture_output=True, timeout=50)
+    assert b"unknown command 'p\xef\xbf\xbdt\xef\xbf\xbd'" in cli.stdout, cli
+    assert cli.returncode == 0 and b"Traceback" not in cli.stderr, cli
+
+
+@pytest.mark.timeout(60)
 def test_ctrl_c_leaves_the_debug_cli_without_a_traceback(tmp_path):
     """Ctrl-C while ``monarch-tensor debug`` waits for a script (or at its prompt) exits with 130 and a line,
     not Python's KeyboardInterrupt traceback."""
