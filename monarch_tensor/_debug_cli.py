@@ -8,6 +8,7 @@ lines both ways until the prompt closes.
 
 from __future__ import annotations
 
+import codecs
 import glob
 import json
 import os
@@ -90,6 +91,7 @@ def _main(pid: int | None, wait: float) -> int:
         return 1
 
     def pump() -> None:
+        text = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may span two reads
         while True:
             try:
                 data = conn.recv(65536)
@@ -97,12 +99,12 @@ def _main(pid: int | None, wait: float) -> int:
                 data = b""
             if not data:
                 os._exit(0)  # the prompt closed (continue/quit) or the script ended
-            sys.stdout.write(data.decode(errors="replace"))
+            sys.stdout.write(text.decode(data))
             sys.stdout.flush()
 
     threading.Thread(target=pump, daemon=True).start()
-    for line in sys.stdin:
-        conn.sendall(line.encode())
+    for line in sys.stdin.buffer:  # the bytes as typed: the server reads what is not UTF-8 as U+FFFD
+        conn.sendall(line)
     conn.shutdown(socket.SHUT_WR)
     time.sleep(0.5)
     return 0

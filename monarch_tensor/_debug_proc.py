@@ -4,7 +4,11 @@
 registers its session with the client (``DebugRegister``), sends what it prints
 (``DebugOutput``) and reads input lines from a port of its own; the client's
 debug controller (``debugger.py``) is the other end. While paused, the proc
-keeps receiving: other actors on it keep serving.
+keeps receiving, and its other actors' sync endpoints keep serving: they run
+on the paused thread while pdb waits for its next line. pdb's wait holds the
+proc's event loop, though (a frame cannot pause anywhere else), so calls of
+async endpoints, and the calls queued behind them, run once the rank continues;
+a ``breakpoint()`` in such a call pauses only then.
 """
 
 from __future__ import annotations
@@ -82,17 +86,12 @@ class RemotePdb(pdb.Pdb):
         super().__init__(stdin=_In(self), stdout=self.out, skip=SKIP, nosigint=True, readrc=False)
         self.use_rawinput = False
         self.prompt = "(Pdb) "
-        self._entry = None
         self._ended = False
         ctx = _context.current()
         self.actor, self.point = ctx.actor_name, ctx.rank
 
     def send(self, msg) -> None:
         current_mailbox().send(self.client_addr, msg)
-
-    def set_trace(self, frame=None) -> None:
-        self._entry = frame or sys._getframe(1)
-        super().set_trace(self._entry)
 
     def interaction(self, frame, tb) -> None:
         if self._ended:  # stopped again (a pdb breakpoint set with `b`): a new session on the same pdb
@@ -108,15 +107,24 @@ class RemotePdb(pdb.Pdb):
 
     def dispatch_return(self, frame, arg):
         r = super().dispatch_return(frame, arg)
-        if frame is self._entry and not self._ended and not _suspends(frame):
-            self.set_continue()  # stepped out of the frame that called breakpoint(): done
+        if not self._ended and self._returns_to_runtime(frame) and not _suspends(frame):
+            self.set_continue()  # stepped out of the endpoint (or of a thread's function): done
         return r
 
-    def _end(self) -> None:
+    def _returns_to_runtime(self, frame) -> bool:
+        """Whether ``frame`` is user code that the runtime's own code (frames pdb skips) called: a helper
+        that called breakpoint() returns to its caller instead, where ``n`` goes on, as in plain pdb. (The
+        runtime's frames below the endpoint are traced too, since set_trace; their returns do not count.)"""
+        if self.is_skipped_module(frame.f_globals.get("__name__")):
+            return False
+        caller = frame.f_back
+        return caller is None or self.is_skipped_module(caller.f_globals.get("__name__"))
+
+    def _end(self, quit: bool = False) -> None:
         if not self._ended:
             self._ended = True
             self.out.flush()
-            self.send(DebugEnd(self.session))
+            self.send(DebugEnd(self.session, quit=quit))
             current_mailbox().close_port(self.port.port_id)
 
     def set_continue(self) -> None:
@@ -125,7 +133,7 @@ class RemotePdb(pdb.Pdb):
 
     def set_quit(self) -> None:
         super().set_quit()
-        self._end()
+        self._end(quit=True)  # (bdb raises BdbQuit in the endpoint next)
 
 
 def breakpoint_hook(*args, **kwargs) -> None:

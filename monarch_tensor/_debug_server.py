@@ -31,6 +31,12 @@ _token = ""
 _remote = 0  # connected debuggers
 _local: threading.Thread | None = None
 _told = False
+_pauses = 0  # ranks that paused so far: a prompt that closes after some paused gets a successor (_closed)
+
+
+def _pause_count() -> int:
+    with _lock:
+        return _pauses
 
 
 def info_path(pid: int | None = None) -> str:
@@ -83,18 +89,21 @@ def _accept(srv: socket.socket) -> None:
 class _SocketIO:
     def __init__(self, conn: socket.socket) -> None:
         self.conn = conn
-        self.r = conn.makefile("r", encoding="utf-8", newline="\n")
+        # (bytes that are not UTF-8 read as U+FFFD: a bad command or token, not the end of the link)
+        self.r = conn.makefile("r", encoding="utf-8", errors="replace", newline="\n")
+        self.seen = _pause_count()  # the pauses before the last line read: what its command could see
 
     def write(self, text: str) -> None:
         self.conn.sendall(text.encode())
 
     def readline(self) -> str | None:
         line = self.r.readline()
+        self.seen = _pause_count()
         return line if line else None
 
 
 def _serve(conn: socket.socket) -> None:
-    global _remote
+    global _remote, _told
     from .debugger import Repl
 
     with conn:
@@ -104,7 +113,7 @@ def _serve(conn: socket.socket) -> None:
             conn.sendall(f"{MAGIC} {nonce}\n".encode())
             io = _SocketIO(conn)
             reply = (io.readline() or "").strip()
-            if not hmac.compare_digest(reply, answer(_token, nonce)):
+            if not hmac.compare_digest(reply.encode(), answer(_token, nonce).encode()):  # (str: ASCII only)
                 conn.sendall(b"DENIED bad token\n")
                 return
             conn.sendall(b"OK\n")
@@ -116,6 +125,8 @@ def _serve(conn: socket.socket) -> None:
             finally:
                 with _lock:
                     _remote -= 1
+                    _told = False  # the next rank to pause without a debugger says so again
+            _closed(io.seen)
         except OSError:
             return
 
@@ -126,6 +137,7 @@ class _TerminalIO:
     def __init__(self) -> None:
         self.fd = sys.stdin.fileno()
         self.buf = b""
+        self.seen = _pause_count()  # the pauses before the last line read: what its command could see
 
     def write(self, text: str) -> None:
         sys.stdout.write(text)
@@ -135,6 +147,7 @@ class _TerminalIO:
         from .debugger import controller
 
         while b"\n" not in self.buf:
+            self.seen = _pause_count()  # (read first: a rank counted here is already in paused())
             if not controller().paused():
                 self.write("\n")
                 return None
@@ -152,28 +165,59 @@ def _run_local() -> None:
     global _local
     from .debugger import Repl
 
+    io = _TerminalIO()
     try:
-        Repl(_TerminalIO()).run()
+        Repl(io).run()
     finally:
         with _lock:
             _local = None
+    _closed(io.seen)
+
+
+def _closed(seen: int) -> None:
+    """A prompt closed; ``seen`` pauses had happened before its last command.
+
+    A rank that paused after that command (a rank that stops again right after ``continue``, say) found
+    the prompt still open, so nothing was opened or printed for it: do that now, as for a new pause.
+    """
+    if _pause_count() != seen and _any_paused():
+        _offer()
 
 
 def on_breakpoint() -> None:
     """A rank paused: make sure a debugger can reach it (called on the client's I/O thread)."""
+    global _pauses
+    ensure_server()
+    with _lock:
+        _pauses += 1
+        if _local is not None or _remote > 0:
+            return  # an open prompt lists it (one closing after its last command calls _closed)
+    _offer()
+
+
+def _offer() -> None:
+    """No prompt is open and a rank is paused: open the prompt in this terminal, or say how to reach it."""
     global _local, _told
     host, port = ensure_server()
     interactive = os.environ.get("MONARCH_TENSOR_DEBUG_LOCAL", "1") != "0" and _isatty()
     with _lock:
-        if interactive and _remote == 0 and _local is None:
+        if _local is not None or _remote > 0:
+            return
+        if interactive:
             _local = threading.Thread(target=_run_local, daemon=True, name="monarch-tensor-debug-local")
             _local.start()
             return
-        if _told or _local is not None:
+        if _told:
             return
         _told = True
     print(f"monarch_tensor: a rank is paused at breakpoint(); run `monarch-tensor debug` in another terminal "
           f"(debug server on {host}:{port})", file=sys.stderr, flush=True)
+
+
+def _any_paused() -> bool:
+    from .debugger import controller
+
+    return bool(controller().paused())
 
 
 def _isatty() -> bool:

@@ -159,11 +159,13 @@ def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None) -> No
 
 def _remove_files_of(client: int, procs: list[int], client_addrs=()) -> None:
     """The shared-memory segments of ``client`` and ``procs`` (named ``mt-<pid>-...``), the sockets of the
-    client and of the procs it named (``client-<pid>-...``, ``proc-<pid>-...``), and the client session's
-    default workspace root (``client_addrs``: see ``_sync_proc.default_root``): a process that was killed
-    removes none of its own. Only once the client is gone: its own segments are in use while it lives."""
+    client and of the procs it named (``client-<pid>-...``, ``proc-<pid>-...``), the client's debug server
+    file (``debug-<pid>.json``, which holds its token), and the client session's default workspace root
+    (``client_addrs``: see ``_sync_proc.default_root``): a process that was killed removes none of its own.
+    Only once the client is gone: its own segments are in use while it lives."""
     import glob
 
+    from ._debug_server import info_path
     from ._sync_proc import remove_default_root
     from .mailbox import socket_dir
 
@@ -172,6 +174,7 @@ def _remove_files_of(client: int, procs: list[int], client_addrs=()) -> None:
 
     paths = [p for pid in (client, *procs) for p in glob.glob(f"/dev/shm/mt-{pid}-*")]
     paths += glob.glob(os.path.join(socket_dir(), f"*-{client}-*"))
+    paths.append(info_path(client))
     for path in paths:
         try:
             os.unlink(path)

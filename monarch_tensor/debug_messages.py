@@ -45,7 +45,9 @@ class DebugEnd:
     """Proc -> client: the session's rank continued (or quit); it is no longer paused.
 
     ``died`` says why when the rank's proc died instead: the process that watched that proc sends it.
+    ``quit`` when pdb's ``q`` ended it: the endpoint raises ``BdbQuit``, as a program does in plain pdb.
     """
 
     session: str
     died: str = ""
+    quit: bool = False

@@ -32,6 +32,7 @@ HELP = """monarch_dbg commands:
   attach <actor> <rank>        attach to a paused rank (pdb: n, s, p, l, c ...; 'detach' returns here)
   cast <actor> ranks(...) <cmd>  send a pdb command to several ranks; ranks(1), ranks(0,1,2),
                                ranks(0:4), ranks(0:8:2), ranks(gpus=0:2, hosts=0), ranks(*)
+                               (counted from 0: no negative ranks, coordinates or steps)
   continue                     release every paused rank and leave the debugger
   help                         this text
   quit                         leave the debugger; ranks stay paused
@@ -56,6 +57,7 @@ class Session:
     waiting: bool = False
     ended: bool = False
     died: str = ""  # why, when the rank's proc died while paused
+    quit: bool = False  # pdb's q ended it: the endpoint raises BdbQuit
 
 
 class Controller:
@@ -93,7 +95,7 @@ class Controller:
         with self.cond:
             s = self.sessions.pop(msg.session, None)
             if s is not None:
-                s.ended, s.died = True, msg.died
+                s.ended, s.died, s.quit = True, msg.died, msg.quit
                 self.cond.notify_all()
 
     # ---- driving sessions ---------------------------------------------------------------
@@ -214,16 +216,33 @@ SYSTEM_HANDLERS.update({
 
 
 # ---- rank selections ------------------------------------------------------------------------
+class _Refused(ValueError):
+    """A selection that reads but means nothing here (said as it is, not as a usage line)."""
+
+
+def _index(text: str) -> int:
+    """A rank or coordinate. Only the paused ranks are known here, not a dimension's size, so a negative one
+    (Python's count from the end) cannot be resolved: it is refused rather than match nothing."""
+    value = int(text)
+    if value < 0:
+        raise _Refused(f"{value} is negative: ranks and coordinates count from 0 (no counting from the end)")
+    return value
+
+
 def _parse_sel(text: str):
     text = text.strip()
     if text.startswith("(") and text.endswith(")"):
-        return {int(x) for x in text[1:-1].split(",") if x.strip()}
+        return {_index(x) for x in text[1:-1].split(",") if x.strip()}
     if ":" in text:
-        parts = [int(p) if p.strip() else None for p in text.split(":")]
+        parts = text.split(":")
         if len(parts) > 3:
             raise ValueError(f"bad range {text!r}")
-        return slice(*parts)
-    return int(text)
+        step_text = parts.pop() if len(parts) == 3 else ""
+        step = int(step_text) if step_text.strip() else None
+        if step is not None and step <= 0:
+            raise _Refused(f"{text}: a range's step must be positive")
+        return slice(*[_index(p) if p.strip() else None for p in parts], step)
+    return _index(text)
 
 
 def _matches(sel, value: int) -> bool:
@@ -253,7 +272,9 @@ def parse_ranks(spec: str):
         if ":" in spec and "," not in spec:
             sel = _parse_sel(spec)
         else:
-            sel = {int(x) for x in spec.split(",") if x.strip()}
+            sel = {_index(x) for x in spec.split(",") if x.strip()}
+    except _Refused as e:
+        raise ValueError(f"cannot read ranks({spec}): {e}") from None
     except ValueError:
         raise ValueError(f"cannot read ranks({spec}): use ranks(1), ranks(0,1,2), ranks(0:4) or ranks(gpus=0:2)") from None
     return lambda s: _matches(sel, s.rank)
@@ -351,7 +372,9 @@ class Repl:
             self.ctl.send(s, line.rstrip("\n"))
             w(self.ctl.read(s))
             if s.ended:
-                w(f"rank {rank} of {actor!r} died ({s.died})\n" if s.died else f"rank {rank} of {actor!r} continued\n")
+                w(f"rank {rank} of {actor!r} died ({s.died})\n" if s.died else
+                  f"rank {rank} of {actor!r} quit: its call raises BdbQuit\n" if s.quit else
+                  f"rank {rank} of {actor!r} continued\n")
                 return
 
     def cast(self, actor: str, pred, command: str) -> None:

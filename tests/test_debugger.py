@@ -1,6 +1,7 @@
 """The distributed debugger, driven through pseudo-terminals (pexpect) like a person at a keyboard.
 
-tests/debug_script.py pauses four ranks at breakpoints on two different lines.
+tests/debug_script.py pauses four ranks at breakpoints on two different lines (tests/debug_loop_script.py
+one rank, again and again).
 One test drives ``monarch-tensor debug`` from another terminal; one drives the
 prompt that opens in the script's own terminal. Tests of single cases drive the
 prompt (``Repl``) in this process with scripted lines. Plus unit tests of rank
@@ -21,13 +22,14 @@ from types import SimpleNamespace
 import pytest
 
 from monarch_tensor import _debug_cli, _debug_server
-from monarch_tensor.actor import Actor, SupervisionError, current_rank, endpoint, this_host
+from monarch_tensor.actor import Actor, ActorError, SupervisionError, current_rank, endpoint, this_host
 from monarch_tensor.debugger import Repl, controller, parse_ranks, table
 
 pexpect = pytest.importorskip("pexpect", reason="pexpect is a dev extra: pip install -e '.[dev]'")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join("tests", "debug_script.py")
+LOOP_SCRIPT = os.path.join("tests", "debug_loop_script.py")
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
 
 
@@ -79,6 +81,29 @@ class Pauser(Actor):
         return current_rank().rank
 
 
+def _helper(x: int) -> int:
+    breakpoint()
+    return x + 1
+
+
+class Stepper(Actor):
+    @endpoint
+    def step(self) -> int:
+        y = _helper(1)
+        z = y * 100
+        return z
+
+
+class Neighbour(Actor):
+    @endpoint
+    def ping(self) -> str:
+        return "sync"
+
+    @endpoint
+    async def aping(self) -> str:
+        return "async"
+
+
 @pytest.fixture
 def no_local_prompt(monkeypatch):
     """Breakpoints in this process's procs open no prompt in the terminal: the test drives its own."""
@@ -121,6 +146,88 @@ def test_a_rank_that_dies_while_paused_leaves_the_debugger(no_local_prompt):
         with pytest.raises(SupervisionError, match="exited with code 3"):
             fut.get(timeout=60)
         assert controller().paused() == []
+    finally:
+        procs.stop().get(timeout=30)
+
+
+@pytest.mark.timeout(120)
+def test_next_out_of_a_helper_stops_in_its_caller(no_local_prompt):
+    """``n`` out of a helper that called breakpoint() stops at the caller's next line, as plain pdb does; the
+    session ends when the endpoint itself returns to the runtime."""
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        fut = procs.spawn("stepper", Stepper).step.call_one()
+        _until_paused(1)
+        keys = Keys(["attach stepper 0", "n", "n", "p y", "n", "n", "n", "continue"])
+        Repl(keys).run()
+        assert "_helper()->2" in keys.text and "-> z = y * 100\n(Pdb) 2\n" in keys.text, keys.text
+        assert "step()->200" in keys.text and "rank 0 of 'stepper' continued" in keys.text, keys.text
+        assert fut.get(timeout=60) == 200
+    finally:
+        procs.stop().get(timeout=30)
+
+
+@pytest.mark.timeout(120)
+def test_pdb_quit_says_the_call_raises(no_local_prompt):
+    """pdb's ``q`` quits the endpoint as it quits a program in plain pdb (``BdbQuit``): the prompt says so,
+    not that the rank continued, and the call fails."""
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        fut = procs.spawn("quitter", Pauser).pause.call_one()
+        _until_paused(1)
+        keys = Keys(["attach quitter 0", "q", "continue"])
+        Repl(keys).run()
+        assert "rank 0 of 'quitter' quit: its call raises BdbQuit" in keys.text, keys.text
+        assert "continued" not in keys.text, keys.text
+        with pytest.raises(ActorError, match="BdbQuit"):
+            fut.get(timeout=60)
+    finally:
+        procs.stop().get(timeout=30)
+
+
+@pytest.mark.timeout(120)
+def test_debug_cli_keeps_characters_that_span_two_reads(no_local_prompt):
+    """Large output of non-ASCII text reaches ``monarch-tensor debug`` in several reads, some of which end in
+    the middle of a character: it comes out whole, not with U+FFFD where the reads were cut."""
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    cli = None
+    try:
+        fut = procs.spawn("wide", Pauser).pause.call_one()
+        _until_paused(1)
+        cli = pexpect.spawn(sys.executable, ["-m", "monarch_tensor.cli", "debug", "--pid", str(os.getpid())],
+                            cwd=ROOT, env=ENV, encoding="utf-8", timeout=60)
+        cli.expect_exact("monarch_dbg> ")
+        cli.sendline("attach wide 0")
+        cli.expect_exact("(Pdb) ")
+        cli.sendline("p 'é' * 100000")
+        cli.expect_exact("(Pdb) ")
+        assert "\ufffd" not in cli.before and "'" + "é" * 100000 + "'" in cli.before
+        cli.sendline("c")
+        cli.expect_exact("monarch_dbg> ")
+        cli.sendline("quit")
+        cli.expect(pexpect.EOF)
+        assert fut.get(timeout=60) == 0
+    finally:
+        if cli is not None:
+            cli.close(force=True)
+        procs.stop().get(timeout=30)
+
+
+@pytest.mark.timeout(120)
+def test_other_actors_on_a_paused_proc(no_local_prompt):
+    """While a rank is paused, another actor on its proc answers sync endpoints at once; its async endpoints
+    need the proc's event loop, which pdb's wait holds, so they answer once the rank continues."""
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        paused = procs.spawn("held", Pauser).pause.call_one()
+        _until_paused(1)
+        neighbour = procs.spawn("neighbour", Neighbour)
+        assert neighbour.ping.call_one().get(timeout=30) == "sync"
+        later = neighbour.aping.call_one()
+        keys = Keys(["continue"])
+        Repl(keys).run()
+        assert "released 1 paused rank(s)" in keys.text, keys.text
+        assert later.get(timeout=30) == "async" and paused.get(timeout=30) == 0
     finally:
         procs.stop().get(timeout=30)
 
@@ -226,6 +333,50 @@ def test_prompt_in_the_scripts_own_terminal():
         p.close(force=True)
 
 
+@pytest.mark.timeout(120)
+def test_the_prompt_in_the_scripts_terminal_reopens_for_each_pause():
+    """A rank that pauses again right after ``continue`` (a breakpoint in a loop) gets the prompt again: it
+    can pause before the prompt that released it has closed, which must then reopen, not leave it paused
+    with nothing on the screen."""
+    n = 25
+    p = pexpect.spawn(sys.executable, [LOOP_SCRIPT, str(n)], cwd=ROOT, env=ENV, encoding="utf-8", timeout=30)
+    try:
+        for _ in range(n):
+            p.expect_exact("monarch_dbg> ")
+            p.sendline("continue")
+        p.expect_exact("DONE")
+        assert f"RESULT {sum(range(n))}" in p.before
+        p.expect(pexpect.EOF)
+    finally:
+        p.close(force=True)
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_scripts_debug_file_is_removed():
+    """``debug-<pid>.json`` (the debug server's port and token) of a script SIGKILLed while ranks are paused
+    is removed by its template process, as the rest of what it left in the socket directory."""
+    script = subprocess.Popen([sys.executable, SCRIPT], cwd=ROOT, env=ENV, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while "run `monarch-tensor debug`" not in line:  # printed after the file is written
+            line = script.stderr.readline()
+            assert line, "the script ended before a rank paused"
+        path = _debug_server.info_path(script.pid)
+        assert os.path.exists(path)
+        script.kill()
+        script.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(path)
+    finally:
+        if script.poll() is None:
+            script.kill()
+        script.wait(timeout=30)
+        script.stderr.close()
+
+
 def test_rank_selections():
     sessions = [SimpleNamespace(rank=r, coords={"hosts": r // 4, "gpus": r % 4}) for r in range(8)]
 
@@ -241,8 +392,17 @@ def test_rank_selections():
     assert pick("*") == list(range(8))
     assert pick("gpus=0:2") == [0, 1, 4, 5]
     assert pick("hosts=1, gpus=(0,3)") == [4, 7]
+    assert pick("0:8:") == list(range(8))
+    assert pick("5:2") == []
     with pytest.raises(ValueError, match="cannot read ranks"):
         parse_ranks("a,b")
+    # Only the paused ranks are known, not a dimension's size: no counting from the end, no backward steps
+    for spec in ("-1", "-3:", "0,-1", "gpus=-2:", "hosts=(0,-1)"):
+        with pytest.raises(ValueError, match="is negative: ranks and coordinates count from 0"):
+            parse_ranks(spec)
+    for spec in ("3:0:-1", "0:4:0", "gpus=0:4:0"):
+        with pytest.raises(ValueError, match="step must be positive"):
+            parse_ranks(spec)
     assert "| debugee    | 2    |" in table([SimpleNamespace(actor="debugee", rank=2, coords={}, hostname="h",
                                                               function="m.f", lineno=7)])
 
@@ -267,6 +427,23 @@ def test_debug_link_refuses_a_wrong_token(tmp_path):
         raw.settimeout(_debug_server.AUTH_TIMEOUT + 5)
         assert raw.recv(100).startswith(b"MTDBG1 ")
         assert raw.recv(100) in (b"", b"DENIED bad token\n")
+
+
+@pytest.mark.timeout(60)
+def test_debug_link_reads_bytes_that_are_not_utf8():
+    """Bytes that are not UTF-8 (a Latin-1 terminal, a stray client) are a wrong token or an unknown command,
+    not a traceback: in the script's server thread, or in ``monarch-tensor debug`` under the C locale."""
+    host, port = _debug_server.ensure_server()
+    with socket.create_connection((host, port)) as raw:
+        raw.settimeout(30)
+        assert raw.recv(100).startswith(b"MTDBG1 ")
+        raw.sendall(b"\xff\xfe\n")
+        assert raw.recv(100) == b"DENIED bad token\n"
+    cli = subprocess.run([sys.executable, "-m", "monarch_tensor.cli", "debug", "--pid", str(os.getpid())],
+                         cwd=ROOT, env={**ENV, "LC_ALL": "C", "LANG": "C"}, input=b"p\xe9t\xe9\nquit\n",
+                         capture_output=True, timeout=50)
+    assert b"unknown command 'p\xef\xbf\xbdt\xef\xbf\xbd'" in cli.stdout, cli
+    assert cli.returncode == 0 and b"Traceback" not in cli.stderr, cli
 
 
 @pytest.mark.timeout(60)
