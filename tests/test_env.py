@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from monarch_tensor.actor import Actor, ActorError, endpoint, this_host
-from monarch_tensor.spmd import SPMDActor, elastic_env, setup_torch_elastic_env
+from monarch_tensor.spmd import SPMDActor, _master_addr, _towards, elastic_env, setup_torch_elastic_env
 from monarch_tensor.utils import setup_env_for_distributed
 
 pytestmark = pytest.mark.timeout(120)
@@ -105,6 +105,19 @@ class SPMD(Actor):
     @endpoint
     def main(self):
         return torchrun_style_main()
+
+
+def test_the_master_is_on_loopback_only_when_every_proc_is_on_rank_0s_host():
+    # Rank 0 on this machine's host name gave every rank 127.0.0.1, even ranks on other hosts.
+    a, b = "tcp://10.0.0.2:26600", "tcp://10.0.0.3:26600"
+    assert _towards(["ipc:///tmp/p0", "ipc:///tmp/p1"]) is None  # this machine's procs
+    assert _towards([f"{a}|1", f"{a}|2"]) is None  # one host agent's
+    assert _towards([f"{a}|1", f"{a}|2", f"{b}|3"]) == b  # rank 0 finds its route to the other host
+    assert _towards(["ipc:///tmp/p0", f"{b}|3"]) == b
+    assert _towards(["tcp://127.0.0.1:26600|1", "ipc:///tmp/p1"]) == "127.0.0.1"  # this machine, seen from there
+    assert _master_addr(None, "vm", None) == "127.0.0.1"
+    assert _master_addr(b, "vm", "10.0.0.2") == "10.0.0.2"  # not the name: it may resolve to loopback
+    assert _master_addr(b, "vm", "0.0.0.0") == "vm"  # no route found there: the name, for the others to resolve
 
 
 def test_init_process_group_in_actors(procs):
