@@ -24,6 +24,7 @@ from typing import Any, Mapping
 
 from . import _context, _zygote
 from .config import env_flag
+from .env import check_env
 from .errors import MeshStoppedError, SupervisionError
 from .future import CoroutineFuture, Future, in_event_loop, run_to_end
 from .mailbox import SYSTEM_HANDLERS, current_mailbox, new_ipc_address
@@ -967,9 +968,7 @@ def proc_mesh(*, gpus: int | None = None, hosts: int | None = None, env: dict[st
     """The older form: ``proc_mesh(gpus=4)`` (also awaitable: ``await proc_mesh(gpus=4)``). Monarch's ``env``
     is added to the procs' environment from their start; ``setup`` (a function) runs on every proc before
     the mesh is handed back, as ``spawn_procs(bootstrap=...)`` does."""
-    if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str)
-                                                              for k, v in env.items())):
-        raise TypeError(f"proc_mesh(env=...) maps variable names to string values, got {env!r}")
+    check_env(env, "proc_mesh(env=...)")
     check_bootstrap(setup)
     sizes = {}
     if hosts is not None:
