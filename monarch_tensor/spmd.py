@@ -24,6 +24,7 @@ import os
 import runpy
 import socket
 import sys
+from collections.abc import Sequence
 
 from ._fanout import ROUTE_SEP
 from ._net import ip_towards
@@ -167,6 +168,11 @@ class SPMDActor(Actor):
     @endpoint
     def main(self, master_addr: str, master_port: int, script_args: list[str]) -> bool:
         env = self._env(master_addr, master_port)
+        # (A str would pass as a sequence of one-character arguments: "train.py" ran as script "t".)
+        if script_args is not None and (isinstance(script_args, (str, bytes)) or not isinstance(script_args, Sequence)
+                                        or not all(isinstance(a, str) for a in script_args)):
+            raise TypeError(f"SPMDActor.main: script_args must be a list of strings, the script and its arguments "
+                            f"(['train.py', '--lr', '0.001'] or ['-m', 'module', ...]), got {script_args!r}")
         args = list(script_args or ())
         if not args or (args[0] == "-m" and len(args) < 2):
             raise ValueError(f"SPMDActor.main needs a script path or '-m module' followed by its arguments, "

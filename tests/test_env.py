@@ -151,6 +151,9 @@ def test_spmd_actor_runs_a_torchrun_style_script_and_module(procs, tmp_path):
         one.main.call_one(addr, port, []).get(timeout=30)
     with pytest.raises(ActorError, match="no script '/nonexistent.py' on this proc"):
         one.main.call_one(addr, port, ["/nonexistent.py"]).get(timeout=30)
+    for args in (script, ["-m", 5]):  # a str was split into one-character arguments: "no script '/'"
+        with pytest.raises(ActorError, match="script_args must be a list of strings"):
+            one.main.call_one(addr, port, args).get(timeout=30)
     with pytest.raises(ActorError, match="master_port must be an int"):
         one.setup_env.call_one(addr, "29500").get(timeout=30)
     exits = tmp_path / "exits.py"  # sys.exit(0) ends a script well, as under torchrun; another code does not
