@@ -51,7 +51,7 @@ class ProcInfo:
     pid: int = 0
     alive: bool = True
     stopping: bool = False
-    starting: bool = False  # forked here, not yet said it started: its death is its spawn's error (LocalHost.spawn)
+    starting: bool = False  # forked here, not yet said it started: its death is no supervision failure (_proc_exited)
     exit_status: str = ""
     owner: Any = None  # the ProcMesh allocation that made it
     actors: set = field(default_factory=set)  # names of the actors spawned on it from here (not pickled)
@@ -119,9 +119,6 @@ class LocalHost:
         self._warmed = on_exit is not None  # a host agent runs no tensor engine
         self._next = 0
         self._spawned: dict[int, Future] = {}
-        # A proc's start (its "started"; a death before it fails the future): by request id, then by pid.
-        self._start_reqs: dict[int, Future] = {}
-        self._start_pids: dict[int, Future] = {}
         self._by_pid: dict[int, ProcInfo] = {}
         self._ready = Future("zygote start")
         self._started = False  # it said it is ready: its interpreter runs monarch_tensor
@@ -142,15 +139,12 @@ class LocalHost:
                 info = self._infos.pop(req_id, None)
                 if info is not None:
                     self._by_pid[pid] = info  # (before its first output)
-                self._start_pids[pid] = self._start_reqs.pop(req_id)
                 fut = self._spawned.pop(req_id)
                 fut._set_result(pid)
             elif kind == "started":
-                info, start = self._by_pid.get(msg[1]), self._start_pids.pop(msg[1], None)
+                info = self._by_pid.get(msg[1])
                 if info is not None:
                     info.starting = False  # (here, in order with its exit: from now on a death is supervised)
-                if start is not None:
-                    start._set_result(None)
             elif kind == "output":
                 _, pid, stream, data = msg
                 info = self._by_pid.get(pid)
@@ -158,18 +152,14 @@ class LocalHost:
                     self._on_output(info, stream, data)
             elif kind == "exited":
                 _, pid, status = msg
-                info, start = self._by_pid.pop(pid, None), self._start_pids.pop(pid, None)
+                info = self._by_pid.pop(pid, None)
                 if info is not None:
-                    if start is not None:  # it died before it started: its spawn raises this
-                        start._set_exception(SupervisionError(
-                            f"proc {info.addr} (rank {info.rank}, pid {pid}) died during its start: {status}",
-                            proc=info.addr, rank=info.rank, exit_status=status))
                     self._on_output(info, 0, b"")  # the end of its output: a last partial line
                     self._on_exit(info, status)
         self.dead = True  # local_host() starts a new template for later meshes
         err = RuntimeError(self._exited())
         self._ready._set_exception(err)
-        for fut in [*self._spawned.values(), *self._start_reqs.values(), *self._start_pids.values()]:
+        for fut in self._spawned.values():
             fut._set_exception(err)
         lost = list(self._by_pid.values())
         # Its procs die with it (PDEATHSIG), killed: the template removed the socket file of each proc it
@@ -203,12 +193,10 @@ class LocalHost:
                 warm_up = threading.Thread(target=_warm_tensor_engine, daemon=True, name="monarch-tensor-warm-up")
                 warm_up.start()
                 warm_up.join()
-            for info, fut, _ in futs:
+            for info, fut in futs:
                 info.pid = fut.get(timeout=SPAWN_TIMEOUT)
-            for _, _, start in futs:  # up and serving: a proc that died before is this spawn's error
-                start.get(timeout=SPAWN_TIMEOUT)
         except BaseException:  # interrupted (Ctrl-C), or a spawn failed: none of these procs is wanted now
-            for info, fut, _ in futs:
+            for info, fut in futs:
                 info.stopping = True  # (their exits are no supervision failures)
                 fut.add_done_callback(lambda f: f.exception() is None and self.kill(f.result(), signal.SIGKILL))
             raise
@@ -219,14 +207,13 @@ class LocalHost:
             _zygote.write_msg(self._req_fd, ("preload", ["torch"], ["torch._dynamo"]))
         for info, env in zip(infos, envs):
             self._next += 1
-            fut, start = Future("proc spawn"), Future("proc start")
+            fut = Future("proc spawn")
             self._spawned[self._next] = fut
-            self._start_reqs[self._next] = start
             self._infos[self._next] = info
             info.starting = True
             _zygote.write_msg(self._req_fd, ("spawn", self._next, "monarch_tensor._proc.run_proc",
                                              (info.addr, client_addr, info.rank), env, self._relay))
-            futs.append((info, fut, start))
+            futs.append((info, fut))
 
     def _exited(self) -> str:
         """What became of the template process, which closed its pipes: its exit status, and for an interpreter
@@ -343,11 +330,13 @@ def _proc_exited(info: ProcInfo, status: str) -> None:
     if client is not None:  # its tensor workers' groups with it stop waiting for it
         client.peers_died(info.rank)
     where = f"rank {info.rank} of proc mesh {mesh._shape if mesh else '?'}"
-    err = SupervisionError(f"proc {info.addr} ({where}, pid {info.pid}) died: {status}",
+    died = "died during its start" if info.starting else "died"
+    err = SupervisionError(f"proc {info.addr} ({where}, pid {info.pid}) {died}: {status}",
                            proc=info.addr, rank=info.rank, exit_status=status)
     observed = mailbox.proc_died(info.addr, err)
-    # A waiting caller got the error: that is handling it. One that died during its start is its spawn's
-    # error (LocalHost.spawn raises it): reported here too, it interrupted the script that caught that.
+    # A waiting caller got the error: that is handling it. One that died during its start (before it said
+    # it serves) is no fault of a running mesh: the first call on it (spawning actors on the mesh, its
+    # bootstrap) raises this error, which a fault would also have sent to the script that caught it.
     if mesh is not None and not observed and not info.starting:
         mesh._failed(err)
 
