@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 
+from ._net import ip_towards
 from .env_messages import ReadEnv, ReserveMasterPort, WriteEnv
 from .mailbox import SYSTEM_HANDLERS, Mailbox
 from .messages import SendToPort
@@ -63,7 +64,8 @@ def free_port() -> int:
 
 def handle_reserve(mailbox: Mailbox, msg: ReserveMasterPort) -> None:
     try:
-        _reply(mailbox, msg.reply, (socket.gethostname(), free_port()))
+        routed = None if msg.towards is None else ip_towards(msg.towards)
+        _reply(mailbox, msg.reply, (socket.gethostname(), free_port(), routed))
     except OSError as e:
         _reply(mailbox, msg.reply, error=e)
 

@@ -657,4 +657,14 @@ def run_proc(addr: str, client_addr: str, rank: int) -> None:
     _bind.apply_from_env()  # before any other thread starts: they inherit it
     rt = _runtime = ProcRuntime(addr, client_addr, rank)
     _proc_ext.on_start(rt)  # workspace dirs on sys.path, breakpoint() hook
+    _say_started()
     rt.run()
+
+
+def _say_started() -> None:
+    """Tell the template this proc started, its mailbox bound: its spawn waits for that (a proc that dies
+    before is the spawn's error, not a supervision failure: ``host.LocalHost.spawn``)."""
+    fd = os.environ.pop(_zygote.STARTED_ENV, "")
+    if fd:
+        os.write(int(fd), b"1")
+        os.close(int(fd))

@@ -84,6 +84,7 @@ def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None) -> No
     clients: set[str] = set()  # the client addresses given to its procs (their workspace roots are named so)
     outputs: dict[int, list] = {}  # pid -> [stdout read end, stderr read end] (None once it ended)
     relayed: dict[int, tuple[int, int]] = {}  # read end -> (pid, stream) of the procs whose output is relayed
+    starting: dict[int, int] = {}  # read end of a start pipe -> the pid of the proc that has not said it started
     sig_r, sig_w = os.pipe()
     os.set_blocking(sig_w, False)
     signal.set_wakeup_fd(sig_w)
@@ -110,7 +111,9 @@ def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None) -> No
             for fd in readable:
                 if fd in relayed:
                     _relay(fd, relayed, outputs, rep_fd, waits)
-            _reap(children, rep_fd, outputs, relayed, waits, sockets)
+                elif fd in starting:
+                    _started(fd, starting, rep_fd, waits)
+            _reap(children, rep_fd, outputs, relayed, waits, sockets, starting)
             if req_fd in readable:
                 req = read_msg(req_fd)
                 if req is None or req[0] == "exit":
@@ -119,10 +122,16 @@ def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None) -> No
                 if req[0] == "spawn":
                     _, req_id, entry, args, env, relay = req
                     reads, writes = _output_pipes()
+                    start_r, start_w = os.pipe()
                     pid = os.fork()
                     if pid == 0:
                         others = [fd for pair in outputs.values() for fd in pair if fd is not None]
-                        _child(req_fd, rep_fd, sig_r, sig_w, entry, args, env, (reads, writes), others, relay)
+                        others += [*starting, start_r]
+                        _child(req_fd, rep_fd, sig_r, sig_w, entry, args, env, (reads, writes), others, relay,
+                               start_w)
+                    os.close(start_w)
+                    starting[start_r] = pid
+                    waits.register(start_r, select.POLLIN)
                     children[pid] = req_id
                     spawned.append(pid)
                     if isinstance(args[0], str) and args[0].startswith("ipc://"):  # (run_proc's own address,
@@ -190,6 +199,10 @@ def _remove_files_of(client: int, procs: list[int], client_addrs=()) -> None:
 # each stream, the last ones.
 LEFTOVER_MAX = 64 << 10
 LOG_PIPES_ENV = "MONARCH_TENSOR_LOG_PIPES"
+# A proc says it started (its mailbox is bound, it is about to serve: ``_proc.run_proc``) with a byte on a
+# pipe of its own, whose write end this names; this process then sends "started". A proc that dies first
+# closes the pipe with nothing written: its spawn failed (``host.LocalHost.spawn``), as its exit says.
+STARTED_ENV = "MONARCH_TENSOR_STARTED_FD"
 
 
 def _output_pipes() -> tuple[tuple[int, int], tuple[int, int]]:
@@ -215,6 +228,20 @@ def _relay(fd: int, relayed: dict, outputs: dict, rep_fd: int, waits) -> None:
     outputs[pid][stream - 1] = None
 
 
+def _started(fd: int, starting: dict, rep_fd: int, waits) -> None:
+    """A proc's start pipe is readable: its byte ("started"), or its end (it died before: no message, its exit
+    follows). Either way the pipe is done with."""
+    pid = starting.pop(fd)
+    waits.unregister(fd)
+    try:
+        said = os.read(fd, 1)
+    except OSError:
+        said = b""
+    os.close(fd)
+    if said:
+        write_msg(rep_fd, ("started", pid))
+
+
 def _drain(fd: int, limit: int | None) -> bytes:
     """What is left unread in a pipe (the last ``limit`` bytes of it), which is then closed."""
     got = b""
@@ -234,8 +261,10 @@ def _drain(fd: int, limit: int | None) -> bytes:
     return got
 
 
-def _reap(children: dict[int, int], rep_fd: int, outputs: dict, relayed: dict, waits, sockets: dict) -> None:
-    """Report the procs that exited, each after what it wrote and nobody had read yet."""
+def _reap(children: dict[int, int], rep_fd: int, outputs: dict, relayed: dict, waits, sockets: dict,
+          starting: dict) -> None:
+    """Report the procs that exited, each after what it wrote and nobody had read yet (and after its
+    "started", if it said so since the last poll)."""
     while children:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -244,6 +273,8 @@ def _reap(children: dict[int, int], rep_fd: int, outputs: dict, relayed: dict, w
         if pid == 0:
             return
         if children.pop(pid, None) is not None:
+            for fd in [fd for fd, p in starting.items() if p == pid]:
+                _started(fd, starting, rep_fd, waits)
             for stream, fd in enumerate(outputs.pop(pid, ()), 1):
                 if fd is None:
                     continue
@@ -288,7 +319,8 @@ def _kill_all(children: dict[int, int], rep_fd: int) -> None:
                 time.sleep(0.02)
 
 
-def _child(req_fd, rep_fd, sig_r, sig_w, entry, args, env, pipes=None, others=(), relay=False) -> None:
+def _child(req_fd, rep_fd, sig_r, sig_w, entry, args, env, pipes=None, others=(), relay=False,
+           started: int | None = None) -> None:
     code = 1
     try:
         signal.set_wakeup_fd(-1)
@@ -301,6 +333,8 @@ def _child(req_fd, rep_fd, sig_r, sig_w, entry, args, env, pipes=None, others=()
         if numpy is not None:
             numpy.random.seed()  # (from the OS's entropy, as a fresh process's numpy; Python's random reseeds itself)
         os.environ.update(env)
+        if started is not None:  # the write end of its start pipe (see STARTED_ENV)
+            os.environ[STARTED_ENV] = str(started)
         if pipes is not None:  # fds 1 and 2 into the pipes; the proc's log forwarder reads them (and dup's
             (r1, r2), (w1, w2) = pipes  # of the terminal's fds for its fallback)
             terminal = (os.dup(1), os.dup(2))

@@ -36,6 +36,19 @@ def _check_name(name: str) -> None:
         raise ValueError(f"bad environment variable name {name!r}: letters, digits and '_', not starting with a digit")
 
 
+def check_env(env: object, what: str) -> None:
+    """``env`` for procs to start with (``proc_mesh(env=...)``): ``{name: value}`` of strings, the names and
+    values ``env.set`` takes (POSIX's portable names: a proc could not set ``""``, ``"A=B"`` or a NUL, and
+    would die at its start). Checked at the call; ``what`` names it in the error."""
+    if env is None:
+        return
+    if not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+        raise TypeError(f"{what} maps variable names to string values, got {env!r}")
+    for name in env:
+        _check_name(name)
+    _check_values(env.values())
+
+
 def _learn_roots(procs: list, replies: list) -> None:
     """An ``env.set`` that moved the procs' workspace roots answers where they are now (``_env_proc``): keep
     that for the next sync. Returns None, the value of ``env.set``."""

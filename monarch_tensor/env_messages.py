@@ -29,6 +29,8 @@ class WriteEnv:
 @_fast_reduce
 @dataclass(frozen=True, slots=True)
 class ReserveMasterPort:
-    """Client -> proc: reply ``(hostname, port)`` with a TCP port free on this host (torch's MASTER_PORT)."""
+    """Client -> proc: reply ``(hostname, port, address)`` with a TCP port free on this host (torch's MASTER_PORT)
+    and, given ``towards`` (an address on another host), this host's address on the route to it."""
 
     reply: PortRef
+    towards: str | None

@@ -24,6 +24,7 @@ from typing import Any, Mapping
 
 from . import _context, _zygote
 from .config import env_flag
+from .env import check_env
 from .errors import MeshStoppedError, SupervisionError
 from .future import CoroutineFuture, Future, in_event_loop, run_to_end
 from .mailbox import SYSTEM_HANDLERS, current_mailbox, new_ipc_address
@@ -50,6 +51,7 @@ class ProcInfo:
     pid: int = 0
     alive: bool = True
     stopping: bool = False
+    starting: bool = False  # forked here, not yet said it started: its death is no supervision failure (_proc_exited)
     exit_status: str = ""
     owner: Any = None  # the ProcMesh allocation that made it
     actors: set = field(default_factory=set)  # names of the actors spawned on it from here (not pickled)
@@ -139,6 +141,10 @@ class LocalHost:
                     self._by_pid[pid] = info  # (before its first output)
                 fut = self._spawned.pop(req_id)
                 fut._set_result(pid)
+            elif kind == "started":
+                info = self._by_pid.get(msg[1])
+                if info is not None:
+                    info.starting = False  # (here, in order with its exit: from now on a death is supervised)
             elif kind == "output":
                 _, pid, stream, data = msg
                 info = self._by_pid.get(pid)
@@ -204,6 +210,7 @@ class LocalHost:
             fut = Future("proc spawn")
             self._spawned[self._next] = fut
             self._infos[self._next] = info
+            info.starting = True
             _zygote.write_msg(self._req_fd, ("spawn", self._next, "monarch_tensor._proc.run_proc",
                                              (info.addr, client_addr, info.rank), env, self._relay))
             futs.append((info, fut))
@@ -323,10 +330,14 @@ def _proc_exited(info: ProcInfo, status: str) -> None:
     if client is not None:  # its tensor workers' groups with it stop waiting for it
         client.peers_died(info.rank)
     where = f"rank {info.rank} of proc mesh {mesh._shape if mesh else '?'}"
-    err = SupervisionError(f"proc {info.addr} ({where}, pid {info.pid}) died: {status}",
+    died = "died during its start" if info.starting else "died"
+    err = SupervisionError(f"proc {info.addr} ({where}, pid {info.pid}) {died}: {status}",
                            proc=info.addr, rank=info.rank, exit_status=status)
     observed = mailbox.proc_died(info.addr, err)
-    if mesh is not None and not observed:  # a waiting caller got the error: that is handling it
+    # A waiting caller got the error: that is handling it. One that died during its start (before it said
+    # it serves) is no fault of a running mesh: the first call on it (spawning actors on the mesh, its
+    # bootstrap) raises this error, which a fault would also have sent to the script that caught it.
+    if mesh is not None and not observed and not info.starting:
         mesh._failed(err)
 
 
@@ -967,9 +978,7 @@ def proc_mesh(*, gpus: int | None = None, hosts: int | None = None, env: dict[st
     """The older form: ``proc_mesh(gpus=4)`` (also awaitable: ``await proc_mesh(gpus=4)``). Monarch's ``env``
     is added to the procs' environment from their start; ``setup`` (a function) runs on every proc before
     the mesh is handed back, as ``spawn_procs(bootstrap=...)`` does."""
-    if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str)
-                                                              for k, v in env.items())):
-        raise TypeError(f"proc_mesh(env=...) maps variable names to string values, got {env!r}")
+    check_env(env, "proc_mesh(env=...)")
     check_bootstrap(setup)
     sizes = {}
     if hosts is not None:

@@ -24,7 +24,10 @@ import os
 import runpy
 import socket
 import sys
+from collections.abc import Sequence
 
+from ._fanout import ROUTE_SEP
+from ._net import ip_towards
 from ._ports import Collector
 from .actor import Actor, current_rank, current_size, endpoint
 from .env_messages import ReserveMasterPort, WriteEnv
@@ -55,6 +58,35 @@ def elastic_env(sizes: dict[str, int], index: int, master_addr: str, master_port
     }
 
 
+def _host_of_proc(addr: str) -> str:
+    """The host a proc runs on, by its address: its host agent's (``tcp://HOST:PORT`` of ``tcp://HOST:PORT|...``),
+    or ``""`` for this machine's procs (``ipc://...``, spawned here)."""
+    return addr.partition(ROUTE_SEP)[0] if ROUTE_SEP in addr else ""
+
+
+def _towards(addrs: list[str]) -> str | None:
+    """Where rank 0 (``addrs[0]``) finds the route to the other hosts of a mesh: the address of a host other
+    than its own, or None when every proc runs on rank 0's host (the same host agent, or all on this machine;
+    not merely a host of the same name). For this machine, seen from rank 0's host: this process's address
+    on the route to that host's agent."""
+    home = _host_of_proc(addrs[0])
+    for addr in addrs[1:]:
+        there = _host_of_proc(addr)
+        if there != home:
+            return there or ip_towards(home)
+    return None
+
+
+def _master_addr(towards: str | None, hostname: str, routed: str | None) -> str:
+    """MASTER_ADDR from rank 0's answer to ``ReserveMasterPort``: loopback when the whole mesh is on rank 0's
+    host (it always resolves there); else rank 0's address on the route to another host of the mesh, which
+    that host reaches (a name may resolve to loopback, or to another host of the same name); its host name
+    only where it found no route."""
+    if towards is None:
+        return "127.0.0.1"
+    return routed if routed not in (None, "0.0.0.0") else hostname
+
+
 def _setup(proc_mesh, master_addr: str | None, master_port: int | None, use_ipaddr: object = None) -> Future:
     if (master_addr is None) != (master_port is None):
         raise ValueError("give both master_addr and master_port, or neither (rank 0's host and a free port)")
@@ -69,14 +101,13 @@ def _setup(proc_mesh, master_addr: str | None, master_port: int | None, use_ipad
     members = proc_mesh._members()
     mailbox = current_mailbox()
     if master_addr is None:
+        # ``use_ipaddr`` (Monarch's) needs nothing more: a mesh across hosts is given rank 0's address.
+        towards = _towards([p.addr for p in members])
         col = Collector([members[0].addr], [members[0].rank], lambda vs: vs[0], "MASTER_PORT")
         port = mailbox.open_port(col)
-        mailbox.send(members[0].addr, ReserveMasterPort(port))
-        host, master_port = col.future.get(timeout=TIMEOUT)
-        # One host for the whole mesh (all local today): loopback always resolves. ``use_ipaddr`` (Monarch's):
-        # the master's address rather than its name.
-        master_addr = "127.0.0.1" if host == socket.gethostname() else socket.gethostbyname(host) if use_ipaddr \
-            else host
+        mailbox.send(members[0].addr, ReserveMasterPort(port, towards))
+        hostname, master_port, routed = col.future.get(timeout=TIMEOUT)
+        master_addr = _master_addr(towards, hostname, routed)
     sizes = proc_mesh._shape.sizes
     col = Collector([p.addr for p in members], [p.rank for p in members], lambda vs: None, "torch elastic env")
     port = mailbox.open_port(col)
@@ -87,7 +118,8 @@ def _setup(proc_mesh, master_addr: str | None, master_port: int | None, use_ipad
 
 def setup_torch_elastic_env(proc_mesh, master_addr: str | None = None, master_port: int | None = None,
                             use_ipaddr: object = None) -> None:
-    """Set torchrun's variables on every proc of ``proc_mesh`` (rank 0's host is the master)."""
+    """Set torchrun's variables on every proc of ``proc_mesh`` (rank 0's host is the master: ``127.0.0.1``
+    when the whole mesh runs on that host, else its address on the route to the other hosts)."""
     _setup(proc_mesh, master_addr, master_port, use_ipaddr).get(timeout=TIMEOUT)
 
 
@@ -121,7 +153,13 @@ class SPMDActor(Actor):
             s.bind(("", 0))
             port = s.getsockname()[1]
         host = socket.gethostname()
-        return (socket.gethostbyname(host) if use_ipaddr else host), port
+        if not use_ipaddr:
+            return host, port
+        addr = socket.gethostbyname(host)
+        gateway = current_mailbox().gateway  # (behind a host agent: the way to the controller)
+        if addr.startswith("127.") and gateway:  # the name resolves to loopback here: the address other hosts reach
+            addr = ip_towards(gateway)
+        return addr, port
 
     @endpoint
     def setup_env(self, master_addr: str, master_port: int) -> None:
@@ -130,6 +168,11 @@ class SPMDActor(Actor):
     @endpoint
     def main(self, master_addr: str, master_port: int, script_args: list[str]) -> bool:
         env = self._env(master_addr, master_port)
+        # (A str would pass as a sequence of one-character arguments: "train.py" ran as script "t".)
+        if script_args is not None and (isinstance(script_args, (str, bytes)) or not isinstance(script_args, Sequence)
+                                        or not all(isinstance(a, str) for a in script_args)):
+            raise TypeError(f"SPMDActor.main: script_args must be a list of strings, the script and its arguments "
+                            f"(['train.py', '--lr', '0.001'] or ['-m', 'module', ...]), got {script_args!r}")
         args = list(script_args or ())
         if not args or (args[0] == "-m" and len(args) < 2):
             raise ValueError(f"SPMDActor.main needs a script path or '-m module' followed by its arguments, "

@@ -116,6 +116,24 @@ def test_a_second_actor_of_the_same_name_is_refused_and_the_first_keeps_its_stat
     assert first.incr.call().get(timeout=30).values() == [13, 13]
 
 
+def test_proc_mesh_env_is_checked_at_the_call_as_env_set_checks_it(procs, monkeypatch):
+    # These killed every proc at its start (os.environ.update in the template's child: a traceback per
+    # proc), and the caller got a SupervisionError. A name with a space is refused as env.set refuses it.
+    from monarch_tensor import host
+    from monarch_tensor.actor import proc_mesh
+
+    monkeypatch.setattr(host, "_spawn_procs", lambda *a, **k: pytest.fail("spawned procs for a bad env"))
+    for env in ({"": "1"}, {"A=B": "1"}, {"A\0B": "1"}, {"MT A": "1"}, {"1A": "1"}):
+        with pytest.raises(ValueError, match="bad environment variable name"):
+            procs.env.set(next(iter(env)), "1")
+        with pytest.raises(ValueError, match="bad environment variable name"):
+            proc_mesh(gpus=1, env=env)
+    with pytest.raises(ValueError, match="NUL character"):
+        proc_mesh(gpus=1, env={"MT_A": "a\0b"})
+    with pytest.raises(TypeError, match="maps variable names to string values"):
+        proc_mesh(gpus=1, env={"MT_A": None})
+
+
 def test_mesh_sizes_and_job_mesh_names_are_checked():
     from monarch_tensor.job import LocalJob
     from monarch_tensor.shape import Shape

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from monarch_tensor.actor import Actor, ActorError, endpoint, this_host
-from monarch_tensor.spmd import SPMDActor, elastic_env, setup_torch_elastic_env
+from monarch_tensor.spmd import SPMDActor, _master_addr, _towards, elastic_env, setup_torch_elastic_env
 from monarch_tensor.utils import setup_env_for_distributed
 
 pytestmark = pytest.mark.timeout(120)
@@ -107,6 +107,19 @@ class SPMD(Actor):
         return torchrun_style_main()
 
 
+def test_the_master_is_on_loopback_only_when_every_proc_is_on_rank_0s_host():
+    # Rank 0 on this machine's host name gave every rank 127.0.0.1, even ranks on other hosts.
+    a, b = "tcp://10.0.0.2:26600", "tcp://10.0.0.3:26600"
+    assert _towards(["ipc:///tmp/p0", "ipc:///tmp/p1"]) is None  # this machine's procs
+    assert _towards([f"{a}|1", f"{a}|2"]) is None  # one host agent's
+    assert _towards([f"{a}|1", f"{a}|2", f"{b}|3"]) == b  # rank 0 finds its route to the other host
+    assert _towards(["ipc:///tmp/p0", f"{b}|3"]) == b
+    assert _towards(["tcp://127.0.0.1:26600|1", "ipc:///tmp/p1"]) == "127.0.0.1"  # this machine, seen from there
+    assert _master_addr(None, "vm", None) == "127.0.0.1"
+    assert _master_addr(b, "vm", "10.0.0.2") == "10.0.0.2"  # not the name: it may resolve to loopback
+    assert _master_addr(b, "vm", "0.0.0.0") == "vm"  # no route found there: the name, for the others to resolve
+
+
 def test_init_process_group_in_actors(procs):
     assert setup_env_for_distributed(procs).done()  # a plain call returns once the variables are set
 
@@ -138,6 +151,9 @@ def test_spmd_actor_runs_a_torchrun_style_script_and_module(procs, tmp_path):
         one.main.call_one(addr, port, []).get(timeout=30)
     with pytest.raises(ActorError, match="no script '/nonexistent.py' on this proc"):
         one.main.call_one(addr, port, ["/nonexistent.py"]).get(timeout=30)
+    for args in (script, ["-m", 5]):  # a str was split into one-character arguments: "no script '/'"
+        with pytest.raises(ActorError, match="script_args must be a list of strings"):
+            one.main.call_one(addr, port, args).get(timeout=30)
     with pytest.raises(ActorError, match="master_port must be an int"):
         one.setup_env.call_one(addr, "29500").get(timeout=30)
     exits = tmp_path / "exits.py"  # sys.exit(0) ends a script well, as under torchrun; another code does not

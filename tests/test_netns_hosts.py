@@ -26,6 +26,8 @@ from monarch_tensor._net import ip_towards
 from monarch_tensor.actor import Actor, endpoint, this_host
 from monarch_tensor.mailbox import socket_dir
 from monarch_tensor.remote_hosts import attach_to_workers, shutdown_agents
+from monarch_tensor.spmd import SPMDActor
+from monarch_tensor.utils import setup_env_for_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TAG = f"{os.getpid() % 100000}"
@@ -108,6 +110,26 @@ class Where(Actor):
         from rdma import payload, transfer_stats
 
         return payload.stats()["pulled"], transfer_stats()["tcp"]["reads"]
+
+
+class Trainer(Actor):
+    @endpoint
+    def master(self) -> tuple[str, str]:
+        return os.environ["MASTER_ADDR"], os.environ["RANK"]
+
+    @endpoint
+    def all_reduce(self) -> float:
+        import datetime
+
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+        try:
+            t = torch.tensor([float(dist.get_rank() + 1)])
+            dist.all_reduce(t)
+            return t.item()
+        finally:
+            dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -228,3 +250,26 @@ def test_procs_behind_agents_and_this_hosts_procs_call_each_other(hosts):
     finally:
         there.stop().get(timeout=60)
         here.stop().get(timeout=60)
+
+
+@pytest.mark.timeout(180)
+def test_setup_env_for_distributed_forms_a_process_group_across_network_namespaces(hosts):
+    """Both hosts have this machine's name, which resolves to loopback on each: MASTER_ADDR is rank 0's address
+    on the route to the other host (it was 127.0.0.1 on every rank, rank 0's host having this machine's name,
+    and the store never formed). gloo binds to what the host's name resolves to, so each proc is told its
+    interface, as torch's warning says to."""
+    mesh, _ = hosts
+    procs = mesh.spawn_procs(per_host={"gpus": 1})
+    try:
+        t = procs.spawn("trainer", Trainer)
+        procs.env.set("GLOO_SOCKET_IFNAME", [veth + "p" for _, veth, _ in HOSTS]).get(timeout=60)
+        for use_ipaddr in (None, True):
+            setup_env_for_distributed(procs, use_ipaddr=use_ipaddr)
+            assert t.master.call().get(timeout=60).values() == [(HOSTS[0][2], "0"), (HOSTS[0][2], "1")]
+        assert t.all_reduce.call().get(timeout=120).values() == [3.0, 3.0]  # 1 + 2, across the bridge
+        setup_env_for_distributed(procs.slice(hosts=1))  # all on one host: loopback
+        assert t.slice(hosts=1).master.call_one().get(timeout=60) == ("127.0.0.1", "0")
+        spmd = procs.spawn("spmd", SPMDActor).slice(hosts=0, gpus=0)
+        assert spmd.get_host_port.call_one(True).get(timeout=60)[0] == HOSTS[0][2]
+    finally:
+        procs.stop().get(timeout=60)

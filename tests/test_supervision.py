@@ -622,6 +622,28 @@ def _wait_for(cond, timeout: float = 30) -> None:
         time.sleep(0.05)
 
 
+def _exit_at_once() -> None:
+    os._exit(3)
+
+
+@pytest.mark.timeout(120)
+def test_procs_that_die_during_their_spawn_are_its_error_and_no_fault(faults):
+    # A proc that died before any call waited on it was an unhandled fault as well as the next call's error,
+    # and the script was interrupted although it had caught that error. Here they die on the first line of
+    # their runtime (a binding they cannot read), before they said they started.
+    from monarch_tensor.actor import proc_mesh
+
+    for _ in range(3):
+        procs = proc_mesh(gpus=2, env={"MONARCH_TENSOR_PROC_BIND": "{"})
+        _wait_for(lambda procs=procs: not any(p.alive for p in procs._procs))  # dead before anyone calls them
+        with pytest.raises(SupervisionError, match="died.*exited with code 1"):
+            procs.env.list("MT_").get(timeout=30)
+    with pytest.raises(SupervisionError, match="exited with code 3"):
+        this_host().spawn_procs({"gpus": 2}, bootstrap=_exit_at_once)
+    _wait_for(lambda: faults, timeout=2)  # (a fault would be reported right after)
+    assert faults == []
+
+
 @pytest.mark.timeout(120)
 def test_an_error_nobody_awaits_is_a_supervision_event_for_the_meshs_owner(faults):
     # Monarch's: an exception in an endpoint called with broadcast reaches the owner of the actor mesh (its

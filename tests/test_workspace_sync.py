@@ -47,7 +47,7 @@ def _protocol():
 SAMPLES = {  # a value per annotated field type of the protocol modules
     "str": "x", "int": 3, "bool": True, "dict": {"a/b.py": (1, 2, 420)}, "tuple": (("d", "a/b.py"),),
     "PortRef": PortRef("ipc:///tmp/x", 4), "PortRef | None": PortRef("ipc:///tmp/x", 5),
-    "tuple[str, ...]": ("a", "b"), "tuple[str, ...] | None": ("PATH",),
+    "tuple[str, ...]": ("a", "b"), "tuple[str, ...] | None": ("PATH",), "str | None": "tcp://10.0.0.2:26600",
 }
 
 
