@@ -228,7 +228,8 @@ class ValueMesh(MeshTrait, Generic[R]):
 
 # ---- actor meshes ------------------------------------------------------------------
 class ActorMesh(MeshTrait):
-    """Actors of one class on a proc mesh; attribute access gives endpoints."""
+    """Actors of one class on a proc mesh; attribute access gives endpoints, which hide the mesh's own methods
+    and properties of the same name (``ActorMesh.stop(mesh)`` reaches the mesh's; see ``_YieldsToEndpoint``)."""
 
     def __init__(self, name: str, cls: type, procs: list[ProcInfo], shape: Shape,
                  spawned: Future | None = None, proc_mesh: ProcMesh | None = None, whole: Shape | None = None) -> None:
@@ -317,6 +318,31 @@ class ActorMesh(MeshTrait):
 
     def __repr__(self) -> str:
         return f"<ActorMesh {self._name!r} {self._class.__name__} {self._shape}>"
+
+
+class _YieldsToEndpoint:
+    """One of the mesh's own methods or properties (``stop``, ``slice``, ``size``, ``initialized`` ...) that an
+    endpoint of the same name hides, as in Monarch, whose ``ActorMesh`` sets every endpoint of its actor class
+    as an attribute of the mesh: ``trainer.stop`` is the ``stop`` endpoint of a ``Trainer`` that has one, the
+    mesh's own ``stop`` otherwise. Looked up on each access (the actor class is the mesh's, so slices and meshes
+    unpickled in other procs agree). The mesh's own stays reachable on the class: ``ActorMesh.stop(trainer)``,
+    ``ActorMesh.slice(trainer, gpus=0)``; the package's own code calls it so on meshes of users' classes."""
+
+    def __init__(self, name: str, own: Any) -> None:
+        self._name, self._own = name, own
+        self.__doc__ = getattr(own, "__doc__", None)
+
+    def __get__(self, mesh: ActorMesh | None, owner: type | None = None) -> Any:
+        if mesh is None:
+            return self._own  # ActorMesh.stop: the mesh's own
+        if getattr(getattr(mesh._class, self._name, None), "_is_endpoint", False):
+            return Endpoint(mesh, self._name)
+        return self._own.__get__(mesh, owner)
+
+
+for _name in [n for n in dir(ActorMesh) if not n.startswith("_")]:
+    setattr(ActorMesh, _name, _YieldsToEndpoint(_name, inspect.getattr_static(ActorMesh, _name)))
+del _name
 
 
 # (proc address, actor name) -> who spawned it there from this process (its context; None: the script): the
@@ -734,7 +760,7 @@ def get_or_spawn_controller(name: str, actor_class: type, *args, **kwargs) -> Fu
             raise TypeError(f"get_or_spawn_controller() needs a subclass of Actor, got {actor_class!r}")
         procs = this_host().spawn_procs(per_host={"procs": 1})
         try:
-            mesh = procs.spawn(name, actor_class, *args, **kwargs).slice(procs=0)
+            mesh = ActorMesh.slice(procs.spawn(name, actor_class, *args, **kwargs), procs=0)  # (not an endpoint)
         except BaseException:
             procs.stop()
             raise

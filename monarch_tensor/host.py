@@ -22,13 +22,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from . import _context, _zygote
+from . import _context, _wire, _zygote
+from ._fanout import send_many
 from .config import env_flag
 from .env import check_env
 from .errors import MeshStoppedError, SupervisionError
 from .future import CoroutineFuture, Future, in_event_loop, run_to_end
 from .mailbox import SYSTEM_HANDLERS, current_mailbox, new_ipc_address
-from .messages import ActorFault, SetLogging, StopProc
+from .messages import ActorFault, ReportProcGone, SetLogging, StopProc
 from .shape import MeshTrait, Shape
 
 log = logging.getLogger("monarch_tensor.host")
@@ -323,8 +324,9 @@ def _proc_exited(info: ProcInfo, status: str) -> None:
     mesh = info.owner
     if info.stopping:  # calls still waiting on it fail (not a supervision event: its mesh was stopped)
         why = getattr(getattr(mesh, "_alloc", None), "_stop_reason", "") or "stopped"
-        mailbox.proc_died(info.addr, MeshStoppedError(
-            f"proc {info.addr} (rank {info.rank}) was stopped ({why}) before it answered"))
+        stopped = MeshStoppedError(f"proc {info.addr} (rank {info.rank}) was stopped ({why}) before it answered")
+        mailbox.proc_died(info.addr, stopped)
+        _tell_holders(info.addr, stopped, up=True)
         return
     client = getattr(getattr(mesh, "_alloc", None), "_tensor_client", None)
     if client is not None:  # its tensor workers' groups with it stop waiting for it
@@ -334,11 +336,50 @@ def _proc_exited(info: ProcInfo, status: str) -> None:
     err = SupervisionError(f"proc {info.addr} ({where}, pid {info.pid}) {died}: {status}",
                            proc=info.addr, rank=info.rank, exit_status=status)
     observed = mailbox.proc_died(info.addr, err)
+    _tell_holders(info.addr, err, up=True)
     # A waiting caller got the error: that is handling it. One that died during its start (before it said
     # it serves) is no fault of a running mesh: the first call on it (spawning actors on the mesh, its
     # bootstrap) raises this error, which a fault would also have sent to the script that caught it.
     if mesh is not None and not observed and not info.starting:
         mesh._failed(err)
+
+
+def _tell_holders(addr: str, error: BaseException, up: bool) -> None:
+    """Tell every other process of the tree that the proc at ``addr`` died or was stopped (``error``): any of
+    them may hold a mesh of it (an actor mesh passed to an actor, or returned to the script), and its calls to
+    the proc would never be answered. Only the process that spawned the proc learns of it first hand, so the
+    notice goes up to the script, as forwarded logs do, and from there down to every proc each process spawned
+    (``_on_proc_gone``): one small message per proc per death, nothing on the call path. ``up``: from a proc,
+    to its client; else (the script, or a notice on its way down) to this process's own live procs."""
+    mailbox = current_mailbox()
+    # A proc's runtime; None in the script, which need not import _proc for it (this may run at its exit).
+    proc = sys.modules.get("monarch_tensor._proc")
+    rt = proc.current_runtime() if proc is not None else None
+    try:
+        if up and rt is not None:
+            mailbox.send(rt.client_addr, ReportProcGone(addr, error, True))
+            return
+        # (procs being stopped are left out: at exit every mesh stops at once; so are procs behind a lost host
+        # agent, which nothing reaches)
+        addrs = [p.addr for mesh in list(_live_meshes) for p in mesh._procs
+                 if p.alive and not p.stopping and not getattr(getattr(p, "agent", None), "lost", "")]
+        if addrs:
+            send_many(mailbox, addrs, _wire.encode(ReportProcGone(addr, error, False)))
+    except Exception as e:  # noqa: BLE001 - this process is stopping (its mailbox closed), or its client is gone
+        log.debug("could not pass on that proc %s is gone: %r", addr, e)
+
+
+def _on_proc_gone(mailbox, msg: ReportProcGone) -> None:
+    """Another process learnt that the proc ``msg.proc`` died or was stopped: calls here waiting on it fail,
+    and later ones are refused (``ActorMesh._check`` asks ``death_of``), with the error its owner's calls get.
+    Not a supervision event here: its owner (the process that spawned it) supervises it. Passed on up to the
+    script, or down to this process's own procs."""
+    if mailbox.death_of(msg.proc) is None:  # (its owner, and the processes the notice passed on its way up, know)
+        mailbox.proc_died(msg.proc, msg.error)
+    _tell_holders(msg.proc, msg.error, msg.up)
+
+
+SYSTEM_HANDLERS[ReportProcGone] = _on_proc_gone
 
 
 _to_supervise: queue.SimpleQueue = queue.SimpleQueue()  # (owner, failure), for the supervision thread

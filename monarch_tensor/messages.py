@@ -106,6 +106,19 @@ class ActorFault:
 
 @_fast_reduce
 @dataclass(frozen=True, slots=True)
+class ReportProcGone:
+    """Up (a proc -> its client, ``up=True``), then down from the script (a client -> its procs): the proc at
+    ``proc`` died or was stopped, ``error`` says which (``SupervisionError``, ``MeshStoppedError``). Only the
+    process that spawned it learns of it first hand; every other process that holds a mesh of it fails its
+    calls to it with ``error`` (``Mailbox.proc_died``), and supervises nothing: its owner does that."""
+
+    proc: str
+    error: BaseException
+    up: bool
+
+
+@_fast_reduce
+@dataclass(frozen=True, slots=True)
 class ForwardLogs:
     """Proc -> client: lines a proc wrote to stdout (``stream=1``) or stderr (``2``)."""
 

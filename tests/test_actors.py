@@ -1526,6 +1526,59 @@ def test_stopping_an_actor_mesh_keeps_its_procs_and_fails_later_calls():
         procs.stop()
 
 
+class Trainer(Actor):
+    """Endpoints named like the mesh's own methods and properties."""
+
+    def __init__(self) -> None:
+        self.stopped = False
+
+    @endpoint
+    def stop(self) -> str:
+        self.stopped = True
+        return "trainer stopped"
+
+    @endpoint
+    def size(self) -> int:
+        return 123
+
+    @endpoint
+    def initialized(self) -> str:
+        return "init endpoint"
+
+    @endpoint
+    def is_stopped(self) -> bool:
+        return self.stopped
+
+    @endpoint
+    def stop_of(self, trainers: ActorMesh) -> list:
+        """Call the ``stop`` endpoint of a mesh that came here pickled, sliced there by the mesh's own ``slice``."""
+        return ActorMesh.slice(trainers, gpus=1).stop.call().get(timeout=T).values()
+
+
+@pytest.mark.timeout(60)
+def test_an_endpoint_named_like_a_mesh_method_is_the_endpoint():
+    """As in Monarch, whose ActorMesh sets every endpoint as an attribute of the mesh: ``t.stop`` is the
+    actor's ``stop`` endpoint (it was ActorMesh.stop, which ``t.stop()`` ran, stopping the actors), on the
+    mesh, its slices and a mesh unpickled in another proc; the mesh's own stays reachable on the class."""
+    procs = this_host().spawn_procs({"gpus": 2})
+    try:
+        t = procs.spawn("trainer", Trainer)
+        assert t.size.call().get(timeout=T).values() == [123, 123]
+        assert t.initialized.call().get(timeout=T).values() == ["init endpoint"] * 2
+        one = ActorMesh.slice(t, gpus=0)
+        assert one.stop.call_one().get(timeout=T) == "trainer stopped"
+        assert t.is_stopped.call().get(timeout=T).values() == [True, False]
+        helper = procs.spawn("trainer_helper", Trainer)
+        assert ActorMesh.slice(helper, gpus=0).stop_of.call_one(t).get(timeout=T) == ["trainer stopped"]
+        assert t.is_stopped.call().get(timeout=T).values() == [True, True]
+        assert ActorMesh.size(t) == 2
+        ActorMesh.stop(t, "done").get(timeout=T)  # the mesh's own stop: the actors stop
+        with pytest.raises(ActorError, match="was stopped"):
+            t.is_stopped.call().get(timeout=T)
+    finally:
+        procs.stop()
+
+
 class Sibling(Actor):
     @endpoint
     def name(self) -> str:

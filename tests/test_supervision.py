@@ -1,5 +1,6 @@
 """Supervision: dead procs raise SupervisionError fast; no orphans whatever the client does."""
 
+import asyncio
 import glob
 import os
 import signal
@@ -13,7 +14,16 @@ import pytest
 
 import monarch_tensor.actor as actor_mod
 from monarch_tensor import heal_mesh
-from monarch_tensor.actor import Actor, ActorError, SupervisionError, current_rank, endpoint, this_host
+from monarch_tensor.actor import (
+    Actor,
+    ActorError,
+    Channel,
+    SupervisionError,
+    concurrent_endpoint,
+    current_rank,
+    endpoint,
+    this_host,
+)
 from monarch_tensor.errors import MeshStoppedError
 from monarch_tensor.mailbox import socket_dir
 
@@ -186,6 +196,142 @@ def test_owner_supervise_handles_failure_of_its_procs(faults):
         assert faults == []
     finally:
         procs.stop().get(timeout=30)
+
+
+class Hanger(Actor):
+    """Its ``hang`` calls stay pending: each tells ``port`` it started, then waits a minute (as a task: the
+    actor takes other calls meanwhile)."""
+
+    @concurrent_endpoint
+    async def hang(self, port) -> None:
+        port.send(current_rank().rank)
+        await asyncio.sleep(60)
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    def f(self) -> int:
+        return 1
+
+
+class Holder(Actor):
+    """Holds an actor mesh it did not spawn (passed to it) and says what its calls on it raise; records the
+    faults its own process's hook is given (a holder is no owner: it must see none)."""
+
+    def __init__(self, held) -> None:
+        self.held = held
+        self.hooked: list = []
+        actor_mod.unhandled_fault_hook = self.hooked.append  # (in this proc only)
+
+    @endpoint
+    def call_held(self, method: str, *args) -> str:
+        try:
+            getattr(self.held, method).call(*args).get(timeout=20)
+        except Exception as e:  # noqa: BLE001 - what the call raised is the answer
+            return type(e).__name__
+        return "ok"
+
+    @endpoint
+    def faults_seen(self) -> list:
+        return [str(f) for f in self.hooked]
+
+
+def _pending_hang(call, port_receiver, n: int = 2):
+    """Start ``call`` (a hang on ``n`` ranks) and return it once every rank runs it."""
+    for _ in range(n):
+        port_receiver.recv().get(timeout=30)
+    return call
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_mesh_fails_the_calls_of_an_actor_that_holds_it(faults):
+    """Only the process that spawned a mesh learnt that its procs stopped: an actor holding the mesh waited
+    for ever on its pending and later calls (the procs never answer). Now they fail as the owner's do."""
+    wp = this_host().spawn_procs({"gpus": 2})
+    hp = this_host().spawn_procs({"gpus": 1})
+    try:
+        w = wp.spawn("w", Hanger)
+        h = hp.spawn("h", Holder, w)
+        assert h.call_held.call_one("f").get(timeout=30) == "ok"
+        port, started = Channel.open()
+        pending = _pending_hang(h.call_held.call_one("hang", port), started)
+        wp.stop().get(timeout=30)
+        assert pending.get(timeout=30) == "MeshStoppedError"
+        assert h.call_held.call_one("f").get(timeout=30) == "MeshStoppedError"
+        assert h.faults_seen.call_one().get(timeout=30) == [] and faults == []
+    finally:
+        hp.stop().get(timeout=30)
+        wp.stop().get(timeout=30)
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_proc_fails_the_calls_of_an_actor_that_holds_its_mesh_and_only_the_owner_supervises(faults):
+    """A proc of a mesh the script spawned dies: an actor holding the mesh gets SupervisionError on its pending
+    and later calls (it waited for ever); the script, the owner, supervises it, once; the holder does not."""
+    wp = this_host().spawn_procs({"gpus": 2})
+    hp = this_host().spawn_procs({"gpus": 1})
+    try:
+        w = wp.spawn("w", Hanger)
+        h = hp.spawn("h", Holder, w)
+        pids = w.pid.call().get(timeout=30).values()
+        port, started = Channel.open()
+        pending = _pending_hang(h.call_held.call_one("hang", port), started)
+        os.kill(pids[1], signal.SIGKILL)
+        assert pending.get(timeout=30) == "SupervisionError"
+        assert h.call_held.call_one("f").get(timeout=30) == "SupervisionError"
+        _wait_for(lambda: len(faults) == 1)
+        assert len(faults) == 1 and faults[0].proc == w._procs[1].addr  # the owner's hook (no call of its waited)
+        assert h.faults_seen.call_one().get(timeout=30) == []
+    finally:
+        hp.stop().get(timeout=30)
+        wp.stop().get(timeout=30)
+
+
+class Maker(Actor):
+    """Spawns a mesh and hands it to its caller; supervises its procs."""
+
+    def __init__(self) -> None:
+        self.failures: list = []
+
+    @endpoint
+    def make(self):
+        self.procs = this_host().spawn_procs({"gpus": 2})
+        return self.procs.spawn("w", Hanger)
+
+    def __supervise__(self, failure) -> bool:
+        self.failures.append(str(failure))
+        return True
+
+    @endpoint
+    def failures_seen(self) -> list:
+        return self.failures
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_proc_fails_the_scripts_calls_on_a_mesh_an_actor_spawned(faults):
+    """An actor spawns a mesh and returns it to the script; a proc of it dies. The script's pending and later
+    calls on the mesh fail with SupervisionError (they waited for ever), slices without the proc still work,
+    the actor's ``__supervise__`` handles the death, and the script's hook is not run for it."""
+    mp = this_host().spawn_procs({"gpus": 1})
+    try:
+        m = mp.spawn("m", Maker)
+        w = m.make.call_one().get(timeout=30)
+        pids = w.pid.call().get(timeout=30).values()
+        port, started = Channel.open()
+        pending = _pending_hang(w.hang.call(port), started)
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(SupervisionError, match="SIGKILL"):
+            pending.get(timeout=30)
+        with pytest.raises(SupervisionError):
+            w.f.call().get(timeout=30)
+        assert w.slice(gpus=0).f.call_one().get(timeout=30) == 1
+        _wait_for(lambda: m.failures_seen.call_one().get(timeout=30) != [])
+        assert len(m.failures_seen.call_one().get(timeout=30)) == 1
+        assert faults == []
+    finally:
+        mp.stop().get(timeout=30)
 
 
 SCRIPT = textwrap.dedent("""
