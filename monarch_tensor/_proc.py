@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import fcntl
 import inspect
 import logging
 import os
+import select
 import sys
+import termios
 import threading
 import traceback
 from dataclasses import dataclass, field
@@ -23,6 +26,7 @@ from typing import Callable
 
 from . import _context, _proc_ext, _zygote
 from .errors import ActorError
+from .logs import OUTPUT_WAIT_S
 from .mailbox import _EVENTS, _POLLIN, Mailbox, set_current_mailbox
 from .messages import (
     ActorFault,
@@ -84,7 +88,11 @@ class _LogForwarder:
     template sends what is left unread in the pipes when the proc exits.
 
     ``set_enabled`` switches the forwarding in order with the output: it writes a switch into each pipe
-    (``logs.StreamLines``), so lines written before it are handled as before it, however late they are read."""
+    (``logs.StreamLines``), so lines written before it are handled as before it, however late they are read.
+
+    What the proc wrote before it replies to the client reaches the client before the reply (``before_reply``):
+    the template's relay says how much it wrote (``_zygote.OutputCounts``), and the client prints that much
+    first; a pump sends the lines on the mailbox the reply then takes, so the reply waits for the pumps."""
 
     def __init__(self, mailbox: Mailbox, client_addr: str, rank: int) -> None:
         self.mailbox, self.client_addr, self.rank = mailbox, client_addr, rank
@@ -95,6 +103,13 @@ class _LogForwarder:
         self.flushed = False
         self.threads = []
         self.originals = {}
+        self.pipes = {}  # stream -> its pipe's read end (in a relayed proc, only to see what is unread in it)
+        self.holding = select.poll()  # the read ends, to see whether they hold anything (see _unread)
+        self.counts = None  # a relayed proc's _zygote.OutputCounts
+        self.pid = os.getpid()
+        self.told = threading.local()  # .written: the counts the last reply from this thread carried (relayed)
+        self.pumped = {1: 0, 2: 0}  # bytes each pump has read and sent on (pumps only)
+        self.pumping = threading.Condition()  # held while a pump reads and sends on what it read
         given = os.environ.pop(_zygote.LOG_PIPES_ENV, "")  # "relay|pump,r1,r2,t1,t2" (see _zygote._child)
         mode, *fds = given.split(",") if given else ("",)
         for stream in (1, 2):
@@ -105,8 +120,10 @@ class _LogForwarder:
                 r, w = os.pipe()
                 os.dup2(w, stream)
                 os.close(w)
+            self.pipes[stream] = r
+            self.holding.register(r, select.POLLIN)
             if mode == "relay":  # the template reads them
-                os.close(r)
+                self.counts = _zygote.output_counts
                 continue
             t = threading.Thread(target=self._pump, args=(r, stream), daemon=True, name=f"logs-{stream}")
             t.start()
@@ -118,16 +135,56 @@ class _LogForwarder:
         from .logs import StreamLines
 
         lines = StreamLines(self.enabled[stream])
+        readable = select.poll()
+        readable.register(fd, select.POLLIN)
         while True:
-            try:
-                chunk = os.read(fd, 65536)
-            except OSError:
-                chunk = b""
-            for on, run in lines.feed(chunk) if chunk else lines.end():
-                self._emit(stream, run, on)
+            readable.poll()
+            with self.pumping:  # (a reply looks at the pipe meanwhile: what it sees unread is not half sent)
+                try:
+                    chunk = os.read(fd, 65536)
+                except OSError:
+                    chunk = b""
+                for on, run in lines.feed(chunk) if chunk else lines.end():
+                    self._emit(stream, run, on)
+                self.pumped[stream] += len(chunk)
+                self.pumping.notify_all()
             if not chunk:
                 break
             self.enabled[stream] = lines.enabled
+
+    def before_reply(self) -> tuple | None:
+        """Called as a reply to the client is about to go: what the proc wrote so far must reach the client
+        first. A relayed proc returns ``(pid, stdout bytes, stderr bytes)`` written so far, for the reply to
+        carry (``SendToPort.output_before``), or None when no more was written since this thread's last
+        reply. With pumps, waits until they sent on what is in the pipes now (``OUTPUT_WAIT_S`` at most: a
+        stuck pipe delays replies no longer), and returns None. Partial lines are not waited for."""
+        if self.flushed:
+            return None
+        if self.counts is not None:
+            written = self.counts.written(self._unread)
+            if written is None or written == getattr(self.told, "written", (0, 0)):
+                return None
+            self.told.written = written
+            return (self.pid, *written)
+        if not self.threads:
+            return None
+        with self.pumping:
+            want = {s: self.pumped[s] + n for s, n in zip((1, 2), self._unread())}
+            if want != self.pumped:
+                self.pumping.wait_for(lambda: all(self.pumped[s] >= n for s, n in want.items()), OUTPUT_WAIT_S)
+        return None
+
+    def _unread(self) -> tuple[int, int]:
+        """Bytes written to stdout and to stderr that their pipes hold still. (One poll first: it costs a
+        fifth of the two ioctls that count them, and a call that printed nothing needs no more.)"""
+        held = {1: 0, 2: 0}
+        for fd, _ in self.holding.poll(0):
+            stream = 1 if fd == self.pipes[1] else 2
+            try:
+                held[stream] = int.from_bytes(fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"), sys.byteorder)
+            except OSError:
+                pass
+        return held[1], held[2]
 
     def set_enabled(self, on: bool) -> None:
         """Forward what is written from now on (``on``), or leave it on the proc's own terminal."""
@@ -178,11 +235,17 @@ class ProcRuntime:
         self.mailbox.on_deferred = self._defer
         self.mailbox.on_held = self._wake_for_held
         self.mailbox.on_lost_spawn = self._spawn_lost
+        self.mailbox.output_before = self.output_before
         set_current_mailbox(self.mailbox)
         self.logs = _LogForwarder(self.mailbox, client_addr, rank)
         # The loop polls for the next message only while each of these says the proc is otherwise idle
         # (a tensor worker's streams computing need the cores more than the next message does).
         self.spin_gates: list[Callable[[], bool]] = []
+
+    def output_before(self, addr: str) -> tuple | None:
+        """For a value about to be sent to ``addr``: what of this proc's output must reach ``addr`` first (see
+        ``_LogForwarder.before_reply``). Only its client prints it: for anyone else, nothing."""
+        return self.logs.before_reply() if addr == self.client_addr else None
 
     def _relay_logs(self, msg: ForwardLogs) -> None:
         # Logs of procs this proc spawned go up to our own client.
@@ -582,13 +645,14 @@ class ProcRuntime:
                     print(f"[monarch_tensor] unawaited error: {error} (not reported to the owner: {e!r})",
                           file=sys.stderr)
             return
+        output = self.output_before(port.addr)
         try:
-            self.mailbox.send(port.addr, SendToPort(port.port_id, value, error, rank), batch=True)
+            self.mailbox.send(port.addr, SendToPort(port.port_id, value, error, rank, output), batch=True)
         except Exception as e:  # noqa: BLE001 - e.g. an unpicklable result
             err = ActorError("?" if slot is None else slot.name, rank, method, f"cannot send the result back: {e!r}",
                              traceback.format_exc())
             try:
-                self.mailbox.send(port.addr, SendToPort(port.port_id, None, err, rank))
+                self.mailbox.send(port.addr, SendToPort(port.port_id, None, err, rank, output))
             except Exception:  # noqa: BLE001 - not a usable port at all
                 log.warning("proc %d cannot reply to %r: %s", self.rank, port, e)
 

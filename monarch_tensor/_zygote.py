@@ -11,6 +11,7 @@ kills every child it made and exits: no orphans.
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import pickle
 import select
@@ -83,7 +84,7 @@ def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None) -> No
     sockets: dict[int, str] = {}  # pid -> its ipc socket file, removed once it exited (see _remove_socket)
     clients: set[str] = set()  # the client addresses given to its procs (their workspace roots are named so)
     outputs: dict[int, list] = {}  # pid -> [stdout read end, stderr read end] (None once it ended)
-    relayed: dict[int, tuple[int, int]] = {}  # read end -> (pid, stream) of the procs whose output is relayed
+    relayed: dict[int, tuple] = {}  # read end -> (pid, stream, OutputCounts) of the procs whose output is relayed
     starting: dict[int, int] = {}  # read end of a start pipe -> the pid of the proc that has not said it started
     sig_r, sig_w = os.pipe()
     os.set_blocking(sig_w, False)
@@ -122,12 +123,13 @@ def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None) -> No
                 if req[0] == "spawn":
                     _, req_id, entry, args, env, relay = req
                     reads, writes = _output_pipes()
+                    counts = OutputCounts() if relay else None  # (before the fork: the proc shares it)
                     start_r, start_w = os.pipe()
                     pid = os.fork()
                     if pid == 0:
                         others = [fd for pair in outputs.values() for fd in pair if fd is not None]
                         others += [*starting, start_r]
-                        _child(req_fd, rep_fd, sig_r, sig_w, entry, args, env, (reads, writes), others, relay,
+                        _child(req_fd, rep_fd, sig_r, sig_w, entry, args, env, (reads, writes), others, counts,
                                start_w)
                     os.close(start_w)
                     starting[start_r] = pid
@@ -143,7 +145,7 @@ def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None) -> No
                     outputs[pid] = list(reads)
                     if relay:
                         for stream, fd in enumerate(reads, 1):
-                            relayed[fd] = (pid, stream)
+                            relayed[fd] = (pid, stream, counts)
                             waits.register(fd, select.POLLIN)
                     write_msg(rep_fd, ("spawned", req_id, pid))
                 elif req[0] == "preload":  # the client imported torch after its first procs: later ones get it
@@ -212,13 +214,54 @@ def _output_pipes() -> tuple[tuple[int, int], tuple[int, int]]:
     return (r1, r2), (w1, w2)
 
 
+class OutputCounts:
+    """How many bytes the template has read from a relayed proc's stdout and stderr, in memory it shares with
+    the proc (an anonymous mapping made before the fork). With what is still unread in its pipes, the proc
+    knows how much it has written in all, whoever wrote it (``print``, ``logging``, C code on fds 1 and 2):
+    a reply says so, and the client prints that much of the proc's output before it delivers the reply
+    (``logs.OutputHandled``), which the output, relayed apart, would otherwise often follow.
+
+    A seqlock: the first counter is odd while the template reads, so the proc can tell a count it took while
+    the template read (what it took from the pipe and had not counted yet: in neither) from one it can trust."""
+
+    def __init__(self) -> None:
+        self._shared = memoryview(mmap.mmap(-1, 24)).cast("Q")  # [reads begun and ended, stdout, stderr bytes]
+
+    def read(self, fd: int, stream: int) -> bytes:
+        """(In the template) read what the proc wrote to ``stream`` (1, 2), counting it."""
+        counts = self._shared
+        counts[0] += 1
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            chunk = b""
+        counts[stream] += len(chunk)
+        counts[0] += 1
+        return chunk
+
+    def written(self, unread) -> tuple[int, int] | None:
+        """(In the proc) the bytes written so far to stdout and to stderr: those the template read, and
+        ``unread()``, those still in the pipes. None when the template kept reading while it looked."""
+        counts = self._shared
+        for _ in range(100):
+            seq = counts[0]
+            if not seq & 1:
+                held_out, held_err = unread()
+                out, err = counts[1] + held_out, counts[2] + held_err
+                if counts[0] == seq:
+                    return out, err
+            os.sched_yield()
+        return None
+
+
+# The relayed proc's OutputCounts, in a proc the template forked (see _child).
+output_counts: OutputCounts | None = None
+
+
 def _relay(fd: int, relayed: dict, outputs: dict, rep_fd: int, waits) -> None:
     """Relay what a proc wrote to one of its streams; at its end (every write end closed), stop watching it."""
-    pid, stream = relayed[fd]
-    try:
-        chunk = os.read(fd, 65536)
-    except OSError:
-        chunk = b""
+    pid, stream, counts = relayed[fd]
+    chunk = counts.read(fd, stream)
     if chunk:
         write_msg(rep_fd, ("output", pid, stream, chunk))
         return
@@ -319,8 +362,11 @@ def _kill_all(children: dict[int, int], rep_fd: int) -> None:
                 time.sleep(0.02)
 
 
-def _child(req_fd, rep_fd, sig_r, sig_w, entry, args, env, pipes=None, others=(), relay=False,
+def _child(req_fd, rep_fd, sig_r, sig_w, entry, args, env, pipes=None, others=(), counts=None,
            started: int | None = None) -> None:
+    """Run a proc; ``counts``: its OutputCounts, for a proc whose output the template relays; ``started``:
+    the write end of its start pipe (see STARTED_ENV)."""
+    global output_counts
     code = 1
     try:
         signal.set_wakeup_fd(-1)
@@ -337,6 +383,7 @@ def _child(req_fd, rep_fd, sig_r, sig_w, entry, args, env, pipes=None, others=()
             os.environ[STARTED_ENV] = str(started)
         if pipes is not None:  # fds 1 and 2 into the pipes; the proc's log forwarder reads them (and dup's
             (r1, r2), (w1, w2) = pipes  # of the terminal's fds for its fallback)
+            relay, output_counts = counts is not None, counts
             terminal = (os.dup(1), os.dup(2))
             os.dup2(w1, 1)
             os.dup2(w2, 2)

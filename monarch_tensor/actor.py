@@ -670,14 +670,16 @@ class Port(Generic[R]):
 
     def send(self, value: Any) -> None:
         if self._ref is not None:
-            current_mailbox().send(self._ref.addr, SendToPort(self._ref.port_id, value, None, self._sender_rank()))
+            mb, addr = current_mailbox(), self._ref.addr
+            mb.send(addr, SendToPort(self._ref.port_id, value, None, self._sender_rank(), mb.output_before(addr)))
 
     def exception(self, error: BaseException) -> None:
         if not isinstance(error, BaseException):
             raise TypeError(f"port.exception() needs an exception, got {type(error).__name__} {error!r}")
         if self._ref is None:  # nobody listens (a broadcast's): the endpoint fails with it, as Monarch's
             raise error
-        current_mailbox().send(self._ref.addr, SendToPort(self._ref.port_id, None, error, self._sender_rank()))
+        mb, addr = current_mailbox(), self._ref.addr
+        mb.send(addr, SendToPort(self._ref.port_id, None, error, self._sender_rank(), mb.output_before(addr)))
 
     def __repr__(self) -> str:
         if self._ref is None:

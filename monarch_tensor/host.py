@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from . import _context, _wire, _zygote
+from . import _context, _wire, _zygote, logs
 from ._fanout import send_many
 from .config import env_flag
 from .env import check_env
@@ -140,6 +140,8 @@ class LocalHost:
                 info = self._infos.pop(req_id, None)
                 if info is not None:
                     self._by_pid[pid] = info  # (before its first output)
+                if self._relay:
+                    logs.output_handled.begin(pid)
                 fut = self._spawned.pop(req_id)
                 fut._set_result(pid)
             elif kind == "started":
@@ -151,9 +153,13 @@ class LocalHost:
                 info = self._by_pid.get(pid)
                 if info is not None:
                     self._on_output(info, stream, data)
+                if self._relay:  # (its replies wait for it: see logs.OutputHandled)
+                    logs.output_handled.add(pid, stream, len(data))
             elif kind == "exited":
                 _, pid, status = msg
                 info = self._by_pid.pop(pid, None)
+                if self._relay:  # (all its output came before this)
+                    logs.output_handled.end(pid)
                 if info is not None:
                     self._on_output(info, 0, b"")  # the end of its output: a last partial line
                     self._on_exit(info, status)

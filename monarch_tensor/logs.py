@@ -73,6 +73,67 @@ class StreamLines:
         return [(self.enabled, [last])] if last else []
 
 
+# The longest a reply waits for its proc's output to be printed first (see OutputHandled, and
+# _proc._LogForwarder.before_reply): a proc whose output is stuck on its way delays its replies no longer.
+OUTPUT_WAIT_S = 1.0
+
+
+class OutputHandled:
+    """How many bytes of each relayed proc's stdout and stderr this process has handled (printed, folded into
+    the aggregation window, or sent on to its own client), as ``host.LocalHost``'s reader takes them from the
+    template; a reply that says how much its proc had written (``SendToPort.output_before``) waits for that
+    much here (``wait_for``), so that a call's result comes after what its endpoint printed, as with a local
+    function. The output and the reply travel apart (template and pipe; the mailbox), and the output often
+    came second.
+
+    A relay that let a reply wait ``OUTPUT_WAIT_S`` (its template busy, its pipe stuck) lags: replies do not
+    wait for it again until it relays more."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._bytes: dict[int, list[int]] = {}  # pid -> [0, stdout bytes, stderr bytes]
+        self._lagging = False
+        self._readers: set[int] = set()  # the threads that count (they never wait on themselves)
+
+    def begin(self, pid: int) -> None:
+        """(A reader) proc ``pid`` was forked: nothing of its output handled yet."""
+        with self._cond:
+            self._readers.add(threading.get_ident())
+            self._bytes[pid] = [0, 0, 0]
+
+    def add(self, pid: int, stream: int, n: int) -> None:
+        """(A reader) ``n`` more bytes of ``pid``'s ``stream`` (1, 2) handled."""
+        with self._cond:
+            counts = self._bytes.get(pid)
+            if counts is not None:
+                counts[stream] += n
+            self._lagging = False
+            self._cond.notify_all()
+
+    def end(self, pid: int) -> None:
+        """(A reader) proc ``pid`` exited and all its output was handled."""
+        with self._cond:
+            self._bytes.pop(pid, None)
+            self._cond.notify_all()
+
+    def wait_for(self, pid: int, stdout: int, stderr: int) -> None:
+        """Until ``stdout`` and ``stderr`` bytes of proc ``pid``'s output are handled (``OUTPUT_WAIT_S`` at most);
+        at once for a proc this process does not relay, or one that exited."""
+        if threading.get_ident() in self._readers:
+            return
+
+        def handled() -> bool:
+            counts = self._bytes.get(pid)
+            return counts is None or (counts[1] >= stdout and counts[2] >= stderr)
+
+        with self._cond:
+            if not self._lagging and not self._cond.wait_for(handled, OUTPUT_WAIT_S):
+                self._lagging = True
+
+
+output_handled = OutputHandled()
+
+
 def client_log_sink(msg: ForwardLogs) -> None:
     """Called on the client's I/O thread for every batch of lines from a proc."""
     with _lock:

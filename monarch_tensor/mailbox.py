@@ -40,6 +40,7 @@ import zmq
 
 from . import _wire
 from . import future as _future
+from . import logs as _logs
 from ._fanout import ROUTE_SEP, routed_frames
 from .config import env_flag, env_number
 from .errors import ProtocolError, SupervisionError
@@ -209,6 +210,9 @@ class Mailbox:
         self.on_deferred: Callable[[object], None] | None = None
         # A proc's: told of a SpawnActor that could not be read here (its caller gets the error too).
         self.on_lost_spawn: Callable[[object, BaseException], None] | None = None
+        # A proc's: for a value it sends to an address now, what of its output must reach there first
+        # (``SendToPort.output_before``; see _proc.ProcRuntime.output_before). A script's: nothing.
+        self.output_before: Callable[[str], tuple | None] = lambda addr: None
         self._waits: list = []  # the futures the receiving thread waits on in wait_until, innermost last
         # A mailbox without an I/O thread (a proc's): messages that another thread waiting on a reply received
         # while the receiving thread was busy (``receive_for``), for the receiving thread, in order, as
@@ -722,6 +726,8 @@ class Mailbox:
         or ``on_message``."""
         try:
             if isinstance(msg, SendToPort):
+                if msg.output_before is not None:  # what its proc printed before it, printed first
+                    _logs.output_handled.wait_for(*msg.output_before)
                 with self._ports_lock:
                     h = self._ports.get(msg.port_id)
                 if h is None:

@@ -64,12 +64,15 @@ class CallEndpoint:
 @_fast_reduce
 @dataclass(frozen=True, slots=True)
 class SendToPort:
-    """Anyone -> mailbox: deliver ``value`` (or raise ``error``) on port ``port_id``; ``rank`` of the sender."""
+    """Anyone -> mailbox: deliver ``value`` (or raise ``error``) on port ``port_id``; ``rank`` of the sender.
+    ``output_before``: ``(pid, stdout bytes, stderr bytes)`` that the sending proc had written when it sent
+    this, which the receiver prints before it delivers the value (``logs.OutputHandled``); None: nothing new."""
 
     port_id: int
     value: Any
     error: BaseException | None
     rank: int
+    output_before: tuple | None = None
 
 
 def _compact_call(m: CallEndpoint) -> tuple | CallEndpoint:
@@ -84,13 +87,13 @@ def _compact_call(m: CallEndpoint) -> tuple | CallEndpoint:
 
 
 def _compact_reply(m: SendToPort) -> tuple:
-    return ("\0reply", m.port_id, m.value, m.error, m.rank)
+    return ("\0reply", m.port_id, m.value, m.error, m.rank, m.output_before)
 
 
 _wire.COMPACT_ENCODERS.update({CallEndpoint: _compact_call, SendToPort: _compact_reply})
 _wire.COMPACT_DECODERS.update({
     "\0call": lambda t: CallEndpoint(t[1], t[2], t[3], t[4], None if t[5] is None else PortRef(t[5], t[6])),
-    "\0reply": lambda t: SendToPort(t[1], t[2], t[3], t[4]),
+    "\0reply": lambda t: SendToPort(t[1], t[2], t[3], t[4], t[5]),
 })
 
 

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
@@ -67,11 +68,11 @@ PRELUDE = textwrap.dedent('''
 ''')
 
 
-def run_script(tmp_path, body: str, timeout: float = 90) -> subprocess.CompletedProcess:
+def run_script(tmp_path, body: str, timeout: float = 90, args=()) -> subprocess.CompletedProcess:
     path = tmp_path / "script.py"
     path.write_text(PRELUDE + textwrap.dedent(body))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, str(path)], cwd=ROOT, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(path), *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, f"script failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     return proc
@@ -240,6 +241,91 @@ def test_stream_to_client_false_stops_forwarding_and_true_resumes_it(tmp_path):
         assert f"[{r}] unmuted print-stderr rank {r}" in lines(out.stderr)
 
 
+ORDER_CHECK = textwrap.dedent('''
+    class Hello(Actor):
+        @endpoint
+        def hello(self, i):
+            r = current_rank().rank
+            print(f"hello {i} from {r}")
+            os.write(2, f"raw {i} from {r}\\n".encode())  # as C code writes: not through sys.stderr
+            return r
+
+    def late_lines(procs, calls=50):
+        """Calls whose result came before a line its endpoint printed (on any rank, either stream)."""
+        hello = procs.spawn("hello", Hello)
+        ranks = hello.hello.call(-1).get(timeout=30).values()
+        late = []
+        for i in range(calls):
+            hello.hello.call(i).get(timeout=30)
+            for r in ranks:
+                if f"[{r}] hello {i} from {r}\\n" not in sys.stdout.text or \\
+                        f"[{r}] raw {i} from {r}\\n" not in sys.stderr.text:
+                    late.append(i)
+        return late
+''')
+
+
+@pytest.mark.timeout(120)
+def test_what_an_endpoint_printed_comes_before_its_result(tmp_path):
+    """What an endpoint prints travels apart from its reply (the proc's pipe, the template, the client's
+    reader thread; the reply over the mailbox): the reply says how much its proc had written, and the client
+    prints that much first. Before, about a third of the calls had a line printed after their result."""
+    out = run_script(tmp_path, ORDER_CHECK + textwrap.dedent('''
+        procs = this_host().spawn_procs(per_host={"gpus": 2})
+        try:
+            print("LATE", late_lines(procs))
+        finally:
+            procs.stop().get(timeout=30)
+    '''))
+    assert "LATE []" in lines(out.stdout), out.stdout
+
+
+@pytest.mark.timeout(180)
+def test_what_a_host_agents_proc_printed_comes_before_its_result(tmp_path):
+    """A host agent's procs send their lines themselves (a pump thread per stream), on the mailbox the reply
+    takes next: the reply waits until the pumps sent what the pipes held."""
+    out = run_script(tmp_path, ORDER_CHECK + textwrap.dedent('''
+        from monarch_tensor.job import LocalJob
+
+        job = LocalJob(meshes={"m": 1}, root_dir=sys.argv[1], ttl=60)
+        try:
+            procs = job.state(cached_path=None).m.spawn_procs(per_host={"gpus": 2})
+            print("LATE", late_lines(procs))
+            procs.stop().get(timeout=30)
+        finally:
+            job.kill()
+    '''), args=[str(tmp_path / "job")], timeout=150)
+    assert "LATE []" in lines(out.stdout), out.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_stuck_relay_holds_a_reply_only_a_while(tmp_path):
+    """A reply waits for its proc's output a bounded time (logs.OUTPUT_WAIT_S): with the template stopped, its
+    procs' lines cannot come, and the calls still return; the lines follow once it runs again."""
+    out = run_script(tmp_path, '''
+        import signal
+        from monarch_tensor import host
+
+        procs = this_host().spawn_procs(per_host={"gpus": 1})
+        try:
+            talkers = procs.spawn("talker", Talker)
+            talkers.say.call("before").get(timeout=30)
+            template = host.local_host().proc.pid
+            os.kill(template, signal.SIGSTOP)
+            try:
+                for i in range(3):
+                    talkers.say.call(f"stuck {i}").get(timeout=30)
+                print("RETURNED")
+            finally:
+                os.kill(template, signal.SIGCONT)
+            wait_for(sys.stdout, "[0] stuck 2\\n")
+        finally:
+            procs.stop().get(timeout=30)
+    ''')
+    stdout = lines(out.stdout)
+    assert stdout.index("RETURNED") < stdout.index("[0] stuck 0"), out.stdout
+
+
 @pytest.mark.timeout(30)
 def test_a_switch_applies_in_order_with_the_lines_around_it():
     """A proc's forwarder switches a stream when its pump reads the switch's marker in the pipe: lines
@@ -251,6 +337,7 @@ def test_a_switch_applies_in_order_with_the_lines_around_it():
     fw = _LogForwarder.__new__(_LogForwarder)  # no fds taken over: the pump reads a pipe of the test's own
     fw.mailbox = type("M", (), {"send": staticmethod(lambda addr, msg: sent.extend(msg.lines))})()
     fw.client_addr, fw.rank, fw.enabled, fw.flushed = "client", 0, {1: True, 2: True}, False
+    fw.pumped, fw.pumping = {1: 0, 2: 0}, threading.Condition()
     term_r, term_w = os.pipe()  # stands for the proc's own terminal
     fw.originals = {1: term_w}
     from monarch_tensor.logs import StreamLines

@@ -583,11 +583,12 @@ class TensorWorker(Actor):
                                 "borrows": len(self.borrows), "inbox": len(self.inbox)}, None)
 
     def _reply(self, port, value, error) -> None:
+        output = self.mailbox.output_before(port.addr)  # (what the remote functions before it printed: first)
         try:
-            self.mailbox.send(port.addr, SendToPort(port.port_id, value, error, self.rank))
+            self.mailbox.send(port.addr, SendToPort(port.port_id, value, error, self.rank, output))
         except Exception as e:  # noqa: BLE001 - e.g. an unpicklable value
             err = RemoteException("fetch", None, self.rank, f"cannot send the value back: {e!r}", "")
-            self.mailbox.send(port.addr, SendToPort(port.port_id, None, err, self.rank))
+            self.mailbox.send(port.addr, SendToPort(port.port_id, None, err, self.rank, output))
 
 
 class _Result:
