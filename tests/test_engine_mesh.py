@@ -144,6 +144,16 @@ def test_slice_and_to_mesh(mesh):
     torch.testing.assert_close(back, _local(1) * 2)
 
 
+def test_to_mesh_of_a_non_contiguous_tensor_arrives_contiguous(mesh):
+    """The controller describes a moved tensor as contiguous; a transposed one kept its strides on the wire, so
+    an op that needs contiguous memory there (view) failed on the receiving ranks."""
+    with mesh.activate():
+        x = _per_rank(mesh).t().slice_mesh(hosts=0)
+        moved = x.to_mesh(mesh.slice(hosts=1))
+        got = inspect(moved.view(-1), gpus=1)
+    torch.testing.assert_close(got, _local(1).t().reshape(-1))
+
+
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.data())
 def test_a_pytrees_tensors_reduce_in_one_collective_per_dtype_like_one_at_a_time(mesh, data):
