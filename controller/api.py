@@ -611,7 +611,8 @@ def _slice_mesh(t: Tensor, **kwargs) -> Tensor:
 
 
 def _to_mesh(t: Tensor, mesh, stream: Stream | None = None) -> Tensor:
-    """Copy ``t`` to ``mesh`` (same sizes): rank i of ``t``'s mesh sends to rank i of ``mesh``."""
+    """Copy ``t`` to ``mesh`` (same sizes): rank i of ``t``'s mesh sends to rank i of ``mesh``. The gradient of a
+    ``t`` that requires grad goes back the same way (``_ToMesh``)."""
     if type(t) is not Tensor:
         raise TypeError(f"to_mesh needs a mesh tensor, got {type(t).__name__}")
     from monarch_tensor.host import ProcMesh
@@ -626,6 +627,14 @@ def _to_mesh(t: Tensor, mesh, stream: Stream | None = None) -> Tensor:
     if stream is not None and not isinstance(stream, Stream):
         raise TypeError(f"to_mesh(stream=...) takes a Stream, got {stream!r}")
     dst = ctx_for(mesh, stream or src.stream)
+    if t.requires_grad and torch.is_grad_enabled():
+        return _ToMesh.apply(t, dst)
+    return _send_to_mesh(t, dst)
+
+
+def _send_to_mesh(t: Tensor, dst: Ctx) -> Tensor:
+    """Issue the transfer of ``t`` to ``dst``'s ranks (rank i to rank i); its new tensor there."""
+    src = t._ctx
     # Data goes proc to proc: the receiving workers must exist before the senders' messages arrive.
     dst.client.workers.initialized.get(timeout=60)
     dst_addrs = [dst.client.addrs[r] for r in dst.ranks]
@@ -638,6 +647,21 @@ def _to_mesh(t: Tensor, mesh, stream: Stream | None = None) -> Tensor:
     dst.client.issue(m.RecvTensor(ref, xfer, RECV_TIMEOUT, dst.sid, loc), dst.ranks)
     meta = contiguous_meta(tuple(t.shape), t.dtype)
     return Tensor(meta, intern_meta(meta), dst, ref)
+
+
+class _ToMesh(torch.autograd.Function):
+    """``to_mesh`` of a tensor that requires grad: its gradient goes back to the source mesh (and stream) the
+    same way, so a model split over meshes (a pipeline's stages) trains as one graph, as it would locally."""
+
+    @staticmethod
+    def forward(ctx_, t: Tensor, dst: Ctx) -> Tensor:
+        ctx_.src = t._ctx
+        return _send_to_mesh(t, dst)
+
+    @staticmethod
+    def backward(ctx_, grad):
+        src = ctx_.src
+        return _to_mesh(grad, src.pm, src.stream), None
 
 
 # ---- streams ---------------------------------------------------------------------------------------------

@@ -144,6 +144,35 @@ def test_slice_and_to_mesh(mesh):
     torch.testing.assert_close(back, _local(1) * 2)
 
 
+def test_to_mesh_is_differentiable_so_a_model_split_over_two_meshes_trains_as_one(mesh):
+    """A pipeline's two stages on two meshes: the gradient of a tensor moved with to_mesh goes back to its mesh,
+    as locally. The moved tensor did not require grad, and the first stage's parameters got no gradient."""
+    h0, h1 = mesh.slice(hosts=0), mesh.slice(hosts=1)
+    torch.manual_seed(0)
+    l0, l1 = torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)
+    x = torch.randn(5, 4)
+    loss = l1(torch.relu(l0(x)).t().t()).pow(2).sum()  # (a transposed tensor, and gradient, cross the meshes)
+    loss.backward()
+    with h0.activate():
+        s0 = torch.nn.Linear(4, 3)
+        s0.load_state_dict(l0.state_dict())
+        a = torch.relu(s0(torch.tensor(x.tolist()))).t()
+    with h1.activate():
+        s1 = torch.nn.Linear(3, 2)
+        s1.load_state_dict(l1.state_dict())
+        b = a.to_mesh(h1)
+        assert b.requires_grad and b.mesh._shape == h1._shape
+        with torch.no_grad():
+            assert not a.to_mesh(h1).requires_grad
+        got_loss = s1(b.t()).pow(2).sum()
+        got_loss.backward()
+        got = [inspect(t, gpus=1) for t in (got_loss, s1.weight.grad, s1.bias.grad)]
+    assert s0.weight.grad.mesh._shape == h0._shape
+    got += [inspect(t, gpus=0) for t in (s0.weight.grad, s0.bias.grad)]
+    for g, want in zip(got, (loss, l1.weight.grad, l1.bias.grad, l0.weight.grad, l0.bias.grad)):
+        torch.testing.assert_close(g, want.detach())
+
+
 def test_to_mesh_of_a_non_contiguous_tensor_arrives_contiguous(mesh):
     """The controller describes a moved tensor as contiguous; a transposed one kept its strides on the wire, so
     an op that needs contiguous memory there (view) failed on the receiving ranks."""
