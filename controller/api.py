@@ -611,8 +611,10 @@ def _slice_mesh(t: Tensor, **kwargs) -> Tensor:
 
 
 def _to_mesh(t: Tensor, mesh, stream: Stream | None = None) -> Tensor:
-    """Copy ``t`` to ``mesh`` (same sizes): rank i of ``t``'s mesh sends to rank i of ``mesh``. The gradient of a
-    ``t`` that requires grad goes back the same way (``_ToMesh``)."""
+    """Copy ``t`` to ``mesh``: rank i of ``t``'s mesh sends to rank i of ``mesh`` (same sizes), or each rank of
+    ``mesh`` gets the value of the rank of ``t``'s mesh at its coordinates on their shared dims (``mesh`` has
+    more dims: a broadcast, see ``_to_mesh_pairs``). The gradient of a ``t`` that requires grad goes back the
+    same way (``_ToMesh``)."""
     if type(t) is not Tensor:
         raise TypeError(f"to_mesh needs a mesh tensor, got {type(t).__name__}")
     from monarch_tensor.host import ProcMesh
@@ -622,26 +624,53 @@ def _to_mesh(t: Tensor, mesh, stream: Stream | None = None) -> Tensor:
                         f"not {type(mesh).__name__} {mesh!r}")
     check_live(t._ctx, "to_mesh")
     src = t._ctx
-    if tuple(src.pm._shape.dims) != tuple(mesh._shape.dims):
-        raise ValueError(f"to_mesh needs meshes of the same sizes: {src.pm._shape} vs {mesh._shape}")
+    pairs = _to_mesh_pairs(src.pm._shape, mesh._shape)
     if stream is not None and not isinstance(stream, Stream):
         raise TypeError(f"to_mesh(stream=...) takes a Stream, got {stream!r}")
     dst = ctx_for(mesh, stream or src.stream)
-    if t.requires_grad and torch.is_grad_enabled():
-        return _ToMesh.apply(t, dst)
-    return _send_to_mesh(t, dst)
+    if not (t.requires_grad and torch.is_grad_enabled()):
+        return _send_to_mesh(t, dst, pairs)
+    if len(pairs) > 1:
+        raise MeshTensorError(f"to_mesh from {src.pm._shape} to {mesh._shape} broadcasts along the dims the source "
+                              f"lacks, which does not work with autograd, and this tensor requires grad: move "
+                              f"t.detach() (a broadcast is meant for initialization), or to a mesh of the same sizes")
+    return _ToMesh.apply(t, dst)
 
 
-def _send_to_mesh(t: Tensor, dst: Ctx) -> Tensor:
-    """Issue the transfer of ``t`` to ``dst``'s ranks (rank i to rank i); its new tensor there."""
+def _to_mesh_pairs(src, dst) -> list[list[tuple[int, int]]]:
+    """Which rank of shape ``src`` sends to which rank of shape ``dst`` (each a position in its shape's
+    row-major order), in rounds in which every source rank sends once.
+
+    Meshes of the same sizes pair position i with position i (one round). Otherwise each dim of ``src`` must be
+    a dim of ``dst`` of the same size, and ``dst``'s other dims are broadcast along, as Monarch's ``to_mesh``
+    does (to initialize every host from one, say): a destination rank gets the value of the source rank at its
+    coordinates on the shared dims, one round per coordinate of the broadcast dims.
+    """
+    if tuple(src.dims) == tuple(dst.dims):
+        return [[(i, i) for i in range(len(src))]]
+    sizes = dst.sizes
+    for name, size in src.sizes.items():
+        if sizes.get(name) != size:
+            raise ValueError(f"to_mesh needs meshes of the same sizes, or a destination with every dim of the source "
+                             f"at the same size (it broadcasts along its other dims): {src} vs {dst}")
+    index = {tuple(c.values()): i for i, c in enumerate(src.coordinates())}
+    rounds: dict = {}
+    for i, c in enumerate(dst.coordinates()):
+        key = tuple(v for n, v in c.items() if n not in src.names)
+        rounds.setdefault(key, []).append((index[tuple(c[n] for n in src.names)], i))
+    return list(rounds.values())
+
+
+def _send_to_mesh(t: Tensor, dst: Ctx, pairs: list) -> Tensor:
+    """Issue the transfer of ``t`` to ``dst``'s ranks (``pairs``: see ``_to_mesh_pairs``); its new tensor there."""
     src = t._ctx
     # Data goes proc to proc: the receiving workers must exist before the senders' messages arrive.
     dst.client.workers.initialized.get(timeout=60)
-    dst_addrs = [dst.client.addrs[r] for r in dst.ranks]
-    xfer = next(_xfers)
+    xfer = next(_xfers)  # (one transfer id for every round: each destination proc receives once)
     loc = user_loc()
-    dests = dict(zip(src.ranks, dst_addrs))
-    src.client.issue(m.SendTensor(t._ref, xfer, dests, src.sid, loc), src.ranks)
+    for round_ in pairs:
+        dests = {src.ranks[s]: dst.client.addrs[dst.ranks[d]] for s, d in round_}
+        src.client.issue(m.SendTensor(t._ref, xfer, dests, src.sid, loc), src.ranks)
     src.client.flush()
     ref = next(dst.client.refs)
     dst.client.issue(m.RecvTensor(ref, xfer, RECV_TIMEOUT, dst.sid, loc), dst.ranks)
@@ -656,7 +685,7 @@ class _ToMesh(torch.autograd.Function):
     @staticmethod
     def forward(ctx_, t: Tensor, dst: Ctx) -> Tensor:
         ctx_.src = t._ctx
-        return _send_to_mesh(t, dst)
+        return _send_to_mesh(t, dst, _to_mesh_pairs(t._ctx.pm._shape, dst.pm._shape))
 
     @staticmethod
     def backward(ctx_, grad):

@@ -183,6 +183,30 @@ def test_to_mesh_of_a_non_contiguous_tensor_arrives_contiguous(mesh):
     torch.testing.assert_close(got, _local(1).t().reshape(-1))
 
 
+def test_to_mesh_broadcasts_along_the_destination_dims_the_source_lacks(mesh):
+    """Monarch's: each rank of the destination gets the value of the source rank at its coordinates on the dims
+    they share (initialize on one host, send to every host). It was refused: meshes of other sizes."""
+    h0 = mesh.slice(hosts=0)
+    with mesh.activate():
+        x = _per_rank(mesh)
+        y = x.slice_mesh(hosts=1).to_mesh(mesh)
+        got = {(h, g): inspect(y, hosts=h, gpus=g) for h in range(2) for g in range(2)}
+        one = x.slice_mesh(hosts=0, gpus=1).to_mesh(mesh)  # one rank's value, to every rank
+        got_one = [inspect(one, hosts=h, gpus=g) for h, g in ((0, 0), (1, 1))]
+        with pytest.raises(ValueError, match="every dim of the source at the same size"):
+            x.to_mesh(mesh.slice(hosts=1))  # the destination has no "hosts"
+    with h0.activate():
+        w = torch.ones(2).requires_grad_() * 2
+        with pytest.raises(MeshTensorError, match="broadcasts.*requires grad.*detach"):
+            w.to_mesh(mesh)
+        z = w.detach().to_mesh(mesh)
+    for (_, g), value in got.items():
+        torch.testing.assert_close(value, _local(2 + g))
+    for value in got_one:
+        torch.testing.assert_close(value, _local(1))
+    assert inspect(z, hosts=1, gpus=1).tolist() == [2.0, 2.0]
+
+
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.data())
 def test_a_pytrees_tensors_reduce_in_one_collective_per_dtype_like_one_at_a_time(mesh, data):
