@@ -540,6 +540,14 @@ def _reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool) -> Te
     return Tensor(meta, intern_meta(meta), ctx, ref)
 
 
+def _refuse_mesh(mesh, what: str) -> None:
+    """``reduce(..., mesh=m)`` was accepted and ignored (the result stayed on the tensor's mesh): refused, as
+    Monarch's reduce refuses it."""
+    if mesh is not None:
+        raise NotImplementedError(f"{what}(mesh=...) is not supported (a reduce's result lives on its tensor's "
+                                  f"mesh): move the result with to_mesh(mesh), or keep some ranks' with slice_mesh(...)")
+
+
 def reduce(tensors, dims, reduction: str = "sum", scatter: bool = False, mesh=None, out=None):
     """Collective over the ranks of the named ``dims`` (gloo on CPU, NCCL on GPU).
 
@@ -547,8 +555,10 @@ def reduce(tensors, dims, reduction: str = "sum", scatter: bool = False, mesh=No
     ``"product"`` likewise; ``"stack"`` all-gathers into a new first dim;
     ``scatter=True`` reduce-scatters along the first dim. ``tensors`` may be a
     pytree of mesh tensors (Monarch's): each leaf is reduced (each must be one), the structure kept; the
-    leaves of one dtype go in one collective.
+    leaves of one dtype go in one collective. ``mesh`` (placing the result on another mesh) is not supported, as
+    in Monarch: move the result with ``to_mesh`` or ``slice_mesh``.
     """
+    _refuse_mesh(mesh, "reduce")
     if type(tensors) is not Tensor:
         if out is not None:
             raise TypeError("reduce(out=...) takes one tensor, not a pytree of them")
@@ -563,6 +573,7 @@ def reduce(tensors, dims, reduction: str = "sum", scatter: bool = False, mesh=No
 def reduce_(tensors, dims, reduction: str = "sum", scatter: bool = False, mesh=None):
     """In-place ``reduce``: ``grad.reduce_("dp", "avg")``; or each mesh tensor of a pytree
     (``reduce_([g1, g2], "dp", "avg")``)."""
+    _refuse_mesh(mesh, "reduce_")
     if type(tensors) is not Tensor:
         return _reduce_tree(tensors, dims, reduction, scatter, True)
     return _reduce(tensors, dims, reduction, scatter, True)

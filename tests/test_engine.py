@@ -634,6 +634,21 @@ def test_bad_arguments_to_fetch_reduce_and_to_mesh_are_clear_errors(procs):
         assert fetch_shard(x.reduce(["gpus"])).result(timeout=60).tolist() == [2.0, 2.0, 2.0]
 
 
+def test_reduce_refuses_a_mesh_to_place_its_result_on(procs):
+    # reduce(..., mesh=m) was accepted and ignored: the result stayed on the tensor's mesh (Monarch's refuses it)
+    import monarch_tensor
+
+    with procs.activate():
+        x = torch.ones(3)
+        for call in (lambda: x.reduce("gpus", "sum", mesh=procs.slice(gpus=0)),
+                     lambda: monarch_tensor.reduce([x], "gpus", mesh=procs),
+                     lambda: x.clone().reduce_("gpus", "sum", mesh="not a mesh"),
+                     lambda: monarch_tensor.reduce_(x, "gpus", mesh=procs)):
+            with pytest.raises(NotImplementedError, match=r"reduce_?\(mesh=...\) is not supported.*to_mesh"):
+                call()
+        assert inspect(x).tolist() == [1.0, 1.0, 1.0]
+
+
 def test_a_to_mesh_send_on_a_stopping_proc_is_no_error_but_other_send_failures_are(caplog):
     # A script that ends with to_mesh transfers in flight: its procs close their mailboxes while a stream
     # still sends, and each such send printed a worker traceback ("handler handle_SendTensor failed ...
