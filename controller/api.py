@@ -275,6 +275,28 @@ def _install_factories() -> None:
 
     torch.nn.functional.one_hot = one_hot_
 
+    # nn.init.trunc_normal_ (GPT-2's, ViT's init) draws by rejection: it redraws the values out of [a, b] until
+    # none is left, a loop on `mask.any()` that reads the data, which the controller cannot. It runs on the
+    # workers instead, whole, so each rank's generator draws and advances as a local run's would. A
+    # torch.Generator passed travels as a copy of its state (as to any random op on mesh tensors), and the
+    # script's own moves on as much: the draws depend only on the tensor's shape and dtype and the generator,
+    # not on the values, so the same call here on a stand-in of that shape draws what the workers draw.
+    trunc_normal = torch.nn.init.trunc_normal_
+    trunc_normal_on_workers = Remote(_trunc_normal_on_workers, propagate=_none)
+
+    @functools.wraps(trunc_normal)
+    def trunc_normal_(tensor, mean=0.0, std=1.0, a=-2.0, b=2.0, generator=None):
+        if type(tensor) is not Tensor or tensor._dist is not None:
+            return trunc_normal(tensor, mean, std, a, b, generator=generator)
+        trunc_normal_on_workers(tensor, mean, std, a, b, generator)
+        if generator is not None:
+            with no_mesh.activate():  # (its factories, torch.empty_like..., make local tensors)
+                stand_in = torch.empty(tensor.shape, dtype=tensor.dtype, device=generator.device)
+                trunc_normal(stand_in, mean, std, a, b, generator=generator)
+        return tensor
+
+    torch.nn.init.trunc_normal_ = trunc_normal_
+
     # torch.compile (Dynamo) compiles each Python frame that a compiled function calls, the engine's recording
     # of an op on a mesh tensor too: it broke its graph at every other line there and ended in a RecursionError
     # after a minute. Dynamo leaves the engine's packages alone: an op on mesh tensors in a compiled function
@@ -940,6 +962,15 @@ class Remote:
     def call_on_shard_and_fetch(self, *args, shard: dict[str, int] | None = None, **kwargs) -> Future:
         """Run the function on one rank only and fetch its result: ``f.call_on_shard_and_fetch(t, shard={"gpus": 0})``."""
         return call_on_shard_and_fetch(self, *args, shard=shard, **kwargs)
+
+
+def _none(*args, **kwargs) -> None:
+    return None
+
+
+def _trunc_normal_on_workers(tensor, mean, std, a, b, generator) -> None:
+    """Worker side of ``torch.nn.init.trunc_normal_`` of a mesh tensor (see ``_install_factories``)."""
+    torch.nn.init.trunc_normal_(tensor, mean, std, a, b, generator=generator)
 
 
 def _process_groups(tree) -> list[RemoteProcessGroup]:
