@@ -275,6 +275,28 @@ def _install_factories() -> None:
 
     torch.nn.functional.one_hot = one_hot_
 
+    # nn.init.trunc_normal_ (GPT-2's, ViT's init) draws by rejection: it redraws the values out of [a, b] until
+    # none is left, a loop on `mask.any()` that reads the data, which the controller cannot. It runs on the
+    # workers instead, whole, so each rank's generator draws and advances as a local run's would. A
+    # torch.Generator passed travels as a copy of its state (as to any random op on mesh tensors), and the
+    # script's own moves on as much: the draws depend only on the tensor's shape and dtype and the generator,
+    # not on the values, so the same call here on a stand-in of that shape draws what the workers draw.
+    trunc_normal = torch.nn.init.trunc_normal_
+    trunc_normal_on_workers = Remote(_trunc_normal_on_workers, propagate=_none)
+
+    @functools.wraps(trunc_normal)
+    def trunc_normal_(tensor, mean=0.0, std=1.0, a=-2.0, b=2.0, generator=None):
+        if type(tensor) is not Tensor or tensor._dist is not None:
+            return trunc_normal(tensor, mean, std, a, b, generator=generator)
+        trunc_normal_on_workers(tensor, mean, std, a, b, generator)
+        if generator is not None:
+            with no_mesh.activate():  # (its factories, torch.empty_like..., make local tensors)
+                stand_in = torch.empty(tensor.shape, dtype=tensor.dtype, device=generator.device)
+                trunc_normal(stand_in, mean, std, a, b, generator=generator)
+        return tensor
+
+    torch.nn.init.trunc_normal_ = trunc_normal_
+
     # torch.compile (Dynamo) compiles each Python frame that a compiled function calls, the engine's recording
     # of an op on a mesh tensor too: it broke its graph at every other line there and ended in a RecursionError
     # after a minute. Dynamo leaves the engine's packages alone: an op on mesh tensors in a compiled function
@@ -540,6 +562,14 @@ def _reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool) -> Te
     return Tensor(meta, intern_meta(meta), ctx, ref)
 
 
+def _refuse_mesh(mesh, what: str) -> None:
+    """``reduce(..., mesh=m)`` was accepted and ignored (the result stayed on the tensor's mesh): refused, as
+    Monarch's reduce refuses it."""
+    if mesh is not None:
+        raise NotImplementedError(f"{what}(mesh=...) is not supported (a reduce's result lives on its tensor's "
+                                  f"mesh): move the result with to_mesh(mesh), or keep some ranks' with slice_mesh(...)")
+
+
 def reduce(tensors, dims, reduction: str = "sum", scatter: bool = False, mesh=None, out=None):
     """Collective over the ranks of the named ``dims`` (gloo on CPU, NCCL on GPU).
 
@@ -547,8 +577,10 @@ def reduce(tensors, dims, reduction: str = "sum", scatter: bool = False, mesh=No
     ``"product"`` likewise; ``"stack"`` all-gathers into a new first dim;
     ``scatter=True`` reduce-scatters along the first dim. ``tensors`` may be a
     pytree of mesh tensors (Monarch's): each leaf is reduced (each must be one), the structure kept; the
-    leaves of one dtype go in one collective.
+    leaves of one dtype go in one collective. ``mesh`` (placing the result on another mesh) is not supported, as
+    in Monarch: move the result with ``to_mesh`` or ``slice_mesh``.
     """
+    _refuse_mesh(mesh, "reduce")
     if type(tensors) is not Tensor:
         if out is not None:
             raise TypeError("reduce(out=...) takes one tensor, not a pytree of them")
@@ -563,6 +595,7 @@ def reduce(tensors, dims, reduction: str = "sum", scatter: bool = False, mesh=No
 def reduce_(tensors, dims, reduction: str = "sum", scatter: bool = False, mesh=None):
     """In-place ``reduce``: ``grad.reduce_("dp", "avg")``; or each mesh tensor of a pytree
     (``reduce_([g1, g2], "dp", "avg")``)."""
+    _refuse_mesh(mesh, "reduce_")
     if type(tensors) is not Tensor:
         return _reduce_tree(tensors, dims, reduction, scatter, True)
     return _reduce(tensors, dims, reduction, scatter, True)
@@ -611,7 +644,10 @@ def _slice_mesh(t: Tensor, **kwargs) -> Tensor:
 
 
 def _to_mesh(t: Tensor, mesh, stream: Stream | None = None) -> Tensor:
-    """Copy ``t`` to ``mesh`` (same sizes): rank i of ``t``'s mesh sends to rank i of ``mesh``."""
+    """Copy ``t`` to ``mesh``: rank i of ``t``'s mesh sends to rank i of ``mesh`` (same sizes), or each rank of
+    ``mesh`` gets the value of the rank of ``t``'s mesh at its coordinates on their shared dims (``mesh`` has
+    more dims: a broadcast, see ``_to_mesh_pairs``). The gradient of a ``t`` that requires grad goes back the
+    same way (``_ToMesh``)."""
     if type(t) is not Tensor:
         raise TypeError(f"to_mesh needs a mesh tensor, got {type(t).__name__}")
     from monarch_tensor.host import ProcMesh
@@ -621,23 +657,73 @@ def _to_mesh(t: Tensor, mesh, stream: Stream | None = None) -> Tensor:
                         f"not {type(mesh).__name__} {mesh!r}")
     check_live(t._ctx, "to_mesh")
     src = t._ctx
-    if tuple(src.pm._shape.dims) != tuple(mesh._shape.dims):
-        raise ValueError(f"to_mesh needs meshes of the same sizes: {src.pm._shape} vs {mesh._shape}")
+    pairs = _to_mesh_pairs(src.pm._shape, mesh._shape)
     if stream is not None and not isinstance(stream, Stream):
         raise TypeError(f"to_mesh(stream=...) takes a Stream, got {stream!r}")
     dst = ctx_for(mesh, stream or src.stream)
+    if not (t.requires_grad and torch.is_grad_enabled()):
+        return _send_to_mesh(t, dst, pairs)
+    if len(pairs) > 1:
+        raise MeshTensorError(f"to_mesh from {src.pm._shape} to {mesh._shape} broadcasts along the dims the source "
+                              f"lacks, which does not work with autograd, and this tensor requires grad: move "
+                              f"t.detach() (a broadcast is meant for initialization), or to a mesh of the same sizes")
+    return _ToMesh.apply(t, dst)
+
+
+def _to_mesh_pairs(src, dst) -> list[list[tuple[int, int]]]:
+    """Which rank of shape ``src`` sends to which rank of shape ``dst`` (each a position in its shape's
+    row-major order), in rounds in which every source rank sends once.
+
+    Meshes of the same sizes pair position i with position i (one round). Otherwise each dim of ``src`` must be
+    a dim of ``dst`` of the same size, and ``dst``'s other dims are broadcast along, as Monarch's ``to_mesh``
+    does (to initialize every host from one, say): a destination rank gets the value of the source rank at its
+    coordinates on the shared dims, one round per coordinate of the broadcast dims.
+    """
+    if tuple(src.dims) == tuple(dst.dims):
+        return [[(i, i) for i in range(len(src))]]
+    sizes = dst.sizes
+    for name, size in src.sizes.items():
+        if sizes.get(name) != size:
+            raise ValueError(f"to_mesh needs meshes of the same sizes, or a destination with every dim of the source "
+                             f"at the same size (it broadcasts along its other dims): {src} vs {dst}")
+    index = {tuple(c.values()): i for i, c in enumerate(src.coordinates())}
+    rounds: dict = {}
+    for i, c in enumerate(dst.coordinates()):
+        key = tuple(v for n, v in c.items() if n not in src.names)
+        rounds.setdefault(key, []).append((index[tuple(c[n] for n in src.names)], i))
+    return list(rounds.values())
+
+
+def _send_to_mesh(t: Tensor, dst: Ctx, pairs: list) -> Tensor:
+    """Issue the transfer of ``t`` to ``dst``'s ranks (``pairs``: see ``_to_mesh_pairs``); its new tensor there."""
+    src = t._ctx
     # Data goes proc to proc: the receiving workers must exist before the senders' messages arrive.
     dst.client.workers.initialized.get(timeout=60)
-    dst_addrs = [dst.client.addrs[r] for r in dst.ranks]
-    xfer = next(_xfers)
+    xfer = next(_xfers)  # (one transfer id for every round: each destination proc receives once)
     loc = user_loc()
-    dests = dict(zip(src.ranks, dst_addrs))
-    src.client.issue(m.SendTensor(t._ref, xfer, dests, src.sid, loc), src.ranks)
+    for round_ in pairs:
+        dests = {src.ranks[s]: dst.client.addrs[dst.ranks[d]] for s, d in round_}
+        src.client.issue(m.SendTensor(t._ref, xfer, dests, src.sid, loc), src.ranks)
     src.client.flush()
     ref = next(dst.client.refs)
     dst.client.issue(m.RecvTensor(ref, xfer, RECV_TIMEOUT, dst.sid, loc), dst.ranks)
     meta = contiguous_meta(tuple(t.shape), t.dtype)
     return Tensor(meta, intern_meta(meta), dst, ref)
+
+
+class _ToMesh(torch.autograd.Function):
+    """``to_mesh`` of a tensor that requires grad: its gradient goes back to the source mesh (and stream) the
+    same way, so a model split over meshes (a pipeline's stages) trains as one graph, as it would locally."""
+
+    @staticmethod
+    def forward(ctx_, t: Tensor, dst: Ctx) -> Tensor:
+        ctx_.src = t._ctx
+        return _send_to_mesh(t, dst, _to_mesh_pairs(t._ctx.pm._shape, dst.pm._shape))
+
+    @staticmethod
+    def backward(ctx_, grad):
+        src = ctx_.src
+        return _to_mesh(grad, src.pm, src.stream), None
 
 
 # ---- streams ---------------------------------------------------------------------------------------------
@@ -876,6 +962,15 @@ class Remote:
     def call_on_shard_and_fetch(self, *args, shard: dict[str, int] | None = None, **kwargs) -> Future:
         """Run the function on one rank only and fetch its result: ``f.call_on_shard_and_fetch(t, shard={"gpus": 0})``."""
         return call_on_shard_and_fetch(self, *args, shard=shard, **kwargs)
+
+
+def _none(*args, **kwargs) -> None:
+    return None
+
+
+def _trunc_normal_on_workers(tensor, mean, std, a, b, generator) -> None:
+    """Worker side of ``torch.nn.init.trunc_normal_`` of a mesh tensor (see ``_install_factories``)."""
+    torch.nn.init.trunc_normal_(tensor, mean, std, a, b, generator=generator)
 
 
 def _process_groups(tree) -> list[RemoteProcessGroup]:

@@ -748,7 +748,9 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
             if all(hasattr(t, "_val") or type(t) is not Tensor for t in tensors):
                 return _fold(func, args, kwargs)  # e.g. Adam's step counter: its value is known here
             raise MeshTensorError(f"{_UNSUPPORTED[name]} is not possible: the value lives on the workers. "
-                                  f"Fetch it with fetch_shard(t).result() or inspect(t)")
+                                  f"Fetch it with fetch_shard(t).result() or inspect(t); code whose control flow "
+                                  f"depends on the values (a loop until a condition holds) runs on the workers in a "
+                                  f"remote() function")
         tpl = _propagate(func, args, kwargs, tensors)
         if tkey is not None:
             _cache[tkey] = tpl

@@ -634,6 +634,21 @@ def test_bad_arguments_to_fetch_reduce_and_to_mesh_are_clear_errors(procs):
         assert fetch_shard(x.reduce(["gpus"])).result(timeout=60).tolist() == [2.0, 2.0, 2.0]
 
 
+def test_reduce_refuses_a_mesh_to_place_its_result_on(procs):
+    # reduce(..., mesh=m) was accepted and ignored: the result stayed on the tensor's mesh (Monarch's refuses it)
+    import monarch_tensor
+
+    with procs.activate():
+        x = torch.ones(3)
+        for call in (lambda: x.reduce("gpus", "sum", mesh=procs.slice(gpus=0)),
+                     lambda: monarch_tensor.reduce([x], "gpus", mesh=procs),
+                     lambda: x.clone().reduce_("gpus", "sum", mesh="not a mesh"),
+                     lambda: monarch_tensor.reduce_(x, "gpus", mesh=procs)):
+            with pytest.raises(NotImplementedError, match=r"reduce_?\(mesh=...\) is not supported.*to_mesh"):
+                call()
+        assert inspect(x).tolist() == [1.0, 1.0, 1.0]
+
+
 def test_a_to_mesh_send_on_a_stopping_proc_is_no_error_but_other_send_failures_are(caplog):
     # A script that ends with to_mesh transfers in flight: its procs close their mailboxes while a stream
     # still sends, and each such send printed a worker traceback ("handler handle_SendTensor failed ...
@@ -1113,6 +1128,31 @@ def test_a_generator_given_to_random_ops_draws_what_it_draws_locally_and_moves_o
         assert torch.equal(a, b)
     with torch.device(WORKER_DEVICE):  # a local use goes on after
         assert torch.equal(torch.rand(3, generator=g), torch.rand(3, generator=ref))
+
+
+def test_trunc_normal_init_runs_on_the_workers_and_draws_what_local_torch_draws(procs):
+    # torch.nn.init.trunc_normal_ (GPT-2's, ViT's init) redraws by rejection in a loop on `mask.any()`, a read
+    # of the data: on a mesh parameter it failed with "reading a mesh tensor's value on the controller".
+    def init(seed, g):
+        torch.manual_seed(seed)
+        w, v = torch.nn.Linear(4, 4).weight, torch.empty(50, 3)
+        torch.nn.init.trunc_normal_(w, std=0.02)  # most draws land in [a, b]: torch's redrawing branch
+        torch.nn.init.trunc_normal_(v, std=0.5, a=-0.1, b=0.3, generator=g)  # a narrow [a, b]: its other branch
+        return w, v
+
+    ref = torch.Generator(WORKER_DEVICE).manual_seed(3)
+    with torch.device(WORKER_DEVICE):
+        want = [t.detach().cpu() for t in init(0, ref)]
+    g = torch.Generator(WORKER_DEVICE).manual_seed(3)
+    with procs.activate():
+        w, v = init(0, g)
+        got = [inspect(w, gpus=1), inspect(v, gpus=0)]
+        assert torch.equal(g.get_state(), ref.get_state())  # the script's generator moved on as locally
+        with pytest.raises(MeshTensorError, match="runs on the workers in a remote\\(\\) function"):
+            if (w > 0).any():  # other control flow on the data: the error points to remote()
+                pass
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
 
 
 def test_a_data_loader_iterates_inside_activate_as_in_plain_torch(procs):

@@ -144,6 +144,69 @@ def test_slice_and_to_mesh(mesh):
     torch.testing.assert_close(back, _local(1) * 2)
 
 
+def test_to_mesh_is_differentiable_so_a_model_split_over_two_meshes_trains_as_one(mesh):
+    """A pipeline's two stages on two meshes: the gradient of a tensor moved with to_mesh goes back to its mesh,
+    as locally. The moved tensor did not require grad, and the first stage's parameters got no gradient."""
+    h0, h1 = mesh.slice(hosts=0), mesh.slice(hosts=1)
+    torch.manual_seed(0)
+    l0, l1 = torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)
+    x = torch.randn(5, 4)
+    loss = l1(torch.relu(l0(x)).t().t()).pow(2).sum()  # (a transposed tensor, and gradient, cross the meshes)
+    loss.backward()
+    with h0.activate():
+        s0 = torch.nn.Linear(4, 3)
+        s0.load_state_dict(l0.state_dict())
+        a = torch.relu(s0(torch.tensor(x.tolist()))).t()
+    with h1.activate():
+        s1 = torch.nn.Linear(3, 2)
+        s1.load_state_dict(l1.state_dict())
+        b = a.to_mesh(h1)
+        assert b.requires_grad and b.mesh._shape == h1._shape
+        with torch.no_grad():
+            assert not a.to_mesh(h1).requires_grad
+        got_loss = s1(b.t()).pow(2).sum()
+        got_loss.backward()
+        got = [inspect(t, gpus=1) for t in (got_loss, s1.weight.grad, s1.bias.grad)]
+    assert s0.weight.grad.mesh._shape == h0._shape
+    got += [inspect(t, gpus=0) for t in (s0.weight.grad, s0.bias.grad)]
+    for g, want in zip(got, (loss, l1.weight.grad, l1.bias.grad, l0.weight.grad, l0.bias.grad)):
+        torch.testing.assert_close(g, want.detach())
+
+
+def test_to_mesh_of_a_non_contiguous_tensor_arrives_contiguous(mesh):
+    """The controller describes a moved tensor as contiguous; a transposed one kept its strides on the wire, so
+    an op that needs contiguous memory there (view) failed on the receiving ranks."""
+    with mesh.activate():
+        x = _per_rank(mesh).t().slice_mesh(hosts=0)
+        moved = x.to_mesh(mesh.slice(hosts=1))
+        got = inspect(moved.view(-1), gpus=1)
+    torch.testing.assert_close(got, _local(1).t().reshape(-1))
+
+
+def test_to_mesh_broadcasts_along_the_destination_dims_the_source_lacks(mesh):
+    """Monarch's: each rank of the destination gets the value of the source rank at its coordinates on the dims
+    they share (initialize on one host, send to every host). It was refused: meshes of other sizes."""
+    h0 = mesh.slice(hosts=0)
+    with mesh.activate():
+        x = _per_rank(mesh)
+        y = x.slice_mesh(hosts=1).to_mesh(mesh)
+        got = {(h, g): inspect(y, hosts=h, gpus=g) for h in range(2) for g in range(2)}
+        one = x.slice_mesh(hosts=0, gpus=1).to_mesh(mesh)  # one rank's value, to every rank
+        got_one = [inspect(one, hosts=h, gpus=g) for h, g in ((0, 0), (1, 1))]
+        with pytest.raises(ValueError, match="every dim of the source at the same size"):
+            x.to_mesh(mesh.slice(hosts=1))  # the destination has no "hosts"
+    with h0.activate():
+        w = torch.ones(2).requires_grad_() * 2
+        with pytest.raises(MeshTensorError, match="broadcasts.*requires grad.*detach"):
+            w.to_mesh(mesh)
+        z = w.detach().to_mesh(mesh)
+    for (_, g), value in got.items():
+        torch.testing.assert_close(value, _local(2 + g))
+    for value in got_one:
+        torch.testing.assert_close(value, _local(1))
+    assert inspect(z, hosts=1, gpus=1).tolist() == [2.0, 2.0]
+
+
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.data())
 def test_a_pytrees_tensors_reduce_in_one_collective_per_dtype_like_one_at_a_time(mesh, data):

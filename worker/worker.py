@@ -470,7 +470,9 @@ class TensorWorker(Actor):
 
     def handle_SendTensor(self, msg: m.SendTensor) -> None:
         try:
-            value = _to_cpu(self._get(msg.src))
+            # Contiguous, as the controller describes the received tensor: a transposed one kept its strides on
+            # the wire, and an op that needs contiguous memory there (t.view(n)) failed on the receiving ranks.
+            value = _to_cpu(self._get(msg.src)).contiguous()
         except _Propagate as p:
             value = p.failure
         except Exception as e:  # noqa: BLE001
