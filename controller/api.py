@@ -158,6 +158,46 @@ def _called_by_data_loading() -> bool:
     return sys._getframe(2).f_globals.get("__name__", "").startswith("torch.utils.data")
 
 
+# The factories with which torch.utils.data draws from the global generator: a DataLoader's seed and a
+# RandomSampler's are ``torch.empty((), dtype=torch.int64).random_()``, a SubsetRandomSampler's permutation
+# and random_split's are ``torch.randperm``. (A collate's ``torch.tensor(numbers)`` draws nothing.)
+_LOADER_DRAWS = frozenset(("empty", "rand", "randn", "randint", "randperm", "normal"))
+
+
+def _lend_generator(pm) -> None:
+    """torch.utils.data is about to draw from the global generator. In a local run that generator is the one
+    the model's random ops draw from too; inside activate() those draw on the workers, whose generators the
+    controller's does not follow. So the controller's takes the workers' state now (rank 0's: a fetch from
+    each rank, after the ops issued so far), the loader draws from it here, and if every rank had that state,
+    the state the loader leaves goes back to every rank before the next instruction to the mesh: the same
+    numbers as a local run, both ways. Ranks with different states (``set_manual_seed_remote(s,
+    process_idx=...)``) keep theirs: the loader draws from rank 0's, and theirs do not move.
+    Nothing issued to the mesh since the last fetch: the controller's state is the workers' already."""
+    client = client_for(pm)
+    if client.on_next_issue is not None:
+        return
+    ctx = client.ctx(pm, _MAIN)
+    loc = user_loc()
+    replies = [client.request(r, lambda port: m.FetchValue(((), {}), "torch.get_rng_state", port, ctx.sid, loc),
+                              "the workers' generator state", mesh=ctx.ranks) for r in ctx.ranks]
+    states = [f.result(RECV_TIMEOUT) for f in replies]
+    torch.default_generator.set_state(states[0])
+    if all(torch.equal(s, states[0]) for s in states[1:]):
+        client.on_next_issue = functools.partial(_give_back_generator, ctx)
+    else:
+        client.on_next_issue = _keep_generators
+
+
+def _give_back_generator(ctx: Ctx) -> None:
+    """The controller's generator state, as the loader left it, to every rank (see ``_lend_generator``)."""
+    state = torch.default_generator.get_state()
+    ctx.client.issue(m.CallFunction("torch.set_rng_state", (state,), {}, (), (), ctx.sid, user_loc()), ctx.ranks)
+
+
+def _keep_generators() -> None:
+    """The ranks' generators had different states (see ``_lend_generator``): they keep them."""
+
+
 def _install_factories() -> None:
     """Wrap torch's factory functions: inside ``activate()`` they create mesh tensors.
 
@@ -181,6 +221,8 @@ def _install_factories() -> None:
                 if pm is None or state.internal or _wire.decoding():  # (a message's tensors being rebuilt)
                     return orig(*args, **kwargs)
                 if _called_by_data_loading():
+                    if orig.__name__ in _LOADER_DRAWS and kwargs.get("generator") in (None, torch.default_generator):
+                        _lend_generator(pm)
                     return orig(*args, **kwargs)
                 if any(type(a) is Tensor for a in args):  # *_like of a mesh tensor: dispatches already
                     return orig(*args, **kwargs)
@@ -197,6 +239,10 @@ def _install_factories() -> None:
             return factory
 
         setattr(torch, name, make(orig))
+    # random_split draws with the torch.randperm its module imported by name: it draws through the wrapper too.
+    from torch.utils.data import dataset
+
+    dataset.randperm = torch.randperm
     seed = torch.manual_seed
 
     @functools.wraps(seed)

@@ -126,6 +126,7 @@ class MeshClient:
         self._q: collections.deque = collections.deque()
         self._dels: collections.deque = collections.deque()
         self._late: collections.deque = collections.deque()  # (instr, ranks) that finalizers queued: issue_later
+        self.on_next_issue = None  # a function to run once, before the next instruction (api._lend_generator)
         self._ranks = self.all_ranks
         self._limit = FIRST_BATCH  # the size bound of the batch being filled (see the module docstring)
         self._fused = (None, [])  # the last Reduce or ReduceMany queued, and the memories it writes (_fuse)
@@ -173,6 +174,9 @@ class MeshClient:
         with self._lock:  # (threads of the script issue to one batch: its ranks and its order are one thing)
             if self._late:
                 self._take_late()
+            if self.on_next_issue is not None:  # (it may issue: it is cleared first)
+                hook, self.on_next_issue = self.on_next_issue, None
+                hook()
             if ranks is not self._ranks:
                 self.flush()
                 self._ranks = ranks

@@ -154,6 +154,7 @@ def test_an_instruction_a_finalizer_queues_goes_between_what_was_issued_before_a
     client._lock, client.closed = threading.RLock(), False
     client.alloc = types.SimpleNamespace(_stopped=False)
     client._q, client._dels, client._late = collections.deque(), collections.deque(), collections.deque()
+    client.on_next_issue = None
     client._limit = cc.FIRST_BATCH
     before, after = (m.CallOp("aten::add.Tensor", (1, 1), {}, (0,), (r,), (), 0, None) for r in (2, 3))
     drop = m.BorrowDrop(1, 4, 0, 1)
@@ -179,6 +180,7 @@ def test_batches_start_small_after_a_pause_and_double_during_a_burst(monkeypatch
     client._lock, client.closed = threading.RLock(), False
     client.alloc = types.SimpleNamespace(_stopped=False)
     client._q, client._dels, client._late = collections.deque(), collections.deque(), collections.deque()
+    client.on_next_issue = None
     client._limit = cc.FIRST_BATCH
 
     def burst(n):
