@@ -15,6 +15,7 @@ import functools
 import itertools
 import sys
 import threading
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,14 +33,18 @@ from .client import Ctx, MeshClient, user_loc
 from .errors import BorrowError, MeshTensorError
 from .process_group import RemoteProcessGroup
 from .tensor import (
+    Loans,
     Tensor,
     borrowing,
     check_live,
+    check_readable,
     check_writable,
     contiguous_meta,
     forget_value,
     intern_meta,
+    loans_of,
     memory_span,
+    mutable_loans,
     record,
     state,
 )
@@ -153,6 +158,46 @@ def _called_by_data_loading() -> bool:
     return sys._getframe(2).f_globals.get("__name__", "").startswith("torch.utils.data")
 
 
+# The factories with which torch.utils.data draws from the global generator: a DataLoader's seed and a
+# RandomSampler's are ``torch.empty((), dtype=torch.int64).random_()``, a SubsetRandomSampler's permutation
+# and random_split's are ``torch.randperm``. (A collate's ``torch.tensor(numbers)`` draws nothing.)
+_LOADER_DRAWS = frozenset(("empty", "rand", "randn", "randint", "randperm", "normal"))
+
+
+def _lend_generator(pm) -> None:
+    """torch.utils.data is about to draw from the global generator. In a local run that generator is the one
+    the model's random ops draw from too; inside activate() those draw on the workers, whose generators the
+    controller's does not follow. So the controller's takes the workers' state now (rank 0's: a fetch from
+    each rank, after the ops issued so far), the loader draws from it here, and if every rank had that state,
+    the state the loader leaves goes back to every rank before the next instruction to the mesh: the same
+    numbers as a local run, both ways. Ranks with different states (``set_manual_seed_remote(s,
+    process_idx=...)``) keep theirs: the loader draws from rank 0's, and theirs do not move.
+    Nothing issued to the mesh since the last fetch: the controller's state is the workers' already."""
+    client = client_for(pm)
+    if client.on_next_issue is not None:
+        return
+    ctx = client.ctx(pm, _MAIN)
+    loc = user_loc()
+    replies = [client.request(r, lambda port: m.FetchValue(((), {}), "torch.get_rng_state", port, ctx.sid, loc),
+                              "the workers' generator state", mesh=ctx.ranks) for r in ctx.ranks]
+    states = [f.result(RECV_TIMEOUT) for f in replies]
+    torch.default_generator.set_state(states[0])
+    if all(torch.equal(s, states[0]) for s in states[1:]):
+        client.on_next_issue = functools.partial(_give_back_generator, ctx)
+    else:
+        client.on_next_issue = _keep_generators
+
+
+def _give_back_generator(ctx: Ctx) -> None:
+    """The controller's generator state, as the loader left it, to every rank (see ``_lend_generator``)."""
+    state = torch.default_generator.get_state()
+    ctx.client.issue(m.CallFunction("torch.set_rng_state", (state,), {}, (), (), ctx.sid, user_loc()), ctx.ranks)
+
+
+def _keep_generators() -> None:
+    """The ranks' generators had different states (see ``_lend_generator``): they keep them."""
+
+
 def _install_factories() -> None:
     """Wrap torch's factory functions: inside ``activate()`` they create mesh tensors.
 
@@ -176,6 +221,8 @@ def _install_factories() -> None:
                 if pm is None or state.internal or _wire.decoding():  # (a message's tensors being rebuilt)
                     return orig(*args, **kwargs)
                 if _called_by_data_loading():
+                    if orig.__name__ in _LOADER_DRAWS and kwargs.get("generator") in (None, torch.default_generator):
+                        _lend_generator(pm)
                     return orig(*args, **kwargs)
                 if any(type(a) is Tensor for a in args):  # *_like of a mesh tensor: dispatches already
                     return orig(*args, **kwargs)
@@ -192,6 +239,10 @@ def _install_factories() -> None:
             return factory
 
         setattr(torch, name, make(orig))
+    # random_split draws with the torch.randperm its module imported by name: it draws through the wrapper too.
+    from torch.utils.data import dataset
+
+    dataset.randperm = torch.randperm
     seed = torch.manual_seed
 
     @functools.wraps(seed)
@@ -325,6 +376,7 @@ def _leaves_ctx(obj, what: str = "fetch_shard") -> tuple[list, Ctx | None]:
         if t._ctx.sid != ctx.sid:
             raise MeshTensorError(f"{what}: the tensors live on different streams ({ctx.stream.name!r} and "
                                   f"{t._ctx.stream.name!r}); borrow one with stream.borrow(t)")
+    check_readable(what, leaves)
     return leaves, ctx
 
 
@@ -520,6 +572,7 @@ def _reduce(t: Tensor, dims, reduction: str, scatter: bool, inplace: bool) -> Te
     if type(t) is not Tensor:
         raise TypeError(f"reduce needs a mesh tensor, got {type(t).__name__}")
     check_live(t._ctx, "reduce")
+    check_readable("reduce", (t,))
     if reduction not in _REDUCTIONS:
         raise ValueError(f"unknown reduction {reduction!r}; use one of {list(_REDUCTIONS)}")
     if isinstance(dims, str):
@@ -634,6 +687,7 @@ def to_mesh(tensors, mesh, stream: Stream | None = None):
 def _slice_mesh(t: Tensor, **kwargs) -> Tensor:
     """``t`` on a slice of its mesh (the ranks of the slice keep their data)."""
     check_live(t._ctx, "slice_mesh")
+    check_readable("slice_mesh", (t,))
     ctx = t._ctx
     sub = ctx.pm.slice(**kwargs)
     forget_value(t)  # the slice shares its memory
@@ -656,6 +710,7 @@ def _to_mesh(t: Tensor, mesh, stream: Stream | None = None) -> Tensor:
         raise TypeError(f"to_mesh needs a proc mesh to copy to, such as this_host().spawn_procs(...), "
                         f"not {type(mesh).__name__} {mesh!r}")
     check_live(t._ctx, "to_mesh")
+    check_readable("to_mesh", (t,))
     src = t._ctx
     pairs = _to_mesh_pairs(src.pm._shape, mesh._shape)
     if stream is not None and not isinstance(stream, Stream):
@@ -756,13 +811,19 @@ class Stream:
 
     def borrow(self, t: Tensor, mutable: bool = False) -> tuple[Tensor, Borrow]:
         """``t`` (of another stream) usable on this one until ``borrow.drop()``. Until then ``t`` cannot be
-        written, and the borrowed tensor only with ``mutable=True``."""
+        written, and the borrowed tensor only with ``mutable=True``; a mutable borrow has the memory to itself:
+        ``t`` cannot be read either (nor borrowed again), and a tensor lent already cannot be borrowed mutably.
+        A borrow the script lets go of without ``drop()`` is dropped then, with a warning."""
         if type(t) is not Tensor:
             raise TypeError(f"borrow needs a mesh tensor, got {type(t).__name__}")
         check_live(t._ctx, "borrow")
+        check_readable("borrow", (t,))
         src = t._ctx
         if src.sid == self.id:
             raise BorrowError(f"the tensor already lives on stream {self.name!r}")
+        if mutable and loans_of(t):
+            raise BorrowError(f"borrow(mutable=True): this tensor (or a view of its memory) is lent to stream(s) "
+                              f"{sorted(loans_of(t))} already, which may read it meanwhile; drop those borrows first")
         dst = src.client.ctx(src.pm, self)
         bid = next(_borrow_ids)
         ref = next(src.client.refs)
@@ -779,11 +840,14 @@ class Stream:
         if lent is None:
             lent = getattr(root, "_lent", None) if root is not None else None
             if lent is None:
-                lent = []
+                lent = Loans()
             t._lent = lent
         if root is not None and getattr(root, "_lent", None) is not lent:
             root._lent = lent
         lent.append(self.name)
+        if mutable:
+            lent.mutable = True
+            mutable_loans.add(bid)
         return bt, Borrow(bid, bt, src, dst, mutable, t)
 
     def __repr__(self) -> str:
@@ -811,7 +875,9 @@ class _Dropped:
 
 
 class Borrow:
-    """A lent tensor; ``drop()`` ends the loan (also ``with borrow:``)."""
+    """A lent tensor; ``drop()`` ends the loan (also ``with borrow:``). A borrow the script lets go of without
+    ``drop()`` drops itself then, with a warning (Monarch's): the lender's stream waits for the other stream's
+    work on it from that point."""
 
     def __init__(self, bid: int, tensor: Tensor, src: Ctx, dst: Ctx, mutable: bool, origin: Tensor) -> None:
         self.id, self._tensor, self._src, self._dst, self.mutable = bid, tensor, src, dst, mutable
@@ -824,16 +890,45 @@ class Borrow:
         if self._dropped:
             raise BorrowError(f"borrow {self.id} was already dropped")
         self._dropped = True
+        self._src.client.issue(self._drop_instruction(), self._src.ranks)
+        self._end()
+
+    def _drop_instruction(self) -> m.BorrowDrop:
+        return m.BorrowDrop(self.id, self._tensor._ref, self._src.sid, self._dst.sid)
+
+    def _end(self) -> None:
+        """The controller's side of the drop: the borrowed tensor is refused from now on, the lender usable."""
         t = self._tensor
-        self._src.client.issue(m.BorrowDrop(self.id, t._ref, self._src.sid, self._dst.sid), self._src.ranks)
         t._ctx = _Dropped(self._dst)
         self._tensor = None
         lent = getattr(self._origin, "_lent", None)
         if lent is not None:
             lent.remove(self._dst.stream.name)  # (the list is shared with its root, which sees it empty too)
+            if self.mutable:
+                lent.mutable = False
             if not lent:
                 del self._origin._lent
+        mutable_loans.discard(self.id)
         self._origin = t._origin = None
+
+    def __del__(self) -> None:
+        """Garbage-collected before ``drop()``: drop it now, as ``drop()`` would here. This runs at any time, on
+        any thread (inside the client's lock, or a lock of the flusher's, too): the drop joins the batch without
+        taking a lock (``issue_later``), before the next instruction; nothing is sent once the mesh stopped."""
+        try:
+            if self._dropped:
+                return
+            self._dropped = True
+            client = self._src.client
+            if not client.alloc._stopped:
+                client.issue_later(self._drop_instruction(), self._src.ranks)
+            self._end()
+            warnings.warn(f"borrow {self.id} of a tensor lent to stream {self._dst.stream.name!r} was garbage-"
+                          f"collected before borrow.drop(): it is dropped now, so the lender's stream waits here "
+                          f"for that stream's work on it; call borrow.drop() (or use `with borrow:`) to say where",
+                          stacklevel=2)
+        except Exception:  # noqa: BLE001 - interpreter shutdown, or a warning filter that raises
+            pass
 
     def __enter__(self):
         return self

@@ -125,6 +125,8 @@ class MeshClient:
         self.refs = itertools.count(1)
         self._q: collections.deque = collections.deque()
         self._dels: collections.deque = collections.deque()
+        self._late: collections.deque = collections.deque()  # (instr, ranks) that finalizers queued: issue_later
+        self.on_next_issue = None  # a function to run once, before the next instruction (api._lend_generator)
         self._ranks = self.all_ranks
         self._limit = FIRST_BATCH  # the size bound of the batch being filled (see the module docstring)
         self._fused = (None, [])  # the last Reduce or ReduceMany queued, and the memories it writes (_fuse)
@@ -170,6 +172,11 @@ class MeshClient:
         if self.alloc._stopped:
             raise self.stopped_error()
         with self._lock:  # (threads of the script issue to one batch: its ranks and its order are one thing)
+            if self._late:
+                self._take_late()
+            if self.on_next_issue is not None:  # (it may issue: it is cleared first)
+                hook, self.on_next_issue = self.on_next_issue, None
+                hook()
             if ranks is not self._ranks:
                 self.flush()
                 self._ranks = ranks
@@ -224,6 +231,22 @@ class MeshClient:
             self._fused = (q[-1], memories)
             return True
 
+    def issue_later(self, instr, ranks: tuple) -> None:
+        """Called from a finalizer (``Borrow.__del__``: any thread, any time, inside this client's lock or the
+        flusher's too): queue ``instr`` without taking a lock. It joins the batch before the next instruction
+        issued, or at the next flush, so it comes after what was issued before it and before what comes after."""
+        self._late.append((instr, ranks))
+
+    def _take_late(self) -> None:
+        """Move the instructions queued by ``issue_later`` into the batch, in their order (under the lock)."""
+        late, q = self._late, self._q
+        while late:
+            instr, ranks = late.popleft()
+            if ranks is not self._ranks:  # (what is queued for the other ranks leaves first, as in issue)
+                self._send([q.popleft() for _ in range(len(q))], self._ranks)
+                self._ranks = ranks
+            q.append(instr)
+
     def delete(self, ref: int, sid: int) -> None:
         """Called from ``Tensor.__del__`` (any thread, any time): queue the delete. (A dropped borrow's
         tensor, stream -1, was deleted on the workers by the drop.)"""
@@ -253,6 +276,8 @@ class MeshClient:
             if self.closed:
                 self._q.clear()
                 return
+            if self._late:
+                self._take_late()
             # Count the deletes before taking the batch: a delete queued before this point is for a ref
             # whose last use was issued before it, so that use is in this batch or an earlier one. A delete
             # queued while we pop may be for a ref whose last use comes after the pop (an uploaded constant
@@ -287,6 +312,9 @@ class MeshClient:
         left already)."""
         with self._lock:
             if self._q or self.closed:
+                return
+            if self._late:  # (a borrow that dropped itself: flush() sends it, and the deletes after it)
+                self.flush()
                 return
             nd = len(self._dels)
             if nd:
@@ -381,7 +409,7 @@ class _Flusher:
                 # batch, the workers holding the memory meanwhile). Not woken by Tensor.__del__ itself: that
                 # runs at any time, inside this Event's own lock too.
                 for c in list(self._clients):
-                    if c._dels and not c._q and not c.closed and c not in _held:
+                    if (c._dels or c._late) and not c._q and not c.closed and c not in _held:
                         try:
                             c.flush_deletes()
                         except Exception:  # noqa: BLE001 - e.g. a closed mailbox at exit

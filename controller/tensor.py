@@ -733,6 +733,8 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
     active = state.stream
     if (active.id if active is not None else 0) != ctx.sid:
         _wrong_stream(func, ctx, active)
+    if mutable_loans:
+        check_readable(func, tensors)
     if dd is not ctx.client.default_dtype:  # torch.set_default_dtype() was called: the workers follow
         ctx.client.default_dtype = dd
         ctx.client.issue(m.CallFunction("torch.set_default_dtype", (dd,), {}, (), (), ctx.sid, user_loc()),
@@ -855,6 +857,48 @@ def _mutated_tensors(pos, names, args, kwargs, func) -> list:
 
 
 borrowing = [False]  # set by the first Stream.borrow (controller/api.py)
+mutable_loans: set = set()  # the ids of the live mutable borrows (controller/api.py): while any, reads are checked
+
+
+class Loans(list):
+    """The names of the streams a tensor's memory is lent to (``Stream.borrow``), one list shared by the lent
+    tensor and the root of its memory (torch's ``_base``). ``mutable``: the loan is a mutable borrow, which has
+    the memory to itself: the lender's stream may neither write nor read it until the drop, for the other
+    stream may be writing it meanwhile and the lender's stream waits for that only at the drop."""
+
+    __slots__ = ("mutable",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mutable = False
+
+
+def loans_of(t) -> Loans | None:
+    """The loans of ``t``'s memory: its own, or those of its root (a view made before or after the loan)."""
+    lent = getattr(t, "_lent", None)
+    if lent is None:
+        root = t._base
+        if root is not None:
+            lent = getattr(root, "_lent", None)
+    return lent
+
+
+def check_readable(func, tensors) -> None:
+    """Refuse a use of a mesh tensor whose memory is lent to another stream with ``mutable=True`` (Monarch's
+    BORROWED): the lender's stream would read it while the other stream writes it, and see the old value or
+    the new one at random."""
+    if not mutable_loans:  # (no mutable borrow is live: nothing to check, per tensor of every op)
+        return
+    for t in tensors:
+        if type(t) is not Tensor:
+            continue
+        lent = loans_of(t)
+        if lent is not None and lent.mutable:
+            from .errors import BorrowError
+
+            raise BorrowError(f"{func}: this tensor is lent to stream(s) {sorted(lent)} with mutable=True "
+                              f"(stream.borrow(t, mutable=True)); it cannot be read (nor written) until the borrow is "
+                              f"dropped, as the other stream may be writing it")
 
 
 def check_writable(func, t) -> None:

@@ -41,6 +41,24 @@ def test_seeding_the_workers_matches_local_torch(mesh):
             torch.testing.assert_close(inspect(per_rank, gpus=r), _local(7 ^ r))
 
 
+def test_a_data_loader_draws_from_rank_0s_generator_when_the_ranks_differ(mesh):
+    """torch.utils.data draws from the workers' generator (see test_engine's data loader tests); with a seed per
+    rank it draws from rank 0's, and the ranks' generators keep their states."""
+    from torch.utils.data import DataLoader
+
+    with mesh.activate():
+        set_manual_seed_remote(7, process_idx=mesh.rank("gpus"))
+        order = [b.tolist() for b in DataLoader(list(range(10)), batch_size=5, shuffle=True)]
+        after = torch.randn(4)
+        got = [inspect(after, gpus=r) for r in range(2)]
+    with no_mesh():
+        torch.manual_seed(7)
+        want_order = [b.tolist() for b in DataLoader(list(range(10)), batch_size=5, shuffle=True)]
+    assert order == want_order
+    for r in range(2):
+        torch.testing.assert_close(got[r], _local(7 ^ r))
+
+
 def test_a_saved_generator_state_replays_the_same_numbers(mesh):
     cuda = WORKER_DEVICE.type == "cuda"  # the workers' tensors, so their random numbers, are on their GPU
     get_state = get_rng_state_all_cuda_remote if cuda else get_rng_state_remote

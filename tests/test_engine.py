@@ -1183,6 +1183,33 @@ def test_a_data_loader_iterates_inside_activate_as_in_plain_torch(procs):
     assert scaled.tolist() == [[0.0], [2.0], [4.0], [6.0]]
 
 
+def test_a_shuffled_data_loader_and_random_ops_share_one_generator_as_locally(procs):
+    # The loader drew its seeds from the controller's generator, which the random ops recorded for the workers
+    # never moved, and its draws never moved the workers': a model built before it changed the shuffle from
+    # the local one, and every random op after an epoch drew other numbers.
+    from torch.utils.data import DataLoader, random_split
+
+    def run():
+        torch.manual_seed(0)
+        with torch.device(WORKER_DEVICE):
+            model = torch.nn.Linear(2, 1)  # random numbers drawn before the loader
+        loader = DataLoader(list(range(10)), batch_size=5, shuffle=True)
+        orders, draws = [], []
+        for _ in range(2):
+            orders.append([b.tolist() for b in loader])
+            draws.append(torch.rand(3, device=WORKER_DEVICE))  # random numbers drawn after its epoch
+        parts = [list(p) for p in random_split(range(6), [3, 3])]
+        return orders, parts, draws + [torch.randn(2, device=WORKER_DEVICE), model.weight.detach()]
+
+    want_orders, want_parts, want = run()
+    with procs.activate():
+        orders, parts, got = run()
+        got = [inspect(t, gpus=1) for t in got]
+    assert orders == want_orders and parts == want_parts
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b.cpu())
+
+
 def test_an_optimizer_loads_a_local_state_onto_the_mesh_and_trains_on_as_locally(procs):
     # torch moves each loaded state tensor with value.to(device=param.device), which kept it local for a mesh
     # parameter: the next step() wrote a mesh result into a local tensor and failed.

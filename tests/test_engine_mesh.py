@@ -799,6 +799,79 @@ def test_a_failure_written_into_a_mutable_borrow_reaches_the_lender(mesh):
         assert inspect(w).tolist() == [5.0, 5.0]
 
 
+def test_a_mutably_borrowed_tensor_cannot_be_read_until_the_drop(mesh):
+    """Monarch's BORROWED: while another stream may write the lender's memory, the lender's stream cannot use
+    it. Reads went through and saw the value from before or after the other stream's write, at random."""
+    from controller.errors import BorrowError
+
+    side = Stream("side_mutable_reads")
+    with mesh.activate():
+        y = torch.ones(64, 64)
+        v = y[1:]  # a view made before the loan
+        q = torch.ones(3)
+        bq, read_only = side.borrow(q)
+        yb, borrow = side.borrow(y, mutable=True)
+        with side.activate():
+            yb.mul_(2)
+            yb.fill_(5.0)
+        for use in (lambda: fetch_shard(y), lambda: y + 1, lambda: v.sum(), lambda: y[0], lambda: y.reduce("gpus"),
+                    lambda: remote(lambda t: t, propagate=lambda t: t)(y), lambda: Stream("third").borrow(y)):
+            with pytest.raises(BorrowError, match="with mutable=True"):
+                use()
+        with pytest.raises(BorrowError, match="lent to stream"):
+            y.add_(1)
+        with pytest.raises(BorrowError, match=r"lent to stream\(s\) \['side_mutable_reads'\] already"):
+            side.borrow(q, mutable=True)  # the read-only borrow reads it meanwhile
+        assert inspect(q + 1).tolist() == [2.0] * 3  # a read-only loan leaves it readable
+        read_only.drop()
+        borrow.drop()
+        assert inspect(y).eq(5.0).all() and inspect(v.sum(), hosts=1, gpus=1).item() == 5.0 * 63 * 64
+
+
+def test_a_borrow_garbage_collected_before_drop_drops_itself(mesh):
+    """A Borrow deleted before drop() drops itself, with a warning (Monarch's), and orders the lender's stream
+    after the other stream's work as drop() does. It stayed lent for good: the lender could never be written
+    nor dropped again, and its reads raced the other stream's writes."""
+    side = Stream("side_collected")
+    with mesh.activate():
+        for _ in range(5):
+            y = torch.ones(256, 256)
+            yb, borrow = side.borrow(y, mutable=True)
+            with side.activate():
+                for _ in range(5):
+                    yb.mul_(1.0)
+                yb.fill_(5.0)
+            with pytest.warns(UserWarning, match="garbage-collected before borrow.drop"):
+                del yb, borrow
+                gc.collect()
+            assert inspect(y, hosts=1, gpus=1).eq(5.0).all()  # after the other stream's write
+        z = torch.ones(3)
+        zb, borrow = side.borrow(z)
+        with side.activate():
+            w = zb * 2
+        with pytest.warns(UserWarning, match="garbage-collected"):
+            del zb, borrow, w
+            gc.collect()
+        z.add_(1)  # writable again
+        assert inspect(z).tolist() == [2.0] * 3
+        z.drop()
+        assert worker_stats(mesh)["borrows"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_borrow_collected_after_its_mesh_stopped_sends_nothing():
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    side = Stream("side_stopped")
+    with procs.activate():
+        yb, borrow = side.borrow(torch.ones(2), mutable=True)
+    client = procs._alloc._tensor_client
+    procs.stop()
+    with pytest.warns(UserWarning, match="garbage-collected"):
+        del yb, borrow
+        gc.collect()
+    assert not client._late
+
+
 def test_rank_of_several_dims_is_the_row_major_rank_within_them(mesh):
     """Monarch's ``mesh.rank(("hosts", "gpus"))``: the rank within those dims, in the order given."""
     names = list(mesh._shape.names)

@@ -128,7 +128,7 @@ def test_a_delete_never_overtakes_the_op_that_reads_its_ref():
     client._send = lambda batch, ranks: sent.append(list(batch))
     client.all_ranks = client._ranks = (0, 1)
     client._lock, client.closed = threading.RLock(), False
-    client._dels = collections.deque()
+    client._dels, client._late = collections.deque(), collections.deque()
     upload = m.CreateValue(5, torch.ones(2), 0)
     reader = m.CallOp("aten::add.Tensor", (5, 1), {}, (0,), (6,), (), 0, None)
     client._q = _RacyQueue(client, reader, 5)
@@ -139,6 +139,30 @@ def test_a_delete_never_overtakes_the_op_that_reads_its_ref():
     deletes = [i for i, x in enumerate(flat) if isinstance(x, m.DeleteRefs) and 5 in x.refs]
     assert flat.index(upload) < flat.index(reader) < deletes[0], flat
     assert len(deletes) == 1
+
+
+def test_an_instruction_a_finalizer_queues_goes_between_what_was_issued_before_and_after(monkeypatch):
+    """``issue_later`` (a Borrow collected before its drop) takes no lock, and its instruction keeps its place:
+    after what was issued before it, before what is issued after, for its own ranks."""
+    from controller import client as cc
+
+    monkeypatch.setattr(cc, "_flusher", type("NoIdleFlush", (), {"wake": lambda self, c: None})())
+    client = cc.MeshClient.__new__(cc.MeshClient)
+    sent: list = []
+    client._send = lambda batch, ranks: sent.extend((i, ranks) for i in batch)
+    client.all_ranks = client._ranks = (0, 1)
+    client._lock, client.closed = threading.RLock(), False
+    client.alloc = types.SimpleNamespace(_stopped=False)
+    client._q, client._dels, client._late = collections.deque(), collections.deque(), collections.deque()
+    client.on_next_issue = None
+    client._limit = cc.FIRST_BATCH
+    before, after = (m.CallOp("aten::add.Tensor", (1, 1), {}, (0,), (r,), (), 0, None) for r in (2, 3))
+    drop = m.BorrowDrop(1, 4, 0, 1)
+    client.issue(before, client.all_ranks)
+    client.issue_later(drop, (1,))
+    client.issue(after, client.all_ranks)
+    client.flush()
+    assert sent == [(before, (0, 1)), (drop, (1,)), (after, (0, 1))]
 
 
 def test_batches_start_small_after_a_pause_and_double_during_a_burst(monkeypatch):
@@ -155,7 +179,8 @@ def test_batches_start_small_after_a_pause_and_double_during_a_burst(monkeypatch
     client.all_ranks = client._ranks = (0, 1)
     client._lock, client.closed = threading.RLock(), False
     client.alloc = types.SimpleNamespace(_stopped=False)
-    client._q, client._dels = collections.deque(), collections.deque()
+    client._q, client._dels, client._late = collections.deque(), collections.deque(), collections.deque()
+    client.on_next_issue = None
     client._limit = cc.FIRST_BATCH
 
     def burst(n):
