@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from _dt_chains import OPS, run_chain
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from monarch_tensor import Partial, Replicate, Shard, ShardingError, distribute, from_local, this_host
+from monarch_tensor.actor import Actor, endpoint
+from monarch_tensor.utils import setup_env_for_distributed
 
 pytestmark = pytest.mark.timeout(120)
 T = 60
@@ -218,3 +221,61 @@ def test_error_is_raised_at_the_users_line(mesh2d):
         assert "same mesh dim 'dp'" in str(e)
     else:
         pytest.fail("no error")
+
+
+# ---- torch.distributed of user code on the same procs ---------------------------------------------
+class UserDist(Actor):
+    """What a training actor does with torch.distributed on procs the tensor engine also runs DTensors on."""
+
+    @endpoint
+    def step(self):
+        """The common idiom: init the default group unless there is one; then two collectives over it."""
+        was = dist.is_initialized()
+        if not was:
+            dist.init_process_group("gloo")
+        t = torch.tensor([float(dist.get_rank() + 1)])
+        dist.all_reduce(t)
+        gathered = [torch.zeros(1) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, torch.tensor([float(dist.get_rank())]))
+        return was, dist.get_backend(), t.item(), [g.item() for g in gathered]
+
+    @endpoint
+    def destroy(self) -> bool:
+        dist.destroy_process_group()
+        return dist.is_initialized()
+
+
+def _engine_matmul(procs, dt=None) -> bool:
+    """``dt @ dt.T`` by the tensor engine, for ``dt`` (default: a new one) sharded by rows over ``procs``."""
+    x = torch.arange(16.0).reshape(4, 4)
+    with procs.activate():
+        dt = _distributed(procs) if dt is None else dt
+        return torch.equal((dt @ dt.T).full_tensor(), x @ x.T)
+
+
+def _distributed(procs):
+    with procs.activate():
+        return distribute(torch.arange(16.0).reshape(4, 4), procs, [Shard(0)])
+
+
+@pytest.mark.parametrize("engine_first", [True, False], ids=["engine_first", "actors_first"])
+def test_user_default_process_group_is_the_users(engine_first):
+    """The engine's DTensors leave the procs' default process group to user code, in either order: an actor's
+    init_process_group("gloo") makes a real one (is_initialized() was False), its collectives sum over both
+    procs, and the engine's DTensors, old and new, keep working beside it and after the actor destroys it."""
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    try:
+        setup_env_for_distributed(procs)
+        user = procs.spawn("user", UserDist)
+        if engine_first:
+            kept = _distributed(procs)
+            assert _engine_matmul(procs, kept)
+        assert user.step.call().get(timeout=T).values() == [(False, "gloo", 3.0, [0.0, 1.0])] * 2
+        if not engine_first:
+            kept = _distributed(procs)
+        assert _engine_matmul(procs) and _engine_matmul(procs, kept)
+        assert user.step.call().get(timeout=T).values() == [(True, "gloo", 3.0, [0.0, 1.0])] * 2
+        assert user.destroy.call().get(timeout=T).values() == [False, False]
+        assert _engine_matmul(procs) and _engine_matmul(procs, kept)
+    finally:
+        procs.stop().get(timeout=T)

@@ -39,7 +39,7 @@ class DTWorker(Actor):
     def _mesh(self, grid, names):
         from worker.dtensor import device_mesh
 
-        return device_mesh(grid, names, self.rank, self.groups.backend, world_size=4)
+        return device_mesh(grid, names, self.rank, self.groups.backend)
 
     def _in(self, grid) -> bool:
         return self.rank in torch.tensor(grid).flatten().tolist()

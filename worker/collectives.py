@@ -23,6 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions as _AllgatherOptions  # (not in torch.distributed)
+from torch._C._distributed_c10d import _register_process_group, _resolve_process_group
 from torch.utils._pytree import tree_leaves, tree_map
 
 from monarch_tensor._net import ip_towards
@@ -326,6 +327,40 @@ def _unregister(pg) -> None:
     world = getattr(dist.distributed_c10d, "_world", None)
     for table in ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config"):
         getattr(world, table, {}).pop(pg, None)
+
+
+_named: list[tuple[str, dist.ProcessGroup]] = []  # what register_name entered, in order
+_named_lock = threading.Lock()
+
+
+def register_name(name: str, pg: dist.ProcessGroup) -> None:
+    """Enter ``pg`` in torch's registry of groups by name only (the functional collectives, and so DTensor,
+    look a mesh's groups up by name), not in ``torch.distributed``'s tables of the script's groups: the
+    script's ``destroy_process_group()`` shuts down every group in those. ``restore_names`` enters it again
+    where that emptied the registry of names."""
+    with _named_lock:
+        _register_process_group(name, pg)
+        _named.append((name, pg))
+
+
+def restore_names() -> None:
+    """Enter the groups of ``register_name`` again if torch's registry of names lost them: the script's own
+    ``dist.destroy_process_group()`` (an actor's or remote function's cleanup on these procs) empties it,
+    and DTensors made before still name their groups there. The tensor worker calls this before each op
+    (one look-up, or nothing on a proc without such groups)."""
+    if not _named:
+        return
+    try:
+        _resolve_process_group(_named[0][0])  # all of them leave together, so the first tells
+        return
+    except RuntimeError:
+        pass
+    with _named_lock:
+        for name, pg in _named:
+            try:
+                _register_process_group(name, pg)
+            except RuntimeError:  # (entered again meanwhile, by another stream's thread)
+                pass
 
 
 class Collectives:

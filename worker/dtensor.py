@@ -25,11 +25,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _register_process_group
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, distribute_tensor
 
-from .collectives import connect_store, is_nccl, new_group, user_group
+from .collectives import connect_store, new_group, register_name, user_group
 
 BackendFactory = Callable[[tuple], object]
 """``factory(ranks) -> c10d Backend`` for the group of proc ranks ``ranks`` (this proc among them)."""
@@ -62,24 +61,22 @@ class StoreGroups:
         return new_group(store, ranks.index(self.rank), len(ranks), self.device, self.store_host)
 
 
-def ensure_world(rank: int, world_size: int) -> None:
-    """Give this proc a default process group for identity only (its rank and the mesh size).
+class ProcDeviceMesh(DeviceMesh):
+    """A ``DeviceMesh`` that takes this proc's ranks from itself, never from a default process group.
 
-    torch asks the default group for "my global rank" in places (``get_rank(group)``,
-    ``DeviceMesh.get_local_rank``); it never communicates over it here. It is
-    c10d's *fake* backend, local to the proc, so no proc waits for the others
-    and a sliced mesh involves only its own procs. All traffic goes over the
-    groups of ``process_group``. (So code running on the workers must not call
-    ``init_process_group`` itself.)
+    torch's own asks the default (world) group for "my global rank" (``get_rank()``; ``get_local_rank``
+    through ``dist.get_rank(group)``). On a mesh proc that group is the script's own, made by
+    ``init_process_group`` in an actor or remote function, or none: the engine must neither make one
+    (it would take ``init_process_group`` and ``is_initialized()`` away from user code) nor trust the
+    script's to number ranks as the procs are. So this mesh answers from the proc rank it was built with
+    and from its dim groups' own ranks.
     """
-    if dist.is_initialized():
-        if dist.get_rank() != rank:
-            raise RuntimeError(f"this proc's default process group has rank {dist.get_rank()}, not the proc "
-                               f"rank {rank}; remote code must not call init_process_group on mesh procs")
-        return
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
 
-    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
+    def get_rank(self) -> int:
+        return self._rank
+
+    def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
+        return self.get_group(mesh_dim).rank()
 
 
 def process_group(ranks: tuple, rank: int, factory: BackendFactory, device_type: str = "cpu") -> dist.ProcessGroup:
@@ -90,16 +87,10 @@ def process_group(ranks: tuple, rank: int, factory: BackendFactory, device_type:
             return pg
         backend = factory(ranks)
         me, n = ranks.index(rank), len(ranks)
-        nccl = is_nccl(backend)
         pg = user_group(backend, me, n, torch.device(device_type))
         name = "monarch_tensor:" + "_".join(map(str, ranks))
         pg._set_group_name(name)
-        _register_process_group(name, pg)
-        # c10d's bookkeeping, so get_rank(group) / get_process_group_ranks(group) know it
-        world = dist.distributed_c10d._world
-        world.pg_group_ranks[pg] = {r: i for i, r in enumerate(ranks)}
-        world.pg_map[pg] = ("nccl" if nccl else "gloo", dist.HashStore())
-        world.pg_names[pg] = name
+        register_name(name, pg)  # (by name only: ProcDeviceMesh needs none of c10d's tables of the script's groups)
         _groups[ranks] = pg
         return pg
 
@@ -114,11 +105,8 @@ def dim_groups(grid: torch.Tensor, rank: int) -> list[tuple]:
 
 
 def device_mesh(grid: Sequence, names: Sequence[str], rank: int, factory: BackendFactory,
-                device_type: str = "cpu", world_size: int | None = None) -> DeviceMesh:
+                device_type: str = "cpu") -> DeviceMesh:
     """The torch ``DeviceMesh`` of a proc mesh: ``grid`` nests its proc ranks in mesh order, ``names`` its dims.
-
-    ``world_size``: the number of procs of the whole allocation (default: the
-    largest rank in ``grid`` plus one).
 
     >>> mesh = device_mesh(((0, 1), (2, 3)), ("dp", "tp"), rank, groups.backend)
     """
@@ -131,10 +119,8 @@ def device_mesh(grid: Sequence, names: Sequence[str], rank: int, factory: Backen
         raise ValueError(f"proc rank {rank} is not in the mesh {grid_t.tolist()}")
     if len(names) != grid_t.ndim:
         raise ValueError(f"{len(names)} dim names {tuple(names)} for a {grid_t.ndim}-dim mesh")
-    with _lock:
-        ensure_world(rank, world_size or max(key[0]) + 1)
     pgs = [process_group(g, rank, factory, device_type) for g in dim_groups(grid_t, rank)]
-    mesh = DeviceMesh(device_type, grid_t, mesh_dim_names=tuple(names), _init_backend=False, _rank=rank)
+    mesh = ProcDeviceMesh(device_type, grid_t, mesh_dim_names=tuple(names), _init_backend=False, _rank=rank)
     mesh._dim_group_names = [pg.group_name for pg in pgs]
     for pg in pgs:
         mesh._pg_registry[pg.group_name] = pg
@@ -180,20 +166,20 @@ def describe(dt) -> tuple:
 
 
 # ---- entry points of the tensor engine (run as CallFunction on every proc of the mesh) -----------------
-MeshSpec = tuple  # (store_addr, grid, names, world_size): how the controller names a proc mesh
+MeshSpec = tuple  # (store_addr, grid, names): how the controller names a proc mesh
 _store_groups: dict[tuple, StoreGroups] = {}
 
 
 def engine_mesh(rank: torch.Tensor, spec: MeshSpec, device: torch.device) -> DeviceMesh:
     """The DeviceMesh of ``spec`` on this proc (``rank``: this proc's rank, a 0-dim tensor)."""
-    store_addr, grid, names, world = spec
+    store_addr, grid, names = spec
     r = int(rank)
     key = (tuple(store_addr), r, device.type)
     with _lock:
         groups = _store_groups.get(key)
         if groups is None:
             groups = _store_groups[key] = StoreGroups(r, tuple(store_addr), device)
-    mesh = device_mesh(grid, names, r, groups.backend, device.type, world)
+    mesh = device_mesh(grid, names, r, groups.backend, device.type)
     # plain mesh tensors mixed into DTensor ops (constants, optimizer step counts) count as replicated
     DTensor._op_dispatcher._allow_implicit_replication = True
     return mesh

@@ -38,7 +38,7 @@ from monarch_tensor.messages import CallEndpoint, SendToPort
 
 from . import messages as m
 from . import opaque
-from .collectives import TIMEOUT, Collectives, DummyProcessGroup
+from .collectives import TIMEOUT, Collectives, DummyProcessGroup, restore_names
 from .errors import RemoteException
 from .opaque import OpaqueRef
 
@@ -325,6 +325,7 @@ class TensorWorker(Actor):
         return tuple(r for r, v in list(self.refs.items()) if _memory(v) in memory)
 
     def _run(self, what: str, msg, call) -> None:
+        restore_names()  # DTensors' groups, if user code's destroy_process_group() dropped them since the last op
         try:
             result = call()
         except _Propagate as p:
