@@ -27,6 +27,10 @@ from .messages import PortRef, SendToPort
 
 REPLY_TIMEOUT = 30.0  # seconds to wait for a rank to answer one pdb command
 
+# Where pdb stands, as it prints it when it stops (and ``where``, ``up``, ``down``): "> file(line)function()",
+# then "-> source line" when it has the source.
+_LOCATION = re.compile(r"^> .*\(\d+\).*\(\).*(?:\n-> .*)?$", re.M)
+
 HELP = """monarch_dbg commands:
   list                         list the paused ranks
   attach <actor> <rank>        attach to a paused rank (pdb: n, s, p, l, c ...; 'detach' returns here)
@@ -58,6 +62,7 @@ class Session:
     ended: bool = False
     died: str = ""  # why, when the rank's proc died while paused
     quit: bool = False  # pdb's q ended it: the endpoint raises BdbQuit
+    location: str = ""  # the last place pdb said it stands (_LOCATION), shown again on each attach
 
 
 class Controller:
@@ -116,6 +121,9 @@ class Controller:
         with self.cond:
             self.cond.wait_for(lambda: s.waiting or s.ended, timeout)
             text, s.pending = "".join(s.pending), []
+            where = _LOCATION.findall(text)
+            if where:
+                s.location = where[-1] + "\n"
             if not (s.waiting or s.ended):
                 text += f"\n(no answer from rank {s.rank} within {timeout:.0f} s; it may be busy)\n"
             return text
@@ -361,7 +369,10 @@ class Repl:
             names = sorted({f"{p.actor} {p.rank}" for p in self.ctl.paused()}) or ["none"]
             raise ValueError(f"no paused rank {rank} of actor {actor!r}; paused: {', '.join(names)}")
         w(f"Attached to debug session for rank {rank} ({s.hostname})\n")
-        w(self.ctl.read(s) or "(Pdb) ")
+        text = self.ctl.read(s)
+        if not _LOCATION.search(text):  # pdb said it at an earlier attach or cast: say it again
+            text = s.location + (text or "(Pdb) ")
+        w(text)
         while True:
             line = self.io.readline()
             if line is None:

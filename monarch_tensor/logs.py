@@ -2,7 +2,7 @@
 
 ``proc_mesh.logging_option(stream_to_client=True, aggregate_window_sec=3)``
 folds identical lines from many ranks within the window into one line:
-``[4 similar lines] [rank 0-3] loss 1.23``.
+``[4 similar lines] [rank 0-3] loss 1.23``. Folding never reorders one rank's lines (see ``_Group``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from .messages import ForwardLogs
 
 _lock = threading.Lock()
 _window: float | None = None
-_pending: dict[tuple[int, str], tuple[float, list[int]]] = {}  # (stream, line) -> (first seen, ranks)
 _flusher: threading.Thread | None = None
 
 
@@ -134,6 +133,28 @@ class OutputHandled:
 output_handled = OutputHandled()
 
 
+class _Group:
+    """One line the aggregation window holds, and the ranks that printed it (folded into one line when printed).
+
+    Groups are printed by ``depth``, then in the order they were made. A rank's line joins the group of an
+    identical line only where that keeps the rank's order: the group must come after the rank's previous line
+    (a deeper group, or one no line followed yet, which can be moved deeper); else the line starts a group of
+    its own one deeper than the rank's previous line. So every rank's lines print in the order it wrote them:
+    ranks that print "start", a line of their own, "end" show one "start", their own lines, then one "end"."""
+
+    __slots__ = ("stream", "line", "seen", "depth", "ranks", "followed")
+
+    def __init__(self, stream: int, line: str, seen: float, depth: int) -> None:
+        self.stream, self.line, self.seen, self.depth = stream, line, seen, depth
+        self.ranks: list[int] = []
+        self.followed = False  # a rank printed a line after this one
+
+
+_groups: list[_Group] = []  # every group held, in the order they were made
+_latest: dict[tuple[int, str], _Group] = {}  # (stream, line) -> the latest group of that line
+_last: dict[int, _Group] = {}  # rank -> the group of its latest line, while held
+
+
 def client_log_sink(msg: ForwardLogs) -> None:
     """Called on the client's I/O thread for every batch of lines from a proc."""
     with _lock:
@@ -145,7 +166,19 @@ def client_log_sink(msg: ForwardLogs) -> None:
             return
         now = time.monotonic()
         for line in msg.lines:
-            _pending.setdefault((msg.stream, line), (now, []))[1].append(msg.rank)
+            prev, group = _last.get(msg.rank), _latest.get((msg.stream, line))
+            if group is not None and prev is not None and group is not prev and group.depth <= prev.depth:
+                if group.followed:  # (it may hold this rank's earlier lines: it cannot move after them)
+                    group = None
+                else:
+                    group.depth = prev.depth + 1
+            if group is None:
+                group = _latest[(msg.stream, line)] = _Group(msg.stream, line, now, prev.depth + 1 if prev else 0)
+                _groups.append(group)
+            if prev is not None and prev is not group:
+                prev.followed = True
+            group.ranks.append(msg.rank)
+            _last[msg.rank] = group
 
 
 def _ranks_text(ranks: list[int]) -> str:
@@ -156,19 +189,29 @@ def _ranks_text(ranks: list[int]) -> str:
 
 
 def flush(older_than: float | None = None) -> None:
-    """Print folded lines; with ``older_than``, only groups first seen that many seconds ago."""
+    """Print folded lines; with ``older_than``, only groups first seen that many seconds ago, and the groups
+    printed before them (``_Group``'s order: the lines their ranks printed earlier)."""
+    global _groups
     with _lock:
         now = time.monotonic()
-        keys = [k for k, (t, _) in _pending.items() if older_than is None or now - t >= older_than]
-        items = [(k, _pending.pop(k)[1]) for k in keys]
+        order = sorted(_groups, key=lambda g: g.depth)  # (stable: made first, printed first)
+        n = len(order) if older_than is None else max(
+            (i + 1 for i, g in enumerate(order) if now - g.seen >= older_than), default=0)
+        items, _groups = order[:n], order[n:]
+        for g in items:
+            if _latest.get((g.stream, g.line)) is g:
+                del _latest[(g.stream, g.line)]
+            for r in g.ranks:
+                if _last.get(r) is g:
+                    del _last[r]
     prefixed = config.get("prefix_with_rank")
-    for (stream, line), ranks in items:
-        out = _out(stream)
+    for g in items:
+        out, ranks = _out(g.stream), g.ranks
         if len(ranks) > 1:
             where = f"[rank {_ranks_text(ranks)}] " if prefixed else ""
-            out.write(f"[{len(ranks)} similar lines] {where}{line}\n")
+            out.write(f"[{len(ranks)} similar lines] {where}{g.line}\n")
         else:
-            out.write(f"[{ranks[0]}] {line}\n" if prefixed else f"{line}\n")
+            out.write(f"[{ranks[0]}] {g.line}\n" if prefixed else f"{g.line}\n")
         out.flush()
 
 

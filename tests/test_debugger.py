@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -181,6 +182,29 @@ def test_pdb_quit_says_the_call_raises(no_local_prompt):
         assert "continued" not in keys.text, keys.text
         with pytest.raises(ActorError, match="BdbQuit"):
             fut.get(timeout=60)
+    finally:
+        procs.stop().get(timeout=30)
+
+
+@pytest.mark.timeout(120)
+def test_each_attach_shows_where_the_rank_is_paused(no_local_prompt):
+    """Attaching again (after a detach, or after a cast read the rank's output) shows where the rank stands,
+    as the first attach does: its last location, after a step the new one."""
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    try:
+        fut = procs.spawn("again", Pauser).pause.call()
+        _until_paused(2)
+        keys = Keys(["attach again 0", "detach", "cast again ranks(1) p 1", "attach again 1", "detach",
+                     "attach again 0", "n", "detach", "attach again 0", "detach", "continue"])
+        Repl(keys).run()
+        attaches = keys.text.split("Attached to debug session for rank ")[1:]
+        assert len(attaches) == 4, keys.text
+        for text in attaches[:3]:
+            assert re.search(r"\n> .*test_debugger\.py\(\d+\)pause\(\)\n-> return current_rank\(\)\.rank\n"
+                             r"\(Pdb\) ", text), keys.text
+        assert re.search(r"\n> .*test_debugger\.py\(\d+\)pause\(\)->0\n-> return current_rank\(\)\.rank\n"
+                         r"\(Pdb\) Detached", attaches[3]), keys.text
+        assert fut.get(timeout=60).values() == [0, 1]
     finally:
         procs.stop().get(timeout=30)
 

@@ -356,6 +356,72 @@ def test_a_switch_applies_in_order_with_the_lines_around_it():
     assert fw.enabled == {1: True, 2: True}
 
 
+def _fold(monkeypatch, capsys, batches, flush_at=None, older_than=None) -> list[str]:
+    """What the client prints for ``batches`` of a proc's stdout lines ``(rank, [lines], seen at)``, folded by
+    a 60 s aggregation window, when flushed (at ``flush_at``, with ``older_than``; the rest is dropped)."""
+    from monarch_tensor import logs
+    from monarch_tensor.messages import ForwardLogs
+
+    clock = [0.0]
+    monkeypatch.setattr(logs, "time", type("Clock", (), {"monotonic": staticmethod(lambda: clock[0])}))
+    monkeypatch.setattr(logs, "_window", 60.0)  # (no flusher thread: the test flushes)
+    for rank, batch, seen in batches:
+        clock[0] = seen
+        logs.client_log_sink(ForwardLogs(rank=rank, stream=1, lines=tuple(batch)))
+    if flush_at is not None:
+        clock[0] = flush_at
+    logs.flush(older_than)
+    printed = capsys.readouterr().out.splitlines()
+    monkeypatch.setattr(logs, "_window", None)
+    logs.flush()
+    capsys.readouterr()
+    return printed
+
+
+def _each_ranks_lines(printed: list[str]) -> dict[int, list[str]]:
+    """The lines of each rank, in the order they were printed, from folded and single lines."""
+    got: dict[int, list[str]] = {}
+    for line in printed:
+        m = re.fullmatch(r"\[\d+ similar lines\] \[rank ([\d,-]+)\] (.*)|\[(\d+)\] (.*)", line)
+        assert m, line
+        if m[3] is not None:
+            ranks, text = [int(m[3])], m[4]
+        else:
+            ranks = [r for part in m[1].split(",")
+                     for r in (range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1))]
+            text = m[2]
+        for r in ranks:
+            got.setdefault(r, []).append(text)
+    return got
+
+
+@pytest.mark.timeout(30)
+def test_aggregation_keeps_each_ranks_lines_in_order(monkeypatch, capsys):
+    """Folding identical lines never shows a rank's line before one it printed earlier: a line of the rank's
+    own between two folded ones prints between them."""
+    printed = _fold(monkeypatch, capsys, [
+        (r, ["step 1 start", f"rank-specific value {r * 17}", "step 1 end"], 0.0) for r in range(3)])
+    assert printed[0] == "[3 similar lines] [rank 0-2] step 1 start"
+    assert sorted(printed[1:4]) == ["[0] rank-specific value 0", "[1] rank-specific value 17",
+                                    "[2] rank-specific value 34"]
+    assert printed[4:] == ["[3 similar lines] [rank 0-2] step 1 end"]
+
+    # lines arriving one at a time, from ranks that print shared lines in different orders (rank 0 "a" twice)
+    sequences = {0: ["a", "b", "c", "a"], 1: ["b", "a", "c"], 2: ["x", "a", "y", "b", "c"], 3: ["c", "a", "b"]}
+    batches = [(r, [seq[i]], 0.0) for i in range(5) for r, seq in sequences.items() if i < len(seq)]
+    printed = _fold(monkeypatch, capsys, batches)
+    assert _each_ranks_lines(printed) == sequences
+    assert len(printed) < sum(map(len, sequences.values()))  # still folded where the order allows
+
+
+@pytest.mark.timeout(30)
+def test_a_window_that_ends_prints_the_lines_before_its_old_ones_too(monkeypatch, capsys):
+    """A group whose window ended prints with the lines its ranks printed before it, however new those are."""
+    printed = _fold(monkeypatch, capsys, [(0, ["start", "end"], 0.0), (1, ["start", "own 1", "end", "more"], 2.0)],
+                    flush_at=3.0, older_than=3.0)
+    assert printed == ["[2 similar lines] [rank 0-1] start", "[1] own 1", "[2 similar lines] [rank 0-1] end"]
+
+
 @pytest.mark.timeout(120)
 def test_logging_option_is_a_coroutine_as_in_monarch(tmp_path):
     # Monarch's logging_option is `async def`: scripts hand it to asyncio.run or create_task.
