@@ -272,3 +272,22 @@ def test_ctrl_c_stops_a_host_agent_cleanly_and_takes_back_its_address_file(tmp_p
         p.kill()
     assert p.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
     assert not addr.exists()
+
+
+def test_a_str_where_a_list_of_strings_is_needed_is_a_type_error(tmp_path):
+    # Each was split into characters: a "#SBATCH" line per character, a mesh of one "host" per character, and
+    # attach_to_workers complained about the address 't'.
+    from monarch_tensor._curve import JobKeys
+    from monarch_tensor.job import HostListJob, SlurmJob
+    from monarch_tensor.remote_hosts import attach_to_workers
+
+    key = str(tmp_path / "job.key")
+    JobKeys.generate().save(key)
+    with pytest.raises(TypeError, match=r"slurm_args=\.\.\.\) takes a list of strings, .* got '--foo'"):
+        SlurmJob(meshes={"m": 1}, slurm_args="--foo")
+    assert "#SBATCH --foo" in SlurmJob(meshes={"m": 1}, slurm_args=["--foo"])._script(1)
+    with pytest.raises(TypeError, match="HostListJob needs a dict of mesh name -> list of agent address strings"):
+        HostListJob({"m": "tcp://127.0.0.1:1"}, key_file=key)
+    assert HostListJob({"m": ["tcp://127.0.0.1:1"]}, key_file=key).addrs == {"m": ["tcp://127.0.0.1:1"]}
+    with pytest.raises(TypeError, match="attach_to_workers needs a list of address strings"):
+        attach_to_workers("tcp://127.0.0.1:1", key_file=key, timeout=3)
