@@ -946,8 +946,9 @@ class HostMesh(MeshTrait):
         return CoroutineFuture.of(self._sync_workspace(workspace, conda, auto_reload))
 
     def _sync_workspace(self, workspace, conda: bool, auto_reload: bool) -> Future:
-        from .workspace_sync import SyncResult, conda_prefix, sync_local, sync_workspace
+        from .workspace_sync import SyncResult, check_workspace, conda_prefix, sync_local, sync_workspace
 
+        check_workspace(workspace)  # on every path, as sync_workspace checks it: a path is no Workspace
         procs = [p for mesh in list(_live_meshes) for p in mesh._procs if p.alive and self._runs_here(p)]
         if not procs:  # nothing runs yet: write this host's root directly
             try:

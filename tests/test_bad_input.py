@@ -291,3 +291,17 @@ def test_a_str_where_a_list_of_strings_is_needed_is_a_type_error(tmp_path):
     assert HostListJob({"m": ["tcp://127.0.0.1:1"]}, key_file=key).addrs == {"m": ["tcp://127.0.0.1:1"]}
     with pytest.raises(TypeError, match="attach_to_workers needs a list of address strings"):
         attach_to_workers("tcp://127.0.0.1:1", key_file=key, timeout=3)
+
+
+def test_sync_workspace_of_a_path_is_a_type_error_whether_or_not_procs_run(procs, monkeypatch):
+    # With no proc running, this_host().sync_workspace("/tmp") failed with "'str' object has no attribute
+    # 'check'" (the path to sync_local skipped the type check the path to the procs makes).
+    from monarch_tensor import host
+
+    for ws in ("/tmp", None):
+        with pytest.raises(TypeError, match="sync_workspace needs a Workspace, got"):
+            this_host().sync_workspace(ws).get(timeout=30)  # to the procs running here
+    monkeypatch.setattr(host, "_live_meshes", set())  # as if none ran: this host's root is written directly
+    for ws in ("/tmp", None):
+        with pytest.raises(TypeError, match="sync_workspace needs a Workspace, got"):
+            this_host().sync_workspace(ws).get(timeout=30)
