@@ -305,3 +305,20 @@ def test_sync_workspace_of_a_path_is_a_type_error_whether_or_not_procs_run(procs
     for ws in ("/tmp", None):
         with pytest.raises(TypeError, match="sync_workspace needs a Workspace, got"):
             this_host().sync_workspace(ws).get(timeout=30)
+
+
+def test_job_and_exec_env_is_checked_at_the_call_as_proc_mesh_checks_it():
+    # ProcessJob(env={"A=B": "1"}) was accepted, and state() failed later with subprocess's bare "illegal
+    # environment variable name" (a NUL: "embedded null byte"), naming neither the variable nor env=.
+    from monarch_tensor.job import LocalJob, ProcessJob, exec_command
+
+    for job in (LocalJob, ProcessJob):
+        for env in ({"A=B": "1"}, {"": "1"}, {"1A": "1"}):
+            with pytest.raises(ValueError, match="bad environment variable name"):
+                job({"m": 1}, env=env)
+        with pytest.raises(ValueError, match="NUL character"):
+            job({"m": 1}, env={"A": "a\0b"})
+    with pytest.raises(ValueError, match="bad environment variable name 'A=B'"):
+        exec_command(this_host(), ["true"], env={"A=B": "1"})
+    with pytest.raises(ValueError, match="NUL character"):
+        exec_command(this_host(), ["true"], env={"A": "a\0b"})
