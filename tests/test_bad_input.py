@@ -241,7 +241,10 @@ def test_the_cli_refuses_bad_paths_and_seconds_in_one_line(tmp_path):
                        ([*host, "--ttl", "-1"], "--ttl: a number of seconds > 0"),
                        ([*host, "--ttl", "nan"], "--ttl: a number of seconds > 0"),
                        ([*host, "--ttl", "0"], "--ttl: a number of seconds > 0"),
-                       (["debug", "--wait", "-5"], "--wait: a number of seconds >= 0")):
+                       (["debug", "--wait", "-5"], "--wait: a number of seconds >= 0"),
+                       # a directory (IsADirectoryError's traceback; /tmp's was "run `chmod 600 /tmp`")
+                       (["host", "--bind", "tcp://127.0.0.1:0", "--key-file", str(tmp_path)],
+                        f"{tmp_path} is a directory, not a key or job file")):
         r = _cli(*args)
         assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
 
@@ -322,3 +325,18 @@ def test_job_and_exec_env_is_checked_at_the_call_as_proc_mesh_checks_it():
         exec_command(this_host(), ["true"], env={"A=B": "1"})
     with pytest.raises(ValueError, match="NUL character"):
         exec_command(this_host(), ["true"], env={"A": "a\0b"})
+
+
+def test_a_key_or_job_file_that_is_a_directory_or_no_path_says_so(tmp_path):
+    # Loading a directory said "run `chmod 600 /tmp`" (other users may read /tmp) or raised IsADirectoryError.
+    from monarch_tensor._curve import JobKeys
+    from monarch_tensor.errors import JobKeyError
+    from monarch_tensor.job import job_load
+
+    for path in ("/tmp", str(tmp_path)):
+        with pytest.raises(JobKeyError, match="is a directory, not a key or job file"):
+            JobKeys.load(path)
+        with pytest.raises(JobKeyError, match="is a directory, not a key or job file"):
+            job_load(path)
+    with pytest.raises(TypeError, match="path of a key or job file must be a str, got None"):
+        job_load(None)
