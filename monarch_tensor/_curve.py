@@ -121,7 +121,10 @@ def read_private(path: str) -> str:
         raise JobKeyError(f"{path} is readable by other users (mode {oct(st.st_mode & 0o777)}); "
                           f"run `chmod 600 {path}`")
     with open(path) as f:
-        return f.read()
+        try:
+            return f.read()
+        except UnicodeDecodeError as e:
+            raise JobKeyError(f"{path} is not a key or job file (not UTF-8 text: {e})") from None
 
 
 # ---- sockets ----------------------------------------------------------------------

@@ -729,6 +729,8 @@ class ProcMesh(MeshTrait):
         "gpus"))``, the rank within them, row-major (``hosts * gpus_size + gpus``)."""
         if isinstance(dims, str):
             return self.rank_tensor(dims)
+        if not isinstance(dims, (list, tuple)):  # (rank(0): a rank number is not a dim)
+            raise TypeError(f"rank() takes a dim name or a sequence of them, got {dims!r}")
         dims = list(dims)
         if not dims or not all(isinstance(d, str) for d in dims):
             raise TypeError(f"rank() takes a dim name or a sequence of them, got {dims!r}")

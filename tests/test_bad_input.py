@@ -340,3 +340,39 @@ def test_a_key_or_job_file_that_is_a_directory_or_no_path_says_so(tmp_path):
             job_load(path)
     with pytest.raises(TypeError, match="path of a key or job file must be a str, got None"):
         job_load(None)
+
+
+def test_unclear_errors_and_accepted_nonsense_now_say_what_was_wrong(procs, tmp_path):
+    # Each failed deep inside with a message that named neither the argument nor the fault, or was accepted.
+    from monarch_tensor import Extent, NDSlice, Shape
+    from monarch_tensor.actor import ValueMesh, send
+    from monarch_tensor.job import exec_command, job_loads
+    from monarch_tensor.tools import commands
+
+    with pytest.raises(ValueError, match=r"offset must be non-negative ints, got '0' \(str\)"):  # was "got 0"
+        NDSlice(offset="0", sizes=[2], strides=[1])
+    with pytest.raises(ValueError, match="dimension 'a' must have a positive int size, got -1"):  # accepted
+        Extent(["a"], [-1])
+    with pytest.raises(ValueError, match="3 values for the 2 ranks"):  # accepted
+        ValueMesh(Shape.from_sizes({"g": 2}), [1, 2, 3])
+    with pytest.raises(ValueError, match="not a monarch-tensor job file \\(not UTF-8 text"):  # UnicodeDecodeError
+        job_loads(b"\xff\xfe")
+    c = procs.spawn("unclear_counter", Counter)
+    with pytest.raises(TypeError, match="positional arguments as a tuple"):  # "'int' object is not iterable"
+        send(c.incr, 5, {})
+    with pytest.raises(TypeError, match="keyword arguments as a dict"):  # "dictionary update sequence ..."
+        c.incr.send((), [1])
+    with pytest.raises(TypeError, match="needs an endpoint"):  # accumulate(): AttributeError on None
+        Accumulator(None, 0, lambda a, b: a + b)
+    with pytest.raises(TypeError, match="rank\\(\\) takes a dim name"):  # "'int' object is not iterable"
+        procs.rank(0)
+    with pytest.raises(TypeError, match="aggregate_window_sec=...\\) takes None or a number of seconds"):
+        procs.logging_option(aggregate_window_sec="3")  # "'>' not supported between 'str' and 'int'"
+    with pytest.raises(ValueError, match="number of seconds >= 0, got -1"):  # accepted
+        procs.logging_option(aggregate_window_sec=-1)
+    with pytest.raises(ValueError, match="--per-host takes DIM=N"):  # named --point's "a point is DIM=N"
+        commands.parse_per_host("garbage")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    with pytest.raises(ActorError, match=f"cannot make the output directory '{a_file}/x'"):  # no path named
+        exec_command(this_host(), ["true"], output_dir=f"{a_file}/x").get(timeout=60)

@@ -211,7 +211,11 @@ class BashActor(Actor):
         label = rank_label(fixed)
         if output_dir is not None:
             out_dir = output_dir.replace("$SUBDIR", label)
-            os.makedirs(out_dir, exist_ok=True)
+            try:
+                os.makedirs(out_dir, exist_ok=True)
+            except OSError as e:  # (its own message names no path: "Not a directory")
+                raise OSError(e.errno, f"cannot make the output directory {out_dir!r} on {os.uname().nodename}: "
+                                       f"{e.strerror}") from None
             with open(os.path.join(out_dir, "stdout.txt"), "wb") as out, \
                     open(os.path.join(out_dir, "stderr.txt"), "wb") as err:
                 try:
