@@ -25,7 +25,7 @@ import functools
 import math
 import threading
 import weakref
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
@@ -46,6 +46,22 @@ def _finish_all() -> None:
 
 def _edge(x) -> GradientEdge:
     return x if isinstance(x, GradientEdge) else get_gradient_edge(x)
+
+
+def _as_list(x, what: str, none_ok: bool = False) -> list:
+    """``x`` as a list: one tensor or ``GradientEdge`` is a list of one, as ``torch.autograd.grad`` takes it
+    (a tensor is iterable, and a ``GradientEdge`` is a tuple: ``list()`` would split either into pieces)."""
+    if isinstance(x, (torch.Tensor, GradientEdge)):
+        return [x]
+    if x is None and none_ok:  # grad_roots=None: as torch.autograd.grad's grad_outputs=None
+        return []
+    if isinstance(x, (str, bytes)) or not isinstance(x, Iterable):
+        raise TypeError(f"{what} must be a tensor or a list of tensors, got {type(x).__name__}")
+    x = list(x)
+    for i, t in enumerate(x):
+        if not (isinstance(t, (torch.Tensor, GradientEdge)) or (none_ok and t is None)):
+            raise TypeError(f"{what}[{i}] must be a tensor, got {type(t).__name__}")
+    return x
 
 
 class _Backward:
@@ -135,9 +151,9 @@ def grad_generator(roots: torch.Tensor | Sequence = (), with_respect_to: Sequenc
     """Yield d(roots)/d(x) for each x of ``with_respect_to`` (tensors or ``GradientEdge``s), in that order;
     ``grad_roots`` are the roots' incoming gradients (None for a scalar root). A gradient the roots do not
     depend on comes as None."""
-    if isinstance(roots, torch.Tensor):
-        roots = [roots]
-    run = _Backward(list(roots), list(with_respect_to), list(grad_roots))
+    run = _Backward(_as_list(roots, "grad_generator: roots"),
+                    _as_list(with_respect_to, "grad_generator: with_respect_to"),
+                    _as_list(grad_roots, "grad_generator: grad_roots", none_ok=True))
 
     def gen():
         try:
@@ -173,6 +189,8 @@ def grad_function(fn):
 def gradient_execution_order(roots: Sequence, with_respect_to: Sequence) -> list[int]:
     """The indices of ``with_respect_to`` in the order a backward pass from ``roots`` produces their gradients
     (the reverse of each one's first use in the forward pass)."""
+    roots = _as_list(roots, "gradient_execution_order: roots")
+    with_respect_to = _as_list(with_respect_to, "gradient_execution_order: with_respect_to")
     keys = [(e.node, e.output_nr) for e in map(_edge, with_respect_to)]
     first: dict = {k: math.inf for k in keys}
     todo, seen = [_edge(r).node for r in roots], set()

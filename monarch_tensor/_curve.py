@@ -108,15 +108,23 @@ def write_private(path: str, text: str) -> None:
 
 
 def read_private(path: str) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"the path of a key or job file must be a str, got {path!r}")
     try:
         st = os.stat(path)
     except FileNotFoundError as e:
         raise JobKeyError(f"no key or job file at {path}") from e
+    if not stat.S_ISREG(st.st_mode):  # before the mode: `chmod 600` is no advice for a directory
+        what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        raise JobKeyError(f"{path} is {what}, not a key or job file")
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise JobKeyError(f"{path} is readable by other users (mode {oct(st.st_mode & 0o777)}); "
                           f"run `chmod 600 {path}`")
     with open(path) as f:
-        return f.read()
+        try:
+            return f.read()
+        except UnicodeDecodeError as e:
+            raise JobKeyError(f"{path} is not a key or job file (not UTF-8 text: {e})") from None
 
 
 # ---- sockets ----------------------------------------------------------------------

@@ -26,6 +26,7 @@ import random
 import sys
 import threading
 import weakref
+from collections.abc import Mapping
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
 from . import _context, _wire
@@ -164,6 +165,9 @@ class ValueMesh(MeshTrait, Generic[R]):
     def __init__(self, shape: Shape, values: list[R]) -> None:
         self._shape = Shape(shape.names, shape.dims)
         self._values = list(values)
+        if len(self._values) != len(self._shape):  # (item() would then answer for a rank the mesh lacks)
+            raise ValueError(f"ValueMesh: {len(self._values)} values for the {len(self._shape)} ranks of "
+                             f"{self._shape}")
 
     @classmethod
     def from_indexed(cls, shape: Shape, pairs) -> ValueMesh:
@@ -522,6 +526,7 @@ class Endpoint(Generic[R]):
 
     def send(self, args: tuple = (), kwargs: dict | None = None, port: Port | None = None) -> None:
         """Low-level: call every actor; results (if ``port``) go to that port."""
+        _check_send_args(args, kwargs)
         if port is not None and not isinstance(port, Port):
             raise TypeError(f"send(port=...) needs a Port (from Channel.open()), got {type(port).__name__} {port!r}")
         self._check(tuple(args), dict(kwargs or {}))
@@ -596,9 +601,18 @@ def as_endpoint(not_an_endpoint: NotAnEndpoint, *, propagate=None, explicit_resp
     return ep
 
 
+def _check_send_args(args, kwargs) -> None:
+    """``send``'s arguments are a tuple and a dict, not the call's own: ``send(ep, 5, {})`` is not ``ep(5)``."""
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"send() takes the call's positional arguments as a tuple, e.g. (5,), got {args!r}")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(f"send() takes the call's keyword arguments as a dict, e.g. {{'k': 1}}, got {kwargs!r}")
+
+
 def send(endpoint: Endpoint, args: tuple, kwargs: dict, port: Port | None = None, selection: str = "all") -> None:
     """Fire-and-forget call of ``endpoint`` on its mesh (Monarch's ``send``): results, if ``port`` is given,
     go to that port (``Channel.open()``). ``selection``: ``"all"`` the whole mesh, ``"choose"`` one live rank."""
+    _check_send_args(args, kwargs)
     if not isinstance(endpoint, Endpoint):
         api = sys.modules.get("controller.api")  # (a remote function can only come from there, once imported)
         if api is not None and isinstance(endpoint, api.Remote) and selection == "all":
@@ -628,6 +642,8 @@ class Accumulator(Generic[R]):
     """Fold the results of ``endpoint.call`` with ``combine``, starting from ``identity``."""
 
     def __init__(self, endpoint: Endpoint, identity: Any, combine: Callable[[Any, Any], Any]) -> None:
+        if not callable(getattr(endpoint, "call", None)):  # (else accumulate() fails on None.call)
+            raise TypeError(f"Accumulator(endpoint=...) needs an endpoint (mesh.method), got {endpoint!r}")
         if not callable(combine):
             raise TypeError(f"Accumulator(combine=...) must be callable, got {combine!r}")
         self._endpoint, self._identity, self._combine = endpoint, identity, combine

@@ -729,6 +729,8 @@ class ProcMesh(MeshTrait):
         "gpus"))``, the rank within them, row-major (``hosts * gpus_size + gpus``)."""
         if isinstance(dims, str):
             return self.rank_tensor(dims)
+        if not isinstance(dims, (list, tuple)):  # (rank(0): a rank number is not a dim)
+            raise TypeError(f"rank() takes a dim name or a sequence of them, got {dims!r}")
         dims = list(dims)
         if not dims or not all(isinstance(d, str) for d in dims):
             raise TypeError(f"rank() takes a dim name or a sequence of them, got {dims!r}")
@@ -946,8 +948,9 @@ class HostMesh(MeshTrait):
         return CoroutineFuture.of(self._sync_workspace(workspace, conda, auto_reload))
 
     def _sync_workspace(self, workspace, conda: bool, auto_reload: bool) -> Future:
-        from .workspace_sync import SyncResult, conda_prefix, sync_local, sync_workspace
+        from .workspace_sync import SyncResult, check_workspace, conda_prefix, sync_local, sync_workspace
 
+        check_workspace(workspace)  # on every path, as sync_workspace checks it: a path is no Workspace
         procs = [p for mesh in list(_live_meshes) for p in mesh._procs if p.alive and self._runs_here(p)]
         if not procs:  # nothing runs yet: write this host's root directly
             try:

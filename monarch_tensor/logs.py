@@ -8,6 +8,7 @@ folds identical lines from many ranks within the window into one line:
 from __future__ import annotations
 
 import atexit
+import math
 import sys
 import threading
 import time
@@ -21,7 +22,13 @@ _flusher: threading.Thread | None = None
 
 
 def configure(aggregate_window_sec: float | None) -> None:
+    """Fold repeated lines within ``aggregate_window_sec`` seconds (None or 0: print each at once)."""
     global _window, _flusher
+    w, what = aggregate_window_sec, "logging_option(aggregate_window_sec=...) takes None or a number of seconds"
+    if w is not None and (isinstance(w, bool) or not isinstance(w, (int, float))):
+        raise TypeError(f"{what}, got {w!r}")
+    if w is not None and not 0 <= w < math.inf:  # (a negative one was taken as None, silently)
+        raise ValueError(f"{what} >= 0, got {w!r}")
     with _lock:
         _window = aggregate_window_sec if aggregate_window_sec and aggregate_window_sec > 0 else None
         if _window is not None and _flusher is None:

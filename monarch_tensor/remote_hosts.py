@@ -576,6 +576,10 @@ def attach_to_workers(workers: list[str], name: str | None = None, ca: str | Non
     >>> hosts.spawn_procs(per_host={"gpus": 2}).sizes
     {'hosts': 2, 'gpus': 2}
     """
+    if isinstance(workers, str) or not isinstance(workers, (list, tuple)) or not all(
+            isinstance(w, str) for w in workers):  # (a str would be split into one "address" per character)
+        raise TypeError(f"attach_to_workers needs a list of address strings, e.g. ['tcp://h1:26600'], "
+                        f"got {workers!r}")
     if not workers:
         raise ValueError("attach_to_workers needs at least one worker address")
     keys = _curve.JobKeys.load(key_file) if key_file else _curve.JobKeys.from_env()

@@ -337,6 +337,11 @@ class Extent(Mapping):
     def __init__(self, labels: Sequence[str], sizes: Sequence[int]) -> None:
         if len(labels) != len(sizes):
             raise ValueError(f"Extent has {len(labels)} labels but {len(sizes)} sizes")
+        for n, d in zip(labels, sizes):  # as Shape checks them: a mesh has no dim of size -1
+            if not isinstance(n, str) or not n:
+                raise ValueError(f"Extent: labels must be non-empty strings, got {n!r}")
+            if not isinstance(d, int) or isinstance(d, bool) or d < 1:
+                raise ValueError(f"Extent: dimension {n!r} must have a positive int size, got {d!r}")
         self.labels = list(labels)
         self.sizes = list(sizes)
 
@@ -392,7 +397,8 @@ class NDSlice:
             raise ValueError(f"NDSlice: {len(sizes)} sizes but {len(strides)} strides")
         for what, xs in (("offset", [offset]), ("sizes", sizes), ("strides", strides)):
             if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in xs):
-                raise ValueError(f"NDSlice: {what} must be non-negative ints, got {xs if what != 'offset' else offset}")
+                got = f"{offset!r} ({type(offset).__name__})" if what == "offset" else repr(xs)  # '0', not 0
+                raise ValueError(f"NDSlice: {what} must be non-negative ints, got {got}")
         if any(d == 0 for d in sizes):
             raise ValueError(f"NDSlice: every size must be positive, got {sizes}")
         self._offset, self._sizes, self._strides = offset, sizes, strides

@@ -111,15 +111,20 @@ def learn_roots(addr: str, roots: dict) -> None:
         _roots[(addr, root_var)] = tuple(where)
 
 
+def check_workspace(workspace) -> None:
+    """Raise a TypeError unless ``workspace`` is a ``Workspace`` (a path is not one), then check its dirs."""
+    if not isinstance(workspace, Workspace):
+        raise TypeError(f"sync_workspace needs a Workspace, got {workspace!r}")
+    workspace.check()
+
+
 def sync_workspace(procs: list, workspace: Workspace, auto_reload: bool = False,
                    spawn_helpers=None, conda: bool = False) -> Future[SyncResult]:
     """Sync ``workspace`` to the roots of ``procs`` (``ProcInfo``s); see the module docstring.
     ``spawn_helpers()``, when given, makes a proc mesh on the hosts where no proc runs yet: it is called in
     the sync's thread, synced through with ``procs``, and stopped before the result is set. ``conda``: first
     mirror the conda environment too (``conda_prefix``; ``sync_env``)."""
-    if not isinstance(workspace, Workspace):
-        raise TypeError(f"sync_workspace needs a Workspace, got {workspace!r}")
-    workspace.check()
+    check_workspace(workspace)
     prefix = conda_prefix(workspace) if conda else None
     fut: Future[SyncResult] = ThreadFuture("workspace sync")
 
@@ -676,7 +681,7 @@ def _sync(procs: list, workspace: Workspace, auto_reload: bool, root_var: str = 
 def sync_local(workspace: Workspace) -> SyncResult:
     """Sync into this client's own default root on this host (when no proc is running yet)."""
     t0 = time.perf_counter()
-    workspace.check()
+    check_workspace(workspace)
     key = _sync_proc.client_key(current_mailbox().addr)
     root = _sync_proc.workspace_root(key)
     dirs = tuple(workspace.dirs.values())

@@ -241,7 +241,10 @@ def test_the_cli_refuses_bad_paths_and_seconds_in_one_line(tmp_path):
                        ([*host, "--ttl", "-1"], "--ttl: a number of seconds > 0"),
                        ([*host, "--ttl", "nan"], "--ttl: a number of seconds > 0"),
                        ([*host, "--ttl", "0"], "--ttl: a number of seconds > 0"),
-                       (["debug", "--wait", "-5"], "--wait: a number of seconds >= 0")):
+                       (["debug", "--wait", "-5"], "--wait: a number of seconds >= 0"),
+                       # a directory (IsADirectoryError's traceback; /tmp's was "run `chmod 600 /tmp`")
+                       (["host", "--bind", "tcp://127.0.0.1:0", "--key-file", str(tmp_path)],
+                        f"{tmp_path} is a directory, not a key or job file")):
         r = _cli(*args)
         assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
 
@@ -272,3 +275,104 @@ def test_ctrl_c_stops_a_host_agent_cleanly_and_takes_back_its_address_file(tmp_p
         p.kill()
     assert p.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
     assert not addr.exists()
+
+
+def test_a_str_where_a_list_of_strings_is_needed_is_a_type_error(tmp_path):
+    # Each was split into characters: a "#SBATCH" line per character, a mesh of one "host" per character, and
+    # attach_to_workers complained about the address 't'.
+    from monarch_tensor._curve import JobKeys
+    from monarch_tensor.job import HostListJob, SlurmJob
+    from monarch_tensor.remote_hosts import attach_to_workers
+
+    key = str(tmp_path / "job.key")
+    JobKeys.generate().save(key)
+    with pytest.raises(TypeError, match=r"slurm_args=\.\.\.\) takes a list of strings, .* got '--foo'"):
+        SlurmJob(meshes={"m": 1}, slurm_args="--foo")
+    assert "#SBATCH --foo" in SlurmJob(meshes={"m": 1}, slurm_args=["--foo"])._script(1)
+    with pytest.raises(TypeError, match="HostListJob needs a dict of mesh name -> list of agent address strings"):
+        HostListJob({"m": "tcp://127.0.0.1:1"}, key_file=key)
+    assert HostListJob({"m": ["tcp://127.0.0.1:1"]}, key_file=key).addrs == {"m": ["tcp://127.0.0.1:1"]}
+    with pytest.raises(TypeError, match="attach_to_workers needs a list of address strings"):
+        attach_to_workers("tcp://127.0.0.1:1", key_file=key, timeout=3)
+
+
+def test_sync_workspace_of_a_path_is_a_type_error_whether_or_not_procs_run(procs, monkeypatch):
+    # With no proc running, this_host().sync_workspace("/tmp") failed with "'str' object has no attribute
+    # 'check'" (the path to sync_local skipped the type check the path to the procs makes).
+    from monarch_tensor import host
+
+    for ws in ("/tmp", None):
+        with pytest.raises(TypeError, match="sync_workspace needs a Workspace, got"):
+            this_host().sync_workspace(ws).get(timeout=30)  # to the procs running here
+    monkeypatch.setattr(host, "_live_meshes", set())  # as if none ran: this host's root is written directly
+    for ws in ("/tmp", None):
+        with pytest.raises(TypeError, match="sync_workspace needs a Workspace, got"):
+            this_host().sync_workspace(ws).get(timeout=30)
+
+
+def test_job_and_exec_env_is_checked_at_the_call_as_proc_mesh_checks_it():
+    # ProcessJob(env={"A=B": "1"}) was accepted, and state() failed later with subprocess's bare "illegal
+    # environment variable name" (a NUL: "embedded null byte"), naming neither the variable nor env=.
+    from monarch_tensor.job import LocalJob, ProcessJob, exec_command
+
+    for job in (LocalJob, ProcessJob):
+        for env in ({"A=B": "1"}, {"": "1"}, {"1A": "1"}):
+            with pytest.raises(ValueError, match="bad environment variable name"):
+                job({"m": 1}, env=env)
+        with pytest.raises(ValueError, match="NUL character"):
+            job({"m": 1}, env={"A": "a\0b"})
+    with pytest.raises(ValueError, match="bad environment variable name 'A=B'"):
+        exec_command(this_host(), ["true"], env={"A=B": "1"})
+    with pytest.raises(ValueError, match="NUL character"):
+        exec_command(this_host(), ["true"], env={"A": "a\0b"})
+
+
+def test_a_key_or_job_file_that_is_a_directory_or_no_path_says_so(tmp_path):
+    # Loading a directory said "run `chmod 600 /tmp`" (other users may read /tmp) or raised IsADirectoryError.
+    from monarch_tensor._curve import JobKeys
+    from monarch_tensor.errors import JobKeyError
+    from monarch_tensor.job import job_load
+
+    for path in ("/tmp", str(tmp_path)):
+        with pytest.raises(JobKeyError, match="is a directory, not a key or job file"):
+            JobKeys.load(path)
+        with pytest.raises(JobKeyError, match="is a directory, not a key or job file"):
+            job_load(path)
+    with pytest.raises(TypeError, match="path of a key or job file must be a str, got None"):
+        job_load(None)
+
+
+def test_unclear_errors_and_accepted_nonsense_now_say_what_was_wrong(procs, tmp_path):
+    # Each failed deep inside with a message that named neither the argument nor the fault, or was accepted.
+    from monarch_tensor import Extent, NDSlice, Shape
+    from monarch_tensor.actor import ValueMesh, send
+    from monarch_tensor.job import exec_command, job_loads
+    from monarch_tensor.tools import commands
+
+    with pytest.raises(ValueError, match=r"offset must be non-negative ints, got '0' \(str\)"):  # was "got 0"
+        NDSlice(offset="0", sizes=[2], strides=[1])
+    with pytest.raises(ValueError, match="dimension 'a' must have a positive int size, got -1"):  # accepted
+        Extent(["a"], [-1])
+    with pytest.raises(ValueError, match="3 values for the 2 ranks"):  # accepted
+        ValueMesh(Shape.from_sizes({"g": 2}), [1, 2, 3])
+    with pytest.raises(ValueError, match="not a monarch-tensor job file \\(not UTF-8 text"):  # UnicodeDecodeError
+        job_loads(b"\xff\xfe")
+    c = procs.spawn("unclear_counter", Counter)
+    with pytest.raises(TypeError, match="positional arguments as a tuple"):  # "'int' object is not iterable"
+        send(c.incr, 5, {})
+    with pytest.raises(TypeError, match="keyword arguments as a dict"):  # "dictionary update sequence ..."
+        c.incr.send((), [1])
+    with pytest.raises(TypeError, match="needs an endpoint"):  # accumulate(): AttributeError on None
+        Accumulator(None, 0, lambda a, b: a + b)
+    with pytest.raises(TypeError, match="rank\\(\\) takes a dim name"):  # "'int' object is not iterable"
+        procs.rank(0)
+    with pytest.raises(TypeError, match="aggregate_window_sec=...\\) takes None or a number of seconds"):
+        procs.logging_option(aggregate_window_sec="3")  # "'>' not supported between 'str' and 'int'"
+    with pytest.raises(ValueError, match="number of seconds >= 0, got -1"):  # accepted
+        procs.logging_option(aggregate_window_sec=-1)
+    with pytest.raises(ValueError, match="--per-host takes DIM=N"):  # named --point's "a point is DIM=N"
+        commands.parse_per_host("garbage")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    with pytest.raises(ActorError, match=f"cannot make the output directory '{a_file}/x'"):  # no path named
+        exec_command(this_host(), ["true"], output_dir=f"{a_file}/x").get(timeout=60)

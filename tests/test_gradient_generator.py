@@ -168,3 +168,21 @@ def test_reductions_on_a_comm_stream_while_the_backward_goes_on(mesh):
         per_rank = [torch.autograd.grad(_forward(local, torch.ones(2, 4) * (1 + r)), lparams) for r in range(2)]
         for k, g in enumerate(grads):
             torch.testing.assert_close(g, (per_rank[0][k] + per_rank[1][k]) / 2)
+
+
+def test_one_tensor_is_a_list_of_one_and_a_root_that_is_no_tensor_is_a_type_error():
+    # grad_generator(loss, w) iterated w's elements and yielded None for each; grad_generator(5, [x]) said
+    # "'int' object is not iterable".
+    w = torch.ones(3, requires_grad=True)
+    (g,) = list(grad_generator((w * 2).sum(), w))
+    assert g.tolist() == [2.0, 2.0, 2.0]
+    y = w * 3
+    (g,) = list(grad_generator(y, [w], torch.ones(3)))  # one grad_root for one root
+    assert g.tolist() == [3.0, 3.0, 3.0]
+    assert gradient_execution_order((w * 2).sum(), w) == [0]
+    with pytest.raises(TypeError, match="grad_generator: roots must be a tensor or a list of tensors, got int"):
+        grad_generator(5, [w])
+    with pytest.raises(TypeError, match=r"grad_generator: with_respect_to\[1\] must be a tensor, got str"):
+        grad_generator(w.sum(), [w, "b"])
+    with pytest.raises(TypeError, match="with_respect_to must be a tensor or a list of tensors, got str"):
+        grad_generator(w.sum(), "w")

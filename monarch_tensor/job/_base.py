@@ -276,7 +276,13 @@ def job_loads(data: bytes | str) -> JobTrait:
     """Reattach to a job from ``job.dumps()`` (Monarch's ``job_loads``)."""
     if not isinstance(data, (bytes, str)):
         raise TypeError(f"job_loads() takes what job.dumps() returned (bytes), got {type(data).__name__}")
-    return _job_from_text(data.decode() if isinstance(data, bytes) else data, "the data given to job_loads()")
+    what = "the data given to job_loads()"
+    if isinstance(data, bytes):
+        try:
+            data = data.decode()
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{what} is not a monarch-tensor job file (not UTF-8 text: {e})") from None
+    return _job_from_text(data, what)
 
 
 def _job_from_text(text: str, path: str) -> JobTrait:

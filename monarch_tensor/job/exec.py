@@ -38,6 +38,7 @@ import sys
 import threading
 from typing import Any
 
+from .. import env as _env
 from .._context import current as _own  # the running actor (its rank and sizes in the mesh spawned)
 from ..actor import Actor, Channel, endpoint
 from ..future import Future
@@ -173,9 +174,9 @@ def stop_group(proc: subprocess.Popen, signals=(signal.SIGTERM, signal.SIGKILL),
 
 
 def check_env(env) -> None:
-    if env is not None and not (isinstance(env, dict) and all(
-            isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
-        raise TypeError(f"env maps variable names to string values, got {env!r}")
+    """The names and values ``proc_mesh(env=...)`` takes, checked here: the procs' subprocess would refuse
+    a bad name or a NUL only after they started."""
+    _env.check_env(env, "env")
 
 
 class BashActor(Actor):
@@ -210,7 +211,11 @@ class BashActor(Actor):
         label = rank_label(fixed)
         if output_dir is not None:
             out_dir = output_dir.replace("$SUBDIR", label)
-            os.makedirs(out_dir, exist_ok=True)
+            try:
+                os.makedirs(out_dir, exist_ok=True)
+            except OSError as e:  # (its own message names no path: "Not a directory")
+                raise OSError(e.errno, f"cannot make the output directory {out_dir!r} on {os.uname().nodename}: "
+                                       f"{e.strerror}") from None
             with open(os.path.join(out_dir, "stdout.txt"), "wb") as out, \
                     open(os.path.join(out_dir, "stderr.txt"), "wb") as err:
                 try:

@@ -19,6 +19,11 @@ class HostListJob(JobTrait):
     kind = "hosts"
 
     def __init__(self, hosts: dict[str, list[str]], *, key_file: str) -> None:
+        if not isinstance(hosts, dict) or not all(
+                isinstance(a, (list, tuple)) and all(isinstance(x, str) for x in a) for a in hosts.values()):
+            # (a str would be split into one "host" per character)
+            raise TypeError(f"HostListJob needs a dict of mesh name -> list of agent address strings, e.g. "
+                            f"{{'mesh0': ['tcp://h1:26600']}}, got {hosts!r}")
         super().__init__({name: len(addrs) for name, addrs in hosts.items()})
         self.keys = _curve.JobKeys.load(key_file)
         self.addrs = {name: list(a) for name, a in hosts.items()}

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 
+from ..env import check_env
 from ..errors import JobStartError
 from ..host import python_path
 from ._base import JobTrait, agent_command, log_tail, private_dir, read_address
@@ -53,9 +54,7 @@ class LocalJob(JobTrait):
             meshes = hosts
         if isinstance(meshes, (list, tuple)) and meshes and all(isinstance(n, str) for n in meshes):
             meshes = {name: 1 for name in meshes}
-        if env is not None and not (isinstance(env, dict) and all(
-                isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
-            raise TypeError(f"LocalJob(env=...) maps variable names to string values, got {env!r}")
+        check_env(env, "LocalJob(env=...)")  # here, not when state() starts the agents and subprocess refuses it
         super().__init__(meshes or {"hosts": 1})
         self.env = dict(env or {})
         self.root_dir = root_dir

@@ -84,6 +84,10 @@ class SlurmJob(JobTrait):
         self.gpus_per_node, self.cpus_per_task, self.mem = gpus_per_node, cpus_per_task, mem
         self.exclusive, self.account, self.qos = bool(exclusive), account, qos
         self.python_exe = python_exe or sys.executable
+        if not isinstance(slurm_args, (list, tuple)) or not all(isinstance(a, str) for a in slurm_args):
+            # (a str would be split into one "#SBATCH" line per character)
+            raise TypeError(f"SlurmJob(slurm_args=...) takes a list of strings, e.g. ['--constraint=h100'], "
+                            f"got {slurm_args!r}")
         self.slurm_args = list(slurm_args)
         self.log_dir = os.path.abspath(log_dir or os.path.join(os.getcwd(), ".monarch-tensor", "slurm"))
         self.ttl, self.start_timeout, self.bind = ttl, start_timeout, bind

@@ -66,8 +66,8 @@ def parse_env(env: list[str] | None) -> dict[str, str]:
     return out
 
 
-def parse_point(s: str) -> dict[str, int]:
-    """``"hosts=1,gpus=0"`` (``--point``) as a dict."""
+def parse_point(s: str, flag: str = "--point") -> dict[str, int]:
+    """``"hosts=1,gpus=0"`` (``--point``) as a dict; ``flag`` names the option in the error."""
     out = {}
     for pair in s.split(","):
         k, sep, v = pair.partition("=")
@@ -76,7 +76,8 @@ def parse_point(s: str) -> dict[str, int]:
                 raise ValueError
             out[k.strip()] = int(v)
         except ValueError:
-            raise ValueError(f"a point is DIM=N[,DIM=N...], e.g. hosts=1, got {s!r}") from None
+            example = "gpus=2" if flag == "--per-host" else "hosts=1"
+            raise ValueError(f"{flag} takes DIM=N[,DIM=N...], e.g. {example}, got {s!r}") from None
     return out
 
 
@@ -84,7 +85,7 @@ def parse_per_host(s: str | None) -> dict[str, int] | None:
     """``"gpus=4"`` (``--per-host``) as a dict."""
     if not s:
         return None
-    out = parse_point(s)
+    out = parse_point(s, "--per-host")
     if any(v < 1 for v in out.values()):
         raise ValueError(f"--per-host sizes are >= 1, got {s!r}")
     return out
