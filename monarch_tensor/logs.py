@@ -161,6 +161,8 @@ def flush(older_than: float | None = None) -> None:
         now = time.monotonic()
         keys = [k for k, (t, _) in _pending.items() if older_than is None or now - t >= older_than]
         items = [(k, _pending.pop(k)[1]) for k in keys]
+    if not items:
+        return
     prefixed = config.get("prefix_with_rank")
     for (stream, line), ranks in items:
         out = _out(stream)

@@ -172,6 +172,46 @@ def test_spawn_procs_refuses_more_procs_per_host_than_its_limit(monkeypatch):
         mesh.stop().get(timeout=60)
 
 
+@pytest.mark.parametrize("var", ["MONARCH_TENSOR_PREFIX_WITH_RANK", "MONARCH_TENSOR_NO_WARMUP",
+                                 "MONARCH_TENSOR_ENABLE_LOG_FORWARDING"])
+def test_a_bad_switch_in_the_environment_is_an_error_at_the_spawn(var, monkeypatch):
+    # PREFIX_WITH_RANK=maybe was first read on the thread that prints the procs' output, which it ended (see
+    # the next test); NO_WARMUP=maybe was a traceback of the warm-up thread, and the spawn went on.
+    monkeypatch.setenv(var, "maybe")
+    with pytest.raises(ValueError, match=f"{var} must be 1 or 0"):
+        this_host().spawn_procs(per_host={"gpus": 1})
+
+
+class Loud(Actor):
+    @endpoint
+    def say(self) -> None:
+        print("a line for the client", flush=True)
+
+    @endpoint
+    def die(self) -> None:
+        import os
+
+        os._exit(3)
+
+
+def test_a_failure_printing_a_procs_output_leaves_its_death_reported(monkeypatch):
+    # One thread reads the template's replies (spawns, output, exits); printing a line that raised ended it,
+    # and with it every later report: a proc's death was a caller's timeout, a spawn hung.
+    from monarch_tensor.actor import SupervisionError
+
+    mesh = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        loud = mesh.spawn("loud", Loud)
+        loud.say.call_one().get(timeout=60)
+        monkeypatch.setenv("MONARCH_TENSOR_PREFIX_WITH_RANK", "maybe")  # read as each line is printed: raises
+        loud.say.call_one().get(timeout=30)
+        monkeypatch.delenv("MONARCH_TENSOR_PREFIX_WITH_RANK")
+        with pytest.raises(SupervisionError, match="exited with code 3"):
+            loud.die.call_one().get(timeout=30)
+    finally:
+        mesh.stop().get(timeout=30)
+
+
 @pytest.mark.parametrize("per_host", [2, ["gpus"], "gpus", [("gpus", 2)]])
 def test_spawn_procs_per_host_that_is_no_dict_is_a_type_error_naming_it(per_host):
     # per_host=2 (a torchrun user's "2 procs per host") failed with "'int' object is not iterable", a list
