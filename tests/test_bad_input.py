@@ -116,6 +116,26 @@ def test_a_second_actor_of_the_same_name_is_refused_and_the_first_keeps_its_stat
     assert first.incr.call().get(timeout=30).values() == [13, 13]
 
 
+def test_every_adverb_on_actors_the_script_stopped_is_refused_at_the_call(procs):
+    # A broadcast was sent, and the proc's "was stopped" answer went to nobody: an unhandled supervision
+    # failure that ended the script.
+    from monarch_tensor.actor import send
+
+    c = procs.spawn("stopped_here", Counter)
+    one = c.slice(gpus=1)  # (a slice taken before the stop is refused too)
+    c.stop("bye").get(timeout=30)
+    stopped = r"actor 'stopped_here' was stopped \(bye\)"
+    for adverb in (lambda: c.incr.broadcast(), lambda: one.incr.broadcast(), lambda: c.incr.stream(),
+                   lambda: send(c.incr, (), {}, selection="choose")):
+        with pytest.raises(ActorError, match=stopped):
+            adverb()
+    for fut in (c.incr.call(), one.incr.call_one(), c.incr.choose()):
+        with pytest.raises(ActorError, match=stopped):
+            fut.get(timeout=30)
+    again = procs.spawn("stopped_here", Counter, 5)  # the name may be spawned again
+    assert again.incr.call().get(timeout=30).values() == [6, 6]
+
+
 def test_proc_mesh_env_is_checked_at_the_call_as_env_set_checks_it(procs, monkeypatch):
     # These killed every proc at its start (os.environ.update in the template's child: a traceback per
     # proc), and the caller got a SupervisionError. A name with a space is refused as env.set refuses it.
