@@ -136,6 +136,28 @@ def test_every_adverb_on_actors_the_script_stopped_is_refused_at_the_call(procs)
     assert again.incr.call().get(timeout=30).values() == [6, 6]
 
 
+def test_a_wait_without_limit_is_inf_and_a_bad_timeout_names_timeout(procs):
+    # timeout=inf was an OverflowError from inside the mailbox's wait, nan "cannot convert float NaN to
+    # integer", "5" a TypeError about +.
+    import math
+
+    from monarch_tensor.actor import Channel
+    from monarch_tensor.future import Future
+
+    c = procs.spawn("waited_for", Counter)
+    assert c.slice(gpus=0).incr.call_one().get(timeout=math.inf) == 1
+    assert c.incr.call().get(timeout=1e308).values() == [2, 1]
+    assert procs.execute(lambda: 7, timeout=math.inf).values() == [7, 7]
+    port, receiver = Channel.open()
+    port.send("sent")
+    assert receiver.recv().get(timeout=math.inf) == "sent"
+    for bad, error in [(math.nan, ValueError), (-1, ValueError), ("5", TypeError), (True, TypeError)]:
+        for wait in (lambda t: c.incr.call().get(timeout=t), lambda t: receiver.recv().get(timeout=t),
+                     lambda t: Future.ready(None).get(timeout=t)):
+            with pytest.raises(error, match="timeout must be a"):
+                wait(bad)
+
+
 def test_proc_mesh_env_is_checked_at_the_call_as_env_set_checks_it(procs, monkeypatch):
     # These killed every proc at its start (os.environ.update in the template's child: a traceback per
     # proc), and the caller got a SupervisionError. A name with a space is refused as env.set refuses it.
