@@ -9,7 +9,7 @@ import threading
 from typing import Callable
 
 from .errors import SupervisionError
-from .future import _FAILED, Future
+from .future import _FAILED, Future, wait_limit
 from .messages import SendToPort
 
 log = logging.getLogger("monarch_tensor")
@@ -203,6 +203,7 @@ class _ChannelValue(Future):
             self._receiver._rearm(self)
 
     def get(self, timeout: float | None = None):
+        timeout = wait_limit(timeout)  # (checked before it rejoins the line for a value)
         self._rejoin()
         try:
             return Future.get(self, timeout)

@@ -236,7 +236,8 @@ class ActorMesh(MeshTrait):
     and properties of the same name (``ActorMesh.stop(mesh)`` reaches the mesh's; see ``_YieldsToEndpoint``)."""
 
     def __init__(self, name: str, cls: type, procs: list[ProcInfo], shape: Shape,
-                 spawned: Future | None = None, proc_mesh: ProcMesh | None = None, whole: Shape | None = None) -> None:
+                 spawned: Future | None = None, proc_mesh: ProcMesh | None = None, whole: Shape | None = None,
+                 stopped: dict[int, str] | None = None) -> None:
         self._name, self._class, self._procs, self._shape = name, cls, procs, shape
         self._rank_list = shape.ranks()  # read on every call: computed once (never mutated)
         self._spawned = spawned or Future.ready(None)
@@ -244,6 +245,8 @@ class ActorMesh(MeshTrait):
         self._whole = shape if whole is None else whole  # the shape it was spawned with
         # What calls tell the actors of where they lie (``message_rank``): None for the whole mesh.
         self._sent_shape = None if shape == self._whole else shape
+        # rank -> the reason, for the actors this process stopped (``stop``); shared with the mesh's slices.
+        self._stopped: dict[int, str] = {} if stopped is None else stopped
 
     def __reduce__(self):
         return (ActorMesh, (self._name, self._class, self._procs, self._shape, None, None, self._whole))
@@ -265,7 +268,8 @@ class ActorMesh(MeshTrait):
         return sorted(set(super().__dir__()) | set(eps))
 
     def _new_with_shape(self, shape: Shape) -> ActorMesh:
-        return ActorMesh(self._name, self._class, self._procs, shape, self._spawned, self._proc_mesh, self._whole)
+        return ActorMesh(self._name, self._class, self._procs, shape, self._spawned, self._proc_mesh, self._whole,
+                         self._stopped)
 
     def _what(self) -> str:
         return f"actor mesh {self._name!r}"
@@ -294,13 +298,18 @@ class ActorMesh(MeshTrait):
         for p in members:
             mailbox.send(p.addr, StopActor(self._name, reason, port))
             p.actors.discard(self._name)
+        for r in self._rank_list:  # (later calls are refused here, at the call: see _check)
+            self._stopped.setdefault(r, reason)
         return col.future
 
     def __await__(self):
         yield from self._spawned.__await__()
         return self
 
-    def _check(self) -> None:
+    def _check(self, method: str = "") -> None:
+        """Refuse a call of ``method`` on this mesh: its procs stopped or died, or its actors stopped by ``stop``
+        here (the error their proc would answer with; a broadcast's would be nobody's, and end the script as an
+        unhandled failure)."""
         pm = self._proc_mesh
         if pm is not None and pm._alloc._stopped:
             from .errors import MeshStoppedError
@@ -319,6 +328,8 @@ class ActorMesh(MeshTrait):
             death = current_mailbox().death_of(p.addr)
             if death is not None:
                 raise death
+            if r in self._stopped:
+                raise ActorError(self._name, r, method, f"actor {self._name!r} was stopped ({self._stopped[r]})", "")
 
     def __repr__(self) -> str:
         return f"<ActorMesh {self._name!r} {self._class.__name__} {self._shape}>"
@@ -482,7 +493,7 @@ class Endpoint(Generic[R]):
     def _collect(self, ranks: list[int], args, kwargs, finish) -> Future:
         self._check(args, kwargs)
         try:
-            self._mesh._check()
+            self._mesh._check(self._method)
         except Exception as e:  # noqa: BLE001 - surfaces on .get()
             return Future.failed(e)
         mailbox = current_mailbox()
@@ -514,14 +525,14 @@ class Endpoint(Generic[R]):
         """Call one actor of the mesh, picked at random among the live ones."""
         live = [r for r in self._mesh._rank_list if self._mesh._procs[r].alive]
         if not live:
-            self._mesh._check()  # a stopped mesh says so (MeshStoppedError), as every adverb does
+            self._mesh._check(self._method)  # a stopped mesh says so (MeshStoppedError), as every adverb does
             return Future.failed(SupervisionError(f"no live actor left in {self._mesh._name!r}"))
         return self._collect([random.choice(live)], args, kwargs, _first)
 
     def broadcast(self, *args, **kwargs) -> None:
         """Call every actor without waiting for results."""
         self._check(args, kwargs)
-        self._mesh._check()
+        self._mesh._check(self._method)
         self._send(self._mesh._rank_list, args, kwargs, None)
 
     def send(self, args: tuple = (), kwargs: dict | None = None, port: Port | None = None) -> None:
@@ -530,14 +541,14 @@ class Endpoint(Generic[R]):
         if port is not None and not isinstance(port, Port):
             raise TypeError(f"send(port=...) needs a Port (from Channel.open()), got {type(port).__name__} {port!r}")
         self._check(tuple(args), dict(kwargs or {}))
-        self._mesh._check()
+        self._mesh._check(self._method)
         self._send(self._mesh._rank_list, tuple(args), dict(kwargs or {}), port._ref if port else None)
 
     def stream(self, *args, **kwargs) -> Iterator[Future[R]]:
         """Call every actor now; the returned generator yields a future per reply, in the order replies
         arrive (Monarch's): ``for f in counters.value.stream(): print(f.get(timeout=10))``."""
         self._check(args, kwargs)
-        self._mesh._check()
+        self._mesh._check(self._method)
         ranks = self._mesh._rank_list
         mailbox = current_mailbox()
         col = StreamCollector([self._mesh._procs[r].addr for r in ranks], ranks)
@@ -552,7 +563,7 @@ class Endpoint(Generic[R]):
         from controller.api import actor_rref
 
         self._check(args, kwargs)
-        self._mesh._check()
+        self._mesh._check(self._method)
         propagate = self._propagate
         if propagate is None:
             propagate = getattr(getattr(self._mesh._class, self._method, None), "_propagate", None)
@@ -627,7 +638,7 @@ def send(endpoint: Endpoint, args: tuple, kwargs: dict, port: Port | None = None
     if port is not None and not isinstance(port, Port):
         raise TypeError(f"send(port=...) needs a Port (from Channel.open()), got {type(port).__name__} {port!r}")
     mesh = endpoint._mesh
-    mesh._check()
+    mesh._check(endpoint._method)
     live = [r for r in mesh._rank_list if mesh._procs[r].alive]
     if not live:
         raise SupervisionError(f"no live actor left in {mesh._name!r}")

@@ -158,11 +158,14 @@ def configured(**overrides: Any) -> Iterator[dict[str, Any]]:
 
 
 def proc_env() -> dict[str, str]:
-    """The environment that hands this process's procs-side settings to a proc spawned now."""
+    """The environment that hands this process's procs-side settings to a proc spawned now. Every setting is
+    read here, the client's too, so that a bad value in the environment is an error at the spawn, rather than
+    one raised later on the thread that prints the procs' output (``prefix_with_rank``)."""
+    values = get_global_config()
     out = {}
     for name, (default, where, _) in SETTINGS.items():
         if where == "procs":
-            v = get(name)
+            v = values[name]
             out[_env_name(name)] = ("1" if v else "0") if isinstance(default, bool) else str(v)
     return out
 

@@ -22,6 +22,24 @@ log = logging.getLogger("monarch_tensor.future")
 
 _PENDING, _DONE, _FAILED = 0, 1, 2
 _lock = threading.Lock()  # settling, and adding waiters or callbacks (all short)
+
+
+def wait_limit(timeout: Any) -> float | None:
+    """A wait's ``timeout`` as the waits take it: seconds, or None for no limit, which ``math.inf`` (and any
+    wait longer than a lock can take, ``threading.TIMEOUT_MAX``: centuries) also means. What is no
+    non-negative number is an error naming ``timeout``, rather than one from deep inside the wait
+    (``int(inf)``'s OverflowError, nan's "cannot convert float NaN to integer").
+
+    >>> wait_limit(math.inf) is None and wait_limit(5) == 5
+    True
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds or None, got {timeout!r}")
+    if not timeout >= 0:  # (nan compares false)
+        raise ValueError(f"timeout must be a non-negative number of seconds or None, got {timeout!r}")
+    return None if timeout > threading.TIMEOUT_MAX else timeout
 # Called after every settlement: the mailbox wakes a thread that receives while it waits (its poll
 # does not see a Future settled by another thread). Set by mailbox.py.
 _settle_hook: Callable[[], None] | None = None
@@ -63,6 +81,7 @@ class Future(Generic[R]):
 
     def get(self, timeout: float | None = None) -> R:
         """Block until the value is there; raise the remote error, or ``TimeoutError``."""
+        timeout = wait_limit(timeout)
         if not self._state:
             from .mailbox import _mailbox
 
@@ -374,6 +393,7 @@ class _BodyFuture(Future):
                 loop.close()
 
     def get(self, timeout: float | None = None):
+        timeout = wait_limit(timeout)
         body = self._take()
         if body is not None:
             run, args = (self._run_loop, (body.loop, body.task)) if type(body) is _Paused else \

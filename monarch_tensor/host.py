@@ -131,38 +131,12 @@ class LocalHost:
             msg = _zygote.read_msg(self._rep_fd)
             if msg is None:
                 break
-            kind = msg[0]
-            if kind == "ready":
-                self._started = True
-                self._ready._set_result(msg[1])
-            elif kind == "spawned":
-                _, req_id, pid = msg
-                info = self._infos.pop(req_id, None)
-                if info is not None:
-                    self._by_pid[pid] = info  # (before its first output)
-                if self._relay:
-                    logs.output_handled.begin(pid)
-                fut = self._spawned.pop(req_id)
-                fut._set_result(pid)
-            elif kind == "started":
-                info = self._by_pid.get(msg[1])
-                if info is not None:
-                    info.starting = False  # (here, in order with its exit: from now on a death is supervised)
-            elif kind == "output":
-                _, pid, stream, data = msg
-                info = self._by_pid.get(pid)
-                if info is not None:
-                    self._on_output(info, stream, data)
-                if self._relay:  # (its replies wait for it: see logs.OutputHandled)
-                    logs.output_handled.add(pid, stream, len(data))
-            elif kind == "exited":
-                _, pid, status = msg
-                info = self._by_pid.pop(pid, None)
-                if self._relay:  # (all its output came before this)
-                    logs.output_handled.end(pid)
-                if info is not None:
-                    self._on_output(info, 0, b"")  # the end of its output: a last partial line
-                    self._on_exit(info, status)
+            try:
+                self._handle(msg)
+            except Exception:  # noqa: BLE001
+                # Every spawn, proc output and death report of this host comes through this one thread: a
+                # failure handling one message (printing a proc's output) must not end it.
+                log.exception("handling the template's %r message", msg[0])
         self.dead = True  # local_host() starts a new template for later meshes
         err = RuntimeError(self._exited())
         self._ready._set_exception(err)
@@ -180,10 +154,51 @@ class LocalHost:
         for info in lost:
             self._on_exit(info, "lost with the template process")
 
+    def _handle(self, msg: tuple) -> None:
+        """One message from the template (on the reader thread)."""
+        kind = msg[0]
+        if kind == "ready":
+            self._started = True
+            self._ready._set_result(msg[1])
+        elif kind == "spawned":
+            _, req_id, pid = msg
+            info = self._infos.pop(req_id, None)
+            if info is not None:
+                self._by_pid[pid] = info  # (before its first output)
+            if self._relay:
+                logs.output_handled.begin(pid)
+            fut = self._spawned.pop(req_id)
+            fut._set_result(pid)
+        elif kind == "started":
+            info = self._by_pid.get(msg[1])
+            if info is not None:
+                info.starting = False  # (here, in order with its exit: from now on a death is supervised)
+        elif kind == "output":
+            _, pid, stream, data = msg
+            info = self._by_pid.get(pid)
+            try:
+                if info is not None:
+                    self._on_output(info, stream, data)
+            finally:
+                if self._relay:  # (its replies wait for it: see logs.OutputHandled)
+                    logs.output_handled.add(pid, stream, len(data))
+        elif kind == "exited":
+            _, pid, status = msg
+            info = self._by_pid.pop(pid, None)
+            if self._relay:  # (all its output came before this)
+                logs.output_handled.end(pid)
+            if info is not None:
+                try:
+                    self._on_output(info, 0, b"")  # the end of its output: a last partial line
+                finally:
+                    self._on_exit(info, status)
+
     def spawn(self, infos: list[ProcInfo], client_addr: str, envs: list[dict]) -> None:
         # No wait for the template to be ready: requests queue in the pipe, and are
         # served before anything it would import while idle.
         futs = []
+        # (Read before the warm-up thread starts: a bad value is an error at the spawn, not that thread's.)
+        warm = not env_flag("MONARCH_TENSOR_NO_WARMUP", False)
         with self._lock:
             if self.dead:
                 raise RuntimeError(f"{self._exited()}; a new mesh starts a new one")
@@ -192,7 +207,7 @@ class LocalHost:
             except BrokenPipeError:  # the template exited before reading them (an interpreter that does not run)
                 raise RuntimeError(self._exited()) from None
         try:
-            if not self._warmed:  # the template is still importing torch: meanwhile, on another core, warm up
+            if warm and not self._warmed:  # the template is still importing torch: meanwhile, on another core, warm up
                 self._warmed = True
                 # On a thread of its own, out of a Ctrl-C's reach: the interrupt ends the wait for it, not its
                 # imports (torch._dynamo, sympy), which a KeyboardInterrupt leaves half done, breaking every

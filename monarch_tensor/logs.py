@@ -211,6 +211,8 @@ def flush(older_than: float | None = None) -> None:
             for r in g.ranks:
                 if _last.get(r) is g:
                     del _last[r]
+    if not items:
+        return
     prefixed = config.get("prefix_with_rank")
     for g in items:
         out, ranks = _out(g.stream), g.ranks

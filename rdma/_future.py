@@ -29,7 +29,7 @@ import time
 
 import zmq
 
-from monarch_tensor.future import Future
+from monarch_tensor.future import Future, wait_limit
 from monarch_tensor.mailbox import _poke
 
 from ._host import per_process
@@ -81,6 +81,7 @@ class TransferFuture(Future):
             _pool().submit(self._run_taken)
 
     def get(self, timeout: float | None = None):
+        timeout = wait_limit(timeout)
         wait = timeout  # (what the caller asked for, for the message: ``timeout`` becomes what is left of it)
         job = self._take() if self._job else None
         if job is not None:

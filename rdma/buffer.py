@@ -283,12 +283,15 @@ class RDMABuffer:
         mb = current_mailbox()
         done = _DropDone(d.owner, f"drop of buffer {d.buf_id}")
         port = mb.open_port(done)
-        try:
-            mb.send(d.owner, DropBuffer(d.buf_id, d.token, port))
-        except Exception as e:  # noqa: BLE001 - a dead owner has nothing left to drop
-            log.debug("drop of %r: %s", self, e)
-            mb.close_port(port.port_id)
-            done.future._set_result(None)
+        # A death reported before the port opened never reaches it: asked once it is open, none slips between.
+        if mb.death_of(d.owner) is None:
+            try:
+                mb.send(d.owner, DropBuffer(d.buf_id, d.token, port))
+                return done.future
+            except Exception as e:  # noqa: BLE001 - a dead owner has nothing left to drop
+                log.debug("drop of %r: %s", self, e)
+        mb.close_port(port.port_id)
+        done.future._set_result(None)  # (a dead owner has nothing left to drop)
         return done.future
 
     def _check_read(self, dst: Any, offset: int | None, what: str) -> Mem:

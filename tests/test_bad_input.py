@@ -116,6 +116,48 @@ def test_a_second_actor_of_the_same_name_is_refused_and_the_first_keeps_its_stat
     assert first.incr.call().get(timeout=30).values() == [13, 13]
 
 
+def test_every_adverb_on_actors_the_script_stopped_is_refused_at_the_call(procs):
+    # A broadcast was sent, and the proc's "was stopped" answer went to nobody: an unhandled supervision
+    # failure that ended the script.
+    from monarch_tensor.actor import send
+
+    c = procs.spawn("stopped_here", Counter)
+    one = c.slice(gpus=1)  # (a slice taken before the stop is refused too)
+    c.stop("bye").get(timeout=30)
+    stopped = r"actor 'stopped_here' was stopped \(bye\)"
+    for adverb in (lambda: c.incr.broadcast(), lambda: one.incr.broadcast(), lambda: c.incr.stream(),
+                   lambda: send(c.incr, (), {}, selection="choose")):
+        with pytest.raises(ActorError, match=stopped):
+            adverb()
+    for fut in (c.incr.call(), one.incr.call_one(), c.incr.choose()):
+        with pytest.raises(ActorError, match=stopped):
+            fut.get(timeout=30)
+    again = procs.spawn("stopped_here", Counter, 5)  # the name may be spawned again
+    assert again.incr.call().get(timeout=30).values() == [6, 6]
+
+
+def test_a_wait_without_limit_is_inf_and_a_bad_timeout_names_timeout(procs):
+    # timeout=inf was an OverflowError from inside the mailbox's wait, nan "cannot convert float NaN to
+    # integer", "5" a TypeError about +.
+    import math
+
+    from monarch_tensor.actor import Channel
+    from monarch_tensor.future import Future
+
+    c = procs.spawn("waited_for", Counter)
+    assert c.slice(gpus=0).incr.call_one().get(timeout=math.inf) == 1
+    assert c.incr.call().get(timeout=1e308).values() == [2, 1]
+    assert procs.execute(lambda: 7, timeout=math.inf).values() == [7, 7]
+    port, receiver = Channel.open()
+    port.send("sent")
+    assert receiver.recv().get(timeout=math.inf) == "sent"
+    for bad, error in [(math.nan, ValueError), (-1, ValueError), ("5", TypeError), (True, TypeError)]:
+        for wait in (lambda t: c.incr.call().get(timeout=t), lambda t: receiver.recv().get(timeout=t),
+                     lambda t: Future.ready(None).get(timeout=t)):
+            with pytest.raises(error, match="timeout must be a"):
+                wait(bad)
+
+
 def test_proc_mesh_env_is_checked_at_the_call_as_env_set_checks_it(procs, monkeypatch):
     # These killed every proc at its start (os.environ.update in the template's child: a traceback per
     # proc), and the caller got a SupervisionError. A name with a space is refused as env.set refuses it.
@@ -170,6 +212,46 @@ def test_spawn_procs_refuses_more_procs_per_host_than_its_limit(monkeypatch):
         assert mesh.spawn("at_limit", Counter).incr.call().get(timeout=60).values() == [1, 1]
     finally:
         mesh.stop().get(timeout=60)
+
+
+@pytest.mark.parametrize("var", ["MONARCH_TENSOR_PREFIX_WITH_RANK", "MONARCH_TENSOR_NO_WARMUP",
+                                 "MONARCH_TENSOR_ENABLE_LOG_FORWARDING"])
+def test_a_bad_switch_in_the_environment_is_an_error_at_the_spawn(var, monkeypatch):
+    # PREFIX_WITH_RANK=maybe was first read on the thread that prints the procs' output, which it ended (see
+    # the next test); NO_WARMUP=maybe was a traceback of the warm-up thread, and the spawn went on.
+    monkeypatch.setenv(var, "maybe")
+    with pytest.raises(ValueError, match=f"{var} must be 1 or 0"):
+        this_host().spawn_procs(per_host={"gpus": 1})
+
+
+class Loud(Actor):
+    @endpoint
+    def say(self) -> None:
+        print("a line for the client", flush=True)
+
+    @endpoint
+    def die(self) -> None:
+        import os
+
+        os._exit(3)
+
+
+def test_a_failure_printing_a_procs_output_leaves_its_death_reported(monkeypatch):
+    # One thread reads the template's replies (spawns, output, exits); printing a line that raised ended it,
+    # and with it every later report: a proc's death was a caller's timeout, a spawn hung.
+    from monarch_tensor.actor import SupervisionError
+
+    mesh = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        loud = mesh.spawn("loud", Loud)
+        loud.say.call_one().get(timeout=60)
+        monkeypatch.setenv("MONARCH_TENSOR_PREFIX_WITH_RANK", "maybe")  # read as each line is printed: raises
+        loud.say.call_one().get(timeout=30)
+        monkeypatch.delenv("MONARCH_TENSOR_PREFIX_WITH_RANK")
+        with pytest.raises(SupervisionError, match="exited with code 3"):
+            loud.die.call_one().get(timeout=30)
+    finally:
+        mesh.stop().get(timeout=30)
 
 
 @pytest.mark.parametrize("per_host", [2, ["gpus"], "gpus", [("gpus", 2)]])

@@ -17,7 +17,7 @@ from _device import WORKER_DEVICE
 
 from controller.api import worker_stats
 from monarch_tensor import MeshTensorError, RemoteException, fetch_shard, inspect, no_mesh, remote, this_host
-from monarch_tensor.actor import Actor, as_endpoint, current_rank, endpoint
+from monarch_tensor.actor import Actor, ActorError, as_endpoint, current_rank, endpoint
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -992,11 +992,15 @@ def test_remote_results_in_dicts_are_mesh_tensors_and_a_stopped_actors_rref_says
         assert inspect(out["twice"]).tolist() == [2.0] * 3 and inspect(out["more"][1][0]).tolist() == [1.0] * 3
         assert inspect(out["more"][0] + out["twice"]).tolist() == [4.0] * 3
     t = procs.spawn("tripler", Tripler)
-    t.stop("no more tripling").get(timeout=60)
+    # Stopped through a copy (as another process holding the mesh would): t itself would refuse at the call.
+    copy.copy(t).stop("no more tripling").get(timeout=60)
     with procs.activate():
         y = t.scaled.rref(torch.ones(2))
         with pytest.raises(RemoteException, match=r"was stopped \(no more tripling\)"):
             inspect(y)
+        t.stop("stopped here").get(timeout=60)
+        with pytest.raises(ActorError, match=r"was stopped \(stopped here\)"):
+            t.scaled.rref(torch.ones(2))
 
 
 def test_threads_of_the_script_use_one_mesh_at_once():

@@ -658,6 +658,17 @@ def test_owner_death_fails_within_the_timeout(backend, monkeypatch, who):
         procs.stop().get(timeout=30)
 
 
+def test_a_holder_drops_a_buffer_of_a_stopped_owner_at_once():
+    # The owner's death was reported before drop() opened the port its answer would come to: the Future
+    # waited for a death it had missed, for ever. A dead owner has nothing left to drop.
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    buf = procs.spawn("stopped_owner", Owner).make.call_one("gone", 4096).get(timeout=60)
+    procs.stop().get(timeout=30)
+    with pytest.raises(OwnerDiedError):  # the death is known here
+        buf.read_into(torch.empty(4096, dtype=torch.uint8)).get(timeout=20)
+    assert buf.drop().get(timeout=20) is None
+
+
 def test_tcp_timeout_when_the_owner_is_stopped(owners, monkeypatch):
     """A frozen owner (SIGSTOP) cannot serve tcp: the read fails at its timeout, never hangs."""
     monkeypatch.setenv(ENV_BACKEND, "tcp")

@@ -1,6 +1,7 @@
 """``ThreadTimeout`` (Monarch's ``monarch.experimental.thread_timeout``): a time limit on Python in any thread,
 inside an actor's endpoint too."""
 
+import math
 import threading
 import time
 
@@ -64,7 +65,7 @@ def test_it_targets_its_own_thread_only():
 
 
 def test_bad_use_is_a_clear_error():
-    for bad in (0, -1, "5", True):
+    for bad in (0, -1, "5", True, math.nan):
         with pytest.raises(ValueError, match="positive number"):
             ThreadTimeout(bad)
     t = ThreadTimeout(5)
@@ -75,6 +76,20 @@ def test_bad_use_is_a_clear_error():
     with pytest.raises(RuntimeError, match="used once"):
         with t:
             pass
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("seconds", [math.inf, 1e300])
+def test_an_infinite_limit_is_no_limit(seconds, monkeypatch):
+    # The watchdog's wait overflowed ("timestamp out of range for platform time_t"): a thread's traceback.
+    crashes: list = []
+    monkeypatch.setattr(threading, "excepthook", crashes.append)
+    with ThreadTimeout(seconds) as t:
+        watchdogs = [th for th in threading.enumerate() if th.name == f"thread-timeout-{threading.get_ident()}"]
+        spin(0.2)
+    for th in watchdogs:
+        th.join(10)
+    assert crashes == [] and not t.fired and not any(th.is_alive() for th in watchdogs)
 
 
 class Solver(Actor):

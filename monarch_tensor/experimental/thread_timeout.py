@@ -49,7 +49,8 @@ def _raise_in(thread_id: int, exc: type[BaseException] | None) -> int:
 
 
 class ThreadTimeout:
-    """``with ThreadTimeout(seconds):`` raises ``ThreadTimeoutError`` in this thread after ``seconds``."""
+    """``with ThreadTimeout(seconds):`` raises ``ThreadTimeoutError`` in this thread after ``seconds``
+    (``math.inf``: never)."""
 
     def __init__(self, seconds: float) -> None:
         if sys.implementation.name != "cpython":
@@ -77,7 +78,9 @@ class ThreadTimeout:
         return self
 
     def _watch(self) -> None:
-        if self._done.wait(self.seconds):
+        # inf (or any limit longer than a wait can take, centuries) is no limit: waiting for it overflowed
+        limit = None if self.seconds > threading.TIMEOUT_MAX else self.seconds
+        if self._done.wait(limit):
             return
         with self._lock:  # (not after the block ended: the error would hit whatever the thread runs next)
             if self._done.is_set():

@@ -392,6 +392,10 @@ def exchange_over_mailbox(owner: str, device_name: str, endpoint: bytes, timeout
             return False, False
 
     port = mb.open_port(_Reply())
+    death = mb.death_of(owner)  # (reported before the port opened: it never reaches the port)
+    if death is not None:
+        mb.close_port(port.port_id)
+        raise death
     mb.send(owner, ConnectQueuePair(mb.addr, device_name, endpoint, port))
     try:
         return fut.get(timeout)
