@@ -1087,6 +1087,9 @@ def test_a_proc_dying_before_its_group_forms_leaves_the_others_working(faults):
         with procs.activate():
             x = late(torch.ones(4) * (procs.rank("gpus") + 1), procs.rank("gpus"))
             total = fetch_shard(x.reduce("gpus", "sum"), gpus=0)
+            # (a loaded machine may take longer than the sleep to start rank 2's tensor worker: killed before
+            # that, it fails the workers' spawn, and so every later fetch of the mesh, which is not this test)
+            procs._tensor_client.workers.initialized.get(timeout=60)
             time.sleep(1.5)
             os.kill(pids[2], signal.SIGKILL)
             with pytest.raises(SupervisionError, match="rank 2"):
