@@ -334,14 +334,17 @@ def _proc_exited(info: ProcInfo, status: str) -> None:
         mailbox.proc_died(info.addr, stopped)
         _tell_holders(info.addr, stopped, up=True)
         return
-    client = getattr(getattr(mesh, "_alloc", None), "_tensor_client", None)
-    if client is not None:  # its tensor workers' groups with it stop waiting for it
-        client.peers_died(info.rank)
     where = f"rank {info.rank} of proc mesh {mesh._shape if mesh else '?'}"
     died = "died during its start" if info.starting else "died"
     err = SupervisionError(f"proc {info.addr} ({where}, pid {info.pid}) {died}: {status}",
                            proc=info.addr, rank=info.rank, exit_status=status)
     observed = mailbox.proc_died(info.addr, err)
+    # Then its tensor workers' groups with it stop waiting for it (to form, or for a collective it broke:
+    # Collectives._wait). After the calls above failed: a fetch that waits on such a group gets this death,
+    # not the group's failure that the workers reply with once told.
+    client = getattr(getattr(mesh, "_alloc", None), "_tensor_client", None)
+    if client is not None:
+        client.peers_died(info.rank)
     _tell_holders(info.addr, err, up=True)
     # A waiting caller got the error: that is handling it. One that died during its start (before it said
     # it serves) is no fault of a running mesh: the first call on it (spawning actors on the mesh, its

@@ -1101,3 +1101,32 @@ def test_a_proc_dying_before_its_group_forms_leaves_the_others_working(faults):
             assert fetch_shard(y.reduce("gpus", "sum"), gpus=1).result(timeout=60).tolist() == [3.0, 3.0]
     finally:
         procs.stop().get(timeout=30)
+
+
+def _exit_on_rank_1(x, r):
+    if int(r.item()) == 1:
+        os._exit(5)
+    return x
+
+
+@pytest.mark.timeout(120)
+def test_a_proc_dying_in_a_collective_of_a_formed_group_is_the_fetchs_death(faults):
+    # The survivor's gloo collective broke at once ("Connection reset by peer"), before the controller saw
+    # the death: the fetch raised that RemoteException, and the death, which no waiting call had seen, was
+    # an unhandled fault that ended the script (seed 004's `except DeviceMeshError: heal_mesh` could not work).
+    import torch
+
+    from monarch_tensor import fetch_shard, remote
+
+    procs = this_host().spawn_procs({"gpus": 2})
+    try:
+        die = remote(_exit_on_rank_1, propagate=lambda x, r: x)
+        with procs.activate():
+            assert fetch_shard(torch.ones(2).reduce("gpus", "sum")).result(timeout=60).tolist() == [2.0, 2.0]
+            x = die(torch.ones(2), procs.rank("gpus"))
+            with pytest.raises(SupervisionError, match="rank 1 .*died: exited with code 5"):
+                fetch_shard(x.reduce("gpus", "sum"), gpus=0).result(timeout=60)
+        _wait_for(lambda: faults, timeout=2)  # (a fault would be reported right after)
+        assert faults == []
+    finally:
+        procs.stop().get(timeout=30)
