@@ -500,6 +500,32 @@ def test_several_unhandled_faults_at_once_interrupt_the_script_once(tmp_path):
     assert "Exception ignored" not in p.stderr, p
 
 
+@pytest.mark.timeout(60)
+def test_an_unhandled_fault_while_the_script_exits_makes_its_exit_status_non_zero(tmp_path):
+    # With no main thread left to interrupt, the fault's handler imported a module at the interpreter's exit
+    # ("can't register atexit after shutdown"): the supervision thread crashed and the script exited 0.
+    script = tmp_path / "client.py"
+    script.write_text(textwrap.dedent(f"""
+        import atexit, sys, time
+        sys.path.insert(0, {ROOT!r})
+        from monarch_tensor.actor import Actor, endpoint, this_host
+        class E(Actor):
+            @endpoint
+            def boom(self):
+                raise ValueError("boom at exit")
+        procs = this_host().spawn_procs({{"gpus": 2}})
+        procs.spawn("e", E).boom.broadcast()
+        # (runs before the library's hooks, which stop the procs: the faults come while it waits)
+        atexit.register(lambda: (time.sleep(2), print("atexit ran", flush=True)))
+        print("end of script", flush=True)
+    """))
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=50)
+    assert p.returncode == 1, p
+    assert "boom at exit" in p.stderr and "unhandled supervision failure" in p.stderr, p
+    assert "Exception in thread" not in p.stderr and "Traceback" not in p.stderr, p
+    assert p.stdout.splitlines() == ["end of script", "atexit ran"], p
+
+
 TORCHLESS_SCRIPT = textwrap.dedent("""
     import sys
     sys.path.insert(0, {root!r})
