@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from . import _context, _wire, _zygote, logs
+from . import _context, _exit_status, _wire, _zygote, logs
 from ._fanout import send_many
 from .config import env_flag
 from .env import check_env
@@ -349,14 +349,17 @@ def _proc_exited(info: ProcInfo, status: str) -> None:
         mailbox.proc_died(info.addr, stopped)
         _tell_holders(info.addr, stopped, up=True)
         return
-    client = getattr(getattr(mesh, "_alloc", None), "_tensor_client", None)
-    if client is not None:  # its tensor workers' groups with it stop waiting for it
-        client.peers_died(info.rank)
     where = f"rank {info.rank} of proc mesh {mesh._shape if mesh else '?'}"
     died = "died during its start" if info.starting else "died"
     err = SupervisionError(f"proc {info.addr} ({where}, pid {info.pid}) {died}: {status}",
                            proc=info.addr, rank=info.rank, exit_status=status)
     observed = mailbox.proc_died(info.addr, err)
+    # Then its tensor workers' groups with it stop waiting for it (to form, or for a collective it broke:
+    # Collectives._wait). After the calls above failed: a fetch that waits on such a group gets this death,
+    # not the group's failure that the workers reply with once told.
+    client = getattr(getattr(mesh, "_alloc", None), "_tensor_client", None)
+    if client is not None:
+        client.peers_died(info.rank)
     _tell_holders(info.addr, err, up=True)
     # A waiting caller got the error: that is handling it. One that died during its start (before it said
     # it serves) is no fault of a running mesh: the first call on it (spawning actors on the mesh, its
@@ -480,11 +483,13 @@ def _unhandled_fault(err: SupervisionError, raised: BaseException) -> None:
     is several faults at once, each on a thread of its own, and a second interrupt would cut off the
     ``finally`` blocks and ``atexit`` hooks the first one started. The later faults are only printed (by the
     hook). A script that catches the interrupt and goes on is interrupted again by a fault of another mesh."""
-    from ._proc import current_runtime
-
+    # A proc's runtime; None in the script, which need not import _proc for it (this may run at its exit,
+    # when an import that registers an atexit hook fails).
+    proc = sys.modules.get("monarch_tensor._proc")
+    rt = proc.current_runtime() if proc is not None else None
     if not isinstance(raised, SystemExit):
         log.error("unhandled_fault_hook raised %r handling %s", raised, err)
-    if current_runtime() is None and callable(signal.getsignal(signal.SIGINT)):
+    if rt is None and callable(signal.getsignal(signal.SIGINT)):
         mesh = getattr(err.mesh, "_alloc", None)
         with _interrupted_lock:
             if mesh in _interrupted_for:  # its first fault ends the script already (maybe in its atexit hooks)
@@ -496,6 +501,10 @@ def _unhandled_fault(err: SupervisionError, raised: BaseException) -> None:
                   file=sys.stderr, flush=True)
             signal.pthread_kill(main.ident, signal.SIGINT)
             return
+        # The script is exiting (its main thread ended): its atexit hooks run on, stopping its procs, and it
+        # then ends with status 1, not 0.
+        _exit_status.fail_at_exit()
+        return
     sys.stderr.flush()
     os._exit(1)
 

@@ -500,6 +500,32 @@ def test_several_unhandled_faults_at_once_interrupt_the_script_once(tmp_path):
     assert "Exception ignored" not in p.stderr, p
 
 
+@pytest.mark.timeout(60)
+def test_an_unhandled_fault_while_the_script_exits_makes_its_exit_status_non_zero(tmp_path):
+    # With no main thread left to interrupt, the fault's handler imported a module at the interpreter's exit
+    # ("can't register atexit after shutdown"): the supervision thread crashed and the script exited 0.
+    script = tmp_path / "client.py"
+    script.write_text(textwrap.dedent(f"""
+        import atexit, sys, time
+        sys.path.insert(0, {ROOT!r})
+        from monarch_tensor.actor import Actor, endpoint, this_host
+        class E(Actor):
+            @endpoint
+            def boom(self):
+                raise ValueError("boom at exit")
+        procs = this_host().spawn_procs({{"gpus": 2}})
+        procs.spawn("e", E).boom.broadcast()
+        # (runs before the library's hooks, which stop the procs: the faults come while it waits)
+        atexit.register(lambda: (time.sleep(2), print("atexit ran", flush=True)))
+        print("end of script", flush=True)
+    """))
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=50)
+    assert p.returncode == 1, p
+    assert "boom at exit" in p.stderr and "unhandled supervision failure" in p.stderr, p
+    assert "Exception in thread" not in p.stderr and "Traceback" not in p.stderr, p
+    assert p.stdout.splitlines() == ["end of script", "atexit ran"], p
+
+
 TORCHLESS_SCRIPT = textwrap.dedent("""
     import sys
     sys.path.insert(0, {root!r})
@@ -1087,6 +1113,9 @@ def test_a_proc_dying_before_its_group_forms_leaves_the_others_working(faults):
         with procs.activate():
             x = late(torch.ones(4) * (procs.rank("gpus") + 1), procs.rank("gpus"))
             total = fetch_shard(x.reduce("gpus", "sum"), gpus=0)
+            # (a loaded machine may take longer than the sleep to start rank 2's tensor worker: killed before
+            # that, it fails the workers' spawn, and so every later fetch of the mesh, which is not this test)
+            procs._tensor_client.workers.initialized.get(timeout=60)
             time.sleep(1.5)
             os.kill(pids[2], signal.SIGKILL)
             with pytest.raises(SupervisionError, match="rank 2"):
@@ -1096,5 +1125,34 @@ def test_a_proc_dying_before_its_group_forms_leaves_the_others_working(faults):
         with procs.slice(gpus=slice(0, 2)).activate():  # a group without the dead proc forms and works
             y = torch.ones(2) * (procs.slice(gpus=slice(0, 2)).rank("gpus") + 1)
             assert fetch_shard(y.reduce("gpus", "sum"), gpus=1).result(timeout=60).tolist() == [3.0, 3.0]
+    finally:
+        procs.stop().get(timeout=30)
+
+
+def _exit_on_rank_1(x, r):
+    if int(r.item()) == 1:
+        os._exit(5)
+    return x
+
+
+@pytest.mark.timeout(120)
+def test_a_proc_dying_in_a_collective_of_a_formed_group_is_the_fetchs_death(faults):
+    # The survivor's gloo collective broke at once ("Connection reset by peer"), before the controller saw
+    # the death: the fetch raised that RemoteException, and the death, which no waiting call had seen, was
+    # an unhandled fault that ended the script (seed 004's `except DeviceMeshError: heal_mesh` could not work).
+    import torch
+
+    from monarch_tensor import fetch_shard, remote
+
+    procs = this_host().spawn_procs({"gpus": 2})
+    try:
+        die = remote(_exit_on_rank_1, propagate=lambda x, r: x)
+        with procs.activate():
+            assert fetch_shard(torch.ones(2).reduce("gpus", "sum")).result(timeout=60).tolist() == [2.0, 2.0]
+            x = die(torch.ones(2), procs.rank("gpus"))
+            with pytest.raises(SupervisionError, match="rank 1 .*died: exited with code 5"):
+                fetch_shard(x.reduce("gpus", "sum"), gpus=0).result(timeout=60)
+        _wait_for(lambda: faults, timeout=2)  # (a fault would be reported right after)
+        assert faults == []
     finally:
         procs.stop().get(timeout=30)

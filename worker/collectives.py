@@ -31,6 +31,9 @@ from monarch_tensor.config import env_number
 
 TIMEOUT = env_number("MONARCH_TENSOR_COLLECTIVE_TIMEOUT", 300.0, "a number of seconds a collective waits for "
                      "its group", least=1)
+# How long a worker whose collective failed waits for the controller to say a member's proc died (see
+# Collectives._wait): a peer that died breaks the collective at once, its death report follows shortly.
+DEATH_REPORT_WAIT_S = 5.0
 
 _OPS = {
     "sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
@@ -381,6 +384,23 @@ class Collectives:
             self.dead.update(ranks)
             self._dead_cv.notify_all()
 
+    def _wait(self, work, ranks: tuple[int, ...]) -> None:
+        """``work.wait()``, a collective of the group of ``ranks``. A member whose proc died breaks it at once
+        (gloo: "Connection reset by peer"), before the controller has seen the death: this waits, up to
+        ``DEATH_REPORT_WAIT_S``, for the controller's report (``peers_died``), so that the failure names the
+        dead ranks and reaches the script after the death. The controller fails the script's waiting fetch
+        with the death's ``SupervisionError`` before it tells the workers (``host._proc_exited``), so the
+        script sees the death, not the broken collective, and the death counts as seen there."""
+        try:
+            work.wait()
+        except Exception as e:
+            with self._dead_cv:
+                self._dead_cv.wait_for(lambda: self.dead.intersection(ranks), timeout=DEATH_REPORT_WAIT_S)
+                lost = sorted(self.dead.intersection(ranks))
+            if lost:
+                raise RuntimeError(f"the procs of rank(s) {lost} of this group died during the collective") from e
+            raise
+
     def _form(self, ranks: tuple[int, ...], make):
         """``make()``, a new group's rendezvous, on a thread of its own while this one waits for it or for the
         death of a member: a proc that died before the group formed left the others in the rendezvous for
@@ -519,7 +539,7 @@ class Collectives:
         if n > 1:
             opts = dist.AllreduceOptions()
             opts.reduceOp = op
-            pg.allreduce([work], opts).wait()
+            self._wait(pg.allreduce([work], opts), ranks)
         good = (flags == ok).tolist()
         if reduction == "avg":
             flat = work[:total]
@@ -558,7 +578,7 @@ class Collectives:
             if n == 1:
                 return buf[:numel].view(shape).unsqueeze(0)
             outs = [torch.empty_like(buf) for _ in range(n)]
-            pg.allgather([outs], [buf]).wait()
+            self._wait(pg.allgather([outs], [buf]), ranks)
             gathered = torch.stack(outs)
             if bool(gathered[:, numel].any()):
                 return None
@@ -571,7 +591,7 @@ class Collectives:
         if n > 1:
             opts = dist.AllreduceOptions()
             opts.reduceOp = op
-            pg.allreduce([work], opts).wait()
+            self._wait(pg.allreduce([work], opts), ranks)
             if work[numel].item() != ok:
                 return None
         out = work[:numel].view(shape)
