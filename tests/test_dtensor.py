@@ -13,7 +13,7 @@ from _dt_chains import OPS, run_chain
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from monarch_tensor import Partial, Replicate, Shard, ShardingError, distribute, from_local, this_host
+from monarch_tensor import Partial, RemoteException, Replicate, Shard, ShardingError, distribute, from_local, this_host
 
 pytestmark = pytest.mark.timeout(120)
 T = 60
@@ -205,6 +205,22 @@ def test_errors_name_what_was_wrong(mesh2d):
     with pytest.raises(ShardingError, match="needs a distributed tensor"):
         with mesh2d.activate():
             torch.ones(2).full_tensor()
+
+
+def test_inplace_op_torch_refuses_raises_at_the_fetch(mesh1d):
+    """torch runs no in-place op whose result would need another placement than its target's: here the
+    Partial argument cannot be reduce-scattered onto a Shard(0) of a dim (size 1) smaller than the mesh dim.
+    The error reaches the script at the next fetch of the target and of a view of it (a DTensor's memory is
+    its shard's: finding the view must not lose the error, leaving the old values to be fetched)."""
+    with mesh1d.activate():
+        ones = torch.ones(1, 4)
+    g = from_local(ones, mesh1d, [Partial()], shape=(1, 4))
+    a = distribute(torch.zeros(1, 4), mesh1d, [Shard(0)])
+    view = a[:, 1:]
+    a.lerp_(g, 0.5)
+    for t in (a, view):
+        with pytest.raises(RemoteException, match="in-place operations that require placement changes"):
+            t.full_tensor()
 
 
 def test_error_is_raised_at_the_users_line(mesh2d):
