@@ -184,6 +184,29 @@ def test_optimizer_steps_match_local(mesh2d, opt_cls):
     assert dw.placements == (Replicate(), Shard(1))
 
 
+def test_module_to_mesh_adamw_with_params_smaller_than_dp(mesh2d):
+    """An ``nn.Linear(4, 1)``'s weight and bias have a dim 0 (1) smaller than dp (2): module_to_mesh replicates
+    them (torch would refuse AdamW's in-place ``lerp_`` of their Partial gradients into a ``Shard(0)`` state),
+    and AdamW updates them as local training does."""
+    import copy
+
+    from monarch_tensor import module_to_mesh
+
+    torch.manual_seed(0)
+    ref, x = torch.nn.Linear(4, 1), torch.randn(8, 4)
+    model = module_to_mesh(copy.deepcopy(ref), mesh2d)
+    assert model.weight.placements == (Replicate(), Replicate()) == model.bias.placements
+    ref_opt, opt = torch.optim.AdamW(ref.parameters(), lr=0.1), torch.optim.AdamW(model.parameters(), lr=0.1)
+    dx = distribute(x, mesh2d, sharding_spec=["dp", None])
+    for _ in range(2):
+        for o, m_, xx in ((ref_opt, ref, x), (opt, model, dx)):
+            o.zero_grad()
+            m_(xx).pow(2).mean().backward()
+            o.step()
+    _close(model.weight.full_tensor(), ref.weight.detach())
+    _close(model.bias.full_tensor(), ref.bias.detach())
+
+
 # ---- errors ---------------------------------------------------------------------------------------
 def test_errors_name_what_was_wrong(mesh2d):
     x = torch.randn(4, 4)
