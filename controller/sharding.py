@@ -7,7 +7,11 @@ collectives (an all-gather of a ``Shard(0)`` weight before a matmul, a
 reduce-scatter of its gradient in the optimizer's update, ...).
 
 * Default (FSDP-style): each parameter is ``Shard(0)`` over the data-parallel
-  mesh dim and replicated over the others.
+  mesh dim and replicated over the others. A parameter whose dim 0 is smaller
+  than the data-parallel dim (an ``nn.Linear(n, 1)``'s weight and bias) is
+  replicated: torch treats such a dim as not shardable, so it would find no
+  placement for the optimizer's in-place update (``exp_avg.lerp_(grad)`` of a
+  ``Partial`` gradient) that keeps ``Shard(0)``, and refuse it.
 * ``plan={"mlp.fc": "colwise", "mlp.proj": "rowwise"}`` (names or fnmatch
   patterns of submodules): tensor parallelism over ``tp_dim``. ``colwise``
   splits an ``nn.Linear``'s output features (weight and bias ``Shard(0)``),
@@ -61,6 +65,7 @@ def module_to_mesh(module: nn.Module, mesh=None, *, dp_dim: str | None = None, t
             raise ShardingError(f"{what}={d!r} is not a dim of the mesh {mesh._shape.sizes}; its dims are {list(names)}")
     if dp_dim is None:
         dp_dim = next((n for n in names if n != tp_dim), None)
+    dp_size = mesh._shape.dims[names.index(dp_dim)] if dp_dim is not None else 1
     submodules = dict(module.named_modules())
     matched = {p: [n for n in submodules if fnmatch.fnmatchcase(n, p)] for p in plan}
     unmatched = [p for p, hits in matched.items() if not hits]
@@ -73,7 +78,7 @@ def module_to_mesh(module: nn.Module, mesh=None, *, dp_dim: str | None = None, t
             places = {}
             if mname in styles:
                 places[tp_dim] = _tp_placement(mod, pname, styles[mname], mname)
-            elif dp_dim is not None and p.dim() > 0:
+            elif dp_dim is not None and p.dim() > 0 and p.shape[0] >= dp_size:
                 places[dp_dim] = Shard(0)
             dt = distribute(p.detach(), mesh, places)
             param = nn.Parameter(dt, requires_grad=p.requires_grad)

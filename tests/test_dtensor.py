@@ -14,7 +14,7 @@ from _dt_chains import OPS, run_chain
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from monarch_tensor import Partial, Replicate, Shard, ShardingError, distribute, from_local, this_host
+from monarch_tensor import Partial, RemoteException, Replicate, Shard, ShardingError, distribute, from_local, this_host
 from monarch_tensor.actor import Actor, endpoint
 from monarch_tensor.utils import setup_env_for_distributed
 
@@ -187,6 +187,29 @@ def test_optimizer_steps_match_local(mesh2d, opt_cls):
     assert dw.placements == (Replicate(), Shard(1))
 
 
+def test_module_to_mesh_adamw_with_params_smaller_than_dp(mesh2d):
+    """An ``nn.Linear(4, 1)``'s weight and bias have a dim 0 (1) smaller than dp (2): module_to_mesh replicates
+    them (torch would refuse AdamW's in-place ``lerp_`` of their Partial gradients into a ``Shard(0)`` state),
+    and AdamW updates them as local training does."""
+    import copy
+
+    from monarch_tensor import module_to_mesh
+
+    torch.manual_seed(0)
+    ref, x = torch.nn.Linear(4, 1), torch.randn(8, 4)
+    model = module_to_mesh(copy.deepcopy(ref), mesh2d)
+    assert model.weight.placements == (Replicate(), Replicate()) == model.bias.placements
+    ref_opt, opt = torch.optim.AdamW(ref.parameters(), lr=0.1), torch.optim.AdamW(model.parameters(), lr=0.1)
+    dx = distribute(x, mesh2d, sharding_spec=["dp", None])
+    for _ in range(2):
+        for o, m_, xx in ((ref_opt, ref, x), (opt, model, dx)):
+            o.zero_grad()
+            m_(xx).pow(2).mean().backward()
+            o.step()
+    _close(model.weight.full_tensor(), ref.weight.detach())
+    _close(model.bias.full_tensor(), ref.bias.detach())
+
+
 # ---- errors ---------------------------------------------------------------------------------------
 def test_errors_name_what_was_wrong(mesh2d):
     x = torch.randn(4, 4)
@@ -208,6 +231,22 @@ def test_errors_name_what_was_wrong(mesh2d):
     with pytest.raises(ShardingError, match="needs a distributed tensor"):
         with mesh2d.activate():
             torch.ones(2).full_tensor()
+
+
+def test_inplace_op_torch_refuses_raises_at_the_fetch(mesh1d):
+    """torch runs no in-place op whose result would need another placement than its target's: here the
+    Partial argument cannot be reduce-scattered onto a Shard(0) of a dim (size 1) smaller than the mesh dim.
+    The error reaches the script at the next fetch of the target and of a view of it (a DTensor's memory is
+    its shard's: finding the view must not lose the error, leaving the old values to be fetched)."""
+    with mesh1d.activate():
+        ones = torch.ones(1, 4)
+    g = from_local(ones, mesh1d, [Partial()], shape=(1, 4))
+    a = distribute(torch.zeros(1, 4), mesh1d, [Shard(0)])
+    view = a[:, 1:]
+    a.lerp_(g, 0.5)
+    for t in (a, view):
+        with pytest.raises(RemoteException, match="in-place operations that require placement changes"):
+            t.full_tensor()
 
 
 def test_error_is_raised_at_the_users_line(mesh2d):

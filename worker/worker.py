@@ -22,6 +22,7 @@ import logging
 import os
 import pickle
 import queue
+import sys
 import threading
 import traceback
 from typing import Any
@@ -324,15 +325,26 @@ class TensorWorker(Actor):
             return ()
         return tuple(r for r, v in list(self.refs.items()) if _memory(v) in memory)
 
+    def _fail_op(self, msg, failure: RemoteException, own: bool = True) -> None:
+        """``failure`` into an op's outputs, the tensors it writes and those sharing their memory. Finding the
+        last must not lose the error: the outputs and written tensors would keep their old values silently."""
+        try:
+            sharing = self._sharing_memory(msg.mutates)
+        except Exception:  # noqa: BLE001 - a bug here; the op's own failure still reaches its tensors
+            log.exception("tensor worker: finding the tensors that share memory with those %s wrote failed",
+                          failure.op)
+            sharing = ()
+        self._fail(msg.outs + msg.mutates + sharing, failure, own)
+
     def _run(self, what: str, msg, call) -> None:
         restore_names()  # DTensors' groups, if user code's destroy_process_group() dropped them since the last op
         try:
             result = call()
         except _Propagate as p:
-            self._fail(msg.outs + msg.mutates + self._sharing_memory(msg.mutates), p.failure, own=False)
+            self._fail_op(msg, p.failure, own=False)
             return
         except Exception as e:  # noqa: BLE001 - user code failed: the error becomes the value
-            self._fail(msg.outs + msg.mutates + self._sharing_memory(msg.mutates), self._failure(what, msg.loc, e))
+            self._fail_op(msg, self._failure(what, msg.loc, e))
             return
         self._store(msg.outs, result)
 
@@ -613,10 +625,19 @@ class _Result:
 
 
 def _memory(v) -> int | None:
-    """Where a ref's tensor's memory starts (views of one tensor share it); None for a value of no memory."""
+    """Where a ref's tensor's memory starts (views of one tensor share it); None for a value of no memory.
+
+    A DTensor has no storage of its own: its memory is its local shard's. (torch.distributed.tensor is
+    looked up, not imported: it is slow to import, and until worker/dtensor.py imports it no DTensor exists.)"""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(v, dtensor.DTensor):
+        v = v.to_local()
     if not isinstance(v, torch.Tensor) or v.layout is not torch.strided:
         return None
-    return v.untyped_storage().data_ptr() or None
+    try:
+        return v.untyped_storage().data_ptr() or None
+    except RuntimeError:  # another wrapper subclass with no storage of its own: no memory to share
+        return None
 
 
 def _check_result(result, outs: tuple, metas: tuple) -> None:
