@@ -120,15 +120,26 @@ class _RacyQueue(collections.deque):
         return item
 
 
-def test_a_delete_never_overtakes_the_op_that_reads_its_ref():
-    from controller.client import MeshClient
+def _bare_client(monkeypatch, send):
+    """A ``MeshClient`` of ranks (0, 1) with no mesh behind it: ``send(batch, ranks)`` gets what it sends, and
+    no idle flusher runs (the tests flush)."""
+    from controller import client as cc
 
-    client = MeshClient.__new__(MeshClient)
-    sent: list = []
-    client._send = lambda batch, ranks: sent.append(list(batch))
+    monkeypatch.setattr(cc, "_flusher", type("NoIdleFlush", (), {"wake": lambda self, c: None})())
+    client = cc.MeshClient.__new__(cc.MeshClient)
+    client._send = send
     client.all_ranks = client._ranks = (0, 1)
     client._lock, client.closed = threading.RLock(), False
-    client._dels, client._late = collections.deque(), collections.deque()
+    client.alloc = types.SimpleNamespace(_stopped=False)
+    client._q, client._dels, client._late = collections.deque(), collections.deque(), collections.deque()
+    client.on_next_issue = None
+    client._limit = cc.FIRST_BATCH
+    return client
+
+
+def test_a_delete_never_overtakes_the_op_that_reads_its_ref(monkeypatch):
+    sent: list = []
+    client = _bare_client(monkeypatch, lambda batch, ranks: sent.append(list(batch)))
     upload = m.CreateValue(5, torch.ones(2), 0)
     reader = m.CallOp("aten::add.Tensor", (5, 1), {}, (0,), (6,), (), 0, None)
     client._q = _RacyQueue(client, reader, 5)
@@ -144,18 +155,8 @@ def test_a_delete_never_overtakes_the_op_that_reads_its_ref():
 def test_an_instruction_a_finalizer_queues_goes_between_what_was_issued_before_and_after(monkeypatch):
     """``issue_later`` (a Borrow collected before its drop) takes no lock, and its instruction keeps its place:
     after what was issued before it, before what is issued after, for its own ranks."""
-    from controller import client as cc
-
-    monkeypatch.setattr(cc, "_flusher", type("NoIdleFlush", (), {"wake": lambda self, c: None})())
-    client = cc.MeshClient.__new__(cc.MeshClient)
     sent: list = []
-    client._send = lambda batch, ranks: sent.extend((i, ranks) for i in batch)
-    client.all_ranks = client._ranks = (0, 1)
-    client._lock, client.closed = threading.RLock(), False
-    client.alloc = types.SimpleNamespace(_stopped=False)
-    client._q, client._dels, client._late = collections.deque(), collections.deque(), collections.deque()
-    client.on_next_issue = None
-    client._limit = cc.FIRST_BATCH
+    client = _bare_client(monkeypatch, lambda batch, ranks: sent.extend((i, ranks) for i in batch))
     before, after = (m.CallOp("aten::add.Tensor", (1, 1), {}, (0,), (r,), (), 0, None) for r in (2, 3))
     drop = m.BorrowDrop(1, 4, 0, 1)
     client.issue(before, client.all_ranks)
@@ -170,18 +171,10 @@ def test_batches_start_small_after_a_pause_and_double_during_a_burst(monkeypatch
     (``FIRST_BATCH`` of them), and each batch sent for its size doubles the bound, up to ``MAX_BATCH``."""
     from controller import client as cc
 
-    monkeypatch.setattr(cc, "_flusher", type("NoIdleFlush", (), {"wake": lambda self, c: None})())
     monkeypatch.setattr(cc, "FIRST_BATCH", 16)
     monkeypatch.setattr(cc, "MAX_BATCH", 128)
-    client = cc.MeshClient.__new__(cc.MeshClient)
     sent: list = []
-    client._send = lambda batch, ranks: sent.append(len(batch))
-    client.all_ranks = client._ranks = (0, 1)
-    client._lock, client.closed = threading.RLock(), False
-    client.alloc = types.SimpleNamespace(_stopped=False)
-    client._q, client._dels, client._late = collections.deque(), collections.deque(), collections.deque()
-    client.on_next_issue = None
-    client._limit = cc.FIRST_BATCH
+    client = _bare_client(monkeypatch, lambda batch, ranks: sent.append(len(batch)))
 
     def burst(n):
         for i in range(n):
