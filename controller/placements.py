@@ -38,7 +38,9 @@ def _mesh_desc(names: Sequence[str], sizes: Sequence[int]) -> str:
 
 def _check_shard(p: Placement, ndim: int, where: str) -> Placement:
     if not isinstance(p, Placement):
-        raise ShardingError(f"{where}: {p!r} is not a placement; use Shard(dim), Replicate() or Partial()")
+        hint = (" (to name mesh dims per tensor dim, as [\"dp\", None], pass sharding_spec=)"
+                if p is None or isinstance(p, str) else "")
+        raise ShardingError(f"{where}: {p!r} is not a placement; use Shard(dim), Replicate() or Partial(){hint}")
     if isinstance(p, Shard):
         if not -ndim <= p.dim < ndim or ndim == 0:
             raise ShardingError(f"{where}: {p!r} names tensor dim {p.dim}, but the tensor has {ndim} dim(s)"
@@ -80,11 +82,23 @@ def parse_placements(names: Sequence[str], sizes: Sequence[int], ndim: int,
                      for n in names)
     if isinstance(placements, str) or not isinstance(placements, Sequence):
         raise ShardingError(f"placements must be a list of Shard/Replicate/Partial, got {placements!r}")
+    if _is_spec(placements):  # ["dp", None]: mesh dim names per tensor dim, as sharding_spec= takes them
+        return _from_spec(names, mesh, ndim, placements)
     if len(placements) != len(names):
         raise ShardingError(f"{len(placements)} placement(s) {list(placements)} for a mesh with {len(names)} "
                             f"dim(s) {mesh}: give one per mesh dim, in order {list(names)}")
     return tuple(_check_shard(p, ndim, f"placement {i} (mesh dim {n!r})")
                  for i, (p, n) in enumerate(zip(placements, names)))
+
+
+def _is_spec(entries: Sequence) -> bool:
+    """Whether a placements list is really a sharding spec: mesh dim names (or None) per tensor dim, at least
+    one name, and no placement."""
+    def name_like(e):
+        return isinstance(e, str) or (isinstance(e, (list, tuple)) and e and all(isinstance(x, str) for x in e))
+
+    return (any(name_like(e) for e in entries)
+            and all(e is None or name_like(e) for e in entries))
 
 
 def _from_spec(names: tuple, mesh: str, ndim: int, spec) -> tuple[Placement, ...]:

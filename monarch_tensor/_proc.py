@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from . import _context, _proc_ext, _zygote
-from .errors import ActorError
+from .errors import ActorError, ActorStoppedError
 from .logs import OUTPUT_WAIT_S
 from .mailbox import _EVENTS, _POLLIN, Mailbox, set_current_mailbox
 from .messages import (
@@ -476,8 +476,7 @@ class ProcRuntime:
         self._reply(msg.reply, None, None, self.rank)
 
     def _stopped_error(self, slot: _Slot, method: str) -> ActorError:
-        return ActorError(slot.name, slot.ctx.rank.rank, method.partition("/")[0],
-                          f"actor {slot.name!r} was stopped ({slot.stopped})", "")
+        return ActorStoppedError(slot.name, slot.ctx.rank.rank, method.partition("/")[0], slot.stopped)
 
     def handle_StopProc(self, msg: StopProc) -> None:
         for slot in self.actors.values():

@@ -329,7 +329,9 @@ class ActorMesh(MeshTrait):
             if death is not None:
                 raise death
             if r in self._stopped:
-                raise ActorError(self._name, r, method, f"actor {self._name!r} was stopped ({self._stopped[r]})", "")
+                from .errors import ActorStoppedError
+
+                raise ActorStoppedError(self._name, r, method, self._stopped[r])
 
     def __repr__(self) -> str:
         return f"<ActorMesh {self._name!r} {self._class.__name__} {self._shape}>"

@@ -87,8 +87,33 @@ class ProtocolError(Exception):
     """A message on the wire could not be decoded (a bug or a stray sender)."""
 
 
-class MeshStoppedError(Exception):
-    """The mesh was stopped by its owner; calls on it are refused."""
+class MeshStoppedError(SupervisionError):
+    """The mesh was stopped by its owner; calls on it are refused. A ``SupervisionError``, as Monarch raises
+    for calls after ``stop()``, so ``except SupervisionError`` (and ``except DeviceMeshError``) catch it."""
+
+    def __reduce__(self):
+        return (_make_stopped_error, (type(self), str(self), self.proc, self.rank, self.exit_status))
+
+
+def _make_stopped_error(cls, message, proc, rank, exit_status):
+    return cls(message, proc=proc, rank=rank, exit_status=exit_status)
+
+
+class ActorStoppedError(MeshStoppedError, ActorError):
+    """A call reached actors that ``stop()`` stopped: an ``ActorError`` naming the actor, rank and endpoint, and
+    a ``SupervisionError`` (``MeshStoppedError``), which is what Monarch raises for it."""
+
+    def __init__(self, actor: str, rank: int, method: str, reason: str) -> None:
+        self.actor, self.rank, self.method, self.reason = actor, rank, method, reason
+        self.exc_repr, self.traceback, self.exception = f"actor {actor!r} was stopped ({reason})", "", None
+        self.proc, self.exit_status, self.mesh = "", "", None
+        Exception.__init__(self, self.exc_repr)
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self):
+        return (ActorStoppedError, (self.actor, self.rank, self.method, self.reason))
 
 
 # ---- hosts and jobs (agent.py, remote_hosts.py, job/) ---------------------------------

@@ -26,9 +26,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 
-class DimensionError(KeyError, TypeError):
+class DimensionError(KeyError, TypeError, ValueError):
     """A mesh has no dimension of that name. A ``KeyError`` (whose message prints as written, not quoted),
-    and a ``TypeError`` as Monarch's ``slice`` raises for it."""
+    a ``TypeError`` as Monarch's ``slice`` raises for it, and a ``ValueError`` as Monarch raises for an
+    unknown dimension elsewhere."""
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
@@ -326,6 +327,10 @@ class Point(Mapping):
 
     def __repr__(self) -> str:
         return f"Point(rank={self.rank}, {self._coords})"
+
+    def __str__(self) -> str:
+        """Monarch's form: each dim's coordinate over its size, ``{'hosts': 0/1, 'gpus': 1/2}``."""
+        return "{" + ", ".join(f"{n!r}: {c}/{self.extent[n]}" for n, c in self._coords.items()) + "}"
 
 
 class Extent(Mapping):

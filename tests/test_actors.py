@@ -39,7 +39,7 @@ from monarch_tensor.actor import (
     this_host,
     this_proc,
 )
-from monarch_tensor.errors import MeshStoppedError
+from monarch_tensor.errors import MeshStoppedError, SupervisionError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -1061,6 +1061,8 @@ def test_calls_on_a_stopped_mesh_are_refused():
         mesh.spawn("again", Counter)
     with pytest.raises(MeshStoppedError):
         c.value.call().get(timeout=T)
+    with pytest.raises(SupervisionError):  # Monarch's error for calls after stop()
+        c.value.call().get(timeout=T)
     with pytest.raises(MeshStoppedError):
         c.value.stream()
     other = this_host().spawn_procs({"gpus": 1})
@@ -1517,6 +1519,8 @@ def test_stopping_an_actor_mesh_keeps_its_procs_and_fails_later_calls():
             a.inc.call().get(timeout=T)
         with pytest.raises(ActorError, match="was stopped"):
             a.slice(gpus=1).inc.call_one().get(timeout=T)
+        with pytest.raises(SupervisionError, match="was stopped"):  # Monarch's error for it
+            a.inc.call().get(timeout=T)
         assert a.stop().get(timeout=T) is None  # stopping twice is harmless
         again = procs.spawn("stoppable", Stoppable)
         assert again.inc.call().get(timeout=T).values() == [1, 1]  # a new actor, on the same procs

@@ -48,6 +48,9 @@ def test_metadata_without_moving_data(mesh2d):
     assert repr(dt) == "DTensor(shape=(1024, 64), dtype=torch.float32, placements={dp: S(0), tp: R}, " \
                        "mesh={'dp': 2, 'tp': 2})"
     assert distribute(x, mesh2d, [Shard(0), Replicate()]).placements == dt.placements
+    # mesh dim names per tensor dim given as placements: read as the sharding spec they are
+    assert distribute(x, mesh2d, ["dp", None]).placements == dt.placements
+    assert distribute(x, mesh2d, [None, ("dp", "tp")]).placements == (Shard(1), Shard(1))
 
 
 def test_seed_dt_matmul_dt_T(mesh2d):
@@ -223,6 +226,8 @@ def test_errors_name_what_was_wrong(mesh2d):
         distribute(x, mesh2d, sharding_spec=["dp", None, "tp"])
     with pytest.raises(ShardingError, match="Partial"):
         distribute(x, mesh2d, [Partial(), Replicate()])
+    with pytest.raises(ShardingError, match="None is not a placement.*pass sharding_spec="):
+        distribute(x, mesh2d, [Shard(0), None])
     dt = distribute(x, mesh2d, [Shard(0), Replicate()])
     with pytest.raises(ShardingError, match="mesh dim\\(s\\) \\['pp'\\]"):
         dt.redistribute(placements={"pp": Shard(0)})

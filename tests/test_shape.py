@@ -168,6 +168,8 @@ def test_point_is_a_mapping_and_an_int():
         p["tp"]
     assert p.size("gpus") == 3 and p.size() == 6 and p.extent.labels == ["hosts", "gpus"]
     assert pickle.loads(pickle.dumps(p)) == p and dict(pickle.loads(pickle.dumps(p))) == dict(p)
+    assert str(p) == "{'hosts': 1/2, 'gpus': 1/3}"  # Monarch's str of a point
+    assert repr(p) == "Point(rank=4, {'hosts': 1, 'gpus': 1})"
 
 
 def test_point_refuses_a_rank_outside_its_extent():
@@ -188,6 +190,10 @@ def test_unknown_dim_is_a_key_error_naming_the_dims():
         s.slice(nodes=0)
     msg = str(ei.value)
     assert "nodes" in msg and "hosts" in msg and "gpus" in msg
+    # Monarch raises ValueError for an unknown dim (and TypeError from slice): each catches it
+    for cls in (ValueError, TypeError, KeyError):
+        with pytest.raises(cls):
+            s.slice(nodes=0)
 
 
 def test_int_out_of_range_is_an_index_error():
