@@ -157,6 +157,72 @@ def configured(**overrides: Any) -> Iterator[dict[str, Any]]:
         _runtime.update(prev)
 
 
+def parametrize_config(**options: Any):
+    """A pytest decorator running the test once per combination of the given settings' values, each run inside
+    ``configured(...)`` of that combination (Monarch's test helper). Each value is a collection of values.
+
+    >>> @parametrize_config(prefix_with_rank={True, False}, enable_log_forwarding={True, False})
+    ... def test_logs(): ...   # four runs
+    """
+    import itertools
+
+    keys, values = _sweep("parametrize_config", options)
+    return _parametrized(keys, list(itertools.product(*values)))
+
+
+def parametrize_config_pointwise(**options: Any):
+    """As ``parametrize_config``, but the value lists are taken in lockstep (``zip``): one run per position;
+    every list must have the same length."""
+    keys, values = _sweep("parametrize_config_pointwise", options)
+    lengths = {k: len(v) for k, v in zip(keys, values)}
+    if len(set(lengths.values())) != 1:
+        raise ValueError(f"parametrize_config_pointwise needs as many values for every setting; got {lengths}")
+    return _parametrized(keys, list(zip(*values)))
+
+
+def _sweep(what: str, options: dict) -> tuple[list, list]:
+    if not options:
+        raise ValueError(f"{what} needs at least one setting")
+    keys, values = list(options), []
+    for k in keys:
+        vs = options[k]
+        if isinstance(vs, (str, bytes)) or not hasattr(vs, "__iter__"):
+            raise TypeError(f"{what}({k}=...) takes a collection of values, got {vs!r}")
+        vs = list(vs)
+        for v in vs:
+            _check(k, v)  # a wrong name or type fails when the test is collected, not when it runs
+        values.append(vs)
+    return keys, values
+
+
+def _parametrized(keys: list, combos: list):
+    import functools
+    import inspect
+
+    import pytest
+
+    settings = [dict(zip(keys, c)) for c in combos]
+    ids = ["-".join(f"{k}={v}" for k, v in s.items()) for s in settings]
+
+    def decorate(fn):
+        sig = inspect.signature(fn)
+        sig = sig.replace(parameters=[inspect.Parameter("_config_overrides", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+                                      *sig.parameters.values()])
+        if inspect.iscoroutinefunction(fn):
+            async def run(_config_overrides, *args, **kwargs):
+                with configured(**_config_overrides):
+                    return await fn(*args, **kwargs)
+        else:
+            def run(_config_overrides, *args, **kwargs):
+                with configured(**_config_overrides):
+                    return fn(*args, **kwargs)
+        functools.update_wrapper(run, fn)
+        run.__signature__ = sig
+        return pytest.mark.parametrize("_config_overrides", settings, ids=ids)(run)
+
+    return decorate
+
+
 def proc_env() -> dict[str, str]:
     """The environment that hands this process's procs-side settings to a proc spawned now. Every setting is
     read here, the client's too, so that a bad value in the environment is an error at the spawn, rather than
@@ -170,4 +236,5 @@ def proc_env() -> dict[str, str]:
     return out
 
 
-__all__ = ["clear_runtime_config", "configure", "configured", "get_global_config", "get_runtime_config"]
+__all__ = ["clear_runtime_config", "configure", "configured", "get_global_config", "get_runtime_config",
+           "parametrize_config", "parametrize_config_pointwise"]

@@ -993,6 +993,12 @@ class HostMesh(MeshTrait):
         return sync_workspace(procs, workspace, auto_reload, conda=conda)
 
     @property
+    def is_fake_in_process(self) -> bool:
+        """Monarch's: whether these hosts are the script's own process standing in for hosts. Always False
+        here: every host mesh has real procs (there is no in-process fake)."""
+        return False
+
+    @property
     def stream_logs(self) -> bool:
         """Whether procs spawned on these hosts stream their stdout and stderr to this script (Monarch's;
         ``configure(enable_log_forwarding=...)`` sets it, ``procs.logging_option`` switches running procs)."""

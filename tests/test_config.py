@@ -59,6 +59,37 @@ def test_bad_settings_are_refused_before_anything_changes(monkeypatch):
         config.get("colour")
 
 
+_seen: list = []
+
+
+@config.parametrize_config(prefix_with_rank={True, False}, rdma_disable_ibverbs={True, False})
+def test_parametrize_config_runs_every_combination_inside_configured(tmp_path):
+    got = config.get_global_config()
+    _seen.append((got["prefix_with_rank"], got["rdma_disable_ibverbs"]))
+    assert tmp_path.exists()  # the test's own fixtures still arrive
+
+
+@config.parametrize_config_pointwise(prefix_with_rank=[True, False], enable_log_forwarding=[False, True])
+def test_parametrize_config_pointwise_zips_the_values():
+    got = config.get_global_config()
+    assert (got["prefix_with_rank"], got["enable_log_forwarding"]) in {(True, False), (False, True)}
+
+
+def test_parametrize_config_saw_each_combination_and_refuses_bad_sweeps():
+    assert sorted(_seen) == [(False, False), (False, True), (True, False), (True, True)]
+    assert config.get_runtime_config() == {}  # each run's settings ended with it
+    with pytest.raises(ValueError, match="no such setting"):
+        config.parametrize_config(colour={True})
+    with pytest.raises(TypeError, match="takes a bool"):
+        config.parametrize_config(prefix_with_rank={"yes"})
+    with pytest.raises(TypeError, match="collection of values"):
+        config.parametrize_config(prefix_with_rank=True)
+    with pytest.raises(ValueError, match="as many values"):
+        config.parametrize_config_pointwise(prefix_with_rank=[True], enable_log_forwarding=[True, False])
+    with pytest.raises(ValueError, match="at least one setting"):
+        config.parametrize_config()
+
+
 def test_tcp_fallback_to_another_host_can_be_forbidden():
     src = bytearray(b"across hosts")
     buf = RDMABuffer(memoryview(src))

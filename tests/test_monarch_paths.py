@@ -8,6 +8,8 @@ import pytest
 import tomllib
 
 import monarch_tensor
+from monarch_tensor.errors import MeshStoppedError
+from monarch_tensor.host import ProcMesh
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -19,20 +21,48 @@ PATHS = {
     "common.remote": ["remote", "call_on_shard_and_fetch"],
     "common.opaque_ref": ["OpaqueRef"],
     "common.stream": ["Stream", "get_active_stream"],
-    "common.device_mesh": ["no_mesh", "get_active_mesh", "to_mesh", "slice_mesh", "RemoteProcessGroup"],
+    "common.device_mesh": ["no_mesh", "get_active_mesh", "to_mesh", "slice_mesh", "RemoteProcessGroup",
+                           "DeviceMesh"],
     "common.tensor": ["Tensor", "reduce", "reduce_"],
     "common.future": ["Future"],
     "common.selection": ["Selection"],
     "opaque_object": ["OpaqueObject", "opaque_method"],
+    "mesh_controller": ["spawn_tensor_engine", "RemoteException"],
 }
+# Names of Monarch's paths that are no top-level name of monarch_tensor: what each is here.
+OWN = {"DeviceMesh": lambda: ProcMesh,
+       "spawn_tensor_engine": lambda: importlib.import_module("monarch_tensor.mesh_controller").spawn_tensor_engine}
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_monarchs_paths_give_the_same_objects(path):
     mod = importlib.import_module(f"monarch_tensor.{path}")
     for name in PATHS[path]:
-        assert getattr(mod, name) is getattr(monarch_tensor, name), (path, name)
+        want = OWN[name]() if name in OWN else getattr(monarch_tensor, name)
+        assert getattr(mod, name) is want, (path, name)
     assert sorted(mod.__all__) == sorted(PATHS[path])
+
+
+def test_spawn_tensor_engine_gives_the_mesh_to_activate():
+    import torch
+
+    from monarch_tensor import fetch_shard, this_host
+    from monarch_tensor.common.device_mesh import DeviceMesh
+    from monarch_tensor.mesh_controller import spawn_tensor_engine
+
+    procs = this_host().spawn_procs({"gpus": 2})
+    try:
+        dm = spawn_tensor_engine(procs)
+        assert isinstance(dm, DeviceMesh) and this_host().is_fake_in_process is False
+        with dm.activate():
+            t = torch.ones(3) + dm.rank("gpus")
+        assert fetch_shard(t, gpus=1).result().tolist() == [2.0, 2.0, 2.0]
+        with pytest.raises(TypeError, match="takes a proc mesh.*got HostMesh"):
+            spawn_tensor_engine(this_host())
+    finally:
+        procs.stop().get(timeout=30)
+    with pytest.raises(MeshStoppedError):
+        spawn_tensor_engine(procs)
 
 
 def test_opaque_module_path():

@@ -3,5 +3,6 @@
 
 from controller.api import get_active_mesh, no_mesh, slice_mesh, to_mesh  # noqa: F401
 from controller.process_group import RemoteProcessGroup  # noqa: F401
+from monarch_tensor.host import ProcMesh as DeviceMesh  # noqa: F401  (for isinstance checks and annotations)
 
-__all__ = ["RemoteProcessGroup", "get_active_mesh", "no_mesh", "slice_mesh", "to_mesh"]
+__all__ = ["DeviceMesh", "RemoteProcessGroup", "get_active_mesh", "no_mesh", "slice_mesh", "to_mesh"]
