@@ -106,6 +106,9 @@ def concurrent_endpoint(fn: Callable | None = None, **options):
     any endpoint's does. Takes ``@endpoint``'s options."""
     if fn is None:
         return functools.partial(concurrent_endpoint, **options)
+    if getattr(fn, "_is_endpoint", False):
+        raise ValueError(f"@concurrent_endpoint does not wrap @endpoint ({fn.__qualname__}): use one of the two; "
+                         f"@concurrent_endpoint takes @endpoint's options itself")
     if not inspect.iscoroutinefunction(fn):
         raise TypeError(f"@concurrent_endpoint needs an async def: {getattr(fn, '__qualname__', fn)} is not one "
                         f"(a plain def blocks the actor however it is marked)")

@@ -1001,6 +1001,13 @@ def test_concurrent_endpoints_overlap_and_start_in_order(procs):
         waiting.get(timeout=T)
     with pytest.raises(TypeError, match="needs an async def"):
         concurrent_endpoint(lambda self: None)
+    with pytest.raises(ValueError, match="does not wrap @endpoint"):  # Monarch refuses the stack too
+
+        class Stacked(Actor):
+            @concurrent_endpoint
+            @endpoint
+            async def ping(self):
+                return "pong"
 
 
 def test_send_function_and_value_mesh_get(procs):
