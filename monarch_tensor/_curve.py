@@ -36,6 +36,10 @@ ENV_KEY_FILE = "MONARCH_TENSOR_KEY_FILE"
 ZAP_DOMAIN = "monarch-tensor"
 
 
+class InsecureConnectionWarning(UserWarning):
+    """A job's links accept any peer: ``ca="trust_all_connections"`` without a job key."""
+
+
 @dataclass(frozen=True)
 class JobKeys:
     """A job's CURVE key pair, z85 text (40 characters each)."""
@@ -53,6 +57,30 @@ class JobKeys:
             raise JobKeyError("this libzmq has no CURVE support: TCP links cannot be encrypted")
         public, secret = zmq.curve_keypair()
         return JobKeys(public.decode(), secret.decode())
+
+    @staticmethod
+    def trust_all() -> JobKeys:
+        """The well-known pair of ``ca="trust_all_connections"`` (Monarch's explicit opt-out of authentication):
+        every side derives the same keys, so links stay encrypted but anyone can connect. Warns each time."""
+        import hashlib
+        import warnings
+
+        from zmq.utils import z85
+
+        warnings.warn("ca='trust_all_connections': the job's links accept any peer that connects (no job key); "
+                      "make a key with `monarch-tensor keygen` and pass key_file= to authenticate them",
+                      InsecureConnectionWarning, stacklevel=3)
+        secret = z85.encode(hashlib.sha256(b"monarch-tensor trust_all_connections").digest()).decode()
+        return JobKeys(zmq.curve_public(secret.encode()).decode(), secret)
+
+    @staticmethod
+    def for_ca(key_file: str | None, ca) -> JobKeys | None:
+        """The keys of an agent or a client: ``key_file``, else the environment's, else (only where ``ca`` is
+        ``"trust_all_connections"``) the well-known pair; None where there are none."""
+        keys = JobKeys.load(key_file) if key_file else JobKeys.from_env()
+        if keys is None and ca == "trust_all_connections":
+            keys = JobKeys.trust_all()
+        return keys
 
     def to_env(self) -> dict[str, str]:
         return {ENV_PUBLIC: self.public, ENV_SECRET: self.secret}

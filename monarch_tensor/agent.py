@@ -437,12 +437,13 @@ def _my_ip() -> str:
 
 def _start_agent(address: str, ca: str | None, key_file: str | None, ttl: float,
                  address_file: str | None) -> HostAgent:
-    keys = _curve.JobKeys.load(key_file) if key_file else _curve.JobKeys.from_env()
-    if keys is None:
-        raise JobKeyError("a host agent needs the job's key: pass --key-file, or set MONARCH_TENSOR_KEY_FILE "
-                          "or MONARCH_TENSOR_CURVE_PUBLIC/SECRET")
     if ca not in (None, "trust_all_connections") and not isinstance(ca, (str, bytes, os.PathLike)):
         raise TypeError(f"ca must be a path, bytes or 'trust_all_connections', got {ca!r}")
+    keys = _curve.JobKeys.for_ca(key_file, ca)
+    if keys is None:
+        raise JobKeyError("a host agent needs the job's key: pass --key-file, or set MONARCH_TENSOR_KEY_FILE "
+                          "or MONARCH_TENSOR_CURVE_PUBLIC/SECRET (or, to accept any peer, "
+                          "ca='trust_all_connections' here and in attach_to_workers)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s agent %(process)d %(levelname)s %(message)s")
     agent = HostAgent(address, keys, ttl=ttl)
     if address_file:
@@ -464,7 +465,8 @@ def run_worker_loop_until_shutdown(address: str, ca: str | None = None, *, key_f
     Keys: ``key_file``, else the environment (``MONARCH_TENSOR_CURVE_*`` or
     ``MONARCH_TENSOR_KEY_FILE``). ``ca`` is accepted for Monarch compatibility;
     CURVE keys replace TLS certificates here, so only ``None``/``"trust_all_connections"``
-    are meaningful (the job key still authenticates every peer).
+    are meaningful: with a job key, that key authenticates every peer; with none,
+    ``"trust_all_connections"`` accepts any peer (a well-known pair, with a warning).
 
     >>> run_worker_loop_until_shutdown(address="tcp://0.0.0.0:26600", key_file="job.key")
     """

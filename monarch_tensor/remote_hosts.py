@@ -570,7 +570,9 @@ def attach_to_workers(workers: list[str], name: str | None = None, ca: str | Non
                       key_file: str | None = None, timeout: float = CONNECT_TIMEOUT) -> RemoteHostMesh:
     """A host mesh over agents already running at ``workers`` (Monarch's name).
 
-    Keys: ``key_file``, else the environment (``MONARCH_TENSOR_KEY_FILE`` or ``MONARCH_TENSOR_CURVE_*``).
+    Keys: ``key_file``, else the environment (``MONARCH_TENSOR_KEY_FILE`` or ``MONARCH_TENSOR_CURVE_*``), else,
+    with ``ca="trust_all_connections"`` (Monarch's spelling, for agents started with it too), a well-known pair
+    that authenticates nobody (with an ``InsecureConnectionWarning``).
 
     >>> hosts = attach_to_workers(workers=["tcp://h1:26600", "tcp://h2:26600"], key_file="job.key")
     >>> hosts.spawn_procs(per_host={"gpus": 2}).sizes
@@ -582,9 +584,10 @@ def attach_to_workers(workers: list[str], name: str | None = None, ca: str | Non
                         f"got {workers!r}")
     if not workers:
         raise ValueError("attach_to_workers needs at least one worker address")
-    keys = _curve.JobKeys.load(key_file) if key_file else _curve.JobKeys.from_env()
+    keys = _curve.JobKeys.for_ca(key_file, ca)
     if keys is None:
-        raise JobKeyError("attach_to_workers needs the job's key: pass key_file=..., or set MONARCH_TENSOR_KEY_FILE")
+        raise JobKeyError("attach_to_workers needs the job's key: pass key_file=..., or set MONARCH_TENSOR_KEY_FILE "
+                          "(or, to accept any peer, ca='trust_all_connections' on both sides)")
     return RemoteHostMesh(connect_agents(list(workers), keys, timeout))
 
 

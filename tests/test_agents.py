@@ -747,17 +747,24 @@ def test_attach_to_workers_and_job_load_give_the_same_hosts(job, tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("entry", ["start_worker_loop_forever", "run_worker_loop_until_shutdown"])
-def test_monarchs_other_worker_loop_entry_points_serve_until_their_hosts_shut_down(tmp_path, entry):
-    from monarch_tensor._curve import JobKeys
+@pytest.mark.parametrize("entry,auth", [("start_worker_loop_forever", "key"), ("run_worker_loop_until_shutdown", "key"),
+                                        ("run_worker_loop_until_shutdown", "trust_all_connections")])
+def test_monarchs_other_worker_loop_entry_points_serve_until_their_hosts_shut_down(tmp_path, entry, auth,
+                                                                                   monkeypatch):
+    from monarch_tensor._curve import InsecureConnectionWarning, JobKeys
 
     key = str(tmp_path / "k")
     JobKeys.generate().save(key)
+    # Monarch's explicit opt-out: no key on either side, ca="trust_all_connections" on both
+    creds = f"key_file={key!r}" if auth == "key" else "ca='trust_all_connections'"
+    if auth != "key":
+        for var in (_curve.ENV_PUBLIC, _curve.ENV_SECRET, _curve.ENV_KEY_FILE):
+            monkeypatch.delenv(var, raising=False)
     addr_file = str(tmp_path / "addr")
-    body = (f"fut = start_worker_loop_forever(address='tcp://127.0.0.1:0', key_file={key!r}, "
+    body = (f"fut = start_worker_loop_forever(address='tcp://127.0.0.1:0', {creds}, "
             f"address_file={addr_file!r})\nprint('started', flush=True)\nfut.get(timeout=100)"
             if entry == "start_worker_loop_forever" else
-            f"run_worker_loop_until_shutdown(address='tcp://127.0.0.1:0', key_file={key!r}, "
+            f"run_worker_loop_until_shutdown(address='tcp://127.0.0.1:0', {creds}, "
             f"address_file={addr_file!r})")
     script = f"import sys\nsys.path.insert(0, {ROOT!r})\nfrom monarch_tensor.actor import {entry}\n{body}\n" \
              f"print('returned', flush=True)\n"
@@ -769,7 +776,14 @@ def test_monarchs_other_worker_loop_entry_points_serve_until_their_hosts_shut_do
         while not (os.path.exists(addr_file) and open(addr_file).read().strip()):
             assert p.poll() is None and time.monotonic() < deadline, p.stderr.read() if p.poll() is not None else ""
             time.sleep(0.05)
-        hosts = attach_to_workers(workers=[open(addr_file).read().strip()], key_file=key)
+        addr = open(addr_file).read().strip()
+        if auth == "key":
+            hosts = attach_to_workers(workers=[addr], key_file=key)
+        else:
+            with pytest.raises(JobKeyError, match="trust_all_connections"):  # still refused without the opt-out
+                attach_to_workers(workers=[addr])
+            with pytest.warns(InsecureConnectionWarning, match="accept any peer"):
+                hosts = attach_to_workers(workers=[addr], ca="trust_all_connections")
         procs = hosts.spawn_procs(per_host={"gpus": 1})
         assert procs.spawn("w", Where).where.call_one().get(timeout=60)[0] == 0
         hosts.shutdown()
@@ -780,6 +794,7 @@ def test_monarchs_other_worker_loop_entry_points_serve_until_their_hosts_shut_do
             p.wait()
     assert p.returncode == 0, err
     assert out.splitlines()[-1] == "returned"  # it came back (run_worker_loop_forever would end the process)
+    assert ("InsecureConnectionWarning" in err) == (auth != "key")  # the agent said so too
 
 
 # ---- the protocol ------------------------------------------------------------------------------
