@@ -17,9 +17,11 @@ import inspect
 import logging
 import os
 import select
+import signal
 import sys
 import termios
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Callable
@@ -32,6 +34,7 @@ from .messages import (
     ActorFault,
     CallEndpoint,
     ForwardLogs,
+    InterruptCall,
     KnowPeers,
     SendToPort,
     SetLogging,
@@ -61,6 +64,7 @@ class _Slot:
     stopped: str | None = None  # ActorMesh.stop()'s reason: calls that come after it fail
     stop_done: bool = False  # the calls before it have run, and the actor has stopped
     owner: str = ""  # the address of the process that spawned it: told of errors nobody awaits
+    running: dict = field(default_factory=dict)  # reply port -> task of its running async (or concurrent) call
 
 
 class Reserved:
@@ -241,6 +245,12 @@ class ProcRuntime:
         # The loop polls for the next message only while each of these says the proc is otherwise idle
         # (a tensor worker's streams computing need the cores more than the next message does).
         self.spin_gates: list[Callable[[], bool]] = []
+        # Interrupts (InterruptCall): the synchronous call running on the loop now, the one to interrupt, and
+        # the reply ports of calls interrupted here (their error says so).
+        self.loop_ident: int | None = None  # (the loop's thread, once it runs)
+        self.sync_call: CallEndpoint | None = None
+        self.interrupting: CallEndpoint | None = None
+        self.interrupted: set = set()
 
     def output_before(self, addr: str) -> tuple | None:
         """For a value about to be sent to ``addr``: what of this proc's output must reach ``addr`` first (see
@@ -283,7 +293,7 @@ class ProcRuntime:
 
     def run(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.mailbox.receiver_ident = threading.get_ident()
+        self.mailbox.receiver_ident = self.loop_ident = threading.get_ident()
         self.loop.add_reader(self.mailbox.fd, self._drain)
         self.loop.call_soon(self.mailbox.drain)
         self.loop.run_forever()
@@ -478,6 +488,39 @@ class ProcRuntime:
     def _stopped_error(self, slot: _Slot, method: str) -> ActorError:
         return ActorStoppedError(slot.name, slot.ctx.rank.rank, method.partition("/")[0], slot.stopped)
 
+    def _track(self, slot: _Slot, msg: CallEndpoint, task: asyncio.Task) -> None:
+        """Remember a running async call's task by its reply port, for an ``InterruptCall``."""
+        if msg.reply is not None:
+            slot.running[msg.reply] = task
+            task.add_done_callback(lambda _t: slot.running.pop(msg.reply, None))
+
+    def handle_InterruptCall(self, msg: InterruptCall) -> None:
+        """The caller stopped waiting (Ctrl-C): drop the call if it has not started, cancel it if it runs as a
+        task. (A synchronous one blocks this loop while it runs: ``_InterruptWatch`` stops that one.)"""
+        port = msg.reply
+        for slot in self.actors.values():
+            task = slot.running.get(port)
+            if task is not None:
+                self.interrupted.add(port)
+                task.cancel()
+                return
+            for entry in slot.queue:
+                call = entry.msg if type(entry) is Reserved else entry
+                if type(call) is CallEndpoint and call.reply == port:
+                    if type(entry) is Reserved:
+                        if not entry.ready:
+                            continue  # (its arguments are still being made: it runs, as it cannot be taken out)
+                        entry.error = ActorError(slot.name, slot.ctx.rank.rank, call.method.partition("/")[0],
+                                                 "KeyboardInterrupt: the call was interrupted by its caller before "
+                                                 "it started", "")
+                    else:
+                        slot.queue.remove(entry)
+                        self._reply(port, None, ActorError(
+                            slot.name, slot.ctx.rank.rank, call.method.partition("/")[0],
+                            "KeyboardInterrupt: the call was interrupted by its caller before it started", ""),
+                            slot.ctx.rank.rank)
+                    return
+
     def handle_StopProc(self, msg: StopProc) -> None:
         for slot in self.actors.values():
             for task in list(slot.tasks):  # concurrent endpoints still running: cancelled before __cleanup__
@@ -558,19 +601,23 @@ class ProcRuntime:
                     task = self.loop.create_task(self._run_concurrent(slot, msg, body, explicit))
                     slot.tasks.add(task)
                     task.add_done_callback(slot.tasks.discard)
+                    self._track(slot, msg, task)
                     task.add_done_callback(lambda t: self._concurrent_cancelled(t, slot, msg, body))
                     return task
                 slot.busy = True
-                self.loop.create_task(self._run_async(slot, msg, fn(*args, **msg.kwargs), explicit))
+                task = self.loop.create_task(self._run_async(slot, msg, fn(*args, **msg.kwargs), explicit))
+                self._track(slot, msg, task)
                 return
             slot.busy = True
+            self.sync_call = msg  # (what an InterruptCall that comes meanwhile stops: _InterruptWatch)
             try:
                 value = fn(*args, **msg.kwargs)
             finally:
                 slot.busy = False
+                self.sync_call = None
             if type(value) not in _PLAIN and inspect.isawaitable(value):  # a sync def returned a coroutine
                 slot.busy = True
-                self.loop.create_task(self._run_async(slot, msg, value, explicit))
+                self._track(slot, msg, self.loop.create_task(self._run_async(slot, msg, value, explicit)))
                 return
         except BaseException as e:  # noqa: BLE001 - user code
             self._reply(msg.reply, None, self._error(slot, msg, e), rank)
@@ -600,7 +647,7 @@ class ProcRuntime:
         try:
             value = await aw
         except asyncio.CancelledError as e:
-            if asyncio.current_task().cancelling():
+            if asyncio.current_task().cancelling() and msg.reply not in self.interrupted:
                 raise  # the actor stops: _concurrent_cancelled answers
             # the user's code ended in a cancellation of its own: the caller hears of it as of any error
             self._reply(msg.reply, None, self._error(slot, msg, e), rank)
@@ -622,6 +669,12 @@ class ProcRuntime:
         self._reply(msg.reply, None, err, slot.ctx.rank.rank)
 
     def _error(self, slot: _Slot, msg: CallEndpoint, e: BaseException) -> ActorError:
+        if msg.reply is not None and msg.reply in self.interrupted:
+            self.interrupted.discard(msg.reply)
+            if isinstance(e, (KeyboardInterrupt, asyncio.CancelledError)):
+                return ActorError(slot.name, slot.ctx.rank.rank, msg.method.partition("/")[0],
+                                  f"KeyboardInterrupt: the call was interrupted by its caller ({type(e).__name__} "
+                                  f"raised in the endpoint)", "")
         tb = e.__traceback__
         if tb is not None and tb.tb_frame.f_code.co_filename == __file__:
             tb = tb.tb_next  # the user's frames only, not the runtime's
@@ -704,6 +757,68 @@ def _picklable(e: BaseException) -> BaseException | None:
         return None
 
 
+class _InterruptWatch:
+    """A synchronous endpoint runs on the proc's loop, which receives nothing meanwhile, so an ``InterruptCall``
+    for it would wait until it returned. This thread looks each tick at whether one synchronous call has run
+    for a whole tick; then it receives what waits on the socket (held for the loop, as ``Mailbox._help``
+    does) and, finding an ``InterruptCall`` for that call, raises ``KeyboardInterrupt`` in it: SIGINT to the
+    loop's thread (which breaks a blocking sleep or read), whose handler raises only for that call. A call
+    still running ``NATIVE_S`` later is in code that does not return to Python: the proc says so once."""
+
+    TICK_S = 0.2
+    NATIVE_S = 3.0
+
+    def __init__(self, rt: ProcRuntime) -> None:
+        self.rt = rt
+        threading.Thread(target=self._run, daemon=True, name="monarch-interrupt-watch").start()
+
+    def _run(self) -> None:
+        rt, mb = self.rt, self.rt.mailbox
+        last, fired_at, told = None, 0.0, None
+        while not mb._closed:
+            time.sleep(self.TICK_S)
+            call = rt.sync_call
+            if call is None or call is not last:
+                last = call
+                continue
+            if rt.interrupting is call or call is told:
+                if call is not told and time.monotonic() - fired_at > self.NATIVE_S:
+                    told = call
+                    print(f"monarch_tensor: the interrupted call {call.actor}.{call.method.partition('/')[0]} is "
+                          f"still running, in native code that does not return to Python; this proc takes its next "
+                          f"calls once it returns", file=sys.stderr, flush=True)
+                continue
+            mb._help(True)
+            if self._take_interrupt(call):
+                rt.interrupted.add(call.reply)
+                rt.interrupting, fired_at = call, time.monotonic()
+                try:
+                    signal.pthread_kill(rt.loop_ident, signal.SIGINT)
+                except (OSError, ValueError, AttributeError):
+                    pass
+
+    def _take_interrupt(self, call: CallEndpoint) -> bool:
+        """Whether an InterruptCall for ``call`` waits among the held messages (it is taken out)."""
+        mb = self.rt.mailbox
+        if call.reply is None:
+            return False
+        with mb._rx_lock:
+            for i, (m, unreadable) in enumerate(mb._held):
+                if unreadable is None and type(m) is InterruptCall and m.reply == call.reply:
+                    del mb._held[i]
+                    return True
+        return False
+
+
+def _on_sigint(signum, frame) -> None:
+    """SIGINT in a proc: ``KeyboardInterrupt`` in the synchronous call that its caller interrupted (see
+    ``_InterruptWatch``); any other SIGINT is ignored (a proc is no terminal's foreground job)."""
+    rt = _runtime
+    if rt is not None and rt.interrupting is not None and rt.interrupting is rt.sync_call:
+        rt.interrupting = None
+        raise KeyboardInterrupt("the call was interrupted by its caller")
+
+
 _runtime: ProcRuntime | None = None
 
 
@@ -719,6 +834,12 @@ def run_proc(addr: str, client_addr: str, rank: int) -> None:
 
     _bind.apply_from_env()  # before any other thread starts: they inherit it
     rt = _runtime = ProcRuntime(addr, client_addr, rank)
+    try:
+        signal.signal(signal.SIGINT, _on_sigint)
+    except ValueError:  # not the main thread: interrupts reach async endpoints only
+        pass
+    else:
+        _InterruptWatch(rt)
     _proc_ext.on_start(rt)  # workspace dirs on sys.path, breakpoint() hook
     _say_started()
     rt.run()

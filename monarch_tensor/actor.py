@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
 from . import _context, _wire
+from . import future as _future_mod
 from . import host as _host
 from ._context import ActorContext as Context
 from ._ports import Collector, OneReply, Receiver, StreamCollector
@@ -115,6 +116,23 @@ def concurrent_endpoint(fn: Callable | None = None, **options):
     fn = endpoint(fn, **options)
     fn._concurrent = True
     return fn
+
+
+def _interrupt_call(info: tuple) -> None:
+    """A wait on a call's Future was interrupted: tell each proc it went to (``InterruptCall``)."""
+    from .messages import InterruptCall
+
+    addrs, port = info
+    mailbox = current_mailbox()
+    for addr in addrs:
+        try:
+            mailbox.send(addr, InterruptCall(port))
+        except Exception:  # noqa: BLE001 - a proc gone meanwhile: nothing runs there to stop
+            pass
+    mailbox.flush()
+
+
+_future_mod._interrupt_hook = _interrupt_call
 
 
 def unhandled_fault_hook(failure: SupervisionError) -> None:
@@ -511,6 +529,7 @@ class Endpoint(Generic[R]):
         col = OneReply(addrs[0], self._what) if finish is _first else Collector(addrs, ranks, finish, self._what)
         port = mailbox.open_port(col)
         self._send(ranks, args, kwargs, port, addrs)
+        col.future._interrupt = (addrs, port)  # (what an interrupted wait stops: _interrupt_call)
         return col.future
 
     def call(self, *args, **kwargs) -> Future[ValueMesh[R]]:

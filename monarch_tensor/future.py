@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 from typing import Any, Callable, Generic, TypeVar
 
@@ -43,6 +44,8 @@ def wait_limit(timeout: Any) -> float | None:
 # Called after every settlement: the mailbox wakes a thread that receives while it waits (its poll
 # does not see a Future settled by another thread). Set by mailbox.py.
 _settle_hook: Callable[[], None] | None = None
+# Called with a Future's ``_interrupt`` when a wait on it is interrupted. Set by actor.py.
+_interrupt_hook: Callable[[Any], None] | None = None
 
 
 class Future(Generic[R]):
@@ -52,7 +55,9 @@ class Future(Generic[R]):
     where the Future is first observed, as a ``@returns_future`` call's body does; ``Future.gather(*futures)``
     is the Future of a list of results."""
 
-    __slots__ = ("_state", "_value", "_waiter", "_callbacks", "_what")
+    # ``_interrupt`` (unset on most): what to stop on the procs where a wait on this Future is interrupted
+    # (Ctrl-C, a notebook's stop button, a cancelled ``await``); see ``_interrupted``.
+    __slots__ = ("_state", "_value", "_waiter", "_callbacks", "_what", "_interrupt")
     _by_thread = False  # ThreadFuture: settled by a thread of this process, never by a reply
 
     def __new__(cls, *args, coro=None, **kwargs):
@@ -87,20 +92,24 @@ class Future(Generic[R]):
 
             if _mailbox is not None:
                 _mailbox.flush()  # a call this waits on may still sit in a batch
-            if _mailbox is not None and _mailbox.receiver_ident == threading.get_ident():
-                # We are the thread that receives replies: receive until ours is in.
-                _mailbox.wait_until(self.done, timeout)
-                settled = self._state != _PENDING
-            elif _mailbox is not None and _mailbox.can_lead() and not self._by_thread:
-                # A client's thread: receive ourselves while we wait (one thread hand-off less).
-                _mailbox.lead(self, timeout)
-                settled = self._state != _PENDING
-            elif _mailbox is not None and not self._by_thread and _mailbox.helps_here():
-                # Another thread of a proc (its receiving thread may be busy waiting for this one).
-                _mailbox.receive_for(self, timeout)
-                settled = self._state != _PENDING
-            else:
-                settled = self._wait(timeout)
+            try:
+                if _mailbox is not None and _mailbox.receiver_ident == threading.get_ident():
+                    # We are the thread that receives replies: receive until ours is in.
+                    _mailbox.wait_until(self.done, timeout)
+                    settled = self._state != _PENDING
+                elif _mailbox is not None and _mailbox.can_lead() and not self._by_thread:
+                    # A client's thread: receive ourselves while we wait (one thread hand-off less).
+                    _mailbox.lead(self, timeout)
+                    settled = self._state != _PENDING
+                elif _mailbox is not None and not self._by_thread and _mailbox.helps_here():
+                    # Another thread of a proc (its receiving thread may be busy waiting for this one).
+                    _mailbox.receive_for(self, timeout)
+                    settled = self._state != _PENDING
+                else:
+                    settled = self._wait(timeout)
+            except KeyboardInterrupt:
+                self._interrupted()
+                raise
             if not settled:
                 if timeout is None:  # only a receiving wait returns unsettled without a timeout
                     raise RuntimeError(f"no {self._what}: this process's mailbox closed while waiting for it")
@@ -153,7 +162,11 @@ class Future(Generic[R]):
             self.add_done_callback(wake)
             if _mailbox is not None and not self._by_thread and _mailbox.helps_here():
                 _mailbox.receive_on_loop(loop, woken)  # (an async __cleanup__ run on a loop of its own)
-            yield from woken.__await__()
+            try:
+                yield from woken.__await__()
+            except (asyncio.CancelledError, KeyboardInterrupt):  # the awaiting task was cancelled (a notebook's stop)
+                self._interrupted()
+                raise
         return self._result()
 
     def as_asyncio(self) -> asyncio.Future:
@@ -180,6 +193,16 @@ class Future(Generic[R]):
         return out
 
     # ---- internals --------------------------------------------------------------------------
+    def _interrupted(self) -> None:
+        """A wait on this Future was interrupted: stop the remote work it waits for, where it knows how (a call
+        of actors: ``actor._interrupt_call``). The Future itself stays pending until its procs answer."""
+        info = getattr(self, "_interrupt", None)
+        if info is not None and not self._state and _interrupt_hook is not None:
+            try:
+                _interrupt_hook(info)
+            except Exception as e:  # noqa: BLE001 - the interrupt itself goes on to the script
+                sys.stderr.write(f"monarch_tensor: could not stop the interrupted call on its procs: {e!r}\n")
+
     def _result(self) -> R:
         if self._state == _FAILED:
             raise self._value

@@ -166,6 +166,16 @@ class StopActor:
 
 @_fast_reduce
 @dataclass(frozen=True, slots=True)
+class InterruptCall:
+    """Client -> proc: the caller stopped waiting for the call that answers on ``reply`` (Ctrl-C, a notebook's
+    stop button): not started, it is dropped; running, an async endpoint's task is cancelled and a synchronous
+    one gets ``KeyboardInterrupt`` raised in it. Either way its caller is answered with an ``ActorError``."""
+
+    reply: PortRef
+
+
+@_fast_reduce
+@dataclass(frozen=True, slots=True)
 class StopProc:
     """Client -> proc: stop every actor and exit the process."""
 
