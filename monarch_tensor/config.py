@@ -24,6 +24,9 @@ SETTINGS: dict[str, tuple[Any, str, str]] = {
     "enable_log_forwarding": (True, "procs", "procs' stdout and stderr reach the script (procs spawned "
                                              "afterwards; procs.logging_option() switches a running mesh)"),
     "prefix_with_rank": (True, "client", "forwarded lines start with their proc's [rank]"),
+    "fold_repeated_lines": (True, "client", "in a terminal or a notebook, the same line from several ranks within "
+                                            "a quarter second prints once, with the ranks that printed it "
+                                            "(logging_option(aggregate_window_sec=...) sets another window)"),
     "rdma_allow_tcp_fallback": (True, "procs", "a buffer on another host that no RDMA device serves moves over "
                                                "TCP, with an RDMATcpFallbackWarning; False: that transfer fails"),
     "rdma_disable_ibverbs": (False, "procs", "never use the verbs backend, even where an RDMA device is found"),

@@ -3,6 +3,8 @@
 ``proc_mesh.logging_option(stream_to_client=True, aggregate_window_sec=3)``
 folds identical lines from many ranks within the window into one line:
 ``[4 similar lines] [rank 0-3] loss 1.23``. Folding never reorders one rank's lines (see ``_Group``).
+Without it, output to a terminal or a notebook is folded within ``DEFAULT_WINDOW_S`` (the warning every rank
+prints once shows once); ``configure(fold_repeated_lines=False)`` prints every line as it comes.
 """
 
 from __future__ import annotations
@@ -18,12 +20,16 @@ from .messages import ForwardLogs
 
 _lock = threading.Lock()
 _window: float | None = None
+_explicit = False  # logging_option(aggregate_window_sec=...) chose the window; else the default (effective_window)
 _flusher: threading.Thread | None = None
+# The window of the default folding: in a terminal or a notebook, the same line from several ranks within it
+# prints once (``configure(fold_repeated_lines=False)`` turns it off). Output to a file or a pipe is not folded.
+DEFAULT_WINDOW_S = 0.25
 
 
 def configure(aggregate_window_sec: float | None) -> None:
     """Fold repeated lines within ``aggregate_window_sec`` seconds (None or 0: print each at once)."""
-    global _window, _flusher
+    global _window, _explicit
     w, what = aggregate_window_sec, "logging_option(aggregate_window_sec=...) takes None or a number of seconds"
     if w is not None and (isinstance(w, bool) or not isinstance(w, (int, float))):
         raise TypeError(f"{what}, got {w!r}")
@@ -31,11 +37,35 @@ def configure(aggregate_window_sec: float | None) -> None:
         raise ValueError(f"{what} >= 0, got {w!r}")
     with _lock:
         _window = aggregate_window_sec if aggregate_window_sec and aggregate_window_sec > 0 else None
-        if _window is not None and _flusher is None:
-            _flusher = threading.Thread(target=_flush_loop, daemon=True, name="monarch-tensor-logs")
-            _flusher.start()
+        _explicit = True
+        _start_flusher(_window)
     if _window is None:
         flush()
+
+
+def _start_flusher(window: float | None) -> None:
+    global _flusher
+    if window is not None and _flusher is None:
+        _flusher = threading.Thread(target=_flush_loop, daemon=True, name="monarch-tensor-logs")
+        _flusher.start()
+
+
+def _interactive() -> bool:
+    """Whether the script's output goes to a person: a terminal, or a Jupyter notebook (ipykernel's streams)."""
+    out = sys.stdout
+    try:
+        if out.isatty():
+            return True
+    except (AttributeError, ValueError):  # (a closed or replaced stream)
+        return False
+    return type(out).__module__.startswith("ipykernel")
+
+
+def effective_window() -> float | None:
+    """The window in force: logging_option's, else the default folding's where it applies."""
+    if _explicit:
+        return _window
+    return DEFAULT_WINDOW_S if config.get("fold_repeated_lines") and _interactive() else None
 
 
 def _out(stream: int):
@@ -164,13 +194,16 @@ _last: dict[int, _Group] = {}  # rank -> the group of its latest line, while hel
 
 def client_log_sink(msg: ForwardLogs) -> None:
     """Called on the client's I/O thread for every batch of lines from a proc."""
+    window = effective_window()
     with _lock:
-        if _window is None:
+        if window is None:
             out = _out(msg.stream)
             prefix = f"[{msg.rank}] " if config.get("prefix_with_rank") else ""
             out.write("".join(f"{prefix}{line}\n" for line in msg.lines))
             out.flush()
             return
+        if not _explicit:
+            _start_flusher(window)  # (the default folding's; configure starts logging_option's)
         now = time.monotonic()
         for line in msg.lines:
             prev, group = _last.get(msg.rank), _latest.get((msg.stream, line))
@@ -229,6 +262,6 @@ atexit.register(flush)  # what the last window folded (procs stopped at exit flu
 
 def _flush_loop() -> None:
     while True:
-        w = _window
+        w = effective_window()
         time.sleep(min(w, 0.1) if w else 0.5)
         flush(older_than=w)

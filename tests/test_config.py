@@ -26,7 +26,8 @@ def _clean_runtime_layer():
 def test_layers_defaults_environment_runtime_and_configured(monkeypatch):
     assert monarch_tensor.configure is config.configure and monarch_tensor.configured is config.configured
     assert config.get_global_config() == {"enable_log_forwarding": True, "prefix_with_rank": True,
-                                          "rdma_allow_tcp_fallback": True, "rdma_disable_ibverbs": False}
+                                          "fold_repeated_lines": True, "rdma_allow_tcp_fallback": True,
+                                          "rdma_disable_ibverbs": False}
     monkeypatch.setenv("MONARCH_TENSOR_PREFIX_WITH_RANK", "0")
     assert config.get("prefix_with_rank") is False and config.get_runtime_config() == {}
     config.configure(prefix_with_rank=True)  # the runtime layer wins over the environment

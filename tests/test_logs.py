@@ -365,6 +365,7 @@ def _fold(monkeypatch, capsys, batches, flush_at=None, older_than=None) -> list[
     clock = [0.0]
     monkeypatch.setattr(logs, "time", type("Clock", (), {"monotonic": staticmethod(lambda: clock[0])}))
     monkeypatch.setattr(logs, "_window", 60.0)  # (no flusher thread: the test flushes)
+    monkeypatch.setattr(logs, "_explicit", True)
     for rank, batch, seen in batches:
         clock[0] = seen
         logs.client_log_sink(ForwardLogs(rank=rank, stream=1, lines=tuple(batch)))
@@ -443,3 +444,44 @@ def test_logging_option_is_a_coroutine_as_in_monarch(tmp_path):
         print("SCRIPT DONE")
     ''')
     assert "SCRIPT DONE" in out.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_terminal_sees_a_line_every_rank_printed_once(tmp_path):
+    """By default, output to a terminal (or a notebook) folds the same line from several ranks (a warning each
+    rank prints) into one, with the ranks; lines of one rank stay as they are. ``fold_repeated_lines=False``
+    prints every line; output to a pipe is never folded (the other tests here read per-rank lines)."""
+    pexpect = pytest.importorskip("pexpect", reason="pexpect is a dev extra: pip install -e '.[dev]'")
+    script = tmp_path / "fold.py"
+    script.write_text(PRELUDE + textwrap.dedent('''
+        import sys
+        from monarch_tensor import configure
+        if sys.argv[1] == "off":
+            configure(fold_repeated_lines=False)
+
+        class Warner(Actor):
+            @endpoint
+            def warn(self):
+                print("UserWarning: this op is slow", flush=True)
+                print(f"rank {current_rank().rank} own line", flush=True)
+
+        procs = this_host().spawn_procs(per_host={"gpus": 4})
+        procs.spawn("w", Warner).warn.call().get(timeout=60)
+        time.sleep(1.0)
+        procs.stop().get(timeout=30)
+        print("done")
+    '''))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    for mode in ("on", "off"):
+        child = pexpect.spawn(sys.executable, [str(script), mode], cwd=ROOT, env=env, encoding="utf-8", timeout=90)
+        child.expect(pexpect.EOF)
+        out = [line.strip() for line in child.before.splitlines()]
+        child.close()
+        assert child.exitstatus == 0, "\n".join(out)
+        assert sorted(x for x in out if "own line" in x) == [f"[{r}] rank {r} own line" for r in range(4)]
+        if mode == "on":
+            assert "[4 similar lines] [rank 0-3] UserWarning: this op is slow" in out, out
+            assert not any(x.startswith("[0] UserWarning") for x in out)
+        else:
+            assert sorted(x for x in out if "UserWarning" in x) == [f"[{r}] UserWarning: this op is slow"
+                                                                     for r in range(4)]
