@@ -14,6 +14,8 @@ the user's line). A hit costs a dict lookup and building the outputs.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 import weakref
 
@@ -91,7 +93,13 @@ class Tensor(DistributedMethods, torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return record(func, args, kwargs, None)
+        try:
+            return record(func, args, kwargs, None)
+        except Exception as e:
+            if isinstance(e, MeshTensorError) or getattr(e, "_at_user_line", False):
+                __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out
+                raise _user_facing(e) from None
+            raise
 
     def __repr__(self, **kwargs) -> str:
         if self._dist is not None:
@@ -253,6 +261,41 @@ class Tensor(DistributedMethods, torch.Tensor):
     def dropped(self) -> bool:
         """Whether ``drop()`` freed this tensor (or, for a borrowed one, ``borrow.drop()``)."""
         return self._ctx.sid < 0
+
+
+def _user_facing(e: Exception) -> Exception:
+    """``e``, an error of the script's call (torch's own for a wrong shape, or a ``MeshTensorError``), as local
+    torch shows it: raised at the user's line without the engine's frames or the meta kernel's error it came
+    from. Those stay on ``e.engine_traceback`` (text) for debugging the library."""
+    import traceback
+
+    e.engine_traceback = "".join(traceback.format_exception(e))
+    e.__cause__, e.__context__ = None, None
+    if sys.excepthook is not _trimming_excepthook and not hasattr(_trimming_excepthook, "prev"):
+        _trimming_excepthook.prev = sys.excepthook
+        sys.excepthook = _trimming_excepthook
+    return e.with_traceback(None)
+
+
+_ENGINE_DIRS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), d) + os.sep
+                     for d in ("controller", "worker", "monarch_tensor"))
+
+
+def _trimming_excepthook(exc_type, exc, tb) -> None:
+    """``sys.excepthook`` once the engine raised an error at a user's line: such an error, uncaught, prints
+    without the engine's dispatch frame (every other exception prints as before)."""
+    if getattr(exc, "engine_traceback", None) is not None and tb is not None:
+        frames = []
+        while tb is not None:
+            if not tb.tb_frame.f_code.co_filename.startswith(_ENGINE_DIRS):
+                frames.append(tb)
+            tb = tb.tb_next
+        if frames:
+            for a, b in zip(frames, frames[1:] + [None]):
+                a.tb_next = b
+            tb = frames[0]
+            exc = exc.with_traceback(tb)
+    _trimming_excepthook.prev(exc_type, exc, tb)
 
 
 def _no_memory(what: str, instead: str):
@@ -630,7 +673,9 @@ def _raise_torch_error(func, args, kwargs, tensors, error: Exception) -> None:
         try:
             _raise_as_torch(func, args, kwargs, tensors)
         except Exception as real:
+            real._at_user_line = True  # (torch's own error for this call: shown at the user's line)
             raise real from error
+    error._at_user_line = True
     raise error
 
 
