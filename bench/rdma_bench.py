@@ -709,13 +709,23 @@ def main():
                   f"tcp {monarch[n] / ours['tcp read'][n]:.1f}x Monarch's")
     if monarch_err:
         print(f"Monarch: {monarch_err}")
+    sys.path.insert(0, ROOT)
+    from rdma.buffer import backends
+
+    print("backends here (this table measures cma and tcp; verbs and cuda_ipc run where available):")
+    status = {}
+    for b in backends():
+        why = b.unavailable_reason()
+        status[b.name] = "available" if why is None else f"unavailable: {why}"
+        print(f"  {b.name:>8}: {status[b.name]}")
     print(plot(args.plot, rows, cols))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"settings": {"SIZES": SIZES, "REPEATS": REPEATS, "ROUNDS": ROUNDS, "PEER_MAX": PEER_MAX, "tiny": args.tiny},
                        "ctrl_rtt_us": ours["ctrl_rtt_us"], "owner_huge_mib": ours["owner_huge_mib"],
-                       "owner_thp_env": ours["owner_thp_env"], "seconds": rows, "monarch_error": monarch_err}, f,
+                       "owner_thp_env": ours["owner_thp_env"], "seconds": rows, "monarch_error": monarch_err,
+                       "backends": status}, f,
                       indent=1)
 
 

@@ -30,7 +30,11 @@ SETTINGS: dict[str, tuple[Any, str, str]] = {
     "rdma_allow_tcp_fallback": (True, "procs", "a buffer on another host that no RDMA device serves moves over "
                                                "TCP, with an RDMATcpFallbackWarning; False: that transfer fails"),
     "rdma_disable_ibverbs": (False, "procs", "never use the verbs backend, even where an RDMA device is found"),
+    "rdma_backend": ("", "procs", "the data-plane backend every transfer uses: verbs, cuda_ipc, cma or tcp "
+                              "(\"\": the best one for each pair of processes)"),
 }
+# Settings that take one of a few words.
+_CHOICES = {"rdma_backend": ("", "verbs", "cuda_ipc", "cma", "tcp")}
 # Monarch's keys for its Rust runtime: named in the error, so that a port from Monarch reads why.
 _HYPERACTOR = {
     "default_transport", "enable_file_capture", "tail_log_lines", "codec_max_frame_length",
@@ -99,6 +103,8 @@ def _check(name: str, value: Any) -> None:
     default = SETTINGS[name][0]
     if type(value) is not type(default):
         raise TypeError(f"configure({name}=...) takes a {type(default).__name__}, got {value!r}")
+    if name in _CHOICES and value not in _CHOICES[name]:
+        raise ValueError(f"configure({name}=...) takes one of {list(_CHOICES[name])}, got {value!r}")
 
 
 def _from_env(name: str) -> Any:

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 from monarch_tensor import _wire
 from monarch_tensor._net import ip_towards
+from monarch_tensor.config import _runtime as _config_runtime  # (what configure() set)
 from monarch_tensor.future import Future
 
 from ._future import TransferFuture
@@ -55,6 +56,7 @@ INLINE_BYTES = 64 << 20  # cma transfers up to this size run on the caller's thr
 
 _backends: list[Backend] | None = None
 _lock = threading.Lock()
+_logged: set[str] = set()  # backends whose first transfer here was logged (at info level, once each)
 
 
 def backends() -> list[Backend]:
@@ -84,18 +86,37 @@ def backend_named(name: str) -> Backend:
 
 
 def _forced_backend(name: str) -> Backend:
-    """The backend ``$MONARCH_TENSOR_RDMA_BACKEND`` names: a name that is none is an error naming the variable
-    (a bare "no data-plane backend named ..." left the user to find where that name came from)."""
+    """The backend ``configure(rdma_backend=...)`` or ``$MONARCH_TENSOR_RDMA_BACKEND`` names: a name that is
+    none is an error naming the setting (a bare "no data-plane backend named ..." left the user to find where
+    that name came from), and so is one this process cannot use, with the reason."""
     try:
-        return backend_named(name)
+        b = backend_named(name)
     except BackendUnavailableError as e:
-        raise BackendUnavailableError(f"{ENV_BACKEND}={name}: {e}") from None
+        raise BackendUnavailableError(f"{_where_forced()}: {e}") from None
+    why = b.unavailable_reason()
+    if why is not None:
+        raise BackendUnavailableError(f"{_where_forced()}, but the {name} backend is unavailable here: {why}")
+    return b
+
+
+def _where_forced() -> str:
+    chosen = _config_runtime.get("rdma_backend")
+    return f"configure(rdma_backend={chosen!r})" if chosen else f"{ENV_BACKEND}={os.environ.get(ENV_BACKEND)}"
+
+
+def unavailable_backends() -> dict[str, str]:
+    """Each backend this process cannot use, with why (``{"verbs": "no RDMA device", ...}``)."""
+    return {b.name: why for b in backends() if (why := b.unavailable_reason()) is not None}
 
 
 def _forced() -> str | None:
-    """``$MONARCH_TENSOR_RDMA_BACKEND``, read at every transfer (a test or a notebook may set it at any time),
-    from the environment's own dict where there is one: ``os.environ.get`` of a name that is not set raises
-    and catches a KeyError inside, 0.7 µs on this project's VM, a tenth of a small transfer's Python."""
+    """``configure(rdma_backend=...)``, else ``$MONARCH_TENSOR_RDMA_BACKEND``, read at every transfer (a test or
+    a notebook may set either at any time), the variable from the environment's own dict where there is one:
+    ``os.environ.get`` of a name that is not set raises and catches a KeyError inside, 0.7 µs on this
+    project's VM, a tenth of a small transfer's Python."""
+    chosen = _config_runtime.get("rdma_backend")
+    if chosen is not None:
+        return chosen or None
     if _ENV_DATA is None:
         return os.environ.get(ENV_BACKEND)
     v = _ENV_DATA.get(_ENV_KEY)
@@ -143,8 +164,11 @@ def candidates(desc: Descriptor, local: Mem) -> list[Backend]:
     if forced:
         b = _forced_backend(forced)
         if not b.can_serve(desc, local):
-            raise BackendUnavailableError(f"{ENV_BACKEND}={forced} but that backend cannot move buffer "
-                                          f"{desc.buf_id} ({desc.device} in pid {desc.pid}) to {local.device} here")
+            raise BackendUnavailableError(f"{_where_forced()} but that backend cannot move buffer "
+                                          f"{desc.buf_id} ({desc.device} in pid {desc.pid} on "
+                                          f"{desc.host.split('/')[0]}) to {local.device} here"
+                                          + (" (cma and cuda_ipc reach processes of this host only)"
+                                             if b.name in ("cma", "cuda_ipc") and desc.host != host_id() else ""))
         return [b]
     found = [b for b in backends() if b.can_serve(desc, local)]
     if not found:
@@ -361,6 +385,10 @@ class RDMABuffer:
             try:
                 (b.read if kind == "read" else b.write)(d, offset, local, timeout)
                 self._last_backend = b.name
+                if b.name not in _logged:
+                    _logged.add(b.name)
+                    log.info("data plane: %s moves buffers of %s (first transfer by it in this process)",
+                             b.name, "this host" if d.host == host_id() else d.host.split("/")[0])
                 return
             except BackendRefusedError as e:
                 log.warning("%s; falling back to the next backend", e)

@@ -27,7 +27,7 @@ def test_layers_defaults_environment_runtime_and_configured(monkeypatch):
     assert monarch_tensor.configure is config.configure and monarch_tensor.configured is config.configured
     assert config.get_global_config() == {"enable_log_forwarding": True, "prefix_with_rank": True,
                                           "fold_repeated_lines": True, "rdma_allow_tcp_fallback": True,
-                                          "rdma_disable_ibverbs": False}
+                                          "rdma_disable_ibverbs": False, "rdma_backend": ""}
     monkeypatch.setenv("MONARCH_TENSOR_PREFIX_WITH_RANK", "0")
     assert config.get("prefix_with_rank") is False and config.get_runtime_config() == {}
     config.configure(prefix_with_rank=True)  # the runtime layer wins over the environment

@@ -37,7 +37,8 @@ from monarch_tensor.rdma import (
     transfer_stats,
 )
 from rdma.backends import cma
-from rdma.buffer import ENV_BACKEND
+from rdma.buffer import ENV_BACKEND, unavailable_backends
+from rdma.errors import BackendUnavailableError
 
 BACKENDS = ["cma", "tcp"]
 N = 1 << 16
@@ -771,11 +772,40 @@ def test_cma_read_checks_the_slot_in_the_same_call(owners, monkeypatch):
         buf.read_into(out).get(timeout=30)
 
 
-def test_forced_backend_that_cannot_serve_is_a_clear_error(owners, monkeypatch):
+def test_forced_backend_that_cannot_serve_is_a_clear_error(owners, monkeypatch, caplog):
     monkeypatch.setenv(ENV_BACKEND, "cuda_ipc")
     buf = _owner(owners).make.call_one("forced", 100).get()
-    with pytest.raises(Exception, match="cannot move buffer"):
-        buf.read_into(torch.empty(100, dtype=torch.uint8)).get(timeout=10)
+    if torch.cuda.is_available():
+        with pytest.raises(Exception, match="cannot move buffer"):  # (CPU memory: not cuda_ipc's)
+            buf.read_into(torch.empty(100, dtype=torch.uint8)).get(timeout=10)
+    else:  # the reason the project knows, not just "cannot"
+        with pytest.raises(BackendUnavailableError, match=f"{ENV_BACKEND}=cuda_ipc, but the cuda_ipc backend is "
+                                                          f"unavailable here: (no CUDA device|this torch is a CPU-only)"):
+            buf.read_into(torch.empty(100, dtype=torch.uint8)).get(timeout=10)
+        assert "cuda_ipc" in unavailable_backends()
+    from monarch_tensor import config
+
+    monkeypatch.delenv(ENV_BACKEND)
+    if "verbs" in unavailable_backends():
+        with config.configured(rdma_backend="verbs"):  # the setting, as well as the variable
+            with pytest.raises(BackendUnavailableError, match="configure\\(rdma_backend='verbs'\\), but the verbs "
+                                                              "backend is unavailable here: .*(pyverbs|RDMA device)"):
+                buf.read_into(torch.empty(100, dtype=torch.uint8)).get(timeout=10)
+    import logging
+
+    import rdma.buffer
+
+    monkeypatch.setattr(rdma.buffer, "_logged", set())
+    with config.configured(rdma_backend="tcp"), caplog.at_level(logging.INFO, logger="monarch_tensor.rdma"):
+        for _ in range(2):
+            buf.read_into(torch.empty(100, dtype=torch.uint8)).get(timeout=10)
+        assert buf.backend == "tcp"
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data plane:")]
+    assert said == ["data plane: tcp moves buffers of this host (first transfer by it in this process)"]
+    buf.read_into(torch.empty(100, dtype=torch.uint8)).get(timeout=10)
+    assert buf.backend != "tcp"  # back to the best one for the pair
+    with pytest.raises(ValueError, match="takes one of \\['', 'verbs', 'cuda_ipc', 'cma', 'tcp'\\]"):
+        config.configure(rdma_backend="rdma")
     monkeypatch.setenv(ENV_BACKEND, "nonsense")  # the error names the variable the name came from
     with pytest.raises(Exception, match=f"{ENV_BACKEND}=nonsense: no data-plane backend named 'nonsense'"):
         get_rdma_backend()

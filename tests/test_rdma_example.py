@@ -43,6 +43,12 @@ def test_rdma_bench_tiny(tmp_path):
         for col in ("memcpy", "copy_ (all cores)", "raw tcp stream", "pyzmq copy", "gloo send/recv",
                     "cma read", "cma write", "tcp read", "tcp write"):
             assert row[col] > 0, (row["size"], col)
+    # every backend is listed, the unavailable ones with why
+    assert set(data["backends"]) == {"verbs", "cuda_ipc", "cma", "tcp"}
+    for name, state in data["backends"].items():
+        assert state == "available" or state.startswith("unavailable: "), (name, state)
+        assert f"{name:>8}: {state}" in p.stdout
+    assert data["backends"]["tcp"] == "available"
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "rdma.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:

@@ -31,6 +31,10 @@ class Backend:
         """Whether this process can use the backend at all."""
         return True
 
+    def unavailable_reason(self) -> str | None:
+        """None where ``available()``; else why not, in words a user can act on."""
+        return None if self.available() else "not available in this process"
+
     def usable(self, desc: Descriptor, local: Mem) -> bool:
         """Whether the backend can move bytes between ``desc``'s buffer and ``local`` from here."""
         raise NotImplementedError

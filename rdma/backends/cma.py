@@ -203,6 +203,9 @@ class CmaBackend(Backend):
     def available(self) -> bool:
         return _has_pid_ns()
 
+    def unavailable_reason(self) -> str | None:
+        return None if self.available() else "cross-memory attach (process_vm_readv) needs Linux with /proc"
+
     def usable(self, desc: Descriptor, local: Mem) -> bool:
         return desc.host == host_id() and (desc.pid, desc.started) not in self.refused
 

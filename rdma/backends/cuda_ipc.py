@@ -37,6 +37,15 @@ class CudaIpcBackend(Backend):
         torch = sys.modules.get("torch")
         return torch is not None and torch.cuda.is_available()
 
+    def unavailable_reason(self) -> str | None:
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return "torch is not imported in this process"
+        if not torch.cuda.is_available():
+            return ("no CUDA device" if torch.version.cuda else "this torch is a CPU-only build") + \
+                " (CUDA IPC moves GPU memory between processes of one host)"
+        return None
+
     def register(self, mem: Mem, extras: dict) -> None:
         if not mem.is_cuda:
             return

@@ -436,6 +436,11 @@ class VerbsBackend(Backend):
     def available(self) -> bool:
         return available()
 
+    def unavailable_reason(self) -> str | None:
+        if config.get("rdma_disable_ibverbs"):
+            return "configure(rdma_disable_ibverbs=True) turns it off"
+        return unavailable_reason()
+
     def register(self, mem: Mem, extras: dict) -> None:
         from .._registry import registry
 
