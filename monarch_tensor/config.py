@@ -241,6 +241,8 @@ def proc_env() -> dict[str, str]:
     for name, (default, where, _) in SETTINGS.items():
         if where == "procs":
             v = values[name]
+            if v == "" and default == "":
+                continue  # unset here: a proc keeps what its own environment says (a host agent's, say)
             out[_env_name(name)] = ("1" if v else "0") if isinstance(default, bool) else str(v)
     return out
 
