@@ -587,9 +587,18 @@ class ProcMesh(MeshTrait):
         seeds' ``mesh.execute(fn, batch)``). ``fn`` may be a lambda; mesh tensors among the arguments arrive as
         each rank's own tensor. ``fn``'s exception raises ``ActorError``; a lost proc ``SupervisionError`` (a
         ``DeviceMeshError``)."""
+        return self.execute_async(fn, *args, **kwargs).get(timeout=timeout)
+
+    def execute_async(self, fn, *args, **kwargs) -> Future:
+        """``execute`` without the wait: a ``Future`` of the ``ValueMesh``, as every actor call returns
+        (``.get()``, ``await``, or Ctrl-C during either, which stops ``fn`` on the procs).
+
+        >>> fut = procs.execute_async(load_shard, path)   # runs now on every proc
+        >>> shards = await fut                             # or fut.get(timeout=60)
+        """
         if not callable(fn):
             raise TypeError(f"execute() takes a function to run on every proc, got {fn!r}")
-        return self._runner().run.call(fn, args, kwargs).get(timeout=timeout)
+        return self._runner().run.call(fn, args, kwargs)
 
     def _runner(self):
         """The actor mesh, one per proc, that runs functions for ``execute`` (and remote functions' ``call``),

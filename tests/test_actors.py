@@ -399,6 +399,15 @@ def test_proc_mesh_execute_runs_a_function_on_every_proc(procs):
         procs.execute(lambda: 1 / 0)
     with pytest.raises(TypeError, match="a function to run on every proc"):
         procs.execute(42)
+    fut = procs.execute_async(lambda x: x + current_rank().rank, 10)  # the Future form, as other calls return
+    assert isinstance(fut, Future) and fut.get(timeout=T).values() == [10, 11, 12, 13]
+    assert asyncio.run(_awaited(procs.execute_async(lambda: "awaited"))).values() == ["awaited"] * 4
+    with pytest.raises(TypeError, match="a function to run on every proc"):
+        procs.execute_async(None)
+
+
+async def _awaited(fut):
+    return await fut
 
 
 def test_spawn_procs_runs_its_bootstrap_on_every_proc_before_returning():
