@@ -274,7 +274,38 @@ def _user_facing(e: Exception) -> Exception:
     if sys.excepthook is not _trimming_excepthook and not hasattr(_trimming_excepthook, "prev"):
         _trimming_excepthook.prev = sys.excepthook
         sys.excepthook = _trimming_excepthook
+        _trim_in_ipython()
     return e.with_traceback(None)
+
+
+def _without_engine_frames(tb):
+    """``tb`` without the entries of the engine's own files (the rest relinked); ``tb`` where none is left."""
+    frames = []
+    while tb is not None:
+        if not tb.tb_frame.f_code.co_filename.startswith(_ENGINE_DIRS):
+            frames.append(tb)
+        tb = tb.tb_next
+    if not frames:
+        return None
+    for a, b in zip(frames, frames[1:] + [None]):
+        a.tb_next = b
+    return frames[0]
+
+
+def _trim_in_ipython() -> None:
+    """In IPython and Jupyter (which print tracebacks themselves, always with the frame that raised), the same
+    trimming as ``_trimming_excepthook``, through IPython's custom exception handler, where none is set."""
+    get_ipython = getattr(sys.modules.get("IPython"), "get_ipython", None)
+    shell = get_ipython() if get_ipython is not None else None
+    if shell is None or getattr(shell, "custom_exceptions", None) != ():
+        return
+
+    def show(shell, etype, value, tb, tb_offset=None):
+        if getattr(value, "engine_traceback", None) is not None and tb is not None:
+            tb = _without_engine_frames(tb) or tb
+        shell.showtraceback((etype, value, tb), tb_offset=tb_offset)  # (shown here: it returns nothing to show)
+
+    shell.set_custom_exc((Exception,), show)
 
 
 _ENGINE_DIRS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), d) + os.sep
@@ -285,16 +316,8 @@ def _trimming_excepthook(exc_type, exc, tb) -> None:
     """``sys.excepthook`` once the engine raised an error at a user's line: such an error, uncaught, prints
     without the engine's dispatch frame (every other exception prints as before)."""
     if getattr(exc, "engine_traceback", None) is not None and tb is not None:
-        frames = []
-        while tb is not None:
-            if not tb.tb_frame.f_code.co_filename.startswith(_ENGINE_DIRS):
-                frames.append(tb)
-            tb = tb.tb_next
-        if frames:
-            for a, b in zip(frames, frames[1:] + [None]):
-                a.tb_next = b
-            tb = frames[0]
-            exc = exc.with_traceback(tb)
+        tb = _without_engine_frames(tb) or tb
+        exc = exc.with_traceback(tb)
     _trimming_excepthook.prev(exc_type, exc, tb)
 
 
