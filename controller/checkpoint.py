@@ -46,7 +46,7 @@ from .client import user_loc
 from .dtensor import distribute, placements_of
 from .errors import MeshTensorError
 from .placements import ShardingError
-from .tensor import Tensor, contiguous_meta, intern_meta
+from .tensor import Tensor, contiguous_meta, forget_value, intern_meta
 
 __all__ = ["StateDictOptions", "get_model_state_dict", "get_optimizer_state_dict", "get_state_dict", "load",
            "save", "set_model_state_dict", "set_optimizer_state_dict", "set_state_dict"]
@@ -172,6 +172,8 @@ def load(state_dict: dict, *, checkpoint_id=None, storage_reader=None, planner=N
                                      for i in range(n)], token)
     (central,) = _each(ctx, "load_global", [(0, (token, plans))], token)
     values = _each(ctx, "load_read", [(i, (token, central[i], kept)) for i in range(n)], token)[0]
+    for _, t in found:
+        forget_value(t)  # written on the workers: a value the controller knew (and its views') is stale
     for path, value in zip(kept, values):
         _put(plain, path, value)
     for k, v in state_dict.items():

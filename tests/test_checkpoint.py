@@ -15,7 +15,15 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict as torch_optim_sd
 
-from monarch_tensor import MeshTensorError, RemoteException, ShardingError, distribute, module_to_mesh, this_host
+from monarch_tensor import (
+    MeshTensorError,
+    RemoteException,
+    ShardingError,
+    distribute,
+    inspect,
+    module_to_mesh,
+    this_host,
+)
 from monarch_tensor import checkpoint as dcp
 from monarch_tensor.checkpoint import StateDictOptions
 
@@ -202,18 +210,28 @@ def test_mismatched_full_state_fails_at_the_load(procs, local_run):
 
 
 def test_load_errors_leave_the_mesh_usable(procs, tmp_path):
+    """A failed load (no checkpoint; a key the checkpoint lacks) raises the worker's error and leaves nothing
+    behind; a later load works, and the values the controller knew of the tensors it writes are dropped."""
     model, opt = _fresh(procs)
+    with procs.activate():
+        count = torch.zeros(()) + 3  # a value the controller knows too
     with pytest.raises(RemoteException, match="No such file|FileNotFoundError"):
         dcp.load({"model": model.state_dict()}, checkpoint_id=tmp_path / "missing")
-    dcp.save({"model": model.state_dict()}, checkpoint_id=tmp_path / "m")
+    dcp.save({"model": model.state_dict(), "count": count}, checkpoint_id=tmp_path / "m")
     with pytest.raises(RemoteException, match="optim"):
         dcp.load({"model": model.state_dict(), "optim": dcp.get_optimizer_state_dict(model, opt)},
                  checkpoint_id=tmp_path / "m")
     with pytest.raises(MeshTensorError, match="no mesh tensor"):
         dcp.save({"x": torch.ones(2)}, checkpoint_id=tmp_path / "local")
-    state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=tmp_path / "m")  # the failed ones left nothing behind
-    assert float(model[0].weight.sum().full_tensor()) == pytest.approx(float(_model(7)[0].weight.sum()), abs=1e-5)
+    count.add_(1)
+    with torch.no_grad():
+        model[0].weight.zero_()
+    state = {"model": model.state_dict(), "count": count}
+    dcp.load(state, checkpoint_id=tmp_path / "m")
+    assert state["count"] is count and float(inspect(count)) == 3
+    with pytest.raises(MeshTensorError, match="not possible"):
+        count.item()  # the controller's known value (4) is stale: dropped
+    torch.testing.assert_close(model[0].weight.full_tensor(), _model(7)[0].weight.detach())
 
 
 def test_torch_save_of_a_mesh_model_points_to_checkpoints(procs, tmp_path):
