@@ -13,11 +13,15 @@ import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict as torch_optim_sd
 
 from monarch_tensor import (
     MeshTensorError,
     RemoteException,
+    Replicate,
+    Shard,
     ShardingError,
     distribute,
     inspect,
@@ -55,7 +59,7 @@ def _step(model, opt, x, mesh=None) -> float:
     loss = model(distribute(x, mesh, sharding_spec=["dp", None]) if mesh is not None else x).pow(2).mean()
     loss.backward()
     opt.step()
-    return float(loss.detach().full_tensor().detach()) if mesh is not None else float(loss)
+    return float(loss.detach().full_tensor()) if mesh is not None else float(loss.detach())
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +165,27 @@ def test_checkpoint_is_torch_dcp(procs, local_run, tmp_path):
     whole = torch.load(tmp_path / "whole.pt")["model"]
     for k, v in ref_model.state_dict().items():
         torch.testing.assert_close(whole[k], v, rtol=0, atol=1e-6)
+
+
+_PLACEMENTS = st.sampled_from([Replicate(), Shard(0), Shard(1)])
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.integers(1, 5), cols=st.integers(1, 4), saved=_PLACEMENTS, loaded=_PLACEMENTS,
+       to_one=st.booleans())
+def test_tensor_round_trips_across_placements_and_mesh_sizes(procs, tmp_path_factory, rows, cols, saved, loaded,
+                                                            to_one):
+    """Any tensor saved with any placement (uneven shards too) loads into any other placement, on the same
+    mesh or on one proc, with the saved value; plain values come back as saved."""
+    value = torch.randn(rows, cols)
+    path = tmp_path_factory.mktemp("prop")
+    dcp.save({"t": distribute(value, procs, [saved]), "meta": {"rows": rows, "tag": ("a", 1)}}, checkpoint_id=path)
+    mesh = procs.slice(dp=slice(0, 1)) if to_one else procs
+    state = {"t": distribute(torch.zeros(rows, cols), mesh, [loaded]), "meta": {"rows": -1, "tag": None}}
+    dcp.load(state, checkpoint_id=path)
+    assert state["meta"] == {"rows": rows, "tag": ("a", 1)}
+    torch.testing.assert_close(state["t"].full_tensor(), value, rtol=0, atol=0)
+    assert state["t"].placements == (loaded,)
 
 
 def test_full_state_dicts_into_a_sharded_model(procs, local_run):
