@@ -23,6 +23,7 @@ from monarch_tensor import (
     Replicate,
     Shard,
     ShardingError,
+    call_on_shard_and_fetch,
     distribute,
     inspect,
     module_to_mesh,
@@ -160,11 +161,15 @@ def test_checkpoint_is_torch_dcp(procs, local_run, tmp_path):
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     for x in _batches()[:2]:
         _step(model, opt, x, procs)
-    dcp.save({"model": model.state_dict()}, checkpoint_id=tmp_path / "ck")
+    dcp.save({"model": model}, checkpoint_id=tmp_path / "ck")  # a Stateful value: its state_dict(), as DCP
     dcp_to_torch_save(tmp_path / "ck", tmp_path / "whole.pt")
     whole = torch.load(tmp_path / "whole.pt")["model"]
     for k, v in ref_model.state_dict().items():
         torch.testing.assert_close(whole[k], v, rtol=0, atol=1e-6)
+    fresh, _ = _fresh(procs)
+    dcp.load({"model": fresh}, checkpoint_id=tmp_path / "ck")  # and its load_state_dict()
+    for k, v in dcp.get_model_state_dict(fresh, options=FULL).items():
+        torch.testing.assert_close(v, whole[k], rtol=0, atol=0)
 
 
 _PLACEMENTS = st.sampled_from([Replicate(), Shard(0), Shard(1)])
@@ -234,9 +239,10 @@ def test_mismatched_full_state_fails_at_the_load(procs, local_run):
         dcp.set_optimizer_state_dict(model, opt, other)
 
 
-def test_load_errors_leave_the_mesh_usable(procs, tmp_path):
-    """A failed load (no checkpoint; a key the checkpoint lacks) raises the worker's error and leaves nothing
-    behind; a later load works, and the values the controller knew of the tensors it writes are dropped."""
+def test_failures_leave_the_mesh_usable(procs, tmp_path):
+    """A failed load (no checkpoint; a key the checkpoint lacks) or save (one rank fails to write) raises the
+    worker's error and leaves nothing behind on any rank; a later load works, and the values the controller
+    knew of the tensors it writes are dropped."""
     model, opt = _fresh(procs)
     with procs.activate():
         count = torch.zeros(()) + 3  # a value the controller knows too
@@ -246,6 +252,17 @@ def test_load_errors_leave_the_mesh_usable(procs, tmp_path):
     with pytest.raises(RemoteException, match="optim"):
         dcp.load({"model": model.state_dict(), "optim": dcp.get_optimizer_state_dict(model, opt)},
                  checkpoint_id=tmp_path / "m")
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    class FailsOnRank1(DefaultSavePlanner):  # (a local class: its code travels to the workers)
+        def finish_plan(self, plan):
+            if not self.is_coordinator:
+                raise OSError("disk full on this rank")
+            return super().finish_plan(plan)
+
+    with pytest.raises(RemoteException, match="disk full"):  # the coordinator wrote and waits for .metadata
+        dcp.save({"model": model.state_dict()}, checkpoint_id=tmp_path / "f", planner=FailsOnRank1())
+    assert ".metadata" not in os.listdir(tmp_path / "f")
     with pytest.raises(MeshTensorError, match="no mesh tensor"):
         dcp.save({"x": torch.ones(2)}, checkpoint_id=tmp_path / "local")
     count.add_(1)
@@ -253,6 +270,9 @@ def test_load_errors_leave_the_mesh_usable(procs, tmp_path):
         model[0].weight.zero_()
     state = {"model": model.state_dict(), "count": count}
     dcp.load(state, checkpoint_id=tmp_path / "m")
+    with procs.activate():  # the failed ones left nothing behind
+        assert [call_on_shard_and_fetch("worker.checkpoint.pending", shard={"dp": r}).result() for r in (0, 1)] \
+            == [0, 0]
     assert state["count"] is count and float(inspect(count)) == 3
     with pytest.raises(MeshTensorError, match="not possible"):
         count.item()  # the controller's known value (4) is stale: dropped

@@ -136,3 +136,9 @@ def load_read(token: str, plan, paths: list) -> list:
             node = node[key]
         out.append(node)
     return out
+
+
+def pending() -> int:
+    """How many saves and loads this proc holds between their steps (a test and debugging aid)."""
+    with _lock:
+        return len(_pending)
