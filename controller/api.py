@@ -30,7 +30,9 @@ from worker import messages as m
 from worker.opaque import OpaqueRef
 
 from .client import Ctx, MeshClient, user_loc
+from .dtensor import distribute, placements_of
 from .errors import BorrowError, MeshTensorError
+from .placements import ShardingError
 from .process_group import RemoteProcessGroup
 from .tensor import (
     Loans,
@@ -64,6 +66,7 @@ def client_for(pm) -> MeshClient:
             if c is None:
                 pm._check_alive()
                 c = alloc._tensor_client = MeshClient(alloc)
+                _install_optimizer_hook()
     return c
 
 
@@ -198,6 +201,42 @@ def _keep_generators() -> None:
     """The ranks' generators had different states (see ``_lend_generator``): they keep them."""
 
 
+_optimizer_hooked = False
+
+
+def _install_optimizer_hook() -> None:
+    """Wrap ``Optimizer._process_value_according_to_param_policy`` (once; every mesh client's first use)."""
+    global _optimizer_hooked
+    if _optimizer_hooked:
+        return
+    _optimizer_hooked = True
+    # optimizer.load_state_dict() moves each state tensor to its parameter with ``value.to(device=param.device)``;
+    # a mesh tensor names the CPU as its device, so a local checkpoint's state stayed local and the next step()
+    # failed. Here it goes to the parameter's mesh, as a module's load_state_dict copies local values there; a
+    # distributed parameter's state is distributed like it (a scalar such as ``step`` stays local, as the
+    # optimizer makes it), and state of another shape than such a parameter's fails here, naming it.
+    optimizer = torch.optim.Optimizer
+    process = optimizer._process_value_according_to_param_policy
+
+    @functools.wraps(process)
+    def process_value(param, value, param_id=None, param_groups=None, key=None):
+        out = process(param, value, param_id, param_groups, key)
+        if type(param) is not Tensor or type(out) is not torch.Tensor:
+            return out
+        if param._dist is None:
+            return record(torch.ops.aten.clone.default, (out,), {}, param._ctx)  # (a local tensor is uploaded)
+        if out.dim() == 0 and param.dim() > 0:
+            return out
+        if out.shape != param.shape:
+            raise ShardingError(f"optimizer.load_state_dict: the state {key!r} of parameter {param_id} has shape "
+                                f"{tuple(out.shape)}, but the parameter is distributed with shape "
+                                f"{tuple(param.shape)}, so it cannot be placed like it; load a state made for this "
+                                f"model (monarch_tensor.checkpoint.set_optimizer_state_dict names parameters by FQN)")
+        return distribute(out, param._dist.mesh, placements_of(param))
+
+    optimizer._process_value_according_to_param_policy = staticmethod(process_value)
+
+
 def _install_factories() -> None:
     """Wrap torch's factory functions: inside ``activate()`` they create mesh tensors.
 
@@ -287,20 +326,6 @@ def _install_factories() -> None:
     torch.get_rng_state = torch.random.get_rng_state = get_rng_state
     torch.set_rng_state = torch.random.set_rng_state = set_rng_state
 
-    # optimizer.load_state_dict() moves each state tensor to its parameter with ``value.to(device=param.device)``;
-    # a mesh tensor names the CPU as its device, so a local checkpoint's state stayed local and the next step()
-    # failed. Here it goes to the parameter's mesh, as a module's load_state_dict copies local values there.
-    optimizer = torch.optim.Optimizer
-    process = optimizer._process_value_according_to_param_policy
-
-    @functools.wraps(process)
-    def process_value(param, value, *args, **kwargs):
-        out = process(param, value, *args, **kwargs)
-        if type(param) is Tensor and param._dist is None and type(out) is torch.Tensor:
-            return record(torch.ops.aten.clone.default, (out,), {}, param._ctx)  # (a local tensor is uploaded)
-        return out
-
-    optimizer._process_value_according_to_param_policy = staticmethod(process_value)
 
     # F.one_hot(t) without num_classes sizes its result by t.max().item() + 1, a read of the value that torch
     # makes inside the op: refused, it named an .item() the script never called. It is an op whose output

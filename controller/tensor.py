@@ -121,7 +121,15 @@ class Tensor(DistributedMethods, torch.Tensor):
         return super().to(*args, **kwargs)
 
     def __reduce_ex__(self, proto):
-        raise MeshTensorError("a mesh tensor cannot be pickled on the controller; fetch it with fetch_shard(t)")
+        whole = "t.full_tensor() (the whole value)" if getattr(self, "_dist", None) is not None else \
+            "fetch_shard(t).result() (one rank's value)"
+        raise MeshTensorError(
+            "a mesh tensor cannot be pickled on the controller (torch.save, pickle). To checkpoint a model and "
+            "optimizer on a mesh, each rank writing its own shards: model_sd, optim_sd = "
+            "monarch_tensor.checkpoint.get_state_dict(model, opt); monarch_tensor.checkpoint.save({'model': "
+            "model_sd, 'optim': optim_sd}, checkpoint_id=path) (and checkpoint.load, checkpoint.set_state_dict). "
+            "For one file of whole CPU tensors: torch.save(checkpoint.get_model_state_dict(model, options="
+            f"checkpoint.StateDictOptions(full_state_dict=True)), path). For this tensor's value: {whole}")
 
     def __deepcopy__(self, memo):
         """A new mesh tensor with a copy of the value on every rank (``copy.deepcopy(model)`` of a model on the

@@ -61,10 +61,15 @@ _ENGINE = {
 }
 
 
+_SUBMODULES = ("checkpoint",)  # engine submodules, imported on first use too
+
+
 def __getattr__(name: str):
+    import importlib
+
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
     mod = _ENGINE.get(name)
     if mod is None:
         raise AttributeError(f"module 'monarch_tensor' has no attribute {name!r}")
-    import importlib
-
     return getattr(importlib.import_module(mod), name)
