@@ -30,9 +30,7 @@ from worker import messages as m
 from worker.opaque import OpaqueRef
 
 from .client import Ctx, MeshClient, user_loc
-from .dtensor import distribute, placements_of
 from .errors import BorrowError, MeshTensorError
-from .placements import ShardingError
 from .process_group import RemoteProcessGroup
 from .tensor import (
     Loans,
@@ -220,6 +218,11 @@ def _install_optimizer_hook() -> None:
 
     @functools.wraps(process)
     def process_value(param, value, param_id=None, param_groups=None, key=None):
+        # (imported here: torch.distributed.tensor costs a second or two, which the first spawn's warm-up pays
+        # in the background; a script that imports the engine must not pay it up front)
+        from .dtensor import distribute, placements_of
+        from .placements import ShardingError
+
         out = process(param, value, param_id, param_groups, key)
         if type(param) is not Tensor or type(out) is not torch.Tensor:
             return out
