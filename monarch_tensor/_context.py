@@ -58,6 +58,20 @@ class ActorContext:
 
         return this_proc()
 
+    def abort(self, reason: str | None = None) -> None:
+        """Stop this actor with a failure (Monarch's): calls queued to it and later ones fail, the running one
+        still answers, its ``__cleanup__`` runs, and its owner's supervision is told (``__supervise__``, else
+        ``unhandled_fault_hook``) with a ``SupervisionError`` giving ``reason``."""
+        from ._proc import current_runtime
+
+        rt = current_runtime()
+        if rt is None or self.instance is None:
+            raise RuntimeError("abort() stops the actor it is called in: call it from an endpoint (the script is "
+                               "no actor; raise or sys.exit() there)")
+        if reason is not None and not isinstance(reason, str):
+            raise TypeError(f"abort(reason) takes a string or None, got {reason!r}")
+        rt.abort_actor(self.actor_name, reason)
+
     @property
     def message_rank(self) -> Point:
         """Where this actor lies in the slice of its mesh that the current message was sent to (Monarch's:

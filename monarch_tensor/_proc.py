@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from . import _context, _proc_ext, _zygote
-from .errors import ActorError, ActorStoppedError
+from .errors import ActorAbortedError, ActorError, ActorStoppedError
 from .logs import OUTPUT_WAIT_S
 from .mailbox import _EVENTS, _POLLIN, Mailbox, set_current_mailbox
 from .messages import (
@@ -484,6 +484,33 @@ class ProcRuntime:
                 entry.done.set()
         slot.queue.clear()  # (a place not filled yet: fill() finds it gone and answers the call then)
         self._reply(msg.reply, None, None, self.rank)
+
+    def abort_actor(self, name: str, reason: str | None) -> None:
+        """``context().actor_instance.abort(reason)`` in actor ``name``: it stops as ``ActorMesh.stop`` stops it
+        (after the running call), the calls queued to it fail with the abort, and its owner is told."""
+        slot = self.actors.get(name)
+        if slot is None or slot.stopped is not None:
+            return
+        text = reason if reason else "no reason provided"
+        rank = slot.ctx.rank.rank
+        cls = type(slot.instance).__name__
+        err = ActorAbortedError(f"actor {name} ({cls}) rank {rank} on proc {self.rank} aborted: {text}",
+                                actor=name, rank=rank, proc=self.mailbox.addr)
+        slot.stopped = f"aborted: {text}"
+        queued, slot.queue = list(slot.queue), collections.deque()
+        for entry in queued:
+            if type(entry) is StopActor:
+                self._reply(entry.reply, None, None, self.rank)
+            elif type(entry) is Reserved:
+                if entry.ready and entry.msg is not None:
+                    self._reply(entry.msg.reply, None, err, rank)
+                    entry.done.set()
+                # (a place not filled yet: fill() finds it gone, and the stopped actor answers the call then)
+            else:
+                self._reply(entry.reply, None, err, rank)
+        slot.queue.append(StopActor(name, slot.stopped, None))  # cleanup once the running call returns
+        self.loop.call_soon_threadsafe(self._pump, slot)
+        self.mailbox.send(slot.owner or self.client_addr, ActorFault(self.mailbox.addr, err))
 
     def _stopped_error(self, slot: _Slot, method: str) -> ActorError:
         return ActorStoppedError(slot.name, slot.ctx.rank.rank, method.partition("/")[0], slot.stopped)

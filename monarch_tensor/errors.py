@@ -83,6 +83,22 @@ def _make_supervision_error(message, proc, rank, exit_status):
 MeshFailure = SupervisionError
 
 
+class ActorAbortedError(SupervisionError):
+    """An actor stopped itself with a failure: ``context().actor_instance.abort(reason)`` (Monarch's). Its
+    owner's supervision sees it (``__supervise__``, else ``unhandled_fault_hook``); calls to it fail."""
+
+    def __init__(self, message: str, *, actor: str = "", rank: int | None = None, proc: str = "") -> None:
+        super().__init__(message, proc=proc, rank=rank)
+        self.actor = actor
+
+    def __reduce__(self):
+        return (_make_aborted_error, (str(self), self.actor, self.rank, self.proc))
+
+
+def _make_aborted_error(message, actor, rank, proc):
+    return ActorAbortedError(message, actor=actor, rank=rank, proc=proc)
+
+
 class ProtocolError(Exception):
     """A message on the wire could not be decoded (a bug or a stray sender)."""
 

@@ -458,9 +458,12 @@ def _on_actor_fault(mailbox, msg: ActorFault) -> None:
 
     name = getattr(msg.error, "actor", "?")
     owner = _mesh_owners.get((msg.proc, name))
-    what = getattr(msg.error, "message", None) or repr(msg.error)
-    rank = getattr(msg.error, "rank", None)
-    err = SupervisionError(f"{what} (in a call nobody awaited: a broadcast)", proc=msg.proc, rank=rank)
+    if isinstance(msg.error, SupervisionError):  # the actor aborted itself (ActorAbortedError)
+        err = msg.error
+    else:
+        what = getattr(msg.error, "message", None) or repr(msg.error)
+        rank = getattr(msg.error, "rank", None)
+        err = SupervisionError(f"{what} (in a call nobody awaited: a broadcast)", proc=msg.proc, rank=rank)
     err.mesh = next((m for m in list(_live_meshes) if any(p.addr == msg.proc for p in m._procs)), None)
     _supervise_later(owner, err)
 

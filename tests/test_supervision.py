@@ -20,6 +20,7 @@ from monarch_tensor.actor import (
     Channel,
     SupervisionError,
     concurrent_endpoint,
+    context,
     current_rank,
     endpoint,
     this_host,
@@ -1156,3 +1157,45 @@ def test_a_proc_dying_in_a_collective_of_a_formed_group_is_the_fetchs_death(faul
         assert faults == []
     finally:
         procs.stop().get(timeout=30)
+
+
+class Aborter(Actor):
+    def __init__(self):
+        self.cleaned = False
+
+    @endpoint
+    def abort(self, reason=None):
+        context().actor_instance.abort(reason)
+        return "answered"
+
+    @endpoint
+    def ping(self):
+        return "pong"
+
+    def __cleanup__(self, exc):
+        print(f"aborter cleanup on rank {current_rank().rank}", flush=True)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("reason", [None, "test abort reason"])
+def test_an_actor_that_aborts_is_a_supervision_failure_for_its_owner(faults, reason):
+    # Monarch's context().actor_instance.abort(reason): the actor ends with a failure that its owner's supervision
+    # sees (here the script's unhandled_fault_hook), with the reason; calls to it fail; other actors go on.
+    procs = this_host().spawn_procs({"gpus": 1})
+    try:
+        a, other = procs.spawn("aborter", Aborter), procs.spawn("other", Aborter)
+        queued = [a.abort.call_one(reason), a.ping.call_one()]
+        assert queued[0].get(timeout=30) == "answered"  # the running call still answers
+        _wait_for(lambda: faults)
+        assert len(faults) == 1 and isinstance(faults[0], SupervisionError)
+        report = faults[0].report()
+        assert "Aborter" in report and (reason or "no reason provided") in report and faults[0].rank == 0
+        with pytest.raises(SupervisionError, match="aborted"):
+            queued[1].get(timeout=30)  # queued behind the abort
+        with pytest.raises(SupervisionError, match="was stopped \\(aborted"):
+            a.ping.call_one().get(timeout=30)
+        assert other.ping.call_one().get(timeout=30) == "pong"
+    finally:
+        procs.stop().get(timeout=30)
+    with pytest.raises(RuntimeError, match="call it from an endpoint"):
+        context().actor_instance.abort("from the script")
