@@ -73,6 +73,9 @@ def module_to_mesh(module: nn.Module, mesh=None, *, dp_dim: str | None = None, t
         raise ShardingError(f"plan entries {unmatched} match no submodule of {type(module).__name__} "
                             f"(its submodules: {[n for n in submodules if n][:12]}...)")
     styles = {n: plan[p] for p, hits in matched.items() for n in hits}
+    # A parameter (or buffer) reachable from several modules (tied embeddings: ``head.weight is tok.weight``)
+    # becomes one global tensor, set on each of them: matched by identity, as torch's own sharding APIs do.
+    made: dict[int, tuple] = {}
     for mname, mod in submodules.items():
         for pname, p in list(mod.named_parameters(recurse=False)):
             places = {}
@@ -80,11 +83,23 @@ def module_to_mesh(module: nn.Module, mesh=None, *, dp_dim: str | None = None, t
                 places[tp_dim] = _tp_placement(mod, pname, styles[mname], mname)
             elif dp_dim is not None and p.dim() > 0 and p.shape[0] >= dp_size:
                 places[dp_dim] = Shard(0)
+            seen = made.get(id(p))
+            if seen is not None:
+                if seen[1] != places:
+                    raise ShardingError(f"parameter {mname}.{pname} is shared with {seen[2]}, which the plan lays out "
+                                        f"differently ({seen[1]} and {places}); a shared parameter has one layout: "
+                                        f"give both modules the same style, or neither a style")
+                setattr(mod, pname, seen[0])
+                continue
             dt = distribute(p.detach(), mesh, places)
             param = nn.Parameter(dt, requires_grad=p.requires_grad)
             param._dist = dt._dist  # detach() keeps the placements
+            made[id(p)] = (param, places, f"{mname}.{pname}", p)  # (p kept: its id stays unique)
             setattr(mod, pname, param)
         for bname, b in list(mod.named_buffers(recurse=False)):
             if b is not None and isinstance(b, torch.Tensor):
-                setattr(mod, bname, distribute(b, mesh, {}))
+                seen = made.get(id(b))
+                if seen is None:
+                    seen = made[id(b)] = (distribute(b, mesh, {}), None, f"{mname}.{bname}", b)
+                setattr(mod, bname, seen[0])
     return module

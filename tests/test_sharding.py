@@ -1,0 +1,94 @@
+"""``module_to_mesh``: shared parameters stay shared; training matches local torch.
+
+One proc mesh {"dp": 2} is shared by the module. Every run is compared with
+the same model trained by local torch on the same batches (3 AdamW steps).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from monarch_tensor import Shard, distribute, module_to_mesh, this_host
+
+pytestmark = pytest.mark.timeout(120)
+T = 60
+VOCAB, BLOCK, EMBD, BATCH = 16, 8, 8, 4
+
+
+@pytest.fixture(scope="module")
+def dp2():
+    procs = this_host().spawn_procs({"dp": 2})
+    yield procs
+    procs.stop().get(timeout=T)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln, self.fc, self.proj = nn.LayerNorm(EMBD), nn.Linear(EMBD, 2 * EMBD), nn.Linear(2 * EMBD, EMBD)
+
+    def forward(self, x):
+        return x + self.proj(F.gelu(self.fc(self.ln(x))))
+
+
+class TinyGPT(nn.Module):
+    """A GPT-ish model whose ``head.weight is wte.weight`` (tied embeddings)."""
+
+    def __init__(self, tied: bool = True) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(VOCAB, EMBD), nn.Embedding(BLOCK, EMBD)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.ln_f, self.head = nn.LayerNorm(EMBD), nn.Linear(EMBD, VOCAB, bias=False)
+        if tied:
+            self.head.weight = self.wte.weight
+        self.register_buffer("pos", torch.arange(BLOCK))
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(self.pos[: idx.shape[1]])
+        for b in self.blocks:
+            x = b(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def _batches(n: int = 3):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        seq = (torch.randint(0, VOCAB, (BATCH, 1), generator=g) + torch.arange(BLOCK + 1)) % VOCAB
+        out.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))
+    return out
+
+
+def _train(model, batches, place=lambda t: t, value=lambda loss: loss.item()):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = model(place(x), place(y))
+        loss.backward()
+        opt.step()
+        losses.append(value(loss))
+    return losses
+
+
+def _global_batch(mesh):
+    return lambda t: distribute(t, mesh, {"dp": Shard(0)})
+
+
+def test_tied_embeddings_stay_one_parameter_and_train_as_local(dp2):
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    model = module_to_mesh(copy.deepcopy(ref), dp2)
+    assert model.head.weight is model.wte.weight
+    assert len(list(model.parameters())) == len(list(ref.parameters())) == 16  # (head.weight is wte.weight)
+    batches = _batches()
+    want = _train(ref, batches)
+    got = _train(model, batches, _global_batch(dp2), lambda loss: loss.full_tensor().item())
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(model.wte.weight.full_tensor(), ref.wte.weight.detach(), rtol=1e-4, atol=1e-5)
