@@ -91,10 +91,11 @@ RUNTIMES = {"ours": "monarch-tensor", "local": "local torch", "spmd": "torchrun 
 WORKLOADS = [  # key, label
     ("matmul_ms", "`dt @ dt.T` {N}x{N}, + sum to controller"),
     ("full_ms", "`dt @ dt.T` {N}x{N}, + full_tensor()"),
-    ("fsdp_step_ms", "GPT step, FSDP-style {{dp: 2}}, AdamW"),
+    ("fsdp_step_ms", "GPT step, FSDP {{dp: 2}} (plain units), AdamW"),
+    ("fsdp_dt_step_ms", "GPT step, {{dp: 2}} DTensor inputs, AdamW"),
     ("tp_step_ms", "GPT step, {{dp: 2, tp: 2}} TP_PLAN, AdamW"),
 ]
-STEP_KEYS = {"fsdp_step_ms": "fsdp", "tp_step_ms": "tp"}
+STEP_KEYS = {"fsdp_step_ms": "fsdp", "fsdp_dt_step_ms": "fsdp_dt", "tp_step_ms": "tp"}
 
 
 # ---- shared: model and data ----------------------------------------------------------------
@@ -203,7 +204,7 @@ def matmuls(res, x, dist, barrier=lambda: None):
 def measure_ours(res):
     import torch
 
-    from monarch_tensor import Replicate, Shard, distribute, module_to_mesh, remote, this_host
+    from monarch_tensor import Replicate, Shard, distribute, fetch_shard, module_to_mesh, remote, this_host
 
     ts = gpt_module()
     data = batches(ts, n_batches())
@@ -215,22 +216,30 @@ def measure_ours(res):
             remote("torch.set_num_threads", propagate=lambda n: None)(THREADS)
         return procs
 
-    def train(procs, plan, key):
+    def train(procs, plan, key, plain=False):
         names = procs._shape.names
         model = module_to_mesh(make_model(ts), procs, plan=plan)
         batch_places = {n: (Shard(0) if n == "dp" else Replicate()) for n in names}
         pos = distribute(torch.arange(ts.BLOCK), procs, {})
-        step = training_step(model, pos, lambda x, y: (distribute(x, procs, batch_places),
-                                                        distribute(y, procs, batch_places)))
+        if plain:  # each rank its half of the batch as a plain mesh tensor: module_to_mesh's FSDP units run
+            pos = pos.to_local()
+            step = training_step(model, pos, lambda x, y: (distribute(x, procs, batch_places).to_local(),
+                                                            distribute(y, procs, batch_places).to_local()))
+            sync = lambda loss: fetch_shard(loss.reduce("dp", "avg")).result().item()  # noqa: E731
+        else:
+            step = training_step(model, pos, lambda x, y: (distribute(x, procs, batch_places),
+                                                            distribute(y, procs, batch_places)))
+            sync = lambda loss: loss.full_tensor().item()  # noqa: E731
 
         losses = res["losses"][STEP_KEYS[key]] = []
-        timed_steps(step, data, lambda loss: loss.full_tensor().item(), res, key, losses)
+        timed_steps(step, data, sync, res, key, losses)
 
     procs = spawn({"dp": PROCS})
     try:
         torch.manual_seed(0)
         matmuls(res, distribute(torch.randn(N, N), procs, [Shard(0)]), dist=True)
-        train(procs, None, "fsdp_step_ms")
+        train(procs, None, "fsdp_step_ms", plain=True)
+        train(procs, None, "fsdp_dt_step_ms")
     finally:
         procs.stop().get(timeout=TIMEOUT)
     if TP:
@@ -254,8 +263,8 @@ def measure_local(res):
 
     losses = []
     timed_steps(step, data, lambda loss: loss.item(), res, "fsdp_step_ms", losses)
-    res["tp_step_ms"] = res["fsdp_step_ms"]  # the same model, data and step: one local figure for both rows
-    res["losses"] = {"fsdp": losses, "tp": losses}
+    res["tp_step_ms"] = res["fsdp_dt_step_ms"] = res["fsdp_step_ms"]  # the same step: one figure for all rows
+    res["losses"] = {"fsdp": losses, "fsdp_dt": losses, "tp": losses}
 
 
 # ---- SPMD (one rank of torchrun) ------------------------------------------------------------
@@ -336,6 +345,9 @@ def spmd_worker(mode, res):
         losses = []
         timed_steps(step, data, loss_value, res, key, losses, barrier)
         res["losses"] = {STEP_KEYS[key]: losses}
+        if mode == "dp":  # DTensor SPMD: the same ops as ours with DTensor inputs
+            res["fsdp_dt_step_ms"] = res["fsdp_step_ms"]
+            res["losses"]["fsdp_dt"] = losses
     finally:
         with contextlib.suppress(Exception):
             dist.barrier()
@@ -421,7 +433,7 @@ def loss_checks(runs, kinds):
     import math
 
     losses, match = {}, {}
-    for which in ("fsdp", "tp"):
+    for which in ("fsdp", "fsdp_dt", "tp"):
         got = {}
         for k in kinds:
             v = next((r["losses"][which] for r in runs[k] if which in r.get("losses", {})), None)
