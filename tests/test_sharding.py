@@ -13,11 +13,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from monarch_tensor import Shard, distribute, fetch_shard, module_to_mesh, this_host
+from monarch_tensor import Replicate, Shard, distribute, fetch_shard, module_to_mesh, this_host
 
 pytestmark = pytest.mark.timeout(120)
 T = 60
-VOCAB, BLOCK, EMBD, BATCH = 16, 8, 8, 4
+VOCAB, BLOCK, EMBD, BATCH = 15, 8, 8, 4  # (VOCAB odd: the embedding's shards are uneven)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,8 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    """A GPT-ish model whose ``head.weight is wte.weight`` (tied embeddings)."""
+    """A GPT-ish model whose ``head.weight is wte.weight`` (tied embeddings); ``scale`` (1 element) is too small
+    to shard over dp, so it is replicated."""
 
     def __init__(self, tied: bool = True) -> None:
         super().__init__()
@@ -46,13 +47,14 @@ class TinyGPT(nn.Module):
         self.ln_f, self.head = nn.LayerNorm(EMBD), nn.Linear(EMBD, VOCAB, bias=False)
         if tied:
             self.head.weight = self.wte.weight
+        self.scale = nn.Parameter(torch.ones(1))
         self.register_buffer("pos", torch.arange(BLOCK))
 
     def forward(self, idx, targets):
         x = self.wte(idx) + self.wpe(self.pos[: idx.shape[1]])
         for b in self.blocks:
             x = b(x)
-        logits = self.head(self.ln_f(x))
+        logits = self.head(self.ln_f(x) * self.scale)
         return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
@@ -86,7 +88,7 @@ def test_tied_embeddings_stay_one_parameter_and_train_as_local(dp2):
     ref = TinyGPT()
     model = module_to_mesh(copy.deepcopy(ref), dp2)
     assert model.head.weight is model.wte.weight
-    assert len(list(model.parameters())) == len(list(ref.parameters())) == 16  # (head.weight is wte.weight)
+    assert len(list(model.parameters())) == len(list(ref.parameters())) == 17  # (head.weight is wte.weight)
     batches = _batches()
     want = _train(ref, batches)
     got = _train(model, batches, _global_batch(dp2), lambda loss: loss.full_tensor().item())
@@ -122,6 +124,7 @@ def test_fsdp_plain_compute_matches_local(dp2, reshard):
     w = model.blocks[0].fc.weight
     assert w.placements == (Shard(0),) and w.grad.placements == (Shard(0),)
     assert opt.state[w]["exp_avg"].placements == (Shard(0),)
+    assert model.wte.weight.grad.placements == (Shard(0),) and model.scale.grad.placements == (Replicate(),)
     assert model.ln_f.bias.shape == (EMBD,) and model.pos.is_distributed is False  # buffers: plain, as FSDP2's
 
 

@@ -28,6 +28,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+# torch 2.13's names (the older ones warn there); older torch has only those
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def _check(p, dp: str) -> tuple[int, bool]:
     """(index of the data-parallel mesh dim, whether ``p`` is sharded over it); anything else is refused."""
@@ -81,7 +85,7 @@ def _gather(params: Sequence, dp: str, dtype) -> list[torch.Tensor]:
             send[off:off + shard.numel()].copy_(shard)
             off += size
         recv = torch.empty(n * total, dtype=dt, device=local.device)
-        dist.all_gather_into_tensor(recv, send, group=mesh.get_group(i))
+        _all_gather(recv, send, group=mesh.get_group(i))
         rows = recv.view(n, total)
         off = 0
         for k, size in zip(ks, sizes):
@@ -142,7 +146,7 @@ def reduce_grads(grads: Sequence[torch.Tensor], params: Sequence, dp: str, reduc
                 send[:, off:off + size].copy_(padded.view(n, size))
                 off += size
             flat = torch.empty(total, dtype=rd, device=device)
-            dist.reduce_scatter_tensor(flat, send.view(-1), group=mesh.get_group(i))
+            _reduce_scatter(flat, send.view(-1), group=mesh.get_group(i))
             others = [d for d in range(mesh.ndim) if d != i]
         else:
             flat = torch.cat([grads[k].reshape(-1).to(rd) for k in ks])
