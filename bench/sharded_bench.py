@@ -18,10 +18,14 @@ Workloads (PROCS = 2 procs unless said; the same seed, model and data on every s
                   same ``x @ x.T``; SPMD: ``full_tensor()`` in every rank, nothing to fetch).
   fsdp_step_ms    one training step of examples/train_sharded.py's GPT (MODEL, batch BATCH): forward, cross
                   entropy, ``loss.backward()``, ``torch.optim.AdamW.step()``. Ours: ``module_to_mesh(model,
-                  mesh {"dp": 2})`` (every parameter Shard(0) over dp), the batch ``distribute``d Shard(0) each
-                  step. Per step = a timed loop of STEPS steps ending with a fetch of the last loss
-                  (``loss.full_tensor()``; everything issued has then run on rank 0), divided by STEPS, after
-                  WARMUP_STEPS untimed steps; the figure is the median of REPEATS loops.
+                  mesh {"dp": 2})`` (every parameter Shard(0) over dp at rest), each rank fed its half of the
+                  batch as a plain mesh tensor (``distribute(x, ..., Shard(0)).to_local()``), so each block
+                  all-gathers its parameters into plain tensors and reduce-scatters its gradients, as FSDP2.
+                  Per step = a timed loop of STEPS steps ending with a fetch of the last loss (the ranks'
+                  mean; everything issued has then run on rank 0), divided by STEPS, after WARMUP_STEPS
+                  untimed steps; the figure is the median of REPEATS loops.
+  fsdp_dt_step_ms the same with the batch a global DTensor (``distribute``d Shard(0)): every op a DTensor
+                  op on the workers, as torchrun SPMD's (DT_ROW; not with --tiny).
   tp_step_ms      the same step on mesh {"dp": 2, "tp": 2} (4 procs) with train_sharded's TP_PLAN (colwise /
                   rowwise Linear layers over tp, the rest Shard(0) over dp).
 
@@ -77,12 +81,13 @@ WARMUP_STEPS = 2     # untimed steps before the timed loops
 STEPS = 5            # steps per timed loop
 LR = 3e-3
 TP = True            # run tp_step (4 procs per side on PROCS cores)
+DT_ROW = True        # also run ours' {dp: 2} step with DTensor inputs (every op a DTensor op: the path before FSDP units)
 TIMEOUT = 300.0      # every fetch, in seconds
 RUN_TIMEOUT = 900.0  # one runtime's whole run (a fresh subprocess; torchrun: each launch), in seconds
 LOSS_RTOL = 1e-3
 TINY = dict(RUNS=1, REPEATS=1, N=256, MODEL=dict(VOCAB=16, BLOCK=8, N_LAYER=1, N_HEAD=2, N_EMBD=16), BATCH=4,
-            WARMUP_STEPS=1, STEPS=2, RUN_TIMEOUT=90.0)
-SETTINGS = ["RUNS", "REPEATS", "PROCS", "THREADS", "N", "MODEL", "BATCH", "WARMUP_STEPS", "STEPS", "LR", "TP",
+            WARMUP_STEPS=1, STEPS=2, RUN_TIMEOUT=90.0, DT_ROW=False)
+SETTINGS = ["RUNS", "REPEATS", "PROCS", "THREADS", "N", "MODEL", "BATCH", "WARMUP_STEPS", "STEPS", "LR", "TP", "DT_ROW",
             "TIMEOUT", "RUN_TIMEOUT", "LOSS_RTOL"]
 MARKER = "SHARDED_BENCH_RESULT "
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -239,7 +244,8 @@ def measure_ours(res):
         torch.manual_seed(0)
         matmuls(res, distribute(torch.randn(N, N), procs, [Shard(0)]), dist=True)
         train(procs, None, "fsdp_step_ms", plain=True)
-        train(procs, None, "fsdp_dt_step_ms")
+        if DT_ROW:
+            train(procs, None, "fsdp_dt_step_ms")
     finally:
         procs.stop().get(timeout=TIMEOUT)
     if TP:
@@ -345,7 +351,7 @@ def spmd_worker(mode, res):
         losses = []
         timed_steps(step, data, loss_value, res, key, losses, barrier)
         res["losses"] = {STEP_KEYS[key]: losses}
-        if mode == "dp":  # DTensor SPMD: the same ops as ours with DTensor inputs
+        if mode == "dp" and DT_ROW:  # DTensor SPMD: the same ops as ours with DTensor inputs
             res["fsdp_dt_step_ms"] = res["fsdp_step_ms"]
             res["losses"]["fsdp_dt"] = losses
     finally:
@@ -416,7 +422,7 @@ def table(median, errors, kinds):
     head = ["workload"] + cols + [f"ours/{k}" for k in others]
     rows = []
     for key, label in WORKLOADS:
-        if key == "tp_step_ms" and not TP:
+        if (key == "tp_step_ms" and not TP) or (key == "fsdp_dt_step_ms" and not DT_ROW):
             continue
         vals = {k: median.get(k, {}).get(key) for k in kinds}
         row = [label.format(N=N)]
@@ -484,7 +490,7 @@ def main():
     load0 = os.getloadavg()[0]  # timings on a busy machine are slower: say how busy it was
     t0 = time.perf_counter()
     runs, errors = interleaved(kinds, RUNS, run_once, RUNTIMES, settings)
-    keys = [w[0] for w in WORKLOADS if TP or w[0] != "tp_step_ms"]
+    keys = [w[0] for w in WORKLOADS if (TP or w[0] != "tp_step_ms") and (DT_ROW or w[0] != "fsdp_dt_step_ms")]
     median = {k: {key: statistics.median(r[key] for r in runs[k] if key in r)
                   for key in keys if any(key in r for r in runs[k])} for k in kinds}
     losses, match = loss_checks(runs, kinds)
