@@ -146,11 +146,16 @@ def _plain(b: torch.Tensor, mesh) -> Tensor:
 def _make_units(module: nn.Module, submodules: dict, params: list, patterns, state: FSDPState) -> None:
     """One ``Unit`` per chosen submodule, and the root; each parameter joins the innermost unit holding every
     module it is set on (a tied parameter used by two blocks joins their common ancestor, the root at worst)."""
+    containers = (nn.ModuleList, nn.ModuleDict)  # (no forward: hooks on them never run)
     if patterns is None:
         names = [f"{n}.{k}" if n else k for n, mod in submodules.items() if isinstance(mod, nn.ModuleList)
-                 for k in mod._modules]
+                 for k, sub in mod._modules.items() if not isinstance(sub, containers)]
     else:
         names = sorted({n for _, n in _matches(list(patterns), submodules, module, "units")} - {""})
+        bad = [n for n in names if isinstance(submodules[n], containers)]
+        if bad:
+            raise ShardingError(f"units {bad} are containers (nn.ModuleList / nn.ModuleDict), which run no forward; "
+                                f"name their elements instead (e.g. {bad[0] + '.*'!r})")
 
     def owner(mname: str) -> str:
         return max((u for u in names if mname == u or mname.startswith(u + ".")), key=len, default="")

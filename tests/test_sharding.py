@@ -112,7 +112,8 @@ def test_fsdp_plain_compute_matches_local(dp2, reshard):
     parameters, gradients and AdamW's state stay Shard(0) DTensors at rest. Tied weights included."""
     torch.manual_seed(0)
     ref = TinyGPT()
-    model = module_to_mesh(copy.deepcopy(ref), dp2, reshard_after_forward=reshard)
+    units = None if reshard else ["blocks.*"]  # (the default units, named)
+    model = module_to_mesh(copy.deepcopy(ref), dp2, reshard_after_forward=reshard, units=units)
     assert model.head.weight is model.wte.weight
     batches = _batches()
     want = _train(ref, batches)
@@ -165,3 +166,5 @@ def test_fsdp_refuses_what_it_cannot_honour(dp2):
         planned(_local_batch(dp2)(x), _local_batch(dp2)(y))
     with pytest.raises(ShardingError, match="units \\['nope'\\] match no submodule"):
         module_to_mesh(TinyGPT(), dp2, units=["nope"])
+    with pytest.raises(ShardingError, match="run no forward; name their elements instead \\(e.g. 'blocks.\\*'\\)"):
+        module_to_mesh(TinyGPT(), dp2, units=["blocks"])
