@@ -18,10 +18,14 @@ Workloads (PROCS = 2 procs unless said; the same seed, model and data on every s
                   same ``x @ x.T``; SPMD: ``full_tensor()`` in every rank, nothing to fetch).
   fsdp_step_ms    one training step of examples/train_sharded.py's GPT (MODEL, batch BATCH): forward, cross
                   entropy, ``loss.backward()``, ``torch.optim.AdamW.step()``. Ours: ``module_to_mesh(model,
-                  mesh {"dp": 2})`` (every parameter Shard(0) over dp), the batch ``distribute``d Shard(0) each
-                  step. Per step = a timed loop of STEPS steps ending with a fetch of the last loss
-                  (``loss.full_tensor()``; everything issued has then run on rank 0), divided by STEPS, after
-                  WARMUP_STEPS untimed steps; the figure is the median of REPEATS loops.
+                  mesh {"dp": 2})`` (every parameter Shard(0) over dp at rest), each rank fed its half of the
+                  batch as a plain mesh tensor (``distribute(x, ..., Shard(0)).to_local()``), so each block
+                  all-gathers its parameters into plain tensors and reduce-scatters its gradients, as FSDP2.
+                  Per step = a timed loop of STEPS steps ending with a fetch of the last loss (the ranks'
+                  mean; everything issued has then run on rank 0), divided by STEPS, after WARMUP_STEPS
+                  untimed steps; the figure is the median of REPEATS loops.
+  fsdp_dt_step_ms the same with the batch a global DTensor (``distribute``d Shard(0)): every op a DTensor
+                  op on the workers, as torchrun SPMD's (DT_ROW; not with --tiny).
   tp_step_ms      the same step on mesh {"dp": 2, "tp": 2} (4 procs) with train_sharded's TP_PLAN (colwise /
                   rowwise Linear layers over tp, the rest Shard(0) over dp).
 
@@ -77,12 +81,13 @@ WARMUP_STEPS = 2     # untimed steps before the timed loops
 STEPS = 5            # steps per timed loop
 LR = 3e-3
 TP = True            # run tp_step (4 procs per side on PROCS cores)
+DT_ROW = True        # also run ours' {dp: 2} step with DTensor inputs (every op a DTensor op: the path before FSDP units)
 TIMEOUT = 300.0      # every fetch, in seconds
 RUN_TIMEOUT = 900.0  # one runtime's whole run (a fresh subprocess; torchrun: each launch), in seconds
 LOSS_RTOL = 1e-3
 TINY = dict(RUNS=1, REPEATS=1, N=256, MODEL=dict(VOCAB=16, BLOCK=8, N_LAYER=1, N_HEAD=2, N_EMBD=16), BATCH=4,
-            WARMUP_STEPS=1, STEPS=2, RUN_TIMEOUT=90.0)
-SETTINGS = ["RUNS", "REPEATS", "PROCS", "THREADS", "N", "MODEL", "BATCH", "WARMUP_STEPS", "STEPS", "LR", "TP",
+            WARMUP_STEPS=1, STEPS=2, RUN_TIMEOUT=90.0, DT_ROW=False)
+SETTINGS = ["RUNS", "REPEATS", "PROCS", "THREADS", "N", "MODEL", "BATCH", "WARMUP_STEPS", "STEPS", "LR", "TP", "DT_ROW",
             "TIMEOUT", "RUN_TIMEOUT", "LOSS_RTOL"]
 MARKER = "SHARDED_BENCH_RESULT "
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,10 +96,11 @@ RUNTIMES = {"ours": "monarch-tensor", "local": "local torch", "spmd": "torchrun 
 WORKLOADS = [  # key, label
     ("matmul_ms", "`dt @ dt.T` {N}x{N}, + sum to controller"),
     ("full_ms", "`dt @ dt.T` {N}x{N}, + full_tensor()"),
-    ("fsdp_step_ms", "GPT step, FSDP-style {{dp: 2}}, AdamW"),
+    ("fsdp_step_ms", "GPT step, FSDP {{dp: 2}} (plain units), AdamW"),
+    ("fsdp_dt_step_ms", "GPT step, {{dp: 2}} DTensor inputs, AdamW"),
     ("tp_step_ms", "GPT step, {{dp: 2, tp: 2}} TP_PLAN, AdamW"),
 ]
-STEP_KEYS = {"fsdp_step_ms": "fsdp", "tp_step_ms": "tp"}
+STEP_KEYS = {"fsdp_step_ms": "fsdp", "fsdp_dt_step_ms": "fsdp_dt", "tp_step_ms": "tp"}
 
 
 # ---- shared: model and data ----------------------------------------------------------------
@@ -203,7 +209,7 @@ def matmuls(res, x, dist, barrier=lambda: None):
 def measure_ours(res):
     import torch
 
-    from monarch_tensor import Replicate, Shard, distribute, module_to_mesh, remote, this_host
+    from monarch_tensor import Replicate, Shard, distribute, fetch_shard, module_to_mesh, remote, this_host
 
     ts = gpt_module()
     data = batches(ts, n_batches())
@@ -215,22 +221,31 @@ def measure_ours(res):
             remote("torch.set_num_threads", propagate=lambda n: None)(THREADS)
         return procs
 
-    def train(procs, plan, key):
+    def train(procs, plan, key, plain=False):
         names = procs._shape.names
         model = module_to_mesh(make_model(ts), procs, plan=plan)
         batch_places = {n: (Shard(0) if n == "dp" else Replicate()) for n in names}
         pos = distribute(torch.arange(ts.BLOCK), procs, {})
-        step = training_step(model, pos, lambda x, y: (distribute(x, procs, batch_places),
-                                                        distribute(y, procs, batch_places)))
+        if plain:  # each rank its half of the batch as a plain mesh tensor: module_to_mesh's FSDP units run
+            pos = pos.to_local()
+            step = training_step(model, pos, lambda x, y: (distribute(x, procs, batch_places).to_local(),
+                                                            distribute(y, procs, batch_places).to_local()))
+            sync = lambda loss: fetch_shard(loss.reduce("dp", "avg")).result().item()  # noqa: E731
+        else:
+            step = training_step(model, pos, lambda x, y: (distribute(x, procs, batch_places),
+                                                            distribute(y, procs, batch_places)))
+            sync = lambda loss: loss.full_tensor().item()  # noqa: E731
 
         losses = res["losses"][STEP_KEYS[key]] = []
-        timed_steps(step, data, lambda loss: loss.full_tensor().item(), res, key, losses)
+        timed_steps(step, data, sync, res, key, losses)
 
     procs = spawn({"dp": PROCS})
     try:
         torch.manual_seed(0)
         matmuls(res, distribute(torch.randn(N, N), procs, [Shard(0)]), dist=True)
-        train(procs, None, "fsdp_step_ms")
+        train(procs, None, "fsdp_step_ms", plain=True)
+        if DT_ROW:
+            train(procs, None, "fsdp_dt_step_ms")
     finally:
         procs.stop().get(timeout=TIMEOUT)
     if TP:
@@ -254,8 +269,8 @@ def measure_local(res):
 
     losses = []
     timed_steps(step, data, lambda loss: loss.item(), res, "fsdp_step_ms", losses)
-    res["tp_step_ms"] = res["fsdp_step_ms"]  # the same model, data and step: one local figure for both rows
-    res["losses"] = {"fsdp": losses, "tp": losses}
+    res["tp_step_ms"] = res["fsdp_dt_step_ms"] = res["fsdp_step_ms"]  # the same step: one figure for all rows
+    res["losses"] = {"fsdp": losses, "fsdp_dt": losses, "tp": losses}
 
 
 # ---- SPMD (one rank of torchrun) ------------------------------------------------------------
@@ -336,6 +351,9 @@ def spmd_worker(mode, res):
         losses = []
         timed_steps(step, data, loss_value, res, key, losses, barrier)
         res["losses"] = {STEP_KEYS[key]: losses}
+        if mode == "dp" and DT_ROW:  # DTensor SPMD: the same ops as ours with DTensor inputs
+            res["fsdp_dt_step_ms"] = res["fsdp_step_ms"]
+            res["losses"]["fsdp_dt"] = losses
     finally:
         with contextlib.suppress(Exception):
             dist.barrier()
@@ -404,7 +422,7 @@ def table(median, errors, kinds):
     head = ["workload"] + cols + [f"ours/{k}" for k in others]
     rows = []
     for key, label in WORKLOADS:
-        if key == "tp_step_ms" and not TP:
+        if (key == "tp_step_ms" and not TP) or (key == "fsdp_dt_step_ms" and not DT_ROW):
             continue
         vals = {k: median.get(k, {}).get(key) for k in kinds}
         row = [label.format(N=N)]
@@ -421,7 +439,7 @@ def loss_checks(runs, kinds):
     import math
 
     losses, match = {}, {}
-    for which in ("fsdp", "tp"):
+    for which in ("fsdp", "fsdp_dt", "tp"):
         got = {}
         for k in kinds:
             v = next((r["losses"][which] for r in runs[k] if which in r.get("losses", {})), None)
@@ -472,7 +490,7 @@ def main():
     load0 = os.getloadavg()[0]  # timings on a busy machine are slower: say how busy it was
     t0 = time.perf_counter()
     runs, errors = interleaved(kinds, RUNS, run_once, RUNTIMES, settings)
-    keys = [w[0] for w in WORKLOADS if TP or w[0] != "tp_step_ms"]
+    keys = [w[0] for w in WORKLOADS if (TP or w[0] != "tp_step_ms") and (DT_ROW or w[0] != "fsdp_dt_step_ms")]
     median = {k: {key: statistics.median(r[key] for r in runs[k] if key in r)
                   for key in keys if any(key in r for r in runs[k])} for k in kinds}
     losses, match = loss_checks(runs, kinds)

@@ -23,13 +23,17 @@ reduce-scatter of its gradient in the optimizer's update, ...).
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
 
+from worker import messages as m
+
 from .dtensor import _resolve_mesh, distribute
+from .fsdp import FSDPState, Unit
 from .placements import Replicate, Shard, ShardingError
+from .tensor import Tensor, contiguous_meta, intern_meta
 
 STYLES = ("colwise", "rowwise")
 
@@ -46,11 +50,20 @@ def _tp_placement(mod: nn.Module, pname: str, style: str, where: str):
 
 
 def module_to_mesh(module: nn.Module, mesh=None, *, dp_dim: str | None = None, tp_dim: str | None = None,
-                   plan: Mapping[str, str] | None = None) -> nn.Module:
-    """Replace ``module``'s parameters and buffers (in place) by global tensors on ``mesh``; returns ``module``.
+                   plan: Mapping[str, str] | None = None, reshard_after_forward: bool = True, mp_policy=None,
+                   units: Sequence[str] | None = None) -> nn.Module:
+    """Replace ``module``'s parameters and buffers (in place) by tensors on ``mesh``; returns ``module``.
 
-    >>> model = module_to_mesh(GPT(config), procs)                         # {"dp": 2}: FSDP-style
+    >>> model = module_to_mesh(GPT(config), procs)                  # {"dp": 2}: FSDP2-style
+    >>> loss = model(x.to_local(), y.to_local())                    # each rank its own batch (plain mesh tensors)
     >>> model = module_to_mesh(GPT(config), procs, plan={"*.fc": "colwise", "*.proj": "rowwise"})  # dp x tp
+    >>> loss = model(distribute(x, procs, {"dp": Shard(0)}), ...)   # global inputs: DTensor ops
+
+    ``reshard_after_forward``: free each unit's gathered parameters after its forward and gather them again
+    for its backward (FSDP2's default); ``mp_policy``: ``MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...)``
+    as FSDP2's; ``units``: names or fnmatch patterns of the submodules that gather their parameters
+    together (default: every element of an ``nn.ModuleList``, such as each transformer block; the root
+    gathers what is left).
     """
     mesh = _resolve_mesh(mesh, "module_to_mesh")
     names = tuple(mesh._shape.names)
@@ -67,12 +80,10 @@ def module_to_mesh(module: nn.Module, mesh=None, *, dp_dim: str | None = None, t
         dp_dim = next((n for n in names if n != tp_dim), None)
     dp_size = mesh._shape.dims[names.index(dp_dim)] if dp_dim is not None else 1
     submodules = dict(module.named_modules())
-    matched = {p: [n for n in submodules if fnmatch.fnmatchcase(n, p)] for p in plan}
-    unmatched = [p for p, hits in matched.items() if not hits]
-    if unmatched:
-        raise ShardingError(f"plan entries {unmatched} match no submodule of {type(module).__name__} "
-                            f"(its submodules: {[n for n in submodules if n][:12]}...)")
-    styles = {n: plan[p] for p, hits in matched.items() for n in hits}
+    styles = {n: plan[p] for p, n in _matches(plan, submodules, module, "plan entries")}
+    # A parameter (or buffer) reachable from several modules (tied embeddings: ``head.weight is tok.weight``)
+    # becomes one tensor, set on each of them: matched by identity, as torch's own sharding APIs do.
+    made: dict[int, list] = {}  # id(original) -> [new, placements, first name, original, [(module name, module, attr)]]
     for mname, mod in submodules.items():
         for pname, p in list(mod.named_parameters(recurse=False)):
             places = {}
@@ -80,11 +91,90 @@ def module_to_mesh(module: nn.Module, mesh=None, *, dp_dim: str | None = None, t
                 places[tp_dim] = _tp_placement(mod, pname, styles[mname], mname)
             elif dp_dim is not None and p.dim() > 0 and p.shape[0] >= dp_size:
                 places[dp_dim] = Shard(0)
-            dt = distribute(p.detach(), mesh, places)
-            param = nn.Parameter(dt, requires_grad=p.requires_grad)
-            param._dist = dt._dist  # detach() keeps the placements
-            setattr(mod, pname, param)
+            seen = made.get(id(p))
+            if seen is None:
+                dt = distribute(p.detach(), mesh, places)
+                param = nn.Parameter(dt, requires_grad=p.requires_grad)
+                param._dist = dt._dist  # detach() keeps the placements
+                seen = made[id(p)] = [param, places, f"{mname}.{pname}", p, []]  # (p kept: its id stays unique)
+            elif seen[1] != places:
+                raise ShardingError(f"parameter {mname}.{pname} is shared with {seen[2]}, which the plan lays out "
+                                    f"differently ({seen[1]} and {places}); a shared parameter has one layout: "
+                                    f"give both modules the same style, or neither a style")
+            seen[4].append((mname, mod, pname))
+            setattr(mod, pname, seen[0])
         for bname, b in list(mod.named_buffers(recurse=False)):
             if b is not None and isinstance(b, torch.Tensor):
-                setattr(mod, bname, distribute(b, mesh, {}))
+                seen = made.get(id(b))
+                if seen is None:
+                    new = distribute(b, mesh, {}) if plan else _plain(b, mesh)
+                    seen = made[id(b)] = [new, None, f"{mname}.{bname}", b, []]
+                setattr(mod, bname, seen[0])
+    if dp_dim is None and mp_policy is not None:
+        raise ShardingError(f"mp_policy needs a data-parallel mesh dim; the mesh {mesh._shape.sizes} has only tp_dim")
+    params = [v for v in made.values() if v[1] is not None]
+    _make_units(module, submodules, params, units, FSDPState(dp_dim, reshard_after_forward, mp_policy, bool(plan)))
     return module
+
+
+def _matches(patterns, submodules: dict, module, what: str) -> list[tuple[str, str]]:
+    """(pattern, submodule name) for every submodule each fnmatch pattern names; a pattern naming none is refused."""
+    matched = {p: [n for n in submodules if fnmatch.fnmatchcase(n, p)] for p in patterns}
+    unmatched = [p for p, hits in matched.items() if not hits]
+    if unmatched:
+        raise ShardingError(f"{what} {unmatched} match no submodule of {type(module).__name__} "
+                            f"(its submodules: {[n for n in submodules if n][:12]}...)")
+    return [(p, n) for p, hits in matched.items() for n in hits]
+
+
+def _plain(b: torch.Tensor, mesh) -> Tensor:
+    """``b`` as a plain mesh tensor, the same value on every rank (a buffer: FSDP2 leaves buffers unsharded)."""
+    from .api import ctx_for
+
+    ctx = ctx_for(mesh)
+    if type(b) is Tensor:
+        if b._ctx is not ctx:
+            raise ShardingError(f"module_to_mesh: a buffer lives on {b.mesh._label()}, not on {mesh._label()}")
+        return b
+    client = ctx.client
+    ref = next(client.refs)
+    client.issue(m.CreateValue(ref, b.detach().contiguous().clone(), ctx.sid), ctx.ranks)
+    meta = contiguous_meta(tuple(b.shape), b.dtype)
+    return Tensor(meta, intern_meta(meta), ctx, ref)
+
+
+def _make_units(module: nn.Module, submodules: dict, params: list, patterns, state: FSDPState) -> None:
+    """One ``Unit`` per chosen submodule, and the root; each parameter joins the innermost unit holding every
+    module it is set on (a tied parameter used by two blocks joins their common ancestor, the root at worst)."""
+    containers = (nn.ModuleList, nn.ModuleDict)  # (no forward: hooks on them never run)
+    if patterns is None:
+        names = [f"{n}.{k}" if n else k for n, mod in submodules.items() if isinstance(mod, nn.ModuleList)
+                 for k, sub in mod._modules.items() if not isinstance(sub, containers)]
+    else:
+        names = sorted({n for _, n in _matches(list(patterns), submodules, module, "units")} - {""})
+        bad = [n for n in names if isinstance(submodules[n], containers)]
+        if bad:
+            raise ShardingError(f"units {bad} are containers (nn.ModuleList / nn.ModuleDict), which run no forward; "
+                                f"name their elements instead (e.g. {bad[0] + '.*'!r})")
+
+    def owner(mname: str) -> str:
+        return max((u for u in names if mname == u or mname.startswith(u + ".")), key=len, default="")
+
+    def within(inner: str, outer: str) -> bool:
+        return outer == "" or inner == outer or inner.startswith(outer + ".")
+
+    if state.tp_planned:  # tensor parallelism runs on DTensors: the root only checks that the inputs are global
+        Unit(module, "", [], [], state, root=True)
+        return
+    owned: dict[str, list] = {n: [] for n in [""] + names}
+    for param, _, _, _, where in params:
+        owners = [owner(mname) for mname, _, _ in where]
+        home = owners[0]
+        while not all(within(o, home) for o in owners):
+            home = owner(home.rsplit(".", 1)[0]) if "." in home else ""
+        owned[home].append((param, [(mod, attr) for _, mod, attr in where]))
+    for name in [""] + names:
+        items = owned[name]
+        if name and not items:
+            continue
+        Unit(submodules[name], name, [p for p, _ in items], [w for _, w in items], state, root=not name)

@@ -1,12 +1,14 @@
-"""A small GPT trained with sharded parameters: FSDP-style on {"dp": 2}, then dp x tp on {"dp": 2, "tp": 2}.
+"""A small GPT trained with sharded parameters: FSDP on {"dp": 2}, then dp x tp on {"dp": 2, "tp": 2}.
 
     python examples/train_sharded.py            # STEPS steps
     python examples/train_sharded.py --steps 2  # fewer
 
 The seed's training step, made runnable: `module_to_mesh(model, mesh)` turns the
 parameters into global sharded tensors, and the loop is the ordinary one
-(forward, `loss.backward()`, `torch.optim.AdamW`). torch's sharding propagation
-on the workers does the collectives. The same model (same seed) is first trained
+(forward, `loss.backward()`, `torch.optim.AdamW`). FSDP: each rank feeds its own
+half of the batch (a plain mesh tensor) and each block all-gathers its parameters
+just before its forward, as FSDP2 does. dp x tp: the batch is a global DTensor and
+torch's sharding propagation on the workers does the collectives. The same model (same seed) is first trained
 locally on the same batches; each sharded run prints its loss next to the local
 one and the script fails if they differ.
 """
@@ -19,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from monarch_tensor import Replicate, Shard, distribute, module_to_mesh, this_host
+from monarch_tensor import Replicate, Shard, distribute, fetch_shard, module_to_mesh, this_host
 
 # -----------------------------------------------------------------------------
 VOCAB, BLOCK, N_LAYER, N_HEAD, N_EMBD = 64, 16, 2, 4, 32
@@ -94,6 +96,13 @@ def batches():
         yield seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
+def mesh_loss(loss) -> float:
+    """A mesh loss as a Python float: global (a DTensor), or each rank's of its own batch (their mean)."""
+    if loss.is_distributed:
+        return loss.full_tensor().item()
+    return fetch_shard(loss.reduce("dp", "avg")).result().item()
+
+
 def train(model, to_mesh=None):
     """STEPS AdamW steps; the loss of each (a Python float)."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -108,7 +117,7 @@ def train(model, to_mesh=None):
         loss = model(x, p, y)
         loss.backward()
         opt.step()
-        losses.append(loss.item() if to_mesh is None else loss.full_tensor().item())
+        losses.append(loss.item() if to_mesh is None else mesh_loss(loss))
     return losses
 
 
@@ -128,9 +137,10 @@ def main():
         model.load_state_dict(init)
         module_to_mesh(model, mesh, plan=plan)
 
-        def to_mesh(t, batch=True, mesh=mesh):  # batches split over "dp", replicated over "tp"
+        def to_mesh(t, batch=True, mesh=mesh, plain=plan is None):  # batches split over "dp", replicated over "tp"
             places = {"dp": Shard(0)} if batch else {}
-            return distribute(t, mesh, {**{n: Replicate() for n in mesh._shape.names}, **places})
+            dt = distribute(t, mesh, {**{n: Replicate() for n in mesh._shape.names}, **places})
+            return dt.to_local() if plain else dt  # FSDP: each rank its own part, a plain mesh tensor
 
         t = time.monotonic()
         losses = train(model, to_mesh)

@@ -1,0 +1,170 @@
+"""``module_to_mesh``: shared parameters stay shared; training matches local torch.
+
+One proc mesh {"dp": 2} is shared by the module. Every run is compared with
+the same model trained by local torch on the same batches (3 AdamW steps).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from monarch_tensor import Replicate, Shard, distribute, fetch_shard, module_to_mesh, this_host
+
+pytestmark = pytest.mark.timeout(120)
+T = 60
+VOCAB, BLOCK, EMBD, BATCH = 15, 8, 8, 4  # (VOCAB odd: the embedding's shards are uneven)
+
+
+@pytest.fixture(scope="module")
+def dp2():
+    procs = this_host().spawn_procs({"dp": 2})
+    yield procs
+    procs.stop().get(timeout=T)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln, self.fc, self.proj = nn.LayerNorm(EMBD), nn.Linear(EMBD, 2 * EMBD), nn.Linear(2 * EMBD, EMBD)
+
+    def forward(self, x):
+        return x + self.proj(F.gelu(self.fc(self.ln(x))))
+
+
+class TinyGPT(nn.Module):
+    """A GPT-ish model whose ``head.weight is wte.weight`` (tied embeddings); ``scale`` (1 element) is too small
+    to shard over dp, so it is replicated."""
+
+    def __init__(self, tied: bool = True) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(VOCAB, EMBD), nn.Embedding(BLOCK, EMBD)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.ln_f, self.head = nn.LayerNorm(EMBD), nn.Linear(EMBD, VOCAB, bias=False)
+        if tied:
+            self.head.weight = self.wte.weight
+        self.scale = nn.Parameter(torch.ones(1))
+        self.register_buffer("pos", torch.arange(BLOCK))
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(self.pos[: idx.shape[1]])
+        for b in self.blocks:
+            x = b(x)
+        logits = self.head(self.ln_f(x) * self.scale)
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def _batches(n: int = 3):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        seq = (torch.randint(0, VOCAB, (BATCH, 1), generator=g) + torch.arange(BLOCK + 1)) % VOCAB
+        out.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))
+    return out
+
+
+def _train(model, batches, place=lambda t: t, value=lambda loss: loss.item(), opt=None):
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = model(place(x), place(y))
+        loss.backward()
+        opt.step()
+        losses.append(value(loss))
+    return losses
+
+
+def _global_batch(mesh):
+    return lambda t: distribute(t, mesh, {"dp": Shard(0)})
+
+
+def test_tied_embeddings_stay_one_parameter_and_train_as_local(dp2):
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    model = module_to_mesh(copy.deepcopy(ref), dp2)
+    assert model.head.weight is model.wte.weight
+    assert len(list(model.parameters())) == len(list(ref.parameters())) == 17  # (head.weight is wte.weight)
+    batches = _batches()
+    want = _train(ref, batches)
+    got = _train(model, batches, _global_batch(dp2), lambda loss: loss.full_tensor().item())
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(model.wte.weight.full_tensor(), ref.wte.weight.detach(), rtol=1e-4, atol=1e-5)
+
+
+def _local_batch(mesh):
+    """Each rank's own half of the batch, as a plain mesh tensor (what FSDP2 takes)."""
+    return lambda t: distribute(t, mesh, {"dp": Shard(0)}).to_local()
+
+
+def _mean_loss(loss):
+    assert not loss.is_distributed  # (each rank's loss of its own batch, as FSDP2's)
+    return fetch_shard(loss.float().reduce("dp", "avg")).result().item()
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_fsdp_plain_compute_matches_local(dp2, reshard):
+    """Per-rank batches: each unit all-gathers its parameters into plain tensors, gradients are reduce-scattered;
+    parameters, gradients and AdamW's state stay Shard(0) DTensors at rest. Tied weights included."""
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    units = None if reshard else ["blocks.*"]  # (the default units, named)
+    model = module_to_mesh(copy.deepcopy(ref), dp2, reshard_after_forward=reshard, units=units)
+    assert model.head.weight is model.wte.weight
+    batches = _batches()
+    want = _train(ref, batches)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    got = _train(model, batches, _local_batch(dp2), _mean_loss, opt)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.full_tensor(), dict(ref.named_parameters())[name].detach(), rtol=1e-4, atol=1e-5)
+    w = model.blocks[0].fc.weight
+    assert w.placements == (Shard(0),) and w.grad.placements == (Shard(0),)
+    assert opt.state[w]["exp_avg"].placements == (Shard(0),)
+    assert model.wte.weight.grad.placements == (Shard(0),) and model.scale.grad.placements == (Replicate(),)
+    assert model.ln_f.bias.shape == (EMBD,) and model.pos.is_distributed is False  # buffers: plain, as FSDP2's
+
+
+def test_fsdp_mixed_precision_bf16(dp2):
+    """FSDP2's MixedPrecisionPolicy: parameters gathered (and the forward run) in bf16, gradients reduced in
+    float32 into float32 sharded gradients; the losses stay within bf16's precision of local float32 training."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = module_to_mesh(copy.deepcopy(ref), dp2, mp_policy=policy)
+    batches = _batches()
+    want = _train(ref, batches)
+    losses = []
+
+    def value(loss):
+        assert loss.dtype == torch.bfloat16
+        losses.append(loss)
+        return _mean_loss(loss)
+
+    got = _train(model, batches, _local_batch(dp2), value)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=2e-2, atol=2e-2)
+    assert model.wte.weight.dtype == torch.float32 == model.wte.weight.grad.dtype
+
+
+def test_fsdp_refuses_what_it_cannot_honour(dp2):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from monarch_tensor import ShardingError
+
+    x, y = _batches(1)[0]
+    model = module_to_mesh(TinyGPT(), dp2, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    with pytest.raises(ShardingError, match="mp_policy applies to plain"):
+        model(_global_batch(dp2)(x), _global_batch(dp2)(y))
+    planned = module_to_mesh(TinyGPT(tied=False), dp2, plan={"blocks.*.fc": "colwise"}, tp_dim="dp")
+    with pytest.raises(ShardingError, match="tensor parallelism on DTensors"):
+        planned(_local_batch(dp2)(x), _local_batch(dp2)(y))
+    with pytest.raises(ShardingError, match="units \\['nope'\\] match no submodule"):
+        module_to_mesh(TinyGPT(), dp2, units=["nope"])
+    with pytest.raises(ShardingError, match="run no forward; name their elements instead \\(e.g. 'blocks.\\*'\\)"):
+        module_to_mesh(TinyGPT(), dp2, units=["blocks"])

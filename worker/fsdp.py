@@ -1,0 +1,172 @@
+"""FSDP2-style data parallelism on a worker: a unit's sharded parameters all-gathered, its gradients reduce-scattered.
+
+The controller's ``module_to_mesh`` keeps each parameter at rest as a DTensor
+(``Shard(0)`` over the data-parallel mesh dim, replicated over the others; or
+replicated everywhere where dim 0 is too small to shard). For one FSDP unit (a
+transformer block, say) it runs these functions as one ``CallFunction`` each:
+
+* ``unshard``: every parameter's whole value as a plain tensor (one
+  all-gather per dtype over the data-parallel group, FSDP2's copy-in buffer:
+  each rank's shards side by side, padded to equal chunks);
+* ``reshard`` / ``unshard_into``: free those plain tensors' memory after the
+  forward and gather again into the same memory before the backward
+  (``reshard_after_forward``), so views of them stay valid;
+* ``reduce_grads``: the plain per-rank gradients averaged over every rank of
+  the mesh (a reduce-scatter over the data-parallel group, then an all-reduce
+  over each other mesh dim), each rank keeping its shard: the parameter's
+  gradient as a DTensor with the parameter's placements.
+
+The groups are the parameters' own DeviceMesh groups (``worker/dtensor.py``),
+the ones their DTensor ops use: gloo on CPU, NCCL on GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+# torch 2.13's names (the older ones warn there); older torch has only those
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _check(p, dp: str) -> tuple[int, bool]:
+    """(index of the data-parallel mesh dim, whether ``p`` is sharded over it); anything else is refused."""
+    if not isinstance(p, DTensor):
+        raise TypeError(f"FSDP: a parameter on this worker is a {type(p).__name__}, not a DTensor")
+    names = p.device_mesh.mesh_dim_names
+    i = names.index(dp)
+    for j, pl in enumerate(p.placements):
+        if j == i and pl == Shard(0):
+            continue
+        if not isinstance(pl, Replicate):
+            raise ValueError(f"FSDP: a parameter placed {tuple(p.placements)} on mesh dims {names}; it must be Shard(0) "
+                             f"over {dp!r} (or replicated) and replicated over the other dims")
+    return i, p.placements[i] == Shard(0)
+
+
+def _row(p) -> int:
+    """Elements per dim-0 row of ``p`` (a shard is whole rows: torch.chunk's split, as DTensor's)."""
+    rest = 1
+    for d in p.shape[1:]:
+        rest *= d
+    return rest
+
+
+def _gather(params: Sequence, dp: str, dtype) -> list[torch.Tensor]:
+    """Every parameter's whole value, as a new plain contiguous tensor of ``dtype`` (None: its own)."""
+    out: list = [None] * len(params)
+    runs: dict = {}
+    for k, p in enumerate(params):
+        i, sharded = _check(p, dp)
+        dt = dtype or p.dtype
+        if sharded and p.device_mesh.size(i) > 1:
+            runs.setdefault(dt, []).append(k)
+        else:
+            out[k] = p._local_tensor.to(dt, copy=True)
+    for dt, ks in runs.items():
+        mesh = params[ks[0]].device_mesh
+        i = mesh.mesh_dim_names.index(dp)
+        n = mesh.size(i)
+        sizes = []
+        for k in ks:
+            p = params[k]
+            chunk = -(-p.shape[0] // n)
+            sizes.append(chunk * _row(p))
+        total = sum(sizes)
+        local = params[ks[0]]._local_tensor
+        send = torch.empty(total, dtype=dt, device=local.device)
+        off = 0
+        for k, size in zip(ks, sizes):
+            shard = params[k]._local_tensor.reshape(-1)
+            send[off:off + shard.numel()].copy_(shard)
+            off += size
+        recv = torch.empty(n * total, dtype=dt, device=local.device)
+        _all_gather(recv, send, group=mesh.get_group(i))
+        rows = recv.view(n, total)
+        off = 0
+        for k, size in zip(ks, sizes):
+            p = params[k]
+            whole = rows[:, off:off + size].reshape(-1)  # (a copy: the ranks' chunks in order)
+            out[k] = whole[:p.numel()].view(p.shape)
+            off += size
+    return out
+
+
+def unshard(params: Sequence, dp: str, dtype=None) -> list[torch.Tensor]:
+    """The whole value of every DTensor parameter in ``params``, as plain tensors of ``dtype`` (None: its own)."""
+    return _gather(params, dp, dtype)
+
+
+def reshard(fulls: Sequence[torch.Tensor]) -> None:
+    """Free the memory of ``unshard``'s tensors (and of their views); ``unshard_into`` fills it again."""
+    for f in fulls:
+        f.untyped_storage().resize_(0)
+
+
+def unshard_into(params: Sequence, fulls: Sequence[torch.Tensor], dp: str, dtype=None) -> None:
+    """``unshard`` again, into the memory ``reshard`` freed (views of ``fulls`` see the values again)."""
+    for f, new in zip(fulls, _gather(params, dp, dtype)):
+        storage = f.untyped_storage()
+        need = (f.storage_offset() + f.numel()) * f.element_size()
+        if storage.nbytes() < need:
+            storage.resize_(need)
+        f.copy_(new)
+
+
+def reduce_grads(grads: Sequence[torch.Tensor], params: Sequence, dp: str, reduce_dtype=None) -> list[DTensor]:
+    """Each gradient (a plain tensor of its parameter's whole shape, this rank's) averaged over every rank of the
+    mesh, as a DTensor with its parameter's placements and dtype: a reduce-scatter over ``dp`` (one per dtype,
+    FSDP2's padded copy-in layout), then an all-reduce over each other mesh dim; replicated parameters'
+    gradients all-reduced over every dim."""
+    out: list = [None] * len(params)
+    runs: dict = {}
+    for k, (g, p) in enumerate(zip(grads, params)):
+        i, sharded = _check(p, dp)
+        if tuple(g.shape) != tuple(p.shape):
+            raise ValueError(f"FSDP: a gradient of shape {tuple(g.shape)} for a parameter of shape {tuple(p.shape)}")
+        runs.setdefault((reduce_dtype or g.dtype, sharded and p.device_mesh.size(i) > 1), []).append(k)
+    for (rd, sharded), ks in runs.items():
+        mesh = params[ks[0]].device_mesh
+        i = mesh.mesh_dim_names.index(dp)
+        n = mesh.size(i)
+        device = grads[ks[0]].device
+        if sharded:
+            sizes = [-(-params[k].shape[0] // n) * _row(params[k]) for k in ks]
+            total = sum(sizes)
+            send = torch.zeros(n, total, dtype=rd, device=device)
+            off = 0
+            for k, size in zip(ks, sizes):
+                g = grads[k].reshape(-1)
+                padded = torch.zeros(n * size, dtype=rd, device=device)
+                padded[:g.numel()].copy_(g)
+                send[:, off:off + size].copy_(padded.view(n, size))
+                off += size
+            flat = torch.empty(total, dtype=rd, device=device)
+            _reduce_scatter(flat, send.view(-1), group=mesh.get_group(i))
+            others = [d for d in range(mesh.ndim) if d != i]
+        else:
+            flat = torch.cat([grads[k].reshape(-1).to(rd) for k in ks])
+            others = list(range(mesh.ndim))
+        for d in others:
+            if mesh.size(d) > 1:
+                dist.all_reduce(flat, group=mesh.get_group(d))
+        flat.div_(mesh.size())
+        me = mesh.get_local_rank(i)
+        off = 0
+        for k in ks:
+            p = params[k]
+            if sharded:
+                chunk = -(-p.shape[0] // n)
+                rows = max(0, min(chunk, p.shape[0] - me * chunk))
+                local = flat[off:off + rows * _row(p)].view(rows, *p.shape[1:])
+                off += chunk * _row(p)
+            else:
+                local = flat[off:off + p.numel()].view(p.shape)
+                off += p.numel()
+            out[k] = DTensor.from_local(local.to(p.dtype), mesh, p.placements, run_check=False,
+                                        shape=p.shape, stride=p.stride())
+    return out
