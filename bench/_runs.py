@@ -120,6 +120,34 @@ def report_rank(measure: Callable[[dict], int], marker: str, script: str) -> Non
     os._exit(1 if "error" in res else 0)
 
 
+def timed_training(step: Callable, batches, wait: Callable, warmup: int, steps: int, repeats: int,
+                   barrier: Callable = lambda: None) -> dict:
+    """A training loop's timings: the first step alone (issued, then ``wait``ed for), ``warmup - 1`` more
+    untimed steps, then ``repeats`` loops of ``steps`` steps, each loop ending when ``wait(its last loss)``
+    returns. ``step(x, y)`` issues one step and returns its loss (whatever the runtime's loss is); ``batches``
+    yields ``(x, y)``. Returns ``first_s``, ``loops_ms`` (per step), ``step_ms`` (their median) and ``losses``
+    (every step's loss object, in order, for the caller to turn into numbers outside the timed region)."""
+    import statistics
+
+    it = iter(batches)
+    barrier()
+    t = time.perf_counter()
+    losses = [step(*next(it))]
+    wait(losses[0])
+    first = time.perf_counter() - t
+    losses += [step(*next(it)) for _ in range(max(0, warmup - 1))]
+    wait(losses[-1])
+    loops = []
+    for _ in range(repeats):
+        barrier()
+        t = time.perf_counter()
+        for _ in range(steps):
+            losses.append(step(*next(it)))
+        wait(losses[-1])
+        loops.append((time.perf_counter() - t) * 1e3 / steps)
+    return {"first_s": first, "loops_ms": loops, "step_ms": statistics.median(loops), "losses": losses}
+
+
 def write_json(path: str, tiny: bool, load: tuple[float, float], **results) -> None:
     """``results`` and the machine they were measured on (load average at the start and the end) to ``path``."""
     import datetime

@@ -768,6 +768,9 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
                     key.append(x._mid)
                     sub.append(x._ref)
                     tpos.append((i, j))
+                elif (type(x) is float or type(x) is int) and free:  # a _foreach_ op's scalars (Adam's step sizes)
+                    key.append(type(x))
+                    sub.append(x)
                 else:
                     w = _scan(x, key, tensors, local)
                     deep = deep or w is not x

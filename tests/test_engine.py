@@ -99,6 +99,36 @@ def test_new_int_scalars_on_pointwise_ops_need_no_new_propagation(procs):
     assert [g.tolist() for g in got] == [[(k + r + 39) * 39 for k in range(4)] for r in (0, 1)]
 
 
+def test_new_scalar_lists_on_foreach_ops_need_no_new_propagation(procs):
+    """A ``_foreach_`` op's list of scalars (foreach AdamW's per-parameter step sizes, new every step) is not part
+    of the cache key; the values still reach the workers. Checked on foreach AdamW against local torch."""
+    from controller import tensor as ct
+
+    torch.manual_seed(0)
+    init = [torch.randn(3, 4), torch.randn(5)]
+    local = [p.clone().requires_grad_(True) for p in init]
+    opt = torch.optim.AdamW(local, lr=0.1, foreach=True)
+    for _ in range(4):
+        sum((p * p).sum() for p in local).backward()
+        opt.step()
+        opt.zero_grad()
+    with procs.activate():
+        ps = [torch.zeros(p.shape).requires_grad_(True) for p in init]
+        with torch.no_grad():
+            for p, v in zip(ps, init):
+                p.copy_(v)
+        opt = torch.optim.AdamW(ps, lr=0.1, foreach=True)
+        for step in range(4):
+            if step == 2:
+                misses = ct.stats["misses"]
+            sum((p * p).sum() for p in ps).backward()
+            opt.step()
+            opt.zero_grad()
+        assert ct.stats["misses"] == misses
+        got = [inspect(p.detach(), gpus=1) for p in ps]
+    assert all(torch.allclose(g, want.detach(), atol=1e-6) for g, want in zip(got, local))
+
+
 def test_set_default_dtype_reaches_the_workers(procs):
     """Factories and type promotion follow torch.set_default_dtype() on the workers as here (they kept
     float32, and a cached propagation of ``torch.ones(2)`` kept it here too)."""
