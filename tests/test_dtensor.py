@@ -14,7 +14,18 @@ from _dt_chains import OPS, run_chain
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from monarch_tensor import Partial, RemoteException, Replicate, Shard, ShardingError, distribute, from_local, this_host
+from monarch_tensor import (
+    Partial,
+    RemoteException,
+    Replicate,
+    Shard,
+    ShardingError,
+    distribute,
+    fetch_shard,
+    from_local,
+    inspect,
+    this_host,
+)
 from monarch_tensor.actor import Actor, endpoint
 from monarch_tensor.utils import setup_env_for_distributed
 
@@ -51,6 +62,15 @@ def test_metadata_without_moving_data(mesh2d):
     # mesh dim names per tensor dim given as placements: read as the sharding spec they are
     assert distribute(x, mesh2d, ["dp", None]).placements == dt.placements
     assert distribute(x, mesh2d, [None, ("dp", "tp")]).placements == (Shard(1), Shard(1))
+
+
+def test_fetch_shard_of_a_dtensor_is_that_ranks_plain_shard(mesh1d, capfd):
+    x = torch.arange(16.0).reshape(4, 4)
+    dt = distribute(x, mesh1d, sharding_spec=["dp", None])
+    got = fetch_shard(dt, dp=1).result()
+    assert type(got) is torch.Tensor and torch.equal(got, x[2:])
+    assert torch.equal(inspect(dt), x[:2])
+    assert "DeviceMesh" not in capfd.readouterr().err  # (torch warned about its mesh's pickling at every fetch)
 
 
 def test_seed_dt_matmul_dt_T(mesh2d):

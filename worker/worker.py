@@ -657,8 +657,15 @@ def _check_result(result, outs: tuple, metas: tuple) -> None:
 
 def _to_cpu(v):
     if isinstance(v, torch.Tensor):
+        if _is_dtensor(v):  # this rank's shard: a DTensor's mesh means nothing on the controller
+            v = v.to_local()
         return v.detach().to("cpu", copy=True)
     return v
+
+
+def _is_dtensor(v) -> bool:
+    dt = sys.modules.get("torch.distributed.tensor")
+    return dt is not None and isinstance(v, dt.DTensor)
 
 
 def send_tensor(mailbox, dest_addr: str, xfer: int, value) -> None:
