@@ -40,6 +40,7 @@ from monarch_tensor.messages import CallEndpoint, SendToPort
 from . import messages as m
 from . import opaque
 from .collectives import TIMEOUT, Collectives, DummyProcessGroup, restore_names
+from .containers import is_dataclass_instance, rebuild
 from .errors import RemoteException
 from .opaque import OpaqueRef
 
@@ -278,6 +279,8 @@ class TensorWorker(Actor):
             return OpaqueRef._create(self._resolve(a._key, stream))
         if isinstance(a, tuple) and hasattr(t, "_fields"):  # a named tuple
             return t(*(self._resolve(x, stream) for x in a))
+        if isinstance(a, dict) or is_dataclass_instance(a):  # (OrderedDict, defaultdict...: containers.rebuild)
+            return rebuild(a, lambda x: self._resolve(x, stream))
         return a
 
     def _group(self, g: m.Group, stream: int | None):
