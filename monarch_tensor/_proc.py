@@ -716,9 +716,10 @@ def current_runtime() -> ProcRuntime | None:
 def run_proc(addr: str, client_addr: str, rank: int) -> None:
     """Entry point of a forked proc (called by the zygote)."""
     global _runtime
-    from . import _bind
+    from . import _bind, _threads
 
     _bind.apply_from_env()  # before any other thread starts: they inherit it
+    _threads.apply_from_env()  # (after the binding: a bound proc's share is of its own CPUs)
     rt = _runtime = ProcRuntime(addr, client_addr, rank)
     _proc_ext.on_start(rt)  # workspace dirs on sys.path, breakpoint() hook
     _say_started()
