@@ -129,6 +129,68 @@ def rank_tensor(pm, dim: str) -> Tensor:
     return Tensor(meta, intern_meta(meta), ctx, ref)
 
 
+def shard_batch(batch, dims, mesh=None):
+    """Each rank's own slice of a global batch: ``x, y = shard_batch((x, y), "dp")`` inside ``activate()``.
+
+    ``batch``: a tensor or a pytree of them (a DataLoader's ``(inputs, targets)``) holding the whole global
+    batch; each one's dim 0 is split in equal chunks over the ranks of the named ``dims`` (a name or a list
+    of names), rank ``i`` along them getting chunk ``i``, as ``torch.chunk`` and ``DistributedSampler`` with
+    ``shuffle=False`` order them; ranks that differ only along other dims get the same chunk. A local
+    tensor's chunks travel to their ranks only; a mesh tensor (the same global batch on every rank) is
+    sliced where it lives. ``mesh``: the mesh to put local tensors on (default: the active one).
+
+    >>> for x, y in DataLoader(data, batch_size=64):  # doctest: +SKIP
+    ...     x, y = shard_batch((x, y), "dp")          # 64 // dp rows on each dp rank
+    """
+    if isinstance(dims, str):
+        dims = (dims,)
+    elif not (isinstance(dims, (tuple, list)) and dims and all(isinstance(d, str) for d in dims)):
+        raise TypeError(f"shard_batch's dims must be a dimension name or a list of them, such as 'dp', not {dims!r}")
+    leaves, spec = pytree.tree_flatten(batch)
+    if not leaves or not all(isinstance(x, torch.Tensor) for x in leaves):
+        raise TypeError(f"shard_batch takes a tensor or tuples, lists and dicts of tensors, got {type(batch).__name__}")
+    return pytree.tree_unflatten([_shard_one(x, tuple(dims), mesh) for x in leaves], spec)
+
+
+def _shard_one(x, dims: tuple, mesh) -> Tensor:
+    if type(x) is Tensor:
+        if mesh is not None and mesh is not x._ctx.pm:
+            raise MeshTensorError("shard_batch(mesh=...) places local tensors; this one is a mesh tensor already "
+                                  "(move it with to_mesh)")
+        pm = x._ctx.pm
+    else:
+        pm = mesh if mesh is not None else state.ctx_mesh
+        if pm is None:
+            raise MeshTensorError("shard_batch: no mesh to put the batch on: call it inside `with procs.activate():` "
+                                  "or pass mesh=procs")
+        if isinstance(x, Tensor) or x.device.type == "meta" or type(x) not in (torch.Tensor, torch.nn.Parameter):
+            raise MeshTensorError(f"shard_batch takes plain local tensors or mesh tensors, not {type(x).__name__} "
+                                  f"on {x.device}")
+    shape = pm._shape
+    groups = _groups(shape, dims)
+    n = len(groups[0])
+    if x.dim() == 0 or x.shape[0] % n:
+        raise ValueError(f"shard_batch over {dims} ({n} ranks) needs tensors whose dim 0 divides by {n}, got shape "
+                         f"{tuple(x.shape)}: pick a batch size that is a multiple of {n} (drop_last=True drops a "
+                         f"short last batch)")
+    index = {r: j for g in groups for j, r in enumerate(g)}  # each rank's chunk
+    ctx = ctx_for(pm)
+    client = ctx.client
+    rows = x.shape[0] // n
+    if type(x) is Tensor:
+        ref = next(client.refs)
+        client.issue(m.CreateRank(ref, index, ctx.sid), ctx.ranks)
+        meta = contiguous_meta((), torch.int64)
+        which = Tensor(meta, intern_meta(meta), ctx, ref)
+        return x.reshape(n, rows, *x.shape[1:]).index_select(0, which.reshape(1)).reshape(rows, *x.shape[1:])
+    chunks = x.detach().reshape(n, rows, *x.shape[1:])
+    ref = next(client.refs)
+    for r in ctx.ranks:  # one upload per rank, each its own chunk (a message each)
+        client.issue(m.CreateValue(ref, chunks[index[r]].clone(), ctx.sid), (r,))
+    meta = contiguous_meta((rows, *x.shape[1:]), x.dtype)
+    return Tensor(meta, intern_meta(meta), ctx, ref)
+
+
 # ---- factories inside activate() -------------------------------------------------------------------
 _FACTORIES = ("zeros", "ones", "empty", "full", "rand", "randn", "randint", "randperm", "arange", "linspace",
               "logspace", "eye", "tensor", "as_tensor", "scalar_tensor", "empty_strided", "normal", "zeros_like",
