@@ -65,3 +65,23 @@ def test_a_bad_thread_count_is_refused_at_the_call(bad, error):
     with pytest.raises(error, match="threads"):
         _spawn(threads=bad)
     assert len(local_procs()) == before
+
+
+@pytest.mark.timeout(180)
+def test_procs_behind_a_host_agent_take_their_hosts_share(tmp_path, capfd, monkeypatch):
+    from monarch_tensor.job import LocalJob
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    job = LocalJob(meshes={"hosts": 1}, root_dir=str(tmp_path), ttl=120)
+    try:
+        hosts = job.state().hosts
+        procs = hosts.spawn_procs(per_host={"procs": 2})
+        chosen = hosts.spawn_procs(per_host={"procs": 1}, threads=3)
+        expected = max(1, cores() // 2)  # (the agent's host is this machine; its procs: 2 when they spawned)
+        assert [g[:2] for g in procs.execute(_threads).values()] == [(expected, str(expected))] * 2
+        assert [g[:2] for g in chosen.execute(_threads).values()] == [(3, "3")]
+        notices = [ln for ln in capfd.readouterr().err.splitlines() if "intra-op thread" in ln]
+        assert notices == ["monarch_tensor: torch in each of the 2 new procs uses its host's cores / 2 intra-op "
+                           "threads (at least 1); choose with spawn_procs(threads=N) or OMP_NUM_THREADS"]
+    finally:
+        job.kill()

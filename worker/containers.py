@@ -5,8 +5,8 @@ local tensor; both walk the same containers with ``rebuild``, which keeps each c
 tuples and named tuples, dicts and their subclasses (an ``OrderedDict`` stays one, a ``defaultdict`` keeps
 its ``default_factory``), and dataclass instances (each field). What ``rebuild`` does not enter is a leaf.
 
->>> rebuild(OrderedDict(w=1, b=[2, 3]), lambda x: x * 10)
-OrderedDict({'w': 10, 'b': [20, 30]})
+>>> rebuild({"w": 1, "b": (2, 3)}, lambda x: x * 10)
+{'w': 10, 'b': (20, 30)}
 """
 
 from __future__ import annotations
