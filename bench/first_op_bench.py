@@ -2,6 +2,7 @@
 
     python bench/first_op_bench.py                       # RUNS fresh scripts per side, WAIT s of other work
     python bench/first_op_bench.py --runs 3 --json bench/out/first_op_bench.json
+    python bench/first_op_bench.py --runs 1 --wait 60     # a loaded machine imports slower: wait longer
     python bench/first_op_bench.py --tiny                # the smoke test's run (one side, no wait)
 
 Each run is a fresh script (its own procs' template, nothing imported yet) that imports torch and
@@ -83,8 +84,12 @@ def run_once(kind: str, settings: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(ap, RUNS, SIDES)
+    ap.add_argument("--wait", type=float, help=f"seconds between the first plain op and the first DTensor op "
+                                               f"(default {WAIT:g})")
     args = ap.parse_args()
     apply_common_args(args, globals())
+    if args.wait is not None and not args.worker:
+        globals()["WAIT"] = args.wait
     if args.worker:
         report_worker(measure, MARKER, __file__)
     settings = {"RUNS": RUNS, "PROCS": PROCS, "WAIT": WAIT}
