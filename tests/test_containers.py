@@ -113,7 +113,7 @@ def _total(tree):
 total = remote(_total, propagate=lambda tree: torch.zeros((), dtype=torch.float64))
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(_spec)
 def test_any_container_of_mesh_tensors_arrives_resolved_with_its_type(mesh, spec):
     want = _make(spec)
