@@ -27,8 +27,10 @@ from torch.utils._device import DeviceContext, _device_constructors
 from monarch_tensor import _wire
 from monarch_tensor.future import Future
 from worker import messages as m
+from worker.containers import rebuild
 from worker.opaque import OpaqueRef
 
+from .arguments import mesh_leaves, to_wire
 from .client import Ctx, MeshClient, user_loc
 from .errors import BorrowError, MeshTensorError
 from .process_group import RemoteProcessGroup
@@ -50,6 +52,7 @@ from .tensor import (
 )
 
 RECV_TIMEOUT = 300.0
+EXECUTOR = "_mt_execute"  # the actors of ProcMesh.execute (host.ProcMesh._runner)
 
 
 # ---- meshes ------------------------------------------------------------------------------------------
@@ -124,6 +127,68 @@ def rank_tensor(pm, dim: str) -> Tensor:
     ref = next(ctx.client.refs)
     ctx.client.issue(m.CreateRank(ref, coords, ctx.sid), ctx.ranks)
     meta = contiguous_meta((), torch.int64)
+    return Tensor(meta, intern_meta(meta), ctx, ref)
+
+
+def shard_batch(batch, dims, mesh=None):
+    """Each rank's own slice of a global batch: ``x, y = shard_batch((x, y), "dp")`` inside ``activate()``.
+
+    ``batch``: a tensor or a pytree of them (a DataLoader's ``(inputs, targets)``) holding the whole global
+    batch; each one's dim 0 is split in equal chunks over the ranks of the named ``dims`` (a name or a list
+    of names), rank ``i`` along them getting chunk ``i``, as ``torch.chunk`` and ``DistributedSampler`` with
+    ``shuffle=False`` order them; ranks that differ only along other dims get the same chunk. A local
+    tensor's chunks travel to their ranks only; a mesh tensor (the same global batch on every rank) is
+    sliced where it lives. ``mesh``: the mesh to put local tensors on (default: the active one).
+
+    >>> for x, y in DataLoader(data, batch_size=64):  # doctest: +SKIP
+    ...     x, y = shard_batch((x, y), "dp")          # 64 // dp rows on each dp rank
+    """
+    if isinstance(dims, str):
+        dims = (dims,)
+    elif not (isinstance(dims, (tuple, list)) and dims and all(isinstance(d, str) for d in dims)):
+        raise TypeError(f"shard_batch's dims must be a dimension name or a list of them, such as 'dp', not {dims!r}")
+    leaves, spec = pytree.tree_flatten(batch)
+    if not leaves or not all(isinstance(x, torch.Tensor) for x in leaves):
+        raise TypeError(f"shard_batch takes a tensor or tuples, lists and dicts of tensors, got {type(batch).__name__}")
+    return pytree.tree_unflatten([_shard_one(x, tuple(dims), mesh) for x in leaves], spec)
+
+
+def _shard_one(x, dims: tuple, mesh) -> Tensor:
+    if type(x) is Tensor:
+        if mesh is not None and mesh is not x._ctx.pm:
+            raise MeshTensorError("shard_batch(mesh=...) places local tensors; this one is a mesh tensor already "
+                                  "(move it with to_mesh)")
+        pm = x._ctx.pm
+    else:
+        pm = mesh if mesh is not None else state.ctx_mesh
+        if pm is None:
+            raise MeshTensorError("shard_batch: no mesh to put the batch on: call it inside `with procs.activate():` "
+                                  "or pass mesh=procs")
+        if isinstance(x, Tensor) or x.device.type == "meta" or type(x) not in (torch.Tensor, torch.nn.Parameter):
+            raise MeshTensorError(f"shard_batch takes plain local tensors or mesh tensors, not {type(x).__name__} "
+                                  f"on {x.device}")
+    shape = pm._shape
+    groups = _groups(shape, dims)
+    n = len(groups[0])
+    if x.dim() == 0 or x.shape[0] % n:
+        raise ValueError(f"shard_batch over {dims} ({n} ranks) needs tensors whose dim 0 divides by {n}, got shape "
+                         f"{tuple(x.shape)}: pick a batch size that is a multiple of {n} (drop_last=True drops a "
+                         f"short last batch)")
+    index = {r: j for g in groups for j, r in enumerate(g)}  # each rank's chunk
+    ctx = ctx_for(pm)
+    client = ctx.client
+    rows = x.shape[0] // n
+    if type(x) is Tensor:
+        ref = next(client.refs)
+        client.issue(m.CreateRank(ref, index, ctx.sid), ctx.ranks)
+        meta = contiguous_meta((), torch.int64)
+        which = Tensor(meta, intern_meta(meta), ctx, ref)
+        return x.reshape(n, rows, *x.shape[1:]).index_select(0, which.reshape(1)).reshape(rows, *x.shape[1:])
+    chunks = x.detach().reshape(n, rows, *x.shape[1:])
+    ref = next(client.refs)
+    for r in ctx.ranks:  # one upload per rank, each its own chunk (a message each)
+        client.issue(m.CreateValue(ref, chunks[index[r]].clone(), ctx.sid), (r,))
+    meta = contiguous_meta((rows, *x.shape[1:]), x.dtype)
     return Tensor(meta, intern_meta(meta), ctx, ref)
 
 
@@ -388,13 +453,8 @@ def _install_factories() -> None:
 
 
 # ---- fetching ----------------------------------------------------------------------------------------
-def _is_opaque(x) -> bool:
-    return isinstance(x, OpaqueRef)
-
-
 def _leaves_ctx(obj, what: str = "fetch_shard") -> tuple[list, Ctx | None]:
-    leaves = [x._key if isinstance(x, OpaqueRef) else x for x in pytree.tree_leaves(obj, is_leaf=_is_opaque)]
-    leaves = [x for x in leaves if type(x) is Tensor]
+    leaves = mesh_leaves(obj, what)
     ctx = leaves[0]._ctx if leaves else None
     for t in leaves:
         check_live(t._ctx, what)
@@ -408,17 +468,8 @@ def _leaves_ctx(obj, what: str = "fetch_shard") -> tuple[list, Ctx | None]:
     return leaves, ctx
 
 
-def _to_wire(obj):
-    def one(x):
-        if type(x) is Tensor:
-            return m.Ref(x._ref)
-        if type(x) is RemoteProcessGroup:
-            return x._wire()
-        if isinstance(x, OpaqueRef) and type(x._key) is Tensor:
-            return OpaqueRef._create(m.Ref(x._key._ref))
-        return x
-
-    return pytree.tree_map(one, obj, is_leaf=_is_opaque)
+def _to_wire(obj, what: str = ""):
+    return to_wire(obj, what)
 
 
 def _rank_of(ctx: Ctx, shard: dict | None, kwargs: dict) -> int:
@@ -460,25 +511,28 @@ def call_actor(actors, ranks: list[int], method: str, args: tuple, kwargs: dict,
     from monarch_tensor import _wire
 
     what = f"{actors._name}.{method}"
+    if actors._name == EXECUTOR and len(args) == 3:  # procs.execute(fn, *a, **kw): errors name fn's arguments
+        what = f"execute({getattr(args[0], '__name__', 'fn')})"
+        mesh_leaves(args[1:], what)
     _refuse_process_groups((args, kwargs), what)
-    _, ctx = _leaves_ctx((args, kwargs), what)
+    leaves, ctx = _leaves_ctx((args, kwargs), what)
     if ctx is None:
-        raise MeshTensorError(f"{what}: mesh tensors inside objects other than tuples, lists and dicts cannot be "
-                              "passed to an actor")
+        raise MeshTensorError(f"{what}: mesh tensors inside objects other than lists, tuples, dicts, named tuples "
+                              "and dataclasses cannot be passed to an actor")
     client = ctx.client
     index = {a: i for i, a in enumerate(client.addrs)}
     targets = [index.get(actors._procs[r].addr) for r in ranks]
     if None in targets or not set(targets) <= set(ctx.ranks):
         raise MeshTensorError(f"{what}: the mesh tensors passed live on {ctx.pm._label()}, not on the procs of actor "
                               f"mesh {actors._name!r}; move them with to_mesh() or fetch them with fetch_shard()")
-    instr = m.CallActor(actors._name, method, _to_wire(args), _to_wire(kwargs), port, ctx.sid, user_loc())
+    instr = m.CallActor(actors._name, method, *_to_wire((args, kwargs), what), port, ctx.sid, user_loc())
     try:
         _wire.encode(instr)  # before it joins a batch: a mesh tensor hidden in another object must not sink one
     except MeshTensorError:
         raise MeshTensorError(f"{what}: mesh tensors inside objects other than tuples, lists and dicts cannot be "
                               "passed to an actor") from None
     client.issue(instr, tuple(sorted(targets)))
-    forget_value((args, kwargs))  # the actor may write the tensors it is lent
+    forget_value(leaves)  # the actor may write the tensors it is lent
     client.flush()
 
 
@@ -495,7 +549,7 @@ def actor_rref(actors, method: str, wire_method: str, propagate, args: tuple, kw
                               f"@endpoint(propagate=fn), where fn takes the endpoint's arguments (fake tensors) and "
                               f"returns tensors of the result's shapes" +
                               ("" if propagate is None else f" (got propagate={propagate!r})"))
-    _, ctx = _leaves_ctx((args, kwargs), what)
+    leaves, ctx = _leaves_ctx((args, kwargs), what)
     if ctx is None:
         pm = state.ctx_mesh or actors._proc_mesh
         if pm is None:
@@ -527,7 +581,7 @@ def actor_rref(actors, method: str, wire_method: str, propagate, args: tuple, kw
     if not outs:
         raise MeshTensorError(f"{what}: propagate returned no tensor; call endpoints without tensor results "
                               f"with call() or broadcast()")
-    instr = m.CallActor(actors._name, wire_method, _to_wire(args), _to_wire(kwargs), None, ctx.sid, user_loc(),
+    instr = m.CallActor(actors._name, wire_method, *_to_wire((args, kwargs), what), None, ctx.sid, user_loc(),
                         tuple(outs), tuple(metas))
     try:
         _wire.encode(instr)
@@ -535,7 +589,7 @@ def actor_rref(actors, method: str, wire_method: str, propagate, args: tuple, kw
         raise MeshTensorError(f"{what}: mesh tensors inside objects other than tuples, lists and dicts cannot be "
                               "passed to an actor") from None
     client.issue(instr, tuple(ctx.ranks))
-    forget_value((args, kwargs))  # the actor may write the tensors it is lent
+    forget_value(leaves)  # the actor may write the tensors it is lent
     return _rebuild(struct, iter(vals))
 
 
@@ -1072,7 +1126,7 @@ class Remote:
                         return OpaqueRef._create(next(it)) if type(x._key) is Tensor else x
                     return _stand_in(x) if type(x) is RemoteProcessGroup else x
 
-                fargs, fkwargs = pytree.tree_map(sub, (args, kwargs), is_leaf=_is_opaque)
+                fargs, fkwargs = rebuild((args, kwargs), sub)  # (in _scan's order of the tensors)
                 out = fn(*fargs, **fkwargs)
         finally:
             state.internal = False

@@ -13,6 +13,7 @@ the user's line). A hit costs a dict lookup and building the outputs.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import sys
@@ -23,6 +24,7 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 
 from worker import messages as m
+from worker.containers import is_dataclass_instance
 from worker.opaque import OpaqueRef
 from worker.worker import flat_leaves
 
@@ -432,6 +434,22 @@ def _scan(a, key: list, tensors: list, local: list):
     if isinstance(a, tuple) and hasattr(t, "_fields"):  # a named tuple (torch's pytrees look inside them too)
         key.append(t)
         return t(*(_scan(x, key, tensors, local) for x in a))
+    if isinstance(a, dict):  # a subclass (OrderedDict, defaultdict): a copy of its type, as containers.rebuild
+        key.append(t)
+        key.append(getattr(a, "default_factory", None))
+        out = copy.copy(a)
+        for k, v in a.items():
+            key.append(k)
+            dict.__setitem__(out, k, _scan(v, key, tensors, local))
+        return out
+    if is_dataclass_instance(a):  # its fields, in order, as containers.rebuild
+        key.append(t)
+        out = copy.copy(a)
+        for name in t.__dataclass_fields__:
+            if hasattr(a, name):
+                key.append(name)
+                object.__setattr__(out, name, _scan(getattr(a, name), key, tensors, local))
+        return out
     if t is torch.Generator:  # its state travels (see _draw); the op's shapes do not depend on it
         key.append(t)
         key.append(a.device)

@@ -12,8 +12,8 @@ its CPU). What makes it data-parallel:
     workers, then the model's initialisation, recorded like any other op, draws the same numbers on
     every rank);
   * every rank holds the whole corpus and reads its own batches: the start offsets of every rank's
-    windows are drawn here with a seeded generator, shipped to all ranks, and each rank picks its row
-    with ``index_select`` by its rank (``proc_mesh.rank_tensor("gpus")``);
+    windows are drawn here with a seeded generator, and ``shard_batch(offsets, "gpus")`` gives each
+    rank its own BATCH of them (rank r: chunk r);
   * after ``loss.backward()`` the gradients are averaged over the ranks with ``reduce_([p.grad for p in
     model.parameters()], "gpus", "avg")``: one all-reduce of all of them side by side (as DDP's buckets;
     ``p.grad.reduce_("gpus", "avg")`` per parameter works too, one all-reduce each), so AdamW takes the
@@ -49,7 +49,7 @@ N_LAYER, N_HEAD, N_EMBD = 2, 4, 96
 LR = 3e-3             # AdamW
 WEIGHT_DECAY = 0.01
 SEED = 1337           # weights and batches
-THREADS = 0           # torch threads per proc; 0: this machine's cores shared out among the GPUS procs
+THREADS = 0           # torch threads per proc; 0: spawn_procs' default, the host's cores shared out among its procs
 SAMPLE_CHARS = 200    # characters sampled from the trained model at the end (0: none)
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 TIMEOUT = 120.0       # seconds any single fetch may take
@@ -71,7 +71,6 @@ def settings_from_args(argv=None) -> dict:
             ap.error(f"--{n.lower()} must be >= 1, got {args[n]}")
     if args["THREADS"] < 0:
         ap.error(f"--threads must be >= 0, got {args['THREADS']}")
-    args["THREADS"] = args["THREADS"] or max(1, (os.cpu_count() or 1) // args["GPUS"])
     return args
 
 
@@ -93,20 +92,18 @@ def progress(step: int, steps: int, width: int = 20) -> str:
 
 def train_ddp(s: dict) -> tuple[list[list[float]], dict]:
     """Train on a fresh mesh; returns each step's per-rank losses and the final weights (rank 0's)."""
-    from monarch_tensor import fetch_shard, reduce_, remote
+    from monarch_tensor import fetch_shard, reduce_, shard_batch
     from monarch_tensor.actor import this_host
 
     tok, ids, cfg, offsets = make_run(s)
     steps, batch = s["STEPS"], s["BATCH"]
     offsets = offsets.tolist()  # plain lists: shipped to the mesh as they are, step by step
-    procs = this_host().spawn_procs(per_host={"gpus": s["GPUS"]})
+    procs = this_host().spawn_procs(per_host={"gpus": s["GPUS"]}, threads=s["THREADS"] or None)
     losses: list[list[float]] = []
     try:
         with procs.activate():
-            remote("torch.set_num_threads", propagate=lambda n: None)(s["THREADS"])
             torch.manual_seed(s["SEED"])  # seeds every rank alike: the same initial weights everywhere
             data = torch.tensor(ids)           # the whole corpus on every rank
-            rank = procs.rank_tensor("gpus")   # 0, 1, ... one per rank
             model = GPT(cfg)
             opt = torch.optim.AdamW(model.parameters(), lr=s["LR"], weight_decay=s["WEIGHT_DECAY"])
             print(f"GPT with {model.num_params():,} parameters on a mesh of {s['GPUS']} procs; "
@@ -115,8 +112,7 @@ def train_ddp(s: dict) -> tuple[list[list[float]], dict]:
             t0 = time.perf_counter()
             for step in range(steps + 1):
                 if step < steps:
-                    everyone = torch.tensor(offsets[step])                        # (GPUS, BATCH), same on all
-                    mine = everyone.index_select(0, rank.reshape(1)).reshape(batch)  # this rank's row
+                    mine = shard_batch(torch.tensor(offsets[step]).flatten(), "gpus")  # (BATCH,): rank r's row
                     x, y = get_batch(data, mine, cfg.block_size)
                     _, loss = model(x, y)
                     opt.zero_grad(set_to_none=True)

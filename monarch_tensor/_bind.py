@@ -133,6 +133,26 @@ def env_for(proc_bind: list[dict[str, str]] | None, local_index: int) -> dict[st
     return {ENV: json.dumps(proc_bind[local_index])}
 
 
+def _cpu_key(binding: dict[str, str] | None) -> tuple | None:
+    if not binding:
+        return None
+    key = (binding.get("cpus") or binding.get("physcpubind"), binding.get("cpunodebind"))
+    return key if any(key) else None
+
+
+def restricts_cpus(proc_bind: list[dict[str, str]] | None) -> bool:
+    return any(_cpu_key(b) is not None for b in proc_bind or ())
+
+
+def sharing(proc_bind: list[dict[str, str]] | None, local_index: int, unbound: int) -> int:
+    """How many procs share the CPUs of a host's proc ``local_index``: those of ``proc_bind`` bound to the
+    same CPUs, or ``unbound`` where its binding leaves its CPUs alone."""
+    key = _cpu_key(proc_bind[local_index]) if proc_bind else None
+    if key is None:
+        return unbound
+    return sum(1 for b in proc_bind if _cpu_key(b) == key)
+
+
 def apply_from_env() -> None:
     raw = os.environ.pop(ENV, "")
     if raw:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from . import _context, _proc_ext, _zygote
+from .config import env_flag
 from .errors import ActorAbortedError, ActorError, ActorStoppedError
 from .logs import OUTPUT_WAIT_S
 from .mailbox import _EVENTS, _POLLIN, Mailbox, set_current_mailbox
@@ -857,9 +858,12 @@ def current_runtime() -> ProcRuntime | None:
 def run_proc(addr: str, client_addr: str, rank: int) -> None:
     """Entry point of a forked proc (called by the zygote)."""
     global _runtime
-    from . import _bind
+    from . import _bind, _threads
 
     _bind.apply_from_env()  # before any other thread starts: they inherit it
+    _threads.apply_from_env()  # (after the binding: a bound proc's share is of its own CPUs)
+    if "torch" in sys.modules and not env_flag("MONARCH_TENSOR_NO_WARMUP", False):  # (the script uses torch)
+        _zygote.finish_preload(_zygote._modules("MONARCH_TENSOR_IDLE_PRELOAD", "torch._dynamo"))
     rt = _runtime = ProcRuntime(addr, client_addr, rank)
     try:
         signal.signal(signal.SIGINT, _on_sigint)

@@ -18,6 +18,7 @@ import select
 import signal
 import struct
 import sys
+import threading
 import time
 
 _LEN = struct.Struct("!I")
@@ -426,6 +427,27 @@ def _in_steps(mods: list[str]) -> list[str]:
     for mod in mods:
         out += [m for m in _IMPORT_STEPS.get(mod, [mod]) if m not in out]
     return out
+
+
+preloading: threading.Thread | None = None  # in a proc: the thread of finish_preload
+
+
+def finish_preload(mods: list[str]) -> threading.Thread | None:
+    """In a proc: import on a thread of its own what importing ``mods`` loads and is not loaded yet (the
+    template's idle imports, when it forked this proc before finishing them); that thread (the one started
+    before, if any), or None with nothing to import. The pieces go bottom up (each one's own imports loaded
+    before it), so another thread importing one of them meanwhile waits for it rather than closing a
+    circle of imports with this thread."""
+    global preloading
+    if preloading is not None:
+        return preloading
+    steps = [m for m in _in_steps(mods) if m not in sys.modules]
+    if not steps:
+        return None
+    preloading = threading.Thread(target=lambda: [_try_import(m) for m in steps], daemon=True,
+                                  name="monarch-tensor-preload")
+    preloading.start()
+    return preloading
 
 
 def _try_import(mod: str) -> None:

@@ -870,20 +870,26 @@ def check_procs_per_host(per_host: dict, n: int) -> None:
 
 
 def _spawn_procs(shape: Shape, proc_bind: list | None = None, per: int = 1,
-                 python_exe: str | None = None, extra_env: dict[str, str] | None = None) -> ProcMesh:
+                 python_exe: str | None = None, extra_env: dict[str, str] | None = None,
+                 threads: int | None = None) -> ProcMesh:
     """Procs of ``shape`` on this machine; ``proc_bind`` (``_bind.check``ed) binds the ``per`` procs of
     each host; ``python_exe`` runs them (default: this interpreter); ``extra_env`` is added to their
-    environment from the start."""
+    environment from the start; ``threads``: torch's intra-op threads in each (``_threads``)."""
     mailbox = current_mailbox()
     n = len(shape)
     infos = [ProcInfo(new_ipc_address("proc"), r) for r in range(n)]
     gpus = _gpu_count()
     envs = []
-    from . import _bind, config
+    from . import _bind, _threads, config
 
     settings = config.proc_env()  # configure()'s settings that procs act on
+    live = len(local_procs())
+    if threads is None and not _threads.user_set(extra_env) and not _bind.restricts_cpus(proc_bind):
+        _threads.notice(n, live + n)
     for point in (shape.point(i) for i in range(n)):
-        env = {"MONARCH_TENSOR_RANK": str(point.rank), **settings, **_bind.env_for(proc_bind, point.rank % per)}
+        sharing = _bind.sharing(proc_bind, point.rank % per, live + n)
+        env = {"MONARCH_TENSOR_RANK": str(point.rank), **settings, **_bind.env_for(proc_bind, point.rank % per),
+               **_threads.env_for(threads, sharing)}
         if gpus and "gpus" in shape.names:
             env["CUDA_VISIBLE_DEVICES"] = str(point["gpus"] % gpus)
         envs.append({**env, **(extra_env or {})})
@@ -955,21 +961,25 @@ class HostMesh(MeshTrait):
         return f"host mesh {self._shape}"
 
     def spawn_procs(self, per_host: Mapping[str, int] | None = None, bootstrap=None, name: str | None = None,
-                    proc_bind: list[dict[str, str]] | None = None) -> ProcMesh:
+                    proc_bind: list[dict[str, str]] | None = None, threads: int | None = None) -> ProcMesh:
         """``spawn_procs(per_host={"gpus": 4})`` -> ProcMesh of shape {hosts..., "gpus": 4}; ``bootstrap``
         (a function of no arguments, or an async one) runs on every proc before this returns; ``proc_bind``
-        binds each proc of a host to CPUs or NUMA nodes (see ``_bind.py``)."""
-        from . import _bind
+        binds each proc of a host to CPUs or NUMA nodes (see ``_bind.py``); ``threads``: torch's intra-op
+        threads in each proc (default: ``OMP_NUM_THREADS``, else its share of the host's cores: see
+        ``_threads.py``)."""
+        from . import _bind, _threads
 
         check_bootstrap(bootstrap)
+        threads = _threads.check(threads)
         per_host = per_host_sizes(per_host)
         shape = _procs_shape(self._shape, per_host)
         check_procs_per_host(per_host, len(shape))
         per = len(shape) // max(1, len(self._shape))
         proc_bind = _bind.check(proc_bind, per)
         _bind.check_here(proc_bind)
-        mesh = _spawn_procs(shape, proc_bind, per, self._python_exe)
+        mesh = _spawn_procs(shape, proc_bind, per, self._python_exe, threads=threads)
         mesh._proc_bind = proc_bind  # heal_mesh binds the new procs alike
+        mesh._threads = threads  # and gives them as many threads
         return run_bootstrap(mesh, bootstrap)
 
     def _runs_here(self, p: ProcInfo) -> bool:
@@ -1129,11 +1139,12 @@ def heal_mesh(mesh: ProcMesh) -> ProcMesh:
     shape = alloc._shape
     agents = _agents_of(alloc._procs)
     bootstrap, proc_bind = getattr(alloc, "_bootstrap", None), getattr(alloc, "_proc_bind", None)
+    threads = getattr(alloc, "_threads", None)
     alloc.stop()
     if not agents:
         per = len(proc_bind) if proc_bind else 1
         new = run_bootstrap(_spawn_procs(Shape(shape.names, shape.dims), proc_bind, per,
-                                         getattr(alloc, "_python_exe", None)), bootstrap)
+                                         getattr(alloc, "_python_exe", None), threads=threads), bootstrap)
     else:
         from .errors import HostUnreachableError
         from .remote_hosts import RemoteHostMesh
@@ -1145,7 +1156,7 @@ def heal_mesh(mesh: ProcMesh) -> ProcMesh:
         k = getattr(alloc, "_host_dims", 1)  # a job's procs: the hosts' dims, then the per-host dims
         new = RemoteHostMesh(agents, Shape(shape.names[:k], shape.dims[:k]),
                              getattr(alloc, "_python_exe", None)).spawn_procs(
-            dict(zip(shape.names[k:], shape.dims[k:])), bootstrap, proc_bind=proc_bind)
+            dict(zip(shape.names[k:], shape.dims[k:])), bootstrap, proc_bind=proc_bind, threads=threads)
     return new if mesh is alloc else ProcMesh(new._procs, mesh._shape, new)
 
 

@@ -440,10 +440,11 @@ class RemoteHostMesh(HostMesh):
         return [a.addr for a in self._agents]
 
     def spawn_procs(self, per_host: Mapping[str, int] | None = None, bootstrap=None, name: str | None = None,
-                    proc_bind: list[dict[str, str]] | None = None) -> ProcMesh:
-        from . import _bind
+                    proc_bind: list[dict[str, str]] | None = None, threads: int | None = None) -> ProcMesh:
+        from . import _bind, _threads
 
         check_bootstrap(bootstrap)
+        threads = _threads.check(threads)
         per_host = per_host_sizes(per_host)
         shape = _procs_shape(self._shape, per_host)  # the hosts' dims first: host h has ranks [h * per, ...)
         per = len(shape) // len(self._agents)
@@ -455,13 +456,19 @@ class RemoteHostMesh(HostMesh):
         from . import config
 
         settings = config.proc_env()  # configure()'s settings that procs act on
+        live = [p for mesh in list(_live_meshes) for p in mesh._procs if p.alive]
+        most = max((per + sum(1 for p in live if getattr(p, "agent", None) is a) for a in self._agents), default=per)
+        if threads is None and not _threads.user_set() and not _bind.restricts_cpus(proc_bind):
+            _threads.remote_notice(per * len(self._agents), most)
         for h, agent in enumerate(self._agents):
             gateway = _gateway_for(agent.keys, agent.addr)
             events = mailbox.open_port(_Events(agent))
             ranks, envs = [], []
+            sharing = per + sum(1 for p in live if getattr(p, "agent", None) is agent)
             for r in range(h * per, (h + 1) * per):
                 point = shape.point(r)
-                env = {"MONARCH_TENSOR_RANK": str(r), **settings, **_bind.env_for(proc_bind, r - h * per)}
+                env = {"MONARCH_TENSOR_RANK": str(r), **settings, **_bind.env_for(proc_bind, r - h * per),
+                       **_threads.env_for(threads, _bind.sharing(proc_bind, r - h * per, sharing))}
                 if "gpus" in shape.names:
                     env["MONARCH_TENSOR_LOCAL_GPU"] = str(point["gpus"])
                 ranks.append(r)
@@ -481,6 +488,7 @@ class RemoteHostMesh(HostMesh):
                 infos.append(info)
         mesh._procs = infos
         mesh._proc_bind = proc_bind  # heal_mesh binds the new procs alike
+        mesh._threads = threads  # and gives them as many threads
         _live_meshes.add(mesh)
         share_peers(infos)  # (of other jobs' agents)
         return run_bootstrap(mesh, bootstrap)

@@ -164,3 +164,17 @@ def test_train_bench_tiny(tmp_path):
     assert data["tied"]["ddp"] and data["tied"]["local"]
     assert data["loss_match"]["fsdp"] == data["tied"]["fsdp"], data["losses"]
     assert "| ours {dp: 2} DDP" in proc.stdout and "losses match" in proc.stdout
+
+
+@pytest.mark.timeout(150)
+def test_first_op_bench_tiny(tmp_path):
+    out = tmp_path / "first_op.json"
+    bench = os.path.join(ROOT, "bench", "first_op_bench.py")
+    proc = subprocess.run([sys.executable, bench, "--tiny", "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=140)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["env"]["tiny"] is True
+    assert data["errors"] == {}, data["errors"]
+    for key in ("setup_s", "first_s", "second_s"):
+        assert data["median"]["warm"][key] > 0, (key, proc.stdout[-2000:])

@@ -32,14 +32,16 @@ import torch
 
 from monarch_tensor import _wire
 from monarch_tensor._proc import current_runtime
+from monarch_tensor._zygote import finish_preload
 from monarch_tensor.actor import Actor, current_rank, endpoint
-from monarch_tensor.config import env_number
+from monarch_tensor.config import env_flag, env_number
 from monarch_tensor.mailbox import LOST_REWRITES, current_mailbox
 from monarch_tensor.messages import CallEndpoint, SendToPort
 
 from . import messages as m
 from . import opaque
 from .collectives import TIMEOUT, Collectives, DummyProcessGroup, restore_names
+from .containers import is_dataclass_instance, rebuild
 from .errors import RemoteException
 from .opaque import OpaqueRef
 
@@ -106,6 +108,18 @@ def resolve_op(name: str):
     ns, _, rest = name.partition("::")
     opname, _, overload = rest.partition(".")
     return getattr(getattr(getattr(torch.ops, ns), opname), overload or "default")
+
+
+WARM_UP_TIMEOUT = 600.0
+
+
+def start_warm_up() -> threading.Thread | None:
+    """The thread importing what DTensor work imports on first use (torch._dynamo and what it loads,
+    seconds per proc), started at the proc's start if its template had not imported it yet, else now;
+    None when there is nothing to import (or ``MONARCH_TENSOR_NO_WARMUP``)."""
+    if env_flag("MONARCH_TENSOR_NO_WARMUP", False):
+        return None
+    return finish_preload(["torch._dynamo"])
 
 
 def resolve_function(fn: Any):
@@ -175,6 +189,7 @@ class TensorWorker(Actor):
         rt = current_runtime()
         if rt is not None:  # the proc's loop polls for messages only while no stream computes
             rt.spin_gates.append(self._idle)
+        self.warming = start_warm_up()
 
     def _idle(self) -> bool:
         return all(s.idle() for s in self.streams.values())  # on the loop thread, which alone adds streams
@@ -200,7 +215,29 @@ class TensorWorker(Actor):
             elif t is m.CallActor:  # its place in the actor's queue is taken now, in message order
                 streams[instr.stream].put(handlers[t], (instr, current_runtime().reserve(instr.actor)))
             else:
+                if t is m.CallFunction and self.warming is not None and type(instr.fn) is str and \
+                        instr.fn.startswith("worker.dtensor."):
+                    self._after_warm_up(streams[instr.stream])
                 streams[instr.stream].put(handlers[t], instr)
+
+    def _after_warm_up(self, stream: _Stream) -> None:
+        """DTensor work waits for the warm-up's imports, which it needs (it would wait on them anyway, on the
+        modules' import locks; here it says so when that takes long)."""
+        w = self.warming
+        if w is not None:
+            if w.is_alive():
+                stream.put(self._await_warm_up, w)
+            else:
+                self.warming = None
+
+    def _await_warm_up(self, w: threading.Thread) -> None:
+        if not w.is_alive():
+            return
+        w.join(1.0)
+        if w.is_alive() and self.rank == 0:
+            sys.stderr.write("monarch_tensor: the procs are still importing torch._dynamo, which DTensor needs "
+                             "(once per proc); this first sharded op waits for it\n")
+        w.join(WARM_UP_TIMEOUT)
 
     @endpoint
     def execute_unreadable(self, batch: list, error: BaseException, payload_lost: bool) -> None:
@@ -278,6 +315,8 @@ class TensorWorker(Actor):
             return OpaqueRef._create(self._resolve(a._key, stream))
         if isinstance(a, tuple) and hasattr(t, "_fields"):  # a named tuple
             return t(*(self._resolve(x, stream) for x in a))
+        if isinstance(a, dict) or is_dataclass_instance(a):  # (OrderedDict, defaultdict...: containers.rebuild)
+            return rebuild(a, lambda x: self._resolve(x, stream))
         return a
 
     def _group(self, g: m.Group, stream: int | None):
