@@ -142,6 +142,7 @@ class MeshClient:
         self.store_addr = (host, self.store.port)
         self.workers = alloc.spawn(WORKER_NAME, TensorWorker, self.store_addr)
         self.closed = False
+        self.messages = 0  # instruction batches sent, one per proc they went to
         _flusher._clients.add(self)
 
     def ctx(self, pm, stream) -> Ctx:
@@ -330,6 +331,7 @@ class MeshClient:
             frames = _wire.encode(msg)  # constants are small; one encoding for every rank
         else:  # other hosts: a large constant is pulled by each worker over the data plane
             frames = _wire.encode_for(msg, [addrs[r] for r in to], self.mailbox)[0] if to else []
+        self.messages += len(to)
         for r in to:
             self.mailbox.send_frames(addrs[r], frames)
 

@@ -332,19 +332,18 @@ def _flatten(a, leaves: list, spec: list) -> None:
 
 
 def _unflatten(spec: tuple, leaves) -> object:
-    it, sit = iter(leaves), iter(spec)
+    return _build(iter(spec), iter(leaves))
 
-    def build():
-        s = next(sit)
-        if s is None:
-            return next(it)
-        t, n = s
-        if t is dict:
-            return {k: build() for k in n}
-        items = [build() for _ in range(n)]
-        return t(items) if t is tuple or t is list else t(*items)
 
-    return build()
+def _build(sit, it):
+    s = next(sit)
+    if s is None:
+        return next(it)
+    t, n = s
+    if t is dict:
+        return {k: _build(sit, it) for k in n}
+    items = [_build(sit, it) for _ in range(n)]
+    return t(items) if t is tuple or t is list else t(*items)
 
 
 # ---- traces -------------------------------------------------------------------------------------------
