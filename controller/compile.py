@@ -61,7 +61,7 @@ from worker.opaque import OpaqueRef
 from worker.worker import flat_leaves
 
 from .api import _FactoryMode
-from .client import _flusher, coalescing, user_loc
+from .client import _flusher, _held, coalescing, user_loc
 from .errors import MeshTensorError
 from .tensor import Tensor, forget_value, memory_of, new_tensor, record
 
@@ -380,7 +380,7 @@ class _Trace:
                 and len(self.canon) == len(other.canon) and self.canon == other.canon)
 
     def out_desc_key(self) -> tuple:
-        return tuple(("obj", d[1]()) if d[0] == "obj" else d for d in self.out_desc) + \
+        return tuple(("obj", id(d[1]())) if d[0] == "obj" else d for d in self.out_desc) + \
             tuple((n[1], id(n[2])) for n in self.out_new)
 
     def first_difference(self, other: _Trace) -> str:
@@ -654,6 +654,8 @@ class _Program:
             out_refs.append(r)
             new.append(new_tensor(meta, mid, ctx, r))
         client.issue(m.RunProgram(self.pid, tuple(t._ref for t in inputs), tuple(out_refs), self.sid, loc), self.ranks)
+        if not _held:  # a whole step: it leaves now (no batch to wait for)
+            client.flush()
         for j, (_, _, _, link) in enumerate(self.out_new):
             if link is not None:
                 kind, x = link

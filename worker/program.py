@@ -64,20 +64,30 @@ def _prepare(worker, instr, resolve_op, propagate):
         fast = _call_op(worker, instr, resolve_op, propagate)
         if fast is not None:
             return fast
+    if type(instr) is m.CallOp:
+        return functools.partial(_call_op_copy, worker, instr)
     return functools.partial(worker._handlers[type(instr)], instr)
 
 
+def _call_op_copy(worker, msg: m.CallOp) -> None:
+    """``handle_CallOp`` on a copy of ``msg`` whose list arguments are new lists (it fills them in place)."""
+    worker.handle_CallOp(m.CallOp(msg.op, tuple(list(a) if type(a) is list else a for a in msg.args), msg.kwargs,
+                                  msg.tpos, msg.outs, msg.mutates, msg.stream, msg.loc))
+
+
 def _call_op(worker, msg: m.CallOp, resolve_op, propagate):
-    """A ``CallOp`` whose tensors sit at top-level argument positions or keyword names (the common case), as
-    a closure; None for any other (handled by ``TensorWorker.handle_CallOp``)."""
-    if any(type(p) not in (int, str) or p == m.DEEP for p in msg.tpos) or "device" in msg.kwargs or \
-            msg.kwargs.get("pin_memory"):
+    """A ``CallOp`` whose tensors sit at argument positions, in list arguments or at keyword names (the common
+    case), as a closure; None for any other (handled by ``TensorWorker.handle_CallOp``, on a copy of its list
+    arguments: the handler fills those in place)."""
+    if any(p == m.DEEP for p in msg.tpos) or "device" in msg.kwargs or msg.kwargs.get("pin_memory"):
         return None
     fn = resolve_op(msg.op)
     args0 = list(msg.args)
     kw0 = dict(msg.kwargs)
     apos = tuple((p, msg.args[p]) for p in msg.tpos if type(p) is int)
     kpos = tuple((p, msg.kwargs[p]) for p in msg.tpos if type(p) is str)
+    lpos = tuple((p[0], p[1], msg.args[p[0]][p[1]]) for p in msg.tpos if type(p) is tuple)
+    lists = tuple(sorted({i for i, _, _ in lpos}))
     refs, outs, store = worker.refs, msg.outs, worker._store
     rank = worker.rank
 
@@ -94,6 +104,10 @@ def _call_op(worker, msg: m.CallOp, resolve_op, propagate):
         try:
             for p, r in apos:
                 args[p] = get(r)
+            for i in lists:
+                args[i] = list(args0[i])
+            for i, j, r in lpos:
+                args[i][j] = get(r)
             if kpos:
                 kw = kw0.copy()
                 for p, r in kpos:
