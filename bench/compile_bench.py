@@ -19,7 +19,6 @@ is not installed in this environment (bench/dispatch_bench.py says how to instal
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
