@@ -141,3 +141,21 @@ def test_ddp_bench_tiny(tmp_path):
     # both of ours train exactly as DDP does
     assert data["loss_match"] == {"after": True, "bucket": True, "overlap": True}, data["losses"]
     assert "overlap / after" in proc.stdout and "bucket / after" in proc.stdout
+
+
+COMPILE = os.path.join(ROOT, "bench", "compile_bench.py")
+
+
+@pytest.mark.timeout(150)
+def test_compile_bench_tiny(tmp_path):
+    out = tmp_path / "tiny.json"
+    proc = subprocess.run([sys.executable, COMPILE, "--tiny", "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=140)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["env"]["tiny"] is True
+    for key, r in data["results"].items():
+        assert r["ctl_us"] > 0 and r["step_ms"] > 0, (key, r)
+        if key.endswith("/compiled"):
+            assert 0 < r["msgs"] <= 2, (key, r)  # one message per proc per step, and the loop's fetch
+    assert "compiled" in proc.stdout
