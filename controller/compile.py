@@ -60,6 +60,7 @@ from worker import messages as m
 from worker.opaque import OpaqueRef
 from worker.worker import flat_leaves
 
+from . import tensor as _t
 from .api import _FactoryMode
 from .client import _flusher, _held, coalescing, user_loc
 from .errors import MeshTensorError
@@ -399,11 +400,7 @@ class _Trace:
 
 def _canonical(instr, token):
     c = rename(instr, token)
-    if type(c) is m.CreateValue:
-        return ("CreateValue", c.ref, _Value(c.value))
-    if type(c) is m.CallFunction:
-        return c
-    return c
+    return ("CreateValue", c.ref, _Value(c.value)) if type(c) is m.CreateValue else c
 
 
 def _find(refs: set, client) -> dict:
@@ -711,7 +708,10 @@ class Compiled:
                                           f"differentiated through. Pass it detached (t.detach()), or use it from "
                                           f"outside the function (a parameter)")
                 mem = memory_of(x)
-                key.append((x._mid, id(x._ctx), mems.index(mem) if mem in mems else -1))
+                if mem in mems:  # shares memory with an earlier argument: which, and where (see MeshClient._fuse)
+                    key.append((x._mid, id(x._ctx), mems.index(mem), _t.memory_span(x)[1:]))
+                else:
+                    key.append((x._mid, id(x._ctx)))
                 mems.append(mem)
                 inputs.append(x)
             elif isinstance(x, torch.Tensor):

@@ -258,3 +258,19 @@ def test_monarch_path():
     from monarch_tensor.common._coalescing import compile as monarch_compile
 
     assert monarch_compile is compile
+
+
+def test_a_constant_written_in_place_starts_afresh_each_replay(mesh):
+    with mesh.activate():
+        @compile(verify=False)
+        def f(x):
+            c = torch.tensor([1.0, 2.0])
+            c.add_(x)
+            return c * 1
+
+        x = torch.ones(2)
+        b = counts()
+        rs = [f(x) for _ in range(4)]
+        assert delta(b) == {"recordings": 1, "replays": 3}
+        for r in rs:
+            assert torch.equal(value(r), torch.tensor([2.0, 3.0]))

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from . import messages as m
 from .collectives import restore_names
 from .errors import RemoteException
@@ -66,7 +68,15 @@ def _prepare(worker, instr, resolve_op, propagate):
             return fast
     if type(instr) is m.CallOp:
         return functools.partial(_call_op_copy, worker, instr)
+    if type(instr) is m.CreateValue:
+        return functools.partial(_create_value, worker, instr)
     return functools.partial(worker._handlers[type(instr)], instr)
+
+
+def _create_value(worker, msg: m.CreateValue) -> None:
+    """A constant of the program, as a new tensor each run (a step may write it in place)."""
+    v = msg.value
+    worker.refs[msg.ref] = v.to(worker.device, copy=True) if isinstance(v, torch.Tensor) else v
 
 
 def _call_op_copy(worker, msg: m.CallOp) -> None:
