@@ -48,6 +48,7 @@ from __future__ import annotations
 import collections
 import functools
 import gc
+import operator
 import sys
 import warnings
 import weakref
@@ -565,6 +566,8 @@ def _same_value(a, b) -> bool:
 
 # ---- programs -----------------------------------------------------------------------------------------
 OK, MISS, DEAD = 0, 1, 2
+_IDS = operator.attrgetter("_ref", "_mid", "_ctx")
+_GRAD = operator.attrgetter("grad")
 
 
 class _Program:
@@ -603,7 +606,11 @@ class _Program:
         client.issue(m.DefineProgram(pid, tuple(instrs), ins, tuple(outs), tuple(map(tuple, frees)), tr.sid),
                      tr.ranks)
         self.captured = [(w(), r, mid, ctx) for w, r, mid, ctx in tr.captured]
+        self.cap_objs = [o for o, _, _, _ in self.captured]
+        self.cap_ids = [(r, mid, ctx) for _, r, mid, ctx in self.captured]
         self.params = [(w(), None if g is None else g()) for w, g in tr.params]
+        self.param_objs = [p for p, _ in self.params]
+        self.grads = [g for _, g in self.params]
         self.escapees = [w() for w in tr.escapees]
         self.forget = [w() for w in tr.forget]
         self.optimizers = tr.optimizers
@@ -623,12 +630,12 @@ class _Program:
     def holds(self, inputs: list) -> int:
         if list(map(sys.getrefcount, self.escapees)) != self.esc_counts:  # (first: the loops below hold some)
             return DEAD
-        for o, r, mid, ctx in self.captured:
-            if o._ref != r or o._mid != mid or o._ctx is not ctx:
-                return DEAD
-        for p, g in self.params:
-            if p.grad is not g:
-                return DEAD
+        # (C loops: a replay's cost should not grow much with the number of parameters; ``is`` and tuples of
+        # ints and contexts, never a tensor's ``==``, which would be an op)
+        if not all(map(operator.eq, map(_IDS, self.cap_objs), self.cap_ids)):
+            return DEAD
+        if not all(map(operator.is_, map(_GRAD, self.param_objs), self.grads)):
+            return DEAD
         for opt, hyper in self.optimizers:
             if _hyper(opt) != hyper:
                 return MISS
