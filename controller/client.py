@@ -196,6 +196,26 @@ class MeshClient:
             elif n == 1:
                 _flusher.wake(self)
 
+    def issue_now(self, instr, ranks: tuple) -> None:
+        """Queue ``instr`` and send the batch at once (inside ``coalescing()``, at its end): a compiled step's
+        one instruction, which no batch needs to wait for."""
+        if self.alloc._stopped:
+            raise self.stopped_error()
+        with self._lock:
+            if self._late:
+                self._take_late()
+            if self.on_next_issue is not None:
+                hook, self.on_next_issue = self.on_next_issue, None
+                hook()
+            if ranks is not self._ranks:
+                self.flush()
+                self._ranks = ranks
+            self._q.append(instr)
+            if _held:
+                _held.add(self)
+            else:
+                self.flush()
+
     def _fuse(self, r, memory) -> bool:
         """Fold the reduce ``r`` into the batch's last instruction when that is a reduce of the same group,
         reduction, dtype, stream and kind (in place or not): one collective for a run of them, as for

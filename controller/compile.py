@@ -63,7 +63,7 @@ from worker.worker import flat_leaves
 
 from . import tensor as _t
 from .api import _FactoryMode
-from .client import _flusher, _held, coalescing, user_loc
+from .client import _flusher, coalescing, user_loc
 from .errors import MeshTensorError
 from .tensor import Tensor, forget_value, memory_of, new_tensor, record
 
@@ -498,8 +498,8 @@ def _analyse(rec: _Recorder, formals: list, inputs: list, leaves: list, spec: tu
                 used.append(r)
     made = [r for r in used if r >= start and r not in formal_tok]
     alive = [r for r in made if r not in rec.deleted and r not in out_refs]
-    if alive:  # (a tensor in a reference cycle is deleted only by the collector)
-        gc.collect()
+    if alive:  # (a tensor in a recent reference cycle is deleted only by the collector: its young generations)
+        gc.collect(1)
         alive = [r for r in alive if r not in rec.deleted]
     tokens = dict(formal_tok)
     for r, j in out_refs.items():
@@ -657,9 +657,8 @@ class _Program:
             r = next(refs)
             out_refs.append(r)
             new.append(new_tensor(meta, mid, ctx, r))
-        client.issue(m.RunProgram(self.pid, tuple(t._ref for t in inputs), tuple(out_refs), self.sid, loc), self.ranks)
-        if not _held:  # a whole step: it leaves now (no batch to wait for)
-            client.flush()
+        client.issue_now(m.RunProgram(self.pid, tuple(t._ref for t in inputs), tuple(out_refs), self.sid, loc),
+                         self.ranks)
         for j, (_, _, _, link) in enumerate(self.out_new):
             if link is not None:
                 kind, x = link
