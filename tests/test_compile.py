@@ -274,3 +274,40 @@ def test_a_constant_written_in_place_starts_afresh_each_replay(mesh):
         assert delta(b) == {"recordings": 1, "replays": 3}
         for r in rs:
             assert torch.equal(value(r), torch.tensor([2.0, 3.0]))
+
+
+def test_sharded_training_step_equals_uncompiled(mesh):
+    from monarch_tensor import module_to_mesh
+
+    with mesh.activate():
+        torch.manual_seed(4)
+        batches = _batches(5)
+
+        def make():
+            model = module_to_mesh(_model(0), mesh)
+            return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+        m1, o1 = make()
+        m2, o2 = make()
+
+        def train(model, opt, wrap):
+            def step(x, y):
+                opt.zero_grad()
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+                return loss
+
+            step = wrap(step)
+            return [step(x, y) for x, y in batches]
+
+        eager = train(m1, o1, lambda f: f)
+        b = counts()
+        comp = train(m2, o2, compile)
+        assert delta(b)["replays"] >= 2
+        for a, c in zip(eager, comp):  # (a distributed loss: fetched whole)
+            va, vc = fetch_shard(a).result(60), fetch_shard(c).result(60)
+            va, vc = (v.to_local() if hasattr(v, "to_local") else v for v in (va, vc))  # (a DTensor's loss)
+            assert torch.equal(va, vc)
+        for p1, p2 in zip(m1.parameters(), m2.parameters()):
+            assert torch.equal(p1.full_tensor(), p2.full_tensor())
