@@ -142,6 +142,7 @@ class MeshClient:
         self.store_addr = (host, self.store.port)
         self.workers = alloc.spawn(WORKER_NAME, TensorWorker, self.store_addr)
         self.closed = False
+        self.messages = 0  # instruction batches sent, one per proc they went to
         _flusher._clients.add(self)
 
     def ctx(self, pm, stream) -> Ctx:
@@ -194,6 +195,26 @@ class MeshClient:
                 self.flush(grow=True)
             elif n == 1:
                 _flusher.wake(self)
+
+    def issue_now(self, instr, ranks: tuple) -> None:
+        """Queue ``instr`` and send the batch at once (inside ``coalescing()``, at its end): a compiled step's
+        one instruction, which no batch needs to wait for."""
+        if self.alloc._stopped:
+            raise self.stopped_error()
+        with self._lock:
+            if self._late:
+                self._take_late()
+            if self.on_next_issue is not None:
+                hook, self.on_next_issue = self.on_next_issue, None
+                hook()
+            if ranks is not self._ranks:
+                self.flush()
+                self._ranks = ranks
+            self._q.append(instr)
+            if _held:
+                _held.add(self)
+            else:
+                self.flush()
 
     def _fuse(self, r, memory) -> bool:
         """Fold the reduce ``r`` into the batch's last instruction when that is a reduce of the same group,
@@ -330,6 +351,7 @@ class MeshClient:
             frames = _wire.encode(msg)  # constants are small; one encoding for every rank
         else:  # other hosts: a large constant is pulled by each worker over the data plane
             frames = _wire.encode_for(msg, [addrs[r] for r in to], self.mailbox)[0] if to else []
+        self.messages += len(to)
         for r in to:
             self.mailbox.send_frames(addrs[r], frames)
 

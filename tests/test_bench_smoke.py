@@ -178,3 +178,21 @@ def test_first_op_bench_tiny(tmp_path):
     assert data["errors"] == {}, data["errors"]
     for key in ("setup_s", "first_s", "second_s"):
         assert data["median"]["warm"][key] > 0, (key, proc.stdout[-2000:])
+
+
+COMPILE = os.path.join(ROOT, "bench", "compile_bench.py")
+
+
+@pytest.mark.timeout(150)
+def test_compile_bench_tiny(tmp_path):
+    out = tmp_path / "tiny.json"
+    proc = subprocess.run([sys.executable, COMPILE, "--tiny", "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=140)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["env"]["tiny"] is True
+    for key, r in data["results"].items():
+        assert r["ctl_us"] > 0 and r["step_ms"] > 0, (key, r)
+        if key.endswith("/compiled"):
+            assert 0 < r["msgs"] <= 2, (key, r)  # one message per proc per step, and the loop's fetch
+    assert "compiled" in proc.stdout

@@ -39,6 +39,9 @@ SAMPLES = {
     m.ReportRefs: m.ReportRefs(PortRef("ipc:///tmp/x", 5), 0),
     m.CallActor: m.CallActor("trainer", "step", (m.Ref(3), 2), {"w": [m.Ref(4)]}, PortRef("ipc:///tmp/x", 6), 0,
                              ("f.py", 12, "main")),
+    m.DefineProgram: m.DefineProgram(20, (m.CallOp("aten::add.Tensor", (-1, 1.0), {}, (0,), (-2,), (), 0, None),),
+                                     (-1,), (-2,), ((),), 0),
+    m.RunProgram: m.RunProgram(20, (3,), (21,), 0, ("f.py", 14, "main")),
 }
 
 

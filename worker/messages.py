@@ -278,6 +278,36 @@ class CallActor:
     metas: tuple = ()
 
 
+@_fast_reduce
+@dataclass(frozen=True, slots=True)
+class DefineProgram:
+    """Keep a compiled function's recording (``controller/compile.py``) at ref ``program`` as a prepared program
+    (``worker/program.py``). ``instrs`` use fixed refs: the captured tensors' own, and per-program refs for its
+    input slots ``inputs``, output slots ``outputs`` and temporaries; ``frees[i]``: the temporaries whose last
+    use is ``instrs[i]``, dropped right after it."""
+
+    program: int
+    instrs: tuple
+    inputs: tuple
+    outputs: tuple
+    frees: tuple
+    stream: int
+
+
+@_fast_reduce
+@dataclass(frozen=True, slots=True)
+class RunProgram:
+    """Run prepared program ``program`` once: ``inputs`` are the refs its input slots take, ``outputs`` the refs
+    its results are stored at (one message per compiled call)."""
+
+    program: int
+    inputs: tuple
+    outputs: tuple
+    stream: int
+    loc: Loc
+
+
 INSTRUCTIONS = (CallOp, CallFunction, CreateValue, CreateRank, DeleteRefs, Reduce, ReduceMany, FetchValue, SendTensor,
-                RecvTensor, CreateStream, BorrowCreate, BorrowDrop, ReportRefs, CallActor)
+                RecvTensor, CreateStream, BorrowCreate, BorrowDrop, ReportRefs, CallActor,
+                DefineProgram, RunProgram)
 _wire.ENVELOPE_MODULES.add(__name__)  # a batch that cannot be read whole is still read instruction by instruction

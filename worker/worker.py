@@ -44,6 +44,7 @@ from .collectives import TIMEOUT, Collectives, DummyProcessGroup, restore_names
 from .containers import is_dataclass_instance, rebuild
 from .errors import RemoteException
 from .opaque import OpaqueRef
+from .program import Program
 
 log = logging.getLogger("monarch_tensor.worker")
 
@@ -163,6 +164,9 @@ class _Stream:
                 log.exception("tensor worker: handler %s failed", getattr(handler, "__name__", handler))
             finally:
                 self.dones += 1
+
+
+_OWN_FILES = (__file__, sys.modules[Program.__module__].__file__)  # the interpreter's frames, left out of tracebacks
 
 
 class TensorWorker(Actor):
@@ -330,7 +334,7 @@ class TensorWorker(Actor):
 
     def _failure(self, op: str, loc, e: BaseException) -> RemoteException:
         tb = e.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        while tb is not None and tb.tb_frame.f_code.co_filename in _OWN_FILES:
             tb = tb.tb_next  # the failing code's frames, not the interpreter's
         text = "".join(traceback.format_exception(type(e), e, tb))
         return RemoteException(op, loc, self.rank, repr(e), text, _picklable(e))
@@ -631,6 +635,18 @@ class TensorWorker(Actor):
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # the endpoint's kernels ran on its own thread's stream: done before use here
         self._store(msg.outs, result.value)
+
+    def handle_DefineProgram(self, msg: m.DefineProgram) -> None:
+        self.refs[msg.program] = Program(self, msg, resolve_op, _Propagate)
+
+    def handle_RunProgram(self, msg: m.RunProgram) -> None:
+        program = self.refs.get(msg.program)
+        if type(program) is not Program:
+            failure = RemoteException("compiled call", msg.loc, self.rank,
+                                      f"its program (ref {msg.program}) does not exist on rank {self.rank}", "")
+            self._fail(msg.outputs, failure)
+            return
+        program.run(self, msg)
 
     def handle_ReportRefs(self, msg: m.ReportRefs) -> None:
         self._reply(msg.reply, {"refs": len(self.refs), "streams": len(self.streams),

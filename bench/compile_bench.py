@@ -1,0 +1,161 @@
+"""Compiled steps: what a training step costs the controller and the mesh, compiled vs uncompiled vs eager torch.
+
+    python bench/compile_bench.py                          # the table below, ~3 min on 2 vCPUs
+    python bench/compile_bench.py --json bench/out/compile_bench.json
+    python bench/compile_bench.py --tiny --json /tmp/tiny.json   # smoke test
+
+Workloads (one training step each: forward, cross entropy, backward, torch.optim.SGD, zero_grad):
+  mlp      Linear(256, 256) -> ReLU -> Linear(256, 10), batch 32 (notes/figures.md's MLP step)
+  gptN     examples/gpt.py's GPT with N layers (GPT_CFG, batch GPT_BATCH): small, so the cost of issuing its
+           ops shows (an N-layer step has about 60 N aten ops)
+On a mesh of 1 and of 2 procs ("gpus"; with 2 the gradients are averaged with reduce_, data-parallel),
+each step uncompiled and wrapped in ``compile`` (after warm-up steps that record it), and in local eager
+torch (no mesh). Figures, medians of REPEATS loops of STEPS steps:
+  ctl_us     controller time per step: the time the script spends inside the step calls (µs)
+  step_ms    wall time per step, every step's work done (the loop ends with a fetch of the last loss)
+  msgs       instruction messages per step per proc, counted by the client (MeshClient.messages)
+Every process computes with one torch thread. PyTorch Monarch's ``compile`` is not measured here: torchmonarch
+is not installed in this environment (bench/dispatch_bench.py says how to install it aside).
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _runs import markdown, write_json  # noqa: E402
+
+# ---- settings ------------------------------------------------------------------------------
+PROCS = [1, 2]
+WORKLOADS = ["mlp", "gpt2", "gpt8", "gpt32"]
+STEPS = 10           # steps per timed loop
+REPEATS = 3          # timed loops per figure (median)
+WARMUP = 5           # untimed steps first (a compiled step records until it is steady)
+GPT_CFG = dict(vocab_size=64, block_size=32, n_head=2, n_embd=32)
+GPT_BATCH = 4
+TIMEOUT = 300.0
+TINY = dict(PROCS=[1], WORKLOADS=["mlp", "gpt2"], STEPS=3, REPEATS=1, WARMUP=4,
+            GPT_CFG=dict(vocab_size=16, block_size=8, n_head=2, n_embd=16), GPT_BATCH=2)
+SETTINGS = ["PROCS", "WORKLOADS", "STEPS", "REPEATS", "WARMUP", "GPT_CFG", "GPT_BATCH"]
+MODES = ["eager", "uncompiled", "compiled"]
+
+
+def build(workload: str):
+    """(model, loss function of the model) for a workload, made with a fixed seed."""
+    import torch
+    import torch.nn.functional as F
+    from gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    if workload == "mlp":
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+        data, target = torch.randn(32, 256), torch.randint(0, 10, (32,))
+        return model, lambda: F.cross_entropy(model(data), target)
+    cfg = GPTConfig(n_layer=int(workload[3:]), **GPT_CFG)
+    model = GPT(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (GPT_BATCH, cfg.block_size))
+    return model, lambda: model(idx, idx)[1]
+
+
+def measure(workload: str, mode: str, procs, client) -> dict:
+    import torch
+
+    from monarch_tensor import compile, fetch_shard
+
+    model, loss_fn = build(workload)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    dp = procs is not None and len(procs._shape.ranks()) > 1
+
+    def step():
+        opt.zero_grad()
+        loss = loss_fn()
+        loss.backward()
+        if dp:
+            for p in model.parameters():
+                p.grad.reduce_("gpus", "avg")
+        opt.step()
+        return loss.detach()
+
+    if mode == "compiled":
+        step = compile(step)
+
+    def fetch(t):
+        return fetch_shard(t, gpus=0).result(TIMEOUT).item() if procs is not None else t.item()
+
+    first = fetch(step())
+    for _ in range(WARMUP - 1):
+        loss = step()
+    fetch(loss)
+    ctl, wall, msgs = [], [], []
+    for _ in range(REPEATS):
+        m0 = client.messages if client is not None else 0
+        spent = 0.0
+        t0 = time.perf_counter()
+        for _ in range(STEPS):
+            t = time.perf_counter()
+            loss = step()
+            spent += time.perf_counter() - t
+        last = fetch(loss)
+        wall.append((time.perf_counter() - t0) / STEPS * 1e3)
+        ctl.append(spent / STEPS * 1e6)
+        if client is not None:
+            msgs.append((client.messages - m0) / STEPS / len(client.addrs))
+    assert last == last and last < first * 1.5, f"training diverged: loss {first} -> {last}"
+    return {"ctl_us": statistics.median(ctl), "step_ms": statistics.median(wall),
+            "msgs": statistics.median(msgs) if msgs else 0.0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write settings, figures and the load average here")
+    ap.add_argument("--tiny", action="store_true", help="every workload tiny (a smoke test)")
+    args = ap.parse_args()
+    if args.tiny:
+        globals().update(TINY)
+    import torch
+
+    from controller.api import client_for, remote
+    from monarch_tensor import this_host
+
+    torch.set_num_threads(1)
+    load0 = os.getloadavg()
+    results: dict = {}
+    for w in WORKLOADS:
+        results[f"{w}/eager"] = measure(w, "eager", None, None)
+    for n in PROCS:
+        procs = this_host().spawn_procs(per_host={"gpus": n})
+        try:
+            with procs.activate():
+                remote("torch.set_num_threads", propagate=lambda k: None)(1)
+                client = client_for(procs)
+                for w in WORKLOADS:
+                    for mode in ("uncompiled", "compiled"):
+                        results[f"{w}/{n}/{mode}"] = measure(w, mode, procs, client)
+        finally:
+            procs.stop().get(timeout=TIMEOUT)
+    load1 = os.getloadavg()
+    head = ["workload", "procs", "mode", "ctl_us", "step_ms", "msgs", "step / eager"]
+    rows = []
+    for w in WORKLOADS:
+        eager = results[f"{w}/eager"]
+        rows.append([w, "-", "eager", f"{eager['ctl_us']:.0f}", f"{eager['step_ms']:.2f}", "-", "1.00"])
+        for n in PROCS:
+            for mode in ("uncompiled", "compiled"):
+                r = results[f"{w}/{n}/{mode}"]
+                rows.append([w, str(n), mode, f"{r['ctl_us']:.0f}", f"{r['step_ms']:.2f}", f"{r['msgs']:.1f}",
+                             f"{r['step_ms'] / eager['step_ms']:.2f}"])
+    print(markdown(head, rows, {}, {}))
+    print(f"load average {load0[0]:.2f} at the start, {load1[0]:.2f} at the end")
+    if args.json:
+        write_json(args.json, args.tiny, (load0[0], load1[0]), settings={k: globals()[k] for k in SETTINGS},
+                   results=results)
+
+
+if __name__ == "__main__":
+    main()

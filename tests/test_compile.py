@@ -1,0 +1,313 @@
+"""compile (Monarch's): trace rules, bit-equality with uncompiled training steps, one message per mesh per
+replay, errors inside a replay, flat memory over many replays, programs freed with their function."""
+
+import gc
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from controller import compile as C
+from controller.api import client_for, worker_stats
+from controller.errors import MeshTensorError, RemoteException
+from monarch_tensor import compile, fetch_shard
+
+GPUS = 2
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    from monarch_tensor import this_host
+
+    m = this_host().spawn_procs(per_host={"gpus": GPUS})
+    yield m
+    m.stop()
+
+
+def counts():
+    return dict(C.stats)
+
+
+def delta(before):
+    return {k: C.stats[k] - before[k] for k in before}
+
+
+def value(t):
+    return fetch_shard(t, gpus=0).result(60)
+
+
+def test_trace_rules(mesh):
+    with mesh.activate():
+        w = torch.ones(4)
+
+        @compile(verify=False)
+        def f(x, k):
+            return x * w + k
+
+        x = torch.arange(4.0)
+        b = counts()
+        r1, r2 = f(x, 1), f(x, 1)
+        assert delta(b) == {"recordings": 1, "replays": 1}
+        assert torch.equal(value(r2), torch.arange(4.0) + 1)
+        b = counts()
+        r3 = f(x, 2)  # a changed non-tensor value: records anew
+        assert delta(b) == {"recordings": 1, "replays": 0}
+        assert torch.equal(value(r3), torch.arange(4.0) + 2)
+        b = counts()
+        r4 = f(torch.arange(6.0).reshape(2, 3)[:, :2].reshape(4), 1)  # same sizes, other metadata? same: replay
+        r5 = f(torch.ones(2, 4), 1)  # other sizes: records anew
+        r6 = f(torch.ones(4, dtype=torch.float64), 1)  # other dtype: records anew
+        assert delta(b)["recordings"] == 2
+        assert torch.equal(value(r4), torch.tensor([0.0, 1.0, 3.0, 4.0]) + 1)
+        assert torch.equal(value(r5), torch.full((2, 4), 2.0))
+        assert value(r6).dtype == torch.float64
+        b = counts()
+        w.mul_(3)  # a captured tensor changed in place: the replay reads its new value
+        assert torch.equal(value(f(x, 1)), torch.arange(4.0) * 3 + 1)
+        assert delta(b) == {"recordings": 0, "replays": 1}
+        assert r1.shape == r2.shape == (4,)
+
+
+def test_aliasing_pattern_is_part_of_the_key(mesh):
+    with mesh.activate():
+        @compile(verify=False)
+        def f(a, b):
+            a.add_(1)
+            return a + b
+
+        x, y = torch.zeros(3), torch.zeros(3)
+        f(x, y), f(x, y)
+        b = counts()
+        r = f(x, x)  # both arguments one tensor: a new recording, and the eager result
+        assert delta(b)["recordings"] == 1
+        assert torch.equal(value(r), torch.full((3,), 6.0))
+
+
+def test_verify_names_the_line_where_recordings_diverge(mesh):
+    scale = [1.0]
+    with mesh.activate():
+        @compile
+        def f(x):
+            y = x + 1
+            return y * scale[0]  # the line the error names
+
+        x = torch.ones(2)
+        f(x)
+        scale[0] = 2.0
+        with pytest.raises(MeshTensorError, match=r"test_compile.py:\d+ in f.*failed to verify|failed to verify.*"
+                                                   r"aten::mul.*test_compile.py:\d+ in f"):
+            f(x)
+
+
+def _model(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def _train(model, opt, batches, dp: bool, fn_wrap=lambda f: f, sched=None):
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        if dp:
+            for p in model.parameters():
+                p.grad.reduce_("gpus", "avg")
+        opt.step()
+        return loss
+
+    step = fn_wrap(step)
+    losses = []
+    for x, y in batches:
+        losses.append(step(x, y))
+        if sched is not None:
+            sched.step()
+    return [value(t) for t in losses], [value(p) for p in model.parameters()]
+
+
+def _batches(n):
+    return [(torch.randn(6, 8) + torch.ones(6, 8) * 0, torch.randint(0, 4, (6,))) for _ in range(n)]
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw_fused"])
+def test_training_step_equals_uncompiled_bit_for_bit(mesh, optim):
+    with mesh.activate():
+        torch.manual_seed(1)
+        batches = _batches(9)
+
+        def make(seed):
+            model = _model(seed)
+            if optim == "sgd":
+                opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            else:
+                opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+            return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+
+        m1, o1, s1 = make(0)
+        eager = _train(m1, o1, batches, dp=True, sched=s1)
+        m2, o2, s2 = make(0)
+        b = counts()
+        comp = _train(m2, o2, batches, dp=True, fn_wrap=compile, sched=s2)
+        assert delta(b)["replays"] >= 2
+        for a, c in zip(eager[0] + eager[1], comp[0] + comp[1]):
+            assert torch.equal(a, c)
+        if optim == "adamw_fused":
+            assert torch.equal(value(o1.state[next(m1.parameters())]["step"]),
+                               value(o2.state[next(m2.parameters())]["step"]))
+
+
+def test_adam_reading_its_step_on_the_controller_runs_uncompiled(mesh):
+    with mesh.activate():
+        torch.manual_seed(2)
+        batches = _batches(3)
+        m1 = _model(0)
+        eager = _train(m1, torch.optim.AdamW(m1.parameters(), lr=0.01), batches, dp=False)
+        m2 = _model(0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            comp = _train(m2, torch.optim.AdamW(m2.parameters(), lr=0.01), batches, dp=False, fn_wrap=compile)
+        assert any("runs uncompiled" in str(w.message) and "fused=True" in str(w.message) for w in caught)
+        for a, c in zip(eager[0] + eager[1], comp[0] + comp[1]):
+            assert torch.equal(a, c)
+
+
+def test_one_message_per_proc_per_replay(mesh):
+    with mesh.activate():
+        model = _model(3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = _batches(1)[0]
+
+        @compile(verify=False)
+        def step(x, y):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        for _ in range(4):
+            step(x, y)
+        client = client_for(mesh)
+        client.flush()
+        before = client.messages
+        b = counts()
+        loss = step(x, y)
+        client.flush()
+        assert delta(b) == {"recordings": 0, "replays": 1}
+        assert client.messages - before == GPUS
+        assert torch.isfinite(value(loss))
+
+
+def test_fetch_inside_is_refused_at_its_line(mesh):
+    with mesh.activate():
+        @compile
+        def f(x):
+            return fetch_shard(x + 1).result()
+
+        with pytest.raises(MeshTensorError, match=r"inside a compiled function.*test_compile.py:\d+"):
+            f(torch.ones(2))
+
+
+def test_an_error_in_a_replay_is_a_value_naming_the_recorded_line(mesh):
+    with mesh.activate():
+        table = torch.arange(10.0)
+
+        @compile(verify=False)
+        def lookup(i):
+            return torch.index_select(table, 0, i) * 2  # the line the error names
+
+        good = torch.tensor([1, 2])
+        lookup(good), lookup(good)
+        b = counts()
+        bad = lookup(torch.tensor([1, 99]))
+        assert delta(b)["replays"] == 1
+        with pytest.raises(RemoteException, match=r"test_compile.py:\d+"):
+            value(bad)
+        assert torch.equal(value(lookup(good)), torch.tensor([2.0, 4.0]))  # the mesh stays usable
+
+
+def test_memory_is_flat_over_many_replays_and_programs_are_freed(mesh):
+    with mesh.activate():
+        w = torch.ones(8)
+
+        @compile(verify=False)
+        def f(x):
+            h = x * w
+            return (h + 1).sum()
+
+        x = torch.ones(8)
+        f(x), f(x)
+        value(f(x))
+        gc.collect()
+        before = worker_stats(mesh)["refs"]
+        b = counts()
+        for _ in range(10_000):
+            r = f(x)
+        assert delta(b)["replays"] == 10_000
+        assert value(r).item() == 16.0
+        del r
+        gc.collect()
+        assert worker_stats(mesh)["refs"] == before
+        del f
+        gc.collect()
+        client_for(mesh).flush_deletes()
+        assert worker_stats(mesh)["refs"] == before - 1  # the program itself
+
+
+def test_monarch_path():
+    from monarch_tensor.common._coalescing import compile as monarch_compile
+
+    assert monarch_compile is compile
+
+
+def test_a_constant_written_in_place_starts_afresh_each_replay(mesh):
+    with mesh.activate():
+        @compile(verify=False)
+        def f(x):
+            c = torch.tensor([1.0, 2.0])
+            c.add_(x)
+            return c * 1
+
+        x = torch.ones(2)
+        b = counts()
+        rs = [f(x) for _ in range(4)]
+        assert delta(b) == {"recordings": 1, "replays": 3}
+        for r in rs:
+            assert torch.equal(value(r), torch.tensor([2.0, 3.0]))
+
+
+def test_sharded_training_step_equals_uncompiled(mesh):
+    from monarch_tensor import module_to_mesh
+
+    with mesh.activate():
+        torch.manual_seed(4)
+        batches = _batches(5)
+
+        def make():
+            model = module_to_mesh(_model(0), mesh)
+            return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+        m1, o1 = make()
+        m2, o2 = make()
+
+        def train(model, opt, wrap):
+            def step(x, y):
+                opt.zero_grad()
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+                return loss
+
+            step = wrap(step)
+            return [step(x, y) for x, y in batches]
+
+        eager = train(m1, o1, lambda f: f)
+        b = counts()
+        comp = train(m2, o2, compile)
+        assert delta(b)["replays"] >= 2
+        for a, c in zip(eager, comp):  # (a distributed loss: fetched whole)
+            va, vc = fetch_shard(a).result(60), fetch_shard(c).result(60)
+            va, vc = (v.to_local() if hasattr(v, "to_local") else v for v in (va, vc))  # (a DTensor's loss)
+            assert torch.equal(va, vc)
+        for p1, p2 in zip(m1.parameters(), m2.parameters()):
+            assert torch.equal(p1.full_tensor(), p2.full_tensor())
