@@ -53,6 +53,18 @@ def after_record(tensors: list, out: Any) -> None:
         out._dist = info.derived()
 
 
+def _shard_shape(global_shape: tuple, placements, mesh_sizes, coords) -> tuple:
+    """The local shape a rank at ``coords`` holds of a global tensor laid out by ``placements`` (``Shard(d)``
+    splits dim d as ``torch.chunk`` does, one mesh dim after another)."""
+    local = list(global_shape)
+    for place, size, c in zip(placements, mesh_sizes, coords):
+        d = getattr(place, "dim", None)
+        if d is not None and type(place).__name__ == "Shard":
+            chunk = -(-local[d] // size)
+            local[d] = max(0, min(chunk, local[d] - c * chunk))
+    return tuple(local)
+
+
 class DistributedMethods:
     """DTensor's methods on the controller's mesh ``Tensor`` (see ``monarch_tensor.distribute``).
 
@@ -116,6 +128,26 @@ class DistributedMethods:
         from .dtensor import to_local
 
         return to_local(self)
+
+    def _repr_html_(self) -> str:
+        """Jupyter's display: a row per rank with what it holds (for a global tensor: its shard's shape). No
+        value is read from the workers: fetch with ``fetch_shard``/``full_tensor()`` to see values."""
+        from monarch_tensor import _display
+
+        ctx = self._ctx
+        shape = ctx.pm._shape
+        dims = list(shape.names)
+        n = len(shape)
+        if self._dist is None:
+            known = "known here" if hasattr(self, "_val") else "on the workers"
+            rows = [[*_display.coords(shape, i), tuple(self.shape), known] for i in range(n)]
+            return _display.table(f"mesh tensor {tuple(self.shape)} {self.dtype} on {shape}",
+                                  [*dims, "local shape", "value"], rows)
+        places = self.placements
+        rows = [[*_display.coords(shape, i), _shard_shape(tuple(self.shape), places, shape.dims,
+                                                          _display.coords(shape, i))] for i in range(n)]
+        return _display.table(f"DTensor {tuple(self.shape)} {self.dtype} on {shape}, placements "
+                              f"{[str(p) for p in places]}", [*dims, "shard shape"], rows)
 
     def dist_repr(self) -> str:
         from .dtensor import dist_repr

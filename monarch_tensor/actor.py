@@ -250,6 +250,14 @@ class ValueMesh(MeshTrait, Generic[R]):
     def __repr__(self) -> str:
         return f"ValueMesh({self._shape}, {self._values!r})"
 
+    def _repr_html_(self) -> str:
+        """Jupyter's display: a row per rank, its coordinates and its value."""
+        from . import _display
+
+        names = list(self._shape.names)
+        return _display.table(f"ValueMesh {self._shape}", [*names, "value"],
+                              [[*_display.coords(self._shape, i), v] for i, v in enumerate(self._values)])
+
 
 # ---- actor meshes ------------------------------------------------------------------
 class ActorMesh(MeshTrait):

@@ -555,6 +555,16 @@ class ProcMesh(MeshTrait):
     def __repr__(self) -> str:
         return f"<ProcMesh {self._shape}>"
 
+    def _repr_html_(self) -> str:
+        """Jupyter's display: a row per proc, its coordinates, address and state."""
+        from . import _display
+
+        procs = self._members()
+        rows = [[*_display.coords(self._shape, i), p.addr, "alive" if p.alive else f"gone: {p.exit_status}"]
+                for i, p in enumerate(procs)]
+        stopped = " (stopped)" if self._alloc._stopped else ""
+        return _display.table(f"ProcMesh {self._shape}{stopped}", [*self._shape.names, "proc", "state"], rows)
+
     def __await__(self):  # the seeds' `await proc_mesh(...)` form
         if False:
             yield
@@ -1052,6 +1062,14 @@ class HostMesh(MeshTrait):
 
     def __repr__(self) -> str:
         return f"<HostMesh {self._shape}>"
+
+    def _repr_html_(self) -> str:
+        """Jupyter's display: a row per host and its coordinates."""
+        from . import _display
+
+        n = len(self._shape)
+        return _display.table(f"HostMesh {self._shape}", [*self._shape.names, "rank"],
+                              [[*_display.coords(self._shape, i), i] for i in range(n)])
 
 
 def _procs_shape(hosts: Shape, per_host: Mapping[str, int]) -> Shape:

@@ -343,3 +343,26 @@ def test_user_default_process_group_is_the_users(engine_first):
         assert _engine_matmul(procs) and _engine_matmul(procs, kept)
     finally:
         procs.stop().get(timeout=T)
+
+
+def test_jupyter_displays_show_a_row_per_rank_without_reading_values(mesh2d):
+    import re
+
+    from monarch_tensor.actor import ValueMesh
+
+    def rows(html):
+        return [re.findall(r"<code>(.*?)</code>", r) for r in re.findall(r"<tr>(.*?)</tr>", html)[1:]]
+
+    dt = distribute(torch.randn(5, 4), mesh2d, sharding_spec=["dp", None])
+    got = rows(dt._repr_html_())
+    assert got == [["0", "0", "(3, 4)"], ["0", "1", "(3, 4)"], ["1", "0", "(2, 4)"], ["1", "1", "(2, 4)"]]
+    assert [tuple(s.shape) for s in (fetch_shard(dt, dp=0, tp=0).result(), fetch_shard(dt, dp=1, tp=1).result())] \
+        == [(3, 4), (2, 4)]  # the shard shapes shown are the workers'
+    with mesh2d.activate():
+        known, unknown = torch.ones(3), torch.ones(3) * mesh2d.rank_tensor("dp")
+    assert {r[-1] for r in rows(known._repr_html_())} == {"known here"}
+    assert {r[-1] for r in rows(unknown._repr_html_())} == {"on the workers"}
+    assert len(rows(mesh2d._repr_html_())) == 4 and "alive" in mesh2d._repr_html_()
+    vm = ValueMesh(mesh2d._shape, ["<b>x</b>", 1, 2, 3])
+    html = vm._repr_html_()
+    assert rows(html)[0] == ["0", "0", "&lt;b&gt;x&lt;/b&gt;"]  # values are escaped
