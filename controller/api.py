@@ -598,6 +598,21 @@ def inspect(obj: Any, shard: dict[str, int] | None = None, **kwargs: int) -> Any
     return fetch_shard(obj, shard, **kwargs).result()
 
 
+def preview(t: Tensor):
+    """Every rank's value of mesh tensor ``t``, fetched now (a synchronisation): a ``ValueMesh`` of CPU tensors,
+    which prints each rank's value as torch prints a tensor (and shows as a table in Jupyter). A global
+    (DTensor) tensor has one value: ``t.full_tensor()``."""
+    from monarch_tensor.actor import ValueMesh
+
+    if type(t) is not Tensor:
+        raise TypeError(f"preview() takes a mesh tensor, got {type(t).__name__}")
+    if t._dist is not None:
+        return t.full_tensor()
+    shape = t._ctx.pm._shape
+    futures = [fetch_shard(t, dict(shape.point(i))) for i in range(len(shape))]
+    return ValueMesh(shape, [f.result() for f in futures])
+
+
 def show(obj: Any, shard: dict[str, int] | None = None, **kwargs: int) -> Any:
     """``inspect`` one rank's value, then draw it with ``torchshow.show`` (Monarch's; torchshow is optional)."""
     try:

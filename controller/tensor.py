@@ -160,12 +160,23 @@ class Tensor(DistributedMethods, torch.Tensor):
         set_data(self, new)
 
     def tolist(self):
-        raise MeshTensorError("t.tolist() of a mesh tensor is not possible on the controller: the value lives on "
-                              "the workers; fetch it with fetch_shard(t).result().tolist()")
+        """The value, fetched (a synchronisation), as ``item()`` reads it: a global (DTensor) tensor's whole
+        value; a mesh tensor's where every rank holds the same (else an error with the one-line fetch)."""
+        if self._dist is not None:
+            return self.full_tensor().tolist()
+        return agreed_value(self, "t.tolist()").tolist()
 
     def numpy(self, *, force: bool = False):
-        raise MeshTensorError("t.numpy() of a mesh tensor is not possible on the controller: the value lives on "
-                              "the workers; fetch it with fetch_shard(t).result().numpy()")
+        """As ``tolist``, a numpy array."""
+        if self._dist is not None:
+            return self.full_tensor().numpy()
+        return agreed_value(self, "t.numpy()").numpy()
+
+    def preview(self):
+        """Every rank's value, fetched (a synchronisation): ``monarch_tensor.preview(self)``."""
+        from .api import preview
+
+        return preview(self)
 
     # Methods that reach the tensor's memory directly rather than through an aten op: the controller's
     # tensor is a wrapper with no memory (its values live on the workers), and torch's own code for these
@@ -652,6 +663,38 @@ def _propagate_locked(func, args, kwargs, tensors) -> _Template:
     return _Template(func.name(), leaves, struct, single, (pos, names), fold, view)
 
 
+# The reads of a mesh tensor's value that fetch it (a synchronisation), where every rank holds the same value.
+_READS = {"aten::_local_scalar_dense": "t.item()", "aten::is_nonzero": "bool(t)"}
+
+
+def agreed_value(t: Tensor, what: str) -> torch.Tensor:
+    """The value of mesh tensor ``t``, fetched from every rank (a synchronisation), where they all hold the same
+    one (a loss already averaged over the ranks, a replicated parameter); else a ``MeshTensorError`` with the
+    ranks' values and the one-line fetch of one of them. A value the controller knows needs no fetch."""
+    if hasattr(t, "_val"):
+        return t._val
+    from .api import preview
+
+    values = preview(t).values()
+    first = values[0]
+    if all(v.shape == first.shape and (torch.equal(v, first) or (v.is_floating_point() and torch.allclose(
+            v, first, rtol=0, atol=0, equal_nan=True))) for v in values[1:]):
+        return first
+    shape = t._ctx.pm._shape
+    shown = "; ".join(f"{dict(shape.point(i))}: {v.flatten()[:4].tolist()}" for i, v in enumerate(values[:4]))
+    raise MeshTensorError(f"{what} of a mesh tensor whose ranks hold different values ({shown}"
+                          f"{'; ...' if len(values) > 4 else ''}): fetch the one you want, "
+                          f"{_fetch_hint([t])}, or reduce it first (t.reduce(dims, 'avg'))")
+
+
+def _fetch_hint(tensors, then: str = "") -> str:
+    """``fetch_shard(t, gpus=0).result()...``: the one-line fetch of a rank's value, in the mesh's own dims."""
+    t = next((x for x in tensors if type(x) is Tensor), None)
+    names = t._ctx.pm._shape.names if t is not None else ()
+    where = ", ".join(f"{n}=0" for n in names)
+    return f"fetch_shard(t{', ' + where if where else ''}).result(){then}"
+
+
 _INDEX_PUTS = {"aten::index_put_", "aten::index_put", "aten::_index_put_impl_"}
 
 
@@ -846,8 +889,11 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
         if name in _UNSUPPORTED:
             if all(hasattr(t, "_val") or type(t) is not Tensor for t in tensors):
                 return _fold(func, args, kwargs)  # e.g. Adam's step counter: its value is known here
+            if name in _READS:  # t.item(), float(t), if t: the value, fetched (the same on every rank)
+                return func(agreed_value(tensors[0], _READS[name]))
             raise MeshTensorError(f"{_UNSUPPORTED[name]} is not possible: the value lives on the workers. "
-                                  f"Fetch it with fetch_shard(t).result() or inspect(t); code whose control flow "
+                                  f"Fetch one rank's with {_fetch_hint(tensors)} (or inspect(t)), every "
+                                  f"rank's with preview(t); code whose control flow "
                                   f"depends on the values (a loop until a condition holds) runs on the workers in a "
                                   f"remote() function")
         tpl = _propagate(func, args, kwargs, tensors)

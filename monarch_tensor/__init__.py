@@ -49,7 +49,7 @@ _ENGINE = {
     "reduce": "controller.api", "reduce_": "controller.api", "Stream": "controller.api",
     "no_mesh": "controller.api", "call_on_shard_and_fetch": "controller.api",
     "get_active_stream": "controller.api", "get_active_mesh": "controller.api", "to_mesh": "controller.api",
-    "slice_mesh": "controller.api", "shard_batch": "controller.api", "coalescing": "controller.client",
+    "slice_mesh": "controller.api", "shard_batch": "controller.api", "preview": "controller.api", "coalescing": "controller.client",
     "compile": "controller.compile", "Tensor": "controller.tensor",
     "RemoteException": "controller.errors", "MeshTensorError": "controller.errors",
     "RemoteProcessGroup": "controller.process_group", "OpaqueRef": "worker.opaque",

@@ -274,8 +274,7 @@ def test_failures_leave_the_mesh_usable(procs, tmp_path):
         assert [call_on_shard_and_fetch("worker.checkpoint.pending", shard={"dp": r}).result() for r in (0, 1)] \
             == [0, 0]
     assert state["count"] is count and float(inspect(count)) == 3
-    with pytest.raises(MeshTensorError, match="not possible"):
-        count.item()  # the controller's known value (4) is stale: dropped
+    assert not hasattr(count, "_val") and count.item() == 3  # the controller's known value (4) was stale: dropped
     torch.testing.assert_close(model[0].weight.full_tensor(), _model(7)[0].weight.detach())
 
 

@@ -251,7 +251,8 @@ def test_memory_is_flat_over_many_replays_and_programs_are_freed(mesh):
         del f
         gc.collect()
         client_for(mesh).flush_deletes()
-        assert worker_stats(mesh)["refs"] == before - 1  # the program itself
+        # the program itself is freed (a program of an earlier test collected in the same pass may go too)
+        assert worker_stats(mesh)["refs"] <= before - 1
 
 
 def test_monarch_path():

@@ -719,8 +719,9 @@ def _to_cpu(v):
 
 
 def _is_dtensor(v) -> bool:
-    dt = sys.modules.get("torch.distributed.tensor")
-    return dt is not None and isinstance(v, dt.DTensor)
+    # (the module may be half imported, by the proc's warm-up thread: then no DTensor exists yet)
+    cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return cls is not None and isinstance(v, cls)
 
 
 def send_tensor(mailbox, dest_addr: str, xfer: int, value) -> None:
