@@ -8,6 +8,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+# Procs of a script that imported torch import torch._dynamo in the background from their start (the first
+# DTensor op then need not wait for it): some 2 CPU-seconds a proc, which hundreds of spawns in this suite
+# would pay on CI's 2 cores for nothing. The tests of the warm-up (and of what it must not break) set the
+# variable themselves.
+os.environ.setdefault("MONARCH_TENSOR_NO_WARMUP", "1")
+
 # A runner started as a background job of a script (`bash .ci/run &`) inherits SIGINT ignored, and so would
 # every process the tests start, whose Ctrl-C tests (tests/test_job_cli.py) then wait in vain: take it back.
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
