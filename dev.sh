@@ -34,7 +34,7 @@ cmd=${1:-}
 shift || true
 case "$cmd" in
   demo)  setup; exec "$VENV/bin/python" examples/actors_basics.py "$@" ;;
-  test)  setup; "$VENV/bin/python" -m ruff check .; exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@" ;;
+  test)  setup; "$VENV/bin/python" -m ruff check .; exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 "$@" ;;
   bench) setup; exec "$VENV/bin/python" bench/actor_bench.py "$@" ;;
   setup) setup ;;
   *) echo "usage: bash dev.sh {demo|test|bench|setup} [args...]" >&2; exit 2 ;;
