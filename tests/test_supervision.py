@@ -1001,7 +1001,8 @@ def test_an_interrupted_spawn_stops_its_procs(tmp_path):
     # They ran on, and the script's normal end then reported them lost as an unhandled failure (exit 1).
     script = tmp_path / "client.py"
     script.write_text(INTERRUPTED_SPAWN_SCRIPT.format(root=ROOT))
-    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=80)
+    env = {k: v for k, v in os.environ.items() if k != "MONARCH_TENSOR_NO_WARMUP"}  # (it interrupts the warm-up)
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=80, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "INTERRUPTED" in p.stdout and "LEFT []" in p.stdout, p.stdout
     assert "unhandled supervision failure" not in p.stderr
@@ -1088,7 +1089,8 @@ def test_ctrl_c_during_the_tensor_engine_warm_up_leaves_its_imports_whole(tmp_pa
     # every later mesh tensor op failed ("module 'sympy' has no attribute 'core'") until a restart.
     script = tmp_path / "client.py"
     script.write_text(INTERRUPTED_WARM_UP_SCRIPT.format(root=ROOT))
-    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=140)
+    env = {k: v for k, v in os.environ.items() if k != "MONARCH_TENSOR_NO_WARMUP"}  # (the warm-up is the point)
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=140, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "INTERRUPTED" in p.stdout and "WARMED True" in p.stdout and "SUM [2.0, 2.0]" in p.stdout, p.stdout
 
