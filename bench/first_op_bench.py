@@ -13,7 +13,7 @@ waits WAIT seconds (the script doing other work: the procs are warm), then times
               ``full_tensor()``: the script's first DTensor work, from its call until the value is here;
   second_s    the same again (``dt @ dt.T + 1``): the steady state.
 
-Sides: "warm-up" (the default: procs import what DTensor needs in the background from their start) and
+Sides: "warm-up" (the default: procs are forked after their template imported what DTensor needs) and
 "no warm-up" (``MONARCH_TENSOR_NO_WARMUP=1``: nothing imported ahead, as before the warm-up existed).
 Runs are interleaved; the table shows medians. Absolute figures scale with the machine's load: compare
 the two sides of one run.

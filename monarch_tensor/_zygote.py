@@ -96,15 +96,54 @@ def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None) -> No
     waits.register(sig_r, select.POLLIN)
     write_msg(rep_fd, ("ready", os.getpid()))
     died = False
+    # With the warm-up on, a spawn waits for the idle imports to finish here, once, so that its procs are
+    # forked with them loaded: otherwise each proc imports them anew on a thread of its own (finish_preload),
+    # seconds of CPU a proc, competing with its first work and its siblings' on a small machine. Outputs are
+    # still relayed between two pieces.
+    defer = _warm_up_on()
+    deferred: list[tuple] = []  # spawn requests waiting for the idle imports
+
+    def fork(req: tuple) -> None:
+        _, req_id, entry, args, env, relay = req
+        reads, writes = _output_pipes()
+        counts = OutputCounts() if relay else None  # (before the fork: the proc shares it)
+        start_r, start_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            others = [fd for pair in outputs.values() for fd in pair if fd is not None]
+            others += [*starting, start_r]
+            _child(req_fd, rep_fd, sig_r, sig_w, entry, args, env, (reads, writes), others, counts, start_w)
+        os.close(start_w)
+        starting[start_r] = pid
+        waits.register(start_r, select.POLLIN)
+        children[pid] = req_id
+        spawned.append(pid)
+        if isinstance(args[0], str) and args[0].startswith("ipc://"):  # (run_proc's own address,
+            sockets[pid] = args[0][len("ipc://"):]  # and its client's)
+        if len(args) > 1 and isinstance(args[1], str):
+            clients.add(args[1])
+        for w in writes:
+            os.close(w)
+        outputs[pid] = list(reads)
+        if relay:
+            for stream, fd in enumerate(reads, 1):
+                relayed[fd] = (pid, stream, counts)
+                waits.register(fd, select.POLLIN)
+        write_msg(rep_fd, ("spawned", req_id, pid))
+
     try:
         while True:
             try:
-                readable = [fd for fd, _ in waits.poll(0 if idle_imports else 1000)]
+                readable = [fd for fd, _ in waits.poll(0 if idle_imports or deferred else 1000)]
             except InterruptedError:
                 readable = [sig_r]
             if not readable and idle_imports:
                 _try_import(idle_imports.pop(0))
                 continue
+            if deferred and not idle_imports:
+                for req in deferred:
+                    fork(req)
+                deferred.clear()
             if sig_r in readable:
                 try:
                     os.read(sig_r, 4096)
@@ -116,39 +155,18 @@ def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None) -> No
                 elif fd in starting:
                     _started(fd, starting, rep_fd, waits)
             _reap(children, rep_fd, outputs, relayed, waits, sockets, starting)
+            if deferred and idle_imports and readable:  # (busy relaying: the imports go on between reads)
+                _try_import(idle_imports.pop(0))
             if req_fd in readable:
                 req = read_msg(req_fd)
                 if req is None or req[0] == "exit":
                     died = req is None
                     break
                 if req[0] == "spawn":
-                    _, req_id, entry, args, env, relay = req
-                    reads, writes = _output_pipes()
-                    counts = OutputCounts() if relay else None  # (before the fork: the proc shares it)
-                    start_r, start_w = os.pipe()
-                    pid = os.fork()
-                    if pid == 0:
-                        others = [fd for pair in outputs.values() for fd in pair if fd is not None]
-                        others += [*starting, start_r]
-                        _child(req_fd, rep_fd, sig_r, sig_w, entry, args, env, (reads, writes), others, counts,
-                               start_w)
-                    os.close(start_w)
-                    starting[start_r] = pid
-                    waits.register(start_r, select.POLLIN)
-                    children[pid] = req_id
-                    spawned.append(pid)
-                    if isinstance(args[0], str) and args[0].startswith("ipc://"):  # (run_proc's own address,
-                        sockets[pid] = args[0][len("ipc://"):]  # and its client's)
-                    if len(args) > 1 and isinstance(args[1], str):
-                        clients.add(args[1])
-                    for w in writes:
-                        os.close(w)
-                    outputs[pid] = list(reads)
-                    if relay:
-                        for stream, fd in enumerate(reads, 1):
-                            relayed[fd] = (pid, stream, counts)
-                            waits.register(fd, select.POLLIN)
-                    write_msg(rep_fd, ("spawned", req_id, pid))
+                    if defer and idle_imports:
+                        deferred.append(req)
+                    else:
+                        fork(req)
                 elif req[0] == "preload":  # the client imported torch after its first procs: later ones get it
                     for mod in req[1]:
                         _try_import(mod)
@@ -405,6 +423,12 @@ def _child(req_fd, rep_fd, sig_r, sig_w, entry, args, env, pipes=None, others=()
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def _warm_up_on() -> bool:
+    """Whether ``MONARCH_TENSOR_NO_WARMUP`` leaves the warm-up on (config.env_flag's reading; the client
+    refused a bad value before starting this process)."""
+    return os.environ.get("MONARCH_TENSOR_NO_WARMUP", "").strip().lower() in ("", "0", "false", "no", "off")
 
 
 def _modules(var: str, default: str) -> list[str]:

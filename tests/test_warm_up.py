@@ -1,7 +1,7 @@
-"""A proc imports what DTensor needs (torch._dynamo) on a thread of its own from its start, where its
-template had not imported it before forking it (the tensor worker, if the proc started without torch),
-so a first sharded op on procs that ran a while does not wait for it; ``MONARCH_TENSOR_NO_WARMUP=1``
-stops it."""
+"""Procs are forked after their template imported what DTensor needs (torch._dynamo); a proc imports it on a
+thread of its own from its start only where its template had not (the tensor worker, if the proc started
+without torch), so a first sharded op on procs that ran a while does not wait for it;
+``MONARCH_TENSOR_NO_WARMUP=1`` stops it."""
 
 from __future__ import annotations
 
@@ -34,3 +34,32 @@ def test_the_worker_imports_dtensors_needs_in_the_background(off, expected):
     out = subprocess.run([sys.executable, "-c", CODE], env=env, capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[-2] == expected, out.stdout + out.stderr
+
+
+SPAWN = """
+import sys
+sys.path.insert(0, {root!r})
+import torch
+from monarch_tensor import _zygote
+from monarch_tensor.actor import Actor, endpoint, this_host
+
+class Probe(Actor):
+    @endpoint
+    def state(self):
+        return "torch._dynamo" in sys.modules, _zygote.preloading is not None
+
+procs = this_host().spawn_procs({{"gpus": 2}})
+print("STATE", sorted(set(procs.spawn("p", Probe).state.call().get(timeout=120).values())))
+procs.stop().get(timeout=60)
+"""
+
+
+@pytest.mark.timeout(200)
+def test_procs_are_forked_after_their_template_imported_what_dtensor_needs():
+    """With the warm-up on, a spawn waits for the template's idle imports, so its procs start with them
+    loaded and none imports them again on a thread of its own (seconds of CPU a proc)."""
+    env = dict(os.environ, PYTHONPATH=ROOT, MONARCH_TENSOR_NO_WARMUP="")
+    out = subprocess.run([sys.executable, "-c", SPAWN.format(root=ROOT)], env=env, capture_output=True, text=True,
+                         timeout=180)
+    assert out.returncode == 0, out.stderr
+    assert "STATE [(True, False)]" in out.stdout.splitlines(), out.stdout + out.stderr
