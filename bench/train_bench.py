@@ -4,6 +4,7 @@
     python bench/train_bench.py --runs 2 --json bench/out/train_bench.json
     python bench/train_bench.py --steps 10 --layers 4              # longer timed loops, a deeper model
     python bench/train_bench.py --tiny --no-tp --json /tmp/t.json  # the smoke test's run: tiny, no 4-proc launches
+    python bench/train_bench.py --fused --no-tp                    # fused AdamW everywhere, and our compiled steps
 
 The model is examples/gpt.py's GPT (LAYERS blocks, N_EMBD wide, lm_head.weight *is* wte.weight), trained with
 ``torch.optim.AdamW`` on windows of examples/data's corpus: BATCH sequences a step in all, split over dp. Every
@@ -17,11 +18,15 @@ Runtimes, each in fresh processes, runs interleaved (``--only`` picks some):
   ddp           ours: the model built inside ``procs.activate()`` (replicated), each rank its half batch,
                 ``reduce_([p.grad ...], "dp", "avg")`` after ``loss.backward()`` (examples/train_ddp.py)
   torch_ddp     torchrun, 2 ranks: ``DistributedDataParallel`` (gloo, its buckets)
+  fsdp_c        ours, with ``--fused``: ``module_to_mesh(model, procs {"dp": 2})`` and each rank its half batch (plain
+                mesh tensors), the whole step (forward, backward, AdamW) under ``monarch_tensor.compile``
+  ddp_c         ours, with ``--fused``: the ddp layout, the whole step (with its ``reduce_``) under ``compile``
   tp            ours: ``module_to_mesh(model, procs {"dp": 2, "tp": 2}, plan=TP_PLAN)``
   fsdp2_tp      torchrun, 4 ranks: ``init_device_mesh(("dp", "tp"))``, ``parallelize_module`` of each Block with
                 TP_PLAN's colwise / rowwise styles on "tp", then ``fully_shard`` over "dp" (the fused qkv's
                 output stays a DTensor, ``use_local_output=False``, under ``implicit_replication()``)
-Threads: nobody sets any. OMP_NUM_THREADS is removed from every runtime's environment, so torchrun applies its
+``--fused``: every runtime's AdamW is ``fused=True`` (one op for all parameters; compile needs it, since the
+default AdamW reads its step count on the host), and the compiled layouts run too. Threads: nobody sets any. OMP_NUM_THREADS is removed from every runtime's environment, so torchrun applies its
 own default (1 thread a rank) and our procs and local torch theirs.
 
 Per runtime: the first step alone (from issuing it to its loss on the controller / rank 0, on warm procs with the
@@ -71,19 +76,21 @@ CHECK_STEPS = 3          # losses compared with local eager's over the first CHE
 LOSS_TOL = 1e-4          # absolute
 TIMEOUT = 300.0          # any fetch, in seconds
 RUN_TIMEOUT = 900.0      # one runtime's whole run
+FUSED = False            # --fused: AdamW(fused=True) everywhere, and the compiled layouts
 TP_PLAN = {"*.attn.qkv": "colwise", "*.attn.proj": "rowwise", "*.mlp.fc": "colwise", "*.mlp.proj": "rowwise"}
 NO_TP = False
 TINY = dict(LAYERS=1, N_HEAD=2, N_EMBD=16, BLOCK=8, BATCH=4, WARMUP=2, STEPS=2, REPEATS=1, RUNS=1,
             RUN_TIMEOUT=120.0)
 SETTINGS = ["DP", "TP", "LAYERS", "N_HEAD", "N_EMBD", "BLOCK", "BATCH", "LR", "SEED", "WARMUP", "STEPS", "REPEATS",
-            "RUNS", "CHECK_STEPS", "LOSS_TOL", "TIMEOUT", "RUN_TIMEOUT", "TP_PLAN", "NO_TP"]
+            "RUNS", "CHECK_STEPS", "LOSS_TOL", "TIMEOUT", "RUN_TIMEOUT", "TP_PLAN", "NO_TP", "FUSED"]
 MARKER = "TRAIN_BENCH_RESULT "
 
-RUNTIMES = {"local": "local eager", "fsdp": "ours {dp: 2} FSDP", "fsdp2": "torchrun FSDP2",
-            "ddp": "ours {dp: 2} DDP", "torch_ddp": "torchrun DDP", "tp": "ours {dp: 2, tp: 2}",
-            "fsdp2_tp": "torchrun FSDP2+TP"}
-PEERS = {"fsdp": "fsdp2", "ddp": "torch_ddp", "tp": "fsdp2_tp"}
-OURS = ("fsdp", "ddp", "tp")
+RUNTIMES = {"local": "local eager", "fsdp": "ours {dp: 2} FSDP", "fsdp_c": "ours {dp: 2} FSDP, compiled",
+            "fsdp2": "torchrun FSDP2", "ddp": "ours {dp: 2} DDP", "ddp_c": "ours {dp: 2} DDP, compiled",
+            "torch_ddp": "torchrun DDP", "tp": "ours {dp: 2, tp: 2}", "fsdp2_tp": "torchrun FSDP2+TP"}
+PEERS = {"fsdp": "fsdp2", "fsdp_c": "fsdp2", "ddp": "torch_ddp", "ddp_c": "torch_ddp", "tp": "fsdp2_tp"}
+OURS = ("fsdp", "fsdp_c", "ddp", "ddp_c", "tp")
+COMPILED = ("fsdp_c", "ddp_c")  # only with --fused
 TORCHRUN = {"fsdp2": "fsdp2", "torch_ddp": "ddp", "fsdp2_tp": "tp"}  # kind -> the torchrun worker's mode
 FOUR_PROCS = ("tp", "fsdp2_tp")
 
@@ -122,7 +129,7 @@ def adamw_step(model, sync=None):
     """``step(x, y)``: forward, ``loss.backward()``, ``sync()`` (the gradients' all-reduce, if any), AdamW."""
     import torch
 
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, **({"fused": True} if FUSED else {}))
 
     def step(x, y):
         _, loss = model(x, y)
@@ -146,7 +153,7 @@ def record(res, timing, value, tied):
 def measure_ours(kind, res):
     import torch
 
-    from monarch_tensor import Replicate, Shard, distribute, fetch_shard, module_to_mesh, reduce_, this_host
+    from monarch_tensor import Replicate, Shard, compile, distribute, fetch_shard, module_to_mesh, reduce_, this_host
 
     cfg, X, Y = data()
     n = X.shape[0]
@@ -155,18 +162,26 @@ def measure_ours(kind, res):
     try:
         with procs.activate():
             fetch_shard(torch.zeros(1), {d: 0 for d in shape}).result(timeout=TIMEOUT)  # warm procs
-            if kind == "ddp":
-                torch.manual_seed(SEED)  # seeds every rank: the same initial weights as local torch's
-                model = gpt().GPT(cfg)
-                params = list(model.parameters())
+            if kind in ("ddp", "ddp_c", "fsdp_c"):  # each rank its half batch, as plain mesh tensors
+                if kind == "fsdp_c":
+                    model = module_to_mesh(new_model(cfg), procs)
+                    step = adamw_step(model)
+                else:
+                    torch.manual_seed(SEED)  # seeds every rank: the same initial weights as local torch's
+                    model = gpt().GPT(cfg)
+                    params = list(model.parameters())
+                    step = adamw_step(model, lambda: reduce_([p.grad for p in params], "dp", "avg"))
                 rank = procs.rank_tensor("dp").reshape(1)
                 b = BATCH // DP
 
-                def mine(t):  # every step's batch on every rank, then this rank's rows of each
-                    return torch.tensor(t.view(n, DP, b, BLOCK).tolist()).index_select(1, rank).view(n, b, BLOCK)
+                def mine(t):  # every step's batch on every rank, then this rank's rows of each, one tensor a step
+                    rows = torch.tensor(t.view(n, DP, b, BLOCK).tolist()).index_select(1, rank).view(n, b, BLOCK)
+                    return [r.clone() for r in rows.unbind(0)]  # (a compiled step's key includes storage offsets)
 
                 xs, ys = mine(X), mine(Y)
-                step = adamw_step(model, lambda: reduce_([p.grad for p in params], "dp", "avg"))
+                if kind in COMPILED:
+                    inner = step
+                    step = compile(lambda x, y: inner(x, y).detach(), verify=False)
 
                 def wait(loss):
                     return fetch_shard(loss.detach(), dp=0).result(timeout=TIMEOUT)
@@ -186,6 +201,10 @@ def measure_ours(kind, res):
             tied = model.lm_head.weight is model.wte.weight
             timing = timed_training(step, ((xs[i], ys[i]) for i in range(n)), wait, WARMUP, STEPS, REPEATS)
             record(res, timing, value, tied)
+            if kind in COMPILED:
+                from controller.compile import stats
+
+                res["replays"] = stats["replays"]
     finally:
         procs.stop().get(timeout=TIMEOUT)
 
@@ -305,6 +324,7 @@ def main():
     ap.add_argument("--steps", type=int, help=f"steps per timed loop (default {STEPS})")
     ap.add_argument("--layers", type=int, help=f"GPT blocks (default {LAYERS})")
     ap.add_argument("--no-tp", action="store_true", help="skip the {dp: 2, tp: 2} layouts (4 procs a side)")
+    ap.add_argument("--fused", action="store_true", help="AdamW(fused=True) everywhere, and our compiled layouts")
     ap.add_argument("--only", choices=list(RUNTIMES), action="append", help="run only these runtimes")
     ap.add_argument("--torch-worker", choices=sorted(set(TORCHRUN.values())), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -318,6 +338,11 @@ def main():
             g[name.upper()] = v
     if args.no_tp:
         g["NO_TP"] = True
+    if args.fused:
+        g["FUSED"] = True
+    elif set(args.only or ()) & set(COMPILED):
+        ap.error("the compiled layouts need --fused (compile replays no step of the default AdamW, which reads "
+                 "its step count on the host)")
     if args.worker:
         worker(args.worker)
         return
@@ -326,7 +351,7 @@ def main():
         return
 
     settings = {k: g[k] for k in SETTINGS}
-    kinds = [k for k in (args.only or RUNTIMES) if not (NO_TP and k in FOUR_PROCS)]
+    kinds = [k for k in (args.only or RUNTIMES) if not (NO_TP and k in FOUR_PROCS) and (FUSED or k not in COMPILED)]
     if "local" not in kinds:
         kinds.insert(0, "local")  # the losses' reference
     load0 = os.getloadavg()[0]
@@ -336,6 +361,7 @@ def main():
                   for key in ("step_ms", "first_s") if any(key in r for r in runs[k])} for k in kinds}
     losses, match = loss_match(runs, kinds)
     tied = {k: next((r["tied"] for r in runs[k] if "tied" in r), None) for k in kinds}
+    replays = {k: [r.get("replays") for r in runs[k]] for k in kinds if k in COMPILED}
     load = os.getloadavg()[0]
     print(f"\nmonarch-tensor train bench: GPT {LAYERS} layers x {N_EMBD} (tied embeddings), batch {BATCH} x {BLOCK} "
           f"in all, AdamW, {STEPS} steps a loop; median of {RUNS} run(s) x {REPEATS} loops "
@@ -346,10 +372,12 @@ def main():
     for k, v in losses.items():
         if v is not None:
             note = "" if tied.get(k) in (True, None) else "  (lm_head.weight is no longer wte.weight)"
-            print(f"  {RUNTIMES[k]:<20} {' '.join('%.5f' % x for x in v[:8])}{' ...' if len(v) > 8 else ''}{note}")
+            print(f"  {RUNTIMES[k]:<28} {' '.join('%.5f' % x for x in v[:8])}{' ...' if len(v) > 8 else ''}{note}")
+    for k, v in replays.items():  # (a step that was recorded each time would time recordings, not replays)
+        print(f"  {RUNTIMES[k]}: {v} compiled replays a run (of {WARMUP + STEPS * REPEATS} steps)")
     if args.json:
         write_json(args.json, args.tiny, (load0, load), settings=settings, kinds=kinds, median=median, errors=errors,
-                   losses=losses, loss_match=match, tied=tied, peers=PEERS, runs=runs)
+                   losses=losses, loss_match=match, tied=tied, peers=PEERS, runs=runs, replays=replays)
 
 
 if __name__ == "__main__":

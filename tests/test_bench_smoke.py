@@ -145,25 +145,27 @@ def test_ddp_bench_tiny(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_train_bench_tiny(tmp_path):
-    # ours DDP and FSDP and local eager (the reference): the torchrun launches and the 4-proc layouts (--no-tp) would
-    # add a minute on 2 cores
+    # ours FSDP, DDP compiled (with --fused) and local eager (the reference): the torchrun launches and the 4-proc
+    # layouts (--no-tp) would add a minute on 2 cores
     out = tmp_path / "train.json"
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "train_bench.py"), "--tiny", "--no-tp", "--json", str(out)]
-    for kind in ("fsdp", "ddp"):
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "train_bench.py"), "--tiny", "--no-tp", "--fused", "--json",
+           str(out)]
+    for kind in ("fsdp", "ddp_c"):
         cmd += ["--only", kind]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=220)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["env"]["tiny"] is True and data["errors"] == {}, data["errors"]
-    assert data["kinds"] == ["local", "fsdp", "ddp"]
+    assert data["kinds"] == ["local", "fsdp", "ddp_c"] and data["settings"]["FUSED"] is True
     for kind in data["kinds"]:
         assert data["median"][kind]["step_ms"] > 0 and data["median"][kind]["first_s"] > 0, (kind, proc.stdout[-2000:])
         assert len(data["losses"][kind]) >= data["settings"]["CHECK_STEPS"]
     # the data-parallel paths train exactly as local torch; a layout that unties lm_head from wte does not
-    assert data["loss_match"]["ddp"] is True, data["losses"]
-    assert data["tied"]["ddp"] and data["tied"]["local"]
+    assert data["loss_match"]["ddp_c"] is True, data["losses"]
+    assert data["tied"]["ddp_c"] and data["tied"]["local"]
     assert data["loss_match"]["fsdp"] == data["tied"]["fsdp"], data["losses"]
-    assert "| ours {dp: 2} DDP" in proc.stdout and "losses match" in proc.stdout
+    assert data["replays"]["ddp_c"][0] >= 1, proc.stdout[-2000:]  # the compiled step was replayed, not re-recorded
+    assert "| ours {dp: 2} DDP, compiled" in proc.stdout and "losses match" in proc.stdout
 
 
 @pytest.mark.timeout(150)
