@@ -588,3 +588,15 @@ def test_a_dead_local_job_is_replaced_and_cleaned_up(tmp_path):
             assert os.path.isdir(_root_dir(tmp_path))
     finally:
         cli(tmp_path, "kill")
+
+
+@pytest.mark.timeout(60)
+def test_python_dash_m_runs_the_command_line(tmp_path):
+    from monarch_tensor import __version__
+
+    r = subprocess.run([sys.executable, "-m", "monarch_tensor", "version"], cwd=tmp_path, env=ENV, capture_output=True,
+                       text=True, timeout=50)
+    assert (r.returncode, r.stdout.strip()) == (0, __version__), r.stderr
+    r = subprocess.run([sys.executable, "-m", "monarch_tensor", "nosuch"], cwd=tmp_path, env=ENV, capture_output=True,
+                       text=True, timeout=50)
+    assert r.returncode == 2 and "usage: monarch-tensor" in r.stderr, r.stderr
