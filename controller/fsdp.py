@@ -10,6 +10,12 @@ function whose backward reduce-scatters the per-rank gradients, averaged over
 the mesh, into gradients with the parameters' placements: ``loss.backward()``
 and ``torch.optim`` work on the sharded parameters as before.
 
+Prefetch: the first forward with plain inputs records the order in which the
+units gather; from then on each unit, having issued its own gather, issues the
+next one's (``worker.fsdp.prefetch``), so that all-gather runs while this unit
+computes, as FSDP2's forward prefetch. (The backward's regathers, where units
+reshard after forward, are not prefetched.)
+
 Mode of a forward: the root's inputs decide it. Plain mesh tensors (each rank
 its own batch, as FSDP2 takes them) run the units; global DTensor inputs
 (``distribute(x, mesh, ...)``) run every op on the DTensor parameters
@@ -128,6 +134,8 @@ class FSDPState:
         self.mp = mp_policy is not None and (self.param_dtype or self.reduce_dtype or self.output_dtype)
         self.tp_planned = tp_planned
         self.modes: list[bool] = []  # per root forward in progress: whether it runs the units (plain inputs)
+        self.order: list[Unit] = []  # the units with parameters, in the order the first plain forward gathered them
+        self.ordered = False  # (that forward ended: from now on each unit prefetches the next in ``order``)
 
 
 def _has_dist(tree) -> bool:
@@ -151,6 +159,7 @@ class Unit:
         self.module, self.name, self.params, self.places = module, name, params, places
         self.state, self.root = state, root
         self.calls: list[_Gathered] = []
+        self.next: Unit | None = None  # the unit whose gather this one's prefetches (see FSDPState.order)
         module.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True)
         module.register_forward_hook(self._post, with_kwargs=True, always_call=True)
 
@@ -184,18 +193,28 @@ class Unit:
         else:
             g.fulls = _unshard(self)
         self.calls[-1] = g
+        s = self.state
+        if s.ordered:
+            nxt = self.next
+            if nxt is not None:
+                _issue(nxt.params[0]._ctx, "prefetch", (nxt.params, s.dp, s.param_dtype), [])
+        elif self not in s.order:
+            s.order.append(self)
         for full, where in zip(g.fulls, self.places):
             for mod, attr in where:
                 mod._parameters[attr] = full
-        s = self.state
         if s.param_dtype is not None and s.cast_inputs:
             return _cast(args, s.param_dtype), _cast(kwargs, s.param_dtype)
         return None
 
     def _post(self, module, args, kwargs, output):
         g = self.calls.pop() if self.calls else None
-        if self.root and self.state.modes:
-            self.state.modes.pop()
+        s = self.state
+        if self.root and s.modes:
+            if s.modes.pop() and not s.ordered and not s.modes:  # the first plain forward ended: link the order
+                for a, b in zip(s.order, s.order[1:]):
+                    a.next = b
+                s.ordered = True
         if g is None:
             return None
         for p, where in zip(self.params, self.places):

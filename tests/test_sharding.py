@@ -168,3 +168,54 @@ def test_fsdp_refuses_what_it_cannot_honour(dp2):
         module_to_mesh(TinyGPT(), dp2, units=["nope"])
     with pytest.raises(ShardingError, match="run no forward; name their elements instead \\(e.g. 'blocks.\\*'\\)"):
         module_to_mesh(TinyGPT(), dp2, units=["blocks"])
+
+
+def _prefetch_stats(mesh) -> dict:
+    def read():
+        from worker import fsdp
+
+        return dict(fsdp.stats)
+
+    return list(mesh.execute(read).values())
+
+
+def test_fsdp_prefetches_the_next_units_gather_and_never_hands_out_stale_values(dp2):
+    """From the second forward on, each unit's gather starts the next one's (FSDP2's forward prefetch). A
+    prefetch is dropped, and the gather done afresh, where its parameters were written in place after it read
+    them (here by a hook between two blocks' forwards), or where no unit took it (a forward that stopped early):
+    the training still matches local torch's."""
+    torch.manual_seed(0)
+    ref = TinyGPT(tied=False)
+    model = module_to_mesh(copy.deepcopy(ref), dp2)
+    before = _prefetch_stats(dp2)
+    batches = _batches(5)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    want = _train(ref, batches[:2], opt=ref_opt)
+    got = _train(model, batches[:2], _local_batch(dp2), _mean_loss, opt)
+    mid = _prefetch_stats(dp2)
+    assert all(m["prefetched"] > b["prefetched"] for m, b in zip(mid, before)), (before, mid)
+
+    def scale_next(mod, *_):  # after block 0, which prefetched block 1's gather: block 1's weight changes
+        with torch.no_grad():
+            (model if mod is model.blocks[0] else ref).blocks[1].fc.weight.mul_(2)
+
+    hooks = [m.blocks[0].register_forward_hook(scale_next) for m in (model, ref)]
+    want += _train(ref, batches[2:3], opt=ref_opt)
+    got += _train(model, batches[2:3], _local_batch(dp2), _mean_loss, opt)
+    for h in hooks:
+        h.remove()
+
+    def fail(*_):
+        raise RuntimeError("stop here")
+
+    hook = model.blocks[0].fc.register_forward_hook(fail)  # block 0 ran its gather and prefetched block 1's
+    x, y = batches[3]
+    with pytest.raises(RuntimeError, match="stop here"):
+        model(_local_batch(dp2)(x), _local_batch(dp2)(y))
+    hook.remove()
+    want += _train(ref, batches[3:], opt=ref_opt)
+    got += _train(model, batches[3:], _local_batch(dp2), _mean_loss, opt)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-5)
+    after = _prefetch_stats(dp2)
+    assert all(a["stale"] >= m["stale"] + 2 for a, m in zip(after, mid)), (mid, after)

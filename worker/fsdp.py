@@ -11,6 +11,12 @@ transformer block, say) it runs these functions as one ``CallFunction`` each:
 * ``reshard`` / ``unshard_into``: free those plain tensors' memory after the
   forward and gather again into the same memory before the backward
   (``reshard_after_forward``), so views of them stay valid;
+* ``prefetch``: the next unit's all-gather started (asynchronously) while this
+  unit computes; its ``unshard`` then waits for it instead of gathering, as
+  FSDP2's forward prefetch. The gathered values are used only where every
+  parameter is the same tensor at the same version as when the prefetch
+  read it (an optimizer step or any in-place write in between makes
+  ``unshard`` gather afresh), so a prefetch never hands out stale values;
 * ``reduce_grads``: the plain per-rank gradients averaged over every rank of
   the mesh (a reduce-scatter over the data-parallel group, then an all-reduce
   over each other mesh dim), each rank keeping its shard: the parameter's
@@ -56,8 +62,9 @@ def _row(p) -> int:
     return rest
 
 
-def _gather(params: Sequence, dp: str, dtype) -> list[torch.Tensor]:
-    """Every parameter's whole value, as a new plain contiguous tensor of ``dtype`` (None: its own)."""
+def _gather(params: Sequence, dp: str, dtype, async_op: bool = False):
+    """Every parameter's whole value, as a new plain contiguous tensor of ``dtype`` (None: its own). With
+    ``async_op``: a function that waits for the all-gathers (started now) and returns those tensors."""
     out: list = [None] * len(params)
     runs: dict = {}
     for k, p in enumerate(params):
@@ -67,6 +74,7 @@ def _gather(params: Sequence, dp: str, dtype) -> list[torch.Tensor]:
             runs.setdefault(dt, []).append(k)
         else:
             out[k] = p._local_tensor.to(dt, copy=True)
+    started = []
     for dt, ks in runs.items():
         mesh = params[ks[0]].device_mesh
         i = mesh.mesh_dim_names.index(dp)
@@ -85,19 +93,59 @@ def _gather(params: Sequence, dp: str, dtype) -> list[torch.Tensor]:
             send[off:off + shard.numel()].copy_(shard)
             off += size
         recv = torch.empty(n * total, dtype=dt, device=local.device)
-        _all_gather(recv, send, group=mesh.get_group(i))
-        rows = recv.view(n, total)
-        off = 0
-        for k, size in zip(ks, sizes):
-            p = params[k]
-            whole = rows[:, off:off + size].reshape(-1)  # (a copy: the ranks' chunks in order)
-            out[k] = whole[:p.numel()].view(p.shape)
-            off += size
-    return out
+        work = _all_gather(recv, send, group=mesh.get_group(i), async_op=async_op)
+        started.append((work, send, recv, n, total, ks, sizes))
+
+    def finish() -> list[torch.Tensor]:
+        for work, _send, recv, n, total, ks, sizes in started:
+            if work is not None:
+                work.wait()
+            rows = recv.view(n, total)
+            off = 0
+            for k, size in zip(ks, sizes):
+                p = params[k]
+                whole = rows[:, off:off + size].reshape(-1)  # (a copy: the ranks' chunks in order)
+                out[k] = whole[:p.numel()].view(p.shape)
+                off += size
+        return out
+
+    return finish if async_op else finish()
+
+
+stats = {"prefetched": 0, "stale": 0}  # unshards served by a prefetch; prefetches dropped as stale (tests read them)
+
+# Prefetched all-gathers on this worker, per (parameters' ids, dtype): (the parameters, their versions when
+# read, the function that waits and returns their whole values). One entry per unit at most.
+_prefetched: dict = {}
+
+
+def _versions(params: Sequence) -> tuple:
+    """In-place writes so far: a DTensor op's (which bumps the DTensor's counter, not its local tensor's) and
+    any of its local tensor (a checkpoint's load)."""
+    return tuple((p._version, p._local_tensor._version) for p in params)
+
+
+def prefetch(params: Sequence, dp: str, dtype=None) -> None:
+    """Start ``unshard(params, dp, dtype)``'s all-gathers now; that ``unshard`` waits for them."""
+    key = (tuple(map(id, params)), dtype)
+    old = _prefetched.pop(key, None)
+    if old is not None:  # (one its unshard never took: a forward that stopped early) finish it; it is stale
+        old[2]()
+        stats["stale"] += 1
+    _prefetched[key] = (list(params), _versions(params), _gather(params, dp, dtype, async_op=True))
 
 
 def unshard(params: Sequence, dp: str, dtype=None) -> list[torch.Tensor]:
-    """The whole value of every DTensor parameter in ``params``, as plain tensors of ``dtype`` (None: its own)."""
+    """The whole value of every DTensor parameter in ``params``, as plain tensors of ``dtype`` (None: its own):
+    a prefetch's, where one was started and nothing has changed the parameters since."""
+    got = _prefetched.pop((tuple(map(id, params)), dtype), None)
+    if got is not None:
+        before, versions, finish = got
+        fulls = finish()  # (waited for even when stale: every rank started that collective)
+        if all(a is b for a, b in zip(before, params)) and versions == _versions(params):
+            stats["prefetched"] += 1
+            return fulls
+        stats["stale"] += 1
     return _gather(params, dp, dtype)
 
 
