@@ -1,0 +1,140 @@
+"""Monarch's behaviours that its own tests pin (issue 41), on one shared proc mesh: what kills an actor, what
+its caller and its owner's supervision see."""
+
+import time
+
+import pytest
+
+import monarch_tensor.actor as actor_mod
+from monarch_tensor.actor import (
+    Actor,
+    ActorError,
+    SupervisionError,
+    concurrent_endpoint,
+    endpoint,
+    this_host,
+)
+from monarch_tensor.errors import ActorFailedError
+
+T = 60
+
+
+class ActorFailure(BaseException):
+    """Monarch's tests' ``ActorFailureError``: a BaseException that is not an Exception."""
+
+
+class Fatal(Actor):
+    def __init__(self) -> None:
+        self.cleaned = False
+
+    @endpoint
+    def exits(self, code: int) -> None:
+        raise SystemExit(code)
+
+    @endpoint
+    async def fails_async(self) -> None:
+        raise ActorFailure("simulated actor failure")
+
+    @endpoint
+    def raises(self) -> None:
+        raise ValueError("an ordinary error")
+
+    @endpoint(explicit_response_port=True)
+    def raises_with_port(self, port) -> None:
+        raise ValueError("raised instead of port.send")
+
+    @endpoint(explicit_response_port=True)
+    async def raises_with_port_async(self, port) -> None:
+        raise ValueError("raised instead of port.send (async)")
+
+    @concurrent_endpoint(explicit_response_port=True)
+    async def raises_with_port_concurrent(self, port) -> None:
+        raise ValueError("raised instead of port.send (concurrent)")
+
+    @endpoint(explicit_response_port=True)
+    def answers_then_raises(self, port) -> None:
+        port.send("answered")
+        raise ValueError("raised after answering")
+
+    @endpoint
+    def ping(self) -> str:
+        return "pong"
+
+
+class Parent(Actor):
+    """Owns a mesh of ``Fatal`` actors and records what its ``__supervise__`` sees."""
+
+    def __init__(self, procs) -> None:
+        self.child = procs.spawn("fatal_child", Fatal)
+        self.failures = []
+
+    @endpoint
+    def kill_child(self) -> str:
+        try:
+            self.child.exits.call_one(4).get(timeout=T)
+        except SupervisionError as e:
+            return type(e).__name__
+        return "no error"
+
+    @endpoint
+    def seen(self) -> list:
+        return self.failures
+
+    def __supervise__(self, failure) -> bool:
+        self.failures.append(str(failure))
+        return True
+
+
+@pytest.fixture(scope="module")
+def procs():
+    m = this_host().spawn_procs(per_host={"gpus": 1})
+    yield m
+    m.stop().get(timeout=30)
+
+
+@pytest.fixture
+def faults(monkeypatch):
+    seen = []
+    monkeypatch.setattr(actor_mod, "unhandled_fault_hook", seen.append)
+    return seen
+
+
+def _wait_for(cond, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("method", ["exits", "fails_async"])
+def test_a_base_exception_in_an_endpoint_kills_the_actor(procs, faults, method):
+    # Monarch's test_base_exception_handling: the call raises a SupervisionError ("The actor ... and all its
+    # descendants have failed"), later calls fail, the owner's supervision sees the failure; the proc lives.
+    a, other = procs.spawn(f"fatal_{method}", Fatal), procs.spawn(f"other_{method}", Fatal)
+    args = (3,) if method == "exits" else ()
+    with pytest.raises(SupervisionError, match=f"The actor fatal_{method} and all its descendants have failed"):
+        getattr(a, method).call_one(*args).get(timeout=T)
+    with pytest.raises(SupervisionError, match="all its descendants have failed"):
+        a.ping.call_one().get(timeout=T)
+    _wait_for(lambda: faults)
+    assert len(faults) == 1 and isinstance(faults[0], ActorFailedError) and isinstance(faults[0], RuntimeError)
+    shown = "SystemExit(3)" if method == "exits" else "ActorFailure('simulated actor failure')"
+    assert shown in str(faults[0]) and faults[0].actor == f"fatal_{method}" and faults[0].rank == 0
+    assert other.ping.call_one().get(timeout=T) == "pong"  # the proc and its other actors go on
+
+
+def test_an_ordinary_exception_leaves_the_actor_serving(procs, faults):
+    a = procs.spawn("survives", Fatal)
+    with pytest.raises(ActorError, match="an ordinary error"):
+        a.raises.call_one().get(timeout=T)
+    assert a.ping.call_one().get(timeout=T) == "pong"
+    time.sleep(0.3)
+    assert faults == []
+
+
+def test_a_base_exception_reaches_the_owners_supervise(procs, faults):
+    parent = procs.spawn("parent", Parent, procs)
+    assert parent.kill_child.call_one().get(timeout=T) == "ActorFailedError"
+    _wait_for(lambda: parent.seen.call_one().get(timeout=T))
+    seen = parent.seen.call_one().get(timeout=T)
+    assert len(seen) == 1 and "fatal_child" in seen[0] and "SystemExit(4)" in seen[0]
+    assert faults == []  # the owner handled it
