@@ -138,3 +138,26 @@ def test_a_base_exception_reaches_the_owners_supervise(procs, faults):
     seen = parent.seen.call_one().get(timeout=T)
     assert len(seen) == 1 and "fatal_child" in seen[0] and "SystemExit(4)" in seen[0]
     assert faults == []  # the owner handled it
+
+
+@pytest.mark.parametrize("method", ["raises_with_port", "raises_with_port_async", "raises_with_port_concurrent"])
+def test_an_exception_out_of_an_explicit_port_endpoint_kills_the_actor(procs, faults, method):
+    # Monarch's test_explicit_response_port_exception_kills_actor (and its concurrent form): the endpoint answers
+    # through its port, so an exception that escapes it has no caller to go to: the actor dies, the caller gets a
+    # SupervisionError, the owner's supervision sees it.
+    a = procs.spawn(f"port_{method}", Fatal)
+    with pytest.raises(SupervisionError, match=r"all its descendants have failed.*ValueError\('raised instead"):
+        getattr(a, method).call_one().get(timeout=T)
+    with pytest.raises(SupervisionError):
+        a.ping.call_one().get(timeout=T)
+    _wait_for(lambda: faults)
+    assert len(faults) == 1 and f"port_{method}" in str(faults[0]) and "explicit response port" in str(faults[0])
+
+
+def test_an_explicit_port_endpoint_that_answered_then_raised_still_dies(procs, faults):
+    a = procs.spawn("answered_then_raised", Fatal)
+    assert a.answers_then_raises.call_one().get(timeout=T) == "answered"
+    _wait_for(lambda: faults)
+    assert len(faults) == 1 and "raised after answering" in str(faults[0])
+    with pytest.raises(SupervisionError):
+        a.ping.call_one().get(timeout=T)
