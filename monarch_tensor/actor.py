@@ -266,8 +266,9 @@ class ActorMesh(MeshTrait):
 
     def __init__(self, name: str, cls: type, procs: list[ProcInfo], shape: Shape,
                  spawned: Future | None = None, proc_mesh: ProcMesh | None = None, whole: Shape | None = None,
-                 stopped: dict[int, str] | None = None) -> None:
+                 stopped: dict[int, str] | None = None, watch: _SpawnCollector | None = None) -> None:
         self._name, self._class, self._procs, self._shape = name, cls, procs, shape
+        self._watch = watch  # the spawn's replies (this process spawned it): told once anyone waits on the mesh
         self._rank_list = shape.ranks()  # read on every call: computed once (never mutated)
         self._spawned = spawned or Future.ready(None)
         self._proc_mesh = proc_mesh
@@ -298,13 +299,19 @@ class ActorMesh(MeshTrait):
 
     def _new_with_shape(self, shape: Shape) -> ActorMesh:
         return ActorMesh(self._name, self._class, self._procs, shape, self._spawned, self._proc_mesh, self._whole,
-                         self._stopped)
+                         self._stopped, self._watch)
 
     def _what(self) -> str:
         return f"actor mesh {self._name!r}"
 
+    def _observe(self) -> None:
+        """Someone waits on these actors (a call, ``initialized``): a constructor's failure is theirs to see."""
+        if self._watch is not None:
+            self._watch.seen = True
+
     @property
     def initialized(self) -> Future:
+        self._observe()
         return self._spawned
 
     def stop(self, reason: str = "stopped by client") -> Future:
@@ -332,6 +339,7 @@ class ActorMesh(MeshTrait):
         return col.future
 
     def __await__(self):
+        self._observe()
         yield from self._spawned.__await__()
         return self
 
@@ -415,11 +423,12 @@ def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs
         return _spawn_actor_mesh(_script_proc(), name, cls, args, kwargs)
     addrs = [p.addr for p in members]
     # Acks only come after the sends below, so `mesh` is bound by the time finish runs.
-    col = Collector(addrs, list(range(len(members))), lambda _: mesh, f"spawn of actor mesh {name!r}",
-                    observing=False)
-    port = mailbox.open_port(col)
-    mesh = ActorMesh(name, cls, members, shape, col.future, procs)
     owner = None if _context.in_client() else _context.current()
+    col = _SpawnCollector(addrs, list(range(len(members))), lambda _: mesh, f"spawn of actor mesh {name!r}",
+                          observing=False)
+    col.name, col.cls, col.owner, col.procs = name, cls, owner, procs
+    port = mailbox.open_port(col)
+    mesh = ActorMesh(name, cls, members, shape, col.future, procs, watch=col)
     for p in members:
         p.actors.add(name)
         _mesh_owners[(p.addr, name)] = owner
@@ -440,6 +449,31 @@ def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs
             mailbox.close_port(port.port_id)
         raise
     return mesh
+
+
+class _SpawnCollector(Collector):
+    """A spawn's replies. A constructor that raised on a proc before anyone waited on the actor mesh (a call,
+    ``initialized``, ``await mesh``) is a supervision event for the mesh's owner, one per proc, as Monarch's:
+    its ``__supervise__``, else ``unhandled_fault_hook``. One somebody waits on is theirs (their call or
+    ``initialized`` raises it)."""
+
+    seen = False
+    name, cls, owner, procs = "", None, None, None
+
+    def deliver(self, msg) -> bool:
+        err = msg.error
+        if err is not None and not self.seen and isinstance(err, ActorError) and err.method == "__init__":
+            from . import host
+            from .errors import ActorFailedError
+
+            addr = self._addr_of.get(msg.rank, "")
+            failure = ActorFailedError(
+                f"The actor {self.name} and all its descendants have failed: {self.cls.__name__} rank {msg.rank}: "
+                f"__init__ raised {err.exc_repr} (an actor mesh nobody waited on yet)", actor=self.name,
+                rank=msg.rank, proc=addr, traceback=err.traceback, exception=err.exception)
+            failure.mesh = self.procs
+            host._supervise_later(self.owner, failure)
+        return super().deliver(msg)
 
 
 _script_procs: ProcMesh | None = None
@@ -501,6 +535,8 @@ class Endpoint(Generic[R]):
         mailbox = current_mailbox()
         if addrs is None:
             addrs = [self._mesh._procs[r].addr for r in ranks]
+        if self._mesh._watch is not None:
+            self._mesh._watch.seen = True
         msg = CallEndpoint(self._mesh._name, self._wire_method, args, kwargs, port, self._mesh._sent_shape)
         try:
             encoded = _wire.encode_for(msg, addrs, mailbox)
@@ -833,6 +869,7 @@ def get_or_spawn_controller(name: str, actor_class: type, *args, **kwargs) -> Fu
                 threading.Thread(target=procs.stop, daemon=True, name="mt-stop-controller").start()
 
         mesh._spawned.add_done_callback(forget_failed)
+    mesh._observe()  # (the Future returned gives the constructor's error)
     out: Future[ActorMesh] = Future(f"spawn of controller {name!r}")
     mesh._spawned.add_done_callback(
         lambda f: out._set_exception(f.exception()) if f.exception() else out._set_result(mesh))

@@ -161,3 +161,59 @@ def test_an_explicit_port_endpoint_that_answered_then_raised_still_dies(procs, f
     assert len(faults) == 1 and "raised after answering" in str(faults[0])
     with pytest.raises(SupervisionError):
         a.ping.call_one().get(timeout=T)
+
+
+class FailsInInit(Actor):
+    def __init__(self, why: str) -> None:
+        raise ValueError(why)
+
+    @endpoint
+    def ping(self) -> str:
+        return "pong"
+
+
+class InitOwner(Actor):
+    def __init__(self) -> None:
+        self.failures = []
+
+    @endpoint
+    def spawn_failing(self, procs) -> None:
+        self.child = procs.spawn("failing_grandchild", FailsInInit, "the grandchild's __init__")
+
+    @endpoint
+    def seen(self) -> list:
+        return self.failures
+
+    def __supervise__(self, failure) -> bool:
+        self.failures.append(str(failure))
+        return True
+
+
+def test_an_init_error_on_a_mesh_nobody_calls_reaches_the_fault_hook(procs, faults):
+    # Monarch's test_actor_init_exception: the constructor's exception is a supervision event for the owner
+    # (here the script's unhandled_fault_hook), one per proc, though nobody called the actors.
+    procs.spawn("failing_init", FailsInInit, "an exception from __init__")
+    _wait_for(lambda: faults)
+    assert len(faults) == 1 and isinstance(faults[0], SupervisionError)
+    assert "failing_init" in str(faults[0]) and "an exception from __init__" in str(faults[0])
+    assert faults[0].mesh is procs
+
+
+def test_an_init_error_somebody_waits_on_is_theirs(procs, faults):
+    m = procs.spawn("failing_init_called", FailsInInit, "awaited")
+    with pytest.raises(ActorError, match="awaited"):
+        m.ping.call_one().get(timeout=T)
+    m = procs.spawn("failing_init_waited", FailsInInit, "waited")
+    with pytest.raises(ActorError, match="waited"):
+        m.initialized.get(timeout=T)
+    time.sleep(0.3)
+    assert faults == []
+
+
+def test_an_init_error_reaches_the_spawning_actors_supervise(procs, faults):
+    owner = procs.spawn("init_owner", InitOwner)
+    owner.spawn_failing.call_one(procs).get(timeout=T)
+    _wait_for(lambda: owner.seen.call_one().get(timeout=T))
+    seen = owner.seen.call_one().get(timeout=T)
+    assert len(seen) == 1 and "the grandchild's __init__" in seen[0]
+    assert faults == []
