@@ -404,7 +404,12 @@ del _name
 _mesh_owners: dict[tuple[str, str], _context.ActorContext | None] = {}
 
 
-def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs: dict) -> ActorMesh:
+def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs: dict,
+                      rename: bool = True) -> ActorMesh:
+    """Spawn actors of ``cls`` named ``name`` on ``procs``. A name that actors this process spawned there still
+    use gives a second, independent actor mesh (Monarch's: a name is a label, each spawn a mesh of its own),
+    under ``name<2>``, ``name<3>``...: its actors' name, errors and ``current_actor_name()`` say so. Without
+    ``rename`` (the runtime's own actors, whose name is their address) such a name is refused."""
     if not (isinstance(cls, type) and issubclass(cls, Actor)):
         raise TypeError(f"spawn() needs a subclass of Actor, got {cls!r}")
     if not isinstance(name, str) or not name:
@@ -412,15 +417,20 @@ def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs
     procs._check_alive()
     members = procs._members()
     taken = [p.rank for p in members if name in p.actors]
-    if taken:
+    if taken and not rename:
         raise ValueError(f"an actor named {name!r} already runs on proc(s) of rank {taken} of this mesh: spawn "
                          f"it under another name (the running one keeps its state)")
+    if taken:
+        k = 2
+        while any(f"{name}<{k}>" in p.actors for p in members):
+            k += 1
+        name = f"{name}<{k}>"
     shape = Shape(procs._shape.names, procs._shape.dims)
     mailbox = current_mailbox()
     if mailbox.on_message is None and any(p.addr == mailbox.addr for p in members):
         # this_proc().spawn(...) in the script (Monarch's getting-started does it): the script's process hosts
         # no actors here, so they go to one proc started for them, a mesh of one like this_proc()'s.
-        return _spawn_actor_mesh(_script_proc(), name, cls, args, kwargs)
+        return _spawn_actor_mesh(_script_proc(), name, cls, args, kwargs, rename)
     addrs = [p.addr for p in members]
     # Acks only come after the sends below, so `mesh` is bound by the time finish runs.
     owner = None if _context.in_client() else _context.current()

@@ -595,6 +595,13 @@ class ProcMesh(MeshTrait):
 
         return _spawn_actor_mesh(self, name, actor_class, args, kwargs)
 
+    def _spawn_named(self, name: str, actor_class: type, *args, **kwargs):
+        """``spawn`` for the runtime's own actors, reached by their name: a name in use is an error, not a
+        second mesh under another name."""
+        from .actor import _spawn_actor_mesh
+
+        return _spawn_actor_mesh(self, name, actor_class, args, kwargs, rename=False)
+
     def execute(self, fn, *args, timeout: float | None = 60.0, **kwargs):
         """Run ``fn(*args, **kwargs)`` on every proc of this mesh and wait: a ``ValueMesh`` of the results (the
         seeds' ``mesh.execute(fn, batch)``). ``fn`` may be a lambda; mesh tensors among the arguments arrive as
@@ -621,7 +628,7 @@ class ProcMesh(MeshTrait):
         if runner is None:
             from .actor import _Executor
 
-            runner = alloc._executor = alloc.spawn("_mt_execute", _Executor)
+            runner = alloc._executor = alloc._spawn_named("_mt_execute", _Executor)
         return runner._new_with_shape(self._shape)
 
     def _check_alive(self) -> None:
