@@ -19,6 +19,7 @@ class ActorContext:
     instance: Any = None
     sizes: dict = field(default_factory=dict)
     owned_meshes: list = field(default_factory=list)
+    proc_mesh_bytes: bytes | None = None  # the proc mesh it was spawned on, pickled (see proc_mesh)
 
     @property
     def actor_instance(self):
@@ -57,6 +58,21 @@ class ActorContext:
         from .host import this_proc
 
         return this_proc()
+
+    @property
+    def proc_mesh(self):
+        """The proc mesh this actor was spawned on (Monarch's ``Instance.proc_mesh``): ``spawn`` on it puts an
+        actor beside each of this mesh's actors; in the script, ``this_proc()``."""
+        if self.proc_mesh_bytes is None:
+            from .host import this_proc
+
+            return this_proc()
+        mesh = getattr(self, "_proc_mesh", None)
+        if mesh is None:
+            import pickle
+
+            mesh = self._proc_mesh = pickle.loads(self.proc_mesh_bytes)
+        return mesh
 
     def abort(self, reason: str | None = None) -> None:
         """Stop this actor with a failure (Monarch's): calls queued to it and later ones fail, the running one

@@ -353,6 +353,7 @@ class ProcRuntime:
                         point.rank)
             return
         ctx = _context.ActorContext(msg.name, point, self.rank, sizes=shape.sizes)
+        ctx.proc_mesh_bytes = msg.proc_mesh
         slot = _Slot(msg.name, None, ctx, owner=msg.reply.addr)
         token = _context.enter(ctx)
         try:

@@ -36,7 +36,17 @@ from ._context import ActorContext as Context
 from ._ports import Collector, OneReply, Receiver, StreamCollector
 from .errors import ActorError, MeshFailure, SupervisionError
 from .future import Future, returns_future
-from .host import HostMesh, ProcInfo, ProcMesh, proc_mesh, shutdown_context, this_host, this_proc
+from .host import (
+    BootstrapCommand,
+    HostMesh,
+    ProcInfo,
+    ProcMesh,
+    default_bootstrap_cmd,
+    proc_mesh,
+    shutdown_context,
+    this_host,
+    this_proc,
+)
 from .mailbox import current_mailbox
 from .messages import CallEndpoint, PortRef, SendToPort, SpawnActor
 from .shape import Extent, MeshTrait, Point, Shape
@@ -45,7 +55,8 @@ from .telemetry import get_meter, span, traced
 R = TypeVar("R")
 
 __all__ = [
-    "Actor", "ActorError", "ActorMesh", "Accumulator", "Channel", "Context", "Extent", "Future", "HostMesh",
+    "Actor", "ActorError", "ActorMesh", "Accumulator", "BootstrapCommand", "Channel", "Context", "Extent", "Future",
+    "HostMesh", "default_bootstrap_cmd",
     "MeshFailure", "NotAnEndpoint", "Point", "Port", "PortReceiver", "ProcMesh", "RankedPortReceiver",
     "SupervisionError", "ChannelTransport", "enable_transport",
     "ValueMesh", "as_endpoint", "concurrent_endpoint", "context", "current_actor_name", "current_rank",
@@ -449,9 +460,10 @@ def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs
                 p.actors.discard(name)
 
     col.future.add_done_callback(failed)
+    portable = procs._portable()
     try:
         for i, p in enumerate(members):
-            mailbox.send(p.addr, SpawnActor(name, cls, args, kwargs, i, shape, port))
+            mailbox.send(p.addr, SpawnActor(name, cls, args, kwargs, i, shape, port, portable))
     except BaseException:  # e.g. arguments that cannot be pickled: nothing was spawned, the name is free
         if i == 0:
             for p in members:

@@ -217,3 +217,84 @@ def test_an_init_error_reaches_the_spawning_actors_supervise(procs, faults):
     seen = owner.seen.call_one().get(timeout=T)
     assert len(seen) == 1 and "the grandchild's __init__" in seen[0]
     assert faults == []
+
+
+class Sibling(Actor):
+    @endpoint
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    @endpoint
+    def env(self, name: str):
+        import os
+
+        return os.environ.get(name)
+
+    @endpoint
+    def spawn_beside(self, name: str):
+        from monarch_tensor.actor import context
+
+        mesh = context().actor_instance.proc_mesh
+        return mesh.size(), mesh.spawn(name, Sibling)
+
+
+def test_an_actors_proc_mesh_is_the_mesh_it_was_spawned_on(procs):
+    from monarch_tensor.actor import context, this_proc
+
+    s = procs.spawn("sibling", Sibling)
+    size, beside = s.spawn_beside.call_one("beside").get(timeout=T)
+    assert size == 1
+    assert beside.pid.call_one().get(timeout=T) == s.pid.call_one().get(timeout=T)
+    assert context().actor_instance.proc_mesh._procs == this_proc()._procs  # the script's: this_proc()
+
+
+def test_bootstrap_command_env_and_program(procs):
+    import sys
+
+    from monarch_tensor.actor import BootstrapCommand, default_bootstrap_cmd
+
+    base = default_bootstrap_cmd()
+    assert base.program == sys.executable and base.args == [] and base.env == {}
+    cmd = base.with_env({"MT_COMPAT_MARK": "3"})
+    assert base.env == {} and cmd.env == {"MT_COMPAT_MARK": "3"}  # with_env leaves the original as it was
+    host = this_host()
+    per_rank = host.spawn_procs({"gpus": 2}, bootstrap_command=lambda p: cmd.with_env({"MT_RANK_MARK": str(p["gpus"])}))
+    try:
+        marks = per_rank.spawn("marks", Sibling)
+        assert marks.env.call("MT_COMPAT_MARK").get(timeout=T).values() == ["3", "3"]
+        assert marks.env.call("MT_RANK_MARK").get(timeout=T).values() == ["0", "1"]
+    finally:
+        per_rank.stop().get(timeout=30)
+    assert procs.spawn("no_marks", Sibling).env.call_one("MT_COMPAT_MARK").get(timeout=T) is None
+    # What cannot be honoured here is refused, never ignored.
+    for bad in (BootstrapCommand(sys.executable, None, ["-m", "some.main"], {}),
+                BootstrapCommand(sys.executable, "other-arg0", [], {})):
+        with pytest.raises(ValueError, match="command line of your own"):
+            host.spawn_procs({"gpus": 1}, bootstrap_command=bad)
+    with pytest.raises(FileNotFoundError, match="no such program"):
+        host.spawn_procs({"gpus": 1}, bootstrap_command=BootstrapCommand("/no/such/python"))
+    with pytest.raises(ValueError, match="one program"):
+        host.spawn_procs({"gpus": 2}, bootstrap_command=lambda p: BootstrapCommand(
+            sys.executable if p["gpus"] else "/bin/true"))
+    with pytest.raises(TypeError, match="BootstrapCommand"):
+        host.spawn_procs({"gpus": 1}, bootstrap_command="python")
+
+
+def test_a_bootstrap_commands_program_runs_the_procs(tmp_path):
+    # (Planned, not spawned: another interpreter is another template process, as with_python_executable's.)
+    import os
+    import sys
+
+    from monarch_tensor.actor import BootstrapCommand
+    from monarch_tensor.host import bootstrap_plan
+    from monarch_tensor.shape import Shape
+
+    link = tmp_path / "python"
+    os.symlink(sys.executable, link)
+    shape = Shape.from_sizes({"gpus": 2})
+    assert bootstrap_plan(BootstrapCommand(str(link), env={"A": "1"}), shape, None) == (str(link), [{"A": "1"}] * 2)
+    assert bootstrap_plan(BootstrapCommand(sys.executable), shape, None) == (None, [{}, {}])
+    assert bootstrap_plan(BootstrapCommand(sys.executable), shape, "/venv/bin/python")[0] == sys.executable
+    assert bootstrap_plan(None, shape, "/venv/bin/python") == ("/venv/bin/python", None)
