@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from . import _context, _exit_status, _wire, _zygote, logs
+from . import _context, _exit_status, _wire, _zygote, config, logs
 from ._fanout import send_many
 from .config import env_flag
 from .env import check_env
@@ -34,7 +34,6 @@ from .shape import MeshTrait, Shape
 
 log = logging.getLogger("monarch_tensor.host")
 
-SPAWN_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_SPAWN_TIMEOUT", "60"))
 # PyTorch's switch for transparent huge pages: with it, CPU tensors of 2 MiB and more are allocated with
 # madvise(MADV_HUGEPAGE) (NumPy does the same for its large arrays by default). Procs get it unless the script's
 # environment sets it: their large tensors are what the data plane moves, and the kernel pins a cma
@@ -216,7 +215,7 @@ class LocalHost:
                 warm_up.start()
                 warm_up.join()
             for info, fut in futs:
-                info.pid = fut.get(timeout=SPAWN_TIMEOUT)
+                info.pid = fut.get(timeout=config.get("spawn_timeout"))
         except BaseException:  # interrupted (Ctrl-C), or a spawn failed: none of these procs is wanted now
             for info, fut in futs:
                 info.stopping = True  # (their exits are no supervision failures)
@@ -313,7 +312,7 @@ def _print_output(info: ProcInfo, stream: int, data: bytes) -> None:
     are (``logs.client_log_sink``; in a proc that spawned procs, sent on to its own client), or, where
     ``logging_option`` turned forwarding off, written as they are to this process's own stdout or stderr
     (the terminal the proc would write to)."""
-    from . import config, logs
+    from . import logs
     from . import mailbox as _mb
     from .messages import ForwardLogs
 
@@ -703,11 +702,11 @@ class ProcMesh(MeshTrait):
         await self.stop()
 
     def _finish_stop(self) -> None:
-        """``stop``'s wait: the procs get 5 s to exit, then are killed. A Ctrl-C cuts the 5 s short, not the
+        """``stop``'s wait: the procs get 5 s (the ``stop_timeout`` setting) to exit, then are killed. A Ctrl-C cuts the 5 s short, not the
         stop: the procs are killed before it goes on up (they ran on, a busy one spinning a core, with calls
         waiting on them for ever)."""
         alloc = self._alloc
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + config.get("stop_timeout")
         try:
             while any(p.alive for p in alloc._procs) and time.monotonic() < deadline:
                 time.sleep(0.01)

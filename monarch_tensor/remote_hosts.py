@@ -71,7 +71,6 @@ def _agents_context() -> zmq.Context:
 
 
 CONNECT_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_CONNECT_TIMEOUT", "30"))
-SPAWN_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_SPAWN_TIMEOUT", "60"))
 KEEPALIVE_S = 1.0
 LOST_AFTER_S = 0.5  # a dropped connection not re-established within this is a lost agent
 
@@ -205,7 +204,9 @@ class AgentClient:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+        from . import config
+
+        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(config.get("agent_heartbeat_timeout") * 1000))
         _curve.connect_curve(self.sock, keys)
         # Only the events we act on: libzmq's monitor send blocks the context's I/O thread once the
         # monitor's pipe is full, so a socket retrying a dead peer must not emit an event per retry.
@@ -482,7 +483,7 @@ class RemoteHostMesh(HostMesh):
                 envs.append(env)
             pending.append((agent, ranks, SpawnProcs(SESSION, tuple(ranks), tuple(envs), mailbox.addr,
                                                       gateway.addr, events, python_exe)))
-        results = _parallel([(a.request, (m, SPAWN_TIMEOUT)) for a, _, m in pending])
+        results = _parallel([(a.request, (m, config.get("spawn_timeout"))) for a, _, m in pending])
         mesh = RemoteProcMesh([], shape)
         mesh._host_dims = len(self._shape.names)  # (heal_mesh spawns the same again)
         mesh._python_exe, mesh._rank_envs = python_exe, rank_envs
