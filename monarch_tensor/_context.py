@@ -88,6 +88,14 @@ class ActorContext:
             raise TypeError(f"abort(reason) takes a string or None, got {reason!r}")
         rt.abort_actor(self.actor_name, reason)
 
+    def __str__(self) -> str:
+        """Which actor this is, as Monarch writes it: ``<root>`` for the script, else
+        ``<root>.<module.Class name{'gpus': 1/4}>`` (its class, name, and place in its mesh)."""
+        if self.instance is None and self.actor_name == "client":
+            return "<root>"
+        coords = ", ".join(f"'{k}': {v}/{self.sizes.get(k, '?')}" for k, v in self.rank.items())
+        return f"<root>.<{self.class_name} {self.actor_name}{{{coords}}}>"
+
     @property
     def message_rank(self) -> Point:
         """Where this actor lies in the slice of its mesh that the current message was sent to (Monarch's:

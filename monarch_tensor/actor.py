@@ -29,7 +29,11 @@ import weakref
 from collections.abc import Mapping
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
-from . import _context, _wire
+from . import (
+    _context,
+    _wire,
+    config,  # noqa: F401 - monarch_tensor.actor.config, as Monarch's monarch.actor.config
+)
 from . import future as _future_mod
 from . import host as _host
 from ._context import ActorContext as Context

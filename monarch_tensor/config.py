@@ -74,6 +74,9 @@ _HYPERACTOR = {
     "rdma_min_stripe_size_kb", "rdma_qps_per_cq", "rdma_cq_poller_per_device", "rdma_runtime_worker_threads",
 }
 _runtime: dict[str, Any] = {}
+# Monarch's ``monarch.actor.config.prefix_python_logs_with_actor``: log records written in an actor's code start
+# with ``[actor=<its identity>] `` (set it in a proc, say in an actor's __init__, to turn that off there).
+prefix_python_logs_with_actor = True
 
 
 class IgnoredSettingWarning(UserWarning):

@@ -298,3 +298,39 @@ def test_a_bootstrap_commands_program_runs_the_procs(tmp_path):
     assert bootstrap_plan(BootstrapCommand(sys.executable), shape, None) == (None, [{}, {}])
     assert bootstrap_plan(BootstrapCommand(sys.executable), shape, "/venv/bin/python")[0] == sys.executable
     assert bootstrap_plan(None, shape, "/venv/bin/python") == ("/venv/bin/python", None)
+
+
+class Logs(Actor):
+    @endpoint
+    def log(self, off: bool = False):
+        import io
+        import logging
+
+        from monarch_tensor.actor import config
+
+        out = io.StringIO()
+        handler = logging.StreamHandler(out)
+        seen = []
+        handler.emit = lambda r, emit=handler.emit: (seen.append((r.actor_name, r.actor_id)), emit(r))
+        log = logging.getLogger("compat_logs")
+        log.addHandler(handler)
+        config.prefix_python_logs_with_actor = not off
+        try:
+            log.error("HUH %d", 1)
+            log.error("")  # (structured logs: left empty)
+        finally:
+            config.prefix_python_logs_with_actor = True
+            log.removeHandler(handler)
+        return out.getvalue(), seen
+
+
+def test_log_records_in_an_actor_carry_its_identity(procs):
+    # Monarch's test_instance_name: "[actor=<root>.<module.Named the_name{'f': 0/2}>] HUH"; a record attribute
+    # too, and monarch.actor.config.prefix_python_logs_with_actor turns the prefix off.
+    lg = procs.spawn("the_logger", Logs)
+    text, seen = lg.log.call_one().get(timeout=T)
+    assert text.splitlines()[0] == "[actor=<root>.<test_monarch_compat.Logs the_logger{'gpus': 0/1}>] HUH 1"
+    assert text.splitlines()[1] == ""
+    assert seen[0][0] == "the_logger" and seen[0][1].endswith("/the_logger[0]")
+    text, _ = lg.log.call_one(True).get(timeout=T)
+    assert text.splitlines()[0] == "HUH 1"
