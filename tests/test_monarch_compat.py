@@ -15,6 +15,7 @@ from monarch_tensor.actor import (
     this_host,
 )
 from monarch_tensor.errors import ActorFailedError
+from monarch_tensor.job import JobState, JobTrait
 
 T = 60
 
@@ -334,3 +335,108 @@ def test_log_records_in_an_actor_carry_its_identity(procs):
     assert seen[0][0] == "the_logger" and seen[0][1].endswith("/the_logger[0]")
     text, _ = lg.log.call_one(True).get(timeout=T)
     assert text.splitlines()[0] == "HUH 1"
+
+
+class HereJob(JobTrait):
+    """A job written the Monarch way (its test_job.py's MockJobTrait): workers on this host."""
+
+    def __init__(self, tag: str, marks: str) -> None:
+        super().__init__()
+        self.tag, self.marks, self.created = tag, marks, 0
+
+    def _create(self, client_script=None):
+        self.created += 1
+
+    def _state(self):
+        return JobState({"workers": this_host()})
+
+    def _kill(self):
+        with open(self.marks, "a") as f:
+            f.write(f"killed {self.tag}\n")
+
+    def can_run(self, spec):
+        return isinstance(spec, HereJob) and spec.tag == self.tag
+
+
+def test_a_job_written_the_monarch_way(tmp_path):
+    from monarch_tensor.job import job_load
+
+    marks, cached = str(tmp_path / "marks"), str(tmp_path / "job_state.json")
+    job = HereJob("a", marks)
+    assert not job.active
+    state = job.state(cached_path=cached)
+    assert job.active and job.created == 1 and state.workers is not None and state._hosts["workers"] is state.workers
+    job.state(cached_path=cached)
+    assert job.created == 1  # running: state() asks _state() again, creates nothing
+    again = HereJob("a", marks)
+    again.state(cached_path=cached)  # reattaches to the cached (pickled) job, which can run it
+    assert again.created == 0 and not again.active
+    loaded = job_load(cached)
+    assert isinstance(loaded, HereJob) and loaded.active and loaded.created == 1
+    other = HereJob("b", marks)
+    other.state(cached_path=cached)  # the cached job cannot run it: killed, and this one created
+    assert other.created == 1 and open(marks).read() == "killed a\n"
+    other.kill()
+    assert not other.active and open(marks).read() == "killed a\nkilled b\n"
+
+
+SPMD_SCRIPT = """
+import os, sys
+with open(os.path.join(sys.argv[1], "rank" + os.environ["RANK"]), "w") as f:
+    f.write(" ".join([os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"], os.environ["MASTER_PORT"]] + sys.argv[2:]))
+if sys.argv[2:] == ["fail"]:
+    sys.exit(3)
+"""
+
+
+def test_spmd_job_runs_a_torchrun_command_on_this_host(tmp_path):
+    from monarch_tensor.job.spmd import SPMDJob, parse_torchrun, serve
+
+    script = tmp_path / "train.py"
+    script.write_text(SPMD_SCRIPT)
+    job = serve(["torchrun", "--nproc-per-node=2", "--standalone", str(script), str(tmp_path), "--lr", "0.1"],
+                scheduler="local_cwd")
+    assert isinstance(job, SPMDJob)
+    try:
+        job.run_spmd(timeout=60)
+        got = sorted((tmp_path / f"rank{r}").read_text().split() for r in (0, 1))
+        assert [g[:2] for g in got] == [["2", "0"], ["2", "1"]] and got[0][2] == got[1][2]
+        assert got[0][3:] == ["--lr", "0.1"]
+        assert job.state(cached_path=None).workers is not None
+    finally:
+        job.kill()
+    failing = serve(["python", str(script), str(tmp_path), "fail"], scheduler="local_cwd")
+    try:
+        with pytest.raises(ActorError, match="exited with 3"):
+            failing.run_spmd(timeout=60)
+    finally:
+        failing.kill()
+    assert parse_torchrun([{"entrypoint": "python", "args": ["-m", "torch.distributed.run", "--nproc_per_node",
+                                                             "4", "-m", "train", "--x"]}]) == (["-m", "train", "--x"], 4)
+    assert parse_torchrun([{"entrypoint": "workspace/entrypoint.sh",
+                            "args": ["torchrun", "--nnodes=1", "--nproc-per-node=8", "t.py"]}]) == (["t.py"], 8)
+    with pytest.raises(ValueError, match="torchx"):
+        serve(["torchrun", "train.py"], scheduler="slurm")
+    with pytest.raises(ValueError, match="Multi-node"):
+        serve(["torchrun", "--nnodes=2", "train.py"], scheduler="local_cwd")
+    with pytest.raises(ValueError, match="Expected args to start with torchrun"):
+        serve(["bash", "train.sh"], scheduler="local_cwd")
+
+
+def test_tools_config(tmp_path):
+    import warnings
+
+    from monarch_tensor.tools.config import NOT_SET, Config, Workspace
+
+    c = Config(scheduler="slurm", workspace=Workspace(dirs={str(tmp_path): ""}))
+    assert c.scheduler == "slurm" and c.scheduler_args == {} and c.dryrun is False
+    assert c.workspace.dirs == {tmp_path: ""}
+    assert Config().scheduler == NOT_SET and Config().workspace == Workspace.null()
+    with pytest.warns(FutureWarning):
+        assert Config(workspace=None).workspace.dirs == {}
+    with pytest.warns(FutureWarning):
+        assert Config(workspace=str(tmp_path / "torch")).workspace.dirs == {tmp_path / "torch": ""}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(TypeError, match="Workspace"):
+            Config(workspace=3)
