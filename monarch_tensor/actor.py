@@ -452,6 +452,7 @@ def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs
     col = _SpawnCollector(addrs, list(range(len(members))), lambda _: mesh, f"spawn of actor mesh {name!r}",
                           observing=False)
     col.name, col.cls, col.owner, col.procs = name, cls, owner, procs
+    col.seen = not rename  # (the runtime's own actors: a failed constructor is their user's error)
     port = mailbox.open_port(col)
     mesh = ActorMesh(name, cls, members, shape, col.future, procs, watch=col)
     for p in members:

@@ -207,8 +207,11 @@ def test_an_init_error_somebody_waits_on_is_theirs(procs, faults):
     m = procs.spawn("failing_init_waited", FailsInInit, "waited")
     with pytest.raises(ActorError, match="waited"):
         m.initialized.get(timeout=T)
+    m = procs._spawn_named("failing_runtime_actor", FailsInInit, "the runtime's own")  # (its user sees it)
     time.sleep(0.3)
     assert faults == []
+    with pytest.raises(ActorError, match="the runtime's own"):
+        m.initialized.get(timeout=T)
 
 
 def test_an_init_error_reaches_the_spawning_actors_supervise(procs, faults):
