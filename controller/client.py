@@ -140,7 +140,7 @@ class MeshClient:
         host = "127.0.0.1" if agent is None else ip_towards(agent.addr)
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         self.store_addr = (host, self.store.port)
-        self.workers = alloc.spawn(WORKER_NAME, TensorWorker, self.store_addr)
+        self.workers = alloc._spawn_named(WORKER_NAME, TensorWorker, self.store_addr)
         self.closed = False
         self.messages = 0  # instruction batches sent, one per proc they went to
         _flusher._clients.add(self)

@@ -19,6 +19,7 @@ class ActorContext:
     instance: Any = None
     sizes: dict = field(default_factory=dict)
     owned_meshes: list = field(default_factory=list)
+    proc_mesh_bytes: bytes | None = None  # the proc mesh it was spawned on, pickled (see proc_mesh)
 
     @property
     def actor_instance(self):
@@ -58,6 +59,21 @@ class ActorContext:
 
         return this_proc()
 
+    @property
+    def proc_mesh(self):
+        """The proc mesh this actor was spawned on (Monarch's ``Instance.proc_mesh``): ``spawn`` on it puts an
+        actor beside each of this mesh's actors; in the script, ``this_proc()``."""
+        if self.proc_mesh_bytes is None:
+            from .host import this_proc
+
+            return this_proc()
+        mesh = getattr(self, "_proc_mesh", None)
+        if mesh is None:
+            import pickle
+
+            mesh = self._proc_mesh = pickle.loads(self.proc_mesh_bytes)
+        return mesh
+
     def abort(self, reason: str | None = None) -> None:
         """Stop this actor with a failure (Monarch's): calls queued to it and later ones fail, the running one
         still answers, its ``__cleanup__`` runs, and its owner's supervision is told (``__supervise__``, else
@@ -71,6 +87,14 @@ class ActorContext:
         if reason is not None and not isinstance(reason, str):
             raise TypeError(f"abort(reason) takes a string or None, got {reason!r}")
         rt.abort_actor(self.actor_name, reason)
+
+    def __str__(self) -> str:
+        """Which actor this is, as Monarch writes it: ``<root>`` for the script, else
+        ``<root>.<module.Class name{'gpus': 1/4}>`` (its class, name, and place in its mesh)."""
+        if self.instance is None and self.actor_name == "client":
+            return "<root>"
+        coords = ", ".join(f"'{k}': {v}/{self.sizes.get(k, '?')}" for k, v in self.rank.items())
+        return f"<root>.<{self.class_name} {self.actor_name}{{{coords}}}>"
 
     @property
     def message_rank(self) -> Point:

@@ -5,7 +5,9 @@ asyncio loop (the main thread). Each actor handles its messages one at a time
 in arrival order; a sync endpoint runs inline on the loop, an async one as a
 task that holds the actor until it finishes. Replies go straight back to the
 caller's port. Nothing a message contains can kill the proc: an unknown actor
-or endpoint, or an endpoint that raises, becomes an error reply.
+or endpoint, or an endpoint that raises, becomes an error reply (an endpoint
+that raises a BaseException that is not an Exception, or raises with an
+explicit response port, kills its actor, as in Monarch: ``_endpoint_killed``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Callable
 
 from . import _context, _proc_ext, _zygote
 from .config import env_flag
-from .errors import ActorAbortedError, ActorError, ActorStoppedError
+from .errors import ActorAbortedError, ActorError, ActorFailedError, ActorStoppedError
 from .logs import OUTPUT_WAIT_S
 from .mailbox import _EVENTS, _POLLIN, Mailbox, set_current_mailbox
 from .messages import (
@@ -351,6 +353,7 @@ class ProcRuntime:
                         point.rank)
             return
         ctx = _context.ActorContext(msg.name, point, self.rank, sizes=shape.sizes)
+        ctx.proc_mesh_bytes = msg.proc_mesh
         slot = _Slot(msg.name, None, ctx, owner=msg.reply.addr)
         token = _context.enter(ctx)
         try:
@@ -497,8 +500,40 @@ class ProcRuntime:
         cls = type(slot.instance).__name__
         err = ActorAbortedError(f"actor {name} ({cls}) rank {rank} on proc {self.rank} aborted: {text}",
                                 actor=name, rank=rank, proc=self.mailbox.addr)
-        slot.stopped = f"aborted: {text}"
-        queued, slot.queue = list(slot.queue), collections.deque()
+        self._kill_actor(slot, err, f"aborted: {text}")
+
+    def _endpoint_killed(self, slot: _Slot, msg: CallEndpoint, e: BaseException, explicit: bool) -> bool:
+        """Whether ``e``, raised by the call ``msg``, kills its actor, as in Monarch: a ``BaseException`` that is
+        not an ``Exception`` (``SystemExit``, a custom one; not a cancellation, nor the interrupt its caller
+        asked for), or any exception out of an endpoint with an explicit response port (its caller waits on
+        the port, not on the endpoint's return). Then the call fails with an ``ActorFailedError`` (a
+        ``SupervisionError``), the actor stops as ``abort`` stops it, and its owner's supervision is told."""
+        if msg.reply is not None and msg.reply in self.interrupted:
+            return False
+        if not explicit and isinstance(e, (Exception, asyncio.CancelledError)):
+            return False
+        if slot.stopped is not None:  # (it stopped meanwhile, aborted by the endpoint itself say): as any error
+            return False
+        info = self._error(slot, msg, e)
+        method = msg.method.partition("/")[0]
+        why = "with an explicit response port" if explicit and isinstance(e, Exception) else "a BaseException"
+        err = ActorFailedError(
+            f"The actor {slot.name} and all its descendants have failed: {type(slot.instance).__name__} rank "
+            f"{info.rank} on proc {self.rank}: endpoint {slot.name}.{method} ({why}) raised {info.exc_repr}",
+            actor=slot.name, rank=info.rank, proc=self.mailbox.addr, traceback=info.traceback,
+            exception=info.exception)
+        if msg.reply is not None:
+            self._reply(msg.reply, None, err, info.rank)
+        self._kill_actor(slot, err, str(err))
+        return True
+
+    def _kill_actor(self, slot: _Slot, err: ActorFailedError, reason: str) -> None:
+        """``slot``'s actor stops with the failure ``err``: the calls queued to it fail with it, later ones with
+        ``reason``; its ``__cleanup__`` runs once the running call returns, and its owner is told."""
+        name, rank = slot.name, slot.ctx.rank.rank
+        slot.stopped = reason
+        queued = list(slot.queue)
+        slot.queue.clear()  # (in place: a _pump running now holds this deque)
         for entry in queued:
             if type(entry) is StopActor:
                 self._reply(entry.reply, None, None, self.rank)
@@ -648,7 +683,8 @@ class ProcRuntime:
                 self._track(slot, msg, self.loop.create_task(self._run_async(slot, msg, value, explicit)))
                 return
         except BaseException as e:  # noqa: BLE001 - user code
-            self._reply(msg.reply, None, self._error(slot, msg, e), rank)
+            if not self._endpoint_killed(slot, msg, e, explicit):
+                self._reply(msg.reply, None, self._error(slot, msg, e), rank)
             return
         finally:
             _context.leave(token)
@@ -660,7 +696,8 @@ class ProcRuntime:
         try:
             value = await aw
         except BaseException as e:  # noqa: BLE001 - user code
-            self._reply(msg.reply, None, self._error(slot, msg, e), rank)
+            if not self._endpoint_killed(slot, msg, e, explicit):
+                self._reply(msg.reply, None, self._error(slot, msg, e), rank)
         else:
             if not explicit:
                 self._reply(msg.reply, value, None, rank, slot, msg.method.partition("/")[0])
@@ -678,9 +715,11 @@ class ProcRuntime:
             if asyncio.current_task().cancelling() and msg.reply not in self.interrupted:
                 raise  # the actor stops: _concurrent_cancelled answers
             # the user's code ended in a cancellation of its own: the caller hears of it as of any error
-            self._reply(msg.reply, None, self._error(slot, msg, e), rank)
+            if not self._endpoint_killed(slot, msg, e, explicit):
+                self._reply(msg.reply, None, self._error(slot, msg, e), rank)
         except BaseException as e:  # noqa: BLE001 - user code
-            self._reply(msg.reply, None, self._error(slot, msg, e), rank)
+            if not self._endpoint_killed(slot, msg, e, explicit):
+                self._reply(msg.reply, None, self._error(slot, msg, e), rank)
         else:
             if not explicit:
                 self._reply(msg.reply, value, None, rank, slot, msg.method.partition("/")[0])

@@ -29,14 +29,28 @@ import weakref
 from collections.abc import Mapping
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
-from . import _context, _wire
+from . import (
+    _context,
+    _wire,
+    config,  # noqa: F401 - monarch_tensor.actor.config, as Monarch's monarch.actor.config
+)
 from . import future as _future_mod
 from . import host as _host
 from ._context import ActorContext as Context
 from ._ports import Collector, OneReply, Receiver, StreamCollector
 from .errors import ActorError, MeshFailure, SupervisionError
 from .future import Future, returns_future
-from .host import HostMesh, ProcInfo, ProcMesh, proc_mesh, shutdown_context, this_host, this_proc
+from .host import (
+    BootstrapCommand,
+    HostMesh,
+    ProcInfo,
+    ProcMesh,
+    default_bootstrap_cmd,
+    proc_mesh,
+    shutdown_context,
+    this_host,
+    this_proc,
+)
 from .mailbox import current_mailbox
 from .messages import CallEndpoint, PortRef, SendToPort, SpawnActor
 from .shape import Extent, MeshTrait, Point, Shape
@@ -45,7 +59,8 @@ from .telemetry import get_meter, span, traced
 R = TypeVar("R")
 
 __all__ = [
-    "Actor", "ActorError", "ActorMesh", "Accumulator", "Channel", "Context", "Extent", "Future", "HostMesh",
+    "Actor", "ActorError", "ActorMesh", "Accumulator", "BootstrapCommand", "Channel", "Context", "Extent", "Future",
+    "HostMesh", "default_bootstrap_cmd",
     "MeshFailure", "NotAnEndpoint", "Point", "Port", "PortReceiver", "ProcMesh", "RankedPortReceiver",
     "SupervisionError", "ChannelTransport", "enable_transport",
     "ValueMesh", "as_endpoint", "concurrent_endpoint", "context", "current_actor_name", "current_rank",
@@ -266,8 +281,9 @@ class ActorMesh(MeshTrait):
 
     def __init__(self, name: str, cls: type, procs: list[ProcInfo], shape: Shape,
                  spawned: Future | None = None, proc_mesh: ProcMesh | None = None, whole: Shape | None = None,
-                 stopped: dict[int, str] | None = None) -> None:
+                 stopped: dict[int, str] | None = None, watch: _SpawnCollector | None = None) -> None:
         self._name, self._class, self._procs, self._shape = name, cls, procs, shape
+        self._watch = watch  # the spawn's replies (this process spawned it): told once anyone waits on the mesh
         self._rank_list = shape.ranks()  # read on every call: computed once (never mutated)
         self._spawned = spawned or Future.ready(None)
         self._proc_mesh = proc_mesh
@@ -298,13 +314,19 @@ class ActorMesh(MeshTrait):
 
     def _new_with_shape(self, shape: Shape) -> ActorMesh:
         return ActorMesh(self._name, self._class, self._procs, shape, self._spawned, self._proc_mesh, self._whole,
-                         self._stopped)
+                         self._stopped, self._watch)
 
     def _what(self) -> str:
         return f"actor mesh {self._name!r}"
 
+    def _observe(self) -> None:
+        """Someone waits on these actors (a call, ``initialized``): a constructor's failure is theirs to see."""
+        if self._watch is not None:
+            self._watch.seen = True
+
     @property
     def initialized(self) -> Future:
+        self._observe()
         return self._spawned
 
     def stop(self, reason: str = "stopped by client") -> Future:
@@ -332,6 +354,7 @@ class ActorMesh(MeshTrait):
         return col.future
 
     def __await__(self):
+        self._observe()
         yield from self._spawned.__await__()
         return self
 
@@ -396,7 +419,12 @@ del _name
 _mesh_owners: dict[tuple[str, str], _context.ActorContext | None] = {}
 
 
-def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs: dict) -> ActorMesh:
+def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs: dict,
+                      rename: bool = True) -> ActorMesh:
+    """Spawn actors of ``cls`` named ``name`` on ``procs``. A name that actors this process spawned there still
+    use gives a second, independent actor mesh (Monarch's: a name is a label, each spawn a mesh of its own),
+    under ``name<2>``, ``name<3>``...: its actors' name, errors and ``current_actor_name()`` say so. Without
+    ``rename`` (the runtime's own actors, whose name is their address) such a name is refused."""
     if not (isinstance(cls, type) and issubclass(cls, Actor)):
         raise TypeError(f"spawn() needs a subclass of Actor, got {cls!r}")
     if not isinstance(name, str) or not name:
@@ -404,22 +432,29 @@ def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs
     procs._check_alive()
     members = procs._members()
     taken = [p.rank for p in members if name in p.actors]
-    if taken:
+    if taken and not rename:
         raise ValueError(f"an actor named {name!r} already runs on proc(s) of rank {taken} of this mesh: spawn "
                          f"it under another name (the running one keeps its state)")
+    if taken:
+        k = 2
+        while any(f"{name}<{k}>" in p.actors for p in members):
+            k += 1
+        name = f"{name}<{k}>"
     shape = Shape(procs._shape.names, procs._shape.dims)
     mailbox = current_mailbox()
     if mailbox.on_message is None and any(p.addr == mailbox.addr for p in members):
         # this_proc().spawn(...) in the script (Monarch's getting-started does it): the script's process hosts
         # no actors here, so they go to one proc started for them, a mesh of one like this_proc()'s.
-        return _spawn_actor_mesh(_script_proc(), name, cls, args, kwargs)
+        return _spawn_actor_mesh(_script_proc(), name, cls, args, kwargs, rename)
     addrs = [p.addr for p in members]
     # Acks only come after the sends below, so `mesh` is bound by the time finish runs.
-    col = Collector(addrs, list(range(len(members))), lambda _: mesh, f"spawn of actor mesh {name!r}",
-                    observing=False)
-    port = mailbox.open_port(col)
-    mesh = ActorMesh(name, cls, members, shape, col.future, procs)
     owner = None if _context.in_client() else _context.current()
+    col = _SpawnCollector(addrs, list(range(len(members))), lambda _: mesh, f"spawn of actor mesh {name!r}",
+                          observing=False)
+    col.name, col.cls, col.owner, col.procs = name, cls, owner, procs
+    col.seen = not rename  # (the runtime's own actors: a failed constructor is their user's error)
+    port = mailbox.open_port(col)
+    mesh = ActorMesh(name, cls, members, shape, col.future, procs, watch=col)
     for p in members:
         p.actors.add(name)
         _mesh_owners[(p.addr, name)] = owner
@@ -430,9 +465,10 @@ def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs
                 p.actors.discard(name)
 
     col.future.add_done_callback(failed)
+    portable = procs._portable()
     try:
         for i, p in enumerate(members):
-            mailbox.send(p.addr, SpawnActor(name, cls, args, kwargs, i, shape, port))
+            mailbox.send(p.addr, SpawnActor(name, cls, args, kwargs, i, shape, port, portable))
     except BaseException:  # e.g. arguments that cannot be pickled: nothing was spawned, the name is free
         if i == 0:
             for p in members:
@@ -440,6 +476,31 @@ def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs
             mailbox.close_port(port.port_id)
         raise
     return mesh
+
+
+class _SpawnCollector(Collector):
+    """A spawn's replies. A constructor that raised on a proc before anyone waited on the actor mesh (a call,
+    ``initialized``, ``await mesh``) is a supervision event for the mesh's owner, one per proc, as Monarch's:
+    its ``__supervise__``, else ``unhandled_fault_hook``. One somebody waits on is theirs (their call or
+    ``initialized`` raises it)."""
+
+    seen = False
+    name, cls, owner, procs = "", None, None, None
+
+    def deliver(self, msg) -> bool:
+        err = msg.error
+        if err is not None and not self.seen and isinstance(err, ActorError) and err.method == "__init__":
+            from . import host
+            from .errors import ActorFailedError
+
+            addr = self._addr_of.get(msg.rank, "")
+            failure = ActorFailedError(
+                f"The actor {self.name} and all its descendants have failed: {self.cls.__name__} rank {msg.rank}: "
+                f"__init__ raised {err.exc_repr} (an actor mesh nobody waited on yet)", actor=self.name,
+                rank=msg.rank, proc=addr, traceback=err.traceback, exception=err.exception)
+            failure.mesh = self.procs
+            host._supervise_later(self.owner, failure)
+        return super().deliver(msg)
 
 
 _script_procs: ProcMesh | None = None
@@ -501,6 +562,8 @@ class Endpoint(Generic[R]):
         mailbox = current_mailbox()
         if addrs is None:
             addrs = [self._mesh._procs[r].addr for r in ranks]
+        if self._mesh._watch is not None:
+            self._mesh._watch.seen = True
         msg = CallEndpoint(self._mesh._name, self._wire_method, args, kwargs, port, self._mesh._sent_shape)
         try:
             encoded = _wire.encode_for(msg, addrs, mailbox)
@@ -833,6 +896,7 @@ def get_or_spawn_controller(name: str, actor_class: type, *args, **kwargs) -> Fu
                 threading.Thread(target=procs.stop, daemon=True, name="mt-stop-controller").start()
 
         mesh._spawned.add_done_callback(forget_failed)
+    mesh._observe()  # (the Future returned gives the constructor's error)
     out: Future[ActorMesh] = Future(f"spawn of controller {name!r}")
     mesh._spawned.add_done_callback(
         lambda f: out._set_exception(f.exception()) if f.exception() else out._set_result(mesh))

@@ -7,9 +7,9 @@
 
 Layers, as in Monarch: the defaults, then the environment (``MONARCH_TENSOR_<NAME>``, which procs inherit),
 then what ``configure`` set in this process (the runtime layer). Settings that procs read are handed to the
-procs spawned afterwards through their environment. Monarch's other keys configure its Rust runtime
-(hyperactor), which this project does not have: ``configure`` refuses them with a clear error rather
-than ignoring them.
+procs spawned afterwards through their environment. Monarch's keys for its Rust runtime (hyperactor) that
+have a counterpart here are mapped to it (``MONARCH_NAMES``, ``default_transport``); the others are ignored
+with an ``IgnoredSettingWarning`` that names them.
 """
 
 from __future__ import annotations
@@ -32,6 +32,29 @@ SETTINGS: dict[str, tuple[Any, str, str]] = {
     "rdma_disable_ibverbs": (False, "procs", "never use the verbs backend, even where an RDMA device is found"),
     "rdma_backend": ("", "procs", "the data-plane backend every transfer uses: verbs, cuda_ipc, cma or tcp "
                               "(\"\": the best one for each pair of processes)"),
+    "spawn_timeout": (60.0, "client", "seconds a proc's spawn may take before it fails (Monarch's "
+                                      "mesh_proc_spawn_max_idle)"),
+    "job_start_timeout": (0.0, "client", "seconds a job's host agents may take to come up; 0: the job's own "
+                                         "default, LocalJob 60 s, SlurmJob 120 s (Monarch's host_spawn_ready_timeout)"),
+    "stop_timeout": (5.0, "client", "seconds stopped procs get to exit before they are killed (Monarch's "
+                                    "mesh_terminate_timeout, process_exit_timeout)"),
+    "payload_timeout": (60.0, "procs", "seconds the receiver of a message may take to pull its large payload, "
+                                       "its delivery (Monarch's message_delivery_timeout)"),
+    "agent_heartbeat_timeout": (5.0, "client", "seconds of silence from a host agent after which its procs are "
+                                               "taken for lost (Monarch's supervision_watchdog_timeout)"),
+}
+# Settings in seconds: at least this much (a zero or negative timeout would fail everything at once).
+_SECONDS = {"spawn_timeout": 0.1, "job_start_timeout": 0.0, "stop_timeout": 0.0, "payload_timeout": 1.0,
+            "agent_heartbeat_timeout": 0.1}
+# Monarch's names for the Rust runtime's settings that have a counterpart here: Monarch's name -> ours. Their
+# durations are humantime strings ("30s", "5m", "1h 30m", "250ms") or seconds.
+MONARCH_NAMES = {
+    "mesh_proc_spawn_max_idle": "spawn_timeout",
+    "host_spawn_ready_timeout": "job_start_timeout",
+    "mesh_terminate_timeout": "stop_timeout",
+    "process_exit_timeout": "stop_timeout",
+    "message_delivery_timeout": "payload_timeout",
+    "supervision_watchdog_timeout": "agent_heartbeat_timeout",
 }
 # Settings that take one of a few words.
 _CHOICES = {"rdma_backend": ("", "verbs", "cuda_ipc", "cma", "tcp")}
@@ -51,6 +74,48 @@ _HYPERACTOR = {
     "rdma_min_stripe_size_kb", "rdma_qps_per_cq", "rdma_cq_poller_per_device", "rdma_runtime_worker_threads",
 }
 _runtime: dict[str, Any] = {}
+# Monarch's ``monarch.actor.config.prefix_python_logs_with_actor``: log records written in an actor's code start
+# with ``[actor=<its identity>] `` (set it in a proc, say in an actor's __init__, to turn that off there).
+prefix_python_logs_with_actor = True
+
+
+class IgnoredSettingWarning(UserWarning):
+    """``configure`` was given settings of Monarch's Rust runtime that have no counterpart here: ignored."""
+
+
+_UNITS = {"ns": 1e-9, "nsec": 1e-9, "us": 1e-6, "usec": 1e-6, "ms": 1e-3, "msec": 1e-3, "millis": 1e-3,
+          "s": 1.0, "sec": 1.0, "secs": 1.0, "second": 1.0, "seconds": 1.0, "m": 60.0, "min": 60.0, "mins": 60.0,
+          "minute": 60.0, "minutes": 60.0, "h": 3600.0, "hr": 3600.0, "hrs": 3600.0, "hour": 3600.0,
+          "hours": 3600.0, "d": 86400.0, "day": 86400.0, "days": 86400.0}
+
+
+def humantime_seconds(text: str) -> float:
+    """Seconds in a humantime duration, as Monarch's settings take them: ``"30s"``, ``"5m"``, ``"1h 30m"``,
+    ``"250ms"``, ``"2min 5s"``. Anything else is a ``ValueError`` saying what is taken."""
+    import re
+
+    parts = re.findall(r"\s*(\d+(?:\.\d+)?)\s*([a-z]+)\s*", text.lower())
+    if not parts or "".join(f"{n}{u}" for n, u in parts) != re.sub(r"\s+", "", text.lower()) \
+            or any(u not in _UNITS for _, u in parts):
+        raise ValueError(f"{text!r} is not a duration: give a humantime string such as '30s', '5m', '1h 30m' or "
+                         f"'250ms', or a number of seconds")
+    return sum(float(n) * _UNITS[u] for n, u in parts)
+
+
+def _seconds(name: str, given: str, value: Any) -> float:
+    if isinstance(value, str):
+        try:
+            secs = humantime_seconds(value)
+        except ValueError as e:
+            raise ValueError(f"configure({given}=...): {e}") from None
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        secs = float(value)
+    else:
+        raise TypeError(f"configure({given}=...) takes a duration ('30s') or a number of seconds, got {value!r}")
+    least = _SECONDS[name]
+    if not (math.isfinite(secs) and secs >= least):
+        raise ValueError(f"configure({given}=...) must be at least {least:g} s, got {value!r}")
+    return secs
 # How an on/off switch in the environment may be written (any case).
 _ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -99,7 +164,11 @@ def _check(name: str, value: Any) -> None:
     if name not in SETTINGS:
         why = ("a setting of Monarch's Rust runtime (hyperactor), which has no counterpart here"
                if name in _HYPERACTOR else "no such setting")
-        raise ValueError(f"configure({name}=...): {why}; the settings are {sorted(SETTINGS)}")
+        raise ValueError(f"configure({name}=...): {why}; the settings are {sorted(SETTINGS)}, and Monarch's "
+                         f"{sorted(MONARCH_NAMES)}")
+    if name in _SECONDS:
+        _seconds(name, name, value)
+        return
     default = SETTINGS[name][0]
     if type(value) is not type(default):
         raise TypeError(f"configure({name}=...) takes a {type(default).__name__}, got {value!r}")
@@ -127,16 +196,60 @@ def get(name: str) -> Any:
         return _runtime[name]
     if name not in SETTINGS:
         raise KeyError(f"no setting {name!r}; the settings are {sorted(SETTINGS)}")
+    if name in _SECONDS:
+        return env_number(_env_name(name), SETTINGS[name][0], "a number of seconds", least=_SECONDS[name])
     v = _from_env(name)
     return SETTINGS[name][0] if v is None else v
 
 
 def configure(**kwargs: Any) -> None:
     """Set runtime settings of this process (Monarch's ``configure``); procs spawned afterwards inherit the
-    ones they act on. Unknown names and wrong types are refused before anything changes."""
-    for name, value in kwargs.items():
+    ones they act on. Monarch's names for its Rust runtime's settings with a counterpart here are taken and
+    mapped (``MONARCH_NAMES``: ``message_delivery_timeout="30s"`` sets ``payload_timeout=30.0``;
+    ``default_transport`` is ``actor.enable_transport``); those without one are ignored with an
+    ``IgnoredSettingWarning`` naming them. Unknown names and wrong types or values are refused before
+    anything changes."""
+    updates, ignored, transport = _resolve(kwargs)
+    if ignored:
+        import warnings
+
+        warnings.warn(f"configure(): {', '.join(ignored)}: setting(s) of Monarch's Rust runtime (hyperactor) with "
+                      f"no counterpart here, ignored", IgnoredSettingWarning, stacklevel=2)
+    if transport is not None:
+        from . import actor
+
+        actor.enable_transport(transport)
+        updates["default_transport"] = actor.enabled_transport
+    _runtime.update(updates)
+
+
+def _resolve(kwargs: dict) -> tuple[dict, list, Any]:
+    """``configure``'s arguments checked and mapped: (our settings' values, Monarch's names ignored, the
+    ``default_transport`` asked for or None). Raises before anything changes."""
+    updates, ignored, transport = {}, [], None
+    for given, value in kwargs.items():
+        if given == "default_transport":
+            from . import actor
+
+            saved = actor.enabled_transport
+            try:
+                actor.enable_transport(value)  # (checks it; set for real once every argument passed)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"configure(default_transport=...): {e}") from None
+            finally:
+                actor.enabled_transport = saved
+            transport = value
+            continue
+        if given in _HYPERACTOR and given not in MONARCH_NAMES:
+            ignored.append(given)
+            continue
+        name = MONARCH_NAMES.get(given, given)
+        if name in _SECONDS:
+            updates[name] = _seconds(name, given, value)
+            continue
         _check(name, value)
-    _runtime.update(kwargs)
+        updates[name] = value
+    return updates, ignored, transport
 
 
 def get_runtime_config() -> dict[str, Any]:
@@ -146,7 +259,10 @@ def get_runtime_config() -> dict[str, Any]:
 
 def get_global_config() -> dict[str, Any]:
     """Every setting's value in effect here (defaults, environment and runtime layer merged)."""
-    return {name: get(name) for name in SETTINGS}
+    out = {name: get(name) for name in SETTINGS}
+    if "default_transport" in _runtime:
+        out["default_transport"] = _runtime["default_transport"]
+    return out
 
 
 def clear_runtime_config() -> None:
@@ -157,13 +273,16 @@ def clear_runtime_config() -> None:
 @contextlib.contextmanager
 def configured(**overrides: Any) -> Iterator[dict[str, Any]]:
     """``configure(**overrides)`` for the block, then the runtime layer as it was; yields the merged view."""
-    prev = get_runtime_config()
+    from . import actor
+
+    prev, transport = get_runtime_config(), actor.enabled_transport
     configure(**overrides)
     try:
         yield get_global_config()
     finally:
         clear_runtime_config()
         _runtime.update(prev)
+        actor.enabled_transport = transport
 
 
 def parametrize_config(**options: Any):
@@ -247,5 +366,5 @@ def proc_env() -> dict[str, str]:
     return out
 
 
-__all__ = ["clear_runtime_config", "configure", "configured", "get_global_config", "get_runtime_config",
-           "parametrize_config", "parametrize_config_pointwise"]
+__all__ = ["IgnoredSettingWarning", "clear_runtime_config", "configure", "configured", "get_global_config",
+           "get_runtime_config", "parametrize_config", "parametrize_config_pointwise"]

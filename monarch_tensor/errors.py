@@ -40,11 +40,11 @@ class DeviceMeshError(Exception):
     gives a working mesh of the same sizes."""
 
 
-class SupervisionError(DeviceMeshError):
+class SupervisionError(DeviceMeshError, RuntimeError):
     """A proc or actor died (infrastructure failure, not an exception in user code).
 
     Raised in everything waiting on the dead proc, and on every later call to a
-    mesh that includes it. Monarch calls this ``MeshFailure``.
+    mesh that includes it. Monarch calls this ``MeshFailure``. A ``RuntimeError``, as Monarch's is.
     """
 
     def __init__(self, message: str, *, proc: str = "", rank: int | None = None,
@@ -83,19 +83,35 @@ def _make_supervision_error(message, proc, rank, exit_status):
 MeshFailure = SupervisionError
 
 
-class ActorAbortedError(SupervisionError):
+class ActorFailedError(SupervisionError):
+    """An actor died while its proc goes on (Monarch's "The actor X and all its descendants have failed"): an
+    endpoint raised a ``BaseException`` that is not an ``Exception`` (``SystemExit``, a custom one), or an
+    endpoint with an explicit response port raised. The call that failed it raises this; its owner's
+    supervision sees it (``__supervise__``, else ``unhandled_fault_hook``); calls to it fail. ``exception``:
+    what the endpoint raised, where it could travel here; ``traceback``: its remote traceback."""
+
+    def __init__(self, message: str, *, actor: str = "", rank: int | None = None, proc: str = "",
+                 traceback: str = "", exception: BaseException | None = None) -> None:
+        super().__init__(message, proc=proc, rank=rank)
+        self.actor, self.traceback, self.exception = actor, traceback, exception
+
+    def __reduce__(self):
+        return (_make_actor_failure, (type(self), str(self), self.actor, self.rank, self.proc, self.traceback,
+                                      self.exception))
+
+
+def _make_actor_failure(cls, message, actor, rank, proc, traceback="", exception=None):
+    err = cls(message, actor=actor, rank=rank, proc=proc)
+    err.traceback, err.exception = traceback, exception
+    return err
+
+
+class ActorAbortedError(ActorFailedError):
     """An actor stopped itself with a failure: ``context().actor_instance.abort(reason)`` (Monarch's). Its
     owner's supervision sees it (``__supervise__``, else ``unhandled_fault_hook``); calls to it fail."""
 
-    def __init__(self, message: str, *, actor: str = "", rank: int | None = None, proc: str = "") -> None:
-        super().__init__(message, proc=proc, rank=rank)
-        self.actor = actor
 
-    def __reduce__(self):
-        return (_make_aborted_error, (str(self), self.actor, self.rank, self.proc))
-
-
-def _make_aborted_error(message, actor, rank, proc):
+def _make_aborted_error(message, actor, rank, proc):  # (what errors pickled before ActorFailedError name)
     return ActorAbortedError(message, actor=actor, rank=rank, proc=proc)
 
 

@@ -3,6 +3,7 @@ DeviceMeshError``. (They are defined in ``monarch_tensor.errors``.)"""
 
 from .errors import (  # noqa: F401
     ActorError,
+    ActorFailedError,
     DeviceMeshError,
     HostUnreachableError,
     MeshFailure,
@@ -11,5 +12,5 @@ from .errors import (  # noqa: F401
     SupervisionError,
 )
 
-__all__ = ["ActorError", "DeviceMeshError", "HostUnreachableError", "MeshFailure", "MeshStoppedError",
+__all__ = ["ActorError", "ActorFailedError", "DeviceMeshError", "HostUnreachableError", "MeshFailure", "MeshStoppedError",
            "ProtocolError", "SupervisionError"]

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from . import _context, _exit_status, _wire, _zygote, logs
+from . import _context, _exit_status, _wire, _zygote, config, logs
 from ._fanout import send_many
 from .config import env_flag
 from .env import check_env
@@ -34,7 +34,6 @@ from .shape import MeshTrait, Shape
 
 log = logging.getLogger("monarch_tensor.host")
 
-SPAWN_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_SPAWN_TIMEOUT", "60"))
 # PyTorch's switch for transparent huge pages: with it, CPU tensors of 2 MiB and more are allocated with
 # madvise(MADV_HUGEPAGE) (NumPy does the same for its large arrays by default). Procs get it unless the script's
 # environment sets it: their large tensors are what the data plane moves, and the kernel pins a cma
@@ -216,7 +215,7 @@ class LocalHost:
                 warm_up.start()
                 warm_up.join()
             for info, fut in futs:
-                info.pid = fut.get(timeout=SPAWN_TIMEOUT)
+                info.pid = fut.get(timeout=config.get("spawn_timeout"))
         except BaseException:  # interrupted (Ctrl-C), or a spawn failed: none of these procs is wanted now
             for info, fut in futs:
                 info.stopping = True  # (their exits are no supervision failures)
@@ -313,7 +312,7 @@ def _print_output(info: ProcInfo, stream: int, data: bytes) -> None:
     are (``logs.client_log_sink``; in a proc that spawned procs, sent on to its own client), or, where
     ``logging_option`` turned forwarding off, written as they are to this process's own stdout or stderr
     (the terminal the proc would write to)."""
-    from . import config, logs
+    from . import logs
     from . import mailbox as _mb
     from .messages import ForwardLogs
 
@@ -536,6 +535,21 @@ class ProcMesh(MeshTrait):
     def _new_with_shape(self, shape: Shape) -> ProcMesh:
         return ProcMesh(self._procs, shape, self._alloc)
 
+    _PORTABLE = ("_procs", "_shape", "_seq", "_stopped", "_stop_reason", "_python_exe", "_host_dims", "_proc_bind",
+                 "_threads", "_rank_envs", "_extra_env")
+
+    def _portable(self) -> bytes:
+        """This mesh pickled for its actors' ``context().actor_instance.proc_mesh``: the allocation's procs,
+        shape and how to start more like them, not what only this process uses (its owner, the tensor engine's
+        client, its runners)."""
+        import pickle
+
+        alloc = self._alloc
+        copy = type(alloc).__new__(type(alloc))
+        copy.__dict__.update({k: v for k, v in alloc.__dict__.items() if k in self._PORTABLE})
+        copy._alloc, copy._owner, copy._stop_pending, copy._failures = copy, None, False, []
+        return pickle.dumps(copy if self is alloc else ProcMesh(alloc._procs, self._shape, copy))
+
     def _what(self) -> str:
         return f"proc mesh {self._shape}"
 
@@ -595,6 +609,13 @@ class ProcMesh(MeshTrait):
 
         return _spawn_actor_mesh(self, name, actor_class, args, kwargs)
 
+    def _spawn_named(self, name: str, actor_class: type, *args, **kwargs):
+        """``spawn`` for the runtime's own actors, reached by their name: a name in use is an error, not a
+        second mesh under another name."""
+        from .actor import _spawn_actor_mesh
+
+        return _spawn_actor_mesh(self, name, actor_class, args, kwargs, rename=False)
+
     def execute(self, fn, *args, timeout: float | None = 60.0, **kwargs):
         """Run ``fn(*args, **kwargs)`` on every proc of this mesh and wait: a ``ValueMesh`` of the results (the
         seeds' ``mesh.execute(fn, batch)``). ``fn`` may be a lambda; mesh tensors among the arguments arrive as
@@ -621,7 +642,7 @@ class ProcMesh(MeshTrait):
         if runner is None:
             from .actor import _Executor
 
-            runner = alloc._executor = alloc.spawn("_mt_execute", _Executor)
+            runner = alloc._executor = alloc._spawn_named("_mt_execute", _Executor)
         return runner._new_with_shape(self._shape)
 
     def _check_alive(self) -> None:
@@ -681,11 +702,11 @@ class ProcMesh(MeshTrait):
         await self.stop()
 
     def _finish_stop(self) -> None:
-        """``stop``'s wait: the procs get 5 s to exit, then are killed. A Ctrl-C cuts the 5 s short, not the
+        """``stop``'s wait: the procs get 5 s (the ``stop_timeout`` setting) to exit, then are killed. A Ctrl-C cuts the 5 s short, not the
         stop: the procs are killed before it goes on up (they ran on, a busy one spinning a core, with calls
         waiting on them for ever)."""
         alloc = self._alloc
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + config.get("stop_timeout")
         try:
             while any(p.alive for p in alloc._procs) and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -829,6 +850,90 @@ DEFAULT_MAX_PROCS_PER_HOST = 1024
 BOOTSTRAP_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_BOOTSTRAP_TIMEOUT", "600"))
 
 
+class BootstrapCommand:
+    """How a proc starts (Monarch's ``BootstrapCommand(program, arg0, args, env)``), for
+    ``spawn_procs(bootstrap_command=...)``. Here procs are forked from a template process that runs
+    ``program`` (a Python interpreter, as ``with_python_executable``), and ``env`` is added to each proc's
+    environment from its start. A command line of one's own (``args``, an ``arg0`` other than ``program``)
+    cannot be honoured, since no proc is exec'd: ``spawn_procs`` refuses it (run setup code with
+    ``bootstrap=`` instead)."""
+
+    def __init__(self, program: str, arg0: str | None = None, args: list[str] | None = None,
+                 env: Mapping[str, str] | None = None) -> None:
+        if not isinstance(program, str) or not program:
+            raise TypeError(f"BootstrapCommand(program=...) takes the path of a program, got {program!r}")
+        if arg0 is not None and not isinstance(arg0, str):
+            raise TypeError(f"BootstrapCommand(arg0=...) takes a string or None, got {arg0!r}")
+        args = [] if args is None else args
+        if not (isinstance(args, (list, tuple)) and all(isinstance(a, str) for a in args)):
+            raise TypeError(f"BootstrapCommand(args=...) takes a list of strings, got {args!r}")
+        env = {} if env is None else dict(env)
+        check_env(env, "BootstrapCommand(env=...)")
+        self.program, self.arg0, self.args, self.env = program, arg0, list(args), env
+
+    def with_env(self, env: Mapping[str, str]) -> BootstrapCommand:
+        """A copy with ``env`` merged over its environment (Monarch's; this one is unchanged)."""
+        check_env(dict(env), "BootstrapCommand.with_env(...)")
+        return BootstrapCommand(self.program, self.arg0, self.args, {**self.env, **env})
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, BootstrapCommand):
+            return NotImplemented
+        return (self.program, self.arg0, self.args, self.env) == (other.program, other.arg0, other.args, other.env)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"BootstrapCommand(program={self.program!r}, arg0={self.arg0!r}, args={self.args!r}, env={self.env!r})"
+
+
+def default_bootstrap_cmd() -> BootstrapCommand:
+    """The command procs start with by default (Monarch's): this interpreter, no arguments of its own, no
+    added environment; a base for ``.with_env({...})``."""
+    return BootstrapCommand(sys.executable, None, [], {})
+
+
+def bootstrap_plan(bootstrap_command, shape: Shape, python_exe: str | None,
+                   local: bool = True) -> tuple[str | None, list[dict] | None]:
+    """``spawn_procs(bootstrap_command=...)`` as this runtime can honour it: the interpreter the procs of
+    ``shape`` run and each rank's added environment. A ``BootstrapCommand``, or a function of a proc's
+    ``Point`` that returns one (Monarch's per-rank form). Its program replaces ``python_exe`` (the host
+    mesh's), except that this interpreter's path (``default_bootstrap_cmd()``'s) on a host mesh with none
+    keeps the hosts' default; ``local``: the program must exist here (a job's hosts check it themselves).
+    What cannot be honoured is an error that says why, never ignored."""
+    if bootstrap_command is None:
+        return python_exe, None
+    if isinstance(bootstrap_command, BootstrapCommand):
+        cmds = [bootstrap_command] * len(shape)
+    elif callable(bootstrap_command):
+        cmds = [bootstrap_command(shape.point(r)) for r in range(len(shape))]
+        bad = next((c for c in cmds if not isinstance(c, BootstrapCommand)), None)
+        if bad is not None:
+            raise TypeError(f"spawn_procs(bootstrap_command=fn): fn(point) must return a BootstrapCommand, got {bad!r}")
+    else:
+        raise TypeError(f"spawn_procs(bootstrap_command=...) takes a BootstrapCommand or a function of a Point "
+                        f"returning one, got {bootstrap_command!r}")
+    programs = sorted({c.program for c in cmds})
+    if len(programs) > 1:
+        raise ValueError(f"spawn_procs(bootstrap_command=...): every proc of a mesh runs one program here (they fork "
+                         f"from one template process), got {programs}; spawn a mesh per program")
+    for c in cmds:
+        if c.args or (c.arg0 is not None and c.arg0 != c.program):
+            raise ValueError(f"spawn_procs(bootstrap_command={c!r}): procs here are forked from a template process "
+                             f"that runs the program, so a command line of your own (args, arg0) cannot be run; "
+                             f"give BootstrapCommand(program, None, [], env), and run setup code with "
+                             f"spawn_procs(bootstrap=fn)")
+    program = programs[0]
+    if python_exe is None and program == sys.executable:
+        program = None
+    elif local:
+        path = shutil.which(program)
+        if path is None:
+            raise FileNotFoundError(f"spawn_procs(bootstrap_command=...): no such program {program!r}")
+        program = os.path.abspath(path)
+    return program, [dict(c.env) for c in cmds]
+
+
 def check_bootstrap(bootstrap) -> None:
     if bootstrap is not None and not callable(bootstrap):
         raise TypeError(f"spawn_procs(bootstrap=...) takes a function of no arguments to run on every proc, "
@@ -881,10 +986,11 @@ def check_procs_per_host(per_host: dict, n: int) -> None:
 
 def _spawn_procs(shape: Shape, proc_bind: list | None = None, per: int = 1,
                  python_exe: str | None = None, extra_env: dict[str, str] | None = None,
-                 threads: int | None = None) -> ProcMesh:
+                 threads: int | None = None, rank_envs: list[dict] | None = None) -> ProcMesh:
     """Procs of ``shape`` on this machine; ``proc_bind`` (``_bind.check``ed) binds the ``per`` procs of
     each host; ``python_exe`` runs them (default: this interpreter); ``extra_env`` is added to their
-    environment from the start; ``threads``: torch's intra-op threads in each (``_threads``)."""
+    environment from the start, and ``rank_envs[r]`` to rank r's (``bootstrap_command``); ``threads``:
+    torch's intra-op threads in each (``_threads``)."""
     mailbox = current_mailbox()
     n = len(shape)
     infos = [ProcInfo(new_ipc_address("proc"), r) for r in range(n)]
@@ -902,9 +1008,10 @@ def _spawn_procs(shape: Shape, proc_bind: list | None = None, per: int = 1,
                **_threads.env_for(threads, sharing)}
         if gpus and "gpus" in shape.names:
             env["CUDA_VISIBLE_DEVICES"] = str(point["gpus"] % gpus)
-        envs.append({**env, **(extra_env or {})})
+        envs.append({**env, **(extra_env or {}), **(rank_envs[point.rank] if rank_envs else {})})
     mesh = ProcMesh(infos, shape)
     mesh._python_exe = python_exe
+    mesh._extra_env, mesh._rank_envs = extra_env, rank_envs  # heal_mesh starts the new procs alike
     for info in infos:
         info.owner = mesh
     local_host(python_exe).spawn(infos, mailbox.addr, envs)
@@ -971,12 +1078,15 @@ class HostMesh(MeshTrait):
         return f"host mesh {self._shape}"
 
     def spawn_procs(self, per_host: Mapping[str, int] | None = None, bootstrap=None, name: str | None = None,
-                    proc_bind: list[dict[str, str]] | None = None, threads: int | None = None) -> ProcMesh:
+                    proc_bind: list[dict[str, str]] | None = None, threads: int | None = None,
+                    bootstrap_command=None) -> ProcMesh:
         """``spawn_procs(per_host={"gpus": 4})`` -> ProcMesh of shape {hosts..., "gpus": 4}; ``bootstrap``
         (a function of no arguments, or an async one) runs on every proc before this returns; ``proc_bind``
         binds each proc of a host to CPUs or NUMA nodes (see ``_bind.py``); ``threads``: torch's intra-op
         threads in each proc (default: ``OMP_NUM_THREADS``, else its share of the host's cores: see
-        ``_threads.py``)."""
+        ``_threads.py``); ``bootstrap_command`` (Monarch's): a ``BootstrapCommand``, or a function of each
+        proc's ``Point`` returning one: its program runs the procs, its env is added to theirs (see
+        ``BootstrapCommand`` for what cannot be honoured here)."""
         from . import _bind, _threads
 
         check_bootstrap(bootstrap)
@@ -987,7 +1097,8 @@ class HostMesh(MeshTrait):
         per = len(shape) // max(1, len(self._shape))
         proc_bind = _bind.check(proc_bind, per)
         _bind.check_here(proc_bind)
-        mesh = _spawn_procs(shape, proc_bind, per, self._python_exe, threads=threads)
+        python_exe, rank_envs = bootstrap_plan(bootstrap_command, shape, self._python_exe)
+        mesh = _spawn_procs(shape, proc_bind, per, python_exe, threads=threads, rank_envs=rank_envs)
         mesh._proc_bind = proc_bind  # heal_mesh binds the new procs alike
         mesh._threads = threads  # and gives them as many threads
         return run_bootstrap(mesh, bootstrap)
@@ -1162,7 +1273,8 @@ def heal_mesh(mesh: ProcMesh) -> ProcMesh:
     if not agents:
         per = len(proc_bind) if proc_bind else 1
         new = run_bootstrap(_spawn_procs(Shape(shape.names, shape.dims), proc_bind, per,
-                                         getattr(alloc, "_python_exe", None), threads=threads), bootstrap)
+                                         getattr(alloc, "_python_exe", None), getattr(alloc, "_extra_env", None),
+                                         threads=threads, rank_envs=getattr(alloc, "_rank_envs", None)), bootstrap)
     else:
         from .errors import HostUnreachableError
         from .remote_hosts import RemoteHostMesh
@@ -1174,7 +1286,8 @@ def heal_mesh(mesh: ProcMesh) -> ProcMesh:
         k = getattr(alloc, "_host_dims", 1)  # a job's procs: the hosts' dims, then the per-host dims
         new = RemoteHostMesh(agents, Shape(shape.names[:k], shape.dims[:k]),
                              getattr(alloc, "_python_exe", None)).spawn_procs(
-            dict(zip(shape.names[k:], shape.dims[k:])), bootstrap, proc_bind=proc_bind, threads=threads)
+            dict(zip(shape.names[k:], shape.dims[k:])), bootstrap, proc_bind=proc_bind, threads=threads,
+            _rank_envs=getattr(alloc, "_rank_envs", None))
     return new if mesh is alloc else ProcMesh(new._procs, mesh._shape, new)
 
 

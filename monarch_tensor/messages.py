@@ -36,7 +36,8 @@ class PortRef:
 @_fast_reduce
 @dataclass(frozen=True, slots=True)
 class SpawnActor:
-    """Client -> proc: construct ``cls(*args, **kwargs)`` as actor ``name``; ack on ``reply``."""
+    """Client -> proc: construct ``cls(*args, **kwargs)`` as actor ``name``; ack on ``reply``. ``proc_mesh``:
+    the pickled proc mesh it is spawned on (``context().actor_instance.proc_mesh``), read when asked for."""
 
     name: str
     cls: Any
@@ -45,6 +46,7 @@ class SpawnActor:
     rank: int
     shape: Any
     reply: PortRef
+    proc_mesh: bytes | None = None
 
 
 @_fast_reduce

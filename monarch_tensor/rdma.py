@@ -7,6 +7,7 @@ from rdma import (  # noqa: F401
     get_rdma_backend,
     is_ibverbs_available,
     is_rdma_available,
+    preferred_backend,
     publish_tensor,
     transfer_stats,
 )

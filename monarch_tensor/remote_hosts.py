@@ -41,6 +41,7 @@ from .host import (
     _live_meshes,
     _proc_exited,
     _procs_shape,
+    bootstrap_plan,
     check_bootstrap,
     check_procs_per_host,
     local_procs,
@@ -70,7 +71,6 @@ def _agents_context() -> zmq.Context:
 
 
 CONNECT_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_CONNECT_TIMEOUT", "30"))
-SPAWN_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_SPAWN_TIMEOUT", "60"))
 KEEPALIVE_S = 1.0
 LOST_AFTER_S = 0.5  # a dropped connection not re-established within this is a lost agent
 
@@ -204,7 +204,9 @@ class AgentClient:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+        from . import config
+
+        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(config.get("agent_heartbeat_timeout") * 1000))
         _curve.connect_curve(self.sock, keys)
         # Only the events we act on: libzmq's monitor send blocks the context's I/O thread once the
         # monitor's pipe is full, so a socket retrying a dead peer must not emit an event per retry.
@@ -440,13 +442,17 @@ class RemoteHostMesh(HostMesh):
         return [a.addr for a in self._agents]
 
     def spawn_procs(self, per_host: Mapping[str, int] | None = None, bootstrap=None, name: str | None = None,
-                    proc_bind: list[dict[str, str]] | None = None, threads: int | None = None) -> ProcMesh:
+                    proc_bind: list[dict[str, str]] | None = None, threads: int | None = None,
+                    bootstrap_command=None, _rank_envs: list[dict] | None = None) -> ProcMesh:
         from . import _bind, _threads
 
         check_bootstrap(bootstrap)
         threads = _threads.check(threads)
         per_host = per_host_sizes(per_host)
         shape = _procs_shape(self._shape, per_host)  # the hosts' dims first: host h has ranks [h * per, ...)
+        python_exe, rank_envs = self._python_exe, _rank_envs
+        if bootstrap_command is not None:
+            python_exe, rank_envs = bootstrap_plan(bootstrap_command, shape, self._python_exe, local=False)
         per = len(shape) // len(self._agents)
         check_procs_per_host(per_host, per)
         proc_bind = _bind.check(proc_bind, per)
@@ -471,14 +477,16 @@ class RemoteHostMesh(HostMesh):
                        **_threads.env_for(threads, _bind.sharing(proc_bind, r - h * per, sharing))}
                 if "gpus" in shape.names:
                     env["MONARCH_TENSOR_LOCAL_GPU"] = str(point["gpus"])
+                if rank_envs:
+                    env.update(rank_envs[r])
                 ranks.append(r)
                 envs.append(env)
             pending.append((agent, ranks, SpawnProcs(SESSION, tuple(ranks), tuple(envs), mailbox.addr,
-                                                      gateway.addr, events, self._python_exe)))
-        results = _parallel([(a.request, (m, SPAWN_TIMEOUT)) for a, _, m in pending])
+                                                      gateway.addr, events, python_exe)))
+        results = _parallel([(a.request, (m, config.get("spawn_timeout"))) for a, _, m in pending])
         mesh = RemoteProcMesh([], shape)
         mesh._host_dims = len(self._shape.names)  # (heal_mesh spawns the same again)
-        mesh._python_exe = self._python_exe
+        mesh._python_exe, mesh._rank_envs = python_exe, rank_envs
         for (agent, ranks, _), rep in zip(pending, results):
             for r, addr, pid in zip(ranks, rep.addrs, rep.pids):
                 info = ProcInfo(addr, r, pid)

@@ -11,6 +11,7 @@ from .buffer import (  # noqa: F401
     get_rdma_backend,
     is_ibverbs_available,
     is_rdma_available,
+    preferred_backend,
     transfer_stats,
 )
 from .errors import RDMAReadTransferWarning, RDMATcpFallbackWarning, RDMAWriteTransferWarning  # noqa: F401

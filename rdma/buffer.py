@@ -135,8 +135,10 @@ _ENV_KEY = os.environ.encodekey(ENV_BACKEND) if _ENV_DATA is not None else None
 _DECODED: dict[bytes, str] = {}
 
 
-def get_rdma_backend() -> str:
-    """Name of the backend this process prefers for CPU memory (``"verbs"`` where a NIC is found)."""
+def preferred_backend() -> str:
+    """This project's name of the backend this process prefers for CPU memory: ``"verbs"`` where a NIC is
+    found, else ``"cma"`` or ``"tcp"`` (or the one ``rdma_backend`` forces). ``buf.backend`` says which one
+    moved a given buffer's last transfer."""
     forced = _forced()
     if forced:
         return _forced_backend(forced).name
@@ -144,6 +146,22 @@ def get_rdma_backend() -> str:
         if b.name in ("verbs", "cma", "tcp") and b.available():
             return b.name
     return "tcp"
+
+
+def get_rdma_backend() -> str:
+    """Monarch's answer, one of ``"ibverbs"``, ``"tcp"`` or ``"none"``: ``"ibverbs"`` where this process
+    prefers the verbs backend; else ``"tcp"``, the fallback transport Monarch names (here it covers this
+    project's ``cma`` and ``tcp`` backends: ``preferred_backend()`` says which); ``"none"`` where there is no
+    RDMA device and ``configure(rdma_allow_tcp_fallback=False)`` forbids the fallback (buffers of another
+    host then fail; those of this host still move over ``cma``), as Monarch's."""
+    name = preferred_backend()
+    if name == "verbs":
+        return "ibverbs"
+    from monarch_tensor import config
+
+    if _forced() or config.get("rdma_allow_tcp_fallback"):
+        return "tcp"
+    return "none"
 
 
 def is_ibverbs_available() -> bool:
@@ -191,7 +209,7 @@ def candidates(desc: Descriptor, local: Mem) -> list[Backend]:
 
 def is_rdma_available() -> bool:
     """Monarch's older name for ``is_ibverbs_available()`` (deprecated there, as here: several backends
-    make it ambiguous; ``get_rdma_backend()`` says which one this process prefers)."""
+    make it ambiguous; ``preferred_backend()`` says which one this process prefers)."""
     warnings.warn("is_rdma_available() is deprecated: it says whether RDMA over ibverbs is available; use "
                   "is_ibverbs_available() or get_rdma_backend()", DeprecationWarning, stacklevel=2)
     return is_ibverbs_available()

@@ -46,7 +46,6 @@ THRESHOLD = env_number("MONARCH_TENSOR_PAYLOAD_THRESHOLD", 1 << 20,
 # (0 or less dropped every registration at once, failing every pull: at least a second)
 TTL = env_number("MONARCH_TENSOR_PAYLOAD_TTL", 300.0, "a number of seconds a payload waits to be pulled", least=1)
 MAX_BYTES = int(os.environ.get("MONARCH_TENSOR_PAYLOAD_MAX_BYTES", str(4 << 30)))
-PULL_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_PAYLOAD_TIMEOUT", "60"))
 POOL_BYTES = int(os.environ.get("MONARCH_TENSOR_PAYLOAD_POOL_BYTES", str(1 << 30)))  # snapshots kept warm
 _ALIGN = 64
 _HUGE = 2 << 20
@@ -196,7 +195,11 @@ def pull(payload: Payload, timeout: float | None = None) -> list[memoryview]:
     total = payload.buf.size()
     dst = _alloc(total)
     try:
-        payload.buf.read_into(memoryview(dst), timeout=PULL_TIMEOUT if timeout is None else timeout).get()
+        if timeout is None:
+            from monarch_tensor import config
+
+            timeout = config.get("payload_timeout")  # (Monarch's message_delivery_timeout)
+        payload.buf.read_into(memoryview(dst), timeout=timeout).get()
     except BaseException as e:  # noqa: BLE001 - reported as the message's failure
         with _published().lock:
             _published().stats["lost"] += 1

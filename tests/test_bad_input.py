@@ -99,21 +99,28 @@ def test_an_exception_whose_repr_raises_still_fails_the_call(procs):
         c.slice(gpus=0).bad_repr.call_one().get(timeout=30)
 
 
-def test_a_second_actor_of_the_same_name_is_refused_and_the_first_keeps_its_state(procs):
+def test_a_second_actor_of_the_same_name_is_a_mesh_of_its_own_and_the_first_keeps_its_state(procs):
+    # Monarch's: a name is a label; a second spawn under it is another mesh (here named "named_once<2>").
     first = procs.spawn("named_once", Counter, 10)
     assert first.incr.call().get(timeout=30).values() == [11, 11]
-    with pytest.raises(ValueError, match="already runs on proc"):
-        procs.spawn("named_once", Counter, 100)
-    with pytest.raises(ValueError, match="already runs on proc"):
-        procs.slice(gpus=1).spawn("named_once", Counter, 100)
+    second = procs.spawn("named_once", Counter, 100)
+    third = procs.slice(gpus=1).spawn("named_once", Counter, 200)
+    assert second.incr.call().get(timeout=30).values() == [101, 101]
+    assert third.incr.call().get(timeout=30).values() == [201]
     assert first.incr.call().get(timeout=30).values() == [12, 12]
-    # Past the client's check, the proc refuses it too.
+    assert (second._name, third._name) == ("named_once<2>", "named_once<3>")
+    # The runtime's own actors, reached by name, are refused a name in use.
+    with pytest.raises(ValueError, match="already runs on proc"):
+        procs._spawn_named("named_once", Counter, 100)
+    # A process that did not spawn the first (here a mesh made past this one's records): the proc refuses it.
     from monarch_tensor.host import ProcMesh
 
     again = ProcMesh([type(p)(p.addr, p.rank) for p in procs._members()], procs._shape)
     with pytest.raises(ActorError, match="already runs on proc"):
         again.spawn("named_once", Counter, 100).initialized.get(timeout=30)
     assert first.incr.call().get(timeout=30).values() == [13, 13]
+    second.stop().get(timeout=30)
+    assert procs.spawn("named_once", Counter, 7)._name == "named_once<2>"  # a stopped one's name is free again
 
 
 def test_every_adverb_on_actors_the_script_stopped_is_refused_at_the_call(procs):

@@ -27,7 +27,9 @@ def test_layers_defaults_environment_runtime_and_configured(monkeypatch):
     assert monarch_tensor.configure is config.configure and monarch_tensor.configured is config.configured
     assert config.get_global_config() == {"enable_log_forwarding": True, "prefix_with_rank": True,
                                           "fold_repeated_lines": True, "rdma_allow_tcp_fallback": True,
-                                          "rdma_disable_ibverbs": False, "rdma_backend": ""}
+                                          "rdma_disable_ibverbs": False, "rdma_backend": "",
+                                          "spawn_timeout": 60.0, "job_start_timeout": 0.0, "stop_timeout": 5.0,
+                                          "payload_timeout": 60.0, "agent_heartbeat_timeout": 5.0}
     monkeypatch.setenv("MONARCH_TENSOR_PREFIX_WITH_RANK", "0")
     assert config.get("prefix_with_rank") is False and config.get_runtime_config() == {}
     config.configure(prefix_with_rank=True)  # the runtime layer wins over the environment
@@ -48,8 +50,6 @@ def test_layers_defaults_environment_runtime_and_configured(monkeypatch):
 def test_bad_settings_are_refused_before_anything_changes(monkeypatch):
     with pytest.raises(ValueError, match="no such setting; the settings are"):
         config.configure(prefix_with_rank=False, colour=True)
-    with pytest.raises(ValueError, match="tail_log_lines.*Monarch's Rust runtime"):
-        config.configure(tail_log_lines=100)
     with pytest.raises(TypeError, match="takes a bool, got 'no'"):
         config.configure(enable_log_forwarding="no")
     assert config.get_runtime_config() == {}
@@ -242,3 +242,37 @@ def test_no_warmup_reads_0_as_off_as_the_other_switches(raw, warms):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90,
                        env=dict(os.environ, PYTHONPATH=root, MONARCH_TENSOR_NO_WARMUP=raw))
     assert r.stdout.strip() == str(warms), r.stderr
+
+
+def test_monarchs_runtime_settings_map_to_their_counterparts_or_warn_that_they_are_ignored(monkeypatch):
+    # Monarch's names for its Rust runtime's settings: durations in humantime; those with a counterpart here
+    # set it, the others are ignored with a warning naming them (nothing changes for them).
+    with pytest.warns(config.IgnoredSettingWarning, match="tail_log_lines, codec_max_frame_length"):
+        config.configure(message_delivery_timeout="1m 30s", mesh_proc_spawn_max_idle="45s", tail_log_lines=100,
+                         mesh_terminate_timeout="2500ms", host_spawn_ready_timeout="2min",
+                         supervision_watchdog_timeout=3, codec_max_frame_length=1 << 20)
+    assert config.get_runtime_config() == {"payload_timeout": 90.0, "spawn_timeout": 45.0, "stop_timeout": 2.5,
+                                           "job_start_timeout": 120.0, "agent_heartbeat_timeout": 3.0}
+    assert config.proc_env()["MONARCH_TENSOR_PAYLOAD_TIMEOUT"] == "90.0"  # procs pull payloads too
+    from monarch_tensor.job.local import LocalJob
+
+    assert LocalJob(meshes={"m": 1}).start_timeout == 120.0
+    config.clear_runtime_config()
+    assert LocalJob(meshes={"m": 1}).start_timeout == 60.0  # the job's own default
+    monkeypatch.setenv("MONARCH_TENSOR_SPAWN_TIMEOUT", "7")
+    assert config.get("spawn_timeout") == 7.0
+    for bad, match in ((dict(message_delivery_timeout="soon"), "not a duration"),
+                       (dict(mesh_proc_spawn_max_idle="0s"), "at least"),
+                       (dict(process_exit_timeout=[1]), "takes a duration"),
+                       (dict(default_transport="quic"), "default_transport")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            config.configure(prefix_with_rank=False, **bad)
+        assert config.get_runtime_config() == {}  # refused before anything changed
+    from monarch_tensor import actor
+
+    before = actor.enabled_transport
+    with config.configured(default_transport="tcp"):
+        assert actor.enabled_transport is actor.ChannelTransport.TcpWithHostname
+        assert config.get_global_config()["default_transport"] is actor.ChannelTransport.TcpWithHostname
+    assert actor.enabled_transport is before
+

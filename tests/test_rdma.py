@@ -33,6 +33,7 @@ from monarch_tensor.rdma import (
     get_rdma_backend,
     is_ibverbs_available,
     is_rdma_available,
+    preferred_backend,
     publish_tensor,
     transfer_stats,
 )
@@ -456,7 +457,7 @@ def test_reader_is_another_proc_sync_and_async(owners):
     buf = _owner(owners, 0).make.call_one("p2p", 3000, seed=5).get()
     ref = _owner(owners, 0).value.call_one("p2p").get()
     got, name = _owner(owners, 1).read.call_one(buf, 3000).get(timeout=30)
-    assert torch.equal(got, ref) and name == get_rdma_backend()
+    assert torch.equal(got, ref) and name == preferred_backend()
     assert torch.equal(_owner(owners, 1).read_async.call_one(buf, 3000).get(timeout=30), ref)
 
 
@@ -808,7 +809,7 @@ def test_forced_backend_that_cannot_serve_is_a_clear_error(owners, monkeypatch, 
         config.configure(rdma_backend="rdma")
     monkeypatch.setenv(ENV_BACKEND, "nonsense")  # the error names the variable the name came from
     with pytest.raises(Exception, match=f"{ENV_BACKEND}=nonsense: no data-plane backend named 'nonsense'"):
-        get_rdma_backend()
+        preferred_backend()
     with pytest.raises(Exception, match=f"{ENV_BACKEND}=nonsense: no data-plane backend named 'nonsense'"):
         buf.read_into(torch.empty(100, dtype=torch.uint8)).get(timeout=10)
 
@@ -829,9 +830,9 @@ def test_forced_backend_is_read_at_every_transfer(owners, monkeypatch):
         out.zero_()
         buf.read_into(out).get(timeout=30)
         assert torch.equal(out, ref) and buf.backend == used
-    assert get_rdma_backend() == "tcp"
+    assert preferred_backend() == "tcp" and get_rdma_backend() == "tcp"
     monkeypatch.delenv(ENV_BACKEND)
-    assert get_rdma_backend() != "tcp" or not cma.CmaBackend().available()
+    assert preferred_backend() != "tcp" or not cma.CmaBackend().available()
 
 
 def test_pid_and_per_process_values_follow_a_fork():
@@ -902,6 +903,7 @@ def test_a_zombie_owner_is_not_alive():
 
 
 def test_no_ibverbs_here_is_reported_cleanly(monkeypatch):
+    from monarch_tensor import config
     from rdma.backends import verbs
 
     monkeypatch.delenv(ENV_BACKEND, raising=False)
@@ -909,7 +911,10 @@ def test_no_ibverbs_here_is_reported_cleanly(monkeypatch):
     assert is_ibverbs_available() == (reason is None)
     if reason is not None:  # (no machine of this project has an RDMA NIC)
         assert reason.startswith(("no RDMA device", "pyverbs does not import")), reason
-        assert get_rdma_backend() != "verbs"
+        assert preferred_backend() != "verbs"
+        assert get_rdma_backend() == "tcp"  # Monarch's values (the fallback is allowed by default)
+        with config.configured(rdma_allow_tcp_fallback=False):
+            assert get_rdma_backend() == "none"
 
 
 def test_transfers_from_many_threads(owners, backend):

@@ -21,9 +21,11 @@ until their ttl, one more set each run.
 from __future__ import annotations
 
 import atexit
+import base64
 import json
 import logging
 import os
+import pickle
 from typing import Any
 
 from .. import _curve
@@ -43,6 +45,11 @@ class JobState:
         for name, mesh in meshes.items():
             setattr(self, name, mesh)
 
+    @property
+    def _hosts(self) -> dict:
+        """The meshes by name (Monarch's name for them)."""
+        return self._meshes
+
     def __getattr__(self, name: str):
         raise AttributeError(f"this job has no mesh named {name!r}; its meshes are {sorted(self._meshes)}")
 
@@ -52,6 +59,11 @@ class JobState:
 
 class JobTrait:
     """Base of every job. Subclasses implement ``_start()`` (returns mesh name -> agent addresses) and ``_release()``.
+
+    A subclass written the Monarch way works too: ``super().__init__()`` with no meshes, and it overrides
+    ``_create(client_script)`` (start the job's resources), ``_state()`` (a ``JobState`` of its host meshes),
+    ``_kill()`` (stop them) and, for reattaching through ``state(cached_path)``, ``can_run(spec)``. Its job
+    file holds the job pickled, as Monarch's do.
 
     >>> job = LocalJob(meshes={"mesh0": 2})
     >>> state = job.state()                  # applies the job if needed, waits for its agents
@@ -63,7 +75,12 @@ class JobTrait:
     kind = "base"
     reusable = False  # whether state() reattaches to a running job of the same spec found at its cached_path
 
-    def __init__(self, meshes: dict[str, int]) -> None:
+    def __init__(self, meshes: dict[str, int] | None = None) -> None:
+        if meshes is None and self._monarch_style():
+            self.meshes, self.keys, self.addrs = {}, None, None
+            self._agents, self._job_state = {}, None
+            self._monarch_running = False
+            return
         if not isinstance(meshes, dict) or not meshes or any(
                 not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in meshes.values()):
             raise ValueError(f"meshes must map names to host counts >= 1, e.g. {{'mesh0': 2}}, got {meshes!r}")
@@ -74,11 +91,23 @@ class JobTrait:
         self.keys = _curve.JobKeys.generate()
         self.addrs: dict[str, list[str]] | None = None
         self._agents: dict[str, list[AgentClient]] = {}
-        self._state: JobState | None = None
+        self._job_state: JobState | None = None
 
     # ---- what subclasses provide ---------------------------------------------------
     def _start(self) -> dict[str, list[str]]:
         raise NotImplementedError
+
+    # (Monarch's way: a subclass overrides these three instead of _start and _release)
+    def _create(self, client_script: str | None) -> None:
+        raise NotImplementedError
+
+    def _kill(self) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def _monarch_style(cls) -> bool:
+        """Whether this kind is written the Monarch way (overrides ``_create``, not ``_start``)."""
+        return cls._create is not JobTrait._create and cls._start is JobTrait._start
 
     def _release(self) -> None:
         pass
@@ -111,6 +140,11 @@ class JobTrait:
     def apply(self, client_script: str | None = None) -> None:
         """Start the job's hosts (idempotent). ``client_script`` (Monarch's batch mode) is for jobs of a
         scheduler: see ``SlurmJob.apply``."""
+        if self._monarch_style():
+            if not self._monarch_running:
+                self._create(client_script)
+                self._monarch_running = True
+            return
         if client_script is not None:
             raise TypeError(f"{type(self).__name__}.apply(client_script=...): running the script inside the job is "
                             f"for scheduler jobs (SlurmJob); run it here, it attaches with job.state()")
@@ -138,7 +172,7 @@ class JobTrait:
 
         mount = mounts.check(self, source, mntpoint, meshes, python_exe, options)
         self._mounts = [*getattr(self, "_mounts", ()), mount]
-        self._state = None  # the next state() applies it
+        self._job_state = None  # the next state() applies it
 
     def can_run(self, spec: JobTrait) -> bool:
         """Whether this job, running, can serve ``spec`` (Monarch's): same kind, meshes and options."""
@@ -149,7 +183,9 @@ class JobTrait:
         """Connect to the job's agents; one ``HostMesh`` attribute per mesh. A job that is not applied yet and
         holds an allocation (``reusable``) first looks at ``cached_path`` (None: not at all) for a running
         job of the same spec to reattach to, and keeps its own file there once it runs."""
-        if self._state is None:
+        if self._monarch_style():
+            return self._monarch_state(cached_path)
+        if self._job_state is None:
             reuse = self.reusable or getattr(self, "_reuse_cached", False)  # (load_current_job's: any kind)
             if self.addrs is None and cached_path and reuse and self._adopt_cached(cached_path):
                 try:
@@ -157,7 +193,7 @@ class JobTrait:
                 except Exception as e:  # noqa: BLE001 - its agents are gone: start afresh
                     log.warning("the cached job at %s did not answer (%r): starting a new one", cached_path, e)
                     self._abandon()  # (what is left of it: agents, a LocalJob's directory)
-            if self._state is None:
+            if self._job_state is None:
                 fresh = self.addrs is None
                 if not fresh and not self._running():  # (a job file's, whose allocation ended: its agents
                     # would each be waited for until the connect timeout, and the error blame the network)
@@ -176,11 +212,54 @@ class JobTrait:
                 from . import mounts
 
                 try:
-                    mounts.apply(self, self._state)
+                    mounts.apply(self, self._job_state)
                 except BaseException:
-                    self._state = None  # (the next state() tries again)
+                    self._job_state = None  # (the next state() tries again)
                     raise
-        return self._state
+        return self._job_state
+
+    def _monarch_state(self, cached_path: str | None) -> JobState:
+        """``state()`` of a job written the Monarch way: a running job's ``_state()``; else the job at
+        ``cached_path`` if it ``can_run`` this one (one that cannot is killed and its file removed), else
+        ``apply()`` and keep this job's file there."""
+        if self._monarch_running:
+            return self._checked_state(self)
+        if cached_path and os.path.exists(cached_path):
+            try:
+                cached = job_load(cached_path)
+            except (ValueError, OSError, JobKeyError) as e:
+                log.warning("ignoring the job file at %s: %s", cached_path, e)
+                cached = None
+            if cached is not None and cached.active:
+                if cached.can_run(self):
+                    return self._checked_state(cached)
+                try:
+                    cached.kill()
+                except Exception as e:  # noqa: BLE001 - best effort: this job starts all the same
+                    log.warning("cancelling the cached job: %r", e)
+            try:
+                os.remove(os.path.realpath(cached_path))
+            except FileNotFoundError:
+                pass
+        self.apply()
+        state = self._checked_state(self)
+        if cached_path:
+            self.dump(cached_path)
+        return state
+
+    @staticmethod
+    def _checked_state(job: JobTrait) -> JobState:
+        state = job._state()
+        if not isinstance(state, JobState):
+            raise TypeError(f"{type(job).__name__}._state() must return a JobState({{name: host mesh}}), got "
+                            f"{state!r}")
+        return state
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        if self._monarch_style():  # (a pickled job file: what only this process holds stays here)
+            state["_job_state"], state["_agents"] = None, {}
+        return state
 
     def _connect(self) -> None:
         assert self.addrs is not None
@@ -188,7 +267,7 @@ class JobTrait:
         agents = connect_agents(flat, self.keys)
         it = iter(agents)
         self._agents = {name: [next(it) for _ in self.addrs[name]] for name in self.meshes}
-        self._state = JobState({name: RemoteHostMesh(a) for name, a in self._agents.items()})
+        self._job_state = JobState({name: RemoteHostMesh(a) for name, a in self._agents.items()})
 
     def _abandon(self) -> None:
         """Kill a job that ``state()`` started and could not hand over, and forget it: the job is as before
@@ -198,7 +277,7 @@ class JobTrait:
                 self.kill()
             except Exception as e:  # noqa: BLE001 - best effort: what failed is the error to report
                 log.warning("stopping the job that did not start: %r", e)
-        self.addrs, self._agents, self._state, self._killed = None, {}, None, False
+        self.addrs, self._agents, self._job_state, self._killed = None, {}, None, False
 
     def _adopt_cached(self, path: str) -> bool:
         """Reattach to the running job of this spec at ``path``; cancel one of another spec found there."""
@@ -231,6 +310,11 @@ class JobTrait:
 
     def kill(self) -> None:
         """Stop every agent (and its procs) and release the allocation."""
+        if self._monarch_style():
+            if self._monarch_running:
+                self._kill()
+            self._monarch_running = False
+            return
         agents = [a for lst in self._agents.values() for a in lst]
         connected = []
         if not agents and self.addrs is not None:
@@ -242,17 +326,22 @@ class JobTrait:
         for a in connected:  # (not watched: nothing else closes them)
             a.close()
         self._release()
-        self._state = None
+        self._job_state = None
         self._killed = True
 
     @property
     def active(self) -> bool:
         """Whether the job's hosts were started (``apply()``, or a job file's) and not killed since."""
+        if self._monarch_style():
+            return self._monarch_running
         return self.addrs is not None and not getattr(self, "_killed", False)
 
     def dumps(self) -> bytes:
         """The job file's contents (Monarch's ``dumps``; ``job_loads`` reattaches). It holds the job's secret
-        key: keep it as private as the file."""
+        key: keep it as private as the file. A job written the Monarch way is pickled into it."""
+        if self._monarch_style():
+            data = {"kind": "pickled", "pickle": base64.b64encode(pickle.dumps(self)).decode()}
+            return json.dumps(data).encode()
         self.apply()
         data = {"kind": self.kind, "meshes": self.meshes, "addrs": self.addrs,
                 "keys": {"public": self.keys.public, "secret": self.keys.secret}, **self._extra()}
@@ -294,6 +383,14 @@ def _job_from_text(text: str, path: str) -> JobTrait:
     from .local import LocalJob
     from .slurm import SlurmJob
 
+    if isinstance(data, dict) and data.get("kind") == "pickled":  # a job written the Monarch way
+        try:
+            job = pickle.loads(base64.b64decode(data["pickle"]))
+        except Exception as e:  # noqa: BLE001 - a class that no longer imports, a damaged file
+            raise ValueError(f"{path} holds a pickled job that does not load here: {e!r}") from None
+        if not isinstance(job, JobTrait):
+            raise ValueError(f"{path} holds a pickled {type(job).__name__}, not a job")
+        return job
     kinds = {c.kind: c for c in (LocalJob, SlurmJob, HostListJob)}
     cls = kinds.get(data.get("kind")) if isinstance(data, dict) else None
     if cls is None:

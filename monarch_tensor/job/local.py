@@ -21,7 +21,13 @@ from ..errors import JobStartError
 from ..host import python_path
 from ._base import JobTrait, agent_command, log_tail, private_dir, read_address
 
-START_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_JOB_START_TIMEOUT", "60"))
+START_TIMEOUT = 60.0  # (the job_start_timeout setting, where set, replaces it)
+
+
+def _start_timeout() -> float:
+    from .. import config
+
+    return config.get("job_start_timeout") or START_TIMEOUT
 
 
 class LocalJob(JobTrait):
@@ -41,7 +47,7 @@ class LocalJob(JobTrait):
 
     def __init__(self, meshes: dict[str, int] | None = None, env: dict[str, str] | None = None, *,
                  hosts=None, root_dir: str | None = None, ttl: float = 600.0, python_exe: str | None = None,
-                 start_timeout: float = START_TIMEOUT) -> None:
+                 start_timeout: float | None = None) -> None:
         """``meshes`` maps names to host counts; Monarch's ``LocalJob(hosts=["trainers", "gen"])`` (names of
         one-host meshes, also as the first argument) works too. ``env`` (``ProcessJob``'s) is added to the
         agents' environment, so to their procs'."""
@@ -58,6 +64,7 @@ class LocalJob(JobTrait):
         super().__init__(meshes or {"hosts": 1})
         self.env = dict(env or {})
         self.root_dir = root_dir
+        start_timeout = _start_timeout() if start_timeout is None else start_timeout
         self.ttl, self.python_exe, self.start_timeout = ttl, python_exe or sys.executable, start_timeout
         self.pids: list[int] = []
         self.starts: dict[int, int] = {}  # pid -> its start time (_start_time): the agent, not a pid reused since
@@ -192,7 +199,7 @@ class LocalJob(JobTrait):
         self.made_root = bool(data.get("made_root"))
         self.starts = {int(p): t for p, t in (data.get("starts") or {}).items()}
         self.env = dict(data.get("env") or {})
-        self.ttl, self.python_exe, self.start_timeout = 600.0, sys.executable, START_TIMEOUT
+        self.ttl, self.python_exe, self.start_timeout = 600.0, sys.executable, _start_timeout()
 
 
 def _start_time(pid: int) -> int | None:

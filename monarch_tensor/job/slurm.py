@@ -23,7 +23,13 @@ from ..errors import JobStartError
 from ..host import python_path
 from ._base import DEFAULT_STATE, JobTrait, agent_command, log_tail, private_dir, read_address
 
-START_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_JOB_START_TIMEOUT", "120"))
+START_TIMEOUT = 120.0  # (the job_start_timeout setting, where set, replaces it)
+
+
+def _start_timeout() -> float:
+    from .. import config
+
+    return config.get("job_start_timeout") or START_TIMEOUT
 
 
 def slurm_available() -> str:
@@ -55,7 +61,7 @@ class SlurmJob(JobTrait):
     def __init__(self, meshes: dict[str, int], *, job_name: str = "monarch_tensor", time_limit: str | None = None,
                  partition: str | None = None, gpus_per_node: int | None = None, cpus_per_task: int | None = None,
                  mem: str | None = None, python_exe: str | None = None, slurm_args: tuple | list = (),
-                 log_dir: str | None = None, ttl: float = 3600.0, start_timeout: float = START_TIMEOUT,
+                 log_dir: str | None = None, ttl: float = 3600.0, start_timeout: float | None = None,
                  bind: str = "tcp://0.0.0.0:0", exclusive: bool = True, account: str | None = None,
                  qos: str | None = None, job_start_timeout: float | None = None, monarch_port: int | None = None,
                  ntasks_per_node: int = 1) -> None:
@@ -70,6 +76,8 @@ class SlurmJob(JobTrait):
                              f"start several procs on each with spawn_procs(per_host={{'gpus': N}})")
         if job_start_timeout is not None:
             start_timeout = job_start_timeout
+        elif start_timeout is None:
+            start_timeout = _start_timeout()
         if not (isinstance(start_timeout, (int, float)) and start_timeout > 0):
             raise ValueError(f"SlurmJob: the start timeout must be a positive number of seconds, got "
                              f"{start_timeout!r}")
@@ -229,7 +237,7 @@ class SlurmJob(JobTrait):
 
     def _restore(self, data: dict) -> None:
         self.job_id, self.log_dir = data.get("job_id"), data.get("log_dir")
-        self.python_exe, self.ttl, self.start_timeout = sys.executable, 3600.0, START_TIMEOUT
+        self.python_exe, self.ttl, self.start_timeout = sys.executable, 3600.0, _start_timeout()
         spec = data.get("spec") or {}
         for name, default in self._SPEC.items():
             setattr(self, name, spec.get(name, default))

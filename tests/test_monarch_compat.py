@@ -1,0 +1,445 @@
+"""Monarch's behaviours that its own tests pin (issue 41), on one shared proc mesh: what kills an actor, what
+its caller and its owner's supervision see."""
+
+import time
+
+import pytest
+
+import monarch_tensor.actor as actor_mod
+from monarch_tensor.actor import (
+    Actor,
+    ActorError,
+    SupervisionError,
+    concurrent_endpoint,
+    endpoint,
+    this_host,
+)
+from monarch_tensor.errors import ActorFailedError
+from monarch_tensor.job import JobState, JobTrait
+
+T = 60
+
+
+class ActorFailure(BaseException):
+    """Monarch's tests' ``ActorFailureError``: a BaseException that is not an Exception."""
+
+
+class Fatal(Actor):
+    def __init__(self) -> None:
+        self.cleaned = False
+
+    @endpoint
+    def exits(self, code: int) -> None:
+        raise SystemExit(code)
+
+    @endpoint
+    async def fails_async(self) -> None:
+        raise ActorFailure("simulated actor failure")
+
+    @endpoint
+    def raises(self) -> None:
+        raise ValueError("an ordinary error")
+
+    @endpoint(explicit_response_port=True)
+    def raises_with_port(self, port) -> None:
+        raise ValueError("raised instead of port.send")
+
+    @endpoint(explicit_response_port=True)
+    async def raises_with_port_async(self, port) -> None:
+        raise ValueError("raised instead of port.send (async)")
+
+    @concurrent_endpoint(explicit_response_port=True)
+    async def raises_with_port_concurrent(self, port) -> None:
+        raise ValueError("raised instead of port.send (concurrent)")
+
+    @endpoint(explicit_response_port=True)
+    def answers_then_raises(self, port) -> None:
+        port.send("answered")
+        raise ValueError("raised after answering")
+
+    @endpoint
+    def ping(self) -> str:
+        return "pong"
+
+
+class Parent(Actor):
+    """Owns a mesh of ``Fatal`` actors and records what its ``__supervise__`` sees."""
+
+    def __init__(self, procs) -> None:
+        self.child = procs.spawn("fatal_child", Fatal)
+        self.failures = []
+
+    @endpoint
+    def kill_child(self) -> str:
+        try:
+            self.child.exits.call_one(4).get(timeout=T)
+        except SupervisionError as e:
+            return type(e).__name__
+        return "no error"
+
+    @endpoint
+    def seen(self) -> list:
+        return self.failures
+
+    def __supervise__(self, failure) -> bool:
+        self.failures.append(str(failure))
+        return True
+
+
+@pytest.fixture(scope="module")
+def procs():
+    m = this_host().spawn_procs(per_host={"gpus": 1})
+    yield m
+    m.stop().get(timeout=30)
+
+
+@pytest.fixture
+def faults(monkeypatch):
+    seen = []
+    monkeypatch.setattr(actor_mod, "unhandled_fault_hook", seen.append)
+    return seen
+
+
+def _wait_for(cond, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("method", ["exits", "fails_async"])
+def test_a_base_exception_in_an_endpoint_kills_the_actor(procs, faults, method):
+    # Monarch's test_base_exception_handling: the call raises a SupervisionError ("The actor ... and all its
+    # descendants have failed"), later calls fail, the owner's supervision sees the failure; the proc lives.
+    a, other = procs.spawn(f"fatal_{method}", Fatal), procs.spawn(f"other_{method}", Fatal)
+    args = (3,) if method == "exits" else ()
+    with pytest.raises(SupervisionError, match=f"The actor fatal_{method} and all its descendants have failed"):
+        getattr(a, method).call_one(*args).get(timeout=T)
+    with pytest.raises(SupervisionError, match="all its descendants have failed"):
+        a.ping.call_one().get(timeout=T)
+    _wait_for(lambda: faults)
+    assert len(faults) == 1 and isinstance(faults[0], ActorFailedError) and isinstance(faults[0], RuntimeError)
+    shown = "SystemExit(3)" if method == "exits" else "ActorFailure('simulated actor failure')"
+    assert shown in str(faults[0]) and faults[0].actor == f"fatal_{method}" and faults[0].rank == 0
+    assert other.ping.call_one().get(timeout=T) == "pong"  # the proc and its other actors go on
+
+
+def test_an_ordinary_exception_leaves_the_actor_serving(procs, faults):
+    a = procs.spawn("survives", Fatal)
+    with pytest.raises(ActorError, match="an ordinary error"):
+        a.raises.call_one().get(timeout=T)
+    assert a.ping.call_one().get(timeout=T) == "pong"
+    time.sleep(0.3)
+    assert faults == []
+
+
+def test_a_base_exception_reaches_the_owners_supervise(procs, faults):
+    parent = procs.spawn("parent", Parent, procs)
+    assert parent.kill_child.call_one().get(timeout=T) == "ActorFailedError"
+    _wait_for(lambda: parent.seen.call_one().get(timeout=T))
+    seen = parent.seen.call_one().get(timeout=T)
+    assert len(seen) == 1 and "fatal_child" in seen[0] and "SystemExit(4)" in seen[0]
+    assert faults == []  # the owner handled it
+
+
+@pytest.mark.parametrize("method", ["raises_with_port", "raises_with_port_async", "raises_with_port_concurrent"])
+def test_an_exception_out_of_an_explicit_port_endpoint_kills_the_actor(procs, faults, method):
+    # Monarch's test_explicit_response_port_exception_kills_actor (and its concurrent form): the endpoint answers
+    # through its port, so an exception that escapes it has no caller to go to: the actor dies, the caller gets a
+    # SupervisionError, the owner's supervision sees it.
+    a = procs.spawn(f"port_{method}", Fatal)
+    with pytest.raises(SupervisionError, match=r"all its descendants have failed.*ValueError\('raised instead"):
+        getattr(a, method).call_one().get(timeout=T)
+    with pytest.raises(SupervisionError):
+        a.ping.call_one().get(timeout=T)
+    _wait_for(lambda: faults)
+    assert len(faults) == 1 and f"port_{method}" in str(faults[0]) and "explicit response port" in str(faults[0])
+
+
+def test_an_explicit_port_endpoint_that_answered_then_raised_still_dies(procs, faults):
+    a = procs.spawn("answered_then_raised", Fatal)
+    assert a.answers_then_raises.call_one().get(timeout=T) == "answered"
+    _wait_for(lambda: faults)
+    assert len(faults) == 1 and "raised after answering" in str(faults[0])
+    with pytest.raises(SupervisionError):
+        a.ping.call_one().get(timeout=T)
+
+
+class FailsInInit(Actor):
+    def __init__(self, why: str) -> None:
+        raise ValueError(why)
+
+    @endpoint
+    def ping(self) -> str:
+        return "pong"
+
+
+class InitOwner(Actor):
+    def __init__(self) -> None:
+        self.failures = []
+
+    @endpoint
+    def spawn_failing(self, procs) -> None:
+        self.child = procs.spawn("failing_grandchild", FailsInInit, "the grandchild's __init__")
+
+    @endpoint
+    def seen(self) -> list:
+        return self.failures
+
+    def __supervise__(self, failure) -> bool:
+        self.failures.append(str(failure))
+        return True
+
+
+def test_an_init_error_on_a_mesh_nobody_calls_reaches_the_fault_hook(procs, faults):
+    # Monarch's test_actor_init_exception: the constructor's exception is a supervision event for the owner
+    # (here the script's unhandled_fault_hook), one per proc, though nobody called the actors.
+    procs.spawn("failing_init", FailsInInit, "an exception from __init__")
+    _wait_for(lambda: faults)
+    assert len(faults) == 1 and isinstance(faults[0], SupervisionError)
+    assert "failing_init" in str(faults[0]) and "an exception from __init__" in str(faults[0])
+    assert faults[0].mesh is procs
+
+
+def test_an_init_error_somebody_waits_on_is_theirs(procs, faults):
+    m = procs.spawn("failing_init_called", FailsInInit, "awaited")
+    with pytest.raises(ActorError, match="awaited"):
+        m.ping.call_one().get(timeout=T)
+    m = procs.spawn("failing_init_waited", FailsInInit, "waited")
+    with pytest.raises(ActorError, match="waited"):
+        m.initialized.get(timeout=T)
+    m = procs._spawn_named("failing_runtime_actor", FailsInInit, "the runtime's own")  # (its user sees it)
+    time.sleep(0.3)
+    assert faults == []
+    with pytest.raises(ActorError, match="the runtime's own"):
+        m.initialized.get(timeout=T)
+
+
+def test_an_init_error_reaches_the_spawning_actors_supervise(procs, faults):
+    owner = procs.spawn("init_owner", InitOwner)
+    owner.spawn_failing.call_one(procs).get(timeout=T)
+    _wait_for(lambda: owner.seen.call_one().get(timeout=T))
+    seen = owner.seen.call_one().get(timeout=T)
+    assert len(seen) == 1 and "the grandchild's __init__" in seen[0]
+    assert faults == []
+
+
+class Sibling(Actor):
+    @endpoint
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    @endpoint
+    def env(self, name: str):
+        import os
+
+        return os.environ.get(name)
+
+    @endpoint
+    def spawn_beside(self, name: str):
+        from monarch_tensor.actor import context
+
+        mesh = context().actor_instance.proc_mesh
+        return mesh.size(), mesh.spawn(name, Sibling)
+
+
+def test_an_actors_proc_mesh_is_the_mesh_it_was_spawned_on(procs):
+    from monarch_tensor.actor import context, this_proc
+
+    s = procs.spawn("sibling", Sibling)
+    size, beside = s.spawn_beside.call_one("beside").get(timeout=T)
+    assert size == 1
+    assert beside.pid.call_one().get(timeout=T) == s.pid.call_one().get(timeout=T)
+    assert context().actor_instance.proc_mesh._procs == this_proc()._procs  # the script's: this_proc()
+
+
+def test_bootstrap_command_env_and_program(procs):
+    import sys
+
+    from monarch_tensor.actor import BootstrapCommand, default_bootstrap_cmd
+
+    base = default_bootstrap_cmd()
+    assert base.program == sys.executable and base.args == [] and base.env == {}
+    cmd = base.with_env({"MT_COMPAT_MARK": "3"})
+    assert base.env == {} and cmd.env == {"MT_COMPAT_MARK": "3"}  # with_env leaves the original as it was
+    host = this_host()
+    per_rank = host.spawn_procs({"gpus": 2}, bootstrap_command=lambda p: cmd.with_env({"MT_RANK_MARK": str(p["gpus"])}))
+    try:
+        marks = per_rank.spawn("marks", Sibling)
+        assert marks.env.call("MT_COMPAT_MARK").get(timeout=T).values() == ["3", "3"]
+        assert marks.env.call("MT_RANK_MARK").get(timeout=T).values() == ["0", "1"]
+    finally:
+        per_rank.stop().get(timeout=30)
+    assert procs.spawn("no_marks", Sibling).env.call_one("MT_COMPAT_MARK").get(timeout=T) is None
+    # What cannot be honoured here is refused, never ignored.
+    for bad in (BootstrapCommand(sys.executable, None, ["-m", "some.main"], {}),
+                BootstrapCommand(sys.executable, "other-arg0", [], {})):
+        with pytest.raises(ValueError, match="command line of your own"):
+            host.spawn_procs({"gpus": 1}, bootstrap_command=bad)
+    with pytest.raises(FileNotFoundError, match="no such program"):
+        host.spawn_procs({"gpus": 1}, bootstrap_command=BootstrapCommand("/no/such/python"))
+    with pytest.raises(ValueError, match="one program"):
+        host.spawn_procs({"gpus": 2}, bootstrap_command=lambda p: BootstrapCommand(
+            sys.executable if p["gpus"] else "/bin/true"))
+    with pytest.raises(TypeError, match="BootstrapCommand"):
+        host.spawn_procs({"gpus": 1}, bootstrap_command="python")
+
+
+def test_a_bootstrap_commands_program_runs_the_procs(tmp_path):
+    # (Planned, not spawned: another interpreter is another template process, as with_python_executable's.)
+    import os
+    import sys
+
+    from monarch_tensor.actor import BootstrapCommand
+    from monarch_tensor.host import bootstrap_plan
+    from monarch_tensor.shape import Shape
+
+    link = tmp_path / "python"
+    os.symlink(sys.executable, link)
+    shape = Shape.from_sizes({"gpus": 2})
+    assert bootstrap_plan(BootstrapCommand(str(link), env={"A": "1"}), shape, None) == (str(link), [{"A": "1"}] * 2)
+    assert bootstrap_plan(BootstrapCommand(sys.executable), shape, None) == (None, [{}, {}])
+    assert bootstrap_plan(BootstrapCommand(sys.executable), shape, "/venv/bin/python")[0] == sys.executable
+    assert bootstrap_plan(None, shape, "/venv/bin/python") == ("/venv/bin/python", None)
+
+
+class Logs(Actor):
+    @endpoint
+    def log(self, off: bool = False):
+        import io
+        import logging
+
+        from monarch_tensor.actor import config
+
+        out = io.StringIO()
+        handler = logging.StreamHandler(out)
+        seen = []
+        handler.emit = lambda r, emit=handler.emit: (seen.append((r.actor_name, r.actor_id)), emit(r))
+        log = logging.getLogger("compat_logs")
+        log.addHandler(handler)
+        config.prefix_python_logs_with_actor = not off
+        try:
+            log.error("HUH %d", 1)
+            log.error("")  # (structured logs: left empty)
+        finally:
+            config.prefix_python_logs_with_actor = True
+            log.removeHandler(handler)
+        return out.getvalue(), seen
+
+
+def test_log_records_in_an_actor_carry_its_identity(procs):
+    # Monarch's test_instance_name: "[actor=<root>.<module.Named the_name{'f': 0/2}>] HUH"; a record attribute
+    # too, and monarch.actor.config.prefix_python_logs_with_actor turns the prefix off.
+    lg = procs.spawn("the_logger", Logs)
+    text, seen = lg.log.call_one().get(timeout=T)
+    assert text.splitlines()[0] == "[actor=<root>.<test_monarch_compat.Logs the_logger{'gpus': 0/1}>] HUH 1"
+    assert text.splitlines()[1] == ""
+    assert seen[0][0] == "the_logger" and seen[0][1].endswith("/the_logger[0]")
+    text, _ = lg.log.call_one(True).get(timeout=T)
+    assert text.splitlines()[0] == "HUH 1"
+
+
+class HereJob(JobTrait):
+    """A job written the Monarch way (its test_job.py's MockJobTrait): workers on this host."""
+
+    def __init__(self, tag: str, marks: str) -> None:
+        super().__init__()
+        self.tag, self.marks, self.created = tag, marks, 0
+
+    def _create(self, client_script=None):
+        self.created += 1
+
+    def _state(self):
+        return JobState({"workers": this_host()})
+
+    def _kill(self):
+        with open(self.marks, "a") as f:
+            f.write(f"killed {self.tag}\n")
+
+    def can_run(self, spec):
+        return isinstance(spec, HereJob) and spec.tag == self.tag
+
+
+def test_a_job_written_the_monarch_way(tmp_path):
+    from monarch_tensor.job import job_load
+
+    marks, cached = str(tmp_path / "marks"), str(tmp_path / "job_state.json")
+    job = HereJob("a", marks)
+    assert not job.active
+    state = job.state(cached_path=cached)
+    assert job.active and job.created == 1 and state.workers is not None and state._hosts["workers"] is state.workers
+    job.state(cached_path=cached)
+    assert job.created == 1  # running: state() asks _state() again, creates nothing
+    again = HereJob("a", marks)
+    again.state(cached_path=cached)  # reattaches to the cached (pickled) job, which can run it
+    assert again.created == 0 and not again.active
+    loaded = job_load(cached)
+    assert isinstance(loaded, HereJob) and loaded.active and loaded.created == 1
+    other = HereJob("b", marks)
+    other.state(cached_path=cached)  # the cached job cannot run it: killed, and this one created
+    assert other.created == 1 and open(marks).read() == "killed a\n"
+    other.kill()
+    assert not other.active and open(marks).read() == "killed a\nkilled b\n"
+
+
+SPMD_SCRIPT = """
+import os, sys
+with open(os.path.join(sys.argv[1], "rank" + os.environ["RANK"]), "w") as f:
+    f.write(" ".join([os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"], os.environ["MASTER_PORT"]] + sys.argv[2:]))
+if sys.argv[2:] == ["fail"]:
+    sys.exit(3)
+"""
+
+
+def test_spmd_job_runs_a_torchrun_command_on_this_host(tmp_path):
+    from monarch_tensor.job.spmd import SPMDJob, parse_torchrun, serve
+
+    script = tmp_path / "train.py"
+    script.write_text(SPMD_SCRIPT)
+    job = serve(["torchrun", "--nproc-per-node=2", "--standalone", str(script), str(tmp_path), "--lr", "0.1"],
+                scheduler="local_cwd")
+    assert isinstance(job, SPMDJob)
+    try:
+        job.run_spmd(timeout=60)
+        got = sorted((tmp_path / f"rank{r}").read_text().split() for r in (0, 1))
+        assert [g[:2] for g in got] == [["2", "0"], ["2", "1"]] and got[0][2] == got[1][2]
+        assert got[0][3:] == ["--lr", "0.1"]
+        assert job.state(cached_path=None).workers is not None
+    finally:
+        job.kill()
+    failing = serve(["python", str(script), str(tmp_path), "fail"], scheduler="local_cwd")
+    try:
+        with pytest.raises(ActorError, match="exited with 3"):
+            failing.run_spmd(timeout=60)
+    finally:
+        failing.kill()
+    assert parse_torchrun([{"entrypoint": "python", "args": ["-m", "torch.distributed.run", "--nproc_per_node",
+                                                             "4", "-m", "train", "--x"]}]) == (["-m", "train", "--x"], 4)
+    assert parse_torchrun([{"entrypoint": "workspace/entrypoint.sh",
+                            "args": ["torchrun", "--nnodes=1", "--nproc-per-node=8", "t.py"]}]) == (["t.py"], 8)
+    with pytest.raises(ValueError, match="torchx"):
+        serve(["torchrun", "train.py"], scheduler="slurm")
+    with pytest.raises(ValueError, match="Multi-node"):
+        serve(["torchrun", "--nnodes=2", "train.py"], scheduler="local_cwd")
+    with pytest.raises(ValueError, match="Expected args to start with torchrun"):
+        serve(["bash", "train.sh"], scheduler="local_cwd")
+
+
+def test_tools_config(tmp_path):
+    import warnings
+
+    from monarch_tensor.tools.config import NOT_SET, Config, Workspace
+
+    c = Config(scheduler="slurm", workspace=Workspace(dirs={str(tmp_path): ""}))
+    assert c.scheduler == "slurm" and c.scheduler_args == {} and c.dryrun is False
+    assert c.workspace.dirs == {tmp_path: ""}
+    assert Config().scheduler == NOT_SET and Config().workspace == Workspace.null()
+    with pytest.warns(FutureWarning):
+        assert Config(workspace=None).workspace.dirs == {}
+    with pytest.warns(FutureWarning):
+        assert Config(workspace=str(tmp_path / "torch")).workspace.dirs == {tmp_path / "torch": ""}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(TypeError, match="Workspace"):
+            Config(workspace=3)
