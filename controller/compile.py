@@ -64,6 +64,8 @@ from worker.worker import flat_leaves
 from . import tensor as _t
 from .api import _FactoryMode
 from .client import _flusher, coalescing, user_loc
+from .dtensor import placements_of
+from .dtensor_methods import ACTIVE, DistInfo
 from .errors import MeshTensorError
 from .tensor import Tensor, forget_value, memory_of, new_tensor, record
 
@@ -362,6 +364,7 @@ class _Trace:
         self.formal_refs: tuple = ()
         self.out_desc: tuple = ()  # per result leaf: ("in", k) | ("new", j) | ("obj", weakref) | ("val", v)
         self.out_new: list = []    # per new result j: (meta, mid, ctx, memory link)
+        self.out_dist: list = []   # per new result j: its DistInfo (a global tensor's layout), or None
         self.spec: tuple = ()
         self.escapees: list = []   # weakrefs, in token order
         self.esc_refs: list = []
@@ -462,6 +465,7 @@ def _analyse(rec: _Recorder, formals: list, inputs: list, leaves: list, spec: tu
                 j = out_refs.setdefault(leaf._ref, len(out_refs))
                 if j == len(tr.out_new):
                     tr.out_new.append((leaf._meta, leaf._mid, leaf._ctx, memory_of(leaf)))
+                    tr.out_dist.append(getattr(leaf, "_dist", None))
                 desc.append(("new", j))
             else:
                 desc.append(("obj", weakref.ref(leaf)))
@@ -618,6 +622,7 @@ class _Program:
         self.cap_memories = {memory_of(o) for o, _, _, _ in self.captured if o is not None}
         self.out_desc = tuple(("obj", d[1]()) if d[0] == "obj" else d for d in tr.out_desc)
         self.out_new = tr.out_new
+        self.out_dist = tr.out_dist
         self.spec = tr.spec
         self.esc_counts = list(map(sys.getrefcount, self.escapees))
 
@@ -659,6 +664,10 @@ class _Program:
             new.append(new_tensor(meta, mid, ctx, r))
         client.issue_now(m.RunProgram(self.pid, tuple(t._ref for t in inputs), tuple(out_refs), self.sid, loc),
                          self.ranks)
+        for t, info in zip(new, self.out_dist):  # a global (DTensor) result stays one, laid out as recorded
+            if info is not None:
+                t._dist = DistInfo(info.mesh, info.names, info.sizes, info.grid, info.placements)
+                ACTIVE.n += 1
         for j, (_, _, _, link) in enumerate(self.out_new):
             if link is not None:
                 kind, x = link
@@ -714,6 +723,9 @@ class Compiled:
                                           f"differentiated through. Pass it detached (t.detach()), or use it from "
                                           f"outside the function (a parameter)")
                 mem = memory_of(x)
+                info = getattr(x, "_dist", None)
+                if info is not None:  # a global tensor: its layout is part of what the trace did with it
+                    key.append((id(info.mesh), info.names, info.sizes, placements_of(x)))
                 if mem in mems:  # shares memory with an earlier argument: which, and where (see MeshClient._fuse)
                     key.append((x._mid, id(x._ctx), mems.index(mem), _t.memory_span(x)[1:]))
                 else:

@@ -314,3 +314,33 @@ def test_sharded_training_step_equals_uncompiled(mesh):
             assert torch.equal(va, vc)
         for p1, p2 in zip(m1.parameters(), m2.parameters()):
             assert torch.equal(p1.full_tensor(), p2.full_tensor())
+
+
+def test_global_tensors_stay_global_and_their_layout_is_part_of_the_key(mesh):
+    """A replay's DTensor results are DTensors laid out as the recording's (a Partial sum stays one: read as a
+    plain tensor it would be one rank's addend); an argument of the same local metadata laid out otherwise
+    (Partial instead of Replicate) records anew."""
+    from monarch_tensor import Partial, Replicate, Shard, distribute, from_local
+
+    with mesh.activate():
+        @compile(verify=False)
+        def f(x):
+            return (x * 2).sum(), x + 1
+
+        full = torch.arange(8.0)
+        row = distribute(full, mesh, [Shard(0)])
+        b = counts()
+        for _ in range(3):
+            total, plus = f(row)
+        assert delta(b) == {"recordings": 1, "replays": 2}
+        assert total.placements == (Partial(),) and plus.placements == (Shard(0),)
+        assert total.full_tensor().item() == 56.0 and torch.equal(plus.full_tensor(), full + 1)
+        rep = distribute(full, mesh, [Replicate()])
+        f(rep)
+        b = counts()
+        total, _ = f(rep)
+        assert delta(b) == {"recordings": 0, "replays": 1} and total.full_tensor().item() == 56.0
+        part = from_local(torch.arange(8.0), mesh, [Partial()])  # each rank's addend: the whole is twice arange
+        total, _ = f(part)
+        assert delta(b) == {"recordings": 1, "replays": 1}
+        assert total.full_tensor().item() == 112.0
