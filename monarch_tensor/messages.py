@@ -66,7 +66,9 @@ class CallEndpoint:
 class SendToPort:
     """Anyone -> mailbox: deliver ``value`` (or raise ``error``) on port ``port_id``; ``rank`` of the sender.
     ``output_before``: ``(pid, stdout bytes, stderr bytes)`` that the sending proc had written when it sent
-    this, which the receiver prints before it delivers the value (``logs.OutputHandled``); None: nothing new."""
+    this, which the receiver prints before it delivers the value (``logs.OutputHandled``); None: nothing new.
+    Port 0 is no port: such a message only carries ``output_before``, for the messages that follow it (a
+    relayed proc's batch of replies, ``Mailbox.output_mark``)."""
 
     port_id: int
     value: Any
