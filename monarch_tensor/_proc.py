@@ -615,7 +615,7 @@ class ProcRuntime:
                              f"{type(slot.instance).__name__} has no {'method' if plain else 'endpoint'} {method!r}", "")
             self._reply(msg.reply, None, err, rank)
             return
-        token = _context.enter(slot.ctx, None if msg.shape is None else _point_in(msg.shape, slot.ctx.rank.rank))
+        token = _context.enter(slot.ctx, msg.shape)
         args = msg.args
         explicit = plain == "port" if plain else getattr(fn, "_explicit_port", False)
         if explicit:  # @endpoint(explicit_response_port=True): the endpoint answers through a port of its own
