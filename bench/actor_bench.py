@@ -28,8 +28,11 @@ Peers are optional and never dependencies of monarch-tensor: `pip install torchm
 (Monarch is imported as `monarch`). A peer that is missing or fails shows up in the table as
 "not installed" or "error" (full message under the table) and the bench still finishes.
 torchmonarch 0.7.0 needs cloudpickle>=3; to keep it out of the project's environment, install
-it aside and point MT_BENCH_PEER_PATH at it (it is put on PYTHONPATH for the peers only):
-    pip install --no-deps --target bench/out/peer-site cloudpickle==3.1.2
+it aside and point MT_BENCH_PEER_PATH at it (it is put on PYTHONPATH for the peers only); torch and
+numpy come from this environment, the rest of torchmonarch's dependencies go aside with it:
+    pip install --no-deps --target bench/out/peer-site torchmonarch==0.7.0 cloudpickle==3.1.2
+    pip install --target bench/out/peer-site opentelemetry-api pyre-extensions lark tabulate clusterscope \
+        xxhash pyarrow flask requests typing-extensions
     MT_BENCH_PEER_PATH=bench/out/peer-site python bench/actor_bench.py --peers --json bench/out/actor_bench.json
 """
 
