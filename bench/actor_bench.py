@@ -7,6 +7,9 @@
 Workloads (targets in shared/notes/figures.md), on procs of this machine, one echo actor per proc:
   rtt          sync ``call_one`` round trip of a small int (median over N_RTT calls, median of REPEATS)
   pipelined    N_PIPE ``call_one`` in flight, then wait for all (calls/s)
+  *_cpu_us     CPU time per pipelined call (all threads, user + system), in the calling process and
+               in the actor's proc: what a message costs, a figure a busy machine disturbs less than
+               the wall-clock ones
   call_both    ``call()`` to both procs of a 2-proc mesh, wait for both (µs)
   echo         a numpy array of ARRAY_MIB there and back; GiB/s counts both directions (2 x size / time)
   spawn        from a fresh process with the library imported: spawn 2 procs + actors, first reply of
@@ -25,8 +28,11 @@ Peers are optional and never dependencies of monarch-tensor: `pip install torchm
 (Monarch is imported as `monarch`). A peer that is missing or fails shows up in the table as
 "not installed" or "error" (full message under the table) and the bench still finishes.
 torchmonarch 0.7.0 needs cloudpickle>=3; to keep it out of the project's environment, install
-it aside and point MT_BENCH_PEER_PATH at it (it is put on PYTHONPATH for the peers only):
-    pip install --no-deps --target bench/out/peer-site cloudpickle==3.1.2
+it aside and point MT_BENCH_PEER_PATH at it (it is put on PYTHONPATH for the peers only); torch and
+numpy come from this environment, the rest of torchmonarch's dependencies go aside with it:
+    pip install --no-deps --target bench/out/peer-site torchmonarch==0.7.0 cloudpickle==3.1.2
+    pip install --target bench/out/peer-site opentelemetry-api pyre-extensions lark tabulate clusterscope \
+        xxhash pyarrow flask requests typing-extensions
     MT_BENCH_PEER_PATH=bench/out/peer-site python bench/actor_bench.py --peers --json bench/out/actor_bench.json
 """
 
@@ -72,6 +78,8 @@ def workloads():
     rows = [
         ("rtt_us", "sync call_one round trip, small int", "µs", False, "zmq_reqrep_us"),
         ("pipelined_per_s", f"pipelined call_one, {N_PIPE} in flight", "/s", True, "zmq_pipelined_per_s"),
+        ("pipe_ctl_cpu_us", "  ... CPU per call, calling process", "µs", False, "zmq_pipe_ctl_cpu_us"),
+        ("pipe_proc_cpu_us", "  ... CPU per call, actor's proc", "µs", False, "zmq_pipe_proc_cpu_us"),
         ("call_both_us", "call() to both procs, wait for both", "µs", False, None),
         ("echo_gib_s", f"echo of a {ARRAY_MIB} MiB numpy array (both ways)", "GiB/s", True, "zmq_echo_gib_s"),
         ("spawn_s", "spawn 2 procs + actors + first reply", "s", False, None),
@@ -99,6 +107,29 @@ def lat_us(fn, n):
     return statistics.median(meds)
 
 
+def cpu_s(pid=None):
+    """CPU seconds (user + system, all threads) of process ``pid``, or of this one."""
+    if pid is None:
+        return time.process_time()
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pipelined(send, recv, n, pid):
+    """REPEATS loops of ``n`` ``send(i)`` then ``n`` ``recv()`` (which must give back 0..n-1): the median
+    rate (/s) and the CPU µs per message in this process and in process ``pid`` over all loops."""
+    rates, cpu0, peer0 = [], cpu_s(), cpu_s(pid)
+    for _ in range(REPEATS):
+        t = time.perf_counter()
+        pending = [send(i) for i in range(n)]
+        got = [recv(p) for p in pending]
+        rates.append(n / (time.perf_counter() - t))
+        assert got == list(range(n)), "replies differ from the calls"
+    calls = n * REPEATS
+    return statistics.median(rates), (cpu_s() - cpu0) / calls * 1e6, (cpu_s(pid) - peer0) / calls * 1e6
+
+
 class MonarchAPI:
     """Ours and PyTorch Monarch: the same code, only the import differs."""
 
@@ -117,6 +148,10 @@ class MonarchAPI:
             def torch_version(self):
                 import torch
                 return str(torch.__version__)  # TorchVersion would make the client import torch
+
+            @mod.endpoint
+            def pid(self):
+                return os.getpid()
 
         self.Echo = Echo
 
@@ -161,6 +196,9 @@ class RayAPI:
             def torch_version(self):
                 import torch
                 return str(torch.__version__)  # TorchVersion would make the client import torch
+
+            def pid(self):
+                return os.getpid()
 
         self.Echo = Echo
 
@@ -207,14 +245,9 @@ def measure(rt, res):
         ep = rt.one(h, 0)
         res["rtt_us"] = lat_us(lambda: rt.get(rt.call_one(ep, 1)), N_RTT)
 
-        rates = []
-        for _ in range(REPEATS):
-            t = time.perf_counter()
-            futs = [rt.call_one(ep, i) for i in range(N_PIPE)]
-            got = [rt.get(f) for f in futs]
-            rates.append(N_PIPE / (time.perf_counter() - t))
-            assert got == list(range(N_PIPE))
-        res["pipelined_per_s"] = statistics.median(rates)
+        pid = rt.call_all(h, "pid")[0]
+        res["pipelined_per_s"], res["pipe_ctl_cpu_us"], res["pipe_proc_cpu_us"] = pipelined(
+            lambda i: rt.call_one(ep, i), rt.get, N_PIPE, pid)
 
         res["call_both_us"] = lat_us(lambda: rt.call_all(h, "echo", 1), N_BOTH)
 
@@ -284,15 +317,15 @@ def measure_floor(res):
                     assert out[-1] == arr[-1]
                 res["zmq_echo_gib_s"] = statistics.median(rates[1:])
             else:
-                rates = []
-                for _ in range(REPEATS + 1):
-                    t = time.perf_counter()
-                    for i in range(N_PIPE):
-                        sock.send(i.to_bytes(8, "little"))
-                    got = [int.from_bytes(sock.recv(), "little") for _ in range(N_PIPE)]
-                    rates.append(N_PIPE / (time.perf_counter() - t))
-                    assert got == list(range(N_PIPE))
-                res["zmq_pipelined_per_s"] = statistics.median(rates[1:])
+                def send(i, sock=sock):
+                    sock.send(i.to_bytes(8, "little"))
+
+                def recv(_, sock=sock):
+                    return int.from_bytes(sock.recv(), "little")
+
+                pipelined(send, recv, N_PIPE, server.pid)  # warm-up
+                (res["zmq_pipelined_per_s"], res["zmq_pipe_ctl_cpu_us"],
+                 res["zmq_pipe_proc_cpu_us"]) = pipelined(send, recv, N_PIPE, server.pid)
         finally:
             sock.close()
             server.kill()
@@ -339,7 +372,7 @@ def fmt(v, unit):
     if v is None:
         return "-"
     if unit == "µs":
-        return f"{v:,.0f} µs"
+        return f"{v:,.1f} µs" if v < 100 else f"{v:,.0f} µs"
     if unit == "/s":
         return f"{v:,.0f} /s"
     return f"{v:.2f} {unit}"

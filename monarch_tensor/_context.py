@@ -101,22 +101,28 @@ class ActorContext:
         """Where this actor lies in the slice of its mesh that the current message was sent to (Monarch's:
         ``mesh.slice(gpus=slice(2, 4))``'s actors are at 0 and 1 of it; a one-actor slice's has no dims); a
         message to the whole mesh: this actor's rank in it."""
-        point = _message.get()
+        shape = _message.get()
+        if shape is None:
+            return self.rank
+        from ._proc import _point_in
+
+        point = _point_in(shape, self.rank.rank)
         return self.rank if point is None else point
 
 
 _CLIENT = ActorContext("client", Point(0, {}), 0)
 _current: contextvars.ContextVar[ActorContext] = contextvars.ContextVar("monarch_tensor_actor", default=_CLIENT)
-_message: contextvars.ContextVar[Point | None] = contextvars.ContextVar("monarch_tensor_message", default=None)
+# The shape of the slice the current message was sent to (None: the whole mesh); its point is found when asked.
+_message: contextvars.ContextVar[Any] = contextvars.ContextVar("monarch_tensor_message", default=None)
 
 
 def current() -> ActorContext:
     return _current.get()
 
 
-def enter(ctx: ActorContext, message: Point | None = None) -> tuple:
-    """Run as ``ctx``'s actor, handling a message sent to ``message`` (its point in the slice the message was
-    sent to; None: the whole mesh)."""
+def enter(ctx: ActorContext, message=None) -> tuple:
+    """Run as ``ctx``'s actor, handling a message sent to the slice of shape ``message`` (None: the whole
+    mesh); ``message_rank`` finds the actor's point in it when asked."""
     return _current.set(ctx), _message.set(message)
 
 

@@ -242,9 +242,12 @@ class ProcRuntime:
         self.mailbox.on_deferred = self._defer
         self.mailbox.on_held = self._wake_for_held
         self.mailbox.on_lost_spawn = self._spawn_lost
-        self.mailbox.output_before = self.output_before
         set_current_mailbox(self.mailbox)
         self.logs = _LogForwarder(self.mailbox, client_addr, rank)
+        if self.logs.counts is not None:  # relayed: counted without waiting, so once per frame as it leaves
+            self.mailbox.output_mark = self.output_before
+        else:  # pumps: each reply waits for them before it is sent, so that their lines go first
+            self.mailbox.output_before = self.output_before
         # The loop polls for the next message only while each of these says the proc is otherwise idle
         # (a tensor worker's streams computing need the cores more than the next message does).
         self.spin_gates: list[Callable[[], bool]] = []
@@ -647,7 +650,7 @@ class ProcRuntime:
                              f"{type(slot.instance).__name__} has no {'method' if plain else 'endpoint'} {method!r}", "")
             self._reply(msg.reply, None, err, rank)
             return
-        token = _context.enter(slot.ctx, None if msg.shape is None else _point_in(msg.shape, slot.ctx.rank.rank))
+        token = _context.enter(slot.ctx, msg.shape)
         args = msg.args
         explicit = plain == "port" if plain else getattr(fn, "_explicit_port", False)
         if explicit:  # @endpoint(explicit_response_port=True): the endpoint answers through a port of its own
@@ -764,7 +767,7 @@ class ProcRuntime:
                     print(f"[monarch_tensor] unawaited error: {error} (not reported to the owner: {e!r})",
                           file=sys.stderr)
             return
-        output = self.output_before(port.addr)
+        output = self.mailbox.output_before(port.addr)
         try:
             self.mailbox.send(port.addr, SendToPort(port.port_id, value, error, rank, output), batch=True)
         except Exception as e:  # noqa: BLE001 - e.g. an unpicklable result

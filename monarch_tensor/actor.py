@@ -517,13 +517,29 @@ def _script_proc() -> ProcMesh:
         return _script_procs
 
 
-_signatures: dict = {}  # (class, wire method) -> (the signature calls are checked against, its leading args)
+_signatures: dict = {}  # (class, wire method) -> (signature, its leading args, fewest and most positional args)
+
+
+def _positional_bounds(sig: inspect.Signature, leading: tuple) -> tuple[float, float]:
+    """How many positional arguments (after ``leading``) a call without keywords may pass so that ``sig`` binds
+    them: (fewest, most); (inf, -1) when such a call needs the full check (a required keyword-only one)."""
+    lo, hi = 0, 0
+    for p in sig.parameters.values():
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            hi += 1
+            lo += p.default is p.empty
+        elif p.kind is p.VAR_POSITIONAL:
+            hi = float("inf")
+        elif p.kind is p.KEYWORD_ONLY and p.default is p.empty:
+            return float("inf"), -1
+    return lo - len(leading), hi - len(leading)
 
 
 def _check_arguments(cls: type, method: str, wire_method: str, args: tuple, kwargs: dict) -> None:
     """A call's arguments must fit its endpoint's signature: a ``TypeError`` at the call, as Monarch's (not an
     ``ActorError`` from every rank later, nor only a log line for a broadcast). ``wire_method``: the method as
-    sent (``"name/port"``: as_endpoint(..., explicit_response_port=True)); found once per class and method."""
+    sent (``"name/port"``: as_endpoint(..., explicit_response_port=True)); found once per class and method.
+    A call without keywords is checked by its count of arguments alone (what binding it would decide)."""
     entry = _signatures.get((cls, wire_method))
     if entry is None:
         fn = inspect.getattr_static(cls, method, None)
@@ -532,13 +548,16 @@ def _check_arguments(cls: type, method: str, wire_method: str, args: tuple, kwar
         except (TypeError, ValueError):
             sig = None
         explicit = wire_method.endswith("/port") or ("/" not in wire_method and getattr(fn, "_explicit_port", False))
-        entry = _signatures[(cls, wire_method)] = (sig, (None, None) if explicit else (None,))  # self (and port)
-    sig, leading = entry
-    if sig is not None:
-        try:
-            sig.bind(*leading, *args, **kwargs)
-        except TypeError as e:
-            raise TypeError(f"{cls.__name__}.{method}(): {e}") from None
+        leading = (None, None) if explicit else (None,)  # self (and port)
+        lo, hi = (0, float("inf")) if sig is None else _positional_bounds(sig, leading)
+        entry = _signatures[(cls, wire_method)] = (sig, leading, lo, hi)
+    sig, leading, lo, hi = entry
+    if sig is None or (not kwargs and lo <= len(args) <= hi):
+        return
+    try:
+        sig.bind(*leading, *args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"{cls.__name__}.{method}(): {e}") from None
 
 
 class Endpoint(Generic[R]):

@@ -213,6 +213,10 @@ class Mailbox:
         # A proc's: for a value it sends to an address now, what of its output must reach there first
         # (``SendToPort.output_before``; see _proc.ProcRuntime.output_before). A script's: nothing.
         self.output_before: Callable[[str], tuple | None] = lambda addr: None
+        # A relayed proc's instead: ``output_before`` asked once per frame as it leaves (a batch of replies: once
+        # for all of them), under ``_send_lock``; what it returns goes ahead of the frame as a ``SendToPort`` to
+        # port 0, which only carries ``output_before`` (``_marked``).
+        self.output_mark: Callable[[str], tuple | None] | None = None
         self._waits: list = []  # the futures the receiving thread waits on in wait_until, innermost last
         # A mailbox without an I/O thread (a proc's): messages that another thread waiting on a reply received
         # while the receiving thread was busy (``receive_for``), for the receiving thread, in order, as
@@ -328,7 +332,19 @@ class Mailbox:
                 self._last_addr, self._last_t = addr, now
             elif self._batch:
                 self._flush_locked()
+            if self.output_mark is not None:
+                mark = self._marked(addr)
+                if mark is not None:
+                    self._send_now(addr, [mark])
             self._send_now(addr, frames)
+
+    def _marked(self, addr: str) -> bytes | None:
+        """Under ``_send_lock``, for a frame about to leave for ``addr``: the encoded message that must go ahead
+        of it, saying what of this proc's output must reach ``addr`` first (``output_mark``), or None."""
+        output = self.output_mark(addr)
+        if output is None:
+            return None
+        return _wire.encode(SendToPort(0, None, None, -1, output))[0]
 
     def _send_now(self, addr: str, frames: list) -> None:
         copy = _wire.is_small(frames)
@@ -356,6 +372,10 @@ class Mailbox:
     def _flush_locked(self) -> None:
         addr, batch = self._batch_addr, self._batch
         self._batch_addr, self._batch, self._batch_bytes = None, [], 0
+        if self.output_mark is not None:
+            mark = self._marked(addr)
+            if mark is not None:
+                batch.insert(0, mark)
         if len(batch) == 1:
             self._send_now(addr, batch)
         else:
@@ -731,7 +751,8 @@ class Mailbox:
                 with self._ports_lock:
                     h = self._ports.get(msg.port_id)
                 if h is None:
-                    log.debug("value for closed port %d dropped", msg.port_id)
+                    if msg.port_id:  # (port 0 is none: such a message only carries output_before)
+                        log.debug("value for closed port %d dropped", msg.port_id)
                 elif h.deliver(msg):
                     self.close_port(msg.port_id)
             elif isinstance(msg, ForwardLogs):

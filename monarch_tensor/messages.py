@@ -68,7 +68,9 @@ class CallEndpoint:
 class SendToPort:
     """Anyone -> mailbox: deliver ``value`` (or raise ``error``) on port ``port_id``; ``rank`` of the sender.
     ``output_before``: ``(pid, stdout bytes, stderr bytes)`` that the sending proc had written when it sent
-    this, which the receiver prints before it delivers the value (``logs.OutputHandled``); None: nothing new."""
+    this, which the receiver prints before it delivers the value (``logs.OutputHandled``); None: nothing new.
+    Port 0 is no port: such a message only carries ``output_before``, for the messages that follow it (a
+    relayed proc's batch of replies, ``Mailbox.output_mark``)."""
 
     port_id: int
     value: Any
@@ -79,13 +81,37 @@ class SendToPort:
 
 def _compact_call(m: CallEndpoint) -> tuple | CallEndpoint:
     r = m.reply
-    if m.shape is not None:
-        return m  # a call to a slice: pickled as it is
+    shape = m.shape
+    if shape is not None:  # a call to a slice: its shape as plain tuples (a Shape pickles several times slower)
+        if type(r) is not PortRef and r is not None or type(shape).__name__ != "Shape":
+            return m  # pickled as it is
+        return ("\0call", m.actor, m.method, m.args, m.kwargs, None if r is None else r.addr,
+                0 if r is None else r.port_id, (shape.names, shape.dims, shape.offset, shape.strides))
     if r is None:
         return ("\0call", m.actor, m.method, m.args, m.kwargs, None, 0)
     if type(r) is PortRef:
         return ("\0call", m.actor, m.method, m.args, m.kwargs, r.addr, r.port_id)
     return m  # not a port: pickled as it is
+
+
+_shapes: dict[tuple, Any] = {}  # a call's shape as it travels -> the Shape (a few per mesh slice called)
+
+
+def _shape_of(t: tuple):
+    """The ``Shape`` of a compact call's shape tuple, made once per distinct shape (made, it is checked)."""
+    shape = _shapes.get(t)
+    if shape is None:
+        from .shape import Shape
+
+        if len(_shapes) >= 1024:
+            _shapes.clear()
+        shape = _shapes[t] = Shape(*t)
+    return shape
+
+
+def _call_from(t: tuple) -> CallEndpoint:
+    return CallEndpoint(t[1], t[2], t[3], t[4], None if t[5] is None else PortRef(t[5], t[6]),
+                        _shape_of(t[7]) if len(t) > 7 else None)
 
 
 def _compact_reply(m: SendToPort) -> tuple:
@@ -94,7 +120,7 @@ def _compact_reply(m: SendToPort) -> tuple:
 
 _wire.COMPACT_ENCODERS.update({CallEndpoint: _compact_call, SendToPort: _compact_reply})
 _wire.COMPACT_DECODERS.update({
-    "\0call": lambda t: CallEndpoint(t[1], t[2], t[3], t[4], None if t[5] is None else PortRef(t[5], t[6])),
+    "\0call": _call_from,
     "\0reply": lambda t: SendToPort(t[1], t[2], t[3], t[4], t[5]),
 })
 

@@ -1683,3 +1683,50 @@ def test_procs_draw_their_own_numpy_random_numbers():
         finally:
             procs.stop()
     assert len(set(draws)) == 6, draws
+
+
+def _signature_source(n_pos: int, n_defaults: int, var_args: bool, kw_only: list[bool], var_kw: bool) -> str:
+    params = ["self"] + [f"p{i}" + ("=0" if i >= n_pos - n_defaults else "") for i in range(n_pos)]
+    if var_args:
+        params.append("*args")
+    elif kw_only:
+        params.append("*")
+    params += [f"k{i}" + ("=0" if has_default else "") for i, has_default in enumerate(kw_only)]
+    if var_kw:
+        params.append("**kw")
+    return f"def method({', '.join(params)}):\n    return None\n"
+
+
+def test_a_calls_arguments_are_checked_as_binding_them_would():
+    """A call's arguments are checked at the call (a TypeError, as Monarch's); a call without keywords by
+    their count alone, which must refuse exactly the calls that binding them to the signature refuses."""
+    import inspect
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from monarch_tensor.actor import _check_arguments
+
+    @settings(max_examples=150, deadline=None)
+    @given(n_pos=st.integers(0, 3), n_defaults=st.integers(0, 3), var_args=st.booleans(),
+           kw_only=st.lists(st.booleans(), max_size=2), var_kw=st.booleans(), n_args=st.integers(0, 5),
+           keywords=st.lists(st.sampled_from(["p0", "p2", "k0", "zz"]), max_size=2, unique=True))
+    def check(n_pos, n_defaults, var_args, kw_only, var_kw, n_args, keywords):
+        ns: dict = {}
+        exec(_signature_source(n_pos, min(n_defaults, n_pos), var_args, kw_only, var_kw), ns)
+        cls = type("Checked", (Actor,), {"method": endpoint(ns["method"])})
+        args, kwargs = tuple(range(n_args)), dict.fromkeys(keywords, 1)
+        try:
+            inspect.signature(ns["method"]).bind(None, *args, **kwargs)
+            binds = True
+        except TypeError:
+            binds = False
+        try:
+            _check_arguments(cls, "method", "method", args, kwargs)
+            passes = True
+        except TypeError as e:
+            assert str(e).startswith("Checked.method(): ")
+            passes = False
+        assert passes == binds
+
+    check()

@@ -280,6 +280,45 @@ def test_what_an_endpoint_printed_comes_before_its_result(tmp_path):
     assert "LATE []" in lines(out.stdout), out.stdout
 
 
+@pytest.mark.timeout(120)
+def test_what_pipelined_calls_printed_comes_before_each_result(tmp_path):
+    """Replies that leave in one batch are checked for their proc's output once for the whole batch
+    (Mailbox.output_mark): still, each call's lines are printed before its result is delivered."""
+    out = run_script(tmp_path, ORDER_CHECK + textwrap.dedent('''
+        from monarch_tensor._proc import current_runtime
+
+        class Counted(Hello):
+            @endpoint
+            def quiet(self, i):
+                return i
+
+            @endpoint
+            def sent(self):
+                return current_runtime().mailbox.batches_sent
+
+        procs = this_host().spawn_procs(per_host={"gpus": 1})
+        try:
+            hello = procs.spawn("hello", Counted).slice(gpus=0)
+            hello.hello.call_one(-1).get(timeout=30)
+            late, before = [], hello.sent.call_one().get(timeout=30)
+            for rnd in range(4):
+                futs = [hello.hello.call_one(rnd * 1000 + i) for i in range(200)]
+                for i, f in enumerate(futs):
+                    f.get(timeout=30)
+                    if f"[0] hello {rnd * 1000 + i} from 0\\n" not in sys.stdout.text or \\
+                            f"[0] raw {rnd * 1000 + i} from 0\\n" not in sys.stderr.text:
+                        late.append(rnd * 1000 + i)
+            futs = [hello.quiet.call_one(i) for i in range(200)]
+            assert [f.get(timeout=30) for f in futs] == list(range(200))
+            print("LATE", late)
+            print("BATCHED", hello.sent.call_one().get(timeout=30) > before)
+        finally:
+            procs.stop().get(timeout=30)
+    '''))
+    assert "LATE []" in lines(out.stdout), out.stdout
+    assert "BATCHED True" in lines(out.stdout), out.stdout
+
+
 @pytest.mark.timeout(180)
 def test_what_a_host_agents_proc_printed_comes_before_its_result(tmp_path):
     """A host agent's procs send their lines themselves (a pump thread per stream), on the mailbox the reply

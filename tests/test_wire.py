@@ -612,3 +612,16 @@ def test_garbage_from_many_threads(live):
         for t in threads:
             t.join(10)
     assert echo.echo.call_one("still here").get(timeout=20) == "still here"
+
+
+@pytest.mark.parametrize("reply", [None, messages.PortRef("ipc:///x", 7)], ids=["no-port", "port"])
+def test_a_call_to_a_slice_travels_compact_with_its_shape(reply):
+    """A call to a slice carries the slice's shape as plain tuples (a compact call) and arrives with an equal
+    Shape, made once per distinct shape on the receiving side."""
+    shape = Shape(("hosts", "gpus"), (2, 2), offset=1, strides=(4, 1))
+    msg = messages.CallEndpoint("a", "m", (1,), {"k": 2}, reply, shape)
+    assert messages._compact_call(msg)[0] == "\0call"
+    first, second = _wire.decode(_wire.encode(msg)), _wire.decode(_wire.encode(msg))
+    assert first == msg and first.shape == shape and first.shape.strides == (4, 1)
+    assert first.shape is second.shape
+    assert _wire.decode(_wire.encode(dataclasses.replace(msg, shape=None))).shape is None
