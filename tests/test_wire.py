@@ -70,6 +70,8 @@ def _sample(tp, *, optional_none: bool = False):
         return "a-name"
     if tp is bool:
         return True
+    if tp is bytes:
+        return b"\x00pickled\xff"
     if tp is int:
         return 7
     if tp is tuple or origin is tuple:
