@@ -13,11 +13,13 @@ On a mesh of 1 and of 2 procs ("gpus"; with 2 the gradients are averaged with re
 each step uncompiled and wrapped in ``compile`` (after warm-up steps that record it), and in local eager
 torch (no mesh). Figures, medians of REPEATS loops of STEPS steps:
   ctl_us     controller time per step: the time the script spends inside the step calls (µs)
+  cpu_us     the controller thread's CPU time inside the step calls (µs): what ctl_us is on an idle machine,
+             and the steadier figure on a loaded one (ctl_us counts the time other processes had the core)
   step_ms    wall time per step, every step's work done (the loop ends with a fetch of the last loss)
   msgs       instruction messages per step per proc, counted by the client (MeshClient.messages)
   params     the model's parameter tensors (a replay's guards must not cost per parameter)
-  ctl / gpt2 a compiled step's controller time over the 2-layer GPT's on the same mesh (issue 38's target:
-             at most 1.2 at 32 layers)
+  cpu / gpt2 a compiled step's controller CPU time over the 2-layer GPT's on the same mesh (issue 38's
+             target: at most 1.2 at 32 layers)
 Every process computes with one torch thread. PyTorch Monarch's ``compile`` is not measured here: torchmonarch
 is not installed in this environment (bench/dispatch_bench.py says how to install it aside).
 """
@@ -96,22 +98,24 @@ def measure(workload: str, mode: str, procs, client) -> dict:
     for _ in range(WARMUP - 1):
         loss = step()
     fetch(loss)
-    ctl, wall, msgs = [], [], []
+    ctl, cpu, wall, msgs = [], [], [], []
     for _ in range(REPEATS):
         m0 = client.messages if client is not None else 0
-        spent = 0.0
+        spent = spent_cpu = 0.0
         t0 = time.perf_counter()
         for _ in range(STEPS):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             loss = step()
+            spent_cpu += time.thread_time() - c
             spent += time.perf_counter() - t
         last = fetch(loss)
         wall.append((time.perf_counter() - t0) / STEPS * 1e3)
         ctl.append(spent / STEPS * 1e6)
+        cpu.append(spent_cpu / STEPS * 1e6)
         if client is not None:
             msgs.append((client.messages - m0) / STEPS / len(client.addrs))
     assert last == last and last < first * 1.5, f"training diverged: loss {first} -> {last}"
-    return {"ctl_us": statistics.median(ctl), "step_ms": statistics.median(wall),
+    return {"ctl_us": statistics.median(ctl), "cpu_us": statistics.median(cpu), "step_ms": statistics.median(wall),
             "msgs": statistics.median(msgs) if msgs else 0.0, "params": len(list(model.parameters()))}
 
 
@@ -157,20 +161,22 @@ def main() -> None:
         finally:
             procs.stop().get(timeout=TIMEOUT)
     load1 = os.getloadavg()
-    head = ["workload", "params", "procs", "mode", "ctl_us", "step_ms", "msgs", "step / eager", "ctl / gpt2"]
+    head = ["workload", "params", "procs", "mode", "ctl_us", "cpu_us", "step_ms", "msgs", "step / eager",
+            "cpu / gpt2"]
     rows = []
     for w in WORKLOADS:
         eager = results.get(f"{w}/eager")
         if eager is not None:
-            rows.append([w, str(eager["params"]), "-", "eager", f"{eager['ctl_us']:.0f}", f"{eager['step_ms']:.2f}",
-                         "-", "1.00", "-"])
+            rows.append([w, str(eager["params"]), "-", "eager", f"{eager['ctl_us']:.0f}", f"{eager['cpu_us']:.0f}",
+                         f"{eager['step_ms']:.2f}", "-", "1.00", "-"])
         for n in PROCS:
             for mode in mesh_modes:
                 r = results[f"{w}/{n}/{mode}"]
                 base = results.get(f"gpt2/{n}/compiled") if mode == "compiled" and w.startswith("gpt") else None
-                rows.append([w, str(r["params"]), str(n), mode, f"{r['ctl_us']:.0f}", f"{r['step_ms']:.2f}",
-                             f"{r['msgs']:.1f}", f"{r['step_ms'] / eager['step_ms']:.2f}" if eager else "-",
-                             f"{r['ctl_us'] / base['ctl_us']:.2f}" if base else "-"])
+                rows.append([w, str(r["params"]), str(n), mode, f"{r['ctl_us']:.0f}", f"{r['cpu_us']:.0f}",
+                             f"{r['step_ms']:.2f}", f"{r['msgs']:.1f}",
+                             f"{r['step_ms'] / eager['step_ms']:.2f}" if eager else "-",
+                             f"{r['cpu_us'] / base['cpu_us']:.2f}" if base else "-"])
     print(markdown(head, rows, {}, {}))
     print(f"load average {load0[0]:.2f} at the start, {load1[0]:.2f} at the end")
     if args.json:
