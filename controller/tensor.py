@@ -84,12 +84,6 @@ _GUARDED = frozenset(("_ref", "_mid", "_ctx", "grad", "_grad", "data", "requires
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
 
 
-def bump() -> None:
-    """Something a compiled program's guards read changed (see ``epoch``)."""
-    global epoch
-    epoch += 1
-
-
 class Tensor(DistributedMethods, torch.Tensor):
     """One local tensor per rank of a mesh, all of one shape; ops on it run on the workers.
 
