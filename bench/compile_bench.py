@@ -3,6 +3,7 @@
     python bench/compile_bench.py                          # the table below, ~3 min on 2 vCPUs
     python bench/compile_bench.py --json bench/out/compile_bench.json
     python bench/compile_bench.py --tiny --json /tmp/tiny.json   # smoke test
+    python bench/compile_bench.py --modes compiled --runs 5      # compiled steps only (a replay's cost), ~1 min
 
 Workloads (one training step each: forward, cross entropy, backward, torch.optim.SGD, zero_grad):
   mlp      Linear(256, 256) -> ReLU -> Linear(256, 10), batch 32 (notes/figures.md's MLP step)
@@ -12,8 +13,13 @@ On a mesh of 1 and of 2 procs ("gpus"; with 2 the gradients are averaged with re
 each step uncompiled and wrapped in ``compile`` (after warm-up steps that record it), and in local eager
 torch (no mesh). Figures, medians of REPEATS loops of STEPS steps:
   ctl_us     controller time per step: the time the script spends inside the step calls (µs)
+  cpu_us     the controller thread's CPU time inside the step calls (µs): what ctl_us is on an idle machine,
+             and the steadier figure on a loaded one (ctl_us counts the time other processes had the core)
   step_ms    wall time per step, every step's work done (the loop ends with a fetch of the last loss)
   msgs       instruction messages per step per proc, counted by the client (MeshClient.messages)
+  params     the model's parameter tensors (a replay's guards must not cost per parameter)
+  cpu / gpt2 a compiled step's controller CPU time over the 2-layer GPT's on the same mesh (issue 38's
+             target: at most 1.2 at 32 layers)
 Every process computes with one torch thread. PyTorch Monarch's ``compile`` is not measured here: torchmonarch
 is not installed in this environment (bench/dispatch_bench.py says how to install it aside).
 """
@@ -92,32 +98,46 @@ def measure(workload: str, mode: str, procs, client) -> dict:
     for _ in range(WARMUP - 1):
         loss = step()
     fetch(loss)
-    ctl, wall, msgs = [], [], []
+    ctl, cpu, wall, msgs = [], [], [], []
     for _ in range(REPEATS):
         m0 = client.messages if client is not None else 0
-        spent = 0.0
+        spent = spent_cpu = 0.0
         t0 = time.perf_counter()
         for _ in range(STEPS):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             loss = step()
+            spent_cpu += time.thread_time() - c
             spent += time.perf_counter() - t
         last = fetch(loss)
         wall.append((time.perf_counter() - t0) / STEPS * 1e3)
         ctl.append(spent / STEPS * 1e6)
+        cpu.append(spent_cpu / STEPS * 1e6)
         if client is not None:
             msgs.append((client.messages - m0) / STEPS / len(client.addrs))
     assert last == last and last < first * 1.5, f"training diverged: loss {first} -> {last}"
-    return {"ctl_us": statistics.median(ctl), "step_ms": statistics.median(wall),
-            "msgs": statistics.median(msgs) if msgs else 0.0}
+    return {"ctl_us": statistics.median(ctl), "cpu_us": statistics.median(cpu), "step_ms": statistics.median(wall),
+            "msgs": statistics.median(msgs) if msgs else 0.0, "params": len(list(model.parameters()))}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write settings, figures and the load average here")
     ap.add_argument("--tiny", action="store_true", help="every workload tiny (a smoke test)")
+    ap.add_argument("--runs", type=int, help=f"timed loops per figure, their median (default {REPEATS})")
+    ap.add_argument("--modes", help=f"comma-separated, of {','.join(MODES)} (default all)")
+    ap.add_argument("--procs", help=f"comma-separated mesh sizes (default {','.join(map(str, PROCS))})")
     args = ap.parse_args()
     if args.tiny:
         globals().update(TINY)
+    if args.runs:
+        globals()["REPEATS"] = args.runs
+    if args.modes:
+        bad = set(args.modes.split(",")) - set(MODES)
+        if bad:
+            ap.error(f"--modes: unknown {sorted(bad)}; choose from {MODES}")
+        globals()["MODES"] = [m for m in MODES if m in args.modes.split(",")]
+    if args.procs:
+        globals()["PROCS"] = [int(n) for n in args.procs.split(",")]
     import torch
 
     from controller.api import client_for, remote
@@ -126,7 +146,8 @@ def main() -> None:
     torch.set_num_threads(1)
     load0 = os.getloadavg()
     results: dict = {}
-    for w in WORKLOADS:
+    mesh_modes = [m for m in ("uncompiled", "compiled") if m in MODES]
+    for w in WORKLOADS if "eager" in MODES else ():
         results[f"{w}/eager"] = measure(w, "eager", None, None)
     for n in PROCS:
         procs = this_host().spawn_procs(per_host={"gpus": n})
@@ -135,25 +156,32 @@ def main() -> None:
                 remote("torch.set_num_threads", propagate=lambda k: None)(1)
                 client = client_for(procs)
                 for w in WORKLOADS:
-                    for mode in ("uncompiled", "compiled"):
+                    for mode in mesh_modes:
                         results[f"{w}/{n}/{mode}"] = measure(w, mode, procs, client)
         finally:
             procs.stop().get(timeout=TIMEOUT)
     load1 = os.getloadavg()
-    head = ["workload", "procs", "mode", "ctl_us", "step_ms", "msgs", "step / eager"]
+    head = ["workload", "params", "procs", "mode", "ctl_us", "cpu_us", "step_ms", "msgs", "step / eager",
+            "cpu / gpt2"]
     rows = []
     for w in WORKLOADS:
-        eager = results[f"{w}/eager"]
-        rows.append([w, "-", "eager", f"{eager['ctl_us']:.0f}", f"{eager['step_ms']:.2f}", "-", "1.00"])
+        eager = results.get(f"{w}/eager")
+        if eager is not None:
+            rows.append([w, str(eager["params"]), "-", "eager", f"{eager['ctl_us']:.0f}", f"{eager['cpu_us']:.0f}",
+                         f"{eager['step_ms']:.2f}", "-", "1.00", "-"])
         for n in PROCS:
-            for mode in ("uncompiled", "compiled"):
+            for mode in mesh_modes:
                 r = results[f"{w}/{n}/{mode}"]
-                rows.append([w, str(n), mode, f"{r['ctl_us']:.0f}", f"{r['step_ms']:.2f}", f"{r['msgs']:.1f}",
-                             f"{r['step_ms'] / eager['step_ms']:.2f}"])
+                base = results.get(f"gpt2/{n}/compiled") if mode == "compiled" and w.startswith("gpt") else None
+                rows.append([w, str(r["params"]), str(n), mode, f"{r['ctl_us']:.0f}", f"{r['cpu_us']:.0f}",
+                             f"{r['step_ms']:.2f}", f"{r['msgs']:.1f}",
+                             f"{r['step_ms'] / eager['step_ms']:.2f}" if eager else "-",
+                             f"{r['cpu_us'] / base['cpu_us']:.2f}" if base else "-"])
     print(markdown(head, rows, {}, {}))
     print(f"load average {load0[0]:.2f} at the start, {load1[0]:.2f} at the end")
     if args.json:
-        write_json(args.json, args.tiny, (load0[0], load1[0]), settings={k: globals()[k] for k in SETTINGS},
+        write_json(args.json, args.tiny, (load0[0], load1[0]),
+                   settings={k: globals()[k] for k in SETTINGS + ["MODES"]},
                    results=results)
 
 

@@ -23,12 +23,18 @@ A call runs ``fn`` as usual while the instructions it issues are recorded (a
 A later call whose arguments match (tensors: metadata, mesh, stream, aliasing;
 anything else: equal values) and whose guards hold is one ``RunProgram``: the
 controller does not run ``fn``, it makes the result tensors and sends the
-input and output refs. Guards: the tensors the trace used from outside
-(captured: globals, closures, parameters, optimizer state) keep their refs,
-metadata and mesh; parameters' ``.grad`` are the tensors the trace left; no
-one else holds those; optimizers stepped inside keep their hyperparameters
-(``lr`` changed by a scheduler); local tensors the trace uploaded keep their
-values. A call that fails a guard records again (at most ``CACHE_SIZE``
+input and output refs. The key includes the grad mode. Guards: the tensors
+the trace used from outside (captured: globals, closures, parameters,
+optimizer state) keep their refs, metadata, mesh and ``requires_grad``;
+parameters' ``.grad`` are the tensors the trace left, with their refs; no one
+else holds those; no module the trace called had a parameter, buffer or
+submodule assigned, and no captured tensor was replaced in a module;
+optimizers stepped inside keep their hyperparameters (``lr`` changed by a
+scheduler); local tensors the trace uploaded keep their values. The
+per-tensor guards are checked only when the guards' epoch
+(``controller/tensor.py``) moved since they last held, so a replay's cost
+does not grow with the number of parameters but for one C loop over the
+reference counts of the tensors it left. A call that fails a guard records again (at most ``CACHE_SIZE``
 programs per function). ``verify=True`` records once more the first time a
 program would be reused and raises, naming the line, where the two traces
 differ.
@@ -54,6 +60,7 @@ import warnings
 import weakref
 
 import torch
+from torch.nn.modules import module as _module
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 
@@ -197,6 +204,7 @@ class _Recorder:
         self.locals: list = []      # (local tensor, its value) the call's ops uploaded
         self.refusal = None         # (why the trace cannot be replayed, where)
         self.optimizers: dict = {}  # id -> optimizer stepped during the call
+        self.modules: set = set()   # ids of the modules called during the call
 
     def refuse(self, why: str, loc=None) -> None:
         if self.refusal is None:
@@ -211,6 +219,7 @@ class _Recorder:
             c.request = self._request
             c.issue_later = functools.partial(self._issue_later, c)
         self._hook = register_optimizer_step_pre_hook(self._opt_hook)
+        self._mhook = _module.register_module_forward_pre_hook(self._module_hook)
         Tensor.__torch_dispatch__ = classmethod(_recording_dispatch)
         _FactoryMode.__torch_dispatch__ = _recording_factory
 
@@ -218,6 +227,7 @@ class _Recorder:
         Tensor.__torch_dispatch__ = _ORIG_DISPATCH
         _FactoryMode.__torch_dispatch__ = _ORIG_FACTORY
         self._hook.remove()
+        self._mhook.remove()
         for c in self.clients:
             for name in ("_send", "delete", "request", "issue_later"):
                 c.__dict__.pop(name, None)
@@ -245,6 +255,9 @@ class _Recorder:
     def _opt_hook(self, opt, args, kwargs) -> None:
         if id(opt) not in self.optimizers:  # (the hyperparameters it steps with)
             self.optimizers[id(opt)] = (opt, _hyper(opt))
+
+    def _module_hook(self, module, args) -> None:
+        self.modules.add(id(module))
 
     def note(self, func, args, kwargs) -> None:
         if func is not None and func.name() in _HOST_READS:
@@ -374,6 +387,7 @@ class _Trace:
         self.deleted_pre: set = set()
         self.optimizers: list = []  # (optimizer, hyperparameters)
         self.locals: list = []
+        self.modules: frozenset = frozenset()  # ids of the modules it called
 
     @property
     def standalone(self) -> bool:
@@ -421,6 +435,7 @@ def _analyse(rec: _Recorder, formals: list, inputs: list, leaves: list, spec: tu
     tr = _Trace()
     tr.spec = spec
     tr.locals = rec.locals
+    tr.modules = frozenset(rec.modules)
     if rec.refusal is not None:
         tr.refusal = rec.refusal
         return tr
@@ -572,6 +587,38 @@ def _same_value(a, b) -> bool:
 OK, MISS, DEAD = 0, 1, 2
 _IDS = operator.attrgetter("_ref", "_mid", "_ctx")
 _GRAD = operator.attrgetter("grad")
+_RG = operator.attrgetter("requires_grad")
+_live: weakref.WeakSet = weakref.WeakSet()  # every program, for _registered
+_hooks: list = []
+
+
+def _registered(module, name: str, value):
+    """A module's parameter, buffer or submodule is (re)assigned (``module.weight = ...``; torch's global
+    registration hooks): the programs that called that module, or that use what the assignment replaces, no
+    longer replay what their function does; they are dropped at their next call, which records anew."""
+    d = module.__dict__
+    old = [x for x in (d.get(k, {}).get(name) for k in ("_parameters", "_buffers", "_modules")) if x is not None]
+    if any(x is value for x in old):  # (the same object again: nothing changed)
+        return
+    tensors: set = set()
+    modules = {id(module)}
+    for x in old:
+        if isinstance(x, torch.nn.Module):
+            modules.update(map(id, x.modules()))
+            tensors.update(map(id, x.parameters()))
+            tensors.update(map(id, x.buffers()))
+        else:
+            tensors.add(id(x))
+    for prog in list(_live):
+        if not modules.isdisjoint(prog.modules) or not tensors.isdisjoint(prog.cap_id_set):
+            prog.stale = True
+
+
+def _watch_modules() -> None:
+    if not _hooks:
+        _hooks.extend((_module.register_module_parameter_registration_hook(_registered),
+                       _module.register_module_buffer_registration_hook(_registered),
+                       _module.register_module_module_registration_hook(_registered)))
 
 
 class _Program:
@@ -624,6 +671,14 @@ class _Program:
         self.out_new = tr.out_new
         self.out_dist = tr.out_dist
         self.spec = tr.spec
+        self.esc_ids = list(map(_IDS, self.escapees))
+        self.cap_rg = list(map(_RG, self.cap_objs))
+        self.cap_id_set = frozenset(map(id, self.cap_objs))
+        self.modules = tr.modules
+        self.stale = False   # a module it uses changed (_registered)
+        self.epoch = -1      # the guards' epoch (controller/tensor.py) at which its per-tensor guards last held
+        _watch_modules()
+        _live.add(self)
         self.esc_counts = list(map(sys.getrefcount, self.escapees))
 
     def complete(self) -> bool:
@@ -633,14 +688,21 @@ class _Program:
                                                                   if d[0] == "obj")
 
     def holds(self, inputs: list) -> int:
-        if list(map(sys.getrefcount, self.escapees)) != self.esc_counts:  # (first: the loops below hold some)
-            return DEAD
-        # (C loops: a replay's cost should not grow much with the number of parameters; ``is`` and tuples of
-        # ints and contexts, never a tensor's ``==``, which would be an op)
-        if not all(map(operator.eq, map(_IDS, self.cap_objs), self.cap_ids)):
-            return DEAD
-        if not all(map(operator.is_, map(_GRAD, self.param_objs), self.grads)):
-            return DEAD
+        if self.stale or list(map(sys.getrefcount, self.escapees)) != self.esc_counts:  # (first: the loops
+            return DEAD                                                                    # below hold some)
+        # The per-tensor guards (refs, metadata, mesh, requires_grad of the tensors it uses and leaves, the
+        # parameters' .grad) can only have changed if the guards' epoch moved since they last held (see
+        # controller/tensor.py): a replay's cost does not grow with the number of parameters. (C loops; ``is`` and
+        # tuples of ints and contexts, never a tensor's ``==``, which would be an op.)
+        now = _t.epoch
+        if now != self.epoch:
+            if not (all(map(operator.eq, map(_IDS, self.cap_objs), self.cap_ids))
+                    and all(map(operator.eq, map(_IDS, self.escapees), self.esc_ids))
+                    and all(map(operator.is_, map(_GRAD, self.param_objs), self.grads))):
+                return DEAD
+            if list(map(_RG, self.cap_objs)) != self.cap_rg:
+                return MISS
+            self.epoch = now
         for opt, hyper in self.optimizers:
             if _hyper(opt) != hyper:
                 return MISS
@@ -739,6 +801,7 @@ class Compiled:
                 key.append((t, x))
         spec = tuple(spec)
         key.append(spec)
+        key.append(torch.is_grad_enabled())  # (under torch.no_grad() the function records no backward)
         return tuple(key), inputs, spec, leaves
 
     def __call__(self, *args, **kwargs):

@@ -70,6 +70,20 @@ def _cpu_for_cuda(a):
     return a
 
 
+# ---- the guards' epoch ---------------------------------------------------------------------------------
+# ``epoch`` changes whenever something a compiled program's guards read may have changed (controller/compile.py):
+# a mesh tensor's ref, metadata, mesh or stream (``t.data = ...``, in-place metadata ops, ``drop()``), its
+# ``grad`` (set or deleted from Python, or written by autograd: every op recorded inside a backward pass counts,
+# and autograd sets a ``.grad`` only after an op made it), its ``requires_grad``, or the object as a whole
+# (``torch.utils.swap_tensors`` swaps ``__dict__`` and ``__class__``). A program whose guards held at an epoch
+# still holds them while it is unchanged, so a replay checks its per-tensor guards only after a change. Every
+# write of one of these attributes goes through ``Tensor.__setattr__``; only ``new_tensor`` writes a new
+# tensor's own ``__dict__`` (no program can hold a tensor not yet made).
+epoch = 0
+_GUARDED = frozenset(("_ref", "_mid", "_ctx", "grad", "_grad", "data", "requires_grad", "__dict__", "__class__"))
+_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
+
+
 class Tensor(DistributedMethods, torch.Tensor):
     """One local tensor per rank of a mesh, all of one shape; ops on it run on the workers.
 
@@ -86,6 +100,23 @@ class Tensor(DistributedMethods, torch.Tensor):
 
     def __init__(self, *args, **kwargs) -> None:
         pass
+
+    def __setattr__(self, name: str, value) -> None:
+        global epoch
+        if name in _GUARDED:
+            epoch += 1
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        global epoch
+        if name in _GUARDED:
+            epoch += 1
+        object.__delattr__(self, name)
+
+    def requires_grad_(self, requires_grad: bool = True):
+        global epoch
+        epoch += 1
+        return torch.Tensor.requires_grad_(self, requires_grad)
 
     def __del__(self) -> None:
         try:
@@ -406,10 +437,11 @@ def new_tensor(meta: tuple, mid: int, ctx: Ctx, ref: int) -> Tensor:
     t = _wrap(Tensor, meta[0], strides=meta[1], storage_offset=meta[2], dtype=meta[3], device="cpu")
     if len(meta) > 4:  # a lazily conjugated or negated view: torch's own fallbacks resolve it where ops need it
         _set_bits(t, meta[4])
-    t._meta = meta
-    t._mid = mid
-    t._ctx = ctx
-    t._ref = ref
+    d = t.__dict__  # (a new tensor: not ``Tensor.__setattr__``, which moves the guards' epoch for these names)
+    d["_meta"] = meta
+    d["_mid"] = mid
+    d["_ctx"] = ctx
+    d["_ref"] = ref
     return t
 
 
@@ -795,6 +827,9 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
     an ``(index, item)`` pair inside a list argument, or a kwarg name), so a
     batch pickles as plain tuples and ints.
     """
+    global epoch
+    if _graph_task_id() != -1:  # inside a backward pass: autograd may bind a .grad to this op's result
+        epoch += 1
     dd = _default_dtype()
     key = [func] if dd is _F32 else [func, dd]  # (factories and type promotion depend on it)
     tensors: list = []

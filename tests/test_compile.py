@@ -344,3 +344,116 @@ def test_global_tensors_stay_global_and_their_layout_is_part_of_the_key(mesh):
         total, _ = f(part)
         assert delta(b) == {"recordings": 1, "replays": 1}
         assert total.full_tensor().item() == 112.0
+
+
+def _guarded_changes(model, opt, kept, data):
+    """(what, change, whether the next call must record anew) for changes made between calls of a compiled
+    training step: the guards' epoch lets a replay skip its per-tensor guards only while none of these happened."""
+    w0, b0, w2, b2 = model[0].weight, model[0].bias, model[2].weight, model[2].bias
+    x, y = data
+
+    def outside_backward(create_graph=False, inputs=None):
+        # (accumulates into the existing grads: in place, or with create_graph=True, as new tensors autograd binds)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (torch's, on create_graph=True: a reference cycle)
+            F.cross_entropy(model(x), y).backward(create_graph=create_graph, inputs=inputs)
+
+    return [
+        ("nothing", lambda: None, False),
+        ("zero_grad(set_to_none=False)", lambda: opt.zero_grad(set_to_none=False), False),
+        ("a backward outside the step", outside_backward, False),
+        ("a backward outside the step, create_graph=True", lambda: outside_backward(True), True),
+        ("a .grad held, then replaced by autograd", lambda: (kept.append(w0.grad), outside_backward(True, [w0])),
+         True),  # (its refcount unchanged)
+        ("zero_grad()", lambda: opt.zero_grad(), True),
+        ("a .grad replaced", lambda: setattr(b0, "grad", torch.zeros_like(b0)), True),
+        ("a .grad deleted", lambda: delattr(w2, "grad"), True),
+        ("a .grad held by the script", lambda: kept.append(b2.grad), True),
+        ("a .grad's data replaced", lambda: setattr(w2.grad, "data", torch.ones_like(w2)), True),
+        ("a parameter's data replaced", lambda: setattr(w0, "data", w0.detach() * 0.5), True),
+        ("a parameter frozen", lambda: b0.requires_grad_(False), True),
+        ("a parameter unfrozen", lambda: setattr(b0, "requires_grad", True), True),
+        ("a module's parameter swapped", lambda: setattr(model[2], "weight", torch.nn.Parameter(w2.detach() * 2)),
+         True),
+    ]
+
+
+def _run_with_changes(wrap, data, batches):
+    """Trains with a step wrapped by ``wrap``, making each of ``_guarded_changes`` before one call; the values of
+    losses, parameters, gradients and tensors kept, and per change (what, records, counts of that call)."""
+    model = _model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    kept: list = []
+    changes = _guarded_changes(model, opt, kept, data)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    step = wrap(step)
+    losses, after = [], []
+    for i, (x, y) in enumerate(batches):  # (one call site: a recording names its caller's line)
+        k, r = divmod(i - 4, 3)  # a change before every third call, from the fifth on (the fourth replays)
+        if i >= 4 and r == 0:
+            what, change, records = changes[k]
+            change()
+            b = counts()
+        losses.append(step(x, y))
+        if i >= 4 and r == 0:
+            after.append((what, records, delta(b)))
+    return ([value(t) for t in losses], [value(p) for p in model.parameters()],
+            [None if p.grad is None else value(p.grad) for p in model.parameters()], [value(t) for t in kept], after)
+
+
+def test_guards_follow_changes_between_replays_bit_for_bit(mesh):
+    """Each change between calls: the next call records anew where a replay would not do what the function does
+    (else it replays), and losses, parameters, gradients and tensors the script kept equal the uncompiled run's."""
+    with mesh.activate():
+        torch.manual_seed(6)
+        data = _batches(1)[0]
+        batches = _batches(4 + 3 * 14)
+        l1, p1, g1, k1, _ = _run_with_changes(lambda f: f, data, batches)
+        l2, p2, g2, k2, after = _run_with_changes(compile, data, batches)
+        assert len(after) == 14
+        for what, records, d in after:
+            assert d == ({"recordings": 1, "replays": 0} if records else {"recordings": 0, "replays": 1}), what
+        assert len(k1) == len(k2) == 2
+        for a, c in zip(l1 + p1 + k1, l2 + p2 + k2):
+            assert torch.equal(a, c)
+        assert [g is None for g in g1] == [g is None for g in g2]
+        for a, c in zip(g1, g2):
+            assert a is None or torch.equal(a, c)
+
+
+def test_a_dropped_parameter_or_no_grad_fails_as_uncompiled(mesh):
+    with mesh.activate():
+        model = _model(7)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = _batches(1)[0]
+
+        @compile
+        def step(x, y):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        for _ in range(4):
+            step(x, y)
+        b = counts()
+        with torch.no_grad(), pytest.raises(RuntimeError, match="does not require grad"):
+            step(x, y)  # (the grad mode is part of the key: recorded, so backward() raises as uncompiled)
+        assert delta(b) == {"recordings": 1, "replays": 0}
+        b = counts()
+        for _ in range(3):  # (zero_grad() ran before backward() raised: the grads are new again)
+            step(x, y)
+        assert delta(b)["replays"] == 1
+        model[0].bias.drop()
+        b = counts()
+        with pytest.raises(MeshTensorError):  # (as the function's own call raises it)
+            step(x, y)
+        assert delta(b) == {"recordings": 1, "replays": 0}
