@@ -21,6 +21,8 @@ Runtimes, each in fresh processes, runs interleaved (``--only`` picks some):
   fsdp_c        ours, with ``--fused``: ``module_to_mesh(model, procs {"dp": 2})`` and each rank its half batch (plain
                 mesh tensors), the whole step (forward, backward, AdamW) under ``monarch_tensor.compile``
   ddp_c         ours, with ``--fused``: the ddp layout, the whole step (with its ``reduce_``) under ``compile``
+  tp_c          ours, with ``--fused``: the tp layout, each step's batch ``distribute``d on its own, the whole step
+                under ``compile``
   tp            ours: ``module_to_mesh(model, procs {"dp": 2, "tp": 2}, plan=TP_PLAN)``
   fsdp2_tp      torchrun, 4 ranks: ``init_device_mesh(("dp", "tp"))``, ``parallelize_module`` of each Block with
                 TP_PLAN's colwise / rowwise styles on "tp", then ``fully_shard`` over "dp" (the fused qkv's
@@ -87,12 +89,14 @@ MARKER = "TRAIN_BENCH_RESULT "
 
 RUNTIMES = {"local": "local eager", "fsdp": "ours {dp: 2} FSDP", "fsdp_c": "ours {dp: 2} FSDP, compiled",
             "fsdp2": "torchrun FSDP2", "ddp": "ours {dp: 2} DDP", "ddp_c": "ours {dp: 2} DDP, compiled",
-            "torch_ddp": "torchrun DDP", "tp": "ours {dp: 2, tp: 2}", "fsdp2_tp": "torchrun FSDP2+TP"}
-PEERS = {"fsdp": "fsdp2", "fsdp_c": "fsdp2", "ddp": "torch_ddp", "ddp_c": "torch_ddp", "tp": "fsdp2_tp"}
-OURS = ("fsdp", "fsdp_c", "ddp", "ddp_c", "tp")
-COMPILED = ("fsdp_c", "ddp_c")  # only with --fused
+            "torch_ddp": "torchrun DDP", "tp": "ours {dp: 2, tp: 2}", "tp_c": "ours {dp: 2, tp: 2}, compiled",
+            "fsdp2_tp": "torchrun FSDP2+TP"}
+PEERS = {"fsdp": "fsdp2", "fsdp_c": "fsdp2", "ddp": "torch_ddp", "ddp_c": "torch_ddp", "tp": "fsdp2_tp",
+         "tp_c": "fsdp2_tp"}
+OURS = ("fsdp", "fsdp_c", "ddp", "ddp_c", "tp", "tp_c")
+COMPILED = ("fsdp_c", "ddp_c", "tp_c")  # only with --fused
 TORCHRUN = {"fsdp2": "fsdp2", "torch_ddp": "ddp", "fsdp2_tp": "tp"}  # kind -> the torchrun worker's mode
-FOUR_PROCS = ("tp", "fsdp2_tp")
+FOUR_PROCS = ("tp", "tp_c", "fsdp2_tp")
 
 
 # ---- the model and the data, the same for every runtime -------------------------------------------------
@@ -157,7 +161,7 @@ def measure_ours(kind, res):
 
     cfg, X, Y = data()
     n = X.shape[0]
-    shape = {"dp": DP, "tp": TP} if kind == "tp" else {"dp": DP}
+    shape = {"dp": DP, "tp": TP} if kind in ("tp", "tp_c") else {"dp": DP}
     procs = this_host().spawn_procs(per_host=shape)
     try:
         with procs.activate():
@@ -189,10 +193,17 @@ def measure_ours(kind, res):
                 def value(loss):
                     return float(fetch_shard(loss.detach().reduce("dp", "avg"), dp=0).result(timeout=TIMEOUT))
             else:
-                model = module_to_mesh(new_model(cfg), procs, plan=TP_PLAN if kind == "tp" else None)
-                places = {d: (Shard(1) if d == "dp" else Replicate()) for d in shape}  # (step, batch, pos)
-                xs, ys = distribute(X, procs, places), distribute(Y, procs, places)
-                step = adamw_step(model)
+                model = module_to_mesh(new_model(cfg), procs, plan=TP_PLAN if kind in ("tp", "tp_c") else None)
+                if kind == "tp_c":  # one DTensor a step (views of one would differ in storage offset: new keys)
+                    places = {d: (Shard(0) if d == "dp" else Replicate()) for d in shape}  # (batch, pos)
+                    xs = [distribute(X[i], procs, places) for i in range(n)]
+                    ys = [distribute(Y[i], procs, places) for i in range(n)]
+                    inner = adamw_step(model)
+                    step = compile(lambda x, y: inner(x, y).detach(), verify=False)
+                else:
+                    places = {d: (Shard(1) if d == "dp" else Replicate()) for d in shape}  # (step, batch, pos)
+                    xs, ys = distribute(X, procs, places), distribute(Y, procs, places)
+                    step = adamw_step(model)
 
                 def wait(loss):
                     return loss.full_tensor().item()
