@@ -13,13 +13,14 @@ checked against local eager torch.
 
 Runtimes, each in fresh processes, runs interleaved (``--only`` picks some):
   local         local eager torch in one process
-  fsdp          ours: ``module_to_mesh(model, procs {"dp": 2})``, the batch ``distribute``d Shard(0)
+  fsdp          ours: ``module_to_mesh(model, procs {"dp": 2})``, each rank its half batch as a plain mesh tensor
+                (as FSDP2 takes it: each block all-gathers its parameters and computes on plain tensors)
   fsdp2         torchrun, 2 ranks: ``fully_shard`` (FSDP2) per Block, then the root; each rank its half batch
   ddp           ours: the model built inside ``procs.activate()`` (replicated), each rank its half batch,
                 ``reduce_([p.grad ...], "dp", "avg")`` after ``loss.backward()`` (examples/train_ddp.py)
   torch_ddp     torchrun, 2 ranks: ``DistributedDataParallel`` (gloo, its buckets)
-  fsdp_c        ours, with ``--fused``: ``module_to_mesh(model, procs {"dp": 2})`` and each rank its half batch (plain
-                mesh tensors), the whole step (forward, backward, AdamW) under ``monarch_tensor.compile``
+  fsdp_c        ours, with ``--fused``: the fsdp layout, the whole step (forward, backward, AdamW) under
+                ``monarch_tensor.compile``
   ddp_c         ours, with ``--fused``: the ddp layout, the whole step (with its ``reduce_``) under ``compile``
   tp_c          ours, with ``--fused``: the tp layout, each step's batch ``distribute``d on its own, the whole step
                 under ``compile``
@@ -166,8 +167,8 @@ def measure_ours(kind, res):
     try:
         with procs.activate():
             fetch_shard(torch.zeros(1), {d: 0 for d in shape}).result(timeout=TIMEOUT)  # warm procs
-            if kind in ("ddp", "ddp_c", "fsdp_c"):  # each rank its half batch, as plain mesh tensors
-                if kind == "fsdp_c":
+            if kind in ("ddp", "ddp_c", "fsdp", "fsdp_c"):  # each rank its half batch, as plain mesh tensors
+                if kind in ("fsdp", "fsdp_c"):
                     model = module_to_mesh(new_model(cfg), procs)
                     step = adamw_step(model)
                 else:
