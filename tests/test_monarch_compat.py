@@ -62,7 +62,19 @@ class Fatal(Actor):
         return "pong"
 
 
-class Parent(Actor):
+class _Supervising(Actor):
+    """Records the supervision events of its children (``self.failures``) and handles them."""
+
+    @endpoint
+    def seen(self) -> list:
+        return self.failures
+
+    def __supervise__(self, failure) -> bool:
+        self.failures.append(str(failure))
+        return True
+
+
+class Parent(_Supervising):
     """Owns a mesh of ``Fatal`` actors and records what its ``__supervise__`` sees."""
 
     def __init__(self, procs) -> None:
@@ -76,14 +88,6 @@ class Parent(Actor):
         except SupervisionError as e:
             return type(e).__name__
         return "no error"
-
-    @endpoint
-    def seen(self) -> list:
-        return self.failures
-
-    def __supervise__(self, failure) -> bool:
-        self.failures.append(str(failure))
-        return True
 
 
 @pytest.fixture(scope="module")
@@ -173,21 +177,13 @@ class FailsInInit(Actor):
         return "pong"
 
 
-class InitOwner(Actor):
+class InitOwner(_Supervising):
     def __init__(self) -> None:
         self.failures = []
 
     @endpoint
     def spawn_failing(self, procs) -> None:
         self.child = procs.spawn("failing_grandchild", FailsInInit, "the grandchild's __init__")
-
-    @endpoint
-    def seen(self) -> list:
-        return self.failures
-
-    def __supervise__(self, failure) -> bool:
-        self.failures.append(str(failure))
-        return True
 
 
 def test_an_init_error_on_a_mesh_nobody_calls_reaches_the_fault_hook(procs, faults):
