@@ -105,6 +105,18 @@ def _model(seed):
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
 
 
+def _step(model, opt):
+    """A training step of ``model`` (cross entropy) with ``opt``, returning its loss."""
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
 def _train(model, opt, batches, dp: bool, fn_wrap=lambda f: f, sched=None):
     def step(x, y):
         opt.zero_grad()
@@ -177,13 +189,7 @@ def test_one_message_per_proc_per_replay(mesh):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         x, y = _batches(1)[0]
 
-        @compile(verify=False)
-        def step(x, y):
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            return loss
+        step = compile(_step(model, opt), verify=False)
 
         for _ in range(4):
             step(x, y)
@@ -294,14 +300,7 @@ def test_sharded_training_step_equals_uncompiled(mesh):
         m2, o2 = make()
 
         def train(model, opt, wrap):
-            def step(x, y):
-                opt.zero_grad()
-                loss = F.cross_entropy(model(x), y)
-                loss.backward()
-                opt.step()
-                return loss
-
-            step = wrap(step)
+            step = wrap(_step(model, opt))
             return [step(x, y) for x, y in batches]
 
         eager = train(m1, o1, lambda f: f)
@@ -386,14 +385,7 @@ def _run_with_changes(wrap, data, batches):
     kept: list = []
     changes = _guarded_changes(model, opt, kept, data)
 
-    def step(x, y):
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
-    step = wrap(step)
+    step = wrap(_step(model, opt))
     losses, after = [], []
     for i, (x, y) in enumerate(batches):  # (one call site: a recording names its caller's line)
         k, r = divmod(i - 4, 3)  # a change before every third call, from the fifth on (the fourth replays)
@@ -434,13 +426,7 @@ def test_a_dropped_parameter_or_no_grad_fails_as_uncompiled(mesh):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         x, y = _batches(1)[0]
 
-        @compile
-        def step(x, y):
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            return loss
+        step = compile(_step(model, opt))
 
         for _ in range(4):
             step(x, y)
