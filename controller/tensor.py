@@ -751,13 +751,25 @@ def _written(pos, names, args, kwargs) -> list:
     return [t for a in written for t in (a if type(a) in (list, tuple) else (a,))]
 
 
+def _stand_ins(how: str, tensors) -> list:
+    """Tensors with the metadata of ``tensors``, for running a call again to raise torch's own error: "zeros"
+    (real memory, zeroed), "empty" (real memory, never touched: for a view, which reads no element) or
+    "broadcast" (one zero broadcast to each shape, no memory: torch checks shapes before it reads an
+    element)."""
+    metas = [t._meta if type(t) is Tensor else meta_of(t) for t in tensors]
+    if how == "broadcast":
+        return [torch.zeros((), dtype=m[3]).expand(m[0]) for m in metas]
+    made = [to_fake(m) for m in metas]
+    return [t.zero_() for t in made] if how == "zeros" else made
+
+
 def _raise_as_torch(func, args, kwargs, tensors) -> None:
     """Run ``func`` here, outside the fake mode, on zeros of its tensors' metadata, to raise torch's own
     error: torch refuses most in-place writes to a tensor whose elements overlap (``x.expand(2, 3).mul_(2)``)
     at the call, and the meta kernels that propagation runs do not check it (the workers' error came only at a
     fetch). An op that allows it (``fill_``) passes. A local tensor argument is replaced by zeros too: the call
     must not write to the script's own tensor."""
-    zeros = [to_fake(t._meta if type(t) is Tensor else meta_of(t)).zero_() for t in tensors]
+    zeros = _stand_ins("zeros", tensors)
     zargs, zkwargs = _substituted(args, kwargs, zeros)
     func(*zargs, **zkwargs)
 
@@ -777,6 +789,10 @@ def _substituted(args, kwargs, replacements: list) -> tuple[tuple, dict]:
     return tuple(sub(a) for a in args), {k: sub(v) for k, v in kwargs.items()}
 
 
+def _returns_alias(func) -> bool:
+    return any(r.alias_info is not None for r in func._schema.returns)
+
+
 # The exception types torch's meta kernels raise for a wrong call (torch._check and its kin). The fake mode's
 # own exceptions (an op without a fake kernel, ...) are subclasses, and are left as they are.
 _META_ERRORS = (RuntimeError, ValueError, IndexError, TypeError, NotImplementedError)
@@ -788,14 +804,28 @@ def _raise_torch_error(func, args, kwargs, tensors, error: Exception) -> None:
     """Raise torch's own error for a call whose fake run raised ``error``. A meta kernel checks what torch's
     kernel checks, but some raise another exception type: ``x.t().view(12)`` and ``x.clamp()`` a ValueError
     (torch: RuntimeError, with its "use .reshape" hint), ``x[[0, 0], [0, 0, 0]]`` and ``torch.empty(0).argmax()``
-    a RuntimeError (torch: IndexError), which an ``except`` written for local torch misses. So the call runs
-    again on zeros of its inputs' metadata (see _raise_as_torch), and what torch raises there is raised, from
-    ``error``. Only where that is cheap (at most RERUN_NUMEL elements in all) and harmless (an aten op that
-    draws no random numbers); else, or where the real call passes (a meta kernel's own limit), ``error`` is."""
-    if (type(error) in _META_ERRORS and func.namespace == "aten" and torch.Tag.nondeterministic_seeded not in func.tags
-            and sum(_extent(t._meta if type(t) is Tensor else meta_of(t)) for t in tensors) <= RERUN_NUMEL):
+    a RuntimeError (torch: IndexError), which an ``except`` written for local torch misses, and others another
+    message (``a @ b``: "a and b must have same reduction dim", torch: "mat1 and mat2 shapes cannot be
+    multiplied"). So the call runs again on zeros of its inputs' metadata (see _raise_as_torch), and what torch
+    raises there is raised, from ``error``. Only where that is harmless (an aten op that draws no random
+    numbers) and cheap: at most RERUN_NUMEL elements in all, or else an op that does not write its inputs, run
+    on stand-ins that cost no time (see _stand_ins). Else, or where the real call passes (a meta kernel's own
+    limit), ``error`` is."""
+    if type(error) in _META_ERRORS and func.namespace == "aten" and torch.Tag.nondeterministic_seeded not in func.tags:
+        small = sum(_extent(t._meta if type(t) is Tensor else meta_of(t)) for t in tensors) <= RERUN_NUMEL
+        pos, names = _mutated(func)
+        how = "zeros" if small else None if pos or names else "empty" if func.is_view or _returns_alias(func) \
+            else "broadcast"
         try:
-            _raise_as_torch(func, args, kwargs, tensors)
+            inputs = how and _stand_ins(how, tensors)
+        except RuntimeError:  # (no memory for the stand-ins)
+            inputs = None
+        if inputs is None:
+            error._at_user_line = True
+            raise error
+        try:
+            zargs, zkwargs = _substituted(args, kwargs, inputs)
+            func(*zargs, **zkwargs)
         except Exception as real:
             real._at_user_line = True  # (torch's own error for this call: shown at the user's line)
             raise real from error

@@ -1001,6 +1001,15 @@ def test_an_error_at_the_line_has_torchs_own_exception_type(procs):
         with pytest.raises(MeshTensorError, match="depends on the data"):  # the controller's own error stays
             x.nonzero()
         assert inspect(x.clamp(min=2.0)).tolist() == [[2.0] * 4] * 3
+        # Inputs too large to run again on zeros: ones broadcast to their shapes give torch's message (the
+        # meta kernel's is "a and b must have same reduction dim").
+        big = torch.ones(1200, 1000)
+        with pytest.raises(RuntimeError, match=r"^mat1 and mat2 shapes cannot be multiplied \(1200x1000 and 3x5\)$"):
+            big @ torch.ones(3, 5)
+        with pytest.raises(IndexError, match="could not be broadcast together"):
+            big[[0, 0], [0, 0, 0]]
+        with pytest.raises(RuntimeError, match=r"view size is not compatible"):  # a view: the meta kernel's
+            big.t().view(-1)
 
 
 def _add_one(a, b=1):
