@@ -35,6 +35,7 @@ from worker.worker import WORKER_NAME, TensorWorker
 MAX_BATCH = int(os.environ.get("MONARCH_TENSOR_MAX_BATCH", "512"))
 FIRST_BATCH = min(MAX_BATCH, int(os.environ.get("MONARCH_TENSOR_FIRST_BATCH", "16")))
 IDLE_S = float(os.environ.get("MONARCH_TENSOR_IDLE_FLUSH_S", "0.001"))
+PAUSE_ANSWER = 10.0  # how long an interrupt waits for the paused workers to say how far they got (withdraw)
 DELETE_IDLE_S = 0.5  # how often the flusher looks for deletes left with no batch to go with
 
 
@@ -143,6 +144,8 @@ class MeshClient:
         self.workers = alloc._spawn_named(WORKER_NAME, TensorWorker, self.store_addr)
         self.closed = False
         self.messages = 0  # instruction batches sent, one per proc they went to
+        self.seq = 0  # the sequence number of the last instruction sent (see withdraw)
+        self._withdrawing = False
         _flusher._clients.add(self)
 
     def ctx(self, pm, stream) -> Ctx:
@@ -346,7 +349,8 @@ class MeshClient:
             return
         addrs = self.addrs
         to = [r for r in ranks if self.alloc._procs[r].alive]
-        msg = CallEndpoint(WORKER_NAME, "execute", (batch,), {}, None)
+        msg = CallEndpoint(WORKER_NAME, "execute", (batch, self.seq + 1), {}, None)
+        self.seq += len(batch)
         if to and self.mailbox.route_of(addrs[to[0]]).startswith("ipc://"):
             frames = _wire.encode(msg)  # constants are small; one encoding for every rank
         else:  # other hosts: a large constant is pulled by each worker over the data plane
@@ -354,6 +358,51 @@ class MeshClient:
         self.messages += len(to)
         for r in to:
             self.mailbox.send_frames(addrs[r], frames)
+
+    # ---- interrupts --------------------------------------------------------------------------
+    def withdraw(self) -> None:
+        """The script was interrupted (Ctrl-C, a notebook's stop) while it waited on these workers: drop the work
+        sent that no rank has begun, so that the procs are free for what comes next. Each worker pauses its
+        streams and says how far it got; the work after the furthest any rank got, up to the last instruction
+        sent, is dropped on every rank (TensorWorker.pause); its results raise "withdrawn" when used. Runs on a
+        thread of its own: the interrupt reaches the script at once; what the script issues next queues behind
+        the decision. With no answer from a worker (within PAUSE_ANSWER s), nothing is dropped."""
+        with self._lock:
+            if self.closed or self._withdrawing:
+                return
+            self.flush()
+            end = self.seq
+            if not end:
+                return
+            self._withdrawing = True
+        threading.Thread(target=self._withdraw, args=(end,), daemon=True, name="monarch-withdraw").start()
+
+    def _withdraw(self, end: int) -> None:
+        live = [info for info in self.alloc._procs if info.alive]
+        after = end
+        try:
+            answers = []
+            for info in live:
+                fut: Future = Future("a paused worker's answer")
+                port = self.mailbox.open_port(_FetchPort(fut, info.addr))
+                self.mailbox.send(info.addr, CallEndpoint(WORKER_NAME, "pause", (), {}, port))
+                answers.append(fut)
+            self.mailbox.flush()
+            got = [f.get(timeout=PAUSE_ANSWER) for f in answers]
+            after = max(got)
+        except Exception as e:  # noqa: BLE001 - a worker gone or silent: nothing is dropped, streams run on
+            sys.stderr.write(f"monarch_tensor: the interrupted work could not be withdrawn ({e}); it runs on\n")
+        finally:
+            for info in live:
+                try:
+                    self.mailbox.send(info.addr, CallEndpoint(WORKER_NAME, "withdraw", (after, end), {}, None))
+                except Exception:  # noqa: BLE001 - a proc gone meanwhile
+                    pass
+            self.mailbox.flush()
+            self._withdrawing = False
+        if after < end:
+            sys.stderr.write("monarch_tensor: interrupted: the mesh work not yet begun was withdrawn; tensors it "
+                             "would have made raise RemoteException (withdrawn) when used\n")
 
     # ---- fetching ----------------------------------------------------------------------------
     def request(self, rank: int, make_instr, what: str = "fetch", mesh: tuple = ()) -> Future:
@@ -376,6 +425,7 @@ class MeshClient:
                                                       f"{info.exit_status}", proc=info.addr, rank=r,
                                                       exit_status=info.exit_status))
         procs = self.alloc._procs
+        fut._interrupt = self.withdraw  # (an interrupted wait for it withdraws the work not begun)
         port = self.mailbox.open_port(_FetchPort(fut, procs[rank].addr, frozenset(procs[r].addr for r in mesh)))
         with self._lock:  # (another thread's ops must not join the batch for this one rank)
             self.issue(make_instr(port), (rank,))

@@ -9,6 +9,8 @@ import asyncio
 import copy
 import gc
 import os
+import sys
+import threading
 import time
 
 import pytest
@@ -1010,6 +1012,50 @@ def test_an_error_at_the_line_has_torchs_own_exception_type(procs):
             big[[0, 0], [0, 0, 0]]
         with pytest.raises(RuntimeError, match=r"view size is not compatible"):  # a view: the meta kernel's
             big.t().view(-1)
+
+
+def _interrupt_when_waiting() -> threading.Thread:
+    """Ctrl-C for the main thread once it waits on a Future (as a person's would come: not in the middle of
+    the library's own bookkeeping)."""
+    import _thread
+
+    main = threading.main_thread().ident
+
+    def run():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            f = sys._current_frames().get(main)
+            while f is not None and not (f.f_code.co_name == "get" and f.f_code.co_filename.endswith("future.py")):
+                f = f.f_back
+            if f is not None:
+                _thread.interrupt_main()
+                return
+            time.sleep(0.05)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_an_interrupted_fetch_withdraws_the_mesh_work_no_rank_began(procs):
+    """Ctrl-C while a fetch waits: the instructions sent that no rank began are dropped on every rank (a
+    collective too: all of its ranks drop it or none does), what they would have made raises "withdrawn",
+    what ran before keeps its value, and the mesh answers the next fetch without running the rest."""
+    with procs.activate():
+        x = torch.ones(300, 300)
+        kept = x.sum()
+        for _ in range(3000):  # far more work than the procs finish before the interrupt
+            x = (x @ x / 300).reduce("gpus", "avg")
+        waiter = _interrupt_when_waiting()
+        with pytest.raises(KeyboardInterrupt):
+            inspect(x)
+        waiter.join()
+        assert inspect(torch.ones(2) + 1).tolist() == [2.0, 2.0]
+        assert inspect(kept).item() == 90000.0
+        with pytest.raises(RemoteException, match="withdrawn: the script was interrupted"):
+            inspect(x)
+        y = torch.ones(3) * 2  # and the mesh computes on
+        assert inspect(y.sum()).item() == 6.0
 
 
 def _add_one(a, b=1):

@@ -131,19 +131,52 @@ def resolve_function(fn: Any):
     return fn
 
 
+# How long a stream paused by an interrupt (TensorWorker.pause) waits for the controller's decision before it
+# runs on, dropping nothing.
+PAUSE_TIMEOUT = 60.0
+
+
 class _Stream:
+    """One stream's thread and queue. Work the script's interrupt withdrew (see TensorWorker.pause) is not
+    run: an instruction with a sequence number (only those that compute: see _WITHDRAWABLE) is dropped when
+    it falls in one of ``withdrawn``'s ``(after, end]`` ranges, and its results fail."""
+
     def __init__(self, worker: TensorWorker, sid: int, name: str) -> None:
         self.worker, self.sid, self.name = worker, sid, name
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.puts = self.dones = 0  # each written by one thread only (the proc's loop, this stream's)
+        self.started = 0  # the sequence number of the last withdrawable instruction begun
+        self.paused = False  # stop before the next instruction until the controller decides (pause/withdraw)
+        self.withdrawn: list[tuple[int, int]] = []
+        self.cv = threading.Condition()
         # In the worker actor's context: code the stream runs (remote functions) sees its rank (current_rank()).
         self.thread = threading.Thread(target=contextvars.copy_context().run, args=(self._run,), daemon=True,
                                        name=f"tensor-stream-{name}")
         self.thread.start()
 
-    def put(self, handler, arg) -> None:
+    def put(self, handler, arg, seq: int = 0) -> None:
         self.puts += 1
-        self.q.put((handler, arg))
+        self.q.put((handler, arg, seq))
+
+    def decide(self, after: int, end: int) -> None:
+        """The controller's decision after a pause: drop what falls in ``(after, end]``, run the rest."""
+        with self.cv:
+            if after < end:
+                self.withdrawn.append((after, end))
+            self.paused = False
+            self.cv.notify_all()
+
+    def _withdrawn(self, seq: int) -> bool:
+        """Whether to drop the instruction ``seq`` (after waiting out a pause); on this stream's thread."""
+        with self.cv:
+            if self.paused and not self.cv.wait_for(lambda: not self.paused, PAUSE_TIMEOUT):
+                self.paused = False
+                log.warning("tensor worker: stream %s was paused for an interrupt and no decision came within %s "
+                            "s; it runs on", self.name, PAUSE_TIMEOUT)
+            if not seq or not self.withdrawn:
+                return False
+            self.withdrawn = [r for r in self.withdrawn if seq <= r[1]]
+            return any(after < seq <= end for after, end in self.withdrawn)
 
     def idle(self) -> bool:
         return self.dones == self.puts
@@ -155,10 +188,15 @@ class _Stream:
             if self.sid != 0:
                 torch.cuda.set_stream(torch.cuda.Stream())
         while True:
-            handler, arg = self.q.get()
+            handler, arg, seq = self.q.get()
             if handler is None:
                 return
             try:
+                if seq:
+                    self.started = seq  # (before looking at `paused`: see TensorWorker.pause)
+                if (self.paused or self.withdrawn) and self._withdrawn(seq):
+                    w._drop(arg)
+                    continue
                 handler(arg)
             except BaseException:  # noqa: BLE001 - handlers store errors; this is a bug, keep serving
                 log.exception("tensor worker: handler %s failed", getattr(handler, "__name__", handler))
@@ -200,9 +238,11 @@ class TensorWorker(Actor):
 
     # ---- endpoints (run on the proc's loop thread: queue only, never block) -----------
     @endpoint
-    def execute(self, batch: list) -> None:
+    def execute(self, batch: list, first: int = 0) -> None:
+        """Queue ``batch`` on its streams. ``first``: the controller's sequence number of ``batch[0]`` (the
+        others follow it), by which an interrupt withdraws work (see ``pause``)."""
         handlers, streams = self._handlers, self.streams
-        for instr in batch:
+        for i, instr in enumerate(batch):
             t = type(instr)
             if t is tuple:  # an instruction that could not be read, and why: see mark_unreadable
                 streams[instr[0].stream].put(self._unreadable, instr)
@@ -222,7 +262,38 @@ class TensorWorker(Actor):
                 if t is m.CallFunction and self.warming is not None and type(instr.fn) is str and \
                         instr.fn.startswith("worker.dtensor."):
                     self._after_warm_up(streams[instr.stream])
-                streams[instr.stream].put(handlers[t], instr)
+                streams[instr.stream].put(handlers[t], instr, first + i if first and t in _WITHDRAWABLE else 0)
+
+    @endpoint
+    def pause(self) -> int:
+        """The script was interrupted (Ctrl-C) while waiting: stop every stream before its next instruction and
+        say how far they got (the highest sequence number begun). The controller takes the highest over all
+        ranks, and ``withdraw`` drops what comes after it up to the last instruction it sent: what no rank
+        began, so every rank drops the same instructions (a collective is run by all of its ranks or by none).
+
+        A stream sets ``started`` before it looks at ``paused``, and this sets ``paused`` before it reads
+        ``started``: so an instruction begun is counted, or its stream sees the pause and waits for the
+        decision before running it."""
+        for s in list(self.streams.values()):
+            s.paused = True
+        return max(s.started for s in list(self.streams.values()))
+
+    @endpoint
+    def withdraw(self, after: int, end: int) -> None:
+        """Drop the withdrawable instructions with sequence numbers in ``(after, end]``; streams run on."""
+        for s in list(self.streams.values()):
+            s.decide(after, end)
+
+    def _drop(self, msg) -> None:
+        """A withdrawn instruction: its results fail. The tensors it would have written keep the values they had,
+        as after an interrupted local script."""
+        op = {m.CallOp: lambda: msg.op, m.CallFunction: lambda: getattr(msg.fn, "__name__", str(msg.fn)),
+              m.Reduce: lambda: f"reduce({msg.reduction!r})", m.ReduceMany: lambda: f"reduce({msg.reduction!r})",
+              m.RunProgram: lambda: "compiled call"}[type(msg)]()
+        outs = msg.outputs if type(msg) is m.RunProgram else (msg.out,) if type(msg) is m.Reduce else msg.outs
+        loc = msg.locs[0] if type(msg) is m.ReduceMany else msg.loc
+        self._fail(outs, RemoteException(op, loc, self.rank, "withdrawn: the script was interrupted (Ctrl-C) "
+                                         "before this ran on the mesh", ""), own=False)
 
     def _after_warm_up(self, stream: _Stream) -> None:
         """DTensor work waits for the warm-up's imports, which it needs (it would wait on them anyway, on the
@@ -289,6 +360,7 @@ class TensorWorker(Actor):
 
     def __cleanup__(self) -> None:
         for s in self.streams.values():
+            s.decide(0, 0)  # (a stream paused by an interrupt ends too)
             s.put(None, None)
         self.coll.close()
 
@@ -677,6 +749,11 @@ class _Result:
 
     def proc_died(self, addr: str, error) -> tuple[bool, bool]:
         return False, False
+
+
+# The instructions an interrupt may withdraw: those that compute. The others (deletes, fetches, transfers,
+# borrows, actor calls) always run, so that nothing waits for ever and nothing leaks.
+_WITHDRAWABLE = frozenset({m.CallOp, m.CallFunction, m.Reduce, m.ReduceMany, m.RunProgram})
 
 
 def _memory(v) -> int | None:
