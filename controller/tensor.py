@@ -753,9 +753,9 @@ def _written(pos, names, args, kwargs) -> list:
 
 def _stand_ins(how: str, tensors) -> list:
     """Tensors with the metadata of ``tensors``, for running a call again to raise torch's own error: "zeros"
-    (real memory, zeroed), "empty" (real memory, never touched: for a view, which reads no element) or
-    "broadcast" (one zero broadcast to each shape, no memory: torch checks shapes before it reads an
-    element)."""
+    (real memory, zeroed), "empty" (memory never touched: for a view, which reads no element, or a call that
+    writes its inputs, which torch checks before it writes) or "broadcast" (one zero broadcast to each shape,
+    no memory: torch checks shapes before it reads an element)."""
     metas = [t._meta if type(t) is Tensor else meta_of(t) for t in tensors]
     if how == "broadcast":
         return [torch.zeros((), dtype=m[3]).expand(m[0]) for m in metas]
@@ -808,14 +808,13 @@ def _raise_torch_error(func, args, kwargs, tensors, error: Exception) -> None:
     message (``a @ b``: "a and b must have same reduction dim", torch: "mat1 and mat2 shapes cannot be
     multiplied"). So the call runs again on zeros of its inputs' metadata (see _raise_as_torch), and what torch
     raises there is raised, from ``error``. Only where that is harmless (an aten op that draws no random
-    numbers) and cheap: at most RERUN_NUMEL elements in all, or else an op that does not write its inputs, run
-    on stand-ins that cost no time (see _stand_ins). Else, or where the real call passes (a meta kernel's own
+    numbers) and cheap: at most RERUN_NUMEL elements in all, or else on stand-ins that cost no time (see
+    _stand_ins). Else, or where the real call passes (a meta kernel's own
     limit), ``error`` is."""
     if type(error) in _META_ERRORS and func.namespace == "aten" and torch.Tag.nondeterministic_seeded not in func.tags:
         small = sum(_extent(t._meta if type(t) is Tensor else meta_of(t)) for t in tensors) <= RERUN_NUMEL
         pos, names = _mutated(func)
-        how = "zeros" if small else None if pos or names else "empty" if func.is_view or _returns_alias(func) \
-            else "broadcast"
+        how = "zeros" if small else "empty" if pos or names or func.is_view or _returns_alias(func) else "broadcast"
         try:
             inputs = how and _stand_ins(how, tensors)
         except RuntimeError:  # (no memory for the stand-ins)

@@ -23,7 +23,7 @@ def test_dt_matmul_tour():
 
 @pytest.mark.timeout(300)
 def test_train_sharded_matches_local():
-    out = run_example("train_sharded.py", timeout=290).stdout
+    out = run_example("train_sharded.py", timeout=290, args=("--steps", "2")).stdout
     runs = dict(re.findall(r"^(local|fsdp  dp=2|dp=2 x tp=2): +losses (\[.*?\])", out, re.M))
     assert set(runs) == {"local", "fsdp  dp=2", "dp=2 x tp=2"}, out
     assert runs["fsdp  dp=2"] == runs["local"] and runs["dp=2 x tp=2"] == runs["local"], out

@@ -1011,7 +1011,9 @@ def test_an_error_at_the_line_has_torchs_own_exception_type(procs):
         with pytest.raises(IndexError, match="could not be broadcast together"):
             big[[0, 0], [0, 0, 0]]
         with pytest.raises(RuntimeError, match=r"view size is not compatible"):  # a view: the meta kernel's
-            big.t().view(-1)
+            big.t().view(-1)                                                     # is a ValueError
+        with pytest.raises(RuntimeError, match=r"^The size of tensor a \(1000\) must match"):  # in place
+            big.add_(torch.ones(3, 5))
 
 
 def _interrupt_when_waiting() -> threading.Thread:
