@@ -77,6 +77,7 @@ from .errors import MeshTensorError
 from .tensor import Tensor, forget_value, memory_of, new_tensor, record
 
 CACHE_SIZE = 8       # programs kept per compiled function (least recently used dropped)
+OFFSET_KEYS_WARN = 3  # keys differing only by storage offsets before compile warns (_look_for_moving_views)
 MAX_RECORDINGS = 4   # recordings in a row that cannot be replayed before a key runs uncompiled
 _SUPPORTED = (m.CallOp, m.CallFunction, m.CreateValue, m.CreateRank, m.Reduce, m.ReduceMany)
 _HOST_READS = ("aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal")
@@ -768,6 +769,8 @@ class Compiled:
         functools.update_wrapper(self, fn)
         self.fn, self.verify = fn, verify
         self.entries: collections.OrderedDict = collections.OrderedDict()
+        self.offset_keys: dict = {}  # keys with their tensors' storage offsets left out: how many keys each
+        self.offsets_warned = False
 
     def __get__(self, obj, objtype=None):  # a method: bound like a function
         return self if obj is None else functools.partial(self, obj)
@@ -817,6 +820,7 @@ class Compiled:
             entry = self.entries[key] = _Entry()
             if len(self.entries) > CACHE_SIZE:
                 self.entries.popitem(last=False)
+            self._look_for_moving_views(key, inputs)
         else:
             self.entries.move_to_end(key)
         if entry.eager:
@@ -845,6 +849,29 @@ class Compiled:
         tr, result = self._record(args, kwargs, inputs, leaves, spec, loc)
         self._learn(entry, tr)
         return result
+
+    def _look_for_moving_views(self, key: tuple, inputs: list) -> None:
+        """On a new key: warn once when keys keep differing only by where tensor arguments start in their memory
+        (``step(xs[i])`` over the rows of one tensor), which records every call anew: the offset is part of a
+        recording (its views' metadata)."""
+        if self.offsets_warned or not inputs:
+            return
+        metas = {t._mid: t._meta for t in inputs}
+
+        def without_offset(k):
+            if type(k) is tuple and len(k) in (2, 4) and type(k[0]) is int and k[0] in metas:
+                meta = metas[k[0]]
+                return (meta[:2] + meta[3:], *k[1:])
+            return k
+
+        loose = tuple(without_offset(k) for k in key)
+        n = self.offset_keys[loose] = self.offset_keys.get(loose, 0) + 1
+        if n == OFFSET_KEYS_WARN:
+            self.offsets_warned = True
+            warnings.warn(f"compile({self.__name__}) records anew on every call: its tensor arguments start at a "
+                          f"different place in their memory each time (views such as xs[i] of one tensor), and "
+                          f"where they start is part of a recording. Pass whole tensors (index inside the "
+                          f"function), or contiguous copies (xs[i].clone())", stacklevel=3)
 
     def _learn(self, entry: _Entry, tr: _Trace) -> None:
         """Make a program of ``tr`` if it is replayable (see the module docstring), else remember it."""

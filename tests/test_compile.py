@@ -84,6 +84,25 @@ def test_aliasing_pattern_is_part_of_the_key(mesh):
         assert torch.equal(value(r), torch.full((3,), 6.0))
 
 
+def test_views_at_moving_offsets_record_anew_and_say_so(mesh):
+    with mesh.activate():
+        @compile(verify=False)
+        def f(x):
+            return x * 2
+
+        xs = torch.arange(12.0).reshape(4, 3)
+        b = counts()
+        with pytest.warns(UserWarning, match=r"records anew on every call.*xs\[i\]\.clone\(\)"):
+            rows = [f(xs[i]) for i in range(4)]
+        assert delta(b) == {"recordings": 4, "replays": 0}
+        assert [value(r).tolist() for r in rows] == (torch.arange(12.0).reshape(4, 3) * 2).tolist()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once per function; whole tensors replay
+            f(xs[0])
+            y = torch.ones(3)
+            f(y), f(y)
+
+
 def test_verify_names_the_line_where_recordings_diverge(mesh):
     scale = [1.0]
     with mesh.activate():
