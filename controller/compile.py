@@ -317,8 +317,9 @@ def _recording_factory(self, func, types, args=(), kwargs=None):
 
 
 def _hyper(opt) -> tuple:
-    """An optimizer's hyperparameters, comparable: its param groups' settings (``lr``, ``betas``...); a local
-    tensor setting by value, a mesh tensor's by identity (its value lives on the workers, which read it)."""
+    """An optimizer's hyperparameters, comparable: its param groups' settings (``lr``, ``betas``...) and which
+    tensors each steps (``param_groups[0]["params"][i] = p``); a local tensor setting by value, a mesh
+    tensor's by identity (its value lives on the workers, which read it)."""
     def value(v):
         if type(v) is Tensor:
             return ("mesh tensor", id(v))
@@ -326,7 +327,17 @@ def _hyper(opt) -> tuple:
             return ("tensor", v.dtype, tuple(v.shape), tuple(v.detach().flatten().tolist()) if v.numel() <= 64 else id(v))
         return v
 
-    return tuple(tuple((k, value(v)) for k, v in g.items() if k != "params") for g in opt.param_groups)
+    return tuple((tuple(map(id, g["params"])), *((k, value(v)) for k, v in g.items() if k != "params"))
+                 for g in opt.param_groups)  # (which tensors it steps: a program holds them, so ids are unique)
+
+
+def _autocast() -> tuple:
+    """The autocast state a recording depends on (``with torch.autocast(...)``: casts recorded inside)."""
+    return tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) if torch.is_autocast_enabled(d) else False
+                 for d in _AUTOCAST_DEVICES)
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 # ---- arguments -----------------------------------------------------------------------------------------
@@ -620,6 +631,18 @@ def _watch_modules() -> None:
         _hooks.extend((_module.register_module_parameter_registration_hook(_registered),
                        _module.register_module_buffer_registration_hook(_registered),
                        _module.register_module_module_registration_hook(_registered)))
+        # torch has no hook for ``del module.weight``: Module.__delattr__ is wrapped (once, for every module) to
+        # report it as _registered does an assignment.
+        delattr_ = torch.nn.Module.__delattr__
+
+        def __delattr__(module, name):
+            d = module.__dict__
+            if any(name in d.get(k, ()) for k in ("_parameters", "_buffers", "_modules")):
+                _registered(module, name, None)
+            delattr_(module, name)
+
+        __delattr__.__wrapped__ = delattr_
+        torch.nn.Module.__delattr__ = __delattr__
 
 
 class _Program:
@@ -805,6 +828,7 @@ class Compiled:
         spec = tuple(spec)
         key.append(spec)
         key.append(torch.is_grad_enabled())  # (under torch.no_grad() the function records no backward)
+        key.append(_autocast())
         return tuple(key), inputs, spec, leaves
 
     def __call__(self, *args, **kwargs):

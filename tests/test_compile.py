@@ -84,6 +84,22 @@ def test_aliasing_pattern_is_part_of_the_key(mesh):
         assert torch.equal(value(r), torch.full((3,), 6.0))
 
 
+def test_autocast_is_part_of_the_key(mesh):
+    with mesh.activate():
+        @compile(verify=False)
+        def f(x):
+            return x @ x
+
+        a = torch.ones(4, 4)
+        f(a), f(a)
+        b = counts()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            r, r2 = f(a), f(a)
+        assert delta(b) == {"recordings": 1, "replays": 1}
+        assert r.dtype == r2.dtype == value(r2).dtype == torch.bfloat16
+        assert f(a).dtype == torch.float32 and delta(b)["replays"] == 2
+
+
 def test_views_at_moving_offsets_record_anew_and_say_so(mesh):
     with mesh.activate():
         @compile(verify=False)
@@ -393,6 +409,8 @@ def _guarded_changes(model, opt, kept, data):
         ("a parameter unfrozen", lambda: setattr(b0, "requires_grad", True), True),
         ("a module's parameter swapped", lambda: setattr(model[2], "weight", torch.nn.Parameter(w2.detach() * 2)),
          True),
+        ("a parameter swapped in the optimizer only",
+         lambda: opt.param_groups[0]["params"].__setitem__(0, torch.nn.Parameter(w0.detach() * 3)), True),
     ]
 
 
@@ -425,10 +443,10 @@ def test_guards_follow_changes_between_replays_bit_for_bit(mesh):
     with mesh.activate():
         torch.manual_seed(6)
         data = _batches(1)[0]
-        batches = _batches(4 + 3 * 14)
+        batches = _batches(4 + 3 * 15)
         l1, p1, g1, k1, _ = _run_with_changes(lambda f: f, data, batches)
         l2, p2, g2, k2, after = _run_with_changes(compile, data, batches)
-        assert len(after) == 14
+        assert len(after) == 15
         for what, records, d in after:
             assert d == ({"recordings": 1, "replays": 0} if records else {"recordings": 0, "replays": 1}), what
         assert len(k1) == len(k2) == 2
@@ -462,3 +480,9 @@ def test_a_dropped_parameter_or_no_grad_fails_as_uncompiled(mesh):
         with pytest.raises(MeshTensorError):  # (as the function's own call raises it)
             step(x, y)
         assert delta(b) == {"recordings": 1, "replays": 0}
+        model[0].bias = torch.nn.Parameter(torch.zeros(16))
+        for _ in range(3):
+            step(x, y)
+        del model[0].bias  # (torch has no hook for it)
+        with pytest.raises(AttributeError, match="bias"):
+            step(x, y)
