@@ -13,8 +13,10 @@ and ``torch.optim`` work on the sharded parameters as before.
 Prefetch: the first forward with plain inputs records the order in which the
 units gather; from then on each unit, having issued its own gather, issues the
 next one's (``worker.fsdp.prefetch``), so that all-gather runs while this unit
-computes, as FSDP2's forward prefetch. (The backward's regathers, where units
-reshard after forward, are not prefetched.)
+computes, as FSDP2's forward prefetch. In the backward, where units reshard
+after forward, a unit's regather also prefetches the regather of the unit freed
+before it (the next whose backward runs, for units called one after another),
+as FSDP2's backward prefetch.
 
 Mode of a forward: the root's inputs decide it. Plain mesh tensors (each rank
 its own batch, as FSDP2 takes them) run the units; global DTensor inputs
@@ -23,6 +25,8 @@ themselves, as tensor parallelism needs.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import nn
@@ -66,22 +70,29 @@ def _issue(ctx, fn: str, args: tuple, outs: list[tuple], mutates: tuple = (), in
 class _Gathered:
     """One forward call's unsharded parameters of a unit (freed after the forward where the unit reshards)."""
 
-    __slots__ = ("unit", "fulls", "freed")
+    __slots__ = ("unit", "fulls", "freed", "prefetched", "__weakref__")
 
     def __init__(self, unit) -> None:
-        self.unit, self.fulls, self.freed = unit, None, False
+        self.unit, self.fulls, self.freed, self.prefetched = unit, None, False, False
 
     def free(self) -> None:
         ctx = self.unit.params[0]._ctx
         _issue(ctx, "reshard", (self.fulls,), [], mutates=tuple(f._ref for f in self.fulls))
         self.freed = True
+        self.unit.state.note_freed(self)
 
     def regather(self, *_) -> None:
         if self.freed and self.fulls is not None:
             u = self.unit
-            _issue(u.params[0]._ctx, "unshard_into", (u.params, self.fulls, u.state.dp, u.state.param_dtype), [],
+            s = u.state
+            _issue(u.params[0]._ctx, "unshard_into", (u.params, self.fulls, s.dp, s.param_dtype), [],
                    mutates=tuple(f._ref for f in self.fulls))
             self.freed = False
+            before = s.regathered(self)
+            if before is not None and before.freed and before.fulls is not None and not before.prefetched:
+                b = before.unit
+                _issue(b.params[0]._ctx, "prefetch", (b.params, s.dp, s.param_dtype), [])
+                before.prefetched = True
 
 
 class _Unshard(torch.autograd.Function):
@@ -136,6 +147,23 @@ class FSDPState:
         self.modes: list[bool] = []  # per root forward in progress: whether it runs the units (plain inputs)
         self.order: list[Unit] = []  # the units with parameters, in the order the first plain forward gathered them
         self.ordered = False  # (that forward ended: from now on each unit prefetches the next in ``order``)
+        self.freed: list = []  # weak references to the _Gathered freed after their forward, in that order
+
+    def note_freed(self, g: _Gathered) -> None:
+        freed = self.freed
+        freed.append(weakref.ref(g))
+        if len(freed) > 2 * len(self.order) + 8:  # (forwards whose backward never ran: their graphs went)
+            self.freed = [r for r in freed if r() is not None and r().freed]
+
+    def regathered(self, g: _Gathered) -> _Gathered | None:
+        """``g`` was gathered again for its backward: the _Gathered freed just before it (whose backward comes
+        next when the units ran one after another), if any."""
+        freed = self.freed
+        for i in range(len(freed) - 1, -1, -1):
+            if freed[i]() is g:
+                del freed[i]
+                return freed[i - 1]() if i > 0 else None
+        return None
 
 
 def _has_dist(tree) -> bool:

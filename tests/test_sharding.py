@@ -180,7 +180,8 @@ def _prefetch_stats(mesh) -> dict:
 
 
 def test_fsdp_prefetches_the_next_units_gather_and_never_hands_out_stale_values(dp2):
-    """From the second forward on, each unit's gather starts the next one's (FSDP2's forward prefetch). A
+    """From the second forward on, each unit's gather starts the next one's (FSDP2's forward prefetch), and in
+    the backward each regather the one before it (its backward prefetch). A
     prefetch is dropped, and the gather done afresh, where its parameters were written in place after it read
     them (here by a hook between two blocks' forwards), or where no unit took it (a forward that stopped early):
     the training still matches local torch's."""
@@ -195,6 +196,8 @@ def test_fsdp_prefetches_the_next_units_gather_and_never_hands_out_stale_values(
     got = _train(model, batches[:2], _local_batch(dp2), _mean_loss, opt)
     mid = _prefetch_stats(dp2)
     assert all(m["prefetched"] > b["prefetched"] for m, b in zip(mid, before)), (before, mid)
+    # and in the backward, each block's regather started the one before it (FSDP2's backward prefetch)
+    assert all(m["regathers_prefetched"] > b["regathers_prefetched"] for m, b in zip(mid, before)), (before, mid)
 
     def scale_next(mod, *_):  # after block 0, which prefetched block 1's gather: block 1's weight changes
         with torch.no_grad():

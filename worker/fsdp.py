@@ -12,8 +12,8 @@ transformer block, say) it runs these functions as one ``CallFunction`` each:
   forward and gather again into the same memory before the backward
   (``reshard_after_forward``), so views of them stay valid;
 * ``prefetch``: the next unit's all-gather started (asynchronously) while this
-  unit computes; its ``unshard`` then waits for it instead of gathering, as
-  FSDP2's forward prefetch. The gathered values are used only where every
+  unit computes; its ``unshard`` (or, in the backward, ``unshard_into``) then
+  waits for it instead of gathering, as FSDP2's forward and backward prefetch. The gathered values are used only where every
   parameter is the same tensor at the same version as when the prefetch
   read it (an optimizer step or any in-place write in between makes
   ``unshard`` gather afresh), so a prefetch never hands out stale values;
@@ -112,7 +112,8 @@ def _gather(params: Sequence, dp: str, dtype, async_op: bool = False):
     return finish if async_op else finish()
 
 
-stats = {"prefetched": 0, "stale": 0}  # unshards served by a prefetch; prefetches dropped as stale (tests read them)
+# unshards (forward) and unshard_intos (backward) served by a prefetch; prefetches dropped as stale (tests read them)
+stats = {"prefetched": 0, "regathers_prefetched": 0, "stale": 0}
 
 # Prefetched all-gathers on this worker, per (parameters' ids, dtype): (the parameters, their versions when
 # read, the function that waits and returns their whole values). One entry per unit at most.
@@ -135,7 +136,7 @@ def prefetch(params: Sequence, dp: str, dtype=None) -> None:
     _prefetched[key] = (list(params), _versions(params), _gather(params, dp, dtype, async_op=True))
 
 
-def unshard(params: Sequence, dp: str, dtype=None) -> list[torch.Tensor]:
+def unshard(params: Sequence, dp: str, dtype=None, _counter: str = "prefetched") -> list[torch.Tensor]:
     """The whole value of every DTensor parameter in ``params``, as plain tensors of ``dtype`` (None: its own):
     a prefetch's, where one was started and nothing has changed the parameters since."""
     got = _prefetched.pop((tuple(map(id, params)), dtype), None)
@@ -143,7 +144,7 @@ def unshard(params: Sequence, dp: str, dtype=None) -> list[torch.Tensor]:
         before, versions, finish = got
         fulls = finish()  # (waited for even when stale: every rank started that collective)
         if all(a is b for a, b in zip(before, params)) and versions == _versions(params):
-            stats["prefetched"] += 1
+            stats[_counter] += 1
             return fulls
         stats["stale"] += 1
     return _gather(params, dp, dtype)
@@ -156,8 +157,9 @@ def reshard(fulls: Sequence[torch.Tensor]) -> None:
 
 
 def unshard_into(params: Sequence, fulls: Sequence[torch.Tensor], dp: str, dtype=None) -> None:
-    """``unshard`` again, into the memory ``reshard`` freed (views of ``fulls`` see the values again)."""
-    for f, new in zip(fulls, _gather(params, dp, dtype)):
+    """``unshard`` again, into the memory ``reshard`` freed (views of ``fulls`` see the values again); a
+    prefetch's values where one was started (the backward's prefetch: see controller/fsdp.py)."""
+    for f, new in zip(fulls, unshard(params, dp, dtype, "regathers_prefetched")):
         storage = f.untyped_storage()
         need = (f.storage_offset() + f.numel()) * f.element_size()
         if storage.nbytes() < need:
