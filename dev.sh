@@ -23,7 +23,7 @@ setup() {
         || "$py" -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
     fi
   fi
-  if ! "$py" -c "import monarch_tensor, zmq, cloudpickle, pytest, hypothesis, pytest_timeout" 2>/dev/null \
+  if ! "$py" -c "import monarch_tensor, zmq, cloudpickle, pytest, hypothesis, pytest_timeout, mkdocs, mkdocstrings_handlers.python" 2>/dev/null \
      || [ pyproject.toml -nt "$VENV/.installed" ]; then
     "$py" -m pip install -q -e ".[dev]"
     touch "$VENV/.installed"
