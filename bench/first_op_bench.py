@@ -29,7 +29,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _runs import add_common_args, apply_common_args, interleaved, launch, markdown, report_worker, write_json  # noqa: E402
+from _runs import add_common_args, apply_common_args, interleaved, launch, markdown, report_worker, write_json
 
 # -----------------------------------------------------------------------------
 RUNS = 3            # fresh scripts per side

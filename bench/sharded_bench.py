@@ -230,11 +230,11 @@ def measure_ours(res):
             pos = pos.to_local()
             step = training_step(model, pos, lambda x, y: (distribute(x, procs, batch_places).to_local(),
                                                             distribute(y, procs, batch_places).to_local()))
-            sync = lambda loss: fetch_shard(loss.reduce("dp", "avg")).result().item()  # noqa: E731
+            sync = lambda loss: fetch_shard(loss.reduce("dp", "avg")).result().item()
         else:
             step = training_step(model, pos, lambda x, y: (distribute(x, procs, batch_places),
                                                             distribute(y, procs, batch_places)))
-            sync = lambda loss: loss.full_tensor().item()  # noqa: E731
+            sync = lambda loss: loss.full_tensor().item()
 
         losses = res["losses"][STEP_KEYS[key]] = []
         timed_steps(step, data, sync, res, key, losses)

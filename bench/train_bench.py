@@ -49,7 +49,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _runs import (  # noqa: E402
+from _runs import (
     add_common_args,
     apply_common_args,
     interleaved,
@@ -59,7 +59,7 @@ from _runs import (  # noqa: E402
     timed_training,
     write_json,
 )
-from _runs import launch as run_launch  # noqa: E402
+from _runs import launch as run_launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -113,7 +113,7 @@ def _each(ctx, fn: str, args_per_rank: list, token: str) -> list:
         for f in drops:
             try:
                 f.get()
-            except Exception:  # noqa: BLE001, S110 - a dead proc keeps nothing to drop
+            except Exception:  # noqa: BLE001 - a dead proc keeps nothing to drop
                 pass
         raise error
     return out

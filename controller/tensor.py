@@ -130,7 +130,7 @@ class Tensor(DistributedMethods, torch.Tensor):
             return record(func, args, kwargs, None)
         except Exception as e:
             if isinstance(e, MeshTensorError) or getattr(e, "_at_user_line", False):
-                __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out
+                __tracebackhide__ = True  # IPython and pytest leave this frame out
                 raise _user_facing(e) from None
             raise
 

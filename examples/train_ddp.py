@@ -37,8 +37,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt import GPT, CharTokenizer, GPTConfig, batch_offsets, get_batch, load_corpus  # noqa: E402
-from lineplot import save_line_plot  # noqa: E402
+from gpt import GPT, CharTokenizer, GPTConfig, batch_offsets, get_batch, load_corpus
+from lineplot import save_line_plot
 
 # -----------------------------------------------------------------------------
 GPUS = 2              # procs in the mesh, one data-parallel rank each

@@ -4,7 +4,7 @@ Users import from here (``monarch_tensor.actor`` for actors and meshes).
 """
 
 from . import _exit_status  # noqa: F401 - first: its atexit hook runs last
-from . import debugger as _debugger  # noqa: F401, E402 - registers the debugger's message handlers
+from . import debugger as _debugger  # noqa: F401 - registers the debugger's message handlers
 from .actor import (  # noqa: F401
     Accumulator,
     Actor,

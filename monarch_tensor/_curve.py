@@ -100,7 +100,7 @@ class JobKeys:
                 raise JobKeyError(f"the job's {name} key must be 40 characters of z85 text, got {len(k)}")
         try:
             derived = zmq.curve_public(self.secret.encode()).decode()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise JobKeyError(f"the job's secret key is not valid z85: {e}") from e
         if derived != self.public:
             raise JobKeyError("the job's public key does not belong to its secret key")

@@ -339,7 +339,7 @@ class ProcRuntime:
             return
         try:
             handler(msg)
-        except Exception as e:  # noqa: BLE001 - its sender hears of it, and does not wait forever
+        except Exception as e:  # its sender hears of it, and does not wait forever
             if not self.mailbox.fail_reply(msg, e):
                 raise
 

@@ -345,7 +345,7 @@ def decode(frames: list) -> object:
         bufs = _pull(body, bufs[0])
     try:
         return _loads(body, bufs)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure is a protocol error
+    except Exception as e:  # any unpickling failure is a protocol error
         try:
             envelope = _salvage(body, bufs)
         except Exception:  # noqa: BLE001 - not even the envelope: a malformed message
@@ -568,11 +568,11 @@ def _map_shm(body: memoryview, desc) -> list:
     try:
         d = pickle.loads(desc)  # (name, layout, reader index)
         layout = list(d[1])
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise ProtocolError(f"cannot read the message's shared-memory descriptor: {e!r}") from e
     try:
         return _shm.read(*d)
-    except Exception as e:  # noqa: BLE001 - rebuild the message over zeros to fail whoever waits on it
+    except Exception as e:  # rebuild the message over zeros to fail whoever waits on it
         try:
             import numpy as np
 
@@ -590,11 +590,11 @@ def _map_shm(body: memoryview, desc) -> list:
 def _pull(body: memoryview, desc) -> list:
     try:
         payload = pickle.loads(desc)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise ProtocolError(f"cannot read the message's data-plane payload descriptor: {e!r}") from e
     try:
         return _payload().pull(payload)
-    except Exception as e:  # noqa: BLE001 - rebuild the message over zeros to fail whoever waits on it
+    except Exception as e:  # rebuild the message over zeros to fail whoever waits on it
         try:
             msg = _loads(body, _payload().placeholders(payload))
         except Exception:  # noqa: BLE001

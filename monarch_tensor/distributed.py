@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from .host import ProcMesh, this_host
 
 
-def Mesh(shape: Sequence[int] | int, mesh_dim_names: Sequence[str] | None = None) -> ProcMesh:  # noqa: N802
+def Mesh(shape: Sequence[int] | int, mesh_dim_names: Sequence[str] | None = None) -> ProcMesh:
     """Spawn ``prod(shape)`` procs on this machine as a ``ProcMesh`` with those dims (named ``dim0``,
     ``dim1`` ... unless ``mesh_dim_names`` names them), like torch's ``init_device_mesh``."""
     dims = (shape,) if isinstance(shape, int) and not isinstance(shape, bool) else tuple(shape)

@@ -1,7 +1,7 @@
 """The runtime's exceptions under the seeds' module name: ``from monarch_tensor.exceptions import
 DeviceMeshError``. (They are defined in ``monarch_tensor.errors``.)"""
 
-from .errors import (  # noqa: F401
+from .errors import (
     ActorError,
     ActorFailedError,
     DeviceMeshError,

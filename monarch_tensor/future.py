@@ -330,7 +330,7 @@ def run_to_end(awaitable) -> Any:
 def _call(fn: Callable[[Future], None], fut: Future) -> None:
     try:
         fn(fut)
-    except Exception:  # noqa: BLE001 - like concurrent.futures: a callback's error is logged, not raised
+    except Exception:  # like concurrent.futures: a callback's error is logged, not raised
         log.exception("exception calling callback for %r", fut)
 
 
@@ -386,7 +386,7 @@ class _BodyFuture(Future):
             err.__cause__ = e
             self._set_exception(err)
             raise
-        except BaseException as e:  # noqa: BLE001 - the observers get it
+        except BaseException as e:  # the observers get it
             if timeout is not None and type(e) is TimeoutError and not e.args:  # wait_for's, at the timeout
                 e = TimeoutError(f"no {self._what} within {timeout} s (the body was cancelled)")
             self._set_exception(e)

@@ -132,7 +132,7 @@ class LocalHost:
                 break
             try:
                 self._handle(msg)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 # Every spawn, proc output and death report of this host comes through this one thread: a
                 # failure handling one message (printing a proc's output) must not end it.
                 log.exception("handling the template's %r message", msg[0])

@@ -397,7 +397,7 @@ class Mailbox:
             time.sleep(BATCH_DELAY)
             try:
                 self.flush()
-            except Exception:  # noqa: BLE001 - never kills the thread; the waiting callers time out
+            except Exception:  # never kills the thread; the waiting callers time out
                 if not self._closed:
                     log.warning("could not send a batch of calls or replies", exc_info=True)
 
@@ -761,7 +761,7 @@ class Mailbox:
             elif type(msg) in SYSTEM_HANDLERS:
                 try:
                     SYSTEM_HANDLERS[type(msg)](self, msg)
-                except Exception as e:  # noqa: BLE001 - its sender hears of it, and does not wait forever
+                except Exception as e:  # its sender hears of it, and does not wait forever
                     if not self.fail_reply(msg, e):
                         raise
             elif defer is not None:
@@ -770,7 +770,7 @@ class Mailbox:
                 self.on_message(msg)
             else:
                 log.warning("dropped unexpected %s on %s", type(msg).__name__, self.addr)
-        except Exception:  # noqa: BLE001 - a bad message never kills the I/O thread
+        except Exception:  # a bad message never kills the I/O thread
             log.exception("error while handling %s", type(msg).__name__)
 
     def fail_reply(self, msg: object, error: BaseException) -> bool:
@@ -808,7 +808,7 @@ class Mailbox:
             if rewrite is not None and handle is not None:
                 handle(rewrite(msg, error, payload_lost))
                 return
-        except Exception:  # noqa: BLE001 - never kills the I/O thread
+        except Exception:  # never kills the I/O thread
             log.exception("while failing a message whose payload was lost")
         log.error("dropped %s on %s: %s", type(msg).__name__ if msg is not None else "a message", self.addr, error)
 

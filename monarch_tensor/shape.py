@@ -533,7 +533,7 @@ class Region:
 
     __slots__ = ("_labels", "_slice")
 
-    def __init__(self, labels: Sequence[str], slice: NDSlice) -> None:  # noqa: A002 - Monarch's name
+    def __init__(self, labels: Sequence[str], slice: NDSlice) -> None:  # Monarch's name
         if len(labels) != slice.ndim:
             raise ValueError(f"Region: {len(labels)} labels for a slice of {slice.ndim} dims")
         self._labels, self._slice = list(labels), slice

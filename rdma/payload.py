@@ -200,7 +200,7 @@ def pull(payload: Payload, timeout: float | None = None) -> list[memoryview]:
 
             timeout = config.get("payload_timeout")  # (Monarch's message_delivery_timeout)
         payload.buf.read_into(memoryview(dst), timeout=timeout).get()
-    except BaseException as e:  # noqa: BLE001 - reported as the message's failure
+    except BaseException as e:  # reported as the message's failure
         with _published().lock:
             _published().stats["lost"] += 1
         raise PayloadError(f"a message's payload of {total} bytes could not be pulled from its sender "

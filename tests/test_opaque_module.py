@@ -109,7 +109,7 @@ def _graphs_held():
 def test_a_calls_graph_on_the_workers_is_freed_and_not_reused(mesh):
     with mesh.activate():
         lin = OpaqueModule("torch.nn.Linear", 3, 4)
-        held = lambda: call_on_shard_and_fetch(remote(_graphs_held), shard={"gpus": 0}).result(timeout=30)  # noqa: E731
+        held = lambda: call_on_shard_and_fetch(remote(_graphs_held), shard={"gpus": 0}).result(timeout=30)
         gc.collect()
         assert held() == 0
         with torch.no_grad():  # no graph on the controller: none kept on the workers either

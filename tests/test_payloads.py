@@ -148,7 +148,7 @@ def test_a_call_whose_payload_is_lost_answers_its_caller_with_the_error():
 
 @pytest.mark.timeout(60)
 def test_to_mesh_data_whose_payload_is_lost_fails_the_receiving_tensor():
-    import worker.worker  # noqa: F401 - registers its rewrite
+    import worker.worker  # registers its rewrite
 
     mb = Mailbox(io_thread=False)
     got = []

@@ -351,7 +351,7 @@ def test_code_defined_here_travels_by_value():
         def __init__(self, v):
             self.v = v
 
-    fn = lambda x: x * 3  # noqa: E731 - pickle refuses lambdas; cloudpickle takes them
+    fn = lambda x: x * 3  # pickle refuses lambdas; cloudpickle takes them
     out = _roundtrip(messages.SendToPort(1, (fn, Local(4)), None, 0)).value
     assert out[0](5) == 15 and out[1].v == 4
 

@@ -19,7 +19,7 @@ from typing import Any
 ATOMS = frozenset({int, float, bool, complex, str, bytes, type(None), type(Ellipsis), slice, range})
 
 
-class Hidden(Exception):  # noqa: N818 - internal: unwinds to the call, gathering where the value sits
+class Hidden(Exception):  # internal: unwinds to the call, gathering where the value sits
     """A value that cannot be carried sits at ``path`` (built as the exception unwinds, innermost first)."""
 
     def __init__(self, what: str) -> None:

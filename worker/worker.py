@@ -198,7 +198,7 @@ class _Stream:
                     w._drop(arg)
                     continue
                 handler(arg)
-            except BaseException:  # noqa: BLE001 - handlers store errors; this is a bug, keep serving
+            except BaseException:  # handlers store errors; this is a bug, keep serving
                 log.exception("tensor worker: handler %s failed", getattr(handler, "__name__", handler))
             finally:
                 self.dones += 1
@@ -445,7 +445,7 @@ class TensorWorker(Actor):
         last must not lose the error: the outputs and written tensors would keep their old values silently."""
         try:
             sharing = self._sharing_memory(msg.mutates)
-        except Exception:  # noqa: BLE001 - a bug here; the op's own failure still reaches its tensors
+        except Exception:  # a bug here; the op's own failure still reaches its tensors
             log.exception("tensor worker: finding the tensors that share memory with those %s wrote failed",
                           failure.op)
             sharing = ()

@@ -1,6 +1,6 @@
 """Monarch's ``monarch.common._coalescing`` path: ``coalescing`` and ``compile``."""
 
-from controller.client import coalescing  # noqa: F401
-from controller.compile import compile  # noqa: F401
+from controller.client import coalescing
+from controller.compile import compile
 
 __all__ = ["coalescing", "compile"]

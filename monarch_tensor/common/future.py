@@ -1,5 +1,5 @@
 """Monarch's ``monarch.common.future`` path."""
 
-from monarch_tensor.future import Future  # noqa: F401
+from monarch_tensor.future import Future
 
 __all__ = ["Future"]

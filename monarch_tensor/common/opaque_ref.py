@@ -1,5 +1,5 @@
 """Monarch's ``monarch.common.opaque_ref`` path."""
 
-from worker.opaque import OpaqueRef  # noqa: F401
+from worker.opaque import OpaqueRef
 
 __all__ = ["OpaqueRef"]

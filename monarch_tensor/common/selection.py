@@ -1,5 +1,5 @@
 """Monarch's ``monarch.common.selection`` path."""
 
-from ..selection import Selection  # noqa: F401
+from ..selection import Selection
 
 __all__ = ["Selection"]

@@ -1,6 +1,6 @@
 """Monarch's ``monarch.common.tensor`` path."""
 
-from controller.api import reduce, reduce_  # noqa: F401
-from controller.tensor import Tensor  # noqa: F401
+from controller.api import reduce, reduce_
+from controller.tensor import Tensor
 
 __all__ = ["Tensor", "reduce", "reduce_"]

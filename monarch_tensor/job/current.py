@@ -119,7 +119,7 @@ def _import_job(module_path: str) -> JobTrait:
     except SyntaxError as e:
         raise ImportError(f"the job spec's module {mod_name!r} has a syntax error: {e.msg} ({e.filename}, line "
                           f"{e.lineno})") from e
-    except Exception as e:  # noqa: BLE001 - the module's own code raised
+    except Exception as e:  # the module's own code raised
         raise ImportError(f"the job spec's module {mod_name!r} raised while it was imported: {e!r}") from e
     job = getattr(mod, attr, None)
     if job is None:

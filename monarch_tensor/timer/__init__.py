@@ -1,6 +1,6 @@
 """Monarch's ``monarch.timer``: ``ExecutionTimer`` and its functions (see ``execution_timer``)."""
 
-from .execution_timer import (  # noqa: F401
+from .execution_timer import (
     ExecutionTimer,
     execution_timer_start,
     execution_timer_stop,
