@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set-up and everyday commands for monarch-tensor, on a fresh machine or not:
 #   bash dev.sh demo    # install what is missing into .venv, run the main demo on a local mesh
-#   bash dev.sh test    # install what is missing into .venv, lint (ruff), run the test suite
+#   bash dev.sh test    # install what is missing into .venv, lint (ruff), type-check (mypy), run the test suite
 #   bash dev.sh bench   # the actor benchmark (add --peers to compare with Monarch and Ray)
 # Torch: the CPU wheel where no NVIDIA GPU is present, the default (CUDA) build otherwise.
 set -euo pipefail
@@ -23,7 +23,7 @@ setup() {
         || "$py" -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
     fi
   fi
-  if ! "$py" -c "import monarch_tensor, zmq, cloudpickle, pytest, hypothesis, pytest_timeout, mkdocs, mkdocstrings_handlers.python" 2>/dev/null \
+  if ! "$py" -c "import monarch_tensor, zmq, cloudpickle, pytest, hypothesis, pytest_timeout, mypy, mkdocs, mkdocstrings_handlers.python" 2>/dev/null \
      || [ pyproject.toml -nt "$VENV/.installed" ]; then
     "$py" -m pip install -q -e ".[dev]"
     touch "$VENV/.installed"
@@ -34,7 +34,7 @@ cmd=${1:-}
 shift || true
 case "$cmd" in
   demo)  setup; exec "$VENV/bin/python" examples/actors_basics.py "$@" ;;
-  test)  setup; "$VENV/bin/python" -m ruff check .; exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 "$@" ;;
+  test)  setup; "$VENV/bin/python" -m ruff check .; "$VENV/bin/python" -m mypy; exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 "$@" ;;
   bench) setup; exec "$VENV/bin/python" bench/actor_bench.py "$@" ;;
   setup) setup ;;
   *) echo "usage: bash dev.sh {demo|test|bench|setup} [args...]" >&2; exit 2 ;;

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 # name: (default, where it acts, what it does)
 SETTINGS: dict[str, tuple[Any, str, str]] = {
@@ -336,14 +336,17 @@ def _parametrized(keys: list, combos: list):
         sig = inspect.signature(fn)
         sig = sig.replace(parameters=[inspect.Parameter("_config_overrides", inspect.Parameter.POSITIONAL_OR_KEYWORD),
                                       *sig.parameters.values()])
+        run: Callable[..., Any]
         if inspect.iscoroutinefunction(fn):
-            async def run(_config_overrides, *args, **kwargs):
+            async def run_async(_config_overrides, *args, **kwargs):
                 with configured(**_config_overrides):
                     return await fn(*args, **kwargs)
+            run = run_async
         else:
-            def run(_config_overrides, *args, **kwargs):
+            def run_sync(_config_overrides, *args, **kwargs):
                 with configured(**_config_overrides):
                     return fn(*args, **kwargs)
+            run = run_sync
         functools.update_wrapper(run, fn)
         run.__signature__ = sig
         return pytest.mark.parametrize("_config_overrides", settings, ids=ids)(run)

@@ -255,7 +255,7 @@ class Future(Generic[R]):
         async def gathered() -> list:
             return list(await asyncio.gather(*futures, return_exceptions=return_exceptions))
 
-        return Future(f"results of {len(futures)} futures", coro=gathered())
+        return _BodyFuture(f"results of {len(futures)} futures", coro=gathered())
 
     def __repr__(self) -> str:
         return f"<Future {self._what} {('pending', 'done', 'failed')[self._state]}>"
@@ -361,7 +361,7 @@ class _BodyFuture(Future):
         import contextvars
         import inspect
 
-        self._body = []
+        self._body: list = []  # the coroutine, or a _Paused one
         if not inspect.isawaitable(coro):
             raise TypeError(f"Future(coro=...) needs a coroutine, got {type(coro).__name__} {coro!r}")
         super().__init__(what)

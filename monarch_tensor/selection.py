@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import NoReturn
 
 from .shape import Extent, NDSlice, Shape
 
@@ -117,6 +118,7 @@ def _eval(node: tuple, view: NDSlice, coords: list[int], dim: int) -> set[int]:
     if dim == view.ndim:  # (deeper nodes were refused by eval)
         return {view.nditem(coords)}
     size = view.sizes[dim]
+    indices: Sequence[int]
     if kind == "True":
         indices, inner = range(size), _TRUE
     elif kind == "All":
@@ -173,7 +175,7 @@ class _Parser:
             self._fail(f"unexpected character {self.text[pos]!r} at {pos}")
         self.i = 0
 
-    def _fail(self, why: str):
+    def _fail(self, why: str) -> NoReturn:
         raise ValueError(f"cannot parse selection {self.text!r}: {why}")
 
     def _peek(self) -> str | None:
@@ -241,7 +243,7 @@ class _Parser:
         step = 1
         if self._peek() == ":" and self.i + 1 < len(self.tokens) and self.tokens[self.i + 1].isdigit():
             self.i += 1
-            step = self._number()
+            step = self._number() or 0  # (a digit follows: a number)
             if step == 0:
                 self._fail("a range's step must be positive")
         return ("Range", start or 0, end, step, _TRUE)

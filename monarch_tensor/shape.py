@@ -133,7 +133,9 @@ class Shape:
         names, dims, strides, offset = [], [], [], self.offset
         for n, d, s in zip(self.names, self.dims, self.strides):
             if n not in kwargs:
-                names.append(n), dims.append(d), strides.append(s)
+                names.append(n)
+                dims.append(d)
+                strides.append(s)
                 continue
             sel = kwargs[n]
             if isinstance(sel, bool) or not isinstance(sel, (int, slice)):
@@ -151,7 +153,9 @@ class Shape:
             if count == 0:
                 raise ValueError(f"slice {sel} selects nothing from dimension {n!r} of size {d}")
             offset += start * s
-            names.append(n), dims.append(count), strides.append(s * step)
+            names.append(n)
+            dims.append(count)
+            strides.append(s * step)
         return Shape(tuple(names), tuple(dims), offset, tuple(strides))
 
     def split(self, **kwargs) -> Shape:
@@ -202,7 +206,9 @@ class Shape:
             for t, size, stride in reversed(new):
                 if t in names:
                     raise ValueError(f"split(): duplicate dimension name {t!r}")
-                names.append(t), dims.append(size), strides.append(stride)
+                names.append(t)
+                dims.append(size)
+                strides.append(stride)
         if sizes:
             raise ValueError(f"split(): sizes given for dimensions that no split made: {sorted(sizes)}")
         return Shape(tuple(names), tuple(dims), self.offset, tuple(strides))
@@ -379,7 +385,7 @@ class Extent(Mapping):
             return (self.labels, self.sizes) == (other.labels, other.sizes)
         return Mapping.__eq__(self, other)
 
-    __hash__ = None  # like a dict
+    __hash__ = None  # type: ignore[assignment]  # like a dict
 
     def __repr__(self) -> str:
         return "{" + ", ".join(f"'{n}': {d}" for n, d in zip(self.labels, self.sizes)) + "}"
@@ -464,9 +470,9 @@ class NDSlice:
         if rest == 0 and all(c >= 0 for c in coords):
             return coords
         # strides that do not nest (not from slicing a row-major mesh): look the value up
-        for c in itertools.product(*(range(d) for d in self._sizes)):
-            if self.nditem(c) == value:
-                return list(c)
+        for point in itertools.product(*(range(d) for d in self._sizes)):
+            if self.nditem(point) == value:
+                return list(point)
         raise ValueError(f"{value} is not in {self!r}")
 
     def index(self, value: int) -> int:
@@ -546,7 +552,8 @@ class Region:
         return self._slice
 
     def as_shape(self) -> Shape:
-        return Shape(tuple(self._labels), self._slice)
+        sl = self._slice
+        return Shape(tuple(self._labels), tuple(sl.sizes), sl.offset, tuple(sl.strides))
 
     def point_of_base_rank(self, rank: int) -> Point:
         """The point of this region at flat rank ``rank``."""
