@@ -186,9 +186,9 @@ def destination() -> str | None:
 
 
 def _payload():
-    from rdma import payload
+    from . import _seams
 
-    return payload
+    return _seams.get("payload")
 
 
 def frames_for_reader(frames: list, i: int) -> list:

@@ -75,9 +75,9 @@ local_proc_mesh = proc_mesh  # Monarch's older name for a mesh of procs on this 
 def gpu_direct_rdma_supported() -> bool:
     """Whether the data plane can move GPU memory with RDMA directly (Monarch's): an RDMA device (the
     ``verbs`` backend, which registers CUDA memory through dmabuf) and a GPU are both present."""
-    from rdma import is_ibverbs_available
+    from . import _seams
 
-    if not is_ibverbs_available():
+    if not _seams.get("is_ibverbs_available")():
         return False
     import torch
 
@@ -594,9 +594,9 @@ class Endpoint(Generic[R]):
             if errors is None or not isinstance(e, errors.MeshTensorError):
                 raise
             # Mesh tensors among the arguments: each rank gets its own, through the tensor engine.
-            from controller.api import call_actor
+            from . import _seams
 
-            call_actor(self._mesh, ranks, self._wire_method, args, kwargs, port)
+            _seams.get("call_actor")(self._mesh, ranks, self._wire_method, args, kwargs, port)
             return
         if len(addrs) > 1 and "|" in addrs[0]:  # procs behind host agents: down the fan-out tree
             from ._fanout import send_many
@@ -677,8 +677,9 @@ class Endpoint(Generic[R]):
     def rref(self, *args, **kwargs):
         """Call the endpoint on every rank as a tensor-engine instruction; its tensor results come back as mesh
         tensors (shapes from ``@endpoint(propagate=...)``), used by later ops without a round trip (Monarch's)."""
-        from controller.api import actor_rref
+        from . import _seams
 
+        actor_rref = _seams.get("actor_rref")
         self._check(args, kwargs)
         self._mesh._check(self._method)
         propagate = self._propagate

@@ -278,9 +278,9 @@ def _warm_tensor_engine() -> None:
             env_flag("MONARCH_TENSOR_NO_WARMUP", False):
         return
     try:
-        from controller.tensor import fake_mode
+        from . import _seams
 
-        fake_mode()
+        _seams.get("fake_mode")()
     except Exception as e:  # noqa: BLE001
         log.debug("tensor engine warm-up: %r", e)
 
@@ -781,15 +781,15 @@ class ProcMesh(MeshTrait):
     # ---- tensor engine (see controller/) ---------------------------------------------
     def activate(self):
         """``with procs.activate():`` factories make mesh tensors on this mesh; ops on them run here."""
-        from controller.api import activate
+        from . import _seams
 
-        return activate(self)
+        return _seams.get("activate")(self)
 
     def rank_tensor(self, dim: str):
         """Each rank's coordinate along ``dim``, as a 0-dim int64 mesh tensor."""
-        from controller.api import rank_tensor
+        from . import _seams
 
-        return rank_tensor(self, dim)
+        return _seams.get("rank_tensor")(self, dim)
 
     def rank(self, dims):
         """Monarch's name for ``rank_tensor``: ``mesh.rank("gpus")``; of several dims, ``mesh.rank(("hosts",
@@ -816,9 +816,9 @@ class ProcMesh(MeshTrait):
         """The process groups along ``dims`` (a name or a list of them), to pass to ``remote`` functions that
         call ``torch.distributed`` collectives: ``pg = procs.process_group("gpus")`` (see
         controller/process_group.py)."""
-        from controller.process_group import RemoteProcessGroup
+        from . import _seams
 
-        return RemoteProcessGroup(dims, self)
+        return _seams.get("RemoteProcessGroup")(dims, self)
 
     def to_table(self) -> str:
         """A table of the mesh's procs: rank, coordinates, pid, address (Monarch's ``to_table``)."""
