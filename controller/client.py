@@ -26,15 +26,17 @@ import weakref
 
 from monarch_tensor import _wire
 from monarch_tensor._net import ip_towards
+from monarch_tensor.config import env_number
 from monarch_tensor.future import Future
 from monarch_tensor.mailbox import current_mailbox
 from monarch_tensor.messages import CallEndpoint
 from worker import messages as m
 from worker.worker import WORKER_NAME, TensorWorker
 
-MAX_BATCH = int(os.environ.get("MONARCH_TENSOR_MAX_BATCH", "512"))
-FIRST_BATCH = min(MAX_BATCH, int(os.environ.get("MONARCH_TENSOR_FIRST_BATCH", "16")))
-IDLE_S = float(os.environ.get("MONARCH_TENSOR_IDLE_FLUSH_S", "0.001"))
+MAX_BATCH = env_number("MONARCH_TENSOR_MAX_BATCH", 512, "a whole number of instructions, at least 1", integer=True, least=1)
+FIRST_BATCH = min(MAX_BATCH, env_number("MONARCH_TENSOR_FIRST_BATCH", 16, "a whole number of instructions, at least 1",
+                                        integer=True, least=1))
+IDLE_S = env_number("MONARCH_TENSOR_IDLE_FLUSH_S", 0.001, "a number of seconds")
 PAUSE_ANSWER = 10.0  # how long an interrupt waits for the paused workers to say how far they got (withdraw)
 DELETE_IDLE_S = 0.5  # how often the flusher looks for deletes left with no batch to go with
 

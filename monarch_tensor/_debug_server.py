@@ -20,6 +20,7 @@ import socket
 import sys
 import threading
 
+from .config import env_number
 from .mailbox import socket_dir
 
 MAGIC = "MTDBG1"
@@ -53,7 +54,7 @@ def ensure_server() -> tuple[str, int]:
     with _lock:
         if _server is None:
             host = os.environ.get("MONARCH_TENSOR_DEBUG_HOST", "127.0.0.1")
-            port = int(os.environ.get("MONARCH_TENSOR_DEBUG_PORT", "0"))
+            port = env_number("MONARCH_TENSOR_DEBUG_PORT", 0, "a port number (0: any free one)", integer=True)
             srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             srv.bind((host, port))

@@ -21,16 +21,17 @@ change it only while nothing is in flight.
 from __future__ import annotations
 
 import json
-import os
 import threading
 from typing import Callable
+
+from .config import env_number
 
 TREE_MAGIC = b"MTTR"
 # A proc behind a host agent has the address "tcp://agent:port|ipc:///path": messages to it go to the
 # agent with a first frame ROUTE_MAGIC + "ipc:///path" (or down the tree), and the agent relays them.
 ROUTE_SEP = "|"
 ROUTE_MAGIC = b"MTRT"
-FANOUT = int(os.environ.get("MONARCH_TENSOR_FANOUT", "8"))
+FANOUT = env_number("MONARCH_TENSOR_FANOUT", 8, "a whole number of children per agent, at least 1", integer=True, least=1)
 
 _lock = threading.Lock()
 _trees: dict[str, list[str]] = {}         # job key -> its agents, in the order met

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from . import _context, _proc_ext, _zygote
-from .config import env_flag
+from .config import env_flag, env_number
 from .errors import ActorAbortedError, ActorError, ActorFailedError, ActorStoppedError
 from .logs import OUTPUT_WAIT_S
 from .mailbox import _EVENTS, _POLLIN, Mailbox, set_current_mailbox
@@ -49,7 +49,7 @@ from .shape import Point, Shape
 
 # A call to an actor this proc does not have waits this long for its spawn before it fails (see
 # ProcRuntime._await_actor).
-UNKNOWN_ACTOR_WAIT_S = float(os.environ.get("MONARCH_TENSOR_UNKNOWN_ACTOR_WAIT", "2"))
+UNKNOWN_ACTOR_WAIT_S = env_number("MONARCH_TENSOR_UNKNOWN_ACTOR_WAIT", 2.0, "a number of seconds")
 
 log = logging.getLogger("monarch_tensor.proc")
 

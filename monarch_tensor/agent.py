@@ -44,6 +44,7 @@ from .agent_messages import (
     ShutdownAgent,
     SpawnProcs,
 )
+from .config import env_number
 from .errors import AddressInUseError, JobKeyError
 from .future import Future
 from .host import LocalHost, ProcInfo, _gpu_count
@@ -52,8 +53,8 @@ from .messages import ForwardLogs, SendToPort
 
 log = logging.getLogger("monarch_tensor.agent")
 
-SESSION_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_SESSION_TIMEOUT", "10"))
-DEFAULT_TTL = float(os.environ.get("MONARCH_TENSOR_AGENT_TTL", "3600"))
+SESSION_TIMEOUT = env_number("MONARCH_TENSOR_SESSION_TIMEOUT", 10.0, "a number of seconds", least=0.001)
+DEFAULT_TTL = env_number("MONARCH_TENSOR_AGENT_TTL", 3600.0, "a number of seconds", least=0.001)
 
 
 @dataclass

@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 from . import _context, _exit_status, _wire, _zygote, config, logs
 from ._fanout import send_many
-from .config import env_flag
+from .config import env_flag, env_number
 from .env import check_env
 from .errors import MeshStoppedError, SupervisionError
 from .future import CoroutineFuture, Future, in_event_loop, run_to_end
@@ -847,7 +847,7 @@ DEFAULT_MAX_PROCS_PER_HOST = 1024
 
 
 # How long spawn_procs waits for its bootstrap function on every proc (a proc that dies fails it at once).
-BOOTSTRAP_TIMEOUT = float(os.environ.get("MONARCH_TENSOR_BOOTSTRAP_TIMEOUT", "600"))
+BOOTSTRAP_TIMEOUT = env_number("MONARCH_TENSOR_BOOTSTRAP_TIMEOUT", 600.0, "a number of seconds", least=0.001)
 
 
 class BootstrapCommand:

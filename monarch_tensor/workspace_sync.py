@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 
 from . import _filetree, _sync_proc
 from ._ports import Collector
-from .config import env_flag
+from .config import env_flag, env_number
 from .future import Future, ThreadFuture
 from .mailbox import current_mailbox
 from .sync_messages import DescribeWorkspace, DiffWorkspace, ReloadWorkspace, ScanWorkspace, WorkspaceDiff, WriteFiles
@@ -59,7 +59,7 @@ log = logging.getLogger("monarch_tensor.workspace_sync")
 SYNC_TIMEOUT = _sync_proc.SYNC_TIMEOUT  # seconds ($MONARCH_TENSOR_SYNC_TIMEOUT), the procs' too
 CHUNK = 8 << 20  # bytes of file data per WriteFiles message
 FIRST_CHUNK = 1 << 20  # ... in a writer's first one, sent early so that it starts while the rest is planned
-PULL_MIN = int(os.environ.get("MONARCH_TENSOR_SYNC_PULL_MIN", 256 << 10))  # bytes: bigger files go on the data plane
+PULL_MIN = env_number("MONARCH_TENSOR_SYNC_PULL_MIN", 256 << 10, "a number of bytes", integer=True)  # bytes: bigger files go on the data plane
 INBAND = 64 << 10  # bytes: smaller file data rides inside a message's body, not as one frame per file
 PULL_MAX = 2 << 30  # bytes registered for pulls at once in one sync; further files ride in messages
 # Writers on this client's own host that cannot copy the files themselves (COPY_LOCAL below) get every

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import mmap
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -45,8 +44,8 @@ THRESHOLD = env_number("MONARCH_TENSOR_PAYLOAD_THRESHOLD", 1 << 20,
                        "a whole number of bytes (0: every payload in the message frames)", integer=True)
 # (0 or less dropped every registration at once, failing every pull: at least a second)
 TTL = env_number("MONARCH_TENSOR_PAYLOAD_TTL", 300.0, "a number of seconds a payload waits to be pulled", least=1)
-MAX_BYTES = int(os.environ.get("MONARCH_TENSOR_PAYLOAD_MAX_BYTES", str(4 << 30)))
-POOL_BYTES = int(os.environ.get("MONARCH_TENSOR_PAYLOAD_POOL_BYTES", str(1 << 30)))  # snapshots kept warm
+MAX_BYTES = env_number("MONARCH_TENSOR_PAYLOAD_MAX_BYTES", 4 << 30, "a number of bytes", integer=True)
+POOL_BYTES = env_number("MONARCH_TENSOR_PAYLOAD_POOL_BYTES", 1 << 30, "a number of bytes", integer=True)  # snapshots kept warm
 _ALIGN = 64
 _HUGE = 2 << 20
 _PAGED = 64 << 10

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 
+from monarch_tensor.config import env_number
 from monarch_tensor.mailbox import _crowded, _sched_yield, _us_from_env
 
 from .._host import alive, host_id, per_process
@@ -27,7 +28,7 @@ from .._registry import Descriptor, registry
 from ..errors import BufferDroppedError, OwnerDiedError, TransferError, TransferTimeoutError
 from .base import Backend, check_deadline
 
-STREAMS = int(os.environ.get("MONARCH_TENSOR_RDMA_TCP_STREAMS", "4"))
+STREAMS = env_number("MONARCH_TENSOR_RDMA_TCP_STREAMS", 4, "a whole number of connections, at least 1", integer=True, least=1)
 MIN_STREAM_CHUNK = 4 << 20  # below this a transfer uses one connection
 # A client (reader or writer) polls its socket this long for the owner's answer before it blocks: blocked, it
 # waited for the scheduler to wake its core (65 µs for a 4 KiB read on this project's 2-core VM; 24 µs polling).

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from monarch_tensor import config
+from monarch_tensor.config import env_number
 
 from .._memory import Mem
 from .._registry import Descriptor
@@ -37,10 +38,11 @@ from .base import Backend, check_deadline
 
 MAX_WR_BYTES = 1 << 20  # one work request
 MAX_OUTSTANDING = 16  # work requests in flight per queue pair (<= max_rd_atomic for READs)
-MR_CACHE_BYTES = int(os.environ.get("MONARCH_TENSOR_RDMA_MR_CACHE_BYTES", str(16 << 30)))
+MR_CACHE_BYTES = env_number("MONARCH_TENSOR_RDMA_MR_CACHE_BYTES", 16 << 30, "a number of bytes", integer=True)
 DEVICE = os.environ.get("MONARCH_TENSOR_RDMA_DEVICE")  # a device name (mlx5_0 ...); default: the first
 PORT = 1
-GID_INDEX = int(os.environ.get("MONARCH_TENSOR_RDMA_GID_INDEX", "-1"))  # -1: the first RoCE v2 / non-zero GID
+GID_INDEX = env_number("MONARCH_TENSOR_RDMA_GID_INDEX", -1, "a GID index (-1: the first RoCE v2 one)", integer=True,
+                       least=-1)  # -1: the first RoCE v2 / non-zero GID
 
 
 # ---- seams: descriptors, chunks, caches (tested without a device) ----------------------
