@@ -3,9 +3,12 @@
 The mailbox's I/O thread decodes messages and hands them to this process's
 asyncio loop (the main thread). Each actor handles its messages one at a time
 in arrival order; a sync endpoint runs inline on the loop, an async one as a
-task that holds the actor until it finishes. Replies go straight back to the
-caller's port. Nothing a message contains can kill the proc: an unknown actor
-or endpoint, or an endpoint that raises, becomes an error reply (an endpoint
+task that holds the actor until it finishes. An endpoint that blocks the loop
+waiting on a reply (``.get()``) runs the loop's turns meanwhile
+(``_blocked_turn``), so the calls it waits on run even when they are async.
+Replies go straight back to the caller's port. Nothing a message contains can
+kill the proc: an unknown actor or endpoint, or an endpoint that raises,
+becomes an error reply (an endpoint
 that raises a BaseException that is not an Exception, or raises with an
 explicit response port, kills its actor, as in Monarch: ``_endpoint_killed``).
 """
@@ -240,6 +243,12 @@ class ProcRuntime:
         # No I/O thread: the loop's own thread receives, so a call costs no thread hop here.
         self.mailbox = Mailbox(addr, on_message=self._handle, on_logs=self._relay_logs, io_thread=False)
         self.mailbox.on_deferred = self._defer
+        self.mailbox.on_blocked_turn = self._blocked_turn
+        self.mailbox.blocked_wake_fd = self.loop._ssock.fileno()
+        self.mailbox.after_waits = self._after_waits
+        self._held_stop: StopProc | None = None  # one that came while the loop's thread blocked in a wait
+        self._skipped = asyncio.Handle(_nothing, (), self.loop)  # a cancelled callback: the loop skips it
+        self._skipped.cancel()
         self.mailbox.on_held = self._wake_for_held
         self.mailbox.on_lost_spawn = self._spawn_lost
         set_current_mailbox(self.mailbox)
@@ -270,32 +279,46 @@ class ProcRuntime:
     def _defer(self, msg: object) -> None:
         """A message that came while an endpoint blocks waiting for a reply."""
         if isinstance(msg, CallEndpoint) and msg.actor in self.actors:
-            if self._stuck(msg):
-                return
             self._handle(msg)  # runs now unless its actor is the busy one (then it queues)
         elif isinstance(msg, SpawnActor):  # an endpoint that spawns a sibling here and waits for it
             self._handle(msg)
         else:
             self.loop.call_soon(self._handle, msg)
 
-    def _stuck(self, msg: CallEndpoint) -> bool:
-        """Fail a call that this proc's event loop would have to run while the endpoint blocking the loop
-        waits for the call's own reply (a deadlock): a call of an async endpoint, or of an actor busy in one,
-        from an endpoint of another actor of this proc that waits with ``.get()``. True when it failed."""
-        slot = self.actors[msg.actor]
-        fn = getattr(slot.instance, msg.method.partition("/")[0], None)
-        is_coro = getattr(fn, "_endpoint_coro", None)
-        if is_coro is None:
-            is_coro = inspect.iscoroutinefunction(fn)
-        if not (is_coro or slot.busy) or not self.mailbox.awaited(msg.reply):
-            return False
-        why = "is async" if is_coro else "is busy in an async endpoint"
-        err = RuntimeError(
-            f"{msg.actor}.{msg.method.partition('/')[0]} {why}, so it runs on this proc's event loop, which the "
-            f"endpoint waiting for it with .get() blocks (both actors are on proc {self.rank}): a deadlock. "
-            f"Await the call from an async endpoint instead (`await other.method.call_one()`)")
-        self._reply(msg.reply, None, err, slot.ctx.rank.rank)
-        return True
+    def _blocked_turn(self) -> float | None:
+        """One turn of this proc's event loop, run from inside the callback that blocks it: an endpoint waiting
+        with ``.get()`` (``Mailbox.wait_until``). What the wait may need runs meanwhile, as it would on a loop
+        left free: async endpoints and tasks of other actors, timers, messages. Returns the seconds until the
+        loop has more to do (0: now; None: nothing scheduled).
+
+        The blocked callback's own pass of the loop goes on popping the callbacks that were ready when it began,
+        once this returns: those this turn ran are replaced by cancelled ones, which it skips. A task that runs
+        the blocked callback is set aside meanwhile (asyncio runs one task at a time per loop)."""
+        loop, ready = self.loop, self.loop._ready
+        owed = len(ready)
+        task = asyncio.current_task(loop)
+        if task is not None:
+            asyncio.tasks._leave_task(loop, task)
+        sync_call = self.sync_call
+        try:
+            loop.call_soon(_nothing)  # (so that the turn's look for I/O does not block)
+            loop._run_once()
+        finally:
+            self.sync_call = sync_call
+            if task is not None:
+                asyncio.tasks._enter_task(loop, task)
+            if len(ready) < owed:
+                ready.extendleft(self._skipped for _ in range(owed - len(ready)))
+        if any(not h._cancelled for h in ready):
+            return 0.0
+        timers = loop._scheduled
+        return max(0.0, timers[0]._when - loop.time()) if timers else None
+
+    def _after_waits(self) -> None:
+        """The loop's thread no longer blocks in a wait: a ``StopProc`` that came meanwhile runs now."""
+        msg, self._held_stop = self._held_stop, None
+        if msg is not None:
+            self.loop.call_soon(self._handle, msg)
 
     def run(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -588,6 +611,9 @@ class ProcRuntime:
                     return
 
     def handle_StopProc(self, msg: StopProc) -> None:
+        if self.mailbox._waits:  # an endpoint blocked in a wait: the proc stops once it returns (_after_waits)
+            self._held_stop = msg
+            return
         for slot in self.actors.values():
             for task in list(slot.tasks):  # concurrent endpoints still running: cancelled before __cleanup__
                 task.cancel()
@@ -675,12 +701,12 @@ class ProcRuntime:
                 self._track(slot, msg, task)
                 return
             slot.busy = True
-            self.sync_call = msg  # (what an InterruptCall that comes meanwhile stops: _InterruptWatch)
-            try:
+            outer, self.sync_call = self.sync_call, msg  # (what an InterruptCall that comes meanwhile stops:
+            try:  # _InterruptWatch; ``outer``: a call blocked in a wait, which ran this one meanwhile)
                 value = fn(*args, **msg.kwargs)
             finally:
                 slot.busy = False
-                self.sync_call = None
+                self.sync_call = outer
             if type(value) not in _PLAIN and inspect.isawaitable(value):  # a sync def returned a coroutine
                 slot.busy = True
                 self._track(slot, msg, self.loop.create_task(self._run_async(slot, msg, value, explicit)))
@@ -777,6 +803,10 @@ class ProcRuntime:
                 self.mailbox.send(port.addr, SendToPort(port.port_id, None, err, rank, output))
             except Exception:  # noqa: BLE001 - not a usable port at all
                 log.warning("proc %d cannot reply to %r: %s", self.rank, port, e)
+
+
+def _nothing() -> None:
+    pass
 
 
 # Results that are never awaitable (inspect.isawaitable's ABC check costs ~1 µs a call).

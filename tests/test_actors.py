@@ -1406,20 +1406,18 @@ class Asker(Actor):
 
 
 @pytest.mark.timeout(60)
-def test_waiting_with_get_on_an_async_endpoint_of_the_same_proc_is_a_clear_error_not_a_hang():
+def test_waiting_with_get_on_an_async_endpoint_of_the_same_proc_runs_it():
     """Actors of one proc share its event loop: an endpoint that blocks in ``.get()`` on another actor's
-    sync endpoint there gets its answer (it runs while the first one waits), and on an async one, which
-    could only run once the loop is free again, a clear error at once instead of a deadlock; awaiting it
-    from an async endpoint works."""
+    endpoint there gets its answer, sync or async (the loop's turns run while it waits, as Monarch's
+    separate threads would), from a sync endpoint and from an async one alike; awaiting works too."""
     procs = this_host().spawn_procs({"gpus": 1})
     try:
         b = procs.spawn("answerer", Answerer)
         a = procs.spawn("asker", Asker)
         assert a.ask.call_one(b, "sync_ping").get(timeout=T) == "sync pong"
         assert a.ask_awaiting.call_one(b).get(timeout=T) == "pong"
-        for call in (lambda: a.ask.call_one(b, "ping"), lambda: a.ask_blocking.call_one(b)):
-            with pytest.raises(ActorError, match=r"answerer.ping is async, .*a deadlock\. Await the call"):
-                call().get(timeout=T)
+        assert a.ask.call_one(b, "ping").get(timeout=T) == "pong"
+        assert a.ask_blocking.call_one(b).get(timeout=T) == "pong"
         assert a.ask_awaiting.call_one(b).get(timeout=T) == "pong"  # both still serve
     finally:
         procs.stop()
