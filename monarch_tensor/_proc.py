@@ -6,6 +6,8 @@ in arrival order; a sync endpoint runs inline on the loop, an async one as a
 task that holds the actor until it finishes. An endpoint that blocks the loop
 waiting on a reply (``.get()``) runs the loop's turns meanwhile
 (``_blocked_turn``), so the calls it waits on run even when they are async.
+An actor's constructor runs on a thread of its own (``_construct``), so one
+that blocks leaves the proc's other actors serving.
 Replies go straight back to the caller's port. Nothing a message contains can
 kill the proc: an unknown actor or endpoint, or an endpoint that raises,
 becomes an error reply (an endpoint
@@ -70,6 +72,7 @@ class _Slot:
     stopped: str | None = None  # ActorMesh.stop()'s reason: calls that come after it fail
     stop_done: bool = False  # the calls before it have run, and the actor has stopped
     owner: str = ""  # the address of the process that spawned it: told of errors nobody awaits
+    initializing: bool = False  # its constructor runs (on a thread of its own: _construct)
     running: dict = field(default_factory=dict)  # reply port -> task of its running async (or concurrent) call
 
 
@@ -381,23 +384,46 @@ class ProcRuntime:
         ctx = _context.ActorContext(msg.name, point, self.rank, sizes=shape.sizes)
         ctx.proc_mesh_bytes = msg.proc_mesh
         slot = _Slot(msg.name, None, ctx, owner=msg.reply.addr)
-        token = _context.enter(ctx)
-        try:
-            slot.instance = msg.cls(*msg.args, **msg.kwargs)
-            ctx.instance = slot.instance
-            err = None
-        except BaseException as e:  # noqa: BLE001 - the constructor is user code
-            err = ActorError(msg.name, point.rank, "__init__", repr(e), traceback.format_exc(), _picklable(e))
-            slot.init_error = err
-        finally:
-            _context.leave(token)
+        slot.busy = slot.initializing = True  # its calls queue until the constructor has returned
         self.actors[msg.name] = slot
-        self._reply(msg.reply, None, err, point.rank)
         timer, calls = self._awaiting.pop(msg.name, (None, ()))
         if timer is not None:
             timer.cancel()
         for call in calls:
             self.handle_CallEndpoint(call)
+        if getattr(msg.cls, "_init_on_loop", False):  # the runtime's own actors whose place in message order
+            self._construct(slot, msg, inline=True)  # matters (the tensor engine's worker: see TensorWorker)
+            return
+        # The constructor runs on a thread of its own, as Monarch's: one that blocks (for ever, even) leaves the
+        # other actors of this proc serving.
+        threading.Thread(target=self._construct, args=(slot, msg), daemon=True,
+                         name=f"monarch-init-{msg.name}").start()
+
+    def _construct(self, slot: _Slot, msg: SpawnActor, inline: bool = False) -> None:
+        """The constructor's thread (or, ``inline``, the loop's): runs it, then hands the result to the loop
+        (``_constructed``)."""
+        token = _context.enter(slot.ctx)
+        instance, err = None, None
+        try:
+            instance = msg.cls(*msg.args, **msg.kwargs)
+        except BaseException as e:  # noqa: BLE001 - the constructor is user code
+            err = ActorError(msg.name, slot.ctx.rank.rank, "__init__", repr(e), traceback.format_exc(), _picklable(e))
+        finally:
+            _context.leave(token)
+        if inline:
+            self._constructed(slot, msg, instance, err)
+            return
+        try:
+            self.loop.call_soon_threadsafe(self._constructed, slot, msg, instance, err)
+        except RuntimeError:  # the loop closed: the proc stops
+            pass
+
+    def _constructed(self, slot: _Slot, msg: SpawnActor, instance: object, err: ActorError | None) -> None:
+        slot.instance = slot.ctx.instance = instance
+        slot.init_error = err
+        slot.busy = slot.initializing = False
+        self._reply(msg.reply, None, err, slot.ctx.rank.rank)
+        self._pump(slot)
 
     def _spawn_lost(self, msg: SpawnActor, error: BaseException) -> None:
         """A SpawnActor that could not be unpickled here (an argument's class this proc cannot import, a
@@ -497,6 +523,10 @@ class ProcRuntime:
             self._reply(msg.reply, None, None, self.rank)
             return
         slot.stopped = msg.reason
+        if slot.initializing:  # a constructor may never return: the stop is acknowledged now, and the calls
+            # that came before it, then __cleanup__, run once it has returned
+            self._reply(msg.reply, None, None, self.rank)
+            msg = StopActor(msg.name, msg.reason, None)
         slot.queue.append(msg)
         if not slot.busy:
             self._pump(slot)

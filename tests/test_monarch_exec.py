@@ -2,10 +2,11 @@
 blocks, how a proc stops."""
 
 import asyncio
+import threading
 
 import pytest
 
-from monarch_tensor.actor import Actor, ActorError, endpoint, this_host
+from monarch_tensor.actor import Actor, ActorError, Channel, SupervisionError, endpoint, this_host
 
 T = 60
 
@@ -60,3 +61,53 @@ def test_a_sync_endpoint_waits_on_an_async_endpoint_of_its_proc(procs):
         sync.calls_itself.call_one(sync).get(timeout=T)
     assert sync.sync_endpoint.call_one(counter).get(timeout=T) == 5
 
+
+class RunForeverOnInit(Actor):
+    """Monarch's RunForeverOnInitActor: its constructor spawns a sibling, hands it out, and never returns."""
+
+    def __init__(self, procs, port) -> None:
+        counter = procs.spawn("counter_from_init", Counter, 42)
+        port.send(counter)
+        threading.Event().wait()
+
+    @endpoint
+    def unreachable(self) -> None:
+        pass
+
+
+def test_an_init_that_never_returns_leaves_its_proc_serving(procs):
+    # Monarch's test_run_forever_on_init.
+    port, receiver = Channel.open()
+    forever = procs.spawn("forever", RunForeverOnInit, procs, port)
+    counter = receiver.recv().get(timeout=T)
+    assert counter.value.call_one().get(timeout=T) == 42
+    sync = procs.spawn("sync_beside_forever", SyncActor)
+    assert sync.sync_endpoint.call_one(counter).get(timeout=T) == 42
+    forever.stop().get(timeout=T)
+    with pytest.raises(SupervisionError):
+        forever.unreachable.call_one().get(timeout=T)
+
+
+class Incr(Actor):
+    def __init__(self) -> None:
+        self.c = 0
+
+    @endpoint
+    def incr(self, x) -> int:
+        self.c += 1
+        return self.c - 1
+
+
+def test_an_engine_call_to_an_actor_keeps_its_place_among_direct_calls(procs):
+    # Monarch's test_actor_tensor_ordering: calls with mesh tensors go through the tensor engine's stream,
+    # calls without go straight to the actor; the actor runs them in the order they were made (the engine's
+    # worker is constructed in order with the messages, while user actors' constructors run on threads).
+    import torch
+
+    with procs.activate():
+        counter = procs.spawn("incr", Incr)
+        results = []
+        for _ in range(3):
+            results.append(counter.incr.call(torch.ones(())))
+            results.append(counter.incr.call(1))
+        assert [r.get(timeout=T).item(gpus=0) for r in results] == list(range(6))
