@@ -33,7 +33,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
-from . import _context, _proc_ext, _zygote
+from . import _context, _proc_exit, _proc_ext, _zygote
 from .config import env_flag
 from .errors import ActorAbortedError, ActorError, ActorFailedError, ActorStoppedError
 from .logs import OUTPUT_WAIT_S
@@ -250,6 +250,7 @@ class ProcRuntime:
         self.mailbox.blocked_wake_fd = self.loop._ssock.fileno()
         self.mailbox.after_waits = self._after_waits
         self._held_stop: StopProc | None = None  # one that came while the loop's thread blocked in a wait
+        self._stopping = False  # a StopProc is being handled
         self._skipped = asyncio.Handle(_nothing, (), self.loop)  # a cancelled callback: the loop skips it
         self._skipped.cancel()
         self.mailbox.on_held = self._wake_for_held
@@ -641,17 +642,44 @@ class ProcRuntime:
                     return
 
     def handle_StopProc(self, msg: StopProc) -> None:
+        """Stop the proc as a process that exits would stop: its running ``@concurrent_endpoint`` tasks are
+        cancelled and run their cancellation to the end, then each actor's ``__cleanup__`` runs, then the
+        interpreter's shutdown (``_proc_exit``: ``atexit`` hooks, finalizers); all of it within
+        ``_proc_exit.EXIT_LIMIT_S``, past which the proc exits anyway."""
         if self.mailbox._waits:  # an endpoint blocked in a wait: the proc stops once it returns (_after_waits)
             self._held_stop = msg
             return
-        for slot in self.actors.values():
-            for task in list(slot.tasks):  # concurrent endpoints still running: cancelled before __cleanup__
-                task.cancel()
-            _cleanup(slot)
-        self.shutdown(0)
+        if self._stopping:
+            return
+        self._stopping = True
+        _proc_exit.exit_within(_proc_exit.EXIT_LIMIT_S, 0)
+        tasks = [task for slot in self.actors.values() for task in slot.tasks]
+        for task in tasks:
+            task.cancel()
+        if not tasks:
+            self._stop_proc()
+            return
 
-    def shutdown(self, code: int) -> None:
+        async def cancelled() -> None:
+            await asyncio.wait(tasks, timeout=_proc_exit.EXIT_LIMIT_S / 2)
+            self._stop_proc()
+
+        self.loop.create_task(cancelled())
+
+    def _stop_proc(self) -> None:
+        for slot in list(self.actors.values()):
+            if slot.instance is not None and not slot.stop_done:
+                _cleanup(slot)
+        self.actors.clear()
+        self.shutdown(0, graceful=True)
+
+    def shutdown(self, code: int, graceful: bool = False) -> None:
+        """End the proc; ``graceful``: after the interpreter's shutdown (``_proc_exit``), while its output is
+        still forwarded."""
         try:
+            if graceful:
+                _proc_exit.run_exit_hooks()
+                _proc_exit.finalize_user_modules()
             self.logs.flush()
             self.mailbox.close()
         finally:
@@ -966,6 +994,7 @@ def run_proc(addr: str, client_addr: str, rank: int) -> None:
     _threads.apply_from_env()  # (after the binding: a bound proc's share is of its own CPUs)
     if "torch" in sys.modules and not env_flag("MONARCH_TENSOR_NO_WARMUP", False):  # (the script uses torch)
         _zygote.finish_preload(_zygote._modules("MONARCH_TENSOR_IDLE_PRELOAD", "torch._dynamo"))
+    _proc_exit.forget_inherited_hooks()
     rt = _runtime = ProcRuntime(addr, client_addr, rank)
     try:
         signal.signal(signal.SIGINT, _on_sigint)

@@ -2,11 +2,22 @@
 blocks, how a proc stops."""
 
 import asyncio
+import atexit
+import os
 import threading
+import time
 
 import pytest
 
-from monarch_tensor.actor import Actor, ActorError, Channel, SupervisionError, endpoint, this_host
+from monarch_tensor.actor import (
+    Actor,
+    ActorError,
+    Channel,
+    SupervisionError,
+    concurrent_endpoint,
+    endpoint,
+    this_host,
+)
 
 T = 60
 
@@ -111,3 +122,69 @@ def test_an_engine_call_to_an_actor_keeps_its_place_among_direct_calls(procs):
             results.append(counter.incr.call(torch.ones(())))
             results.append(counter.incr.call(1))
         assert [r.get(timeout=T).item(gpus=0) for r in results] == list(range(6))
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+class _Finalized:
+    """Monarch's ObjectWithFinalizer: writes its file when it is finalized (the file opened up front, as
+    ``open`` itself may be gone by then)."""
+
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "w")
+
+    def __del__(self) -> None:
+        self._file.write("finalized")
+        self._file.close()
+
+
+_finalized_at_exit = None  # set in a proc: only the interpreter's shutdown frees it
+
+
+class Stoppable(Actor):
+    def __init__(self, path: str) -> None:
+        global _finalized_at_exit
+        self.file = open(path + ".order", "w")
+        self.unblock = asyncio.Event()
+        _finalized_at_exit = _Finalized(path + ".del")
+        atexit.register(_write, path + ".atexit", "ran")
+
+    @concurrent_endpoint(explicit_response_port=True)
+    async def run(self, port) -> None:
+        port.send("started")
+        try:
+            await self.unblock.wait()
+        finally:
+            self.file.write("task_cancelled\n")
+            self.file.flush()
+
+    async def __cleanup__(self, exc) -> None:
+        self.file.write("cleanup\n")
+        self.file.close()
+
+
+def _read_when_there(path: str, timeout: float = 20) -> str:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with open(path) as f:
+        return f.read()
+
+
+def test_a_stopped_proc_cancels_its_tasks_then_cleans_up_then_runs_its_exit(tmp_path):
+    # Monarch's test_actor_loop_shutdown_cancels_concurrent_endpoint_before_cleanup and
+    # test_del_runs_on_proc_mesh_stop, and an atexit hook as a process that exits runs it.
+    own = this_host().spawn_procs(per_host={"gpus": 1})
+    base = str(tmp_path / "stop")
+    actor = own.spawn("stoppable", Stoppable, base)
+    assert actor.run.call_one().get(timeout=T) == "started"
+    own.stop().get(timeout=T)
+    assert _read_when_there(base + ".atexit") == "ran"
+    deadline = time.monotonic() + 20
+    while _read_when_there(base + ".del") != "finalized" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _read_when_there(base + ".del") == "finalized"
+    assert _read_when_there(base + ".order") == "task_cancelled\ncleanup\n"
