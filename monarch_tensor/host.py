@@ -586,8 +586,28 @@ class ProcMesh(MeshTrait):
 
     @property
     def initialized(self) -> Future:
-        """Resolves to True once the procs are up (they are, once ``spawn_procs`` returned)."""
-        return Future.ready(True)
+        """Resolves to True once the procs are up and ``spawn_procs``' ``bootstrap`` ran on all of them; raises
+        the ``ActorError`` of a bootstrap that failed."""
+        ran = getattr(self._alloc, "_init", None)
+        if ran is None:
+            return Future.ready(True)
+        out = Future("the proc mesh's bootstrap")
+
+        def settle(f: Future) -> None:
+            err = f.exception(0)
+            if err is None:
+                out._set_result(True)
+            else:
+                out._set_exception(err)
+
+        ran.add_done_callback(settle)
+        return out
+
+    def _await_init(self) -> None:
+        """Wait for ``spawn_procs``' ``bootstrap`` (``BOOTSTRAP_TIMEOUT``); raise its error if it failed."""
+        ran = getattr(self._alloc, "_init", None)
+        if ran is not None:
+            ran.get(timeout=BOOTSTRAP_TIMEOUT)
 
     @property
     def host_mesh(self) -> HostMesh:
@@ -632,6 +652,7 @@ class ProcMesh(MeshTrait):
         """
         if not callable(fn):
             raise TypeError(f"execute() takes a function to run on every proc, got {fn!r}")
+        self._await_init()
         return self._runner().run.call(fn, args, kwargs)
 
     def _runner(self):
@@ -646,6 +667,7 @@ class ProcMesh(MeshTrait):
         return runner._new_with_shape(self._shape)
 
     def _check_alive(self) -> None:
+        self._await_init()
         if self._alloc._stopped:
             raise MeshStoppedError(f"proc mesh {self._shape} was stopped ({self._alloc._stop_reason})")
         for p in self._members():
@@ -949,15 +971,20 @@ def _bootstrap(fn) -> None:
 
 
 def run_bootstrap(mesh: ProcMesh, bootstrap) -> ProcMesh:
-    """Run ``bootstrap`` on every proc of a new ``mesh``; if it fails anywhere, stop the mesh and raise."""
+    """Start ``bootstrap`` on every proc of a new ``mesh`` and return the mesh at once, as Monarch does: its
+    ``initialized`` resolves once it ran everywhere, and raises its ``ActorError`` if it failed anywhere; so
+    does anything done with the mesh first (its use waits for the bootstrap), and a failed mesh is stopped."""
     mesh._bootstrap = bootstrap  # heal_mesh runs it on the new procs too
     if bootstrap is None:
         return mesh
-    try:
-        mesh.execute(_bootstrap, bootstrap, timeout=BOOTSTRAP_TIMEOUT)
-    except BaseException:
-        mesh.stop()
-        raise
+    ran = mesh.execute_async(_bootstrap, bootstrap)
+    mesh._init = ran  # (set after the call left: the call itself checked the mesh)
+
+    def failed(f: Future) -> None:
+        if f.exception(0) is not None:  # (on the thread that received the reply: the stop goes from another)
+            threading.Thread(target=mesh.stop, args=("its bootstrap failed",), daemon=True).start()
+
+    ran.add_done_callback(failed)
     return mesh
 
 

@@ -410,7 +410,7 @@ async def _awaited(fut):
     return await fut
 
 
-def test_spawn_procs_runs_its_bootstrap_on_every_proc_before_returning():
+def test_spawn_procs_runs_its_bootstrap_on_every_proc_before_the_mesh_is_used():
     import asyncio
 
     async def later():
@@ -427,8 +427,11 @@ def test_spawn_procs_runs_its_bootstrap_on_every_proc_before_returning():
     finally:
         procs.stop()
         other.stop()
-    with pytest.raises(ActorError, match="ZeroDivisionError"):
-        this_host().spawn_procs({"gpus": 2}, bootstrap=lambda: 1 / 0)
+    failed = this_host().spawn_procs({"gpus": 2}, bootstrap=lambda: 1 / 0)  # (Monarch's: it returns, and
+    with pytest.raises(ActorError, match="ZeroDivisionError"):  # the mesh's initialized raises)
+        failed.initialized.get(timeout=60)
+    with pytest.raises(ActorError, match="ZeroDivisionError"):  # as does its first use
+        failed.execute(os.getpid)
     with pytest.raises(TypeError, match="a function of no arguments"):
         this_host().spawn_procs({"gpus": 2}, bootstrap="setup.sh")
 
