@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import fcntl
 import inspect
 import logging
@@ -73,6 +74,7 @@ class _Slot:
     stop_done: bool = False  # the calls before it have run, and the actor has stopped
     owner: str = ""  # the address of the process that spawned it: told of errors nobody awaits
     initializing: bool = False  # its constructor runs (on a thread of its own: _construct)
+    pending_init: SpawnActor | None = None  # its spawn, whose arguments the tensor engine brings (args_by_engine)
     running: dict = field(default_factory=dict)  # reply port -> task of its running async (or concurrent) call
 
 
@@ -392,6 +394,12 @@ class ProcRuntime:
             timer.cancel()
         for call in calls:
             self.handle_CallEndpoint(call)
+        if msg.args_by_engine:  # constructed when the engine's call of __init__ brings the arguments (fill)
+            slot.pending_init = msg
+            return
+        self._start_construct(slot, msg)
+
+    def _start_construct(self, slot: _Slot, msg: SpawnActor) -> None:
         if getattr(msg.cls, "_init_on_loop", False):  # the runtime's own actors whose place in message order
             self._construct(slot, msg, inline=True)  # matters (the tensor engine's worker: see TensorWorker)
             return
@@ -424,7 +432,24 @@ class ProcRuntime:
         slot.init_error = err
         slot.busy = slot.initializing = False
         self._reply(msg.reply, None, err, slot.ctx.rank.rank)
+        while slot.done_events:  # (a constructor the tensor engine called: its stream waits for it)
+            slot.done_events.pop().set()
         self._pump(slot)
+
+    def _engine_init(self, slot: _Slot, entry: Reserved, msg: CallEndpoint, error: BaseException | None) -> None:
+        """The tensor engine's call of ``__init__`` for a spawn whose arguments held mesh tensors: construct the
+        actor with this rank's tensors (or fail its spawn with ``error``); the engine's stream waits for it."""
+        spawn, slot.pending_init = slot.pending_init, None
+        if entry in slot.queue:
+            slot.queue.remove(entry)
+        slot.done_events.append(entry.done)
+        if error is not None:
+            err = error if isinstance(error, ActorError) else ActorError(
+                slot.name, slot.ctx.rank.rank, "__init__", getattr(error, "exc_repr", None) or repr(error),
+                getattr(error, "traceback", "") or "", _picklable(error))
+            self._constructed(slot, spawn, None, err)
+            return
+        self._start_construct(slot, dataclasses.replace(spawn, args=msg.args, kwargs=msg.kwargs))
 
     def _spawn_lost(self, msg: SpawnActor, error: BaseException) -> None:
         """A SpawnActor that could not be unpickled here (an argument's class this proc cannot import, a
@@ -487,6 +512,9 @@ class ProcRuntime:
         """Runs ``msg`` (or replies ``error`` to it) in ``entry``'s place (on the loop thread)."""
         entry.msg, entry.error, entry.ready = msg, error, True
         slot = self.actors.get(actor)
+        if slot is not None and slot.pending_init is not None and msg is not None and msg.method == "__init__":
+            self._engine_init(slot, entry, msg, error)
+            return
         if slot is None or entry not in slot.queue:  # no such actor: the call gets handle_CallEndpoint's error
             self._settle(entry)
             return

@@ -467,8 +467,19 @@ def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs
     col.future.add_done_callback(failed)
     portable = procs._portable()
     try:
-        for i, p in enumerate(members):
-            mailbox.send(p.addr, SpawnActor(name, cls, args, kwargs, i, shape, port, portable))
+        try:
+            for i, p in enumerate(members):
+                mailbox.send(p.addr, SpawnActor(name, cls, args, kwargs, i, shape, port, portable))
+        except Exception as e:
+            errors = sys.modules.get("controller.errors")
+            if i != 0 or errors is None or not isinstance(e, errors.MeshTensorError):  # (none was sent)
+                raise
+            # Mesh tensors among the arguments: each rank's constructor gets its own, through the tensor engine.
+            from controller.api import call_actor
+
+            for i, p in enumerate(members):
+                mailbox.send(p.addr, SpawnActor(name, cls, (), {}, i, shape, port, portable, args_by_engine=True))
+            call_actor(mesh, mesh._rank_list, "__init__", args, kwargs, None)
     except BaseException:  # e.g. arguments that cannot be pickled: nothing was spawned, the name is free
         if i == 0:
             for p in members:

@@ -37,7 +37,9 @@ class PortRef:
 @dataclass(frozen=True, slots=True)
 class SpawnActor:
     """Client -> proc: construct ``cls(*args, **kwargs)`` as actor ``name``; ack on ``reply``. ``proc_mesh``:
-    the pickled proc mesh it is spawned on (``context().actor_instance.proc_mesh``), read when asked for."""
+    the pickled proc mesh it is spawned on (``context().actor_instance.proc_mesh``), read when asked for.
+    ``args_by_engine``: the arguments hold mesh tensors, and come instead in a call of ``__init__`` from the
+    tensor engine's worker, which gives the constructor this rank's own tensors."""
 
     name: str
     cls: Any
@@ -47,6 +49,7 @@ class SpawnActor:
     shape: Any
     reply: PortRef
     proc_mesh: bytes | None = None
+    args_by_engine: bool = False
 
 
 @_fast_reduce

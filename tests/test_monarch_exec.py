@@ -124,6 +124,32 @@ def test_an_engine_call_to_an_actor_keeps_its_place_among_direct_calls(procs):
         assert [r.get(timeout=T).item(gpus=0) for r in results] == list(range(6))
 
 
+class AddWithState(Actor):
+    def __init__(self, state) -> None:
+        if state.dim() != 0:
+            raise ValueError(f"a scalar state, please: got shape {tuple(state.shape)}")
+        self.state = state
+
+    @endpoint
+    def forward(self, x):
+        return x + self.state
+
+
+def test_mesh_tensors_given_to_a_constructor_arrive_as_each_ranks_own(procs):
+    # Monarch's test_actor_with_tensors: spawned inside activate() with a mesh tensor, an actor's constructor
+    # gets its rank's local tensor, as its endpoints do; a constructor that raises fails the spawn as ever.
+    import torch
+
+    with procs.activate():
+        adder = procs.spawn("adder", AddWithState, torch.ones(()) * 2)
+        y = torch.ones(())
+        out = adder.forward.call(y).get(timeout=T).item(gpus=0)
+        assert type(out) is torch.Tensor and out.item() == 3.0
+        bad = procs.spawn("bad_adder", AddWithState, torch.ones(2))
+        with pytest.raises(ActorError, match="a scalar state"):
+            bad.initialized.get(timeout=T)
+
+
 def _write(path: str, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
