@@ -620,7 +620,7 @@ class ProcMesh(MeshTrait):
             raise ValueError(f"{self._what()} has procs on this machine and on a job's hosts: it has no one host mesh")
         from .remote_hosts import RemoteHostMesh
 
-        return RemoteHostMesh(agents)
+        return RemoteHostMesh(agents, handle=getattr(self._alloc, "_host_handle", None))
 
     # ---- actors -----------------------------------------------------------------
     def spawn(self, name: str, actor_class: type, *args, **kwargs):
@@ -1035,6 +1035,8 @@ def _spawn_procs(shape: Shape, proc_bind: list | None = None, per: int = 1,
                **_threads.env_for(threads, sharing)}
         if gpus and "gpus" in shape.names:
             env["CUDA_VISIBLE_DEVICES"] = str(point["gpus"] % gpus)
+        if python_exe is not None:
+            env[HOST_PYTHON_ENV] = python_exe
         envs.append({**env, **(extra_env or {}), **(rank_envs[point.rank] if rank_envs else {})})
     mesh = ProcMesh(infos, shape)
     mesh._python_exe = python_exe
@@ -1218,10 +1220,17 @@ def _procs_shape(hosts: Shape, per_host: Mapping[str, int]) -> Shape:
     return Shape((*hosts.names, *per_host), (*hosts.dims, *per_host.values()))
 
 
+# The interpreter a proc was started with by ``with_python_executable``: its own ``this_host()`` runs the procs
+# it spawns with it too (as Monarch's host mesh keeps its bootstrap command), a wrapper script included.
+HOST_PYTHON_ENV = "MONARCH_TENSOR_HOST_PYTHON"
+
+
 def this_host() -> HostMesh:
-    """The machine this script runs on, as a host mesh of one host."""
-    local_host()  # start the template process early: it imports torch while the script goes on
-    return HostMesh()
+    """The machine this script runs on, as a host mesh of one host (in a proc started by a host mesh's
+    ``with_python_executable``, of that interpreter)."""
+    python_exe = os.environ.get(HOST_PYTHON_ENV) or None
+    local_host(python_exe)  # start the template process early: it imports torch while the script goes on
+    return HostMesh(python_exe=python_exe)
 
 
 def this_proc() -> ProcMesh:
@@ -1311,8 +1320,8 @@ def heal_mesh(mesh: ProcMesh) -> ProcMesh:
             raise HostUnreachableError(f"heal_mesh: the host agent(s) {lost} are lost, and this mesh cannot move "
                                        f"to other hosts by itself; start a job with spare hosts and spawn there")
         k = getattr(alloc, "_host_dims", 1)  # a job's procs: the hosts' dims, then the per-host dims
-        new = RemoteHostMesh(agents, Shape(shape.names[:k], shape.dims[:k]),
-                             getattr(alloc, "_python_exe", None)).spawn_procs(
+        new = RemoteHostMesh(agents, Shape(shape.names[:k], shape.dims[:k]), getattr(alloc, "_python_exe", None),
+                             getattr(alloc, "_host_handle", None)).spawn_procs(
             dict(zip(shape.names[k:], shape.dims[k:])), bootstrap, proc_bind=proc_bind, threads=threads,
             _rank_envs=getattr(alloc, "_rank_envs", None))
     return new if mesh is alloc else ProcMesh(new._procs, mesh._shape, new)

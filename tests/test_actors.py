@@ -477,11 +477,21 @@ def test_spawn_procs_binds_each_proc_of_a_host_to_cpus_and_numa_nodes():
             this_host().spawn_procs({"gpus": 2}, proc_bind=bad)
 
 
+def _wrapper_of_nested_procs() -> tuple:
+    """In a proc: the wrapper marks of procs it spawns on its own host (``this_host()``)."""
+    inner = this_host().spawn_procs({"gpus": 1})
+    try:
+        return tuple(inner.execute(lambda: (os.environ.get("MT_TEST_WRAPPED"), os.environ.get("MT_TEST_WRAPPER"),
+                                            os.environ.get("MT_TEST_WRAPPER") == os.environ.get("MT_OUTER"))).values()[0])
+    finally:
+        inner.stop()
+
+
 def test_with_python_executable_runs_procs_with_another_interpreter(tmp_path):
     from monarch_tensor import heal_mesh
 
-    wrapper = tmp_path / "python-wrapped"  # an interpreter that marks its processes
-    wrapper.write_text(f"#!/bin/sh\nMT_TEST_WRAPPED=yes exec {sys.executable} \"$@\"\n")
+    wrapper = tmp_path / "python-wrapped"  # an interpreter that marks its processes (and its own pid)
+    wrapper.write_text(f"#!/bin/sh\nMT_TEST_WRAPPED=yes MT_TEST_WRAPPER=$$ exec {sys.executable} \"$@\"\n")
     wrapper.chmod(0o755)
     hosts = this_host().with_python_executable(str(wrapper))
     procs = hosts.spawn_procs({"gpus": 2})
@@ -489,6 +499,11 @@ def test_with_python_executable_runs_procs_with_another_interpreter(tmp_path):
     try:
         assert procs.execute(lambda: os.environ.get("MT_TEST_WRAPPED")).values() == ["yes", "yes"]
         assert plain.execute(lambda: os.environ.get("MT_TEST_WRAPPED")).values() == [None]
+        # Procs that those procs spawn run it too: the wrapper runs again for them (Monarch's recursive spawn).
+        one = procs.slice(gpus=0)
+        one.execute(lambda: os.environ.__setitem__("MT_OUTER", os.environ["MT_TEST_WRAPPER"]))
+        wrapped, _, inherited = one.execute(_wrapper_of_nested_procs).item()
+        assert wrapped == "yes" and not inherited
         healed = heal_mesh(procs)  # the new procs run it too
         assert healed.execute(lambda: os.environ.get("MT_TEST_WRAPPED")).values() == ["yes", "yes"]
         healed.stop()

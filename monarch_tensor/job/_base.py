@@ -216,7 +216,9 @@ class JobTrait:
                 except BaseException:
                     self._job_state = None  # (the next state() tries again)
                     raise
-        return self._job_state
+        # Each state() is a handle of its own on the job's hosts, as Monarch's: its stop() stops what was
+        # spawned through it.
+        return JobState({name: mesh._another_handle() for name, mesh in self._job_state._meshes.items()})
 
     def _monarch_state(self, cached_path: str | None) -> JobState:
         """``state()`` of a job written the Monarch way: a running job's ``_state()``; else the job at
