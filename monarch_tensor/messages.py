@@ -52,6 +52,18 @@ class SpawnActor:
     args_by_engine: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class GetController:
+    """Proc -> the process that spawned it, passed up to the script: the job's controller actor ``name``
+    (``get_or_spawn_controller``), spawned by the script the first time; its mesh, or the error, to ``reply``."""
+
+    name: str
+    cls: Any
+    args: tuple
+    kwargs: dict
+    reply: PortRef
+
+
 @_fast_reduce
 @dataclass(frozen=True, slots=True)
 class CallEndpoint:

@@ -16,6 +16,7 @@ from monarch_tensor.actor import (
     SupervisionError,
     concurrent_endpoint,
     endpoint,
+    get_or_spawn_controller,
     this_host,
 )
 
@@ -148,6 +149,37 @@ def test_mesh_tensors_given_to_a_constructor_arrive_as_each_ranks_own(procs):
         bad = procs.spawn("bad_adder", AddWithState, torch.ones(2))
         with pytest.raises(ActorError, match="a scalar state"):
             bad.initialized.get(timeout=T)
+
+
+class Rooted(Actor):
+    """Monarch's SpawningActorFromEndpointActor."""
+
+    def __init__(self, root: str = "None") -> None:
+        self._root = root
+
+    @endpoint
+    async def return_root(self) -> str:
+        return self._root
+
+    @endpoint
+    async def spawning_from_endpoint(self, name: str, root: str) -> None:
+        await get_or_spawn_controller(name, Rooted, root=root)
+
+    @endpoint
+    def root_of(self, name: str) -> str:
+        return get_or_spawn_controller(name, Rooted).get(timeout=T).return_root.call_one().get(timeout=T)
+
+
+def test_get_or_spawn_controller_inside_an_actor_finds_the_jobs_one(procs):
+    # Monarch's test_get_or_spawn_controller_inside_actor_endpoint: a controller spawned from inside an actor
+    # is the job's, which the script then gets; and an actor asking for it gets that one, not a second.
+    first = get_or_spawn_controller("mt_ctl_first", Rooted).get(timeout=T)
+    first.spawning_from_endpoint.call_one("mt_ctl_second", "mt_ctl_first").get(timeout=T)
+    second = get_or_spawn_controller("mt_ctl_second", Rooted).get(timeout=T)
+    assert second.return_root.call_one().get(timeout=T) == "mt_ctl_first"
+    asker = procs.spawn("asker", Rooted, "asker")
+    assert asker.root_of.call_one("mt_ctl_second").get(timeout=T) == "mt_ctl_first"
+    assert asker.root_of.call_one("mt_ctl_first").get(timeout=T) == "None"
 
 
 def _write(path: str, text: str) -> None:
