@@ -603,6 +603,11 @@ class ProcMesh(MeshTrait):
         ran.add_done_callback(settle)
         return out
 
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop("_init", None)  # (this process's Future of the bootstrap: its waiters, its callbacks)
+        return state
+
     def _await_init(self) -> None:
         """Wait for ``spawn_procs``' ``bootstrap`` (``BOOTSTRAP_TIMEOUT``); raise its error if it failed."""
         ran = getattr(self._alloc, "_init", None)
