@@ -845,6 +845,8 @@ class ProcRuntime:
         if not task.cancelled():
             return
         body.close()  # (one that never started: no "never awaited" warning)
+        if self._stopping:  # the proc stops: its caller's wait fails as for any call pending on a stopped proc
+            return  # (MeshStoppedError, a SupervisionError, where the stop is known)
         err = self._stopped_error(slot, msg.method) if slot.stopped is not None else ActorError(
             slot.name, slot.ctx.rank.rank, msg.method.partition("/")[0], "the call was cancelled as its proc "
             "stopped", "")
