@@ -18,6 +18,7 @@ explicit response port, kills its actor, as in Monarch: ``_endpoint_killed``).
 from __future__ import annotations
 
 import asyncio
+import bdb
 import collections
 import dataclasses
 import fcntl
@@ -299,7 +300,13 @@ class ProcRuntime:
 
         The blocked callback's own pass of the loop goes on popping the callbacks that were ready when it began,
         once this returns: those this turn ran are replaced by cancelled ones, which it skips. A task that runs
-        the blocked callback is set aside meanwhile (asyncio runs one task at a time per loop)."""
+        the blocked callback is set aside meanwhile (asyncio runs one task at a time per loop). A debugger that
+        traces this thread (a rank paused at ``breakpoint()``, waiting for its next command) does not trace
+        the turn: it would stop in the other actors' code."""
+        tracer = sys.gettrace()
+        debugged = isinstance(getattr(tracer, "__self__", None), bdb.Bdb)
+        if debugged:
+            sys.settrace(None)
         loop, ready = self.loop, self.loop._ready
         owed = len(ready)
         task = asyncio.current_task(loop)
@@ -313,6 +320,8 @@ class ProcRuntime:
             self.sync_call = sync_call
             if task is not None:
                 asyncio.tasks._enter_task(loop, task)
+            if debugged and sys.gettrace() is None:
+                sys.settrace(tracer)
             if len(ready) < owed:
                 ready.extendleft(self._skipped for _ in range(owed - len(ready)))
         if any(not h._cancelled for h in ready):
