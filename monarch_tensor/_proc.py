@@ -3,9 +3,14 @@
 The mailbox's I/O thread decodes messages and hands them to this process's
 asyncio loop (the main thread). Each actor handles its messages one at a time
 in arrival order; a sync endpoint runs inline on the loop, an async one as a
-task that holds the actor until it finishes. Replies go straight back to the
-caller's port. Nothing a message contains can kill the proc: an unknown actor
-or endpoint, or an endpoint that raises, becomes an error reply (an endpoint
+task that holds the actor until it finishes. An endpoint that blocks the loop
+waiting on a reply (``.get()``) runs the loop's turns meanwhile
+(``_blocked_turn``), so the calls it waits on run even when they are async.
+An actor's constructor runs on a thread of its own (``_construct``), so one
+that blocks leaves the proc's other actors serving.
+Replies go straight back to the caller's port. Nothing a message contains can
+kill the proc: an unknown actor or endpoint, or an endpoint that raises,
+becomes an error reply (an endpoint
 that raises a BaseException that is not an Exception, or raises with an
 explicit response port, kills its actor, as in Monarch: ``_endpoint_killed``).
 """
@@ -13,7 +18,9 @@ explicit response port, kills its actor, as in Monarch: ``_endpoint_killed``).
 from __future__ import annotations
 
 import asyncio
+import bdb
 import collections
+import dataclasses
 import fcntl
 import inspect
 import logging
@@ -28,7 +35,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
-from . import _context, _proc_ext, _zygote
+from . import _context, _proc_exit, _proc_ext, _zygote
 from .config import env_flag, env_number
 from .errors import ActorAbortedError, ActorError, ActorFailedError, ActorStoppedError
 from .logs import OUTPUT_WAIT_S
@@ -67,6 +74,8 @@ class _Slot:
     stopped: str | None = None  # ActorMesh.stop()'s reason: calls that come after it fail
     stop_done: bool = False  # the calls before it have run, and the actor has stopped
     owner: str = ""  # the address of the process that spawned it: told of errors nobody awaits
+    initializing: bool = False  # its constructor runs (on a thread of its own: _construct)
+    pending_init: SpawnActor | None = None  # its spawn, whose arguments the tensor engine brings (args_by_engine)
     running: dict = field(default_factory=dict)  # reply port -> task of its running async (or concurrent) call
 
 
@@ -240,6 +249,13 @@ class ProcRuntime:
         # No I/O thread: the loop's own thread receives, so a call costs no thread hop here.
         self.mailbox = Mailbox(addr, on_message=self._handle, on_logs=self._relay_logs, io_thread=False)
         self.mailbox.on_deferred = self._defer
+        self.mailbox.on_blocked_turn = self._blocked_turn
+        self.mailbox.blocked_wake_fd = self.loop._ssock.fileno()
+        self.mailbox.after_waits = self._after_waits
+        self._held_stop: StopProc | None = None  # one that came while the loop's thread blocked in a wait
+        self._stopping = False  # a StopProc is being handled
+        self._skipped = asyncio.Handle(_nothing, (), self.loop)  # a cancelled callback: the loop skips it
+        self._skipped.cancel()
         self.mailbox.on_held = self._wake_for_held
         self.mailbox.on_lost_spawn = self._spawn_lost
         set_current_mailbox(self.mailbox)
@@ -270,32 +286,54 @@ class ProcRuntime:
     def _defer(self, msg: object) -> None:
         """A message that came while an endpoint blocks waiting for a reply."""
         if isinstance(msg, CallEndpoint) and msg.actor in self.actors:
-            if self._stuck(msg):
-                return
             self._handle(msg)  # runs now unless its actor is the busy one (then it queues)
         elif isinstance(msg, SpawnActor):  # an endpoint that spawns a sibling here and waits for it
             self._handle(msg)
         else:
             self.loop.call_soon(self._handle, msg)
 
-    def _stuck(self, msg: CallEndpoint) -> bool:
-        """Fail a call that this proc's event loop would have to run while the endpoint blocking the loop
-        waits for the call's own reply (a deadlock): a call of an async endpoint, or of an actor busy in one,
-        from an endpoint of another actor of this proc that waits with ``.get()``. True when it failed."""
-        slot = self.actors[msg.actor]
-        fn = getattr(slot.instance, msg.method.partition("/")[0], None)
-        is_coro = getattr(fn, "_endpoint_coro", None)
-        if is_coro is None:
-            is_coro = inspect.iscoroutinefunction(fn)
-        if not (is_coro or slot.busy) or not self.mailbox.awaited(msg.reply):
-            return False
-        why = "is async" if is_coro else "is busy in an async endpoint"
-        err = RuntimeError(
-            f"{msg.actor}.{msg.method.partition('/')[0]} {why}, so it runs on this proc's event loop, which the "
-            f"endpoint waiting for it with .get() blocks (both actors are on proc {self.rank}): a deadlock. "
-            f"Await the call from an async endpoint instead (`await other.method.call_one()`)")
-        self._reply(msg.reply, None, err, slot.ctx.rank.rank)
-        return True
+    def _blocked_turn(self) -> float | None:
+        """One turn of this proc's event loop, run from inside the callback that blocks it: an endpoint waiting
+        with ``.get()`` (``Mailbox.wait_until``). What the wait may need runs meanwhile, as it would on a loop
+        left free: async endpoints and tasks of other actors, timers, messages. Returns the seconds until the
+        loop has more to do (0: now; None: nothing scheduled).
+
+        The blocked callback's own pass of the loop goes on popping the callbacks that were ready when it began,
+        once this returns: those this turn ran are replaced by cancelled ones, which it skips. A task that runs
+        the blocked callback is set aside meanwhile (asyncio runs one task at a time per loop). A debugger that
+        traces this thread (a rank paused at ``breakpoint()``, waiting for its next command) does not trace
+        the turn: it would stop in the other actors' code."""
+        tracer = sys.gettrace()
+        debugged = isinstance(getattr(tracer, "__self__", None), bdb.Bdb)
+        if debugged:
+            sys.settrace(None)
+        loop, ready = self.loop, self.loop._ready
+        owed = len(ready)
+        task = asyncio.current_task(loop)
+        if task is not None:
+            asyncio.tasks._leave_task(loop, task)
+        sync_call = self.sync_call
+        try:
+            loop.call_soon(_nothing)  # (so that the turn's look for I/O does not block)
+            loop._run_once()
+        finally:
+            self.sync_call = sync_call
+            if task is not None:
+                asyncio.tasks._enter_task(loop, task)
+            if debugged and sys.gettrace() is None:
+                sys.settrace(tracer)
+            if len(ready) < owed:
+                ready.extendleft(self._skipped for _ in range(owed - len(ready)))
+        if any(not h._cancelled for h in ready):
+            return 0.0
+        timers = loop._scheduled
+        return max(0.0, timers[0]._when - loop.time()) if timers else None
+
+    def _after_waits(self) -> None:
+        """The loop's thread no longer blocks in a wait: a ``StopProc`` that came meanwhile runs now."""
+        msg, self._held_stop = self._held_stop, None
+        if msg is not None:
+            self.loop.call_soon(self._handle, msg)
 
     def run(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -358,23 +396,69 @@ class ProcRuntime:
         ctx = _context.ActorContext(msg.name, point, self.rank, sizes=shape.sizes)
         ctx.proc_mesh_bytes = msg.proc_mesh
         slot = _Slot(msg.name, None, ctx, owner=msg.reply.addr)
-        token = _context.enter(ctx)
-        try:
-            slot.instance = msg.cls(*msg.args, **msg.kwargs)
-            ctx.instance = slot.instance
-            err = None
-        except BaseException as e:  # noqa: BLE001 - the constructor is user code
-            err = ActorError(msg.name, point.rank, "__init__", repr(e), traceback.format_exc(), _picklable(e))
-            slot.init_error = err
-        finally:
-            _context.leave(token)
+        slot.busy = slot.initializing = True  # its calls queue until the constructor has returned
         self.actors[msg.name] = slot
-        self._reply(msg.reply, None, err, point.rank)
         timer, calls = self._awaiting.pop(msg.name, (None, ()))
         if timer is not None:
             timer.cancel()
         for call in calls:
             self.handle_CallEndpoint(call)
+        if msg.args_by_engine:  # constructed when the engine's call of __init__ brings the arguments (fill)
+            slot.pending_init = msg
+            return
+        self._start_construct(slot, msg)
+
+    def _start_construct(self, slot: _Slot, msg: SpawnActor) -> None:
+        if getattr(msg.cls, "_init_on_loop", False):  # the runtime's own actors whose place in message order
+            self._construct(slot, msg, inline=True)  # matters (the tensor engine's worker: see TensorWorker)
+            return
+        # The constructor runs on a thread of its own, as Monarch's: one that blocks (for ever, even) leaves the
+        # other actors of this proc serving.
+        threading.Thread(target=self._construct, args=(slot, msg), daemon=True,
+                         name=f"monarch-init-{msg.name}").start()
+
+    def _construct(self, slot: _Slot, msg: SpawnActor, inline: bool = False) -> None:
+        """The constructor's thread (or, ``inline``, the loop's): runs it, then hands the result to the loop
+        (``_constructed``)."""
+        token = _context.enter(slot.ctx)
+        instance, err = None, None
+        try:
+            instance = msg.cls(*msg.args, **msg.kwargs)
+        except BaseException as e:  # noqa: BLE001 - the constructor is user code
+            err = ActorError(msg.name, slot.ctx.rank.rank, "__init__", repr(e), traceback.format_exc(), _picklable(e))
+        finally:
+            _context.leave(token)
+        if inline:
+            self._constructed(slot, msg, instance, err)
+            return
+        try:
+            self.loop.call_soon_threadsafe(self._constructed, slot, msg, instance, err)
+        except RuntimeError:  # the loop closed: the proc stops
+            pass
+
+    def _constructed(self, slot: _Slot, msg: SpawnActor, instance: object, err: ActorError | None) -> None:
+        slot.instance = slot.ctx.instance = instance
+        slot.init_error = err
+        slot.busy = slot.initializing = False
+        self._reply(msg.reply, None, err, slot.ctx.rank.rank)
+        while slot.done_events:  # (a constructor the tensor engine called: its stream waits for it)
+            slot.done_events.pop().set()
+        self._pump(slot)
+
+    def _engine_init(self, slot: _Slot, entry: Reserved, msg: CallEndpoint, error: BaseException | None) -> None:
+        """The tensor engine's call of ``__init__`` for a spawn whose arguments held mesh tensors: construct the
+        actor with this rank's tensors (or fail its spawn with ``error``); the engine's stream waits for it."""
+        spawn, slot.pending_init = slot.pending_init, None
+        if entry in slot.queue:
+            slot.queue.remove(entry)
+        slot.done_events.append(entry.done)
+        if error is not None:
+            err = error if isinstance(error, ActorError) else ActorError(
+                slot.name, slot.ctx.rank.rank, "__init__", getattr(error, "exc_repr", None) or repr(error),
+                getattr(error, "traceback", "") or "", _picklable(error))
+            self._constructed(slot, spawn, None, err)
+            return
+        self._start_construct(slot, dataclasses.replace(spawn, args=msg.args, kwargs=msg.kwargs))
 
     def _spawn_lost(self, msg: SpawnActor, error: BaseException) -> None:
         """A SpawnActor that could not be unpickled here (an argument's class this proc cannot import, a
@@ -437,6 +521,9 @@ class ProcRuntime:
         """Runs ``msg`` (or replies ``error`` to it) in ``entry``'s place (on the loop thread)."""
         entry.msg, entry.error, entry.ready = msg, error, True
         slot = self.actors.get(actor)
+        if slot is not None and slot.pending_init is not None and msg is not None and msg.method == "__init__":
+            self._engine_init(slot, entry, msg, error)
+            return
         if slot is None or entry not in slot.queue:  # no such actor: the call gets handle_CallEndpoint's error
             self._settle(entry)
             return
@@ -474,6 +561,10 @@ class ProcRuntime:
             self._reply(msg.reply, None, None, self.rank)
             return
         slot.stopped = msg.reason
+        if slot.initializing:  # a constructor may never return: the stop is acknowledged now, and the calls
+            # that came before it, then __cleanup__, run once it has returned
+            self._reply(msg.reply, None, None, self.rank)
+            msg = StopActor(msg.name, msg.reason, None)
         slot.queue.append(msg)
         if not slot.busy:
             self._pump(slot)
@@ -588,14 +679,44 @@ class ProcRuntime:
                     return
 
     def handle_StopProc(self, msg: StopProc) -> None:
-        for slot in self.actors.values():
-            for task in list(slot.tasks):  # concurrent endpoints still running: cancelled before __cleanup__
-                task.cancel()
-            _cleanup(slot)
-        self.shutdown(0)
+        """Stop the proc as a process that exits would stop: its running ``@concurrent_endpoint`` tasks are
+        cancelled and run their cancellation to the end, then each actor's ``__cleanup__`` runs, then the
+        interpreter's shutdown (``_proc_exit``: ``atexit`` hooks, finalizers); all of it within
+        ``_proc_exit.EXIT_LIMIT_S``, past which the proc exits anyway."""
+        if self.mailbox._waits:  # an endpoint blocked in a wait: the proc stops once it returns (_after_waits)
+            self._held_stop = msg
+            return
+        if self._stopping:
+            return
+        self._stopping = True
+        _proc_exit.exit_within(_proc_exit.EXIT_LIMIT_S, 0)
+        tasks = [task for slot in self.actors.values() for task in slot.tasks]
+        for task in tasks:
+            task.cancel()
+        if not tasks:
+            self._stop_proc()
+            return
 
-    def shutdown(self, code: int) -> None:
+        async def cancelled() -> None:
+            await asyncio.wait(tasks, timeout=_proc_exit.EXIT_LIMIT_S / 2)
+            self._stop_proc()
+
+        self.loop.create_task(cancelled())
+
+    def _stop_proc(self) -> None:
+        for slot in list(self.actors.values()):
+            if slot.instance is not None and not slot.stop_done:
+                _cleanup(slot)
+        self.actors.clear()
+        self.shutdown(0, graceful=True)
+
+    def shutdown(self, code: int, graceful: bool = False) -> None:
+        """End the proc; ``graceful``: after the interpreter's shutdown (``_proc_exit``), while its output is
+        still forwarded."""
         try:
+            if graceful:
+                _proc_exit.run_exit_hooks()
+                _proc_exit.finalize_user_modules()
             self.logs.flush()
             self.mailbox.close()
         finally:
@@ -675,12 +796,12 @@ class ProcRuntime:
                 self._track(slot, msg, task)
                 return
             slot.busy = True
-            self.sync_call = msg  # (what an InterruptCall that comes meanwhile stops: _InterruptWatch)
-            try:
+            outer, self.sync_call = self.sync_call, msg  # (what an InterruptCall that comes meanwhile stops:
+            try:  # _InterruptWatch; ``outer``: a call blocked in a wait, which ran this one meanwhile)
                 value = fn(*args, **msg.kwargs)
             finally:
                 slot.busy = False
-                self.sync_call = None
+                self.sync_call = outer
             if type(value) not in _PLAIN and inspect.isawaitable(value):  # a sync def returned a coroutine
                 slot.busy = True
                 self._track(slot, msg, self.loop.create_task(self._run_async(slot, msg, value, explicit)))
@@ -733,6 +854,8 @@ class ProcRuntime:
         if not task.cancelled():
             return
         body.close()  # (one that never started: no "never awaited" warning)
+        if self._stopping:  # the proc stops: its caller's wait fails as for any call pending on a stopped proc
+            return  # (MeshStoppedError, a SupervisionError, where the stop is known)
         err = self._stopped_error(slot, msg.method) if slot.stopped is not None else ActorError(
             slot.name, slot.ctx.rank.rank, msg.method.partition("/")[0], "the call was cancelled as its proc "
             "stopped", "")
@@ -777,6 +900,10 @@ class ProcRuntime:
                 self.mailbox.send(port.addr, SendToPort(port.port_id, None, err, rank, output))
             except Exception:  # noqa: BLE001 - not a usable port at all
                 log.warning("proc %d cannot reply to %r: %s", self.rank, port, e)
+
+
+def _nothing() -> None:
+    pass
 
 
 # Results that are never awaitable (inspect.isawaitable's ABC check costs ~1 µs a call).
@@ -906,6 +1033,7 @@ def run_proc(addr: str, client_addr: str, rank: int) -> None:
     _threads.apply_from_env()  # (after the binding: a bound proc's share is of its own CPUs)
     if "torch" in sys.modules and not env_flag("MONARCH_TENSOR_NO_WARMUP", False):  # (the script uses torch)
         _zygote.finish_preload(_zygote._modules("MONARCH_TENSOR_IDLE_PRELOAD", "torch._dynamo"))
+    _proc_exit.forget_inherited_hooks()
     rt = _runtime = ProcRuntime(addr, client_addr, rank)
     try:
         signal.signal(signal.SIGINT, _on_sigint)

@@ -51,8 +51,8 @@ from .host import (
     this_host,
     this_proc,
 )
-from .mailbox import current_mailbox
-from .messages import CallEndpoint, PortRef, SendToPort, SpawnActor
+from .mailbox import SYSTEM_HANDLERS, current_mailbox
+from .messages import CallEndpoint, GetController, PortRef, SendToPort, SpawnActor
 from .shape import Extent, MeshTrait, Point, Shape
 from .telemetry import get_meter, span, traced
 
@@ -470,8 +470,19 @@ def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs
     col.future.add_done_callback(failed)
     portable = procs._portable()
     try:
-        for i, p in enumerate(members):
-            mailbox.send(p.addr, SpawnActor(name, cls, args, kwargs, i, shape, port, portable))
+        try:
+            for i, p in enumerate(members):
+                mailbox.send(p.addr, SpawnActor(name, cls, args, kwargs, i, shape, port, portable))
+        except Exception as e:
+            errors = sys.modules.get("controller.errors")
+            if i != 0 or errors is None or not isinstance(e, errors.MeshTensorError):  # (none was sent)
+                raise
+            # Mesh tensors among the arguments: each rank's constructor gets its own, through the tensor engine.
+            from . import _seams
+
+            for i, p in enumerate(members):
+                mailbox.send(p.addr, SpawnActor(name, cls, (), {}, i, shape, port, portable, args_by_engine=True))
+            _seams.get("call_actor")(mesh, mesh._rank_list, "__init__", args, kwargs, None)
     except BaseException:  # e.g. arguments that cannot be pickled: nothing was spawned, the name is free
         if i == 0:
             for p in members:
@@ -899,12 +910,23 @@ class _Executor(Actor):
 _controllers: dict[str, ActorMesh] = {}
 
 
+# How long the script takes to spawn a controller for an actor that asked for it (a constructor that does not
+# return fails the request after it).
+CONTROLLER_SPAWN_TIMEOUT = 600.0
+
+
 def get_or_spawn_controller(name: str, actor_class: type, *args, **kwargs) -> Future[ActorMesh]:
-    """One actor named ``name`` per client process, spawned on its own proc the first time."""
+    """One actor named ``name`` per job: the script spawns it on its own proc the first time, and every later
+    call, in the script or in any actor of the job (asked of the script), gets that one."""
     mesh = _controllers.get(name)
     if mesh is None:
         if not (isinstance(actor_class, type) and issubclass(actor_class, Actor)):
             raise TypeError(f"get_or_spawn_controller() needs a subclass of Actor, got {actor_class!r}")
+        from ._proc import current_runtime
+
+        rt = current_runtime()
+        if rt is not None:  # in an actor: the script holds the job's controllers
+            return _controller_of_script(rt.client_addr, name, actor_class, args, kwargs)
         procs = this_host().spawn_procs(per_host={"procs": 1})
         try:
             mesh = ActorMesh.slice(procs.spawn(name, actor_class, *args, **kwargs), procs=0)  # (not an endpoint)
@@ -924,6 +946,50 @@ def get_or_spawn_controller(name: str, actor_class: type, *args, **kwargs) -> Fu
     mesh._spawned.add_done_callback(
         lambda f: out._set_exception(f.exception()) if f.exception() else out._set_result(mesh))
     return out
+
+
+def _controller_of_script(up: str, name: str, actor_class: type, args: tuple, kwargs: dict) -> Future[ActorMesh]:
+    """In a proc: the job's controller ``name``, asked of the process that spawned this proc (``up``), which
+    passes the request up to the script (``_on_get_controller``); kept here once it came."""
+    mailbox = current_mailbox()
+    col = OneReply(up, f"controller {name!r} from the script")
+    port = mailbox.open_port(col)
+    mailbox.send(up, GetController(name, actor_class, args, kwargs, port))
+
+    def keep(f: Future) -> None:
+        if f.exception() is None:
+            _controllers.setdefault(name, f.get())
+
+    col.future.add_done_callback(keep)
+    return col.future
+
+
+def _on_get_controller(mailbox, msg: GetController) -> None:
+    """A ``GetController`` that came here: passed on up (a proc), or served on a thread of its own (the
+    script: the spawn waits for the controller's constructor)."""
+    from ._proc import current_runtime
+
+    rt = current_runtime()
+    if rt is not None:
+        mailbox.send(rt.client_addr, msg)
+        return
+
+    def serve() -> None:
+        try:
+            value, error = get_or_spawn_controller(msg.name, msg.cls, *msg.args, **msg.kwargs).get(
+                timeout=CONTROLLER_SPAWN_TIMEOUT), None
+        except BaseException as e:  # noqa: BLE001 - the asking actor gets it
+            value, error = None, e
+        try:
+            mailbox.send(msg.reply.addr, SendToPort(msg.reply.port_id, value, error, 0))
+        except Exception as e:  # noqa: BLE001 - an error that does not pickle: its text then
+            mailbox.send(msg.reply.addr, SendToPort(msg.reply.port_id, None, RuntimeError(
+                f"get_or_spawn_controller({msg.name!r}) failed in the script: {error!r} ({e!r})"), 0))
+
+    threading.Thread(target=serve, daemon=True, name="mt-get-controller").start()
+
+
+SYSTEM_HANDLERS[GetController] = _on_get_controller
 
 
 class ChannelTransport(enum.Enum):

@@ -586,8 +586,33 @@ class ProcMesh(MeshTrait):
 
     @property
     def initialized(self) -> Future:
-        """Resolves to True once the procs are up (they are, once ``spawn_procs`` returned)."""
-        return Future.ready(True)
+        """Resolves to True once the procs are up and ``spawn_procs``' ``bootstrap`` ran on all of them; raises
+        the ``ActorError`` of a bootstrap that failed."""
+        ran = getattr(self._alloc, "_init", None)
+        if ran is None:
+            return Future.ready(True)
+        out = Future("the proc mesh's bootstrap")
+
+        def settle(f: Future) -> None:
+            err = f.exception(0)
+            if err is None:
+                out._set_result(True)
+            else:
+                out._set_exception(err)
+
+        ran.add_done_callback(settle)
+        return out
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop("_init", None)  # (this process's Future of the bootstrap: its waiters, its callbacks)
+        return state
+
+    def _await_init(self) -> None:
+        """Wait for ``spawn_procs``' ``bootstrap`` (``BOOTSTRAP_TIMEOUT``); raise its error if it failed."""
+        ran = getattr(self._alloc, "_init", None)
+        if ran is not None:
+            ran.get(timeout=BOOTSTRAP_TIMEOUT)
 
     @property
     def host_mesh(self) -> HostMesh:
@@ -600,7 +625,7 @@ class ProcMesh(MeshTrait):
             raise ValueError(f"{self._what()} has procs on this machine and on a job's hosts: it has no one host mesh")
         from .remote_hosts import RemoteHostMesh
 
-        return RemoteHostMesh(agents)
+        return RemoteHostMesh(agents, handle=getattr(self._alloc, "_host_handle", None))
 
     # ---- actors -----------------------------------------------------------------
     def spawn(self, name: str, actor_class: type, *args, **kwargs):
@@ -632,6 +657,7 @@ class ProcMesh(MeshTrait):
         """
         if not callable(fn):
             raise TypeError(f"execute() takes a function to run on every proc, got {fn!r}")
+        self._await_init()
         return self._runner().run.call(fn, args, kwargs)
 
     def _runner(self):
@@ -646,6 +672,7 @@ class ProcMesh(MeshTrait):
         return runner._new_with_shape(self._shape)
 
     def _check_alive(self) -> None:
+        self._await_init()
         if self._alloc._stopped:
             raise MeshStoppedError(f"proc mesh {self._shape} was stopped ({self._alloc._stop_reason})")
         for p in self._members():
@@ -949,15 +976,20 @@ def _bootstrap(fn) -> None:
 
 
 def run_bootstrap(mesh: ProcMesh, bootstrap) -> ProcMesh:
-    """Run ``bootstrap`` on every proc of a new ``mesh``; if it fails anywhere, stop the mesh and raise."""
+    """Start ``bootstrap`` on every proc of a new ``mesh`` and return the mesh at once, as Monarch does: its
+    ``initialized`` resolves once it ran everywhere, and raises its ``ActorError`` if it failed anywhere; so
+    does anything done with the mesh first (its use waits for the bootstrap), and a failed mesh is stopped."""
     mesh._bootstrap = bootstrap  # heal_mesh runs it on the new procs too
     if bootstrap is None:
         return mesh
-    try:
-        mesh.execute(_bootstrap, bootstrap, timeout=BOOTSTRAP_TIMEOUT)
-    except BaseException:
-        mesh.stop()
-        raise
+    ran = mesh.execute_async(_bootstrap, bootstrap)
+    mesh._init = ran  # (set after the call left: the call itself checked the mesh)
+
+    def failed(f: Future) -> None:
+        if f.exception(0) is not None:  # (on the thread that received the reply: the stop goes from another)
+            threading.Thread(target=mesh.stop, args=("its bootstrap failed",), daemon=True).start()
+
+    ran.add_done_callback(failed)
     return mesh
 
 
@@ -1008,6 +1040,8 @@ def _spawn_procs(shape: Shape, proc_bind: list | None = None, per: int = 1,
                **_threads.env_for(threads, sharing)}
         if gpus and "gpus" in shape.names:
             env["CUDA_VISIBLE_DEVICES"] = str(point["gpus"] % gpus)
+        if python_exe is not None:
+            env[HOST_PYTHON_ENV] = python_exe
         envs.append({**env, **(extra_env or {}), **(rank_envs[point.rank] if rank_envs else {})})
     mesh = ProcMesh(infos, shape)
     mesh._python_exe = python_exe
@@ -1191,10 +1225,17 @@ def _procs_shape(hosts: Shape, per_host: Mapping[str, int]) -> Shape:
     return Shape((*hosts.names, *per_host), (*hosts.dims, *per_host.values()))
 
 
+# The interpreter a proc was started with by ``with_python_executable``: its own ``this_host()`` runs the procs
+# it spawns with it too (as Monarch's host mesh keeps its bootstrap command), a wrapper script included.
+HOST_PYTHON_ENV = "MONARCH_TENSOR_HOST_PYTHON"
+
+
 def this_host() -> HostMesh:
-    """The machine this script runs on, as a host mesh of one host."""
-    local_host()  # start the template process early: it imports torch while the script goes on
-    return HostMesh()
+    """The machine this script runs on, as a host mesh of one host (in a proc started by a host mesh's
+    ``with_python_executable``, of that interpreter)."""
+    python_exe = os.environ.get(HOST_PYTHON_ENV) or None
+    local_host(python_exe)  # start the template process early: it imports torch while the script goes on
+    return HostMesh(python_exe=python_exe)
 
 
 def this_proc() -> ProcMesh:
@@ -1284,8 +1325,8 @@ def heal_mesh(mesh: ProcMesh) -> ProcMesh:
             raise HostUnreachableError(f"heal_mesh: the host agent(s) {lost} are lost, and this mesh cannot move "
                                        f"to other hosts by itself; start a job with spare hosts and spawn there")
         k = getattr(alloc, "_host_dims", 1)  # a job's procs: the hosts' dims, then the per-host dims
-        new = RemoteHostMesh(agents, Shape(shape.names[:k], shape.dims[:k]),
-                             getattr(alloc, "_python_exe", None)).spawn_procs(
+        new = RemoteHostMesh(agents, Shape(shape.names[:k], shape.dims[:k]), getattr(alloc, "_python_exe", None),
+                             getattr(alloc, "_host_handle", None)).spawn_procs(
             dict(zip(shape.names[k:], shape.dims[k:])), bootstrap, proc_bind=proc_bind, threads=threads,
             _rank_envs=getattr(alloc, "_rank_envs", None))
     return new if mesh is alloc else ProcMesh(new._procs, mesh._shape, new)

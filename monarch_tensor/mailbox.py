@@ -218,6 +218,14 @@ class Mailbox:
         # port 0, which only carries ``output_before`` (``_marked``).
         self.output_mark: Callable[[str], tuple | None] | None = None
         self._waits: list = []  # the futures the receiving thread waits on in wait_until, innermost last
+        # A proc's: runs its event loop's due work once while the receiving thread (the loop's) blocks in
+        # wait_until, so that what the wait needs (an async endpoint of another actor) runs meanwhile; returns
+        # the seconds until the loop has more to do (0: now; None: nothing scheduled). ``blocked_wake_fd``
+        # becomes readable when another thread hands the loop work; ``after_waits`` runs as the outermost
+        # wait ends.
+        self.on_blocked_turn: Callable[[], float | None] | None = None
+        self.blocked_wake_fd: int | None = None
+        self.after_waits: Callable[[], None] | None = None
         # A mailbox without an I/O thread (a proc's): messages that another thread waiting on a reply received
         # while the receiving thread was busy (``receive_for``), for the receiving thread, in order, as
         # (message, Unreadable or None); ``on_held()`` tells the receiving thread that some are there.
@@ -679,33 +687,45 @@ class Mailbox:
 
     def wait_until(self, done: Callable[[], bool], timeout: float | None) -> None:
         """Block the receiving thread until ``done()``, dispatching port values as they come."""
-        self._waits.append(getattr(done, "__self__", None))  # (``Future.done``: the future, see ``awaited``)
+        self._waits.append(getattr(done, "__self__", None))  # (``Future.done``: the future)
         try:
             self._wait_until(done, timeout)
         finally:
             self._waits.pop()
-
-    def awaited(self, port: PortRef | None) -> bool:
-        """Whether the receiving thread is blocked in ``wait_until`` on the reply that goes to ``port``."""
-        if port is None or not self._waits or port.addr != self.public_addr:
-            return False
-        with self._ports_lock:
-            handler = self._ports.get(port.port_id)
-        fut = getattr(handler, "future", None)
-        return fut is not None and any(w is fut for w in self._waits)
+            if not self._waits and self.after_waits is not None:
+                self.after_waits()
 
     def _wait_until(self, done: Callable[[], bool], timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
-        defer = self.on_deferred
+        defer, turn = self.on_deferred, self.on_blocked_turn
+        poller = None
+        if turn is not None and self.blocked_wake_fd is not None:
+            poller = zmq.Poller()
+            poller.register(self._router, zmq.POLLIN)
+            poller.register(self.blocked_wake_fd, zmq.POLLIN)
         while not done():
             self.drain(defer)
             if done():
                 return
+            ms = 100
+            if turn is not None:
+                due = turn()
+                if done():
+                    return
+                if due is not None:
+                    if due <= 0:
+                        continue
+                    ms = min(ms, int(due * 1000) + 1)
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return
+            if left is not None:
+                ms = max(1, min(ms, int(left * 1000)))
             with self._rx_lock:
-                self._router.poll(100 if left is None else max(1, min(100, int(left * 1000))), zmq.POLLIN)
+                if poller is not None:
+                    poller.poll(ms)
+                else:
+                    self._router.poll(ms, zmq.POLLIN)
 
     def _dispatch(self, frames: list, defer: Callable[[object], None] | None = None) -> None:
         for msg, unreadable in self._decoded(frames):

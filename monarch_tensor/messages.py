@@ -37,7 +37,9 @@ class PortRef:
 @dataclass(frozen=True, slots=True)
 class SpawnActor:
     """Client -> proc: construct ``cls(*args, **kwargs)`` as actor ``name``; ack on ``reply``. ``proc_mesh``:
-    the pickled proc mesh it is spawned on (``context().actor_instance.proc_mesh``), read when asked for."""
+    the pickled proc mesh it is spawned on (``context().actor_instance.proc_mesh``), read when asked for.
+    ``args_by_engine``: the arguments hold mesh tensors, and come instead in a call of ``__init__`` from the
+    tensor engine's worker, which gives the constructor this rank's own tensors."""
 
     name: str
     cls: Any
@@ -47,6 +49,19 @@ class SpawnActor:
     shape: Any
     reply: PortRef
     proc_mesh: bytes | None = None
+    args_by_engine: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class GetController:
+    """Proc -> the process that spawned it, passed up to the script: the job's controller actor ``name``
+    (``get_or_spawn_controller``), spawned by the script the first time; its mesh, or the error, to ``reply``."""
+
+    name: str
+    cls: Any
+    args: tuple
+    kwargs: dict
+    reply: PortRef
 
 
 @_fast_reduce

@@ -36,6 +36,7 @@ from .config import env_number
 from .errors import HostUnreachableError, JobKeyError, SupervisionError
 from .future import CoroutineFuture, Future
 from .host import (
+    HOST_PYTHON_ENV,
     HostMesh,
     ProcInfo,
     ProcMesh,
@@ -402,22 +403,67 @@ class _Events:
 
 
 # ---- meshes -------------------------------------------------------------------------------------
+_handles = itertools.count(1)
+
+
+def _attached(addrs: list[str], keys: tuple | None, shape: Shape, python_exe: str | None) -> RemoteHostMesh:
+    """A host mesh unpickled here (passed to an actor, say): over this process's connections to those agents
+    where it has them, else new ones. It is a handle of its own, which cannot shut the hosts down."""
+    known = {a.addr: a for a in list(_watcher.agents) if not a.lost}
+    missing = [a for a in addrs if a not in known]
+    if missing:
+        if keys is None:
+            raise RuntimeError(f"a host mesh of agents {missing} came without the job's keys")
+        for a in connect_agents(missing, _curve.JobKeys(*keys)):
+            known[a.addr] = a
+    mesh = RemoteHostMesh([known[a] for a in addrs], shape, python_exe)
+    mesh._borrowed = True
+    return mesh
+
+
 class RemoteHostMesh(HostMesh):
     """Hosts served by agents: ``spawn_procs(per_host={"gpus": 8})`` -> shape {"hosts": N, "gpus": 8}.
 
     ``workdirs[i]`` is host i's working directory (where its procs start).
     """
 
-    def __init__(self, agents: list[AgentClient], shape: Shape | None = None, python_exe: str | None = None) -> None:
+    def __init__(self, agents: list[AgentClient], shape: Shape | None = None, python_exe: str | None = None,
+                 handle: int | None = None) -> None:
         shape = shape or Shape(("hosts",), (len(agents),))
         if len(shape) != len(agents):
             raise ValueError(f"a host mesh of shape {shape} needs {len(shape)} agents, got {len(agents)}")
         super().__init__(Shape(shape.names, shape.dims), python_exe)
         self._agents = agents
+        # Which handle of the job's hosts this is (shared by its slices, renames, with_python_executable):
+        # stop() stops the proc meshes spawned through it, as Monarch's, not those of another handle (a second
+        # job.state()) on the same hosts.
+        self._handle = next(_handles) if handle is None else handle
+        self._borrowed = False  # unpickled in this process (``_attached``)
 
     def _new_with_shape(self, shape: Shape) -> RemoteHostMesh:
         """A slice, split, rename or flatten: ``hosts.slice(hosts=0)`` is one host (no dim left)."""
-        return RemoteHostMesh([self._agents[r] for r in shape.ranks()], shape, self._python_exe)
+        mesh = RemoteHostMesh([self._agents[r] for r in shape.ranks()], shape, self._python_exe, self._handle)
+        mesh._borrowed = self._borrowed
+        return mesh
+
+    def __reduce__(self):
+        """Pickled by the agents' addresses and the job's keys (the processes of a job hold its keys already):
+        an actor it is passed to reaches the same hosts (``_attached``)."""
+        keys = self._agents[0].keys if self._agents else None
+        return (_attached, ([a.addr for a in self._agents], None if keys is None else (keys.public, keys.secret),
+                            Shape(self._shape.names, self._shape.dims), self._python_exe))
+
+    def _another_handle(self) -> RemoteHostMesh:
+        """The same hosts as a handle of its own (``job.state()`` gives one per call)."""
+        return RemoteHostMesh(self._agents, self._shape, self._python_exe)
+
+    def stop(self) -> Future:
+        """Stop every proc mesh spawned through this handle (or its slices) on these hosts; the hosts stay
+        usable, and procs spawned there through another handle of the job go on."""
+        for mesh in [m for m in list(_live_meshes) if getattr(m, "_host_handle", None) == self._handle and
+                     any(self._runs_here(p) for p in m._procs)]:
+            mesh.stop()
+        return Future.ready(None)
 
     def _runs_here(self, p) -> bool:
         return getattr(p, "agent", None) in self._agents
@@ -432,7 +478,9 @@ class RemoteHostMesh(HostMesh):
         if not os.path.isabs(python_exe):
             raise ValueError(f"with_python_executable({python_exe!r}) on a job's hosts takes an absolute path (the "
                              f"hosts' working directories differ from this one)")
-        return RemoteHostMesh(self._agents, self._shape, python_exe)
+        mesh = RemoteHostMesh(self._agents, self._shape, python_exe, self._handle)
+        mesh._borrowed = self._borrowed
+        return mesh
 
     @property
     def workdirs(self) -> list[str]:
@@ -478,6 +526,8 @@ class RemoteHostMesh(HostMesh):
                        **_threads.env_for(threads, _bind.sharing(proc_bind, r - h * per, sharing))}
                 if "gpus" in shape.names:
                     env["MONARCH_TENSOR_LOCAL_GPU"] = str(point["gpus"])
+                if python_exe is not None:
+                    env[HOST_PYTHON_ENV] = python_exe
                 if rank_envs:
                     env.update(rank_envs[r])
                 ranks.append(r)
@@ -486,6 +536,7 @@ class RemoteHostMesh(HostMesh):
                                                       gateway.addr, events, python_exe)))
         results = _parallel([(a.request, (m, config.get("spawn_timeout"))) for a, _, m in pending])
         mesh = RemoteProcMesh([], shape)
+        mesh._host_handle = self._handle
         mesh._host_dims = len(self._shape.names)  # (heal_mesh spawns the same again)
         mesh._python_exe, mesh._rank_envs = python_exe, rank_envs
         for (agent, ranks, _), rep in zip(pending, results):
@@ -518,6 +569,10 @@ class RemoteHostMesh(HostMesh):
 
     def shutdown(self) -> Future:
         """Stop the procs on these hosts, then their agents: the hosts take no new procs afterwards."""
+        if self._borrowed:
+            raise RuntimeError("this host mesh was passed here (unpickled): only the process that holds the job "
+                               "shuts its hosts down (job.kill(), or shutdown() there); stop() stops what was "
+                               "spawned here")
         self.stop()
         shutdown_agents(self._agents, "shutdown() called")
         return Future.ready(None)

@@ -410,7 +410,7 @@ async def _awaited(fut):
     return await fut
 
 
-def test_spawn_procs_runs_its_bootstrap_on_every_proc_before_returning():
+def test_spawn_procs_runs_its_bootstrap_on_every_proc_before_the_mesh_is_used():
     import asyncio
 
     async def later():
@@ -427,8 +427,11 @@ def test_spawn_procs_runs_its_bootstrap_on_every_proc_before_returning():
     finally:
         procs.stop()
         other.stop()
-    with pytest.raises(ActorError, match="ZeroDivisionError"):
-        this_host().spawn_procs({"gpus": 2}, bootstrap=lambda: 1 / 0)
+    failed = this_host().spawn_procs({"gpus": 2}, bootstrap=lambda: 1 / 0)  # (Monarch's: it returns, and
+    with pytest.raises(ActorError, match="ZeroDivisionError"):  # the mesh's initialized raises)
+        failed.initialized.get(timeout=60)
+    with pytest.raises(ActorError, match="ZeroDivisionError"):  # as does its first use
+        failed.execute(os.getpid)
     with pytest.raises(TypeError, match="a function of no arguments"):
         this_host().spawn_procs({"gpus": 2}, bootstrap="setup.sh")
 
@@ -474,11 +477,21 @@ def test_spawn_procs_binds_each_proc_of_a_host_to_cpus_and_numa_nodes():
             this_host().spawn_procs({"gpus": 2}, proc_bind=bad)
 
 
+def _wrapper_of_nested_procs() -> tuple:
+    """In a proc: the wrapper marks of procs it spawns on its own host (``this_host()``)."""
+    inner = this_host().spawn_procs({"gpus": 1})
+    try:
+        return tuple(inner.execute(lambda: (os.environ.get("MT_TEST_WRAPPED"), os.environ.get("MT_TEST_WRAPPER"),
+                                            os.environ.get("MT_TEST_WRAPPER") == os.environ.get("MT_OUTER"))).values()[0])
+    finally:
+        inner.stop()
+
+
 def test_with_python_executable_runs_procs_with_another_interpreter(tmp_path):
     from monarch_tensor import heal_mesh
 
-    wrapper = tmp_path / "python-wrapped"  # an interpreter that marks its processes
-    wrapper.write_text(f"#!/bin/sh\nMT_TEST_WRAPPED=yes exec {sys.executable} \"$@\"\n")
+    wrapper = tmp_path / "python-wrapped"  # an interpreter that marks its processes (and its own pid)
+    wrapper.write_text(f"#!/bin/sh\nMT_TEST_WRAPPED=yes MT_TEST_WRAPPER=$$ exec {sys.executable} \"$@\"\n")
     wrapper.chmod(0o755)
     hosts = this_host().with_python_executable(str(wrapper))
     procs = hosts.spawn_procs({"gpus": 2})
@@ -486,6 +499,11 @@ def test_with_python_executable_runs_procs_with_another_interpreter(tmp_path):
     try:
         assert procs.execute(lambda: os.environ.get("MT_TEST_WRAPPED")).values() == ["yes", "yes"]
         assert plain.execute(lambda: os.environ.get("MT_TEST_WRAPPED")).values() == [None]
+        # Procs that those procs spawn run it too: the wrapper runs again for them (Monarch's recursive spawn).
+        one = procs.slice(gpus=0)
+        one.execute(lambda: os.environ.__setitem__("MT_OUTER", os.environ["MT_TEST_WRAPPER"]))
+        wrapped, _, inherited = one.execute(_wrapper_of_nested_procs).item()
+        assert wrapped == "yes" and not inherited
         healed = heal_mesh(procs)  # the new procs run it too
         assert healed.execute(lambda: os.environ.get("MT_TEST_WRAPPED")).values() == ["yes", "yes"]
         healed.stop()
@@ -1406,20 +1424,18 @@ class Asker(Actor):
 
 
 @pytest.mark.timeout(60)
-def test_waiting_with_get_on_an_async_endpoint_of_the_same_proc_is_a_clear_error_not_a_hang():
+def test_waiting_with_get_on_an_async_endpoint_of_the_same_proc_runs_it():
     """Actors of one proc share its event loop: an endpoint that blocks in ``.get()`` on another actor's
-    sync endpoint there gets its answer (it runs while the first one waits), and on an async one, which
-    could only run once the loop is free again, a clear error at once instead of a deadlock; awaiting it
-    from an async endpoint works."""
+    endpoint there gets its answer, sync or async (the loop's turns run while it waits, as Monarch's
+    separate threads would), from a sync endpoint and from an async one alike; awaiting works too."""
     procs = this_host().spawn_procs({"gpus": 1})
     try:
         b = procs.spawn("answerer", Answerer)
         a = procs.spawn("asker", Asker)
         assert a.ask.call_one(b, "sync_ping").get(timeout=T) == "sync pong"
         assert a.ask_awaiting.call_one(b).get(timeout=T) == "pong"
-        for call in (lambda: a.ask.call_one(b, "ping"), lambda: a.ask_blocking.call_one(b)):
-            with pytest.raises(ActorError, match=r"answerer.ping is async, .*a deadlock\. Await the call"):
-                call().get(timeout=T)
+        assert a.ask.call_one(b, "ping").get(timeout=T) == "pong"
+        assert a.ask_blocking.call_one(b).get(timeout=T) == "pong"
         assert a.ask_awaiting.call_one(b).get(timeout=T) == "pong"  # both still serve
     finally:
         procs.stop()

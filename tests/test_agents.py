@@ -162,6 +162,39 @@ def test_heal_mesh_respawns_a_jobs_procs_on_the_same_hosts(job):
     healed._alloc.stop()
 
 
+class HostUser(Actor):
+    @endpoint
+    def spawn_on(self, hosts) -> list:
+        procs = hosts.spawn_procs(per_host={"gpus": 1})
+        try:
+            return [d for _, d, _ in procs.spawn("w", Where).where.call().get(timeout=60).values()]
+        finally:
+            procs.stop().get(timeout=30)
+
+
+@pytest.mark.timeout(180)
+def test_a_host_mesh_handle_stops_its_own_procs_and_travels_to_actors(job):
+    # Monarch's test_stop_only_drains_own_mesh_procs: each state() is a handle of its own, whose stop() stops
+    # the procs spawned through it (and its slices), not another handle's on the same hosts.
+    first, second = job.state().mesh0, job.state().mesh0
+    mine = first.slice(hosts=slice(0, 2)).spawn_procs(per_host={"gpus": 1})
+    theirs = second.spawn_procs(per_host={"gpus": 1})
+    pids = theirs.execute(os.getpid).values()
+    first.stop().get(timeout=30)
+    with pytest.raises(MeshStoppedError):
+        mine.execute(os.getpid)
+    assert theirs.execute(os.getpid).values() == pids
+    # Monarch's test_pickle: a job's host mesh pickles, so an actor can be given it and spawn there; an
+    # unpickled one cannot shut the hosts down (test_shutdown_unpickled_host_mesh_throws_exception).
+    user = theirs.slice(hosts=0).spawn("host_user", HostUser)
+    assert user.spawn_on.call_one(second).get(timeout=120) == second.workdirs
+    with pytest.raises(RuntimeError, match="only the process that holds the job"):
+        pickle.loads(pickle.dumps(second)).shutdown()
+    second.stop().get(timeout=30)
+    with pytest.raises(MeshStoppedError):
+        theirs.execute(os.getpid)
+
+
 @pytest.mark.timeout(120)
 def test_monarchs_local_job_forms_hosts_names_and_process_job_env(tmp_path):
     from monarch_tensor.job import ProcessJob

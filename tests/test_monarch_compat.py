@@ -439,3 +439,33 @@ def test_tools_config(tmp_path):
         warnings.simplefilter("error")
         with pytest.raises(TypeError, match="Workspace"):
             Config(workspace=3)
+
+
+_BATCH_SCRIPT = """
+from monarch_tensor.job import LocalJob
+
+job = LocalJob(meshes={"mesh0": 1}, ttl=120)  # the spec the job was applied with: state() reattaches
+procs = job.state().mesh0.spawn_procs()
+print("answer", procs.execute(lambda: 6 * 7).values(), flush=True)
+job.kill()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_local_job_runs_a_client_script(tmp_path, monkeypatch):
+    # Monarch's LocalJob.apply(client_script=...): the script runs in the background as the job's controller,
+    # its output in the job's log directory; its own job.state() attaches to the job's hosts.
+    from monarch_tensor.job import LocalJob
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(_BATCH_SCRIPT)
+    job = LocalJob(meshes={"mesh0": 1}, ttl=120, root_dir=str(tmp_path / "job"))
+    try:
+        job.apply(client_script="train.py")
+        assert job.process.wait(timeout=150) == 0, (tmp_path / job.log_dir / "stderr.log").read_text()
+        assert "answer [42]" in (tmp_path / job.log_dir / "stdout.log").read_text()
+        assert not job._running()  # the script killed the job it attached to
+    finally:
+        job.kill()
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        LocalJob(meshes={"mesh0": 1}).apply(client_script="missing.py")

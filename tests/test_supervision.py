@@ -812,7 +812,7 @@ def test_procs_that_die_during_their_spawn_are_its_error_and_no_fault(faults):
         with pytest.raises(SupervisionError, match="died.*exited with code 1"):
             procs.env.list("MT_").get(timeout=30)
     with pytest.raises(SupervisionError, match="exited with code 3"):
-        this_host().spawn_procs({"gpus": 2}, bootstrap=_exit_at_once)
+        this_host().spawn_procs({"gpus": 2}, bootstrap=_exit_at_once).initialized.get(timeout=60)
     _wait_for(lambda: faults, timeout=2)  # (a fault would be reported right after)
     assert faults == []
 

@@ -210,6 +210,11 @@ _OWN_FILES = (__file__, sys.modules[Program.__module__].__file__)  # the interpr
 class TensorWorker(Actor):
     """Executes the controller's instructions on this proc (see the module docstring)."""
 
+    # Constructed on the proc's loop, in order with the messages that follow its spawn (a user actor's
+    # constructor runs on a thread of its own): the engine's calls to actors (CallActor) take their places
+    # in those actors' queues in the order the controller sent them, before calls sent after them directly.
+    _init_on_loop = True
+
     def __init__(self, store_addr: tuple[str, int] | None = None) -> None:
         self.rank = current_rank().rank
         self.mailbox = current_mailbox()

@@ -34,6 +34,9 @@ from ..remote_hosts import AgentClient, RemoteHostMesh, connect_agents, reachabl
 
 log = logging.getLogger("monarch_tensor.job")
 
+# Set for a script that a job runs as its controller (``LocalJob.apply(client_script=...)``): the job file its
+# own ``job.state()`` of the same spec reattaches from.
+BATCH_JOB_ENV = "MONARCH_TENSOR_BATCH_JOB"
 DEFAULT_STATE = os.path.join(".monarch", "job_state.json")  # state()'s cached_path, and job_load()'s default
 
 
@@ -187,6 +190,9 @@ class JobTrait:
             return self._monarch_state(cached_path)
         if self._job_state is None:
             reuse = self.reusable or getattr(self, "_reuse_cached", False)  # (load_current_job's: any kind)
+            batch = os.environ.get(BATCH_JOB_ENV)
+            if batch and self.addrs is None:  # a batch job's script (LocalJob.apply(client_script=...)): its job
+                cached_path, reuse = batch, True
             if self.addrs is None and cached_path and reuse and self._adopt_cached(cached_path):
                 try:
                     self._connect()
@@ -216,7 +222,9 @@ class JobTrait:
                 except BaseException:
                     self._job_state = None  # (the next state() tries again)
                     raise
-        return self._job_state
+        # Each state() is a handle of its own on the job's hosts, as Monarch's: its stop() stops what was
+        # spawned through it.
+        return JobState({name: mesh._another_handle() for name, mesh in self._job_state._meshes.items()})
 
     def _monarch_state(self, cached_path: str | None) -> JobState:
         """``state()`` of a job written the Monarch way: a running job's ``_state()``; else the job at

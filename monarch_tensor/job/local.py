@@ -19,7 +19,7 @@ import time
 from ..env import check_env
 from ..errors import JobStartError
 from ..host import python_path
-from ._base import JobTrait, agent_command, log_tail, private_dir, read_address
+from ._base import BATCH_JOB_ENV, DEFAULT_STATE, JobTrait, agent_command, log_tail, private_dir, read_address
 
 START_TIMEOUT = 60.0  # (the job_start_timeout setting, where set, replaces it)
 
@@ -68,6 +68,43 @@ class LocalJob(JobTrait):
         self.ttl, self.python_exe, self.start_timeout = ttl, python_exe or sys.executable, start_timeout
         self.pids: list[int] = []
         self.starts: dict[int, int] = {}  # pid -> its start time (_start_time): the agent, not a pid reused since
+
+    def apply(self, client_script: str | None = None) -> None:
+        """Start the agents (idempotent). With ``client_script`` (Monarch's batch mode), also run that script as
+        the job's controller, in the background in a session of its own (``job.process`` is its ``Popen``; its
+        output goes to ``job.log_dir``'s ``stdout.log`` and ``stderr.log``): the job file is written to
+        ``.monarch/job_state.json`` and the script's own ``job.state()`` of the same spec reattaches to these
+        agents. The job lasts until it is killed (``job.kill()``, in the script or here, or ``monarch-tensor
+        kill``) or its agents' ``ttl`` ends."""
+        if client_script is None:
+            super().apply()
+            return
+        path = os.path.abspath(client_script)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"apply(client_script={client_script!r}): no such file")
+        super().apply()
+        state_file = os.path.abspath(DEFAULT_STATE)
+        self.dump(state_file)
+        os.makedirs(os.path.join(".monarch", "logs"), exist_ok=True)
+        self.log_dir = tempfile.mkdtemp(prefix="job_", dir=os.path.join(".monarch", "logs"))
+        env = dict(os.environ, **{BATCH_JOB_ENV: state_file})
+        with open(os.path.join(self.log_dir, "stdout.log"), "wb") as out, \
+                open(os.path.join(self.log_dir, "stderr.log"), "wb") as err:
+            self._proc = subprocess.Popen([sys.executable, path], env=env, stdout=out, stderr=err,
+                                          stdin=subprocess.DEVNULL, start_new_session=True)
+
+    @property
+    def process(self) -> subprocess.Popen:
+        """The batch script ``apply(client_script=...)`` started (Monarch's)."""
+        proc = getattr(self, "_proc", None)
+        if proc is None:
+            raise ValueError("no local batch job: apply(client_script=...) starts one")
+        return proc
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.pop("_proc", None)  # (a Popen is this process's)
+        return state
 
     def _start(self) -> dict[str, list[str]]:
         if not self.root_dir:
