@@ -169,7 +169,8 @@ def test_an_explicit_port_endpoint_that_answered_then_raised_still_dies(procs, f
 
 
 class FailsInInit(Actor):
-    def __init__(self, why: str) -> None:
+    def __init__(self, why: str, after: float = 0.0) -> None:
+        time.sleep(after)
         raise ValueError(why)
 
     @endpoint
@@ -197,7 +198,8 @@ def test_an_init_error_on_a_mesh_nobody_calls_reaches_the_fault_hook(procs, faul
 
 
 def test_an_init_error_somebody_waits_on_is_theirs(procs, faults):
-    m = procs.spawn("failing_init_called", FailsInInit, "awaited")
+    # (the constructor fails a while after the spawn: the call below is made before, on a loaded machine too)
+    m = procs.spawn("failing_init_called", FailsInInit, "awaited", 2.0)
     with pytest.raises(ActorError, match="awaited"):
         m.ping.call_one().get(timeout=T)
     m = procs.spawn("failing_init_waited", FailsInInit, "waited")
