@@ -96,15 +96,15 @@ def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None) -> No
     waits.register(sig_r, select.POLLIN)
     write_msg(rep_fd, ("ready", os.getpid()))
     died = False
-    # With the warm-up on, a spawn waits for the idle imports to finish here, once, so that its procs are
-    # forked with them loaded: otherwise each proc imports them anew on a thread of its own (finish_preload),
-    # seconds of CPU a proc, competing with its first work and its siblings' on a small machine. Outputs are
-    # still relayed between two pieces.
+    # With the warm-up on, a spawn of procs for the tensor engine waits for the idle imports to finish here,
+    # once, so that its procs are forked with them loaded: otherwise each proc imports them anew on a thread
+    # of its own (finish_preload), seconds of CPU a proc, competing with its first work and its siblings' on a
+    # small machine. Outputs are still relayed between two pieces. Other spawns are forked at once.
     defer = _warm_up_on()
     deferred: list[tuple] = []  # spawn requests waiting for the idle imports
 
     def fork(req: tuple) -> None:
-        _, req_id, entry, args, env, relay = req
+        _, req_id, entry, args, env, relay = req[:6]
         reads, writes = _output_pipes()
         counts = OutputCounts() if relay else None  # (before the fork: the proc shares it)
         start_r, start_w = os.pipe()
@@ -163,7 +163,7 @@ def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None) -> No
                     died = req is None
                     break
                 if req[0] == "spawn":
-                    if defer and idle_imports:
+                    if defer and idle_imports and (len(req) < 7 or req[6]):  # (req[6]: procs for the engine)
                         deferred.append(req)
                     else:
                         fork(req)

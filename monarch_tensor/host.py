@@ -226,14 +226,21 @@ class LocalHost:
         if self._bare and "torch" in sys.modules:
             self._bare = self._warmed = False  # and warm up the tensor engine meanwhile (spawn)
             _zygote.write_msg(self._req_fd, ("preload", ["torch"], ["torch._dynamo"]))
+        # Procs for the tensor engine (the script has loaded it) wait for the template's idle imports (what
+        # DTensor needs), so that they start with them loaded; others are forked at once and import nothing in
+        # the background (an actor-only script that imported torch spends no seconds of CPU on torch._dynamo;
+        # the engine's worker imports it on its own thread, should the procs run one later).
+        engine = "controller" in sys.modules
         for info, env in zip(infos, envs):
             self._next += 1
             fut = Future("proc spawn")
             self._spawned[self._next] = fut
             self._infos[self._next] = info
             info.starting = True
+            if not engine:
+                env = {**env, "MONARCH_TENSOR_IDLE_PRELOAD": ""}
             _zygote.write_msg(self._req_fd, ("spawn", self._next, "monarch_tensor._proc.run_proc",
-                                             (info.addr, client_addr, info.rank), env, self._relay))
+                                             (info.addr, client_addr, info.rank), env, self._relay, engine))
             futs.append((info, fut))
 
     def _exited(self) -> str:

@@ -40,6 +40,7 @@ SPAWN = """
 import sys
 sys.path.insert(0, {root!r})
 import torch
+{engine}
 from monarch_tensor import _zygote
 from monarch_tensor.actor import Actor, endpoint, this_host
 
@@ -55,11 +56,14 @@ procs.stop().get(timeout=60)
 
 
 @pytest.mark.timeout(200)
-def test_procs_are_forked_after_their_template_imported_what_dtensor_needs():
-    """With the warm-up on, a spawn waits for the template's idle imports, so its procs start with them
-    loaded and none imports them again on a thread of its own (seconds of CPU a proc)."""
+@pytest.mark.parametrize("engine, expected", [("from monarch_tensor import distribute", "STATE [(True, False)]"),
+                                              ("", "STATE [(False, False)]")])
+def test_procs_are_forked_after_their_template_imported_what_dtensor_needs(engine, expected):
+    """With the warm-up on, a script that loaded the tensor engine has its spawn wait for the template's idle
+    imports, so its procs start with them loaded and none imports them again on a thread of its own (seconds
+    of CPU a proc). An actor-only script's procs are forked at once and import nothing in the background."""
     env = dict(os.environ, PYTHONPATH=ROOT, MONARCH_TENSOR_NO_WARMUP="")
-    out = subprocess.run([sys.executable, "-c", SPAWN.format(root=ROOT)], env=env, capture_output=True, text=True,
-                         timeout=180)
+    out = subprocess.run([sys.executable, "-c", SPAWN.format(root=ROOT, engine=engine)], env=env,
+                         capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
-    assert "STATE [(True, False)]" in out.stdout.splitlines(), out.stdout + out.stderr
+    assert expected in out.stdout.splitlines(), out.stdout + out.stderr
