@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from . import _context, _proc_ext, _zygote
+from ._fanout import GATHER_PREFIX
 from .config import env_flag
 from .errors import ActorAbortedError, ActorError, ActorFailedError, ActorStoppedError
 from .logs import OUTPUT_WAIT_S
@@ -243,6 +244,7 @@ class ProcRuntime:
         self.mailbox.on_held = self._wake_for_held
         self.mailbox.on_lost_spawn = self._spawn_lost
         set_current_mailbox(self.mailbox)
+        self.mailbox.set_up(client_addr)  # behind a host agent: what goes to the client goes up through it
         self.logs = _LogForwarder(self.mailbox, client_addr, rank)
         if self.logs.counts is not None:  # relayed: counted without waiting, so once per frame as it leaves
             self.mailbox.output_mark = self.output_before
@@ -767,16 +769,28 @@ class ProcRuntime:
                     print(f"[monarch_tensor] unawaited error: {error} (not reported to the owner: {e!r})",
                           file=sys.stderr)
             return
-        output = self.mailbox.output_before(port.addr)
+        addr = port.addr
+        gathered = addr.startswith(GATHER_PREFIX)  # a call() whose replies the host agents gather (_fanout.py)
+        if gathered:
+            addr = addr[len(GATHER_PREFIX):]
+            output = self.output_before(addr)
+            send = self.mailbox.send_gathered
+        else:
+            output = self.mailbox.output_before(addr)
+            send = self._send_reply
         try:
-            self.mailbox.send(port.addr, SendToPort(port.port_id, value, error, rank, output), batch=True)
+            send(addr, SendToPort(port.port_id, value, error, rank, output), gathered and error is not None)
         except Exception as e:  # noqa: BLE001 - e.g. an unpicklable result
             err = ActorError("?" if slot is None else slot.name, rank, method, f"cannot send the result back: {e!r}",
                              traceback.format_exc())
             try:
-                self.mailbox.send(port.addr, SendToPort(port.port_id, None, err, rank, output))
+                send(addr, SendToPort(port.port_id, None, err, rank, output), True)
             except Exception:  # noqa: BLE001 - not a usable port at all
                 log.warning("proc %d cannot reply to %r: %s", self.rank, port, e)
+
+
+    def _send_reply(self, addr: str, msg: SendToPort, urgent: bool) -> None:
+        self.mailbox.send(addr, msg, batch=not urgent)
 
 
 # Results that are never awaitable (inspect.isawaitable's ABC check costs ~1 µs a call).

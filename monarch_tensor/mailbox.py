@@ -41,7 +41,7 @@ import zmq
 from . import _wire
 from . import future as _future
 from . import logs as _logs
-from ._fanout import ROUTE_SEP, routed_frames
+from ._fanout import ROUTE_SEP, UP_MAGIC, read_up, routed_frames, up_header
 from .config import env_flag, env_number
 from .errors import ProtocolError, SupervisionError
 from .messages import ForwardLogs, PortRef, SendToPort
@@ -234,6 +234,12 @@ class Mailbox:
         # The address others reach this mailbox at, in ports (a proc behind a host agent: a routed one).
         pub = os.environ.get("MONARCH_TENSOR_PUBLIC_ADDR", "")
         self.public_addr = pub.partition("=")[2] if pub.startswith(self.addr + "=") else self.addr
+        # A proc behind a host agent: what it sends its caller (``up_for``) goes up through the agent
+        # (``set_up``, see _fanout.py), on a socket to the agent whose identity is the proc's id there.
+        self.up_for: str | None = None
+        self._up_sock: zmq.Socket | None = None
+        self._up_head = b""
+        self._up_k = self._up_w = ""
         # Who receives (the socket is used by one thread at a time): the I/O thread, unless a waiter
         # took over (``lead``). ``_rx_lock`` is held while receiving; waiters that want the socket count
         # themselves in ``_wanted`` and poke the I/O thread's pipe so it parks.
@@ -346,8 +352,41 @@ class Mailbox:
             return None
         return _wire.encode(SendToPort(0, None, None, -1, output))[0]
 
+    def set_up(self, client_addr: str) -> None:
+        """A proc behind a host agent: send what goes to ``client_addr`` (its caller) up through the agent."""
+        up = os.environ.get("MONARCH_TENSOR_AGENT_UP", "")
+        if not up or self.public_addr == self.addr or ROUTE_SEP not in self.public_addr:
+            return
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 2000)
+        s.setsockopt(zmq.SNDHWM, 0)
+        s.setsockopt(zmq.IDENTITY, self.public_addr.rpartition(ROUTE_SEP)[2].encode())
+        s.connect(up)
+        w = self.route_of(client_addr)
+        self._up_sock, self.up_for = s, client_addr
+        self._up_head = up_header(b"p", {"w": w})
+        self._up_k, self._up_w = json.dumps(client_addr), json.dumps(w)
+
+    def send_gathered(self, client: str, msg: SendToPort, urgent: bool) -> None:
+        """A reply to a gathered call of ``client`` (``PortRef(_fanout.GATHER_PREFIX + client, ...)``): up to this proc's
+        agent, which gathers it with its peers' (see _fanout.py); a plain reply where there is no agent."""
+        if client != self.up_for:
+            self.send(client, msg, batch=True)
+            return
+        frames = _wire.encode(msg, remote=(1, self.route_of(client), self.public_addr))
+        head = UP_MAGIC + b"g" + f'{{"k":[{self._up_k},{msg.port_id}],"u":{int(urgent)},"w":{self._up_w}}}'.encode()
+        with self._send_lock:
+            if self._closed:
+                raise RuntimeError("mailbox is closed")
+            if self._batch:
+                self._flush_locked()
+            self._up_sock.send_multipart([head, *frames], copy=_wire.is_small(frames))
+
     def _send_now(self, addr: str, frames: list) -> None:
         copy = _wire.is_small(frames)
+        if addr == self.up_for:
+            self._up_sock.send_multipart([self._up_head, *frames], copy=copy)
+            return
         addr = self._resolve(addr)
         if ROUTE_SEP in addr:  # a proc behind a host agent (or gateway): along its path (see _fanout.py)
             agent, _, inner = addr.partition(ROUTE_SEP)
@@ -721,6 +760,9 @@ class Mailbox:
             except ProtocolError as e:
                 log.warning("dropped a malformed batch on %s: %s", self.addr, e)
                 return
+        elif frames[0][:4] == UP_MAGIC:
+            yield from self._up_entries(frames)
+            return
         else:
             parts = [frames]
         for part in parts:
@@ -733,6 +775,25 @@ class Mailbox:
                     yield e.message, e
             except ProtocolError as e:
                 log.warning("dropped a malformed message on %s: %s", self.addr, e)
+
+    def _up_entries(self, frames: list):
+        """The messages of one that came up the agent tree (``_fanout.UP_MAGIC``): a chunk of gathered
+        entries, each decoded as a message of its own, in order, or one message passed up."""
+        try:
+            kind, head = read_up(frames[0])
+            counts = head["n"] if kind == b"g" and "n" in head else (len(frames) - 1,)
+            if sum(counts) != len(frames) - 1:
+                raise ProtocolError(f"a chunk announces {sum(counts)} frames, got {len(frames) - 1}")
+        except (ValueError, TypeError, AttributeError, ProtocolError) as e:
+            log.warning("dropped a malformed message from the agent tree on %s: %s", self.addr, e)
+            return
+        pos = 1
+        for n in counts:
+            entry = frames[pos:pos + n]
+            pos += n
+            if entry and not isinstance(entry[0], bytes):
+                entry[0] = bytes(entry[0].buffer if hasattr(entry[0], "buffer") else entry[0])
+            yield from self._decoded(entry)
 
     def _take(self, msg: object, unreadable: _wire.Unreadable | None, defer: Callable[[object], None] | None) -> None:
         """``_route`` a message, or fail whoever waits on one that could not be read whole (``_lost``)."""
