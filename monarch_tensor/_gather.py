@@ -13,6 +13,8 @@ Rules the agent keeps:
   caller sees one sender's messages in the order sent, a reply before its sender's death.
 * A proc that exits accounts for its entry in every gather that waits on it (the caller's supervision
   fails its rank).
+* A chunk of one-frame entries (small replies) travels as one batch frame (``_wire.pack_batch``; a parent's
+  batch holds its children's batches), so the caller receives two frames, not one per reply.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 from typing import Callable
 
 from ._fanout import count, read_up, up_header
+from ._wire import pack_batch
 
 
 class _Gather:
@@ -124,9 +127,12 @@ class Gathers:
 
     def _flush(self, g: _Gather, urgent: bool) -> None:
         if g.frames or g.accounted:
-            head = {"k": list(g.key), "a": g.accounted, "n": g.counts, "u": int(urgent), "w": g.w}
+            frames, counts = g.frames, g.counts
+            if len(frames) > 1 and len(counts) == len(frames):  # one-frame entries only: one batch frame
+                frames, counts = [pack_batch([f.buffer if hasattr(f, "buffer") else f for f in frames])], [1]
+            head = {"k": list(g.key), "a": g.accounted, "n": counts, "u": int(urgent), "w": g.w}
             way = g.up or g.w
-            self.send(way, [up_header(b"g", head), *g.frames])
+            self.send(way, [up_header(b"g", head), *frames])
             for s in g.senders:
                 self.route[s] = way
                 held = self.holding.get(s)

@@ -131,6 +131,15 @@ def _crowded() -> bool:
         return False
 
 
+class _Replies:
+    """Plain values for one port from a chunk of gathered replies (``Mailbox._chunk_parts``), in order."""
+
+    __slots__ = ("port_id", "ranks", "values")
+
+    def __init__(self, port_id: int, ranks: list, values: list) -> None:
+        self.port_id, self.ranks, self.values = port_id, ranks, values
+
+
 class Spin:
     """Polls a socket for up to ``SPIN_S`` before its thread blocks for the next message, as long as the
     last wait ended within ``SPIN_S`` (a loop of synchronous calls, a reply due soon); after a longer one
@@ -766,6 +775,9 @@ class Mailbox:
         else:
             parts = [frames]
         for part in parts:
+            if len(part) == 1 and _wire.is_batch(part[0]):  # (a chunk's batch holds its children's)
+                yield from self._decoded(part)
+                continue
             try:
                 yield _wire.decode(part), None
             except _wire.Unreadable as e:
@@ -793,7 +805,52 @@ class Mailbox:
             pos += n
             if entry and not isinstance(entry[0], bytes):
                 entry[0] = bytes(entry[0].buffer if hasattr(entry[0], "buffer") else entry[0])
-            yield from self._decoded(entry)
+            if n == 1 and _wire.is_batch(entry[0]):
+                try:
+                    parts = _wire.unpack_batch(entry[0])
+                except ProtocolError as e:
+                    log.warning("dropped a malformed chunk on %s: %s", self.addr, e)
+                    continue
+                yield from self._chunk_parts(parts)
+            else:
+                yield from self._decoded(entry)
+
+    def _chunk_parts(self, parts: list):
+        """A chunk's one-frame entries: each run of plain values for one port (no error, no output to print
+        first) as one ``_Replies``, delivered in one go; any other entry decoded as a message of its own."""
+        run = None  # [port id, ranks, values]
+        for part in parts:
+            t = None
+            if _wire.is_batch(part):  # a child's chunk
+                try:
+                    inner = _wire.unpack_batch(part)
+                except ProtocolError as e:
+                    log.warning("dropped a malformed chunk on %s: %s", self.addr, e)
+                    continue
+                if run is not None:
+                    yield _Replies(*run), None
+                    run = None
+                yield from self._chunk_parts(inner)
+                continue
+            try:
+                t = _wire.loads_plain(part)
+            except Exception:  # noqa: BLE001 - not plain: decoded (or reported) as any message is
+                t = None
+            if type(t) is tuple and len(t) == 6 and t[0] == "\0reply" and t[3] is None and t[5] is None:
+                if run is not None and run[0] == t[1]:
+                    run[1].append(t[4])
+                    run[2].append(t[2])
+                    continue
+                if run is not None:
+                    yield _Replies(*run), None
+                run = [t[1], [t[4]], [t[2]]]
+                continue
+            if run is not None:
+                yield _Replies(*run), None
+                run = None
+            yield from self._decoded([part])
+        if run is not None:
+            yield _Replies(*run), None
 
     def _take(self, msg: object, unreadable: _wire.Unreadable | None, defer: Callable[[object], None] | None) -> None:
         """``_route`` a message, or fail whoever waits on one that could not be read whole (``_lost``)."""
@@ -816,6 +873,8 @@ class Mailbox:
                         log.debug("value for closed port %d dropped", msg.port_id)
                 elif h.deliver(msg):
                     self.close_port(msg.port_id)
+            elif type(msg) is _Replies:
+                self._deliver_run(msg)
             elif isinstance(msg, ForwardLogs):
                 if self.on_logs is not None:
                     self.on_logs(msg)
@@ -833,6 +892,24 @@ class Mailbox:
                 log.warning("dropped unexpected %s on %s", type(msg).__name__, self.addr)
         except Exception:  # noqa: BLE001 - a bad message never kills the I/O thread
             log.exception("error while handling %s", type(msg).__name__)
+
+    def _deliver_run(self, run: _Replies) -> None:
+        with self._ports_lock:
+            h = self._ports.get(run.port_id)
+        if h is None:
+            log.debug("%d values for closed port %d dropped", len(run.values), run.port_id)
+            return
+        many = getattr(h, "deliver_values", None)
+        if many is not None:
+            done = many(run.ranks, run.values)
+        else:
+            done = False
+            for rank, value in zip(run.ranks, run.values):
+                done = h.deliver(SendToPort(run.port_id, value, None, rank))
+                if done:
+                    break
+        if done:
+            self.close_port(run.port_id)
 
     def fail_reply(self, msg: object, error: BaseException) -> bool:
         """Answer ``msg``'s reply port (a ``reply`` field) with ``error``, raised where this process handled

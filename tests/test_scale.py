@@ -104,8 +104,15 @@ def chunks(monkeypatch):
 
     def spy(self, frames):
         msgs = list(orig(self, frames))
-        replies = [m for m, _ in msgs if getattr(m, "port_id", 0) > 0]
-        seen.append(([m.rank for m in replies], [m.rank for m in replies if m.error is not None]))
+        ranks, errors = [], []
+        for m, _ in msgs:
+            if isinstance(m, mailbox._Replies):  # plain values, delivered in one go
+                ranks += m.ranks
+            elif getattr(m, "port_id", 0) > 0:
+                ranks.append(m.rank)
+                if m.error is not None:
+                    errors.append(m.rank)
+        seen.append((ranks, errors))
         yield from msgs
 
     monkeypatch.setattr(mailbox.Mailbox, "_up_entries", spy)
@@ -148,17 +155,22 @@ def test_messages_from_one_proc_reach_the_caller_in_the_order_sent(echo, chunks,
     """A proc's channel value for call i+1 never overtakes its reply to call i, which its agent may hold
     waiting for a slower peer (the value goes up behind it)."""
     order = []
-    deliver, receive = Collector.deliver, Receiver.deliver
+    deliver, deliver_values, receive = Collector.deliver, Collector.deliver_values, Receiver.deliver
 
     def on_reply(self, msg):
         order.append(("reply", msg.rank, msg.value))
         return deliver(self, msg)
+
+    def on_replies(self, ranks, values):
+        order.extend(("reply", r, v) for r, v in zip(ranks, values))
+        return deliver_values(self, ranks, values)
 
     def on_value(self, msg):
         order.append(("value", *msg.value))
         return receive(self, msg)
 
     monkeypatch.setattr(Collector, "deliver", on_reply)
+    monkeypatch.setattr(Collector, "deliver_values", on_replies)
     monkeypatch.setattr(Receiver, "deliver", on_value)
     port, recv = Channel.open()
     two = echo.slice(hosts=0)
@@ -196,3 +208,79 @@ def test_a_dead_proc_or_subtree_fails_its_own_ranks_and_holds_nothing_else(job, 
     open(gate, "w").close()
     assert m.slice(hosts=0).value.call().get(timeout=30).values() == [(0, 0), (1, 10)]
     procs.stop().get(timeout=30)
+
+
+# ---- pure: the agent's gathers and the caller's reading of chunks, no processes ---------------------------
+def _agent_tree(sent: list):
+    """A two-level tree in one process: a root agent's and a child agent's ``Gathers``; what the root sends
+    up lands in ``sent``, what the child sends goes to the root."""
+    from monarch_tensor._gather import Gathers
+
+    root = Gathers(lambda addr, frames: sent.append((addr, frames)), 60.0, 600.0)
+    child = Gathers(lambda addr, frames: root.take(b"child", frames), 60.0, 600.0)
+    return root, child
+
+
+def _reply(key, rank, value=None, error=None):
+    import json
+
+    from monarch_tensor import _wire
+    from monarch_tensor.messages import SendToPort
+
+    head = _fanout.UP_MAGIC + b"g" + json.dumps({"k": key, "u": int(error is not None), "w": "gw"}).encode()
+    return [head, *_wire.encode(SendToPort(key[1], value, error, rank))]
+
+
+def test_chunks_up_two_levels_read_as_the_replies_one_by_one_would_be():
+    """Entries of a child's chunk and the root's own, errors among them, reach the caller's port in full and in
+    order, as the same replies sent one by one would."""
+    from monarch_tensor import _wire
+    from monarch_tensor.messages import SendToPort
+
+    mb = mailbox.Mailbox(io_thread=False)
+    try:
+        col = Collector([f"a|{i}" for i in range(6)], list(range(6)), list)
+        port = mb.open_port(col)
+        key = [port.addr, port.port_id]
+        sent: list = []
+        root, child = _agent_tree(sent)
+        root.start({"g": key, "w": "gw", "t": ["0", "1", "2"], "c": [["child", {"t": ["3", "4", "5"], "c": []}]]})
+        child.start({"g": key, "w": "gw", "u": "root", "t": ["3", "4", "5"], "c": []})
+        for r in (3, 5):
+            child.take(str(r), _reply(key, r, value=r * 10))
+        for r in (0, 1):
+            root.take(str(r), _reply(key, r, value=np.arange(r + 3)))
+        assert sent == []  # nobody answered in full yet
+        child.take("4", _reply(key, 4, value=40))  # the child's subtree is done: its chunk goes to the root
+        root.take("2", _reply(key, 2, value="two"))
+        assert len(sent) == 1 and sent[0][0] == "gw"
+        mb._dispatch([bytes(f.buffer if hasattr(f, "buffer") else f) for f in sent[0][1]])
+        got = col.future.get(timeout=1)
+        assert got[2:] == ["two", 30, 40, 50] and [list(a) for a in got[:2]] == [[0, 1, 2], [0, 1, 2, 3]]
+
+        # An error goes up at once, alone, and fails the call as a reply of its own would.
+        col2 = Collector([f"a|{i}" for i in range(6)], list(range(6)), list)
+        port2 = mb.open_port(col2)
+        key2 = [port2.addr, port2.port_id]
+        root.start({"g": key2, "w": "gw", "t": ["0", "1", "2"], "c": [["child", {"t": ["3", "4", "5"], "c": []}]]})
+        child.start({"g": key2, "w": "gw", "u": "root", "t": ["3", "4", "5"], "c": []})
+        root.take("0", _reply(key2, 0, value=0))
+        child.take("4", _reply(key2, 4, error=ValueError("rank 4")))
+        assert len(sent) == 2
+        mb._dispatch([bytes(f.buffer if hasattr(f, "buffer") else f) for f in sent[1][1]])
+        with pytest.raises(ValueError, match="rank 4"):
+            col2.future.get(timeout=1)
+        # (The error took the root's held entries up with it.) A message a proc passes up goes behind its held
+        # reply, at once.
+        root.take("1", _reply(key2, 1, value=1))
+        assert len(sent) == 2
+        root.pass_up("1", "gw", _wire.encode(SendToPort(99, "after", None, 0)))
+        assert len(sent) == 3
+        frames = [bytes(f.buffer if hasattr(f, "buffer") else f) for f in sent[2][1]]
+        msgs = [m for m, _ in mb._decoded(frames)]
+        assert [(m.port_id, m.values) for m in msgs] == [(port2.port_id, [1]), (99, ["after"])]
+        # A proc that exits accounts for its rank: the gathers waiting on it may finish.
+        root.proc_exited("2")
+        assert list(root.open) == [tuple(key2)]  # the child's ranks 3 and 5 are still out
+    finally:
+        mb.close()
