@@ -770,27 +770,32 @@ class ProcRuntime:
                           file=sys.stderr)
             return
         addr = port.addr
-        gathered = addr.startswith(GATHER_PREFIX)  # a call() whose replies the host agents gather (_fanout.py)
-        if gathered:
-            addr = addr[len(GATHER_PREFIX):]
-            output = self.output_before(addr)
-            send = self.mailbox.send_gathered
-        else:
-            output = self.mailbox.output_before(addr)
-            send = self._send_reply
+        if addr.startswith(GATHER_PREFIX):  # a call() whose replies the host agents gather (_fanout.py)
+            self._reply_gathered(addr[len(GATHER_PREFIX):], port, value, error, rank, slot, method)
+            return
+        output = self.mailbox.output_before(addr)
         try:
-            send(addr, SendToPort(port.port_id, value, error, rank, output), gathered and error is not None)
+            self.mailbox.send(addr, SendToPort(port.port_id, value, error, rank, output), batch=True)
         except Exception as e:  # noqa: BLE001 - e.g. an unpicklable result
             err = ActorError("?" if slot is None else slot.name, rank, method, f"cannot send the result back: {e!r}",
                              traceback.format_exc())
             try:
-                send(addr, SendToPort(port.port_id, None, err, rank, output), True)
+                self.mailbox.send(addr, SendToPort(port.port_id, None, err, rank, output))
             except Exception:  # noqa: BLE001 - not a usable port at all
                 log.warning("proc %d cannot reply to %r: %s", self.rank, port, e)
 
-
-    def _send_reply(self, addr: str, msg: SendToPort, urgent: bool) -> None:
-        self.mailbox.send(addr, msg, batch=not urgent)
+    def _reply_gathered(self, client: str, port, value, error, rank, slot: _Slot | None, method: str) -> None:
+        """``_reply`` to a gathered call of ``client``: up to this proc's host agent (``Mailbox.send_gathered``)."""
+        output = self.output_before(client)
+        try:
+            self.mailbox.send_gathered(client, SendToPort(port.port_id, value, error, rank, output), error is not None)
+        except Exception as e:  # noqa: BLE001 - e.g. an unpicklable result
+            err = ActorError("?" if slot is None else slot.name, rank, method, f"cannot send the result back: {e!r}",
+                             traceback.format_exc())
+            try:
+                self.mailbox.send_gathered(client, SendToPort(port.port_id, None, err, rank, output), True)
+            except Exception:  # noqa: BLE001 - not a usable port at all
+                log.warning("proc %d cannot reply to %r: %s", self.rank, port, e)
 
 
 # Results that are never awaitable (inspect.isawaitable's ABC check costs ~1 µs a call).
