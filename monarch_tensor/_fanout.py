@@ -39,6 +39,8 @@ import os
 import threading
 from typing import Callable
 
+from .config import env_flag
+
 TREE_MAGIC = b"MTTR"
 # A proc behind a host agent has the address "tcp://agent:port|ipc:///path": messages to it go to the
 # agent with a first frame ROUTE_MAGIC + "ipc:///path" (or down the tree), and the agent relays them.
@@ -46,7 +48,7 @@ ROUTE_SEP = "|"
 ROUTE_MAGIC = b"MTRT"
 FANOUT = int(os.environ.get("MONARCH_TENSOR_FANOUT", "8"))
 # Replies up the tree (module docstring); MONARCH_TENSOR_GATHER=0 sends each reply straight to its caller.
-GATHER = os.environ.get("MONARCH_TENSOR_GATHER", "1") not in ("0", "false", "False", "")
+GATHER = env_flag("MONARCH_TENSOR_GATHER", True)
 GATHER_PREFIX = "gather+"
 # The first frame of a message up the tree: UP_MAGIC, a kind byte, JSON. Kind b"g", a chunk of gathered
 # entries: {"k": [address, port id], "a": ranks it accounts for, "n": [frames of each entry], "u": urgent
