@@ -106,7 +106,7 @@ def test_scale_bench_tiny(tmp_path):
     assert all(r["spawn_s"] > 0 and r["gather_us"] > 0 and r["direct_us"] > 0 for r in data["rows"])
     m = data["model"]
     assert m["depth"] == 4 and m["target"] == "1024 hosts x 8 procs"
-    assert m["gather_us"] > 0 and m["direct_us"] > 0 and m["spawn_s"] > 0 and m["agent_entry_us"] > 0
+    assert m["gather_us"] > 0 and m["direct_us"] > 0 and m["spawn_s"] > 0 and m["agent_level_us"] > 0
 
 
 @pytest.mark.timeout(150)
