@@ -1,5 +1,6 @@
-"""Scale of host agents: spawn time and broadcast latency vs procs (1-64) and local agents (1-8),
-and a model projecting both to 1,024 hosts x 8 procs from the measured per-hop costs.
+"""Scale of host agents: controller CPU per call() and per spawn, and latency, vs procs (1-64) and local agents
+(1-8), replies gathered up the agent tree against replies sent straight back, and a model projecting both to
+1,024 hosts x 8 procs from the measured per-hop and per-message costs.
 
     .venv/bin/python bench/scale_bench.py                 # full sweep (a few minutes)
     .venv/bin/python bench/scale_bench.py --tiny          # smoke size (tests/test_bench_smoke.py)
@@ -7,24 +8,37 @@ and a model projecting both to 1,024 hosts x 8 procs from the measured per-hop c
 
 Agents are LocalJob agents (real processes, CURVE TCP, each its own zygote), so
 "hosts" share this machine's cores: figures at many agents measure contention as
-much as the protocol. What is measured, per row:
+much as the protocol. What is measured, per row (each mesh is spawned once and called in both modes, in
+turns: ``gather``, replies up the tree in chunks, ``_fanout.GATHER``; ``direct``, each reply on its own):
 
-* spawn_s: ``spawn_procs`` + an actor on every proc + its first reply (agents warm).
-* bcast_us: ``call()`` of a no-op endpoint on every proc, down the fan-out tree,
-  every reply back to the controller (median of REPS).
+* spawn_s, spawn_cpu_ms: ``spawn_procs`` + an actor on every proc + its first reply (agents warm): wall
+  clock, and the controller's CPU time (its process time: every thread of it).
+* {gather,direct}_us: ``call()`` of a no-op endpoint on every proc, down the fan-out tree, every reply back
+  (median of REPS); *_cpu_us: the controller's CPU time per such call (its threads do not spin-poll while
+  they wait here, so this is the work it does).
 
 The model (printed at the end) takes from the same run:
 
 * hop_us: one extra agent hop (call_one to a proc behind an agent minus the same to a local proc),
-* level_us: one more tree level (8 agents as a chain, fan-out 1, vs flat, fan-out 8, per level),
-* reply_us: the controller's CPU per reply (slope of its process time per call() over procs on one
-  agent; the wall-clock slope is printed too, but here it counts every proc sharing these cores),
-* spawn_agent_s: the controller's cost per extra agent in a spawn (slope of spawn_s over agents),
+* level_us: one more tree level (8 agents as a chain, fan-out 1, vs flat, fan-out 8, per level; gathered
+  replies climb the chain too, so it counts both ways),
+* entry_us: the controller's CPU per gathered reply (slope of its CPU per call() over procs on one agent),
+* chunk_us: the controller's CPU per agent it sends to and hears a chunk from (slope of its CPU per call()
+  over agents, flat tree, less that agent's procs' entries),
+* agent_level_us: an agent's CPU for one call at one level (``_gather.Gathers`` timed in this process: P
+  replies of its own procs, F children's chunks of H*P/F replies each, its own chunk sent),
+* controller_entry_us: the same per entry read alone in this process (``controller_entry_us``: a root's chunk
+  of 4,096 replies nested as the tree sends it, handed to a Collector), beside the live slope, which on a
+  small machine also counts the procs' share of its cores,
+* reply_us: with replies sent straight back, the controller's CPU per reply (the slope as entry_us),
+* spawn_agent_ms: the controller's CPU per extra agent in a spawn (slope of spawn_cpu_ms over agents),
 
-and projects a broadcast to H hosts x P procs with fan-out F as
-``hop_us + (depth(H, F) - 1) * level_us + H * P * reply_us`` (replies come straight
-back, so the controller's share is O(procs), the send side is O(F)), and a spawn as
-``spawn_s(P procs on 1 agent) + H * spawn_agent_s``.
+and projects a gathered call() to H hosts x P procs with fan-out F, depth d, as
+``rtt + hop_us + (d - 1) * level_us + d * agent_level_us + min(H, F) * chunk_us + H * P * entry_us``
+(the send side and the chunks are O(F) at the controller; the controller still unpickles each value, and
+that term is printed again with controller_entry_us in place of entry_us), the same call with direct
+replies as ``rtt + hop_us + (d - 1) * level_us + H * P * reply_us``, and a spawn as
+``spawn_s(P procs on 1 agent) + H * spawn_agent_ms`` (spawns still go to each agent from the controller).
 """
 
 from __future__ import annotations
@@ -45,6 +59,7 @@ PER_AGENT = 2
 REPS = 15
 TARGET = (1024, 8)  # hosts x procs per host in the projection
 FANOUT = 8
+MODES = ("gather", "direct")
 
 
 def main() -> None:
@@ -54,58 +69,76 @@ def main() -> None:
     args = ap.parse_args()
     procs_sweep, agents_sweep, reps = (PROCS, AGENTS, REPS) if not args.tiny else ([1, 2], [1, 2], 3)
 
+    # The controller blocks while it waits (no spin-polling): its CPU time is then the work it does. Only it:
+    # the variable is gone again before any agent or proc starts.
+    os.environ["MONARCH_TENSOR_SPIN_US"] = "0"
     from monarch_tensor import _fanout
     from monarch_tensor.actor import Actor, endpoint, this_host
     from monarch_tensor.job import LocalJob
+
+    del os.environ["MONARCH_TENSOR_SPIN_US"]
 
     class Noop(Actor):
         @endpoint
         def ping(self) -> int:
             return 0
 
-    def timed_calls(mesh, n, cpu: list | None = None) -> float:
+    def timed_calls(mesh, n) -> tuple[float, float]:
+        """Median wall-clock and controller CPU µs of a call() to every proc of ``mesh``."""
         xs, cs = [], []
         for _ in range(n):
             t, c = time.perf_counter(), time.process_time()
             mesh.ping.call().get(timeout=120)
             xs.append((time.perf_counter() - t) * 1e6)
             cs.append((time.process_time() - c) * 1e6)
-        if cpu is not None:
-            cpu.append(statistics.median(cs))
-        return statistics.median(xs)
+        return statistics.median(xs), statistics.median(cs)
+
+    def both(mesh, n) -> dict:
+        """The call in both modes, in turns (REPS rounds of a few calls each), medians of each."""
+        got: dict = {m: ([], []) for m in MODES}
+        for _ in range(max(1, n // 3)):
+            for mode in MODES:
+                _fanout.GATHER = mode == "gather"
+                w, c = timed_calls(mesh, 3)
+                got[mode][0].append(w)
+                got[mode][1].append(c)
+        _fanout.GATHER = True
+        out = {}
+        for mode, (w, c) in got.items():
+            out[f"{mode}_us"], out[f"{mode}_cpu_us"] = statistics.median(w), statistics.median(c)
+        return out
 
     def spawn(hosts, per_host):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         procs = hosts.spawn_procs(per_host={"gpus": per_host})
         mesh = procs.spawn("noop", Noop)
         mesh.ping.call().get(timeout=300)
-        return procs, mesh, time.perf_counter() - t
+        return procs, mesh, time.perf_counter() - t, (time.process_time() - c) * 1e3
 
     rows: list = []
-    res: dict = {"tiny": args.tiny, "rows": rows}
+    res: dict = {"tiny": args.tiny, "rows": rows, "loadavg_before": os.getloadavg()}
     job = LocalJob(meshes={"hosts": max(agents_sweep)}, ttl=300)
     try:
         all_hosts = job.state().hosts
         # Warm every agent's zygote (it imports torch once).
-        p, _, _ = spawn(all_hosts, 1)
+        p, _, _, _ = spawn(all_hosts, 1)
         p.stop().get(timeout=60)
 
         # hop_us: a proc behind an agent vs a proc of this host, same call.
         local = this_host().spawn_procs(per_host={"gpus": 1})
         lm = local.spawn("noop", Noop)
         lm.ping.call().get(timeout=120)
-        p, m, _ = spawn(all_hosts.slice(hosts=0), 1)
-        local_us, remote_us = timed_calls(lm, reps * 2), timed_calls(m, reps * 2)
+        p, m, _, _ = spawn(all_hosts.slice(hosts=0), 1)
+        local_us, remote_us = timed_calls(lm, reps * 2)[0], timed_calls(m, reps * 2)[0]
         res["hop_us"] = max(0.0, remote_us - local_us)
         res["local_rtt_us"], res["agent_rtt_us"] = local_us, remote_us
         p.stop().get(timeout=60)
         local.stop().get(timeout=60)
 
         for n in procs_sweep:  # procs on one agent
-            p, m, s = spawn(all_hosts.slice(hosts=0), n)
-            cpu: list = []
-            rows.append({"agents": 1, "procs": n, "fanout": FANOUT, "spawn_s": s, "bcast_us": timed_calls(m, reps, cpu),
-                         "ctrl_cpu_us": cpu[0]})
+            p, m, s, sc = spawn(all_hosts.slice(hosts=0), n)
+            rows.append({"agents": 1, "procs": n, "fanout": FANOUT, "spawn_s": s, "spawn_cpu_ms": sc,
+                         **both(m, reps)})
             p.stop().get(timeout=60)
             _print(rows[-1])
         for fanout in (FANOUT, 1):
@@ -113,27 +146,111 @@ def main() -> None:
             for a in agents_sweep:
                 if fanout == 1 and a != max(agents_sweep):
                     continue
-                p, m, s = spawn(all_hosts.slice(hosts=slice(0, a)), PER_AGENT)
+                p, m, s, sc = spawn(all_hosts.slice(hosts=slice(0, a)), PER_AGENT)
                 rows.append({"agents": a, "procs": a * PER_AGENT, "fanout": fanout, "spawn_s": s,
-                             "bcast_us": timed_calls(m, reps)})
+                             "spawn_cpu_ms": sc, **both(m, reps)})
                 p.stop().get(timeout=60)
                 _print(rows[-1])
         _fanout.FANOUT = FANOUT
     finally:
         job.kill()
 
-    res["model"] = model(rows, res, agents_sweep, procs_sweep)
+    hosts, per = TARGET
+    res["agent_level_us"] = agent_level_us(per, FANOUT, hosts * per // FANOUT)
+    res["controller_entry_us"] = controller_entry_us()
+    res["loadavg_after"] = os.getloadavg()
+    res["model"] = model(rows, res, agents_sweep)
+    print(f"load average before {res['loadavg_before'][0]:.1f}, after {res['loadavg_after'][0]:.1f} "
+          f"({os.cpu_count()} cores)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
 
 
+COLS = [("agents", 6, "d"), ("procs", 5, "d"), ("fanout", 6, "d"), ("spawn_s", 8, ".2f"), ("spawn_cpu_ms", 12, ".0f"),
+        ("gather_us", 9, ".0f"), ("gather_cpu_us", 13, ".0f"), ("direct_us", 9, ".0f"), ("direct_cpu_us", 13, ".0f")]
+
+
 def _print(r: dict) -> None:
     if not getattr(_print, "done", False):
-        print(f"{'agents':>6} {'procs':>5} {'fanout':>6} {'spawn_s':>8} {'bcast_us':>9} {'ctrl_cpu_us':>11}")
+        print("| " + " | ".join(f"{c:>{w}}" for c, w, _ in COLS) + " |")
+        print("|" + "|".join("-" * (w + 1) + ":" for _, w, _ in COLS) + "|")
         _print.done = True
-    cpu = f"{r['ctrl_cpu_us']:>11.0f}" if "ctrl_cpu_us" in r else f"{'':>11}"
-    print(f"{r['agents']:>6} {r['procs']:>5} {r['fanout']:>6} {r['spawn_s']:>8.2f} {r['bcast_us']:>9.0f} {cpu}", flush=True)
+    print("| " + " | ".join(f"{r[c]:>{w}{f}}" for c, w, f in COLS) + " |", flush=True)
+
+
+def agent_level_us(per: int = 8, fanout: int = FANOUT, subtree: int = 1024) -> float:
+    """An agent's CPU for one call at one level of the tree (``_gather.Gathers`` in this process): its gather
+    opened, ``per`` replies of its own procs taken one by one, ``fanout`` children's chunks of ``subtree``
+    replies each taken, and its own chunk sent (packed); median of 5."""
+    from monarch_tensor import _fanout, _wire
+    from monarch_tensor._gather import Gathers
+    from monarch_tensor.messages import SendToPort
+
+    key = ["ipc:///c", 7]
+    body = _wire.encode(SendToPort(7, 0, None, 3))
+    head = _fanout.UP_MAGIC + b"g" + json.dumps({"k": key, "u": 0, "w": "gw"}).encode()
+    sub: list = []  # a child's chunk of ``subtree`` replies, as its own gather sends it
+    child = Gathers(lambda addr, frames: sub.append(frames), 60.0, 600.0)
+    child.start({"g": key, "w": "gw", "u": "root", "t": [str(i) for i in range(subtree)], "c": []})
+    for i in range(subtree):
+        child.take(str(i), [head, *body])
+    chunk = sub[-1]
+    plan = {"g": key, "w": "gw", "t": [str(i) for i in range(per)],
+            "c": [[f"c{k}", {"t": [str(i) for i in range(subtree)], "c": []}] for k in range(fanout)]}
+    times = []
+    for _ in range(5):
+        g = Gathers(lambda addr, frames: None, 60.0, 600.0)
+        t = time.process_time()
+        g.start(plan)
+        for i in range(per):
+            g.take(str(i), [head, *body])
+        for k in range(fanout):
+            g.take(f"c{k}", chunk)
+        times.append((time.process_time() - t) * 1e6)
+        assert not g.open
+    return statistics.median(times)
+
+
+def controller_entry_us(n: int = 4096, per: int = 8, fanout: int = FANOUT) -> float:
+    """The controller's CPU per gathered reply, in this process alone: chunks of ``n`` one-frame replies as a
+    root agent sends them (its children's chunks nested in its own, made by ``_gather.Gathers``) read and
+    handed to a ``Collector`` (``Mailbox._dispatch``, as its receiving thread does); median of 5."""
+    from monarch_tensor import _fanout, _wire
+    from monarch_tensor._gather import Gathers
+    from monarch_tensor._ports import Collector
+    from monarch_tensor.mailbox import Mailbox
+    from monarch_tensor.messages import SendToPort
+
+    mb = Mailbox(io_thread=False)
+    times = []
+    try:
+        for _ in range(5):
+            col = Collector([f"a|{i}" for i in range(n)], list(range(n)), list)
+            port = mb.open_port(col)
+            key = [port.addr, port.port_id]
+            sent: list = []
+            root = Gathers(lambda addr, frames, sent=sent: sent.append(frames), 60.0, 600.0)
+            kids = n // per - 1  # the root's own procs, and its children's subtrees of ``per`` procs each
+            root.start({"g": key, "w": "gw", "t": [str(i) for i in range(per)],
+                        "c": [[f"c{k}", {"t": [str(i) for i in range(per)], "c": []}] for k in range(kids)]})
+            for k in range(kids + 1):
+                g = root if k == kids else Gathers(lambda addr, frames, k=k, root=root: root.take(f"c{k}", frames),
+                                                   60.0, 600.0)
+                if k < kids:
+                    g.start({"g": key, "w": "gw", "u": "root", "t": [str(i) for i in range(per)], "c": []})
+                base = k * per if k < kids else kids * per
+                for i in range(per):
+                    head = _fanout.UP_MAGIC + b"g" + json.dumps({"k": key, "u": 0, "w": "gw"}).encode()
+                    g.take(str(i), [head, *_wire.encode(SendToPort(port.port_id, 0, None, base + i))])
+            frames = [bytes(f.buffer if hasattr(f, "buffer") else f) for f in sent[-1]]
+            t = time.process_time()
+            mb._dispatch(frames)
+            times.append((time.process_time() - t) * 1e6 / n)
+            assert col.future.done() and len(col.future.get(timeout=1)) == n
+    finally:
+        mb.close()
+    return statistics.median(times)
 
 
 def _slope(xs, ys) -> float:
@@ -151,33 +268,58 @@ def depth(hosts: int, fanout: int) -> int:
     return tree_depth(hosts, fanout)
 
 
-def model(rows, res, agents_sweep, procs_sweep) -> dict:
-    one = [r for r in rows if r["agents"] == 1 and "ctrl_cpu_us" in r]
-    reply_wall_us = _slope([r["procs"] for r in one], [r["bcast_us"] for r in one])
-    # The controller's own CPU per reply: what bounds it on a real cluster, where procs do not share its cores.
-    reply_us = _slope([r["procs"] for r in one], [r["ctrl_cpu_us"] for r in one])
+def model(rows, res, agents_sweep) -> dict:
+    one = [r for r in rows if r["agents"] == 1 and r["fanout"] == FANOUT]
+    procs1 = [r["procs"] for r in one]
+    entry_us = _slope(procs1, [r["gather_cpu_us"] for r in one])
+    reply_us = _slope(procs1, [r["direct_cpu_us"] for r in one])
     flat = [r for r in rows if r["fanout"] == FANOUT and r["procs"] == r["agents"] * PER_AGENT]
-    spawn_agent_s = _slope([r["agents"] for r in flat], [r["spawn_s"] for r in flat])
+    per_agent = _slope([r["agents"] for r in flat], [r["gather_cpu_us"] for r in flat])
+    chunk_us = max(0.0, per_agent - PER_AGENT * entry_us)
+    spawn_agent_ms = _slope([r["agents"] for r in flat], [r["spawn_cpu_ms"] for r in flat])
+    spawn_agent_wall_s = _slope([r["agents"] for r in flat], [r["spawn_s"] for r in flat])
     amax = max(agents_sweep)
     chain = next((r for r in rows if r["fanout"] == 1), None)
     wide = next((r for r in flat if r["agents"] == amax), None)
-    level_us = max(0.0, (chain["bcast_us"] - wide["bcast_us"]) / (amax - 1)) if chain and wide and amax > 1 else 0.0
+    level = {}
+    for mode in MODES:
+        k = f"{mode}_us"
+        level[mode] = max(0.0, (chain[k] - wide[k]) / (amax - 1)) if chain and wide and amax > 1 else 0.0
     hosts, per = TARGET
     d = depth(hosts, FANOUT)
-    base = next((r for r in one if r["procs"] == min(per, max(procs_sweep))), one[-1])
-    bcast_us = res["hop_us"] + (d - 1) * level_us + hosts * per * reply_us + res["local_rtt_us"]
-    spawn_s = base["spawn_s"] + hosts * spawn_agent_s
-    m = {"hop_us": res["hop_us"], "level_us": level_us, "reply_us": reply_us, "reply_wall_us": reply_wall_us,
-         "spawn_agent_s": spawn_agent_s,
-         "target": f"{hosts} hosts x {per} procs", "fanout": FANOUT, "depth": d,
-         "bcast_us": bcast_us, "spawn_s": spawn_s}
+    base = min(one, key=lambda r: abs(r["procs"] - per))
+    agent_us = res["agent_level_us"]
+    roots = min(hosts, FANOUT)
+    send = {m: res["hop_us"] + (d - 1) * level[m] for m in MODES}
+    alone_us = res["controller_entry_us"]
+    gather_ctl = roots * chunk_us + hosts * per * entry_us
+    gather_us = res["local_rtt_us"] + send["gather"] + d * agent_us + gather_ctl
+    direct_ctl = hosts * per * reply_us
+    direct_us = res["local_rtt_us"] + send["direct"] + direct_ctl
+    spawn_s = base["spawn_s"] + hosts * spawn_agent_ms / 1e3
+    m = {"hop_us": res["hop_us"], "level_us": level, "entry_us": entry_us, "entry_alone_us": alone_us,
+         "chunk_us": chunk_us, "gather_alone_us": gather_us - hosts * per * (entry_us - alone_us),
+         "agent_level_us": agent_us, "reply_us": reply_us, "spawn_agent_ms": spawn_agent_ms,
+         "spawn_agent_wall_s": spawn_agent_wall_s, "target": f"{hosts} hosts x {per} procs", "fanout": FANOUT,
+         "depth": d, "gather_us": gather_us, "gather_ctl_us": gather_ctl, "direct_us": direct_us,
+         "direct_ctl_us": direct_ctl, "bcast_us": gather_us, "spawn_s": spawn_s}
     print(f"\nmeasured: local rtt {res['local_rtt_us']:.0f} us, via an agent {res['agent_rtt_us']:.0f} us "
-          f"(hop {res['hop_us']:.0f} us); tree level {level_us:.0f} us; per reply {reply_us:.1f} us controller CPU "
-          f"({reply_wall_us:.0f} us wall with every proc on these cores); "
-          f"spawn per agent {spawn_agent_s * 1e3:.1f} ms")
-    print(f"projected, {hosts} hosts x {per} procs, fan-out {FANOUT} (depth {d}): call() to all "
-          f"{bcast_us / 1e3:.1f} ms (send side {(res['hop_us'] + (d - 1) * level_us) / 1e3:.2f} ms, "
-          f"{hosts * per} replies {hosts * per * reply_us / 1e3:.1f} ms); spawn {spawn_s:.1f} s")
+          f"(hop {res['hop_us']:.0f} us); tree level {level['gather']:.0f} us gathered, {level['direct']:.0f} us "
+          f"direct; controller CPU per gathered entry {entry_us:.1f} us, per agent's chunk {chunk_us:.0f} us, "
+          f"per direct reply {reply_us:.1f} us; an agent's CPU per call at one level {agent_us:.0f} us; controller "
+          f"CPU per agent "
+          f"in a spawn {spawn_agent_ms:.1f} ms ({spawn_agent_wall_s * 1e3:.0f} ms wall)")
+    print(f"projected, {hosts} hosts x {per} procs, fan-out {FANOUT} (depth {d}):")
+    print(f"  call() gathered {gather_us / 1e3:.1f} ms = rtt {res['local_rtt_us'] / 1e3:.2f} + send side "
+          f"{send['gather'] / 1e3:.2f} + {d} agent levels {d * agent_us / 1e3:.2f} + "
+          f"controller {gather_ctl / 1e3:.2f} ({roots} chunks {roots * chunk_us / 1e3:.2f}, {hosts * per} entries "
+          f"{hosts * per * entry_us / 1e3:.2f})")
+    print(f"  (with the controller's CPU per entry as read alone in this process, {alone_us:.1f} us instead of "
+          f"{entry_us:.1f} us: call() gathered {m['gather_alone_us'] / 1e3:.1f} ms)")
+    print(f"  call() direct   {direct_us / 1e3:.1f} ms = rtt {res['local_rtt_us'] / 1e3:.2f} + send side "
+          f"{send['direct'] / 1e3:.2f} + controller {hosts * per} replies {direct_ctl / 1e3:.1f}")
+    print(f"  spawn {spawn_s:.1f} s = {base['procs']} procs on one agent {base['spawn_s']:.2f} s + {hosts} agents x "
+          f"{spawn_agent_ms:.1f} ms controller CPU")
     return m
 
 

@@ -13,6 +13,20 @@ its children, each child carrying its own sub-plan. With fan-out F, N hosts
 are reached in about log_F(N) agent hops. ``FANOUT`` is read at every send:
 change it only while nothing is in flight.
 
+Replies come back up the same tree (``GATHER``). A ``call()`` to procs
+behind agents names the reply port ``GATHER_PREFIX + address``, and each
+root plan carries ``"g"`` (the port: ``[address, port id]``) and ``"w"`` (the
+caller's gateway). Each agent on the way opens a gather for the port, expecting
+one reply per proc of its subtree (``count``); its children's plans get
+``"u"``, its own address, where their chunks go. A proc sends such a reply to
+its agent (``UP_MAGIC``); the agent sends what it holds up in one chunk when its
+whole subtree answered, at once when an entry is an error or a death, and after
+a window otherwise (``agent.GATHER_WINDOW_S``), so a slow or dead subtree holds
+nobody's values back. A proc behind an agent sends every other message for its
+caller up through the agent too, which first sends up whatever it holds from
+that proc, with the message as the chunk's last entry: messages from one sender
+reach the caller in the order sent, replies before the sender's death.
+
 >>> register("tcp://a:1", "key"); register("tcp://b:1", "key")
 >>> build_tree([("tcp://a:1", ["1"]), ("tcp://b:1", ["1", "2"])], fanout=8)
 [('tcp://a:1', {'t': ['1'], 'c': []}), ('tcp://b:1', {'t': ['1', '2'], 'c': []})]
@@ -24,7 +38,7 @@ import json
 import threading
 from typing import Callable
 
-from .config import env_number
+from .config import env_flag, env_number
 
 TREE_MAGIC = b"MTTR"
 # A proc behind a host agent has the address "tcp://agent:port|ipc:///path": messages to it go to the
@@ -32,10 +46,31 @@ TREE_MAGIC = b"MTTR"
 ROUTE_SEP = "|"
 ROUTE_MAGIC = b"MTRT"
 FANOUT = env_number("MONARCH_TENSOR_FANOUT", 8, "a whole number of children per agent, at least 1", integer=True, least=1)
+# Replies up the tree (module docstring); MONARCH_TENSOR_GATHER=0 sends each reply straight to its caller.
+GATHER = env_flag("MONARCH_TENSOR_GATHER", True)
+GATHER_PREFIX = "gather+"
+# The first frame of a message up the tree: UP_MAGIC, a kind byte, JSON. Kind b"g", a chunk of gathered
+# entries: {"k": [address, port id], "a": ranks it accounts for, "n": [frames of each entry], "u": urgent
+# (an error or a death: every agent passes it on at once), "w": the caller's gateway}; the entries' frames
+# follow. Kind b"p", one message passed up: {"w": gateway}, then its frames.
+UP_MAGIC = b"MTUP"
 
 _lock = threading.Lock()
 _trees: dict[str, list[str]] = {}         # job key -> its agents, in the order met
 _where: dict[str, tuple[str, int]] = {}   # agent address -> (job key, place in that list)
+_gateways: dict[str, str] = {}            # job key (or agent address) -> the gateway its procs reach us through
+
+
+def set_gateway(agent: str, gateway: str) -> None:
+    """Replies of the procs of ``agent``'s job reach this process through ``gateway`` (chunks go there)."""
+    with _lock:
+        _gateways[_where[agent][0] if agent in _where else agent] = gateway
+
+
+def gateway_of(agent: str) -> str | None:
+    """The gateway through which chunks from ``agent``'s tree reach this process (None: not known)."""
+    with _lock:
+        return _gateways.get(_where[agent][0] if agent in _where else agent)
 
 
 def register(agent: str, key: str) -> None:
@@ -117,8 +152,24 @@ def tree_frames(agent: str, plan: dict, frames: list) -> tuple[str, list]:
     return hops[0], [TREE_MAGIC + json.dumps(plan).encode(), *frames]
 
 
-def send_many(mailbox, addrs: list[str], frames: list) -> None:
-    """Send encoded ``frames`` to every address: direct ones one by one, routed ones down the tree."""
+def count(plan: dict) -> int:
+    """The procs a plan reaches: its own and its children's."""
+    return len(plan.get("t", ())) + sum(count(sub) for _, sub in plan.get("c", ()))
+
+
+def up_header(kind: bytes, head: dict) -> bytes:
+    return UP_MAGIC + kind + json.dumps(head, separators=(",", ":")).encode()
+
+
+def read_up(first) -> tuple[bytes, dict]:
+    """The kind and the header of a message up the tree (its first frame)."""
+    view = bytes(first.buffer if hasattr(first, "buffer") else first)
+    return view[4:5], json.loads(view[5:])
+
+
+def send_many(mailbox, addrs: list[str], frames: list, gather: tuple[str, int] | None = None) -> None:
+    """Send encoded ``frames`` to every address: direct ones one by one, routed ones down the tree.
+    ``gather``: the caller's reply port (address, id), whose replies the agents gather on the way up."""
     by_agent: dict[str, list[str]] = {}
     for a in addrs:
         agent, sep, inner = a.partition(ROUTE_SEP)
@@ -132,14 +183,24 @@ def send_many(mailbox, addrs: list[str], frames: list) -> None:
         mailbox.send_frames(next(a for a in addrs if ROUTE_SEP in a), frames)
         return
     for agent, plan in build_tree(list(by_agent.items())):
+        w = None if gather is None else gateway_of(agent)
+        if w is not None:
+            plan["g"], plan["w"] = gather, w
         mailbox.send_frames(agent, [TREE_MAGIC + json.dumps(plan).encode(), *frames])
 
 
 def forward(first: bytes, payload: list, deliver: Callable[[str, list], None],
-            send: Callable[[str, list], None]) -> None:
-    """An agent's part of a tree broadcast: its own procs, then each child with its sub-plan."""
+            send: Callable[[str, list], None], gather: Callable[[dict], None] | None = None,
+            me: str = "") -> None:
+    """An agent's part of a tree broadcast: its own procs, then each child with its sub-plan. A plan with a
+    gather (``"g"``): ``gather(plan)`` first, and each child's plan names this agent (``me``) as its way up."""
     plan = json.loads(first[len(TREE_MAGIC):])
+    g = plan.get("g")
+    if g is not None and gather is not None:
+        gather(plan)
     for child, sub in plan.get("c", ()):
+        if g is not None:
+            sub["g"], sub["w"], sub["u"] = g, plan["w"], me
         send(child, [TREE_MAGIC + json.dumps(sub).encode(), *payload])
     for proc_id in plan.get("t", ()):
         deliver(proc_id, payload)

@@ -59,6 +59,35 @@ class Collector:
                 self.future._set_exception(e)
         return done
 
+    def deliver_values(self, ranks: list, values: list) -> bool:
+        """Plain values of several ranks at once (a chunk of gathered replies): as ``deliver`` of each."""
+        if type(self).deliver is not Collector.deliver:  # (a subclass's own deliver sees each)
+            done = False
+            for rank, value in zip(ranks, values):
+                done = self.deliver(SendToPort(-1, value, None, rank))
+            return done
+        with self._lock:
+            by_rank, addr_of, waiting, slots = self._by_rank, self._addr_of, self._waiting, self._values
+            dropped = []
+            for rank, value in zip(ranks, values):
+                slot = by_rank.pop(rank, None)
+                if slot is None:
+                    dropped.append(rank)
+                    continue
+                waiting.discard(addr_of[rank])
+                slots[slot] = value
+            self._left -= len(ranks) - len(dropped)
+            done = self._left == 0
+        if dropped:
+            log.warning("%s: dropped replies from ranks %s, which answered already or were not called",
+                        self.future._what, dropped[:10])
+        if done and not self.future.done():
+            try:
+                self.future._set_result(self._finish(self._values))
+            except BaseException as e:  # noqa: BLE001
+                self.future._set_exception(e)
+        return done
+
     def proc_died(self, addr: str, error: SupervisionError) -> tuple[bool, bool]:
         with self._lock:
             if addr not in self._waiting:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from . import _context, _proc_exit, _proc_ext, _zygote
+from ._fanout import GATHER_PREFIX
 from .config import env_flag, env_number
 from .errors import ActorAbortedError, ActorError, ActorFailedError, ActorStoppedError
 from .logs import OUTPUT_WAIT_S
@@ -259,6 +260,7 @@ class ProcRuntime:
         self.mailbox.on_held = self._wake_for_held
         self.mailbox.on_lost_spawn = self._spawn_lost
         set_current_mailbox(self.mailbox)
+        self.mailbox.set_up(client_addr)  # behind a host agent: what goes to the client goes up through it
         self.logs = _LogForwarder(self.mailbox, client_addr, rank)
         if self.logs.counts is not None:  # relayed: counted without waiting, so once per frame as it leaves
             self.mailbox.output_mark = self.output_before
@@ -890,14 +892,31 @@ class ProcRuntime:
                     print(f"[monarch_tensor] unawaited error: {error} (not reported to the owner: {e!r})",
                           file=sys.stderr)
             return
-        output = self.mailbox.output_before(port.addr)
+        addr = port.addr
+        if addr.startswith(GATHER_PREFIX):  # a call() whose replies the host agents gather (_fanout.py)
+            self._reply_gathered(addr[len(GATHER_PREFIX):], port, value, error, rank, slot, method)
+            return
+        output = self.mailbox.output_before(addr)
         try:
-            self.mailbox.send(port.addr, SendToPort(port.port_id, value, error, rank, output), batch=True)
+            self.mailbox.send(addr, SendToPort(port.port_id, value, error, rank, output), batch=True)
         except Exception as e:  # noqa: BLE001 - e.g. an unpicklable result
             err = ActorError("?" if slot is None else slot.name, rank, method, f"cannot send the result back: {e!r}",
                              traceback.format_exc())
             try:
-                self.mailbox.send(port.addr, SendToPort(port.port_id, None, err, rank, output))
+                self.mailbox.send(addr, SendToPort(port.port_id, None, err, rank, output))
+            except Exception:  # noqa: BLE001 - not a usable port at all
+                log.warning("proc %d cannot reply to %r: %s", self.rank, port, e)
+
+    def _reply_gathered(self, client: str, port, value, error, rank, slot: _Slot | None, method: str) -> None:
+        """``_reply`` to a gathered call of ``client``: up to this proc's host agent (``Mailbox.send_gathered``)."""
+        output = self.output_before(client)
+        try:
+            self.mailbox.send_gathered(client, SendToPort(port.port_id, value, error, rank, output), error is not None)
+        except Exception as e:  # noqa: BLE001 - e.g. an unpicklable result
+            err = ActorError("?" if slot is None else slot.name, rank, method, f"cannot send the result back: {e!r}",
+                             traceback.format_exc())
+            try:
+                self.mailbox.send_gathered(client, SendToPort(port.port_id, None, err, rank, output), True)
             except Exception:  # noqa: BLE001 - not a usable port at all
                 log.warning("proc %d cannot reply to %r: %s", self.rank, port, e)
 

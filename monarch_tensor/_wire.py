@@ -358,6 +358,22 @@ def decode(frames: list) -> object:
 _decoding = threading.local()
 
 
+def loads_plain(frame) -> object:
+    """The unpickled body of a one-frame message without buffers, compact envelopes left as tuples (a chunk's
+    entries, read in bulk); ``ProtocolError`` for any other frame."""
+    if len(frame) < _HEADER.size:
+        raise ProtocolError("frame shorter than the header")
+    magic, nbuf = _HEADER.unpack_from(frame)
+    if magic != MAGIC or nbuf:
+        raise ProtocolError("not a one-frame message")
+    prev = getattr(_decoding, "on", False)
+    _decoding.on = True
+    try:
+        return pickle.loads(memoryview(frame)[_HEADER.size:])
+    finally:
+        _decoding.on = prev
+
+
 def decoding() -> bool:
     """Whether this thread is unpickling a message (the tensor engine's factories then make plain tensors)."""
     return getattr(_decoding, "on", False)

@@ -31,6 +31,7 @@ from typing import Any, Callable, Generic, Iterator, TypeVar
 
 from . import (
     _context,
+    _fanout,
     _wire,
     config,  # noqa: F401 - monarch_tensor.actor.config, as Monarch's monarch.actor.config
 )
@@ -607,12 +608,15 @@ class Endpoint(Generic[R]):
             # Mesh tensors among the arguments: each rank gets its own, through the tensor engine.
             from . import _seams
 
+            if port is not None and port.addr.startswith(_fanout.GATHER_PREFIX):  # (the engine replies itself)
+                port = PortRef(port.addr[len(_fanout.GATHER_PREFIX):], port.port_id)
             _seams.get("call_actor")(self._mesh, ranks, self._wire_method, args, kwargs, port)
             return
         if len(addrs) > 1 and "|" in addrs[0]:  # procs behind host agents: down the fan-out tree
-            from ._fanout import send_many
-
-            send_many(mailbox, addrs, encoded[0])
+            gather = None
+            if port is not None and port.addr.startswith(_fanout.GATHER_PREFIX):  # their replies up it, gathered
+                gather = (port.addr[len(_fanout.GATHER_PREFIX):], port.port_id)
+            _fanout.send_many(mailbox, addrs, encoded[0], gather)
             return
         for addr, frames in zip(addrs, encoded):
             mailbox.send_frames(addr, frames, batch=True)
@@ -632,6 +636,9 @@ class Endpoint(Generic[R]):
                 f"the call with broadcast()"))
         col = OneReply(addrs[0], self._what) if finish is _first else Collector(addrs, ranks, finish, self._what)
         port = mailbox.open_port(col)
+        if finish is not _first and len(addrs) > 1 and _fanout.GATHER and _context.in_client() and \
+                all("|" in a for a in addrs):  # procs behind host agents: they gather the replies (_fanout.py)
+            port = PortRef(_fanout.GATHER_PREFIX + port.addr, port.port_id)
         self._send(ranks, args, kwargs, port, addrs)
         col.future._interrupt = (addrs, port)  # (what an interrupted wait stops: _interrupt_call)
         return col.future

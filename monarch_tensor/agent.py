@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 import zmq
 
 from . import _curve, _fanout, _wire
-from ._fanout import ROUTE_MAGIC
+from ._fanout import ROUTE_MAGIC, UP_MAGIC
+from ._gather import Gathers
 from .agent_messages import (
     DescribeHost,
     EndSession,
@@ -55,6 +56,10 @@ log = logging.getLogger("monarch_tensor.agent")
 
 SESSION_TIMEOUT = env_number("MONARCH_TENSOR_SESSION_TIMEOUT", 10.0, "a number of seconds", least=0.001)
 DEFAULT_TTL = env_number("MONARCH_TENSOR_AGENT_TTL", 3600.0, "a number of seconds", least=0.001)
+# Replies up the tree (_gather.py): a gather sends what it holds this long after its first entry at the
+# latest; one that saw nothing for GATHER_TTL_S is dropped (what comes for it later goes up as it is).
+GATHER_WINDOW_S = env_number("MONARCH_TENSOR_GATHER_WINDOW_MS", 20.0, "milliseconds") * 1e-3
+GATHER_TTL_S = 600.0
 
 
 @dataclass
@@ -107,6 +112,12 @@ class HostAgent:
             advertise = host if host not in ("*", "0.0.0.0", "") else _my_ip()
         self.addr = f"tcp://{advertise}:{bound_port}"
         self.workdir = os.getcwd()
+        # Its procs' messages for their callers come up on this socket (identity: the proc's id here).
+        self.up = self.ctx.socket(zmq.ROUTER)
+        self.up.setsockopt(zmq.LINGER, 0)
+        self.up_addr = new_ipc_address("agent-up")
+        self.up.bind(self.up_addr)
+        self.gathers = Gathers(self._send_raw, GATHER_WINDOW_S, GATHER_TTL_S)
         self.sessions: dict[str, _Session] = {}
         self.local_addrs: dict[str, str] = {}  # short proc id -> ipc address
         self._next_id = 0
@@ -140,9 +151,15 @@ class HostAgent:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self.up, zmq.POLLIN)
+        wait_ms = 250
         try:
             while not self._stopping:
-                events = dict(poller.poll(250))
+                events = dict(poller.poll(wait_ms))
+                if self.up in events:
+                    while self.up.getsockopt(_EVENTS) & _POLLIN:
+                        frames = self.up.recv_multipart(copy=False)
+                        self._from_proc(frames[0].bytes.decode(), frames[1:])
                 if self.router in events:
                     while self.router.getsockopt(_EVENTS) & _POLLIN:
                         self._on_frames(self.router.recv_multipart(copy=False))
@@ -150,6 +167,9 @@ class HostAgent:
                     os.read(self._wake_r, 4096)
                 self._drain_inbox()
                 self._expire()
+                now = time.monotonic()
+                nxt = self.gathers.due(now)
+                wait_ms = 250 if nxt is None else max(1, min(250, int((nxt - now) * 1000) + 1))
         finally:
             self.close()
 
@@ -165,7 +185,9 @@ class HostAgent:
         if magic == ROUTE_MAGIC:
             self._relay(first[4:].decode(), frames[2:])
         elif magic == _fanout.TREE_MAGIC:
-            _fanout.forward(first, frames[2:], self._relay, self._send_raw)
+            _fanout.forward(first, frames[2:], self._relay, self._send_raw, self.gathers.start, self.addr)
+        elif magic == UP_MAGIC:  # a child agent's, up the tree
+            self._up_take(ident.bytes, frames[1:])
         else:
             try:
                 req_id, msg = _wire.decode(frames[1:])
@@ -185,6 +207,18 @@ class HostAgent:
     def _answer(self, ident, req_id, value, error=None) -> None:
         if req_id is not None:
             self.router.send_multipart([ident, *_wire.encode((req_id, value, error))])
+
+    def _from_proc(self, proc_id: str, frames: list) -> None:
+        if frames and frames[0].buffer[:4] == UP_MAGIC:
+            self._up_take(proc_id, frames)
+        else:
+            log.warning("agent dropped a malformed message from its proc %s", proc_id)
+
+    def _up_take(self, sender, frames: list) -> None:
+        try:
+            self.gathers.take(sender, frames)
+        except Exception as e:  # noqa: BLE001 - authenticated, yet malformed: drop it
+            log.warning("agent dropped a malformed message up the tree: %r", e)
 
     def _relay(self, proc_id: str, frames: list) -> None:
         addr = self.local_addrs.get(proc_id)
@@ -214,6 +248,11 @@ class HostAgent:
                 return
             if ident is None:
                 self._send_raw(frames[0], frames[1:])
+            elif ident == "up":  # a message of one of our procs for its caller: behind what it sent (_gather)
+                proc_id, gateway, msg_frames, exited = frames
+                self.gathers.pass_up(proc_id, gateway, msg_frames)
+                if exited:
+                    self.gathers.proc_exited(proc_id)
             elif ident == "forget":  # a proc exited: close our socket to it
                 s = self._out.pop(frames, None)
                 if s is not None:
@@ -265,6 +304,7 @@ class HostAgent:
             env["MONARCH_TENSOR_ALIASES"] = f'{{"{msg.client_addr}": "{msg.gateway}"}}'
             env["MONARCH_TENSOR_GATEWAY"] = msg.gateway  # also the way to the controller's own procs
             env["MONARCH_TENSOR_PUBLIC_ADDR"] = f"{info.addr}={self.addr}|{pid_key}"
+            env["MONARCH_TENSOR_AGENT_UP"] = self.up_addr
             info.owner = (msg.session, msg.events, pid_key, msg.gateway)
             infos.append(info)
             envs.append(env)
@@ -303,7 +343,8 @@ class HostAgent:
         if not lines or stream not in (1, 2):
             return
         gateway = info.owner[3]
-        self._inbox.put((None, [gateway, *_wire.encode(ForwardLogs(info.rank, stream, tuple(lines)))]))
+        self._inbox.put(("up", (info.owner[2], gateway, _wire.encode(ForwardLogs(info.rank, stream, tuple(lines))),
+                                False)))
         self._wake()
 
     def on_sigterm(self, *_) -> None:
@@ -339,7 +380,7 @@ class HostAgent:
         if s is not None:
             s.procs.pop(info.pid, None)
         frames = _wire.encode(SendToPort(events.port_id, ReportExit(info.pid, status), None, -1))
-        self._inbox.put((None, [gateway, *frames]))
+        self._inbox.put(("up", (pid_key, gateway, frames, True)))
         self._inbox.put(("forget", info.addr))
         self._wake()
 
@@ -353,6 +394,9 @@ class HostAgent:
         for s in self._out.values():
             s.close(linger=500)
         self.router.close(linger=0)
+        self.up.close(linger=0)
+        if os.path.exists(self.up_addr[len("ipc://"):]):
+            os.unlink(self.up_addr[len("ipc://"):])
         _curve.stop_serving(self.ctx)
         self.ctx.term()
 

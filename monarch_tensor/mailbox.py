@@ -41,7 +41,7 @@ import zmq
 from . import _wire
 from . import future as _future
 from . import logs as _logs
-from ._fanout import ROUTE_SEP, routed_frames
+from ._fanout import ROUTE_SEP, UP_MAGIC, read_up, routed_frames, up_header
 from .config import env_flag, env_number
 from .errors import ProtocolError, SupervisionError
 from .messages import ForwardLogs, PortRef, SendToPort
@@ -129,6 +129,15 @@ def _crowded() -> bool:
         return int(os.pread(_loadavg_fd, 64, 0).split()[3].partition(b"/")[0]) > 2 * _NCPU
     except (OSError, ValueError, IndexError):
         return False
+
+
+class _Replies:
+    """Plain values for one port from a chunk of gathered replies (``Mailbox._chunk_parts``), in order."""
+
+    __slots__ = ("port_id", "ranks", "values")
+
+    def __init__(self, port_id: int, ranks: list, values: list) -> None:
+        self.port_id, self.ranks, self.values = port_id, ranks, values
 
 
 class Spin:
@@ -242,6 +251,12 @@ class Mailbox:
         # The address others reach this mailbox at, in ports (a proc behind a host agent: a routed one).
         pub = os.environ.get("MONARCH_TENSOR_PUBLIC_ADDR", "")
         self.public_addr = pub.partition("=")[2] if pub.startswith(self.addr + "=") else self.addr
+        # A proc behind a host agent: what it sends its caller (``up_for``) goes up through the agent
+        # (``set_up``, see _fanout.py), on a socket to the agent whose identity is the proc's id there.
+        self.up_for: str | None = None
+        self._up_sock: zmq.Socket | None = None
+        self._up_head = b""
+        self._up_k = self._up_w = ""
         # Who receives (the socket is used by one thread at a time): the I/O thread, unless a waiter
         # took over (``lead``). ``_rx_lock`` is held while receiving; waiters that want the socket count
         # themselves in ``_wanted`` and poke the I/O thread's pipe so it parks.
@@ -354,8 +369,41 @@ class Mailbox:
             return None
         return _wire.encode(SendToPort(0, None, None, -1, output))[0]
 
+    def set_up(self, client_addr: str) -> None:
+        """A proc behind a host agent: send what goes to ``client_addr`` (its caller) up through the agent."""
+        up = os.environ.get("MONARCH_TENSOR_AGENT_UP", "")
+        if not up or self.public_addr == self.addr or ROUTE_SEP not in self.public_addr:
+            return
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 2000)
+        s.setsockopt(zmq.SNDHWM, 0)
+        s.setsockopt(zmq.IDENTITY, self.public_addr.rpartition(ROUTE_SEP)[2].encode())
+        s.connect(up)
+        w = self.route_of(client_addr)
+        self._up_sock, self.up_for = s, client_addr
+        self._up_head = up_header(b"p", {"w": w})
+        self._up_k, self._up_w = json.dumps(client_addr), json.dumps(w)
+
+    def send_gathered(self, client: str, msg: SendToPort, urgent: bool) -> None:
+        """A reply to a gathered call of ``client`` (``PortRef(_fanout.GATHER_PREFIX + client, ...)``): up to this proc's
+        agent, which gathers it with its peers' (see _fanout.py); a plain reply where there is no agent."""
+        if client != self.up_for:
+            self.send(client, msg, batch=True)
+            return
+        frames = _wire.encode(msg, remote=(1, self.route_of(client), self.public_addr))
+        head = UP_MAGIC + b"g" + f'{{"k":[{self._up_k},{msg.port_id}],"u":{int(urgent)},"w":{self._up_w}}}'.encode()
+        with self._send_lock:
+            if self._closed:
+                raise RuntimeError("mailbox is closed")
+            if self._batch:
+                self._flush_locked()
+            self._up_sock.send_multipart([head, *frames], copy=_wire.is_small(frames))
+
     def _send_now(self, addr: str, frames: list) -> None:
         copy = _wire.is_small(frames)
+        if addr == self.up_for:
+            self._up_sock.send_multipart([self._up_head, *frames], copy=copy)
+            return
         addr = self._resolve(addr)
         if ROUTE_SEP in addr:  # a proc behind a host agent (or gateway): along its path (see _fanout.py)
             agent, _, inner = addr.partition(ROUTE_SEP)
@@ -741,9 +789,15 @@ class Mailbox:
             except ProtocolError as e:
                 log.warning("dropped a malformed batch on %s: %s", self.addr, e)
                 return
+        elif frames[0][:4] == UP_MAGIC:
+            yield from self._up_entries(frames)
+            return
         else:
             parts = [frames]
         for part in parts:
+            if len(part) == 1 and _wire.is_batch(part[0]):  # (a chunk's batch holds its children's)
+                yield from self._decoded(part)
+                continue
             try:
                 yield _wire.decode(part), None
             except _wire.Unreadable as e:
@@ -753,6 +807,70 @@ class Mailbox:
                     yield e.message, e
             except ProtocolError as e:
                 log.warning("dropped a malformed message on %s: %s", self.addr, e)
+
+    def _up_entries(self, frames: list):
+        """The messages of one that came up the agent tree (``_fanout.UP_MAGIC``): a chunk of gathered
+        entries, each decoded as a message of its own, in order, or one message passed up."""
+        try:
+            kind, head = read_up(frames[0])
+            counts = head["n"] if kind == b"g" and "n" in head else (len(frames) - 1,)
+            if sum(counts) != len(frames) - 1:
+                raise ProtocolError(f"a chunk announces {sum(counts)} frames, got {len(frames) - 1}")
+        except (ValueError, TypeError, AttributeError, ProtocolError) as e:
+            log.warning("dropped a malformed message from the agent tree on %s: %s", self.addr, e)
+            return
+        pos = 1
+        for n in counts:
+            entry = frames[pos:pos + n]
+            pos += n
+            if entry and not isinstance(entry[0], bytes):
+                entry[0] = bytes(entry[0].buffer if hasattr(entry[0], "buffer") else entry[0])
+            if n == 1 and _wire.is_batch(entry[0]):
+                try:
+                    parts = _wire.unpack_batch(entry[0])
+                except ProtocolError as e:
+                    log.warning("dropped a malformed chunk on %s: %s", self.addr, e)
+                    continue
+                yield from self._chunk_parts(parts)
+            else:
+                yield from self._decoded(entry)
+
+    def _chunk_parts(self, parts: list):
+        """A chunk's one-frame entries: each run of plain values for one port (no error, no output to print
+        first) as one ``_Replies``, delivered in one go; any other entry decoded as a message of its own."""
+        run = None  # [port id, ranks, values]
+        for part in parts:
+            t = None
+            if _wire.is_batch(part):  # a child's chunk
+                try:
+                    inner = _wire.unpack_batch(part)
+                except ProtocolError as e:
+                    log.warning("dropped a malformed chunk on %s: %s", self.addr, e)
+                    continue
+                if run is not None:
+                    yield _Replies(*run), None
+                    run = None
+                yield from self._chunk_parts(inner)
+                continue
+            try:
+                t = _wire.loads_plain(part)
+            except Exception:  # noqa: BLE001 - not plain: decoded (or reported) as any message is
+                t = None
+            if type(t) is tuple and len(t) == 6 and t[0] == "\0reply" and t[3] is None and t[5] is None:
+                if run is not None and run[0] == t[1]:
+                    run[1].append(t[4])
+                    run[2].append(t[2])
+                    continue
+                if run is not None:
+                    yield _Replies(*run), None
+                run = [t[1], [t[4]], [t[2]]]
+                continue
+            if run is not None:
+                yield _Replies(*run), None
+                run = None
+            yield from self._decoded([part])
+        if run is not None:
+            yield _Replies(*run), None
 
     def _take(self, msg: object, unreadable: _wire.Unreadable | None, defer: Callable[[object], None] | None) -> None:
         """``_route`` a message, or fail whoever waits on one that could not be read whole (``_lost``)."""
@@ -775,6 +893,8 @@ class Mailbox:
                         log.debug("value for closed port %d dropped", msg.port_id)
                 elif h.deliver(msg):
                     self.close_port(msg.port_id)
+            elif type(msg) is _Replies:
+                self._deliver_run(msg)
             elif isinstance(msg, ForwardLogs):
                 if self.on_logs is not None:
                     self.on_logs(msg)
@@ -792,6 +912,24 @@ class Mailbox:
                 log.warning("dropped unexpected %s on %s", type(msg).__name__, self.addr)
         except Exception:  # a bad message never kills the I/O thread
             log.exception("error while handling %s", type(msg).__name__)
+
+    def _deliver_run(self, run: _Replies) -> None:
+        with self._ports_lock:
+            h = self._ports.get(run.port_id)
+        if h is None:
+            log.debug("%d values for closed port %d dropped", len(run.values), run.port_id)
+            return
+        many = getattr(h, "deliver_values", None)
+        if many is not None:
+            done = many(run.ranks, run.values)
+        else:
+            done = False
+            for rank, value in zip(run.ranks, run.values):
+                done = h.deliver(SendToPort(run.port_id, value, None, rank))
+                if done:
+                    break
+        if done:
+            self.close_port(run.port_id)
 
     def fail_reply(self, msg: object, error: BaseException) -> bool:
         """Answer ``msg``'s reply port (a ``reply`` field) with ``error``, raised where this process handled

@@ -517,6 +517,7 @@ class RemoteHostMesh(HostMesh):
             _threads.remote_notice(per * len(self._agents), most)
         for h, agent in enumerate(self._agents):
             gateway = _gateway_for(agent.keys, agent.addr)
+            _fanout.set_gateway(agent.addr, gateway.addr)  # (gathered replies of its procs come through it)
             events = mailbox.open_port(_Events(agent))
             ranks, envs = [], []
             sharing = per + sum(1 for p in live if getattr(p, "agent", None) is agent)
