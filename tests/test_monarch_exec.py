@@ -170,7 +170,19 @@ class Rooted(Actor):
         return get_or_spawn_controller(name, Rooted).get(timeout=T).return_root.call_one().get(timeout=T)
 
 
-def test_get_or_spawn_controller_inside_an_actor_finds_the_jobs_one(procs):
+@pytest.fixture
+def controllers_stopped_after():
+    """The controllers a test spawns live as long as the script (one per name and job): stopped after it, so
+    that later tests see no procs of theirs (a host's sync reaches every live proc)."""
+    import monarch_tensor.actor as actor_mod
+
+    before = set(actor_mod._controllers)
+    yield
+    for name in set(actor_mod._controllers) - before:
+        actor_mod._controllers.pop(name)._proc_mesh.stop().get(timeout=T)
+
+
+def test_get_or_spawn_controller_inside_an_actor_finds_the_jobs_one(procs, controllers_stopped_after):
     # Monarch's test_get_or_spawn_controller_inside_actor_endpoint: a controller spawned from inside an actor
     # is the job's, which the script then gets; and an actor asking for it gets that one, not a second.
     first = get_or_spawn_controller("mt_ctl_first", Rooted).get(timeout=T)

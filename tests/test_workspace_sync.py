@@ -409,6 +409,8 @@ def test_a_renamed_module_and_a_failed_reload_leave_no_module_stale(tmp_path):
 class Busy(Actor):
     @endpoint
     def wait_for(self, path: str) -> str:
+        with open(path + ".started", "w"):
+            pass
         deadline = time.monotonic() + 60
         while not os.path.exists(path) and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -429,6 +431,9 @@ def test_a_sync_whose_reload_waits_behind_a_running_endpoint_says_so(tmp_path, m
         procs.sync_workspace(ws).get(timeout=60)
         gate = tmp_path / "gate"
         running = procs.spawn("busy", Busy).slice(gpus=1).wait_for.call_one(str(gate))
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "gate.started").exists() and time.monotonic() < deadline:  # (it runs: the
+            time.sleep(0.02)                                                            # reload waits behind it)
         (proj / "conf.txt").write_text("lr=0.01\n")
         monkeypatch.setattr(ws_sync, "SYNC_TIMEOUT", 6.0)  # (every wait of the sync: not 2 s, which the diff took on a loaded VM)
         with pytest.raises(TimeoutError, match=r"no workspace reload from the proc\(s\) of rank \[1\] within 6.0 s"
