@@ -874,7 +874,7 @@ def _wait_gone(pid: int, timeout: float = 15) -> None:
             with open(f"/proc/{pid}/status") as f:
                 if any(ln.startswith("State:") and "Z" in ln for ln in f):
                     return
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # (gone before, or while, its status was read)
             return
         time.sleep(0.05)
     raise AssertionError(f"proc {pid} still alive after {timeout} s")
