@@ -52,6 +52,10 @@ class Collector:
                         self.future._what, msg.rank)
             return False
         self._values[slot] = msg.value
+        return self._settle(done)
+
+    def _settle(self, done: bool) -> bool:
+        """Once every rank answered: the Future gets the finished values (or what finishing them raised)."""
         if done and not self.future.done():
             try:
                 self.future._set_result(self._finish(self._values))
@@ -81,12 +85,7 @@ class Collector:
         if dropped:
             log.warning("%s: dropped replies from ranks %s, which answered already or were not called",
                         self.future._what, dropped[:10])
-        if done and not self.future.done():
-            try:
-                self.future._set_result(self._finish(self._values))
-            except BaseException as e:  # noqa: BLE001
-                self.future._set_exception(e)
-        return done
+        return self._settle(done)
 
     def proc_died(self, addr: str, error: SupervisionError) -> tuple[bool, bool]:
         with self._lock:
