@@ -475,9 +475,14 @@ def finish_preload(mods: list[str]) -> threading.Thread | None:
 
 
 def _try_import(mod: str) -> None:
+    """Import ``mod`` ahead of its use; quietly, whatever happens: a proc that exits while this thread imports
+    sees its modules' globals cleared under it (``'NoneType' object has no attribute ...``), and a real error
+    comes again, at its place, when the proc's own code imports ``mod``."""
+    if sys.is_finalizing():
+        return
     try:
         __import__(mod)
-    except ImportError:
+    except Exception:  # noqa: BLE001 - an import ahead of time is best effort (see above)
         pass
 
 

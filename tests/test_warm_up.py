@@ -67,3 +67,19 @@ def test_procs_are_forked_after_their_template_imported_what_dtensor_needs(engin
                          capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
     assert expected in out.stdout.splitlines(), out.stdout + out.stderr
+
+
+
+def test_an_import_ahead_of_time_never_raises(tmp_path, monkeypatch):
+    """The background import (``_zygote._try_import``) is best effort: a proc that exits while it runs has its
+    modules' globals cleared under it, which raised "'NoneType' object has no attribute 'rand'" out of the
+    thread and printed a traceback in the user's terminal. Any error is left for the proc's own import."""
+    from monarch_tensor import _zygote
+
+    (tmp_path / "mt_broken_mod.py").write_text("aten = None\nrand = aten.rand\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _zygote._try_import("mt_broken_mod")  # AttributeError, as in a proc torn down under the import
+    _zygote._try_import("mt_no_such_module")
+    assert "mt_broken_mod" not in sys.modules
+    with pytest.raises(AttributeError):
+        __import__("mt_broken_mod")  # the proc's own import sees the error
