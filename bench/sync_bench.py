@@ -53,11 +53,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
+from monarch_tensor.rdma import RDMABuffer  # noqa: E402
 
 from monarch_tensor import Workspace  # noqa: E402
 from monarch_tensor import workspace_sync as ws_sync  # noqa: E402
 from monarch_tensor.actor import Actor, endpoint, this_host  # noqa: E402
-from monarch_tensor.rdma import RDMABuffer  # noqa: E402
 
 # ---- settings ------------------------------------------------------------------------------
 N_PROCS = 8          # procs synced to

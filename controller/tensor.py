@@ -21,12 +21,11 @@ import threading
 import weakref
 
 import torch
+from monarch_tensor.worker import messages as m
+from monarch_tensor.worker.containers import is_dataclass_instance
+from monarch_tensor.worker.opaque import OpaqueRef
+from monarch_tensor.worker.worker import flat_leaves
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
-
-from worker import messages as m
-from worker.containers import is_dataclass_instance
-from worker.opaque import OpaqueRef
-from worker.worker import flat_leaves
 
 from .client import Ctx, user_loc
 from .dtensor_methods import ACTIVE as _DIST
@@ -360,8 +359,9 @@ def _trim_in_ipython() -> None:
     shell.set_custom_exc((Exception,), show)
 
 
-_ENGINE_DIRS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), d) + os.sep
-                     for d in ("controller", "worker", "monarch_tensor"))
+_ENGINE_DIRS = tuple(os.path.dirname(os.path.abspath(mod.__file__)) + os.sep  # (installed: one folder in another)
+                     for mod in (sys.modules["monarch_tensor"], sys.modules["monarch_tensor.controller"],
+                                 sys.modules["monarch_tensor.worker"]))
 
 
 def _trimming_excepthook(exc_type, exc, tb) -> None:

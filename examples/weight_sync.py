@@ -15,9 +15,9 @@ import argparse
 import time
 
 import torch
+from monarch_tensor.rdma import RDMABuffer
 
 from monarch_tensor.actor import Actor, current_rank, endpoint, this_host
-from monarch_tensor.rdma import RDMABuffer
 
 # -----------------------------------------------------------------------------
 GENERATORS = 2      # generator procs pulling weights

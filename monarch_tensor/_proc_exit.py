@@ -21,13 +21,13 @@ import traceback
 EXIT_LIMIT_S = 4.0
 
 # Where modules that are not the user's live: the standard library, installed packages, and this project's
-# packages (wherever they are installed; a module run as ``__main__`` from there too).
+# folders (wherever they are installed; a module run as ``__main__`` from there too).
 _NOT_USERS = tuple(sorted({os.path.realpath(p) + os.sep for p in (
     sys.prefix, sys.base_prefix, sys.exec_prefix, *(sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")),
     *(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), pkg) for pkg in (
         "monarch_tensor", "controller", "worker", "rdma")),
 ) if p}))
-_OURS = ("monarch_tensor", "controller", "worker", "rdma")
+_OURS = ("monarch_tensor",)
 
 
 def forget_inherited_hooks() -> None:

@@ -1,11 +1,11 @@
-"""The runtime's seams toward the layers above it: the tensor engine (``controller/``) and the data plane
-(``rdma/``).
+"""The runtime's seams toward the layers above it: the tensor engine (``monarch_tensor.controller``, the
+``controller/`` folder) and the data plane (``monarch_tensor.rdma``, the ``rdma/`` folder).
 
 The runtime (the transport, procs, actors, hosts and jobs in ``monarch_tensor/``) imports nothing from those
 packages: what it needs from them is named here and looked up with ``get(name)``, which imports the layer above
 on first use (a script that uses only actors never loads the tensor engine, and a proc loads the data plane
 only when a message carries a payload). ``tests/test_layers.py`` checks that no other runtime module imports
-them, apart from the public modules that re-export their names (``monarch_tensor.rdma``, Monarch's paths).
+them, apart from the public modules that re-export their names (Monarch's paths).
 """
 
 from __future__ import annotations
@@ -16,15 +16,16 @@ from typing import Any
 # name -> (module, attribute; None for the module itself)
 ENTRIES: dict[str, tuple[str, str | None]] = {
     # the tensor engine
-    "activate": ("controller.api", "activate"),                  # ProcMesh.activate()
-    "rank_tensor": ("controller.api", "rank_tensor"),            # ProcMesh.rank_tensor()
-    "call_actor": ("controller.api", "call_actor"),              # an endpoint called with mesh tensors
-    "actor_rref": ("controller.api", "actor_rref"),              # endpoint.rref()
-    "fake_mode": ("controller.tensor", "fake_mode"),             # the procs' warm-up
-    "RemoteProcessGroup": ("controller.process_group", "RemoteProcessGroup"),  # ProcMesh.process_group()
+    "activate": ("monarch_tensor.controller.api", "activate"),                  # ProcMesh.activate()
+    "rank_tensor": ("monarch_tensor.controller.api", "rank_tensor"),            # ProcMesh.rank_tensor()
+    "call_actor": ("monarch_tensor.controller.api", "call_actor"),              # an endpoint called with mesh tensors
+    "actor_rref": ("monarch_tensor.controller.api", "actor_rref"),              # endpoint.rref()
+    "fake_mode": ("monarch_tensor.controller.tensor", "fake_mode"),             # the procs' warm-up
+    "RemoteProcessGroup": ("monarch_tensor.controller.process_group", "RemoteProcessGroup"),  # ProcMesh.process_group()
     # the data plane
-    "payload": ("rdma.payload", None),                           # large buffers of a message (_wire)
-    "is_ibverbs_available": ("rdma", "is_ibverbs_available"),
+    "payload": ("monarch_tensor.rdma.payload", None),                           # large buffers of a message (_wire)
+    "is_ibverbs_available": ("monarch_tensor.rdma", "is_ibverbs_available"),
+    "RDMABuffer": ("monarch_tensor.rdma", "RDMABuffer"),                       # workspace sync's pulls
 }
 
 _found: dict[str, Any] = {}

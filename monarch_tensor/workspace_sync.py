@@ -46,7 +46,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from . import _filetree, _sync_proc
+from . import _filetree, _seams, _sync_proc
 from ._ports import Collector
 from .config import env_flag, env_number
 from .future import Future, ThreadFuture
@@ -406,7 +406,7 @@ class _Pulls:
         """The ``RDMABuffer`` of ``key``'s content, or None (small, empty, or over ``PULL_MAX``)."""
         if key in self.bufs:
             return self.bufs[key]
-        from .rdma import RDMABuffer
+        RDMABuffer = _seams.get("RDMABuffer")
 
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size

@@ -14,5 +14,14 @@ from .buffer import (  # noqa: F401
     preferred_backend,
     transfer_stats,
 )
-from .errors import RDMAReadTransferWarning, RDMATcpFallbackWarning, RDMAWriteTransferWarning  # noqa: F401
+from .errors import (  # noqa: F401
+    BackendUnavailableError,
+    BufferDroppedError,
+    OwnerDiedError,
+    RDMAError,
+    RDMAReadTransferWarning,
+    RDMATcpFallbackWarning,
+    RDMAWriteTransferWarning,
+    TransferTimeoutError,
+)
 from .tensors import TensorHandle, publish_tensor  # noqa: F401

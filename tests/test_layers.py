@@ -7,14 +7,18 @@ import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("monarch_tensor", "controller", "worker", "rdma")
+# The repository's folders and the packages they install as (the last three are sub-packages of the first).
+FOLDERS = {"monarch_tensor": "monarch_tensor", "controller": "monarch_tensor.controller",
+           "worker": "monarch_tensor.worker", "rdma": "monarch_tensor.rdma"}
+ENGINE, WORKERS, DATA_PLANE = "monarch_tensor.controller", "monarch_tensor.worker", "monarch_tensor.rdma"
+UPPER = (ENGINE, WORKERS, DATA_PLANE)
 
 # The runtime's seam toward the tensor engine and the data plane (monarch_tensor/_seams.py), and the public
-# modules that re-export names of those layers (the package's own monarch_tensor.rdma, Monarch's module paths):
-# the only runtime modules that may import them.
+# modules that re-export names of those layers (Monarch's module paths): the only runtime modules that may
+# import them.
 SEAM = "monarch_tensor._seams"
 PUBLIC_FACES = {
-    "monarch_tensor.rdma", "monarch_tensor.fetch", "monarch_tensor.random", "monarch_tensor.profiler",
+    "monarch_tensor.fetch", "monarch_tensor.random", "monarch_tensor.profiler",
     "monarch_tensor.cached_remote_function", "monarch_tensor.checkpoint", "monarch_tensor.gradient_generator",
     "monarch_tensor.opaque_module", "monarch_tensor.opaque_object", "monarch_tensor.mesh_controller",
     "monarch_tensor.timer.remote_execution_timer",
@@ -30,15 +34,16 @@ ABOVE_CORE = tuple("monarch_tensor." + m for m in ("_proc", "_zygote", "actor", 
 
 
 def _module(path: str) -> str:
-    name = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+    folder, _, rest = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".").partition(".")
+    name = FOLDERS[folder] + "." + rest
     return name[: -len(".__init__")] if name.endswith(".__init__") else name
 
 
 def _imports() -> list[tuple[str, str, int]]:
-    """(importing module, imported module, line) for every import statement of the four packages."""
+    """(importing module, imported module, line) for every import statement of the four folders."""
     out = []
-    for pkg in PACKAGES:
-        for dirpath, _, files in os.walk(os.path.join(ROOT, pkg)):
+    for folder in FOLDERS:
+        for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
             for f in files:
                 if not f.endswith(".py"):
                     continue
@@ -58,7 +63,7 @@ def _imports() -> list[tuple[str, str, int]]:
                             names = [node.module or ""]
                     else:
                         continue
-                    out.extend((mod, n, node.lineno) for n in names if n.split(".")[0] in PACKAGES)
+                    out.extend((mod, n, node.lineno) for n in names if n.split(".")[0] in FOLDERS)
     return out
 
 
@@ -68,7 +73,7 @@ def _under(name: str, prefixes) -> bool:
 
 def test_the_runtime_reaches_the_tensor_engine_and_the_data_plane_only_through_its_seam():
     wrong = [(a, b, line) for a, b, line in _imports()
-             if _under(a, ("monarch_tensor",)) and _under(b, ("controller", "worker", "rdma"))
+             if not _under(a, UPPER) and _under(b, UPPER)
              and a != SEAM and a not in PUBLIC_FACES and not _under(a, PUBLIC_PACKAGES)]
     assert not wrong, "runtime modules importing a layer above them (use monarch_tensor._seams):\n" + "\n".join(
         f"  {a}:{line} imports {b}" for a, b, line in wrong)
@@ -76,8 +81,8 @@ def test_the_runtime_reaches_the_tensor_engine_and_the_data_plane_only_through_i
 
 def test_the_data_plane_and_the_workers_import_no_layer_above_them():
     wrong = [(a, b, line) for a, b, line in _imports()
-             if (_under(a, ("rdma",)) and _under(b, ("controller", "worker")))
-             or (_under(a, ("worker",)) and _under(b, ("controller",)))]
+             if (_under(a, (DATA_PLANE,)) and _under(b, (ENGINE, WORKERS)))
+             or (_under(a, (WORKERS,)) and _under(b, (ENGINE,)))]
     assert not wrong, "\n".join(f"  {a}:{line} imports {b}" for a, b, line in wrong)
 
 
@@ -100,7 +105,32 @@ def test_the_check_finds_an_upward_import(tmp_path, monkeypatch):
     """The rules are not vacuous: a runtime module importing the engine is caught."""
     pkg = tmp_path / "monarch_tensor"
     pkg.mkdir()
-    (pkg / "bad.py").write_text("def f():\n    from controller.api import activate\n")
+    (pkg / "bad.py").write_text("def f():\n    from monarch_tensor.controller.api import activate\n")
     monkeypatch.setattr(__import__(__name__), "ROOT", str(tmp_path))
     found = _imports()
-    assert ("monarch_tensor.bad", "controller.api", 2) in found
+    assert ("monarch_tensor.bad", "monarch_tensor.controller.api", 2) in found
+
+
+def test_the_engines_folders_are_imported_only_as_sub_packages():
+    """``controller``, ``worker`` and ``rdma`` are imported as ``monarch_tensor.controller`` (...) everywhere:
+    the same file imported under its folder's name too would be a second module (a second ``Tensor`` class,
+    a second registry), and an install has no top-level packages of those names."""
+    wrong = []
+    for top in ("monarch_tensor", "controller", "worker", "rdma", "tests", "bench", "examples"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
+            for f in files:
+                if not f.endswith(".py"):
+                    continue
+                path = os.path.join(dirpath, f)
+                with open(path) as fh:
+                    tree = ast.parse(fh.read(), path)
+                for node in ast.walk(tree):
+                    if isinstance(node, ast.Import):
+                        names = [a.name for a in node.names]
+                    elif isinstance(node, ast.ImportFrom) and not node.level:
+                        names = [node.module or ""]
+                    else:
+                        continue
+                    wrong += [f"{os.path.relpath(path, ROOT)}:{node.lineno} imports {n}" for n in names
+                              if n.split(".")[0] in ("controller", "worker", "rdma")]
+    assert not wrong, "\n".join(wrong)

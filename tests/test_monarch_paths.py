@@ -3,6 +3,8 @@ renamed), and an install that carries every package of this project."""
 
 import importlib
 import os
+import shutil
+import sys
 
 import pytest
 import tomllib
@@ -66,7 +68,8 @@ def test_spawn_tensor_engine_gives_the_mesh_to_activate():
 
 
 def test_opaque_module_path():
-    from controller.opaque_module import OpaqueModule
+    from monarch_tensor.controller.opaque_module import OpaqueModule
+
     from monarch_tensor.opaque_module import OpaqueModule as via_path
 
     assert via_path is OpaqueModule
@@ -86,8 +89,30 @@ def test_the_install_lists_every_package():
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
     found = set()
-    for top in ("monarch_tensor", "controller", "worker", "rdma"):
+    for top in ("monarch_tensor", "controller", "worker", "rdma"):  # (the last three install inside the first)
         for d, _, files in os.walk(os.path.join(ROOT, top)):
             if "__init__.py" in files:
-                found.add(os.path.relpath(d, ROOT).replace(os.sep, "."))
+                name = os.path.relpath(d, ROOT).replace(os.sep, ".")
+                found.add(name if top == "monarch_tensor" else "monarch_tensor." + name)
     assert found == listed
+
+
+@pytest.mark.timeout(120)
+def test_the_wheel_installs_one_top_level_package(tmp_path):
+    """Nothing named controller, worker or rdma lands in site-packages: the repository's folders install as
+    sub-packages of monarch_tensor (pyproject.toml's package-dir)."""
+    import subprocess
+    import zipfile
+
+    build = tmp_path / "src"
+    shutil.copytree(ROOT, build, ignore=shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "bench",
+                                                                "tests", "docs", "examples"))
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                        str(tmp_path / "dist"), str(build)], capture_output=True, text=True, timeout=110)
+    assert r.returncode == 0, r.stderr
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"monarch_tensor"}
+    for path in ("monarch_tensor/controller/api.py", "monarch_tensor/worker/worker.py",
+                 "monarch_tensor/rdma/backends/tcp.py", "monarch_tensor/rdma/__init__.py"):
+        assert path in names, path

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from monarch_tensor.rdma import BufferDroppedError, RDMABuffer
 
 from monarch_tensor.actor import Actor, endpoint, this_host
-from monarch_tensor.rdma import BufferDroppedError, RDMABuffer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
 

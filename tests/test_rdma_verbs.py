@@ -13,12 +13,12 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from monarch_tensor.rdma import messages, service
+from monarch_tensor.rdma.backends import verbs
 
 from monarch_tensor import _wire
 from monarch_tensor.mailbox import current_mailbox
 from monarch_tensor.messages import PortRef
-from rdma import messages, service
-from rdma.backends import verbs
 
 
 def test_pyverbs_imports_and_reports_no_device_cleanly():
@@ -177,7 +177,6 @@ def test_messages_round_trip_and_have_handlers(msg):
 def test_publish_and_fetch_tensor_in_process():
     """The helper the tensor engine's to_mesh / fetch_shard call (same code path across procs)."""
     import torch
-
     from monarch_tensor.rdma import publish_tensor
 
     t = torch.randn(3, 5, dtype=torch.float64)

@@ -1075,11 +1075,11 @@ INTERRUPTED_WARM_UP_SCRIPT = textwrap.dedent("""
         this_host().spawn_procs({{"gpus": 1}})
     except KeyboardInterrupt:
         print("INTERRUPTED", flush=True)
-    import controller.tensor
+    from monarch_tensor.controller import tensor as ct
     deadline = time.monotonic() + 60
-    while controller.tensor._fake_mode is None and time.monotonic() < deadline:
+    while ct._fake_mode is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    print("WARMED", controller.tensor._fake_mode is not None, flush=True)
+    print("WARMED", ct._fake_mode is not None, flush=True)
     procs = this_host().spawn_procs({{"gpus": 1}})
     with procs.activate():
         print("SUM", fetch_shard(torch.ones(2) + 1).result(timeout=60).tolist(), flush=True)
