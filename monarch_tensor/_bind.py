@@ -147,10 +147,12 @@ def restricts_cpus(proc_bind: list[dict[str, str]] | None) -> bool:
 def sharing(proc_bind: list[dict[str, str]] | None, local_index: int, unbound: int) -> int:
     """How many procs share the CPUs of a host's proc ``local_index``: those of ``proc_bind`` bound to the
     same CPUs, or ``unbound`` where its binding leaves its CPUs alone."""
-    key = _cpu_key(proc_bind[local_index]) if proc_bind else None
+    if not proc_bind:
+        return unbound
+    key = _cpu_key(proc_bind[local_index])
     if key is None:
         return unbound
-    return sum(1 for b in proc_bind if _cpu_key(b) == key)
+    return len([b for b in proc_bind if _cpu_key(b) == key])
 
 
 def apply_from_env() -> None:

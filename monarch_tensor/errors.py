@@ -131,7 +131,7 @@ def _make_stopped_error(cls, message, proc, rank, exit_status):
     return cls(message, proc=proc, rank=rank, exit_status=exit_status)
 
 
-class ActorStoppedError(MeshStoppedError, ActorError):
+class ActorStoppedError(MeshStoppedError, ActorError):  # type: ignore[misc] # (rank: an int here, as both take it)
     """A call reached actors that ``stop()`` stopped: an ``ActorError`` naming the actor, rank and endpoint, and
     a ``SupervisionError`` (``MeshStoppedError``), which is what Monarch raises for it."""
 

@@ -133,7 +133,7 @@ def _compact_reply(m: SendToPort) -> tuple:
     return ("\0reply", m.port_id, m.value, m.error, m.rank, m.output_before)
 
 
-_wire.COMPACT_ENCODERS.update({CallEndpoint: _compact_call, SendToPort: _compact_reply})
+_wire.COMPACT_ENCODERS.update({CallEndpoint: _compact_call, SendToPort: _compact_reply})  # type: ignore[dict-item]
 _wire.COMPACT_DECODERS.update({
     "\0call": _call_from,
     "\0reply": lambda t: SendToPort(t[1], t[2], t[3], t[4], t[5]),
