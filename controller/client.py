@@ -130,7 +130,7 @@ class MeshClient:
         self._q: collections.deque = collections.deque()
         self._dels: collections.deque = collections.deque()
         self._late: collections.deque = collections.deque()  # (instr, ranks) that finalizers queued: issue_later
-        self.on_next_issue = None  # a function to run once, before the next instruction (api._lend_generator)
+        self.on_next_issue = None  # a function to run once, before the next instruction (torch_patches._lend_generator)
         self._ranks = self.all_ranks
         self._limit = FIRST_BATCH  # the size bound of the batch being filled (see the module docstring)
         self._fused = (None, [])  # the last Reduce or ReduceMany queued, and the memories it writes (_fuse)

@@ -68,12 +68,12 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 
 from . import tensor as _t
-from .api import _FactoryMode
 from .client import _flusher, coalescing, user_loc
 from .dtensor import placements_of
 from .dtensor_methods import ACTIVE, DistInfo
 from .errors import MeshTensorError
 from .tensor import Tensor, forget_value, memory_of, new_tensor, record
+from .torch_patches import _FactoryMode
 
 CACHE_SIZE = 8       # programs kept per compiled function (least recently used dropped)
 OFFSET_KEYS_WARN = 3  # keys differing only by storage offsets before compile warns (_look_for_moving_views)
