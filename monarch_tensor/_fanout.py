@@ -27,6 +27,10 @@ caller up through the agent too, which first sends up whatever it holds from
 that proc, with the message as the chunk's last entry: messages from one sender
 reach the caller in the order sent, replies before the sender's death.
 
+A folded call (``Accumulator`` with an associative combine, ``_gather``) adds ``"r"`` (the fold: the pickled
+combine) to every plan, and ``"p"`` (each proc's place in the call, beside ``"t"``): agents combine the
+replies of consecutive places as they gather them and send up runs of folded values.
+
 >>> register("tcp://a:1", "key"); register("tcp://b:1", "key")
 >>> build_tree([("tcp://a:1", ["1"]), ("tcp://b:1", ["1", "2"])], fanout=8)
 [('tcp://a:1', {'t': ['1'], 'c': []}), ('tcp://b:1', {'t': ['1', '2'], 'c': []})]
@@ -119,17 +123,23 @@ def depth(hosts: int, fanout: int) -> int:
     return d
 
 
-def build_tree(items: list[tuple[str, list[str]]], fanout: int | None = None) -> list[tuple[str, dict]]:
-    """``(agent, proc ids)`` pairs as plans along each agent's path: ``[(first hop, plan), ...]``."""
+def build_tree(items: list[tuple[str, list[str]]], fanout: int | None = None,
+               positions: dict[str, list[int]] | None = None) -> list[tuple[str, dict]]:
+    """``(agent, proc ids)`` pairs as plans along each agent's path: ``[(first hop, plan), ...]``.
+    ``positions``: agent -> the place of each of its procs in the call (a folded call's plans carry them, "p")."""
     root: dict = {}
     for agent, procs in items:
         level, node = root, None
         for hop in path(agent, fanout):
-            node = level.setdefault(hop, {"t": [], "c": {}})
+            node = level.setdefault(hop, {"t": [], "c": {}, "p": []})
             level = node["c"]
         node["t"].extend(procs)
+        if positions is not None:
+            node["p"].extend(positions[agent])
 
     def plan(node: dict) -> dict:
+        if positions is not None:
+            return {"t": node["t"], "p": node["p"], "c": [[a, plan(n)] for a, n in node["c"].items()]}
         return {"t": node["t"], "c": [[a, plan(n)] for a, n in node["c"].items()]}
 
     return [(a, plan(n)) for a, n in root.items()]
@@ -167,14 +177,19 @@ def read_up(first) -> tuple[bytes, dict]:
     return view[4:5], json.loads(view[5:])
 
 
-def send_many(mailbox, addrs: list[str], frames: list, gather: tuple[str, int] | None = None) -> None:
+def send_many(mailbox, addrs: list[str], frames: list, gather: tuple[str, int] | None = None,
+              fold: dict | None = None) -> None:
     """Send encoded ``frames`` to every address: direct ones one by one, routed ones down the tree.
-    ``gather``: the caller's reply port (address, id), whose replies the agents gather on the way up."""
+    ``gather``: the caller's reply port (address, id), whose replies the agents gather on the way up; ``fold``
+    (with ``gather``): the reduction the agents apply to them (``_gather``'s fold spec, plan key "r")."""
     by_agent: dict[str, list[str]] = {}
-    for a in addrs:
+    positions: dict[str, list[int]] | None = {} if fold is not None and gather is not None else None
+    for i, a in enumerate(addrs):
         agent, sep, inner = a.partition(ROUTE_SEP)
         if sep:
             by_agent.setdefault(agent, []).append(inner)
+            if positions is not None:
+                positions.setdefault(agent, []).append(i)
         else:
             mailbox.send_frames(a, frames)
     if not by_agent:
@@ -182,10 +197,12 @@ def send_many(mailbox, addrs: list[str], frames: list, gather: tuple[str, int] |
     if len(by_agent) == 1 and len(next(iter(by_agent.values()))) == 1:
         mailbox.send_frames(next(a for a in addrs if ROUTE_SEP in a), frames)
         return
-    for agent, plan in build_tree(list(by_agent.items())):
+    for agent, plan in build_tree(list(by_agent.items()), positions=positions):
         w = None if gather is None else gateway_of(agent)
         if w is not None:
             plan["g"], plan["w"] = gather, w
+            if positions is not None:
+                plan["r"] = fold
         mailbox.send_frames(agent, [TREE_MAGIC + json.dumps(plan).encode(), *frames])
 
 
@@ -201,6 +218,8 @@ def forward(first: bytes, payload: list, deliver: Callable[[str, list], None],
     for child, sub in plan.get("c", ()):
         if g is not None:
             sub["g"], sub["w"], sub["u"] = g, plan["w"], me
+            if "r" in plan:
+                sub["r"] = plan["r"]
         send(child, [TREE_MAGIC + json.dumps(sub).encode(), *payload])
     for proc_id in plan.get("t", ()):
         deliver(proc_id, payload)

@@ -8,7 +8,7 @@ import logging
 import threading
 from typing import Callable
 
-from .errors import SupervisionError
+from .errors import ProtocolError, SupervisionError
 from .future import _FAILED, Future, wait_limit
 from .messages import SendToPort
 
@@ -98,6 +98,62 @@ class Collector:
             done = self._left == 0
         self.future._set_exception(error)  # (a no-op where an error came first: the death is seen all the same)
         return True, done
+
+
+class FoldCollector(Collector):
+    """A ``Collector`` that folds (``Accumulator``): its future's value is ``combine`` applied from ``identity``
+    over the replies in the order of ``ranks``. Replies come one by one, or as runs ``(lo, hi, value)`` that host
+    agents folded (``_gather``): ``value`` stands for the replies at places ``lo..hi`` of the call, and is
+    combined in at ``lo`` in their stead. ``runs_seen``: how many runs came; ``folded``: ranks in runs of two or more."""
+
+    def __init__(self, addrs: list[str], ranks: list[int], identity, combine: Callable, what: str = "reply") -> None:
+        super().__init__(addrs, ranks, self._fold, what)
+        self._ranks = list(ranks)
+        self._identity, self._combine = identity, combine
+        self._runs: dict[int, tuple[int, object]] = {}  # lo -> (hi, its folded value)
+        self.runs_seen = self.folded = 0
+
+    def deliver_runs(self, runs) -> bool:
+        """Runs of replies folded by agents (``FoldedReplies``); a run over a place already answered, or out of
+        the call, fails the call (a protocol error), never a fold that counts a rank twice."""
+        bad = None
+        with self._lock:
+            n, by_rank, addr_of, waiting = len(self._ranks), self._by_rank, self._addr_of, self._waiting
+            for lo, hi, value in runs:
+                if not (type(lo) is int and type(hi) is int and 0 <= lo <= hi < n):
+                    bad = f"places {lo!r}..{hi!r} of a call to {n} ranks"
+                    break
+                for pos in range(lo, hi + 1):
+                    rank = self._ranks[pos]
+                    if by_rank.pop(rank, None) is None:
+                        bad = f"rank {rank}, which answered already"
+                        break
+                    waiting.discard(addr_of[rank])
+                    self._left -= 1
+                if bad is not None:
+                    break
+                self._runs[lo] = (hi, value)
+                self.runs_seen += 1
+                if hi > lo:
+                    self.folded += hi - lo + 1
+            done = self._left == 0
+        if bad is not None:
+            self.future._set_exception(ProtocolError(f"{self.future._what}: host agents sent a folded reply for "
+                                                     f"{bad} (a protocol error; the fold is not returned)"))
+            return True
+        return self._settle(done)
+
+    def _fold(self, values: list):
+        acc, pos, n, runs, combine = self._identity, 0, len(values), self._runs, self._combine
+        while pos < n:
+            run = runs.get(pos)
+            if run is not None:
+                acc = combine(acc, run[1])
+                pos = run[0] + 1
+            else:
+                acc = combine(acc, values[pos])
+                pos += 1
+        return acc
 
 
 class OneReply:
