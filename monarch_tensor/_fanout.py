@@ -63,6 +63,8 @@ _lock = threading.Lock()
 _trees: dict[str, list[str]] = {}         # job key -> its agents, in the order met
 _where: dict[str, tuple[str, int]] = {}   # agent address -> (job key, place in that list)
 _gateways: dict[str, str] = {}            # job key (or agent address) -> the gateway its procs reach us through
+_version = 0                              # bumped whenever a tree changes: the plans made before are stale
+_plans: dict[tuple, tuple] = {}           # (addresses, fan-out, _version, folded) -> what send_many sends them
 
 
 def set_gateway(agent: str, gateway: str) -> None:
@@ -79,8 +81,10 @@ def gateway_of(agent: str) -> str | None:
 
 def register(agent: str, key: str) -> None:
     """Give ``agent`` (of the job whose key is ``key``) its place in that job's tree (once)."""
+    global _version
     with _lock:
         if agent not in _where:
+            _version += 1
             agents = _trees.setdefault(key, [])
             _where[agent] = (key, len(agents))
             agents.append(agent)
@@ -88,9 +92,11 @@ def register(agent: str, key: str) -> None:
 
 def forget(agent: str) -> None:
     """Take a lost or shut-down agent out of its tree (the agents after it move up)."""
+    global _version
     with _lock:
         key, _ = _where.pop(agent, (None, 0))
         if key is not None:
+            _version += 1
             agents = _trees[key]
             agents.remove(agent)
             for i, a in enumerate(agents):
@@ -182,8 +188,36 @@ def send_many(mailbox, addrs: list[str], frames: list, gather: tuple[str, int] |
     """Send encoded ``frames`` to every address: direct ones one by one, routed ones down the tree.
     ``gather``: the caller's reply port (address, id), whose replies the agents gather on the way up; ``fold``
     (with ``gather``): the reduction the agents apply to them (``_gather``'s fold spec, plan key "r")."""
+    folded = fold is not None and gather is not None
+    key = (tuple(addrs), FANOUT, _version, folded)
+    made = _plans.get(key)
+    if made is None:
+        made = _plans_for(addrs, folded)
+        if len(_plans) >= 64:
+            _plans.clear()
+        _plans[key] = made
+    direct, single, roots = made
+    for a in direct:
+        mailbox.send_frames(a, frames)
+    if single is not None:
+        mailbox.send_frames(single, frames)
+        return
+    extra = ""
+    if gather is not None:
+        extra = '"g":' + json.dumps(gather) + "," + ('"r":' + json.dumps(fold) + "," if folded else "")
+    for agent, body in roots:  # body: the plan's JSON, "{" and all; the call's keys go in front of its own
+        w = None if gather is None else gateway_of(agent)
+        if w is not None:
+            body = "{" + extra + '"w":' + json.dumps(w) + "," + body[1:]
+        mailbox.send_frames(agent, [TREE_MAGIC + body.encode(), *frames])
+
+
+def _plans_for(addrs: list[str], folded: bool) -> tuple[list[str], str | None, list[tuple[str, str]]]:
+    """How ``send_many`` reaches ``addrs``: the direct ones, the one routed proc (sent to alone), or each root
+    agent with its plan's JSON (with each proc's place in the call where ``folded``)."""
     by_agent: dict[str, list[str]] = {}
-    positions: dict[str, list[int]] | None = {} if fold is not None and gather is not None else None
+    direct: list[str] = []
+    positions: dict[str, list[int]] | None = {} if folded else None
     for i, a in enumerate(addrs):
         agent, sep, inner = a.partition(ROUTE_SEP)
         if sep:
@@ -191,19 +225,13 @@ def send_many(mailbox, addrs: list[str], frames: list, gather: tuple[str, int] |
             if positions is not None:
                 positions.setdefault(agent, []).append(i)
         else:
-            mailbox.send_frames(a, frames)
+            direct.append(a)
     if not by_agent:
-        return
+        return direct, None, []
     if len(by_agent) == 1 and len(next(iter(by_agent.values()))) == 1:
-        mailbox.send_frames(next(a for a in addrs if ROUTE_SEP in a), frames)
-        return
-    for agent, plan in build_tree(list(by_agent.items()), positions=positions):
-        w = None if gather is None else gateway_of(agent)
-        if w is not None:
-            plan["g"], plan["w"] = gather, w
-            if positions is not None:
-                plan["r"] = fold
-        mailbox.send_frames(agent, [TREE_MAGIC + json.dumps(plan).encode(), *frames])
+        return direct, next(a for a in addrs if ROUTE_SEP in a), []
+    return direct, None, [(agent, json.dumps(plan)) for agent, plan in
+                          build_tree(list(by_agent.items()), positions=positions)]
 
 
 def forward(first: bytes, payload: list, deliver: Callable[[str, list], None],

@@ -428,19 +428,23 @@ def test_folding_in_any_tree_equals_the_local_fold():
 def folds(monkeypatch):
     """What reaches this process's folding ports: ("runs", [(lo, hi)]) and ("values", ranks), in order."""
     seen = []
-    runs, values = FoldCollector.deliver_runs, Collector.deliver_values
+    runs, values, one = FoldCollector.deliver_runs, FoldCollector.deliver_values, FoldCollector.deliver
 
     def on_runs(self, rs):
         seen.append(("runs", [(lo, hi) for lo, hi, _ in rs]))
         return runs(self, rs)
 
     def on_values(self, ranks, vs):
-        if isinstance(self, FoldCollector):
-            seen.append(("values", list(ranks)))
+        seen.append(("values", list(ranks)))
         return values(self, ranks, vs)
 
+    def on_one(self, msg):
+        seen.append(("value", msg.rank))
+        return one(self, msg)
+
     monkeypatch.setattr(FoldCollector, "deliver_runs", on_runs)
-    monkeypatch.setattr(Collector, "deliver_values", on_values)
+    monkeypatch.setattr(FoldCollector, "deliver_values", on_values)
+    monkeypatch.setattr(FoldCollector, "deliver", on_one)
     return seen
 
 
@@ -461,7 +465,7 @@ def test_an_accumulator_folds_in_the_agents_one_value_per_root_agent(echo, folds
     folds.clear()
     # undeclared and not a known reduction: folded on the controller, the same result
     assert Accumulator(echo.label, "", lambda a, b: a + b).accumulate().get(timeout=30) == local
-    assert all(kind == "values" for kind, _ in folds)
+    assert folds and all(kind != "runs" for kind, _ in folds)
 
 
 @pytest.mark.timeout(120)
@@ -484,7 +488,7 @@ def test_messages_from_one_proc_follow_its_folded_reply_in_the_order_sent(echo, 
     """As for gathered replies: a proc's channel value for call i+1 never overtakes its reply to call i, which
     its agent holds in a run waiting for a slower peer."""
     order, made = [], []
-    init, runs, values, receive = FoldCollector.__init__, FoldCollector.deliver_runs, Collector.deliver_values, \
+    init, runs, values, receive = FoldCollector.__init__, FoldCollector.deliver_runs, FoldCollector.deliver_values, \
         Receiver.deliver
 
     def on_init(self, *a, **k):
@@ -496,8 +500,7 @@ def test_messages_from_one_proc_follow_its_folded_reply_in_the_order_sent(echo, 
         return runs(self, rs)
 
     def on_values(self, ranks, vs):
-        if isinstance(self, FoldCollector):
-            order.extend(("reply", r, made.index(self)) for r in ranks)
+        order.extend(("reply", r, made.index(self)) for r in ranks)
         return values(self, ranks, vs)
 
     def on_value(self, msg):
@@ -506,7 +509,7 @@ def test_messages_from_one_proc_follow_its_folded_reply_in_the_order_sent(echo, 
 
     monkeypatch.setattr(FoldCollector, "__init__", on_init)
     monkeypatch.setattr(FoldCollector, "deliver_runs", on_runs)
-    monkeypatch.setattr(Collector, "deliver_values", on_values)
+    monkeypatch.setattr(FoldCollector, "deliver_values", on_values)
     monkeypatch.setattr(Receiver, "deliver", on_value)
     port, recv = Channel.open()
     acc = Accumulator(echo.slice(hosts=0).emit, 0, lambda a, b: a + b, associative=True)
@@ -517,3 +520,21 @@ def test_messages_from_one_proc_follow_its_folded_reply_in_the_order_sent(echo, 
     for rank in (0, 1):
         mine = [e for e in order if e[1] == rank]
         assert mine == [e for i in range(10) for e in (("value", rank, i), ("reply", rank, i))]
+
+
+def test_a_fold_collector_fails_on_a_death_or_a_run_over_an_answered_rank():
+    from monarch_tensor.errors import ProtocolError
+    from monarch_tensor.messages import SendToPort
+
+    col = FoldCollector(["a|0", "a|1", "b|0", "b|1"], [4, 5, 6, 7], 0, max)
+    assert col.deliver_runs([(0, 1, 9)]) is False
+    assert col.proc_died("a|0", SupervisionError("gone")) == (False, False)  # it answered: not this call's
+    assert col.proc_died("b|0", SupervisionError("gone")) == (True, False)
+    assert col.deliver(SendToPort(1, 3, None, 7)) is True  # the last rank: the port is done
+    with pytest.raises(SupervisionError, match="gone"):
+        col.future.get(timeout=1)
+    col2 = FoldCollector(["a|0", "a|1", "b|0"], [0, 1, 2], 0, max)
+    col2.deliver(SendToPort(1, 3, None, 1))
+    assert col2.deliver_runs([(0, 1, 9)]) is True
+    with pytest.raises(ProtocolError, match="rank 1, which answered already"):
+        col2.future.get(timeout=1)
