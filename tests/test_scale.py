@@ -191,7 +191,7 @@ def test_messages_from_one_proc_reach_the_caller_in_the_order_sent(echo, chunks,
 def test_a_dead_proc_or_subtree_fails_its_own_ranks_and_holds_nothing_else(job, monkeypatch, tmp_path):
     """A chain (fan-out 1): controller -> host 0 -> host 1 -> spare, procs on host 0 and the spare. A proc
     that dies, then the spare's agent dying while a call waits on it: their ranks fail by supervision, the
-    call does not hang, and the host before them still answers."""
+    call does not hang, and the host before them still answers; then a proc dying in a folded call."""
     from monarch_tensor import actor as actor_mod
     from monarch_tensor.remote_hosts import RemoteHostMesh
 
@@ -211,6 +211,9 @@ def test_a_dead_proc_or_subtree_fails_its_own_ranks_and_holds_nothing_else(job, 
         pending.get(timeout=30)
     open(gate, "w").close()
     assert m.slice(hosts=0).value.call().get(timeout=30).values() == [(0, 0), (1, 10)]
+    # a folded call: the rank that dies fails it by supervision, its peer's value (held folded) holds nothing up
+    with pytest.raises(SupervisionError):
+        Accumulator(m.slice(hosts=0).exit_on, 0, lambda a, b: a + b, associative=True).accumulate(1).get(timeout=30)
     procs.stop().get(timeout=30)
 
 
