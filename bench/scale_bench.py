@@ -14,7 +14,8 @@ turns: ``gather``, replies up the tree in chunks, ``_fanout.GATHER``; ``direct``
 * spawn_s, spawn_cpu_ms: ``spawn_procs`` + an actor on every proc + its first reply (agents warm): wall
   clock, and the controller's CPU time (its process time: every thread of it).
 * {gather,direct}_us: ``call()`` of a no-op endpoint on every proc, down the fan-out tree, every reply back
-  (median of REPS); *_cpu_us: the controller's CPU time per such call (its threads do not spin-poll while
+  (median of REPS); fold_us: ``Accumulator(ping, 0, max).accumulate()`` of the same replies, folded in the
+  agents (``fold`` mode); *_cpu_us: the controller's CPU time per such call (its threads do not spin-poll while
   they wait here, so this is the work it does).
 
 The model (printed at the end) takes from the same run:
@@ -33,11 +34,18 @@ The model (printed at the end) takes from the same run:
 * reply_us: with replies sent straight back, the controller's CPU per reply (the slope as entry_us),
 * spawn_agent_ms: the controller's CPU per extra agent in a spawn (slope of spawn_cpu_ms over agents),
 
+* agent_fold_level_us: an agent's CPU for one folded call at one level (P plain replies folded, F children's
+  chunks of 3 runs merged), controller_fold_us: the controller's CPU to read one chunk per root agent (depth
+  runs each) for H*P procs and finish the fold, its per-rank lists and FoldCollector made; send_ctl_us: the
+  controller's CPU in ``_fanout.send_many`` for H*P procs, its sends left out (the tree's plans are built on
+  the first call to a set of procs and reused after: ``first``, ``next``), all in this process,
+
 and projects a gathered call() to H hosts x P procs with fan-out F, depth d, as
 ``rtt + hop_us + (d - 1) * level_us + d * agent_level_us + min(H, F) * chunk_us + H * P * entry_us``
 (the send side and the chunks are O(F) at the controller; the controller still unpickles each value, and
 that term is printed again with controller_entry_us in place of entry_us), the same call with direct
-replies as ``rtt + hop_us + (d - 1) * level_us + H * P * reply_us``, and a spawn as
+replies as ``rtt + hop_us + (d - 1) * level_us + H * P * reply_us``, a folded one as ``rtt + hop_us + (d - 1) * level_us
++ d * agent_fold_level_us + min(H, F) * chunk_us + controller_fold_us + send_ctl_us["next"]``, and a spawn as
 ``spawn_s(P procs on 1 agent) + H * spawn_agent_ms`` (spawns still go to each agent from the controller).
 """
 
@@ -59,7 +67,7 @@ PER_AGENT = 2
 REPS = 15
 TARGET = (1024, 8)  # hosts x procs per host in the projection
 FANOUT = 8
-MODES = ("gather", "direct")
+MODES = ("gather", "direct", "fold")
 
 
 def main() -> None:
@@ -73,7 +81,7 @@ def main() -> None:
     # the variable is gone again before any agent or proc starts.
     os.environ["MONARCH_TENSOR_SPIN_US"] = "0"
     from monarch_tensor import _fanout
-    from monarch_tensor.actor import Actor, endpoint, this_host
+    from monarch_tensor.actor import Accumulator, Actor, endpoint, this_host
     from monarch_tensor.job import LocalJob
 
     del os.environ["MONARCH_TENSOR_SPIN_US"]
@@ -83,23 +91,28 @@ def main() -> None:
         def ping(self) -> int:
             return 0
 
-    def timed_calls(mesh, n) -> tuple[float, float]:
-        """Median wall-clock and controller CPU µs of a call() to every proc of ``mesh``."""
+    def timed_calls(mesh, n, mode: str = "gather") -> tuple[float, float]:
+        """Median wall-clock and controller CPU µs of a call() to every proc of ``mesh`` (mode "fold": an
+        ``Accumulator`` with ``max`` of the same replies, folded in the agents)."""
         xs, cs = [], []
+        acc = Accumulator(mesh.ping, 0, max)
         for _ in range(n):
             t, c = time.perf_counter(), time.process_time()
-            mesh.ping.call().get(timeout=120)
+            if mode == "fold":
+                assert acc.accumulate().get(timeout=120) == 0
+            else:
+                mesh.ping.call().get(timeout=120)
             xs.append((time.perf_counter() - t) * 1e6)
             cs.append((time.process_time() - c) * 1e6)
         return statistics.median(xs), statistics.median(cs)
 
     def both(mesh, n) -> dict:
-        """The call in both modes, in turns (REPS rounds of a few calls each), medians of each."""
+        """The call in every mode, in turns (REPS rounds of a few calls each), medians of each."""
         got: dict = {m: ([], []) for m in MODES}
         for _ in range(max(1, n // 3)):
             for mode in MODES:
-                _fanout.GATHER = mode == "gather"
-                w, c = timed_calls(mesh, 3)
+                _fanout.GATHER = mode != "direct"
+                w, c = timed_calls(mesh, 3, mode)
                 got[mode][0].append(w)
                 got[mode][1].append(c)
         _fanout.GATHER = True
@@ -158,6 +171,9 @@ def main() -> None:
     hosts, per = TARGET
     res["agent_level_us"] = agent_level_us(per, FANOUT, hosts * per // FANOUT)
     res["controller_entry_us"] = controller_entry_us()
+    res["agent_fold_level_us"] = agent_fold_level_us(per, FANOUT)
+    res["controller_fold_us"] = controller_fold_us(hosts, per, FANOUT)
+    res["send_ctl_us"] = {m: send_ctl_us(hosts, per, FANOUT, m == "fold") for m in ("gather", "fold")}
     res["loadavg_after"] = os.getloadavg()
     res["model"] = model(rows, res, agents_sweep)
     print(f"load average before {res['loadavg_before'][0]:.1f}, after {res['loadavg_after'][0]:.1f} "
@@ -168,7 +184,8 @@ def main() -> None:
 
 
 COLS = [("agents", 6, "d"), ("procs", 5, "d"), ("fanout", 6, "d"), ("spawn_s", 8, ".2f"), ("spawn_cpu_ms", 12, ".0f"),
-        ("gather_us", 9, ".0f"), ("gather_cpu_us", 13, ".0f"), ("direct_us", 9, ".0f"), ("direct_cpu_us", 13, ".0f")]
+        ("gather_us", 9, ".0f"), ("gather_cpu_us", 13, ".0f"), ("direct_us", 9, ".0f"), ("direct_cpu_us", 13, ".0f"),
+        ("fold_us", 7, ".0f"), ("fold_cpu_us", 11, ".0f")]
 
 
 def _print(r: dict) -> None:
@@ -253,6 +270,121 @@ def controller_entry_us(n: int = 4096, per: int = 8, fanout: int = FANOUT) -> fl
     return statistics.median(times)
 
 
+def _fold_spec() -> dict:
+    import base64
+    import pickle
+
+    return {"f": base64.b64encode(pickle.dumps(max)).decode(), "e": ["int", "bool", "str"]}
+
+
+def _runs_chunk(key: list, runs: list, accounted: int) -> list:
+    """A chunk as a folding agent sends it: its runs (``FoldedReplies``) as the first entry, nothing else."""
+    from monarch_tensor import _fanout, _wire
+    from monarch_tensor.messages import FoldedReplies
+
+    folded = _wire.encode(FoldedReplies(key[1], tuple(runs)))
+    head = {"k": key, "a": accounted, "n": [len(folded)], "u": 0, "w": "gw", "f": 1}
+    return [_fanout.up_header(b"g", head), *folded]
+
+
+def agent_fold_level_us(per: int = 8, fanout: int = FANOUT, runs: int = 3) -> float:
+    """An agent's CPU for one folded call (``Accumulator`` with ``max``) at one level: its gather opened, ``per``
+    plain replies of its own procs folded, ``fanout`` children's chunks of ``runs`` runs each merged (each
+    child's runs adjacent, as siblings' are at each level of the tree), its own chunk sent; median of 5."""
+    from monarch_tensor import _fanout, _wire
+    from monarch_tensor._gather import Gathers
+    from monarch_tensor.messages import SendToPort
+
+    key = ["ipc:///c", 7]
+    head = _fanout.UP_MAGIC + b"g" + json.dumps({"k": key, "u": 0, "w": "gw"}).encode()
+    bodies = [_wire.encode(SendToPort(7, 0, None, i)) for i in range(per)]
+    width = 64  # places per run
+    chunks = [_runs_chunk(key, [(per + (k * runs + j) * width, per + (k * runs + j + 1) * width - 1, 0)
+                                for j in range(runs)], runs * width) for k in range(fanout)]
+    plan = {"g": key, "w": "gw", "r": _fold_spec(), "t": [str(i) for i in range(per)], "p": list(range(per)),
+            "c": [[f"c{k}", {"t": [], "c": []}] for k in range(fanout)]}
+    times = []
+    for _ in range(5):
+        g = Gathers(lambda addr, frames: None, 60.0, 600.0)
+        plan["c"] = [[f"c{k}", {"t": [str(i) for i in range(runs * width)], "c": []}] for k in range(fanout)]
+        t = time.process_time()
+        g.start(plan)
+        for i in range(per):
+            g.take(str(i), [head, *bodies[i]])
+        for k in range(fanout):
+            g.take(f"c{k}", chunks[k])
+        times.append((time.process_time() - t) * 1e6)
+        assert not g.open
+    return statistics.median(times)
+
+
+def controller_fold_us(hosts: int = 1024, per: int = 8, fanout: int = FANOUT) -> float:
+    """The controller's CPU for the replies of one folded call to ``hosts`` x ``per`` procs, in this process: what
+    ``Endpoint._collect`` does per rank (the call's addresses listed and checked, its ``FoldCollector`` made), and
+    one chunk per root agent read, each with one run per level of the tree (``depth`` runs), the fold finished;
+    median of 5."""
+    from monarch_tensor._ports import FoldCollector
+    from monarch_tensor.mailbox import Mailbox
+
+    n, d = hosts * per, depth(hosts, fanout)
+    roots = min(hosts, fanout)
+    bounds = [round(i * n / (roots * d)) for i in range(roots * d + 1)]
+    mb = Mailbox(io_thread=False)
+    procs = [f"tcp://h{i // per}:1|{i % per}" for i in range(n)]
+    ranks = list(range(n))
+    times = []
+    try:
+        for _ in range(5):
+            t = time.process_time()
+            addrs = [procs[r] for r in ranks]
+            assert all("|" in a for a in addrs)
+            col = FoldCollector(addrs, ranks, 0, max)
+            port = mb.open_port(col)
+            made = time.process_time() - t
+            key = [port.addr, port.port_id]
+            chunks = []
+            for r in range(roots):
+                runs = [(bounds[i], bounds[i + 1] - 1, 0) for i in range(r * d, (r + 1) * d)]
+                chunks.append([bytes(f) for f in _runs_chunk(key, runs, sum(b - a + 1 for a, b, _ in runs))])
+            t = time.process_time()
+            for frames in chunks:
+                mb._dispatch(frames)
+            times.append((made + time.process_time() - t) * 1e6)
+            assert col.future.get(timeout=1) == 0 and col.folded == n
+    finally:
+        mb.close()
+    return statistics.median(times)
+
+
+def send_ctl_us(hosts: int = 1024, per: int = 8, fanout: int = FANOUT, fold: bool = False) -> dict:
+    """The controller's CPU to send one call to ``hosts`` x ``per`` procs down the tree (``_fanout.send_many``,
+    its sockets' sends left out), gathered or folded: the first call to these procs ("first": every agent's plan
+    built and encoded) and the median of the next 5 ("next": the plans made for the first, reused)."""
+    from monarch_tensor import _fanout
+
+    class Sink:
+        def send_frames(self, addr, frames):
+            pass
+
+    agents = [f"tcp://bench-h{i}:1" for i in range(hosts)]
+    for a in agents:
+        _fanout.register(a, "scale-bench")
+    _fanout.set_gateway(agents[0], "tcp://gw:1")
+    addrs = [f"{agents[i // per]}|{i % per}" for i in range(hosts * per)]
+    old, _fanout.FANOUT = _fanout.FANOUT, fanout
+    times = []
+    try:
+        for i in range(6):
+            t = time.process_time()
+            _fanout.send_many(Sink(), addrs, [b"x" * 200], ("ipc:///c", i), _fold_spec() if fold else None)
+            times.append((time.process_time() - t) * 1e6)
+    finally:
+        _fanout.FANOUT = old
+        for a in agents:
+            _fanout.forget(a)
+    return {"first": times[0], "next": statistics.median(times[1:])}
+
+
 def _slope(xs, ys) -> float:
     if len(xs) < 2:
         return 0.0
@@ -297,12 +429,17 @@ def model(rows, res, agents_sweep) -> dict:
     direct_ctl = hosts * per * reply_us
     direct_us = res["local_rtt_us"] + send["direct"] + direct_ctl
     spawn_s = base["spawn_s"] + hosts * spawn_agent_ms / 1e3
+    fold_agent_us, fold_read_us, send_ctl = res["agent_fold_level_us"], res["controller_fold_us"], res["send_ctl_us"]
+    fold_ctl = roots * chunk_us + fold_read_us + send_ctl["fold"]["next"]
+    fold_us = res["local_rtt_us"] + res["hop_us"] + (d - 1) * level["fold"] + d * fold_agent_us + fold_ctl
     m = {"hop_us": res["hop_us"], "level_us": level, "entry_us": entry_us, "entry_alone_us": alone_us,
          "chunk_us": chunk_us, "gather_alone_us": gather_us - hosts * per * (entry_us - alone_us),
          "agent_level_us": agent_us, "reply_us": reply_us, "spawn_agent_ms": spawn_agent_ms,
          "spawn_agent_wall_s": spawn_agent_wall_s, "target": f"{hosts} hosts x {per} procs", "fanout": FANOUT,
          "depth": d, "gather_us": gather_us, "gather_ctl_us": gather_ctl, "direct_us": direct_us,
-         "direct_ctl_us": direct_ctl, "bcast_us": gather_us, "spawn_s": spawn_s}
+         "direct_ctl_us": direct_ctl, "bcast_us": gather_us, "spawn_s": spawn_s, "fold_us": fold_us,
+         "fold_ctl_us": fold_ctl, "agent_fold_level_us": fold_agent_us, "controller_fold_us": fold_read_us,
+         "send_ctl_us": send_ctl}
     print(f"\nmeasured: local rtt {res['local_rtt_us']:.0f} us, via an agent {res['agent_rtt_us']:.0f} us "
           f"(hop {res['hop_us']:.0f} us); tree level {level['gather']:.0f} us gathered, {level['direct']:.0f} us "
           f"direct; controller CPU per gathered entry {entry_us:.1f} us, per agent's chunk {chunk_us:.0f} us, "
@@ -316,6 +453,14 @@ def model(rows, res, agents_sweep) -> dict:
           f"{hosts * per * entry_us / 1e3:.2f})")
     print(f"  (with the controller's CPU per entry as read alone in this process, {alone_us:.1f} us instead of "
           f"{entry_us:.1f} us: call() gathered {m['gather_alone_us'] / 1e3:.1f} ms)")
+    print(f"  Accumulator (max, folded in the agents) {fold_us / 1e3:.1f} ms = rtt {res['local_rtt_us'] / 1e3:.2f} + "
+          f"send side {(res['hop_us'] + (d - 1) * level['fold']) / 1e3:.2f} + {d} agent levels "
+          f"{d * fold_agent_us / 1e3:.2f} + controller {fold_ctl / 1e3:.2f} ({roots} chunks {roots * chunk_us / 1e3:.2f}, "
+          f"the call's {hosts * per} ranks listed and their runs read and folded {fold_read_us / 1e3:.2f}, the "
+          f"tree's plans sent {send_ctl['fold']['next'] / 1e3:.2f})")
+    print(f"  (the first call to a mesh builds the tree's plans: {send_ctl['fold']['first'] / 1e3:.1f} ms folded, "
+          f"{send_ctl['gather']['first'] / 1e3:.1f} ms gathered; later calls reuse them: "
+          f"{send_ctl['gather']['next'] / 1e3:.2f} ms gathered, not in its figure)")
     print(f"  call() direct   {direct_us / 1e3:.1f} ms = rtt {res['local_rtt_us'] / 1e3:.2f} + send side "
           f"{send['direct'] / 1e3:.2f} + controller {hosts * per} replies {direct_ctl / 1e3:.1f}")
     print(f"  spawn {spawn_s:.1f} s = {base['procs']} procs on one agent {base['spawn_s']:.2f} s + {hosts} agents x "

@@ -27,6 +27,10 @@ caller up through the agent too, which first sends up whatever it holds from
 that proc, with the message as the chunk's last entry: messages from one sender
 reach the caller in the order sent, replies before the sender's death.
 
+A folded call (``Accumulator`` with an associative combine, ``_gather``) adds ``"r"`` (the fold: the pickled
+combine) to every plan, and ``"p"`` (each proc's place in the call, beside ``"t"``): agents combine the
+replies of consecutive places as they gather them and send up runs of folded values.
+
 >>> register("tcp://a:1", "key"); register("tcp://b:1", "key")
 >>> build_tree([("tcp://a:1", ["1"]), ("tcp://b:1", ["1", "2"])], fanout=8)
 [('tcp://a:1', {'t': ['1'], 'c': []}), ('tcp://b:1', {'t': ['1', '2'], 'c': []})]
@@ -59,6 +63,8 @@ _lock = threading.Lock()
 _trees: dict[str, list[str]] = {}         # job key -> its agents, in the order met
 _where: dict[str, tuple[str, int]] = {}   # agent address -> (job key, place in that list)
 _gateways: dict[str, str] = {}            # job key (or agent address) -> the gateway its procs reach us through
+_version = 0                              # bumped whenever a tree changes: the plans made before are stale
+_plans: dict[tuple, tuple] = {}           # (addresses, fan-out, _version, folded) -> what send_many sends them
 
 
 def set_gateway(agent: str, gateway: str) -> None:
@@ -75,8 +81,10 @@ def gateway_of(agent: str) -> str | None:
 
 def register(agent: str, key: str) -> None:
     """Give ``agent`` (of the job whose key is ``key``) its place in that job's tree (once)."""
+    global _version
     with _lock:
         if agent not in _where:
+            _version += 1
             agents = _trees.setdefault(key, [])
             _where[agent] = (key, len(agents))
             agents.append(agent)
@@ -84,9 +92,11 @@ def register(agent: str, key: str) -> None:
 
 def forget(agent: str) -> None:
     """Take a lost or shut-down agent out of its tree (the agents after it move up)."""
+    global _version
     with _lock:
         key, _ = _where.pop(agent, (None, 0))
         if key is not None:
+            _version += 1
             agents = _trees[key]
             agents.remove(agent)
             for i, a in enumerate(agents):
@@ -119,17 +129,23 @@ def depth(hosts: int, fanout: int) -> int:
     return d
 
 
-def build_tree(items: list[tuple[str, list[str]]], fanout: int | None = None) -> list[tuple[str, dict]]:
-    """``(agent, proc ids)`` pairs as plans along each agent's path: ``[(first hop, plan), ...]``."""
+def build_tree(items: list[tuple[str, list[str]]], fanout: int | None = None,
+               positions: dict[str, list[int]] | None = None) -> list[tuple[str, dict]]:
+    """``(agent, proc ids)`` pairs as plans along each agent's path: ``[(first hop, plan), ...]``.
+    ``positions``: agent -> the place of each of its procs in the call (a folded call's plans carry them, "p")."""
     root: dict = {}
     for agent, procs in items:
         level, node = root, None
         for hop in path(agent, fanout):
-            node = level.setdefault(hop, {"t": [], "c": {}})
+            node = level.setdefault(hop, {"t": [], "c": {}, "p": []})
             level = node["c"]
         node["t"].extend(procs)
+        if positions is not None:
+            node["p"].extend(positions[agent])
 
     def plan(node: dict) -> dict:
+        if positions is not None:
+            return {"t": node["t"], "p": node["p"], "c": [[a, plan(n)] for a, n in node["c"].items()]}
         return {"t": node["t"], "c": [[a, plan(n)] for a, n in node["c"].items()]}
 
     return [(a, plan(n)) for a, n in root.items()]
@@ -167,26 +183,55 @@ def read_up(first) -> tuple[bytes, dict]:
     return view[4:5], json.loads(view[5:])
 
 
-def send_many(mailbox, addrs: list[str], frames: list, gather: tuple[str, int] | None = None) -> None:
+def send_many(mailbox, addrs: list[str], frames: list, gather: tuple[str, int] | None = None,
+              fold: dict | None = None) -> None:
     """Send encoded ``frames`` to every address: direct ones one by one, routed ones down the tree.
-    ``gather``: the caller's reply port (address, id), whose replies the agents gather on the way up."""
+    ``gather``: the caller's reply port (address, id), whose replies the agents gather on the way up; ``fold``
+    (with ``gather``): the reduction the agents apply to them (``_gather``'s fold spec, plan key "r")."""
+    folded = fold is not None and gather is not None
+    key = (tuple(addrs), FANOUT, _version, folded)
+    made = _plans.get(key)
+    if made is None:
+        made = _plans_for(addrs, folded)
+        if len(_plans) >= 64:
+            _plans.clear()
+        _plans[key] = made
+    direct, single, roots = made
+    for a in direct:
+        mailbox.send_frames(a, frames)
+    if single is not None:
+        mailbox.send_frames(single, frames)
+        return
+    extra = ""
+    if gather is not None:
+        extra = '"g":' + json.dumps(gather) + "," + ('"r":' + json.dumps(fold) + "," if folded else "")
+    for agent, body in roots:  # body: the plan's JSON, "{" and all; the call's keys go in front of its own
+        w = None if gather is None else gateway_of(agent)
+        if w is not None:
+            body = "{" + extra + '"w":' + json.dumps(w) + "," + body[1:]
+        mailbox.send_frames(agent, [TREE_MAGIC + body.encode(), *frames])
+
+
+def _plans_for(addrs: list[str], folded: bool) -> tuple[list[str], str | None, list[tuple[str, str]]]:
+    """How ``send_many`` reaches ``addrs``: the direct ones, the one routed proc (sent to alone), or each root
+    agent with its plan's JSON (with each proc's place in the call where ``folded``)."""
     by_agent: dict[str, list[str]] = {}
-    for a in addrs:
+    direct: list[str] = []
+    positions: dict[str, list[int]] | None = {} if folded else None
+    for i, a in enumerate(addrs):
         agent, sep, inner = a.partition(ROUTE_SEP)
         if sep:
             by_agent.setdefault(agent, []).append(inner)
+            if positions is not None:
+                positions.setdefault(agent, []).append(i)
         else:
-            mailbox.send_frames(a, frames)
+            direct.append(a)
     if not by_agent:
-        return
+        return direct, None, []
     if len(by_agent) == 1 and len(next(iter(by_agent.values()))) == 1:
-        mailbox.send_frames(next(a for a in addrs if ROUTE_SEP in a), frames)
-        return
-    for agent, plan in build_tree(list(by_agent.items())):
-        w = None if gather is None else gateway_of(agent)
-        if w is not None:
-            plan["g"], plan["w"] = gather, w
-        mailbox.send_frames(agent, [TREE_MAGIC + json.dumps(plan).encode(), *frames])
+        return direct, next(a for a in addrs if ROUTE_SEP in a), []
+    return direct, None, [(agent, json.dumps(plan)) for agent, plan in
+                          build_tree(list(by_agent.items()), positions=positions)]
 
 
 def forward(first: bytes, payload: list, deliver: Callable[[str, list], None],
@@ -201,6 +246,8 @@ def forward(first: bytes, payload: list, deliver: Callable[[str, list], None],
     for child, sub in plan.get("c", ()):
         if g is not None:
             sub["g"], sub["w"], sub["u"] = g, plan["w"], me
+            if "r" in plan:
+                sub["r"] = plan["r"]
         send(child, [TREE_MAGIC + json.dumps(sub).encode(), *payload])
     for proc_id in plan.get("t", ()):
         deliver(proc_id, payload)

@@ -15,23 +15,90 @@ Rules the agent keeps:
   fails its rank).
 * A chunk of one-frame entries (small replies) travels as one batch frame (``_wire.pack_batch``; a parent's
   batch holds its children's batches), so the caller receives two frames, not one per reply.
+* A folded gather (plan key "r", ``Accumulator`` with an associative combine) keeps its plain replies (one
+  frame, no error, no output to print first) as runs ``[lo, hi, value]`` over the call's places (plan key "p"),
+  and combines two runs when they are adjacent (``hi + 1 == lo``), the earlier one on the left: each run is the
+  fold of its places' values in the call's order, bracketed by the tree. Its chunk carries the runs as its first
+  entry (``FoldedReplies``, header "f"), which a folding parent merges into its own. Everything else (errors,
+  large values, a combine that raises or that this agent cannot unpickle, values of a type the fold is not
+  exact for) goes up unfolded, and the caller folds it in in order.
 """
 
 from __future__ import annotations
 
+import base64
+import bisect
+import logging
+import pickle
 import time
 from typing import Callable
 
+from . import _wire
 from ._fanout import count, read_up, up_header
 from ._wire import pack_batch
+from .messages import FoldedReplies
+
+log = logging.getLogger("monarch_tensor.agent")
+
+# Types a known reduction is exact for (Accumulator's fold spec "e" names them).
+_EXACT = {"int": int, "bool": bool, "str": str}
+
+
+class Fold:
+    """A folded call's combine, as an agent applies it: ``merge(a, b)`` is (True, combine(a, b)), or (False, None)
+    where it must not fold them (a type the fold is not exact for) or the combine raised."""
+
+    __slots__ = ("combine", "exact")
+
+    def __init__(self, combine: Callable, exact: tuple | None) -> None:
+        self.combine, self.exact = combine, exact
+
+    def merge(self, a, b) -> tuple[bool, object]:
+        if self.exact is not None and (type(a) not in self.exact or type(b) not in self.exact):
+            return False, None
+        try:
+            return True, self.combine(a, b)
+        except Exception:  # noqa: BLE001 - the caller folds these two itself, and sees what it raises
+            return False, None
+
+
+_folds: dict[str, Fold | None] = {}
+
+
+def fold_of(spec: dict) -> Fold | None:
+    """The ``Fold`` of a plan's spec ``{"f": base64 pickle of the combine, "e": [exact type names]}`` (cached),
+    or None where this process cannot unpickle it (its replies then go up unfolded)."""
+    key = spec.get("f", "") + "|" + ",".join(spec.get("e") or ())
+    if key in _folds:
+        return _folds[key]
+    try:
+        combine = pickle.loads(base64.b64decode(spec["f"]))
+        if not callable(combine):
+            raise TypeError(f"not callable: {combine!r}")
+        exact = tuple(_EXACT[n] for n in spec["e"]) if spec.get("e") is not None else None
+        fold = Fold(combine, exact)
+    except Exception as e:  # noqa: BLE001 - e.g. a function of a module this host cannot import
+        log.warning("cannot fold replies here (the caller folds them): %r", e)
+        fold = None
+    if len(_folds) >= 64:
+        _folds.clear()
+    _folds[key] = fold
+    return fold
+
+
+def _buf(f):
+    return f.buffer if hasattr(f, "buffer") else f
 
 
 class _Gather:
     __slots__ = ("key", "up", "w", "left", "procs", "frames", "counts", "accounted", "senders", "deadline",
-                 "touched")
+                 "touched", "fold", "pos", "runs")
 
     def __init__(self, key: tuple, up: str | None, w: str, left: int, procs: set) -> None:
         self.key, self.up, self.w, self.left, self.procs = key, up, w, left, procs
+        self.fold: Fold | None = None
+        self.pos: dict = {}  # proc id -> its place in the call (a folded gather)
+        self.runs: list = []  # [lo, hi, value], sorted by lo, none adjacent to the next unless they did not merge
         self.frames: list = []
         self.counts: list[int] = []
         self.accounted = 0
@@ -58,7 +125,10 @@ class Gathers:
         key = tuple(plan["g"])
         if key in self.open:  # (the same port again: an odd caller; the first gather goes up as it is)
             self._flush(self.open[key], False)
-        self.open[key] = _Gather(key, plan.get("u") or None, plan["w"], count(plan), set(plan.get("t", ())))
+        g = self.open[key] = _Gather(key, plan.get("u") or None, plan["w"], count(plan), set(plan.get("t", ())))
+        if plan.get("r") is not None:
+            g.fold = fold_of(plan["r"])
+            g.pos = dict(zip(plan.get("t", ()), plan.get("p", ())))
 
     # ---- from procs and child agents -----------------------------------------------------------
     def take(self, sender, frames: list) -> None:
@@ -79,8 +149,13 @@ class Gathers:
         g.left -= a
         g.procs.discard(sender)
         g.accounted += a
-        g.frames.extend(frames[1:])
-        g.counts.extend(head.get("n", (len(frames) - 1,)))
+        if g.fold is not None:
+            rest, counts = self._fold_in(g, sender, head, frames)
+            g.frames.extend(rest)
+            g.counts.extend(counts)
+        else:
+            g.frames.extend(frames[1:])
+            g.counts.extend(head.get("n", (len(frames) - 1,)))
         g.senders.add(sender)
         self.holding.setdefault(sender, {})[key] = g
         g.touched = time.monotonic()
@@ -90,6 +165,51 @@ class Gathers:
             g.deadline = g.touched + self.window
             if self.next_deadline is None or g.deadline < self.next_deadline:
                 self.next_deadline = g.deadline
+
+    def _fold_in(self, g: _Gather, sender, head: dict, frames: list) -> tuple[list, list]:
+        """Fold what a message up brings into ``g``'s runs: a proc's plain reply, or a child's runs (its chunk's
+        first entry); the entries it did not fold and their frame counts."""
+        rest, counts = frames[1:], list(head.get("n", (len(frames) - 1,)))
+        if head.get("f"):  # a child's chunk: its runs first
+            try:
+                msg = _wire.decode([_buf(f) for f in rest[:counts[0]]])
+                runs = msg.runs if type(msg) is FoldedReplies else None
+            except Exception:  # noqa: BLE001 - passed up as it is: the caller reads it (or reports it)
+                runs = None
+            if runs is None:
+                return rest, counts
+            for lo, hi, value in runs:
+                self._add_run(g, lo, hi, value)
+            return rest[counts[0]:], counts[1:]
+        pos = g.pos.get(sender)
+        if "n" in head or len(rest) != 1 or pos is None:
+            return rest, counts
+        try:
+            t = _wire.loads_plain(_buf(rest[0]))
+        except Exception:  # noqa: BLE001 - not a plain reply (buffers, or a value this host cannot unpickle)
+            return rest, counts
+        if type(t) is tuple and len(t) == 6 and t[0] == "\0reply" and t[1] == g.key[1] and t[3] is None \
+                and t[5] is None:
+            self._add_run(g, pos, pos, t[2])
+            return [], []
+        return rest, counts
+
+    def _add_run(self, g: _Gather, lo: int, hi: int, value) -> None:
+        """Insert a run into ``g``'s runs, merged with its neighbours where adjacent and the fold allows."""
+        runs = g.runs
+        i = bisect.bisect_left(runs, lo, key=lambda r: r[0])
+        runs.insert(i, [lo, hi, value])
+        if i + 1 < len(runs) and runs[i + 1][0] == hi + 1:
+            self._merge(g, i)
+        if i > 0 and runs[i - 1][1] + 1 == lo:
+            self._merge(g, i - 1)
+
+    def _merge(self, g: _Gather, i: int) -> None:
+        a, b = g.runs[i], g.runs[i + 1]
+        ok, value = g.fold.merge(a[2], b[2])
+        if ok:
+            a[1], a[2] = b[1], value
+            del g.runs[i + 1]
 
     def pass_up(self, sender, w: str, frames: list) -> None:
         """One message of ``sender`` for its caller, behind everything it sent before."""
@@ -131,6 +251,10 @@ class Gathers:
             if len(frames) > 1 and len(counts) == len(frames):  # one-frame entries only: one batch frame
                 frames, counts = [pack_batch([f.buffer if hasattr(f, "buffer") else f for f in frames])], [1]
             head = {"k": list(g.key), "a": g.accounted, "n": counts, "u": int(urgent), "w": g.w}
+            if g.runs:  # the runs first, an entry of their own (a folding parent takes them out)
+                folded = _wire.encode(FoldedReplies(g.key[1], tuple(tuple(r) for r in g.runs)))
+                frames, head["n"], head["f"] = [*folded, *frames], [len(folded), *counts], 1
+                g.runs = []
             way = g.up or g.w
             self.send(way, [up_header(b"g", head), *frames])
             for s in g.senders:

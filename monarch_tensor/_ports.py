@@ -8,7 +8,7 @@ import logging
 import threading
 from typing import Callable
 
-from .errors import SupervisionError
+from .errors import ProtocolError, SupervisionError
 from .future import _FAILED, Future, wait_limit
 from .messages import SendToPort
 
@@ -95,6 +95,121 @@ class Collector:
             for rank in [r for r in self._by_rank if self._addr_of[r] == addr]:
                 del self._by_rank[rank]  # (it answers no more: the port is finished once the others did)
                 self._left -= 1
+            done = self._left == 0
+        self.future._set_exception(error)  # (a no-op where an error came first: the death is seen all the same)
+        return True, done
+
+
+class FoldCollector:
+    """Waits for one reply from each of ``addrs``, as a ``Collector`` does, and folds them (``Accumulator``): its
+    future's value is ``combine`` applied from ``identity`` over the replies in the order of ``ranks``. Replies
+    come one by one, or as runs ``(lo, hi, value)`` that host agents folded (``_gather``): ``value`` stands for
+    the replies at places ``lo..hi`` of the call and is combined in at ``lo`` in their stead. Its bookkeeping
+    is per run, not per rank, until a reply of its own or a death comes. The first error (an ``ActorError`` or
+    a dead proc) fails the future; ``runs_seen``: how many runs came; ``folded``: ranks in runs of two or more.
+    """
+
+    observing = True
+
+    def __init__(self, addrs: list[str], ranks: list[int], identity, combine: Callable, what: str = "reply") -> None:
+        self.future: Future = Future(what)
+        self._addrs, self._ranks = addrs, ranks
+        self._identity, self._combine = identity, combine
+        self._answered = bytearray(len(ranks))  # 1: a place answered (or dead)
+        self._left = len(ranks)
+        self._runs: dict[int, tuple[int, object]] = {}  # lo -> (hi, its folded value)
+        self._values: dict[int, object] = {}  # place -> a value that came on its own
+        self._place: dict[int, int] | None = None  # rank -> place, made for the first reply on its own
+        self._lock = threading.Lock()
+        self.runs_seen = self.folded = 0
+
+    def _place_of(self, rank) -> int | None:
+        if self._place is None:
+            self._place = {r: i for i, r in enumerate(self._ranks)}
+        return self._place.get(rank)
+
+    def deliver(self, msg: SendToPort) -> bool:
+        with self._lock:
+            pos = self._place_of(msg.rank)
+            first = pos is not None and not self._answered[pos]  # each rank's first reply counts
+            if first:
+                self._answered[pos] = 1
+                self._left -= 1
+                if msg.error is None:
+                    self._values[pos] = msg.value
+            done = self._left == 0
+        if msg.error is not None:
+            self.future._set_exception(msg.error)  # (the first error wins)
+            return done or pos is None
+        if not first:
+            log.warning("%s: dropped a reply from rank %s, which answered already or was not called",
+                        self.future._what, msg.rank)
+            return False
+        return self._settle(done)
+
+    def deliver_values(self, ranks: list, values: list) -> bool:
+        """Plain values of several ranks at once (a chunk of gathered replies): as ``deliver`` of each."""
+        done = False
+        for rank, value in zip(ranks, values):
+            done = self.deliver(SendToPort(-1, value, None, rank))
+        return done
+
+    def deliver_runs(self, runs) -> bool:
+        """Runs of replies folded by agents (``FoldedReplies``); a run over a place already answered, or out of
+        the call, fails the call (a protocol error), never a fold that counts a rank twice."""
+        bad = None
+        with self._lock:
+            n, answered = len(self._ranks), self._answered
+            for lo, hi, value in runs:
+                if not (type(lo) is int and type(hi) is int and 0 <= lo <= hi < n):
+                    bad = f"places {lo!r}..{hi!r} of a call to {n} ranks"
+                    break
+                if answered.find(1, lo, hi + 1) != -1:
+                    bad = f"rank {self._ranks[answered.index(1, lo, hi + 1)]}, which answered already"
+                    break
+                answered[lo:hi + 1] = b"\x01" * (hi + 1 - lo)
+                self._left -= hi + 1 - lo
+                self._runs[lo] = (hi, value)
+                self.runs_seen += 1
+                if hi > lo:
+                    self.folded += hi + 1 - lo
+            done = self._left == 0
+        if bad is not None:
+            self.future._set_exception(ProtocolError(f"{self.future._what}: host agents sent a folded reply for "
+                                                     f"{bad} (a protocol error; the fold is not returned)"))
+            return True
+        return self._settle(done)
+
+    def _settle(self, done: bool) -> bool:
+        """Once every rank answered: the Future gets the fold (or what ``combine`` raised)."""
+        if done and not self.future.done():
+            try:
+                self.future._set_result(self._fold())
+            except BaseException as e:  # noqa: BLE001
+                self.future._set_exception(e)
+        return done
+
+    def _fold(self):
+        acc, pos, n, runs, values, combine = self._identity, 0, len(self._ranks), self._runs, self._values, \
+            self._combine
+        while pos < n:
+            run = runs.get(pos)
+            if run is not None:
+                acc = combine(acc, run[1])
+                pos = run[0] + 1
+            else:
+                acc = combine(acc, values[pos])
+                pos += 1
+        return acc
+
+    def proc_died(self, addr: str, error: SupervisionError) -> tuple[bool, bool]:
+        with self._lock:
+            lost = [i for i, a in enumerate(self._addrs) if a == addr and not self._answered[i]]
+            if not lost:
+                return False, False
+            for i in lost:  # (it answers no more: the port is finished once the others did)
+                self._answered[i] = 1
+            self._left -= len(lost)
             done = self._left == 0
         self.future._set_exception(error)  # (a no-op where an error came first: the death is seen all the same)
         return True, done

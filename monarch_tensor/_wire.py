@@ -206,14 +206,15 @@ def encode_for(msg: object, addrs: list[str], mailbox=None) -> list[list]:
         if target.startswith("ipc://"):
             return [encode(msg, shm=[target])]
         return [encode(msg, remote=(1, target, mailbox.public_addr))]
-    targets = [mailbox.route_of(a) if mailbox is not None else a for a in addrs]
-    if all(t.startswith("ipc://") for t in targets):
-        frames = encode(msg, shm=targets if len(targets) <= _shm.MAX_READERS else False)
-        return [frames_for_reader(frames, i) for i in range(len(addrs))]
-    remote = None
-    if mailbox is not None:
-        remote = (len(addrs), next(t for t in targets if not t.startswith("ipc://")), mailbox.public_addr)
-    return [encode(msg, remote=remote)] * len(addrs)
+    targets = []
+    for a in addrs:
+        t = mailbox.route_of(a) if mailbox is not None else a
+        if not t.startswith("ipc://"):  # (one is enough: the rest need not be resolved)
+            remote = None if mailbox is None else (len(addrs), t, mailbox.public_addr)
+            return [encode(msg, remote=remote)] * len(addrs)
+        targets.append(t)
+    frames = encode(msg, shm=targets if len(targets) <= _shm.MAX_READERS else False)
+    return [frames_for_reader(frames, i) for i in range(len(addrs))]
 
 
 _pickler: type | None = None

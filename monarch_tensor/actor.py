@@ -18,16 +18,20 @@
 
 from __future__ import annotations
 
+import base64
 import enum
 import functools
 import inspect
 import logging
+import operator
 import random
 import sys
 import threading
 import weakref
 from collections.abc import Mapping
 from typing import Any, Callable, Generic, Iterator, TypeVar
+
+import cloudpickle
 
 from . import (
     _context,
@@ -38,7 +42,7 @@ from . import (
 from . import future as _future_mod
 from . import host as _host
 from ._context import ActorContext as Context
-from ._ports import Collector, OneReply, Receiver, StreamCollector
+from ._ports import Collector, FoldCollector, OneReply, Receiver, StreamCollector
 from .errors import ActorError, MeshFailure, SupervisionError
 from .future import Future, returns_future
 from .host import (
@@ -592,7 +596,8 @@ class Endpoint(Generic[R]):
     def _check(self, args: tuple, kwargs: dict) -> None:
         _check_arguments(self._mesh._class, self._method, self._wire_method, args, kwargs)
 
-    def _send(self, ranks: list[int], args, kwargs, port: PortRef | None, addrs: list[str] | None = None) -> None:
+    def _send(self, ranks: list[int], args, kwargs, port: PortRef | None, addrs: list[str] | None = None,
+              fold: dict | None = None) -> None:
         mailbox = current_mailbox()
         if addrs is None:
             addrs = [self._mesh._procs[r].addr for r in ranks]
@@ -616,12 +621,14 @@ class Endpoint(Generic[R]):
             gather = None
             if port is not None and port.addr.startswith(_fanout.GATHER_PREFIX):  # their replies up it, gathered
                 gather = (port.addr[len(_fanout.GATHER_PREFIX):], port.port_id)
-            _fanout.send_many(mailbox, addrs, encoded[0], gather)
+            _fanout.send_many(mailbox, addrs, encoded[0], gather, fold)
             return
         for addr, frames in zip(addrs, encoded):
             mailbox.send_frames(addr, frames, batch=True)
 
-    def _collect(self, ranks: list[int], args, kwargs, finish) -> Future:
+    def _collect(self, ranks: list[int], args, kwargs, finish, fold: tuple | None = None) -> Future:
+        """Call ``ranks``; ``finish`` builds the future's value from their replies, or ``fold`` = (identity,
+        combine, spec) folds them (``Accumulator``; ``spec``: what the agents may fold, or None)."""
         self._check(args, kwargs)
         try:
             self._mesh._check(self._method)
@@ -634,12 +641,18 @@ class Endpoint(Generic[R]):
                 f"{self._mesh._name}.{self._method}: an actor calls itself and would wait for its own reply, which "
                 f"can only come after the running endpoint returns (a deadlock); call the method directly, or queue "
                 f"the call with broadcast()"))
-        col = OneReply(addrs[0], self._what) if finish is _first else Collector(addrs, ranks, finish, self._what)
+        if fold is not None:
+            col = FoldCollector(addrs, ranks, fold[0], fold[1], self._what)
+        elif finish is _first:
+            col = OneReply(addrs[0], self._what)
+        else:
+            col = Collector(addrs, ranks, finish, self._what)
         port = mailbox.open_port(col)
-        if finish is not _first and len(addrs) > 1 and _fanout.GATHER and _context.in_client() and \
-                all("|" in a for a in addrs):  # procs behind host agents: they gather the replies (_fanout.py)
+        gathered = finish is not _first and len(addrs) > 1 and _fanout.GATHER and _context.in_client() and \
+            all("|" in a for a in addrs)  # procs behind host agents: they gather the replies (_fanout.py)
+        if gathered:
             port = PortRef(_fanout.GATHER_PREFIX + port.addr, port.port_id)
-        self._send(ranks, args, kwargs, port, addrs)
+        self._send(ranks, args, kwargs, port, addrs, fold[2] if gathered and fold is not None else None)
         col.future._interrupt = (addrs, port)  # (what an interrupted wait stops: _interrupt_call)
         return col.future
 
@@ -785,17 +798,77 @@ def _first(values: list):
     return values[0]
 
 
-class Accumulator(Generic[R]):
-    """Fold the results of ``endpoint.call`` with ``combine``, starting from ``identity``."""
+# Reductions the host agents fold without being told they are associative, and the types they fold them for:
+# exact there whatever the other replies are (``operator.add`` is not: ints summed on an agent, then added to a
+# float of an earlier rank, round differently than added to it one by one).
+_KNOWN_FOLDS: dict[Callable, tuple[str, ...]] = {
+    max: ("int", "bool", "str"), min: ("int", "bool", "str"), operator.and_: ("int", "bool"),
+    operator.or_: ("int", "bool"), operator.xor: ("int", "bool"),
+}
+_UNSET = object()
 
-    def __init__(self, endpoint: Endpoint, identity: Any, combine: Callable[[Any, Any], Any]) -> None:
+
+class Accumulator(Generic[R]):
+    """Fold the results of ``endpoint.call`` with ``combine``, starting from ``identity`` (Monarch's), in the
+    order of the mesh's ranks: ``combine(...combine(combine(identity, r0), r1)..., rN)``.
+
+    >>> total = Accumulator(counters.value, 0, operator.add, associative=True).accumulate().get()
+    >>> Accumulator(counters.value, 0, max).accumulate().get()
+
+    On procs behind host agents the agents fold the replies as they gather them, so the controller receives a
+    few values per root agent instead of one per rank, wherever that gives the rank-order fold's result:
+
+    * the known reductions ``max``, ``min`` (of ``int``, ``bool``, ``str`` replies) and ``operator.and_``,
+      ``or_``, ``xor`` (of ``int``, ``bool``): exact whatever the other replies are, so folded there undeclared;
+    * any ``combine`` with ``associative=True`` (``operator.add`` too): you declare ``combine(combine(a, b), c)
+      == combine(a, combine(b, c))`` over ``identity`` and the replies, and that it takes two replies too. Agents
+      combine replies of consecutive ranks, never reordering them (so it need not be commutative): the result is
+      the rank-order fold bracketed by the tree, which for floats may differ from it in rounding.
+
+    What the agents leave unfolded (errors, which fail the call naming their rank; values that travel with
+    buffers, such as arrays and tensors; values of other types; a pair ``combine`` raised on; everything where
+    ``combine`` cannot be pickled here or unpickled there, e.g. a function of a module the hosts cannot
+    import) the controller folds in, at its place. ``combine`` runs on the agents' message loop: keep it quick.
+    """
+
+    def __init__(self, endpoint: Endpoint, identity: Any, combine: Callable[[Any, Any], Any], *,
+                 associative: bool = False) -> None:
         if not callable(getattr(endpoint, "call", None)):  # (else accumulate() fails on None.call)
             raise TypeError(f"Accumulator(endpoint=...) needs an endpoint (mesh.method), got {endpoint!r}")
         if not callable(combine):
             raise TypeError(f"Accumulator(combine=...) must be callable, got {combine!r}")
+        if not isinstance(associative, bool):
+            raise TypeError(f"Accumulator(associative=...) takes True or False, got {associative!r}")
         self._endpoint, self._identity, self._combine = endpoint, identity, combine
+        self._associative = associative
+        self._spec: dict | None | object = _UNSET
+
+    def _fold_spec(self) -> dict | None:
+        """What the agents may fold (``_gather.fold_of``'s spec), made once; None: the controller folds alone."""
+        if self._spec is _UNSET:
+            try:
+                exact = None if self._associative else _KNOWN_FOLDS.get(self._combine)
+            except TypeError:  # an unhashable callable
+                exact = None
+            spec = None
+            if self._associative or exact is not None:
+                try:
+                    data = cloudpickle.dumps(self._combine, protocol=5)
+                except Exception:  # noqa: BLE001 - cannot travel: the controller folds
+                    data = None
+                if data is not None:
+                    spec = {"f": base64.b64encode(data).decode()}
+                    if exact is not None:
+                        spec["e"] = list(exact)
+            self._spec = spec
+        return self._spec
 
     def accumulate(self, *args, **kwargs) -> Future:
+        """Call the endpoint on every rank; a Future of the fold of their results."""
+        ep = self._endpoint
+        if isinstance(ep, Endpoint):
+            return ep._collect(ep._mesh._rank_list, args, kwargs, None,
+                               (self._identity, self._combine, self._fold_spec()))
         out = Future("accumulated reply")
 
         def done(f: Future) -> None:

@@ -44,7 +44,7 @@ from . import logs as _logs
 from ._fanout import ROUTE_SEP, UP_MAGIC, read_up, routed_frames, up_header
 from .config import env_flag, env_number
 from .errors import ProtocolError, SupervisionError
-from .messages import ForwardLogs, PortRef, SendToPort
+from .messages import FoldedReplies, ForwardLogs, PortRef, SendToPort
 
 log = logging.getLogger("monarch_tensor.mailbox")
 
@@ -895,6 +895,8 @@ class Mailbox:
                     self.close_port(msg.port_id)
             elif type(msg) is _Replies:
                 self._deliver_run(msg)
+            elif type(msg) is FoldedReplies:
+                self._deliver_folded(msg)
             elif isinstance(msg, ForwardLogs):
                 if self.on_logs is not None:
                     self.on_logs(msg)
@@ -931,6 +933,23 @@ class Mailbox:
         if done:
             self.close_port(run.port_id)
 
+    def _deliver_folded(self, msg: FoldedReplies) -> None:
+        """Runs of replies that host agents folded (``_gather``) to the port's ``deliver_runs``; a port that
+        does not fold gets an error instead (nothing it waits for is dropped silently)."""
+        with self._ports_lock:
+            h = self._ports.get(msg.port_id)
+        if h is None:
+            log.debug("folded replies for closed port %d dropped", msg.port_id)
+            return
+        take = getattr(h, "deliver_runs", None)
+        if take is not None:
+            done = take(msg.runs)
+        else:
+            done = h.deliver(SendToPort(msg.port_id, None, ProtocolError(
+                f"port {msg.port_id} got replies folded by host agents, but does not fold (a protocol error)"), -1))
+        if done:
+            self.close_port(msg.port_id)
+
     def fail_reply(self, msg: object, error: BaseException) -> bool:
         """Answer ``msg``'s reply port (a ``reply`` field) with ``error``, raised where this process handled
         ``msg``; False when ``msg`` has no reply port."""
@@ -949,10 +968,10 @@ class Mailbox:
         from .messages import CallEndpoint
 
         try:
-            if isinstance(msg, SendToPort):  # a reply or channel value: its port gets the error
+            if isinstance(msg, (SendToPort, FoldedReplies)):  # a reply or channel value: its port gets the error
                 with self._ports_lock:
                     h = self._ports.get(msg.port_id)
-                if h is not None and h.deliver(SendToPort(msg.port_id, None, error, msg.rank)):
+                if h is not None and h.deliver(SendToPort(msg.port_id, None, error, getattr(msg, "rank", -1))):
                     self.close_port(msg.port_id)
                 return
             if self.on_lost_spawn is not None and type(msg).__name__ == "SpawnActor":

@@ -142,6 +142,16 @@ _wire.COMPACT_DECODERS.update({
 
 @_fast_reduce
 @dataclass(frozen=True, slots=True)
+class FoldedReplies:
+    """Host agent -> caller: replies to a folded call (``Accumulator``) that agents combined on the way up. Each
+    run ``(lo, hi, value)`` is the fold of the replies at positions ``lo..hi`` of the call's ranks, in order."""
+
+    port_id: int
+    runs: tuple
+
+
+@_fast_reduce
+@dataclass(frozen=True, slots=True)
 class ActorFault:
     """Proc -> client: an endpoint called with no reply port (``broadcast``, ``send`` without a port) raised
     ``error`` on proc ``proc``: nobody awaits it, so it is a supervision event for the actor mesh's owner."""

@@ -103,10 +103,13 @@ def test_scale_bench_tiny(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert {(r["agents"], r["procs"], r["fanout"]) for r in data["rows"]} == {(1, 1, 8), (1, 2, 8), (2, 4, 8), (2, 4, 1)}
-    assert all(r["spawn_s"] > 0 and r["gather_us"] > 0 and r["direct_us"] > 0 for r in data["rows"])
+    assert all(r["spawn_s"] > 0 and r["gather_us"] > 0 and r["direct_us"] > 0 and r["fold_us"] > 0
+               for r in data["rows"])
     m = data["model"]
     assert m["depth"] == 4 and m["target"] == "1024 hosts x 8 procs"
     assert m["gather_us"] > 0 and m["direct_us"] > 0 and m["spawn_s"] > 0 and m["agent_level_us"] > 0
+    assert m["fold_us"] > 0 and m["agent_fold_level_us"] > 0 and m["controller_fold_us"] > 0
+    assert "Accumulator (max, folded in the agents)" in proc.stdout
 
 
 @pytest.mark.timeout(150)

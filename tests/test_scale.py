@@ -1,5 +1,5 @@
 """Replies up the agent tree (``_fanout.GATHER``, ``_gather.py``) on real agents: chunks, per-rank errors and
-deaths, a dead subtree, one sender's order.
+deaths, a dead subtree, one sender's order; reductions folded in the agents (``Accumulator``), pure and live.
 
 One LocalJob (module fixture): two hosts of two procs each, and a spare host that the last test kills. The
 agents' gather window is long (``MONARCH_TENSOR_GATHER_WINDOW_MS``), so what the tests see is what the rules
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from monarch_tensor import _fanout, mailbox
-from monarch_tensor._ports import Collector, Receiver
-from monarch_tensor.actor import Actor, ActorError, Channel, SupervisionError, current_rank, endpoint
+from monarch_tensor._ports import Collector, FoldCollector, Receiver
+from monarch_tensor.actor import Accumulator, Actor, ActorError, Channel, SupervisionError, current_rank, endpoint
 from monarch_tensor.job import LocalJob
 
 
@@ -48,6 +48,10 @@ class Echo(Actor):
             time.sleep(0.02)  # (its peer's reply to this call waits at the agent meanwhile)
         port.send((r, i))
         return i
+
+    @endpoint
+    def label(self):
+        return f"<{current_rank().rank}>"
 
     @endpoint
     def wait_gate(self, gate: str):
@@ -187,7 +191,7 @@ def test_messages_from_one_proc_reach_the_caller_in_the_order_sent(echo, chunks,
 def test_a_dead_proc_or_subtree_fails_its_own_ranks_and_holds_nothing_else(job, monkeypatch, tmp_path):
     """A chain (fan-out 1): controller -> host 0 -> host 1 -> spare, procs on host 0 and the spare. A proc
     that dies, then the spare's agent dying while a call waits on it: their ranks fail by supervision, the
-    call does not hang, and the host before them still answers."""
+    call does not hang, and the host before them still answers; then a proc dying in a folded call."""
     from monarch_tensor import actor as actor_mod
     from monarch_tensor.remote_hosts import RemoteHostMesh
 
@@ -207,6 +211,9 @@ def test_a_dead_proc_or_subtree_fails_its_own_ranks_and_holds_nothing_else(job, 
         pending.get(timeout=30)
     open(gate, "w").close()
     assert m.slice(hosts=0).value.call().get(timeout=30).values() == [(0, 0), (1, 10)]
+    # a folded call: the rank that dies fails it by supervision, its peer's value (held folded) holds nothing up
+    with pytest.raises(SupervisionError):
+        Accumulator(m.slice(hosts=0).exit_on, 0, lambda a, b: a + b, associative=True).accumulate(1).get(timeout=30)
     procs.stop().get(timeout=30)
 
 
@@ -284,3 +291,253 @@ def test_chunks_up_two_levels_read_as_the_replies_one_by_one_would_be():
         assert list(root.open) == [tuple(key2)]  # the child's ranks 3 and 5 are still out
     finally:
         mb.close()
+
+
+# ---- reductions in the tree (Accumulator): pure, then on the job's agents ---------------------------------
+def _fold_spec(combine, exact=None) -> dict:
+    import base64
+
+    import cloudpickle
+
+    spec = {"f": base64.b64encode(cloudpickle.dumps(combine)).decode()}
+    if exact is not None:
+        spec["e"] = list(exact)
+    return spec
+
+
+def _folded_call(mb, n, groups, combine, spec, values, identity, fanout=2):
+    """One folded call in one process: ``n`` places, ``groups`` (each: the places of one agent's procs, in any
+    order), agents in a ``fanout``-ary tree in the order of ``groups`` as ``_fanout`` builds it, every proc's
+    reply taken by its agent; what the root agents send up is dispatched to a ``FoldCollector``."""
+    from monarch_tensor._gather import Gathers
+    from monarch_tensor._ports import FoldCollector
+
+    col = FoldCollector([f"a|{i}" for i in range(n)], list(range(n)), identity, combine)
+    port = mb.open_port(col)
+    key = [port.addr, port.port_id]
+    sent: list = []
+    agents: list = []
+    for i in range(len(groups)):
+        parent = None if i < fanout else i // fanout - 1
+        if parent is None:
+            send = (lambda addr, frames: sent.append(frames))
+        else:
+            send = (lambda addr, frames, p=parent, i=i: agents[p].take(f"agent{i}", frames))
+        agents.append(Gathers(send, 60.0, 600.0))
+
+    def plan(i):
+        kids = [j for j in range(len(groups)) if j >= fanout and j // fanout - 1 == i]
+        return {"t": [str(p) for p in groups[i]], "p": list(groups[i]), "c": [[f"agent{j}", plan(j)] for j in kids]}
+
+    for i, g in enumerate(agents):
+        p = plan(i)
+        p.update({"g": key, "w": "gw", "r": spec})
+        if i >= fanout:
+            p["u"] = f"agent{i // fanout - 1}"
+        g.start(p)
+    for i in reversed(range(len(groups))):  # leaves first: each agent's chunk goes up once its subtree answered
+        for pos in groups[i]:
+            agents[i].take(str(pos), _reply(key, pos, value=values[pos]))
+    for frames in sent:
+        mb._dispatch([bytes(f.buffer if hasattr(f, "buffer") else f) for f in frames])
+    return col, sent
+
+
+def test_agents_fold_consecutive_places_and_the_result_is_the_rank_order_fold():
+    """A non-commutative associative combine (string concatenation, declared associative): the root agents
+    send one chunk each, mostly runs, and the result is exactly the local rank-order fold."""
+    mb = mailbox.Mailbox(io_thread=False)
+    try:
+        values = [f"<{i}>" for i in range(24)]
+        groups = [list(range(k * 3, k * 3 + 3)) for k in range(8)]  # 8 agents of 3 procs, fan-out 2: depth 3
+        col, sent = _folded_call(mb, 24, groups, lambda a, b: a + b, _fold_spec(lambda a, b: a + b), values, "id")
+        assert len(sent) == 2  # one chunk per root agent
+        assert col.future.get(timeout=1) == "id" + "".join(values)
+        assert col.folded == 24 and col.runs_seen <= 2 * 3  # each root's subtree: one run per tree level at most
+    finally:
+        mb.close()
+
+
+def test_a_known_reduction_folds_only_where_exact_and_the_controller_folds_the_rest_in_order():
+    """``max`` undeclared: ints fold in the agents, floats (a NaN among them: max is then order-sensitive) go up as
+    they are; a declared combine that raises on an agent leaves those values to the controller, which raises."""
+    import operator
+
+    mb = mailbox.Mailbox(io_thread=False)
+    try:
+        for values in ([1, 5, 2.5, 3, float("nan"), 4, 7, 6], [float("nan"), 5, 2.5, 3, 1, 4, 9, 6]):
+            col, _ = _folded_call(mb, 8, [[0, 1, 2, 3], [4, 5, 6, 7]], max, _fold_spec(max, ("int", "bool", "str")),
+                                  values, 0)
+            local = 0
+            for v in values:
+                local = max(local, v)
+            got = col.future.get(timeout=1)
+            assert got == local or (got != got and local != local)
+            assert type(got) is type(local) and 0 < col.folded < 8
+        col2, _ = _folded_call(mb, 4, [[0, 1], [2, 3]], operator.add, _fold_spec(operator.add), [1, 2, "x", 4], 0)
+        with pytest.raises(TypeError):
+            col2.future.get(timeout=1)
+    finally:
+        mb.close()
+
+
+def test_a_fold_the_agents_cannot_unpickle_goes_up_unfolded():
+    mb = mailbox.Mailbox(io_thread=False)
+    try:
+        spec = {"f": "bm90IGEgcGlja2xl"}  # base64 of b"not a pickle"
+        col, _ = _folded_call(mb, 6, [[0, 1, 2], [3, 4, 5]], lambda a, b: a * b, spec, list(range(1, 7)), 1)
+        assert col.future.get(timeout=1) == 720 and col.folded == 0
+    finally:
+        mb.close()
+
+
+def test_folding_in_any_tree_equals_the_local_fold():
+    """Property: any places split among agents in any order, any fan-out; 2x2 integer matrix products
+    (associative, not commutative) folded in the tree equal the local fold."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    def matmul(a, b):
+        return (a[0] * b[0] + a[1] * b[2], a[0] * b[1] + a[1] * b[3], a[2] * b[0] + a[3] * b[2],
+                a[2] * b[1] + a[3] * b[3])
+
+    spec = _fold_spec(matmul)
+
+    @settings(max_examples=30, deadline=None)
+    @given(st.integers(0, 2**32 - 1))
+    def check(seed):
+        import random
+
+        rng = random.Random(seed)
+        n = rng.randint(1, 30)
+        values = [tuple(rng.randint(-3, 3) for _ in range(4)) for _ in range(n)]
+        order = rng.sample(range(n), n)
+        cuts = sorted(rng.sample(range(1, n), min(n - 1, rng.randint(0, 6))))
+        groups = [order[a:b] for a, b in zip([0, *cuts], [*cuts, n])]
+        col, _ = _folded_call(mb, n, groups, matmul, spec, values, (1, 0, 0, 1), rng.randint(1, 3))
+        local = (1, 0, 0, 1)
+        for v in values:
+            local = matmul(local, v)
+        assert col.future.get(timeout=1) == local
+
+    mb = mailbox.Mailbox(io_thread=False)
+    try:
+        check()
+    finally:
+        mb.close()
+
+
+@pytest.fixture
+def folds(monkeypatch):
+    """What reaches this process's folding ports: ("runs", [(lo, hi)]) and ("values", ranks), in order."""
+    seen = []
+    runs, values, one = FoldCollector.deliver_runs, FoldCollector.deliver_values, FoldCollector.deliver
+
+    def on_runs(self, rs):
+        seen.append(("runs", [(lo, hi) for lo, hi, _ in rs]))
+        return runs(self, rs)
+
+    def on_values(self, ranks, vs):
+        seen.append(("values", list(ranks)))
+        return values(self, ranks, vs)
+
+    def on_one(self, msg):
+        seen.append(("value", msg.rank))
+        return one(self, msg)
+
+    monkeypatch.setattr(FoldCollector, "deliver_runs", on_runs)
+    monkeypatch.setattr(FoldCollector, "deliver_values", on_values)
+    monkeypatch.setattr(FoldCollector, "deliver", on_one)
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_an_accumulator_folds_in_the_agents_one_value_per_root_agent(echo, folds, monkeypatch):
+    """A user's associative, non-commutative combine: each root agent sends one folded value; with a chain
+    (fan-out 1) the root folds its child's run into its own and the controller receives one value. The result
+    equals the local fold of the same replies."""
+    acc = Accumulator(echo.label, "", lambda a, b: a + b, associative=True)
+    local = "".join(echo.label.call().get(timeout=30).values())
+    assert acc.accumulate().get(timeout=30) == local == "<0><1><2><3>"
+    assert sorted(folds) == [("runs", [(0, 1)]), ("runs", [(2, 3)])]  # one per root agent, nothing else
+    folds.clear()
+    monkeypatch.setattr(_fanout, "FANOUT", 1)
+    assert acc.accumulate().get(timeout=30) == local
+    assert folds == [("runs", [(0, 3)])]
+    monkeypatch.setattr(_fanout, "FANOUT", 8)
+    folds.clear()
+    # undeclared and not a known reduction: folded on the controller, the same result
+    assert Accumulator(echo.label, "", lambda a, b: a + b).accumulate().get(timeout=30) == local
+    assert folds and all(kind != "runs" for kind, _ in folds)
+
+
+@pytest.mark.timeout(120)
+def test_an_error_on_one_rank_fails_the_folded_call_naming_it(echo, tmp_path):
+    import operator
+
+    gate = str(tmp_path / "gate")
+    acc = Accumulator(echo.fail_on, 0, operator.add, associative=True)
+    with pytest.raises(ActorError, match="rank 2 fails") as e:  # rank 3 waits meanwhile: the error came alone
+        acc.accumulate([2], gate).get(timeout=30)
+    assert e.value.rank == 2
+    open(gate, "w").close()
+    with pytest.raises(ActorError, match="rank [03] fails"):
+        acc.accumulate([0, 3]).get(timeout=30)
+    assert acc.accumulate([]).get(timeout=30) == 0 + 1 + 2 + 3
+
+
+@pytest.mark.timeout(120)
+def test_messages_from_one_proc_follow_its_folded_reply_in_the_order_sent(echo, monkeypatch):
+    """As for gathered replies: a proc's channel value for call i+1 never overtakes its reply to call i, which
+    its agent holds in a run waiting for a slower peer."""
+    order, made = [], []
+    init, runs, values, receive = FoldCollector.__init__, FoldCollector.deliver_runs, FoldCollector.deliver_values, \
+        Receiver.deliver
+
+    def on_init(self, *a, **k):
+        made.append(self)
+        init(self, *a, **k)
+
+    def on_runs(self, rs):
+        order.extend(("reply", r, made.index(self)) for lo, hi, _ in rs for r in range(lo, hi + 1))
+        return runs(self, rs)
+
+    def on_values(self, ranks, vs):
+        order.extend(("reply", r, made.index(self)) for r in ranks)
+        return values(self, ranks, vs)
+
+    def on_value(self, msg):
+        order.append(("value", *msg.value))
+        return receive(self, msg)
+
+    monkeypatch.setattr(FoldCollector, "__init__", on_init)
+    monkeypatch.setattr(FoldCollector, "deliver_runs", on_runs)
+    monkeypatch.setattr(FoldCollector, "deliver_values", on_values)
+    monkeypatch.setattr(Receiver, "deliver", on_value)
+    port, recv = Channel.open()
+    acc = Accumulator(echo.slice(hosts=0).emit, 0, lambda a, b: a + b, associative=True)
+    futures = [acc.accumulate(port, i, 1) for i in range(10)]
+    assert [f.get(timeout=30) for f in futures] == [2 * i for i in range(10)]
+    for _ in range(20):
+        recv.recv().get(timeout=30)
+    for rank in (0, 1):
+        mine = [e for e in order if e[1] == rank]
+        assert mine == [e for i in range(10) for e in (("value", rank, i), ("reply", rank, i))]
+
+
+def test_a_fold_collector_fails_on_a_death_or_a_run_over_an_answered_rank():
+    from monarch_tensor.errors import ProtocolError
+    from monarch_tensor.messages import SendToPort
+
+    col = FoldCollector(["a|0", "a|1", "b|0", "b|1"], [4, 5, 6, 7], 0, max)
+    assert col.deliver_runs([(0, 1, 9)]) is False
+    assert col.proc_died("a|0", SupervisionError("gone")) == (False, False)  # it answered: not this call's
+    assert col.proc_died("b|0", SupervisionError("gone")) == (True, False)
+    assert col.deliver(SendToPort(1, 3, None, 7)) is True  # the last rank: the port is done
+    with pytest.raises(SupervisionError, match="gone"):
+        col.future.get(timeout=1)
+    col2 = FoldCollector(["a|0", "a|1", "b|0"], [0, 1, 2], 0, max)
+    col2.deliver(SendToPort(1, 3, None, 1))
+    assert col2.deliver_runs([(0, 1, 9)]) is True
+    with pytest.raises(ProtocolError, match="rank 1, which answered already"):
+        col2.future.get(timeout=1)
