@@ -280,7 +280,7 @@ def reduce_dist_grads(grads: Sequence, params: Sequence) -> list[DTensor]:
             out[k] = g if g.dtype == p.dtype else g.to(p.dtype)
             continue
         steps = []
-        plain = g.device_mesh == p.device_mesh
+        batched = g.device_mesh == p.device_mesh
         for d, (c, w) in enumerate(zip(cur, want)):
             if c == w:
                 continue
@@ -290,8 +290,8 @@ def reduce_dist_grads(grads: Sequence, params: Sequence) -> list[DTensor]:
                     isinstance(x, Shard) and x.dim == 0 for j, x in enumerate(cur + want) if j % len(cur) != d):
                 steps.append((d, "shard"))
             else:
-                plain = False
-        if not plain or sum(kind == "shard" for _, kind in steps) > 1:
+                batched = False
+        if not batched or sum(kind == "shard" for _, kind in steps) > 1:
             out[k] = g.redistribute(p.device_mesh, want).to(p.dtype)
             continue
         locals_[k] = g._local_tensor
