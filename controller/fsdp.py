@@ -21,7 +21,14 @@ as FSDP2's backward prefetch.
 Mode of a forward: the root's inputs decide it. Plain mesh tensors (each rank
 its own batch, as FSDP2 takes them) run the units; global DTensor inputs
 (``distribute(x, mesh, ...)``) run every op on the DTensor parameters
-themselves, as tensor parallelism needs.
+themselves. With a tensor-parallel plan (which takes global DTensor inputs)
+the units run in their DTensor form: each unit's gather makes DTensors
+replicated over the data-parallel dim (the tensor-parallel shards as they
+are), so its ops need no data-parallel collective, and its backward reduces
+the unit's gradients (``Partial`` DTensors) into the parameters' placements in
+one instruction (``worker.fsdp.unshard_dist`` / ``reduce_dist_grads``), so the
+optimizer reads gradients that need no collective. Those gathered parameters
+stay until the unit's backward (no resharding after the forward, no prefetch).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from torch.utils import _pytree as pytree
 
 from .client import user_loc
 from .dtensor_methods import ACTIVE, DistInfo
-from .placements import ShardingError
+from .placements import Replicate, ShardingError
 from .tensor import Tensor, contiguous_meta, intern_meta
 
 
@@ -69,10 +76,11 @@ def _issue(ctx, fn: str, args: tuple, outs: list[tuple], mutates: tuple = (), in
 class _Gathered:
     """One forward call's unsharded parameters of a unit (freed after the forward where the unit reshards)."""
 
-    __slots__ = ("unit", "fulls", "freed", "prefetched", "__weakref__")
+    __slots__ = ("unit", "fulls", "freed", "prefetched", "dist", "__weakref__")
 
-    def __init__(self, unit) -> None:
+    def __init__(self, unit, dist: bool = False) -> None:
         self.unit, self.fulls, self.freed, self.prefetched = unit, None, False, False
+        self.dist = dist  # DTensors replicated over dp (a tensor-parallel plan), not plain tensors
 
     def free(self) -> None:
         ctx = self.unit.params[0]._ctx
@@ -102,7 +110,7 @@ class _Unshard(torch.autograd.Function):
     def forward(ctx_, gathered: _Gathered, *params):
         ctx_.gathered = gathered
         ctx_.set_materialize_grads(False)
-        return tuple(_unshard(gathered.unit))
+        return tuple(_unshard(gathered.unit, gathered.dist))
 
     @staticmethod
     def backward(ctx_, *grads):
@@ -113,9 +121,12 @@ class _Unshard(torch.autograd.Function):
         out = [None] * len(grads)
         if keep:
             params = [u.params[k] for k in keep]
-            reduced = _issue(params[0]._ctx, "reduce_grads", ([grads[k] for k in keep], params, u.state.dp,
-                                                             u.state.reduce_dtype),
-                             [(p.shape, p.dtype) for p in params], infos=[_info(p) for p in params])
+            if g.dist:
+                args = ("reduce_dist_grads", ([grads[k] for k in keep], params))
+            else:
+                args = ("reduce_grads", ([grads[k] for k in keep], params, u.state.dp, u.state.reduce_dtype))
+            reduced = _issue(params[0]._ctx, *args, [(p.shape, p.dtype) for p in params],
+                             infos=[_info(p) for p in params])
             for k, r in zip(keep, reduced):
                 out[k] = r
         return (None, *out)
@@ -126,10 +137,24 @@ def _info(p) -> DistInfo:
     return DistInfo(i.mesh, i.names, i.sizes, i.grid, i.placements)
 
 
-def _unshard(unit) -> list:
+def _unshard(unit, dist: bool = False) -> list:
+    if dist:
+        dp = unit.state.dp
+        infos = []
+        for p in unit.params:
+            i = _info(p)
+            places = i.placements
+            k = i.names.index(dp)
+            infos.append(DistInfo(i.mesh, i.names, i.sizes, i.grid,
+                                  tuple(Replicate() if j == k else pl for j, pl in enumerate(places))))
+        return _issue(unit.params[0]._ctx, "unshard_dist", (unit.params, dp),
+                      [(p.shape, p.dtype) for p in unit.params], infos=infos)
     dtype = unit.state.param_dtype
     return _issue(unit.params[0]._ctx, "unshard", (unit.params, unit.state.dp, dtype),
                   [(p.shape, dtype or p.dtype) for p in unit.params])
+
+
+PLAIN, DIST = "plain", "dist"  # how a forward runs the units (see Unit._mode)
 
 
 class FSDPState:
@@ -143,7 +168,7 @@ class FSDPState:
         self.cast_inputs = getattr(mp_policy, "cast_forward_inputs", True)
         self.mp = mp_policy is not None and (self.param_dtype or self.reduce_dtype or self.output_dtype)
         self.tp_planned = tp_planned
-        self.modes: list[bool] = []  # per root forward in progress: whether it runs the units (plain inputs)
+        self.modes: list = []  # per root forward in progress: PLAIN or DIST (how it runs the units) or None
         self.order: list[Unit] = []  # the units with parameters, in the order the first plain forward gathered them
         self.ordered = False  # (that forward ended: from now on each unit prefetches the next in ``order``)
         self.freed: list = []  # weak references to the _Gathered freed after their forward, in that order
@@ -190,10 +215,12 @@ class Unit:
         module.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True)
         module.register_forward_hook(self._post, with_kwargs=True, always_call=True)
 
-    def _runs(self, args, kwargs) -> bool:
+    def _mode(self, args, kwargs):
+        """How this call runs the unit: PLAIN (gathered into plain tensors), DIST (gathered into DTensors
+        replicated over dp: a tensor-parallel plan) or None (every op on the DTensor parameters)."""
         s = self.state
         if self.root:
-            s.modes.append(False)  # (first: the post-hook, which runs after a failed pre-hook too, pops it)
+            s.modes.append(None)  # (first: the post-hook, which runs after a failed pre-hook too, pops it)
             plain = not _has_dist((args, kwargs))
             if plain and s.tp_planned:
                 raise ShardingError(
@@ -203,25 +230,29 @@ class Unit:
                 raise ShardingError(f"{type(self.module).__name__}: mp_policy applies to plain (per-rank) inputs; "
                                     f"with global DTensor inputs every op runs on the DTensor parameters in their "
                                     f"own dtype: give each rank its batch as a plain mesh tensor (x.to_local())")
-            s.modes[-1] = plain
-            return plain
+            s.modes[-1] = PLAIN if plain else (DIST if s.tp_planned and s.dp is not None else None)
+            return s.modes[-1]
         if s.modes:
             return s.modes[-1]
-        return not _has_dist((args, kwargs))  # (a unit called on its own)
+        if s.tp_planned:  # (a unit called on its own)
+            return DIST if s.dp is not None and _has_dist((args, kwargs)) else None
+        return None if _has_dist((args, kwargs)) else PLAIN
 
     def _pre(self, module, args, kwargs):
         self.calls.append(None)  # (first: the post-hook, which runs after a failed pre-hook too, pops it)
-        runs = self._runs(args, kwargs)
-        if not runs or not self.params:
+        mode = self._mode(args, kwargs)
+        if mode is None or not self.params:
             return None
-        g = _Gathered(self)
+        g = _Gathered(self, mode is DIST)
         if torch.is_grad_enabled() and any(p.requires_grad for p in self.params):
             g.fulls = list(_Unshard.apply(g, *self.params))
         else:
-            g.fulls = _unshard(self)
+            g.fulls = _unshard(self, g.dist)
         self.calls[-1] = g
         s = self.state
-        if s.ordered:
+        if g.dist:
+            pass  # (no prefetch: the gather is one instruction before the unit's DTensor ops)
+        elif s.ordered:
             nxt = self.next
             if nxt is not None:
                 _issue(nxt.params[0]._ctx, "prefetch", (nxt.params, s.dp, s.param_dtype), [])
@@ -238,7 +269,7 @@ class Unit:
         g = self.calls.pop() if self.calls else None
         s = self.state
         if self.root and s.modes:
-            if s.modes.pop() and not s.ordered and not s.modes:  # the first plain forward ended: link the order
+            if s.modes.pop() is PLAIN and not s.ordered and not s.modes:  # the first plain forward ended: link
                 for a, b in zip(s.order, s.order[1:]):
                     a.next = b
                 s.ordered = True
@@ -247,7 +278,7 @@ class Unit:
         for p, where in zip(self.params, self.places):
             for mod, attr in where:
                 mod._parameters[attr] = p
-        if self.state.reshard and not self.root and torch.is_grad_enabled():
+        if self.state.reshard and not self.root and not g.dist and torch.is_grad_enabled():
             outs = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
             if outs:
                 g.free()

@@ -162,9 +162,6 @@ def _make_units(module: nn.Module, submodules: dict, params: list, patterns, sta
     def within(inner: str, outer: str) -> bool:
         return outer == "" or inner == outer or inner.startswith(outer + ".")
 
-    if state.tp_planned:  # tensor parallelism runs on DTensors: the root only checks that the inputs are global
-        Unit(module, "", [], [], state, root=True)
-        return
     owned: dict[str, list] = {n: [] for n in [""] + names}
     for param, _, _, _, where in params:
         owners = [owner(mname) for mname, _, _ in where]

@@ -129,6 +129,35 @@ def test_fsdp_plain_compute_matches_local(dp2, reshard):
     assert model.ln_f.bias.shape == (EMBD,) and model.pos.is_distributed is False  # buffers: plain, as FSDP2's
 
 
+def test_tp_plan_units_gather_dtensors_and_reduce_gradients_per_unit(dp2):
+    """With a plan, each unit gathers its parameters over dp into DTensors (replicated over dp) and its backward
+    reduces the unit's gradients in one instruction into the parameters' placements; training (global DTensor
+    inputs, uneven shards, tied weights) matches local torch's, and the optimizer's state keeps the placements.
+    (The mesh {"dp": 2, "tp": 1} is dp2's procs; tests/test_dtensor_examples.py trains on tp=2.)"""
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    mesh = dp2.split(dp=("dp", "tp"), tp=1)
+    model = module_to_mesh(copy.deepcopy(ref), mesh, plan={"blocks.*.fc": "colwise", "blocks.*.proj": "rowwise"})
+    before = _prefetch_stats(dp2)
+    batches = _batches()
+    want = _train(ref, batches)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    got = _train(model, batches, lambda t: distribute(t, mesh, {"dp": Shard(0)}),
+                 lambda loss: loss.full_tensor().item(), opt)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.full_tensor(), dict(ref.named_parameters())[name].detach(), rtol=1e-4, atol=1e-5)
+    after = _prefetch_stats(dp2)
+    units = 3  # (two blocks and the root)
+    assert all(a["dist_gathers"] - b["dist_gathers"] == a["dist_reduces"] - b["dist_reduces"] == 3 * units
+               for a, b in zip(after, before)), (before, after)
+    fc, proj = model.blocks[0].fc, model.blocks[0].proj
+    assert fc.weight.placements == fc.weight.grad.placements == (Replicate(), Shard(0))
+    assert proj.weight.grad.placements == (Replicate(), Shard(1)) and proj.bias.grad.placements == (Replicate(),) * 2
+    assert model.wte.weight.grad.placements == (Shard(0), Replicate())  # (15 rows over 2 ranks: uneven)
+    assert opt.state[fc.weight]["exp_avg"].placements == (Replicate(), Shard(0))
+
+
 def test_fsdp_mixed_precision_bf16(dp2):
     """FSDP2's MixedPrecisionPolicy: parameters gathered (and the forward run) in bf16, gradients reduced in
     float32 into float32 sharded gradients; the losses stay within bf16's precision of local float32 training."""

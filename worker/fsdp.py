@@ -22,6 +22,16 @@ transformer block, say) it runs these functions as one ``CallFunction`` each:
   over each other mesh dim), each rank keeping its shard: the parameter's
   gradient as a DTensor with the parameter's placements.
 
+With a tensor-parallel plan the ops inside a unit run on DTensors, so a unit's
+parameters are gathered over the data-parallel dim only, into DTensors
+(``unshard_dist``: replicated over that dim, each other dim as the parameter's
+placement, the tensor-parallel shards untouched), and their gradients, which
+torch's sharding propagation leaves ``Partial`` over the dims that split the
+batch or the contraction, are reduced for the whole unit at once
+(``reduce_dist_grads``: one flat all-reduce per mesh dim and one flat
+reduce-scatter per dim a parameter is ``Shard(0)`` on) instead of one
+collective per gradient in each optimizer op that reads it.
+
 The groups are the parameters' own DeviceMesh groups (``worker/dtensor.py``),
 the ones their DTensor ops use: gloo on CPU, NCCL on GPU.
 """
@@ -32,7 +42,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 # torch 2.13's names (the older ones warn there); older torch has only those
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -113,7 +123,7 @@ def _gather(params: Sequence, dp: str, dtype, async_op: bool = False):
 
 
 # unshards (forward) and unshard_intos (backward) served by a prefetch; prefetches dropped as stale (tests read them)
-stats = {"prefetched": 0, "regathers_prefetched": 0, "stale": 0}
+stats = {"prefetched": 0, "regathers_prefetched": 0, "stale": 0, "dist_gathers": 0, "dist_reduces": 0}
 
 # Prefetched all-gathers on this worker, per (parameters' ids, dtype): (the parameters, their versions when
 # read, the function that waits and returns their whole values). One entry per unit at most.
@@ -220,3 +230,118 @@ def reduce_grads(grads: Sequence[torch.Tensor], params: Sequence, dp: str, reduc
             out[k] = DTensor.from_local(local.to(p.dtype), mesh, p.placements, run_check=False,
                                         shape=p.shape, stride=p.stride())
     return out
+
+
+def _dp_replicated(p, dp: str) -> tuple:
+    """``p``'s placements with the data-parallel dim replicated (what ``unshard_dist`` gathers it into)."""
+    i = p.device_mesh.mesh_dim_names.index(dp)
+    return tuple(Replicate() if j == i else pl for j, pl in enumerate(p.placements))
+
+
+def unshard_dist(params: Sequence, dp: str) -> list[DTensor]:
+    """Each DTensor parameter replicated over ``dp`` (its other dims' placements kept), as a new DTensor: the
+    ``Shard(0)``-over-``dp`` ones all-gathered (one all-gather per dtype, as ``unshard``), the others the same
+    local values (no copy, no collective)."""
+    stats["dist_gathers"] += 1
+    sharded = [k for k, p in enumerate(params) if p.placements[p.device_mesh.mesh_dim_names.index(dp)] == Shard(0)]
+    fulls = _gather([params[k] for k in sharded], dp, None) if sharded else []
+    local = {k: f for k, f in zip(sharded, fulls)}
+    out = []
+    for k, p in enumerate(params):
+        value = local.get(k)
+        if value is None:
+            value = p._local_tensor.view_as(p._local_tensor)
+        out.append(DTensor.from_local(value, p.device_mesh, _dp_replicated(p, dp), run_check=False,
+                                      shape=p.shape, stride=p.stride()))
+    return out
+
+
+def _partial_sum(pl) -> bool:
+    return isinstance(pl, Partial) and pl.reduce_op == "sum"
+
+
+def reduce_dist_grads(grads: Sequence, params: Sequence) -> list[DTensor]:
+    """Each DTensor gradient redistributed to its parameter's placements (and dtype). ``Partial(sum)`` dims
+    whose target is ``Replicate`` are summed by one flat all-reduce per (mesh dim, dtype) for all the
+    gradients; then those whose target is ``Shard(0)`` by one flat reduce-scatter per (mesh dim, dtype)
+    (FSDP2's padded layout). A gradient needing anything else is redistributed by DTensor on its own."""
+    stats["dist_reduces"] += 1
+    n = len(params)
+    out: list = [None] * n
+    locals_: list = [None] * n
+    todo: list = []  # (k, [(mesh dim, "replicate" or "shard")])
+    for k, (g, p) in enumerate(zip(grads, params)):
+        if not isinstance(g, DTensor):
+            raise TypeError(f"a gradient on this worker is a {type(g).__name__}, not a DTensor")
+        if tuple(g.shape) != tuple(p.shape):
+            raise ValueError(f"a gradient of shape {tuple(g.shape)} for a parameter of shape {tuple(p.shape)}")
+        cur, want = tuple(g.placements), tuple(p.placements)
+        if cur == want:
+            out[k] = g if g.dtype == p.dtype else g.to(p.dtype)
+            continue
+        steps = []
+        batched = g.device_mesh == p.device_mesh
+        for d, (c, w) in enumerate(zip(cur, want)):
+            if c == w:
+                continue
+            if _partial_sum(c) and isinstance(w, Replicate):
+                steps.append((d, "replicate"))
+            elif _partial_sum(c) and w == Shard(0) and not any(
+                    isinstance(x, Shard) and x.dim == 0 for j, x in enumerate(cur + want) if j % len(cur) != d):
+                steps.append((d, "shard"))
+            else:
+                batched = False
+        if not batched or sum(kind == "shard" for _, kind in steps) > 1:
+            out[k] = g.redistribute(p.device_mesh, want).to(p.dtype)
+            continue
+        locals_[k] = g._local_tensor
+        todo.append((k, steps))
+    if todo:
+        mesh = params[todo[0][0]].device_mesh
+        for kind in ("replicate", "shard"):
+            for d in range(mesh.ndim):
+                ks = [k for k, steps in todo if (d, kind) in steps]
+                by_dtype: dict = {}
+                for k in ks:
+                    by_dtype.setdefault(locals_[k].dtype, []).append(k)
+                for dt, group in by_dtype.items():
+                    if kind == "replicate":
+                        flat = torch.cat([locals_[k].reshape(-1) for k in group])
+                        dist.all_reduce(flat, group=mesh.get_group(d))
+                        off = 0
+                        for k in group:
+                            m = locals_[k].numel()
+                            locals_[k] = flat[off:off + m].view(locals_[k].shape)
+                            off += m
+                    else:
+                        _reduce_scatter_rows([locals_[k] for k in group], mesh, d, dt, group, locals_)
+        for k, _ in todo:
+            p = params[k]
+            out[k] = DTensor.from_local(locals_[k].to(p.dtype), p.device_mesh, p.placements, run_check=False,
+                                        shape=p.shape, stride=p.stride())
+    return out
+
+
+def _reduce_scatter_rows(values: list, mesh, d: int, dtype, ks: list, into: list) -> None:
+    """Sum ``values`` (whole dim 0 each) over mesh dim ``d``, each rank keeping its ``torch.chunk`` rows of dim 0:
+    one reduce-scatter of the padded chunks side by side; the results go to ``into[k]``."""
+    n = mesh.size(d)
+    sizes = [-(-v.shape[0] // n) * _row(v) for v in values]
+    total = sum(sizes)
+    device = values[0].device
+    send = torch.zeros(n, total, dtype=dtype, device=device)
+    off = 0
+    for v, size in zip(values, sizes):
+        padded = torch.zeros(n * size, dtype=dtype, device=device)
+        padded[:v.numel()].copy_(v.reshape(-1))
+        send[:, off:off + size].copy_(padded.view(n, size))
+        off += size
+    flat = torch.empty(total, dtype=dtype, device=device)
+    _reduce_scatter(flat, send.view(-1), group=mesh.get_group(d))
+    me = mesh.get_local_rank(d)
+    off = 0
+    for k, v, size in zip(ks, values, sizes):
+        chunk = -(-v.shape[0] // n)
+        rows = max(0, min(chunk, v.shape[0] - me * chunk))
+        into[k] = flat[off:off + rows * _row(v)].view(rows, *v.shape[1:])
+        off += size
