@@ -1,3 +1,4 @@
+import json
 import os
 import signal
 import sys
@@ -18,6 +19,30 @@ os.environ.setdefault("MONARCH_TENSOR_NO_WARMUP", "1")
 # every process the tests start, whose Ctrl-C tests (tests/test_job_cli.py) then wait in vain: take it back.
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+# Seconds each test file took in a recent full run (.ci/durations.py writes it from a JUnit XML); a file it does not
+# list counts as DEFAULT_FILE_SECONDS.
+DURATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
+DEFAULT_FILE_SECONDS = 20.0
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Under pytest-xdist (``--dist loadfile``: each file runs whole on one worker, in the order collected) the
+    files that take longest come first, so that no worker starts a long file while the others run out of work.
+    The tests of a file keep their order; a run without workers keeps the files' order too."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    try:
+        with open(DURATIONS) as f:
+            seconds = json.load(f)
+    except (OSError, ValueError):
+        return
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.nodeid.split("::")[0], i)
+    items.sort(key=lambda it: (-float(seconds.get(it.nodeid.split("::")[0], DEFAULT_FILE_SECONDS)),
+                               first[it.nodeid.split("::")[0]]))
 
 
 @pytest.fixture(autouse=True, scope="session")
