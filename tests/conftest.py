@@ -63,6 +63,19 @@ def _report_unhandled_faults_instead_of_exiting():
     actor_mod.unhandled_fault_hook = default
 
 
+@pytest.fixture
+def short_tmp_path():
+    """A directory with a short path, for a test that makes it a process's TMPDIR: the sockets under it stay
+    within the 107 characters of a socket's path (``tmp_path`` is long, longer under pytest-xdist's workers)."""
+    import pathlib
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="mt-t-")
+    yield pathlib.Path(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def mesh():
     """A mesh of two procs, {"gpus": 2}, for a test module (a module may define its own ``mesh``)."""
