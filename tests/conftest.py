@@ -45,6 +45,27 @@ def pytest_collection_modifyitems(session, config, items):
                                first[it.nodeid.split("::")[0]]))
 
 
+# Files whose tests are long and share nothing but module fixtures (each runs its own subprocess or job):
+# pytest-xdist hands out their tests one at a time, not the whole file to one worker.
+ONE_TEST_AT_A_TIME = ("tests/test_bench_smoke.py", "tests/test_dtensor_examples.py", "tests/test_examples.py",
+                      "tests/test_job_cli.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile``, except for the files of ONE_TEST_AT_A_TIME, whose tests are scheduled one by one."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return nodeid if file in ONE_TEST_AT_A_TIME else file
+
+    return Scheduling(config, log)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _report_unhandled_faults_instead_of_exiting():
     """The default ``unhandled_fault_hook`` ends the script's process: in the test runner that would end

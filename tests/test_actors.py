@@ -487,6 +487,7 @@ def _wrapper_of_nested_procs() -> tuple:
         inner.stop()
 
 
+@pytest.mark.timeout(120)  # (new interpreters that import torch, with the suite's other workers on the cores)
 def test_with_python_executable_runs_procs_with_another_interpreter(tmp_path):
     from monarch_tensor import heal_mesh
 

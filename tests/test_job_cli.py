@@ -68,7 +68,7 @@ def workdir(tmp_path):
             pass
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_apply_exec_kill(workdir):
     r = cli(workdir, "apply", "myjob.job")
     assert r.returncode == 0, r.stderr
@@ -168,7 +168,7 @@ def test_apply_exec_kill(workdir):
     assert r.returncode == 2 and "no running job" in r.stderr
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_contexts_hold_jobs_side_by_side(workdir):
     assert cli(workdir, "apply", "myjob.job").returncode == 0
     r = cli(workdir, "context", "use", "second")
@@ -360,7 +360,7 @@ def test_a_zombie_agent_is_not_running():
         parent.wait()
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_remote_mount_mirrors_a_directory_and_its_interpreter(tmp_path):
     src, mnt = tmp_path / "proj", tmp_path / "mnt"
     (src / "pkg").mkdir(parents=True)
