@@ -139,8 +139,8 @@ def main() -> None:
     if args.procs:
         globals()["PROCS"] = [int(n) for n in args.procs.split(",")]
     import torch
+    from monarch_tensor.controller.api import client_for, remote
 
-    from controller.api import client_for, remote
     from monarch_tensor import this_host
 
     torch.set_num_threads(1)

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 from monarch_tensor.actor import Actor, endpoint  # noqa: E402
 from monarch_tensor.job import LocalJob  # noqa: E402
-from rdma import payload  # noqa: E402
+from monarch_tensor.rdma import payload  # noqa: E402
 
 SIZES_MIB = [1, 16, 64]
 ROUNDS = 3
@@ -57,7 +57,7 @@ class Echo(Actor):
 
 def _pulls() -> dict:
     """Payloads pulled by this process, and data-plane reads per backend (to show which way ran)."""
-    from rdma import transfer_stats
+    from monarch_tensor.rdma import transfer_stats
 
     return {"payloads": payload.stats()["pulled"], **{b: s["reads"] for b, s in transfer_stats().items()}}
 

@@ -73,7 +73,7 @@ def in_turns(measures: dict, repeats, min_total=0.05, max_repeats=500) -> dict:
     runs as ``_times`` does (``repeats`` runs, and a ``ROUNDS``-th of the seconds and of the most runs).
     ``measures`` maps a name to ``(backend, fn)``: the backend is forced (ENV_BACKEND) while that
     measure's runs go on, None for none."""
-    from rdma.buffer import ENV_BACKEND
+    from monarch_tensor.rdma.buffer import ENV_BACKEND
 
     samples = {name: [] for name in measures}
     for _ in range(ROUNDS):
@@ -140,7 +140,7 @@ def raw_tcp_stream(max_size):
     reader awaits them: polling up to its SPIN_S, then blocking."""
     import socket
 
-    from rdma.backends.tcp import _recv_first, client_socket
+    from monarch_tensor.rdma.backends.tcp import _recv_first, client_socket
 
     with server_process(TCP_SERVER, str(max_size)) as p:
         c = client_socket(socket.create_connection(("127.0.0.1", int(p.stdout.readline())), timeout=TIMEOUT))
@@ -243,8 +243,7 @@ def one_size(n, buf, raw_read) -> dict:
     """Median seconds of every measure of this process at ``n`` bytes, taking turns (``in_turns``); ``buf``
     is the owner's buffer, ``raw_read`` the raw tcp stream's reader."""
     import torch
-
-    from rdma.buffer import transfer_stats
+    from monarch_tensor.rdma.buffer import transfer_stats
 
     a, b = torch.empty(n, dtype=torch.uint8), torch.ones(n, dtype=torch.uint8)
     dst, raw_dst = torch.empty(n, dtype=torch.uint8), aligned(n)
@@ -330,7 +329,7 @@ LAYERS = ("raw tcp stream", "our reader, minimal owner", "our reader and owner",
 MIN_OWNER = r'''
 import mmap, socket, sys
 sys.path.insert(0, sys.argv[2])
-from rdma.backends.tcp import _ANSWER, _REQ, OK
+from monarch_tensor.rdma.backends.tcp import _ANSWER, _REQ, OK
 srv = socket.create_server(("127.0.0.1", 0))
 payload = memoryview(mmap.mmap(-1, int(sys.argv[1])))  # page-aligned, as the owner's tensor is
 payload[:] = b"\x01" * len(payload)
@@ -357,11 +356,11 @@ def run_layers():
     for the next request); and ``read_into(...).get()``, the whole API on top. Medians of seconds."""
     Owner = owner_class()
     import torch
+    from monarch_tensor.rdma._memory import as_mem
+    from monarch_tensor.rdma.backends.tcp import READ
+    from monarch_tensor.rdma.buffer import backend_named
 
     from monarch_tensor.actor import this_host
-    from rdma._memory import as_mem
-    from rdma.backends.tcp import READ
-    from rdma.buffer import backend_named
 
     n_max, tcp = max(LAYER_SIZES), backend_named("tcp")
     res = {name: {} for name in LAYERS}
@@ -428,9 +427,9 @@ def run_distance():
     or through staging memory, as cma does. All taking turns (``in_turns``); medians of seconds."""
     Owner = owner_class()
     import numpy as np
+    from monarch_tensor.rdma.backends import cma
 
     from monarch_tensor.actor import this_host
-    from rdma.backends import cma
 
     res = {f"{d} {c}": {} for d in ("read", "write") for c in DISTANCES}
     procs = this_host().spawn_procs(per_host={"gpus": 1})
@@ -514,8 +513,7 @@ def run_cuda():
 def _cuda_size(n, buf) -> dict:
     """``run_cuda``'s measures at ``n`` bytes, taking turns (``in_turns``)."""
     import torch
-
-    from rdma.buffer import transfer_stats
+    from monarch_tensor.rdma.buffer import transfer_stats
 
     def synced(fn):
         def run():
@@ -710,7 +708,7 @@ def main():
     if monarch_err:
         print(f"Monarch: {monarch_err}")
     sys.path.insert(0, ROOT)
-    from rdma.buffer import backends
+    from monarch_tensor.rdma.buffer import backends
 
     print("backends here (this table measures cma and tcp; verbs and cuda_ipc run where available):")
     status = {}

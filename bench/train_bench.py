@@ -214,7 +214,7 @@ def measure_ours(kind, res):
             timing = timed_training(step, ((xs[i], ys[i]) for i in range(n)), wait, WARMUP, STEPS, REPEATS)
             record(res, timing, value, tied)
             if kind in COMPILED:
-                from controller.compile import stats
+                from monarch_tensor.controller.compile import stats
 
                 res["replays"] = stats["replays"]
     finally:

@@ -20,15 +20,15 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from monarch_tensor.worker import messages as m
+from monarch_tensor.worker.containers import rebuild
+from monarch_tensor.worker.opaque import OpaqueRef
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils import _pytree as pytree
 from torch.utils._device import DeviceContext, _device_constructors
 
 from monarch_tensor import _wire
 from monarch_tensor.future import Future
-from worker import messages as m
-from worker.containers import rebuild
-from worker.opaque import OpaqueRef
 
 from .arguments import mesh_leaves, to_wire
 from .client import Ctx, MeshClient, user_loc
@@ -1049,7 +1049,7 @@ class Remote:
         self._cache: dict = {}
 
     def _local_fn(self):
-        from worker.worker import resolve_function
+        from monarch_tensor.worker.worker import resolve_function
 
         return resolve_function(self.fn)
 
@@ -1177,7 +1177,7 @@ def _refuse_process_groups(tree, what: str) -> None:
 
 def _stand_in(pg: RemoteProcessGroup):
     """What a propagating run on the controller sees in place of ``pg``."""
-    from worker.collectives import DummyProcessGroup
+    from monarch_tensor.worker.collectives import DummyProcessGroup
 
     return DummyProcessGroup(pg.dims, pg.size())
 
@@ -1206,7 +1206,7 @@ def _outputs(leaves_spec: list, tensors: list, ctx: Ctx) -> tuple[list, list, li
 
 def _describe_call(fn, *args, **kwargs):
     """Worker side of ``propagate="inspect"``: run ``fn`` and describe its outputs."""
-    from worker.worker import flat_leaves, resolve_function
+    from monarch_tensor.worker.worker import flat_leaves, resolve_function
 
     out = resolve_function(fn)(*args, **kwargs)
     leaves = []

@@ -15,10 +15,9 @@ import types
 from typing import Any
 
 import torch
-
-from worker import messages as m
-from worker.containers import ATOMS, Hidden, rebuild
-from worker.opaque import OpaqueRef
+from monarch_tensor.worker import messages as m
+from monarch_tensor.worker.containers import ATOMS, Hidden, rebuild
+from monarch_tensor.worker.opaque import OpaqueRef
 
 from .errors import MeshTensorError
 from .process_group import RemoteProcessGroup

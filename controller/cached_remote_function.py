@@ -26,9 +26,8 @@ from __future__ import annotations
 import logging
 
 import torch
+from monarch_tensor.worker.collectives import DummyProcessGroup
 from torch import autograd
-
-from worker.collectives import DummyProcessGroup
 
 from .api import remote
 from .process_group import RemoteProcessGroup

@@ -36,11 +36,10 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+from monarch_tensor.worker import messages as m
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.checkpoint.stateful import Stateful
-
-from worker import messages as m
 
 from .client import user_loc
 from .dtensor import distribute, placements_of
@@ -96,7 +95,7 @@ def _each(ctx, fn: str, args_per_rank: list, token: str) -> list:
     raises the first rank's error."""
     loc, client = user_loc(), ctx.client
     futs = [client.request(ctx.ranks[i],
-                           lambda port, a=a: m.FetchValue((a, {}), f"worker.checkpoint.{fn}", port, ctx.sid, loc),
+                           lambda port, a=a: m.FetchValue((a, {}), f"monarch_tensor.worker.checkpoint.{fn}", port, ctx.sid, loc),
                            f"checkpoint {fn}", mesh=ctx.ranks)
             for i, a in args_per_rank]
     out, error = [], None
@@ -107,7 +106,7 @@ def _each(ctx, fn: str, args_per_rank: list, token: str) -> list:
             error = error or e
             out.append(None)
     if error is not None:
-        drops = [client.request(r, lambda port: m.FetchValue(((token,), {}), "worker.checkpoint.drop", port,
+        drops = [client.request(r, lambda port: m.FetchValue(((token,), {}), "monarch_tensor.worker.checkpoint.drop", port,
                                                              ctx.sid, loc), "checkpoint drop", mesh=ctx.ranks)
                  for r in ctx.ranks]
         for f in drops:

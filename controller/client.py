@@ -24,14 +24,15 @@ import threading
 import time
 import weakref
 
+from monarch_tensor.worker import messages as m
+from monarch_tensor.worker.worker import WORKER_NAME, TensorWorker
+
 from monarch_tensor import _wire
 from monarch_tensor._net import ip_towards
 from monarch_tensor.config import env_number
 from monarch_tensor.future import Future
 from monarch_tensor.mailbox import current_mailbox
 from monarch_tensor.messages import CallEndpoint
-from worker import messages as m
-from worker.worker import WORKER_NAME, TensorWorker
 
 MAX_BATCH = env_number("MONARCH_TENSOR_MAX_BATCH", 512, "a whole number of instructions, at least 1", integer=True, least=1)
 FIRST_BATCH = min(MAX_BATCH, env_number("MONARCH_TENSOR_FIRST_BATCH", 16, "a whole number of instructions, at least 1",

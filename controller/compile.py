@@ -60,13 +60,12 @@ import warnings
 import weakref
 
 import torch
+from monarch_tensor.worker import messages as m
+from monarch_tensor.worker.opaque import OpaqueRef
+from monarch_tensor.worker.worker import flat_leaves
 from torch.nn.modules import module as _module
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
-
-from worker import messages as m
-from worker.opaque import OpaqueRef
-from worker.worker import flat_leaves
 
 from . import tensor as _t
 from .api import _FactoryMode

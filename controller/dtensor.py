@@ -22,9 +22,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
+from monarch_tensor.worker import messages as m
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
-
-from worker import messages as m
 
 from .client import user_loc
 from .dtensor_methods import ACTIVE, DistInfo
@@ -77,7 +76,7 @@ def _call(ctx, fn: str, args: tuple, shape, dtype, info: DistInfo | None) -> Ten
     client = ctx.client
     wire = tuple(m.Ref(a._ref) if type(a) is Tensor else a for a in args)
     ref = next(client.refs)
-    client.issue(m.CallFunction(f"worker.dtensor.{fn}", wire, {}, (ref,), (), ctx.sid, user_loc()), ctx.ranks)
+    client.issue(m.CallFunction(f"monarch_tensor.worker.dtensor.{fn}", wire, {}, (ref,), (), ctx.sid, user_loc()), ctx.ranks)
     meta = contiguous_meta(tuple(shape), dtype)
     out = Tensor(meta, intern_meta(meta), ctx, ref)
     if info is not None:
@@ -277,7 +276,7 @@ def placements_of(t) -> tuple:
     if info.placements is None:
         ctx = t._ctx
         rank = ctx.ranks[0]
-        fut = ctx.client.request(rank, lambda port: m.FetchValue(((m.Ref(t._ref),), {}), "worker.dtensor.placements_of",
+        fut = ctx.client.request(rank, lambda port: m.FetchValue(((m.Ref(t._ref),), {}), "monarch_tensor.worker.dtensor.placements_of",
                                                                  port, ctx.sid, user_loc()))
         info.placements = tuple(fut.get())
     return info.placements

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from worker.errors import RemoteException  # noqa: F401 - re-exported: a worker's failure, as the controller sees it
+from monarch_tensor.worker.errors import RemoteException  # noqa: F401 - re-exported: a worker's failure, as the controller sees it
 
 
 class MeshTensorError(Exception):

@@ -29,10 +29,9 @@ from __future__ import annotations
 import weakref
 
 import torch
+from monarch_tensor.worker import messages as m
 from torch import nn
 from torch.utils import _pytree as pytree
-
-from worker import messages as m
 
 from .client import user_loc
 from .dtensor_methods import ACTIVE, DistInfo
@@ -54,7 +53,7 @@ def _issue(ctx, fn: str, args: tuple, outs: list[tuple], mutates: tuple = (), in
 
     refs = tuple(next(client.refs) for _ in outs)
     metas = tuple((tuple(s), d) for s, d in outs)
-    client.issue(m.CallFunction(f"worker.fsdp.{fn}", tuple(wire(a) for a in args), {}, refs, mutates, ctx.sid,
+    client.issue(m.CallFunction(f"monarch_tensor.worker.fsdp.{fn}", tuple(wire(a) for a in args), {}, refs, mutates, ctx.sid,
                                 user_loc(), metas), ctx.ranks)
     result = []
     for k, (ref, (shape, dtype)) in enumerate(zip(refs, outs)):

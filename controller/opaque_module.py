@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import torch
 import torch.utils._pytree as pytree
-
-from worker.opaque import OpaqueRef
+from monarch_tensor.worker.opaque import OpaqueRef
 
 from .api import call_on_shard_and_fetch, remote
 from .opaque import OpaqueObject

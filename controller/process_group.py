@@ -28,7 +28,7 @@ collectives fail after ``MONARCH_TENSOR_COLLECTIVE_TIMEOUT`` seconds
 
 from __future__ import annotations
 
-from worker import messages as m
+from monarch_tensor.worker import messages as m
 
 
 class RemoteProcessGroup:

@@ -26,9 +26,8 @@ import fnmatch
 from collections.abc import Mapping, Sequence
 
 import torch
+from monarch_tensor.worker import messages as m
 from torch import nn
-
-from worker import messages as m
 
 from .dtensor import _resolve_mesh, distribute
 from .fsdp import FSDPState, Unit

@@ -21,12 +21,11 @@ import threading
 import weakref
 
 import torch
+from monarch_tensor.worker import messages as m
+from monarch_tensor.worker.containers import is_dataclass_instance
+from monarch_tensor.worker.opaque import OpaqueRef
+from monarch_tensor.worker.worker import flat_leaves
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
-
-from worker import messages as m
-from worker.containers import is_dataclass_instance
-from worker.opaque import OpaqueRef
-from worker.worker import flat_leaves
 
 from .client import Ctx, user_loc
 from .dtensor_methods import ACTIVE as _DIST

@@ -16,14 +16,14 @@ from typing import Any
 # name -> (module, attribute; None for the module itself)
 ENTRIES: dict[str, tuple[str, str | None]] = {
     # the tensor engine
-    "activate": ("controller.api", "activate"),                  # ProcMesh.activate()
-    "rank_tensor": ("controller.api", "rank_tensor"),            # ProcMesh.rank_tensor()
-    "call_actor": ("controller.api", "call_actor"),              # an endpoint called with mesh tensors
-    "actor_rref": ("controller.api", "actor_rref"),              # endpoint.rref()
-    "fake_mode": ("controller.tensor", "fake_mode"),             # the procs' warm-up
-    "RemoteProcessGroup": ("controller.process_group", "RemoteProcessGroup"),  # ProcMesh.process_group()
+    "activate": ("monarch_tensor.controller.api", "activate"),                  # ProcMesh.activate()
+    "rank_tensor": ("monarch_tensor.controller.api", "rank_tensor"),            # ProcMesh.rank_tensor()
+    "call_actor": ("monarch_tensor.controller.api", "call_actor"),              # an endpoint called with mesh tensors
+    "actor_rref": ("monarch_tensor.controller.api", "actor_rref"),              # endpoint.rref()
+    "fake_mode": ("monarch_tensor.controller.tensor", "fake_mode"),             # the procs' warm-up
+    "RemoteProcessGroup": ("monarch_tensor.controller.process_group", "RemoteProcessGroup"),  # ProcMesh.process_group()
     # the data plane
-    "payload": ("rdma.payload", None),                           # large buffers of a message (_wire)
+    "payload": ("monarch_tensor.rdma.payload", None),                           # large buffers of a message (_wire)
     "is_ibverbs_available": ("rdma", "is_ibverbs_available"),
 }
 

@@ -475,7 +475,7 @@ def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs
             for i, p in enumerate(members):
                 mailbox.send(p.addr, SpawnActor(name, cls, args, kwargs, i, shape, port, portable))
         except Exception as e:
-            errors = sys.modules.get("controller.errors")
+            errors = sys.modules.get("monarch_tensor.controller.errors")
             if i != 0 or errors is None or not isinstance(e, errors.MeshTensorError):  # (none was sent)
                 raise
             # Mesh tensors among the arguments: each rank's constructor gets its own, through the tensor engine.
@@ -602,7 +602,7 @@ class Endpoint(Generic[R]):
         try:
             encoded = _wire.encode_for(msg, addrs, mailbox)
         except Exception as e:
-            errors = sys.modules.get("controller.errors")
+            errors = sys.modules.get("monarch_tensor.controller.errors")
             if errors is None or not isinstance(e, errors.MeshTensorError):
                 raise
             # Mesh tensors among the arguments: each rank gets its own, through the tensor engine.
@@ -761,7 +761,7 @@ def send(endpoint: Endpoint, args: tuple, kwargs: dict, port: Port | None = None
     go to that port (``Channel.open()``). ``selection``: ``"all"`` the whole mesh, ``"choose"`` one live rank."""
     _check_send_args(args, kwargs)
     if not isinstance(endpoint, Endpoint):
-        api = sys.modules.get("controller.api")  # (a remote function can only come from there, once imported)
+        api = sys.modules.get("monarch_tensor.controller.api")  # (a remote function can only come from there, once imported)
         if api is not None and isinstance(endpoint, api.Remote) and selection == "all":
             endpoint.send(args, kwargs, port)  # Monarch's Remote is an endpoint: every proc of the active mesh
             return

@@ -5,7 +5,7 @@
 >>> dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
 """
 
-from controller.checkpoint import (
+from monarch_tensor.controller.checkpoint import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,

@@ -230,7 +230,7 @@ class LocalHost:
         # DTensor needs), so that they start with them loaded; others are forked at once and import nothing in
         # the background (an actor-only script that imported torch spends no seconds of CPU on torch._dynamo;
         # the engine's worker imports it on its own thread, should the procs run one later).
-        engine = "controller" in sys.modules
+        engine = "monarch_tensor.controller" in sys.modules
         for info, env in zip(infos, envs):
             self._next += 1
             fut = Future("proc spawn")

@@ -7,7 +7,7 @@ plays the part of Monarch's ``DeviceMesh`` (``with dm.activate():``, ``dm.rank(d
 
 from __future__ import annotations
 
-from worker.errors import RemoteException
+from monarch_tensor.worker.errors import RemoteException
 
 __all__ = ["RemoteException", "spawn_tensor_engine"]
 

@@ -28,7 +28,7 @@ import os
 from functools import partial
 from typing import Any, NamedTuple
 
-from controller.api import remote
+from monarch_tensor.controller.api import remote
 
 
 class Schedule(NamedTuple):

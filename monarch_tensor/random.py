@@ -16,8 +16,8 @@ from typing import NamedTuple
 
 import torch
 
-from controller.api import remote
-from controller.tensor import Tensor
+from monarch_tensor.controller.api import remote
+from monarch_tensor.controller.tensor import Tensor
 
 
 class State(NamedTuple):

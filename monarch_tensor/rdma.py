@@ -1,6 +1,6 @@
 """The data plane's public names: ``from monarch_tensor.rdma import RDMABuffer``."""
 
-from rdma import (  # noqa: F401
+from monarch_tensor.rdma import (  # noqa: F401
     RDMAAction,
     RDMABuffer,
     TensorHandle,
@@ -11,7 +11,7 @@ from rdma import (  # noqa: F401
     publish_tensor,
     transfer_stats,
 )
-from rdma.errors import (  # noqa: F401
+from monarch_tensor.rdma.errors import (  # noqa: F401
     BackendUnavailableError,
     BufferDroppedError,
     OwnerDiedError,

@@ -109,7 +109,7 @@ def test_save_resume_and_reshard(procs, local_run, tmp_path, monkeypatch):
     """Save after 2 AdamW steps on dp=2; resume on a fresh dp=2 model and on a fresh dp=1 one: the next 2
     losses are the uninterrupted run's. The dp=1 run saves again, and a fresh dp=2 model loads that (1 -> 2):
     its whole state is the local run's after 4 steps. The save fetched nothing but DCP's plans."""
-    from controller.client import MeshClient
+    from monarch_tensor.controller.client import MeshClient
 
     losses, _, (ref_model, ref_opt) = local_run
     xs = _batches()
@@ -133,7 +133,7 @@ def test_save_resume_and_reshard(procs, local_run, tmp_path, monkeypatch):
     model_sd, optim_sd = dcp.get_state_dict(model, opt)
     metadata = dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     monkeypatch.undo()
-    assert asked and all(isinstance(a, str) and a.startswith("worker.checkpoint.save_") for a in asked), asked
+    assert asked and all(isinstance(a, str) and a.startswith("monarch_tensor.worker.checkpoint.save_") for a in asked), asked
     assert sorted(os.listdir(path)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert "model.0.weight" in metadata.state_dict_metadata and "optim.state.0.weight.exp_avg" in \
         metadata.state_dict_metadata
@@ -271,7 +271,7 @@ def test_failures_leave_the_mesh_usable(procs, tmp_path):
     state = {"model": model.state_dict(), "count": count}
     dcp.load(state, checkpoint_id=tmp_path / "m")
     with procs.activate():  # the failed ones left nothing behind
-        assert [call_on_shard_and_fetch("worker.checkpoint.pending", shard={"dp": r}).result() for r in (0, 1)] \
+        assert [call_on_shard_and_fetch("monarch_tensor.worker.checkpoint.pending", shard={"dp": r}).result() for r in (0, 1)] \
             == [0, 0]
     assert state["count"] is count and float(inspect(count)) == 3
     assert not hasattr(count, "_val") and count.item() == 3  # the controller's known value (4) was stale: dropped

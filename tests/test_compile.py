@@ -7,10 +7,10 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from monarch_tensor.controller import compile as C
+from monarch_tensor.controller.api import client_for, worker_stats
+from monarch_tensor.controller.errors import MeshTensorError, RemoteException
 
-from controller import compile as C
-from controller.api import client_for, worker_stats
-from controller.errors import MeshTensorError, RemoteException
 from monarch_tensor import compile, fetch_shard
 
 GPUS = 2

@@ -5,13 +5,13 @@ import dataclasses
 import warnings
 
 import pytest
+from monarch_tensor.rdma.backends import verbs
+from monarch_tensor.rdma.errors import BackendUnavailableError
 from test_logs import lines, run_script
 
 import monarch_tensor
 from monarch_tensor import config
 from monarch_tensor.rdma import RDMABuffer, RDMATcpFallbackWarning
-from rdma.backends import verbs
-from rdma.errors import BackendUnavailableError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -200,15 +200,15 @@ def test_documented_switches_read_true_and_false_and_refuse_other_words(var, mod
 
 
 _ENV_CASES = [  # (variable, bad value, the module that reads it at import, what the error says it takes)
-    ("MONARCH_TENSOR_KEEP_FREED_MB", "abc", "worker.worker", "a whole number of MiB"),
-    ("MONARCH_TENSOR_KEEP_FREED_MB", "-5", "worker.worker", "a whole number of MiB"),
-    ("MONARCH_TENSOR_RDMA_TCP_SPIN_US", "abc", "rdma.backends.tcp", "a number of microseconds"),
-    ("MONARCH_TENSOR_PAYLOAD_THRESHOLD", "abc", "rdma.payload", "a whole number of bytes"),
-    ("MONARCH_TENSOR_PAYLOAD_TTL", "abc", "rdma.payload", "a number of seconds"),
-    ("MONARCH_TENSOR_PAYLOAD_TTL", "0", "rdma.payload", "at least 1"),
-    ("MONARCH_TENSOR_PAYLOAD_TTL", "-1", "rdma.payload", "at least 1"),
-    ("MONARCH_TENSOR_COLLECTIVE_TIMEOUT", "abc", "worker.collectives", "a number of seconds"),
-    ("MONARCH_TENSOR_COLLECTIVE_TIMEOUT", "-5", "worker.collectives", "at least 1"),
+    ("MONARCH_TENSOR_KEEP_FREED_MB", "abc", "monarch_tensor.worker.worker", "a whole number of MiB"),
+    ("MONARCH_TENSOR_KEEP_FREED_MB", "-5", "monarch_tensor.worker.worker", "a whole number of MiB"),
+    ("MONARCH_TENSOR_RDMA_TCP_SPIN_US", "abc", "monarch_tensor.rdma.backends.tcp", "a number of microseconds"),
+    ("MONARCH_TENSOR_PAYLOAD_THRESHOLD", "abc", "monarch_tensor.rdma.payload", "a whole number of bytes"),
+    ("MONARCH_TENSOR_PAYLOAD_TTL", "abc", "monarch_tensor.rdma.payload", "a number of seconds"),
+    ("MONARCH_TENSOR_PAYLOAD_TTL", "0", "monarch_tensor.rdma.payload", "at least 1"),
+    ("MONARCH_TENSOR_PAYLOAD_TTL", "-1", "monarch_tensor.rdma.payload", "at least 1"),
+    ("MONARCH_TENSOR_COLLECTIVE_TIMEOUT", "abc", "monarch_tensor.worker.collectives", "a number of seconds"),
+    ("MONARCH_TENSOR_COLLECTIVE_TIMEOUT", "-5", "monarch_tensor.worker.collectives", "at least 1"),
 ]
 
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from monarch_tensor.worker.containers import rebuild
 
 from monarch_tensor import MeshTensorError, fetch_shard, remote
-from worker.containers import rebuild
 
 pytestmark = pytest.mark.timeout(120)
 

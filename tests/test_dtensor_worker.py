@@ -30,14 +30,14 @@ GRID_PAIR = (0, 1)                # {"x": 2}: a sub-mesh; procs 2 and 3 sit out
 # ---- the actor -----------------------------------------------------------------------------------
 class DTWorker(Actor):
     def __init__(self, store_addr) -> None:
-        from worker.dtensor import StoreGroups
+        from monarch_tensor.worker.dtensor import StoreGroups
 
         torch.set_num_threads(1)
         self.rank = current_rank().rank
         self.groups = StoreGroups(self.rank, store_addr)
 
     def _mesh(self, grid, names):
-        from worker.dtensor import device_mesh
+        from monarch_tensor.worker.dtensor import device_mesh
 
         return device_mesh(grid, names, self.rank, self.groups.backend)
 
@@ -47,7 +47,7 @@ class DTWorker(Actor):
     @endpoint
     def chain(self, grid, names, x: torch.Tensor, placements, ops, grad: bool):
         """Distribute ``x``, run ``ops``; the full result (and the full gradient of its sum) on every rank."""
-        from worker.dtensor import distribute
+        from monarch_tensor.worker.dtensor import distribute
 
         if not self._in(grid):
             return None
@@ -65,7 +65,7 @@ class DTWorker(Actor):
 
         A ``Partial`` source dim holds ``x``'s shard on coordinate 0 and zeros elsewhere.
         """
-        from worker.dtensor import distribute, from_local, redistribute
+        from monarch_tensor.worker.dtensor import distribute, from_local, redistribute
 
         if not self._in(grid):
             return None
@@ -84,7 +84,7 @@ class DTWorker(Actor):
     @endpoint
     def matmul_train(self, grid, names, x, w, placements_x, placements_w, steps: int):
         """SGD on ``w`` for loss = mean((x @ w)^2) with torch.optim on DTensors; returns the final full ``w``."""
-        from worker.dtensor import distribute
+        from monarch_tensor.worker.dtensor import distribute
 
         if not self._in(grid):
             return None
@@ -103,7 +103,7 @@ class DTWorker(Actor):
 
     @endpoint
     def rank_groups(self):
-        from worker.dtensor import dim_groups
+        from monarch_tensor.worker.dtensor import dim_groups
 
         return dim_groups(torch.tensor(GRID_2D), self.rank)
 

@@ -16,8 +16,8 @@ import time
 import pytest
 import torch
 from _device import WORKER_DEVICE
+from monarch_tensor.controller.api import worker_stats
 
-from controller.api import worker_stats
 from monarch_tensor import MeshTensorError, RemoteException, fetch_shard, inspect, no_mesh, remote, this_host
 from monarch_tensor.actor import Actor, ActorError, as_endpoint, current_rank, endpoint
 
@@ -60,7 +60,7 @@ def test_a_remote_function_sees_its_workers_rank(procs):
 
 
 def test_new_float_scalars_on_pointwise_ops_need_no_new_propagation(procs):
-    from controller import tensor as ct
+    from monarch_tensor.controller import tensor as ct
 
     with procs.activate():
         x = torch.randn(3, 5)  # made on the workers: no value known here
@@ -85,7 +85,7 @@ def test_new_float_scalars_on_pointwise_ops_need_no_new_propagation(procs):
 
 def test_new_int_scalars_on_pointwise_ops_need_no_new_propagation(procs):
     """``x + i`` in a loop over ``i`` made a cache entry per value (memory never freed)."""
-    from controller import tensor as ct
+    from monarch_tensor.controller import tensor as ct
 
     with procs.activate():
         x = torch.arange(4, dtype=torch.int64) + procs.rank_tensor("gpus")
@@ -104,7 +104,7 @@ def test_new_int_scalars_on_pointwise_ops_need_no_new_propagation(procs):
 def test_new_scalar_lists_on_foreach_ops_need_no_new_propagation(procs):
     """A ``_foreach_`` op's list of scalars (foreach AdamW's per-parameter step sizes, new every step) is not part
     of the cache key; the values still reach the workers. Checked on foreach AdamW against local torch."""
-    from controller import tensor as ct
+    from monarch_tensor.controller import tensor as ct
 
     torch.manual_seed(0)
     init = [torch.randn(3, 4), torch.randn(5)]
@@ -281,7 +281,7 @@ def test_shape_error_raises_at_once(procs):
 
 
 def test_error_is_a_value_and_mesh_stays_usable(procs):
-    from controller.api import remote
+    from monarch_tensor.controller.api import remote
 
     def boom(x):
         raise ValueError("bad input on purpose")
@@ -417,7 +417,7 @@ _WARM_SCRIPT = """
 import sys, time
 import torch
 from monarch_tensor import fetch_shard, this_host
-import controller.tensor as ct
+import monarch_tensor.controller.tensor as ct
 mesh = this_host().spawn_procs(per_host={"gpus": 1})
 warm = ct._fake_mode is not None and "torch._dynamo" in sys.modules
 with mesh.activate():
@@ -449,8 +449,9 @@ def test_the_first_spawn_builds_the_fake_tensor_mode_while_the_procs_start(off, 
 
 
 def test_coalescing_sends_the_ops_of_its_block_as_one_batch(procs, monkeypatch):
+    from monarch_tensor.controller.api import client_for
+
     import monarch_tensor
-    from controller.api import client_for
 
     client = client_for(procs)
     sent = []
@@ -688,9 +689,10 @@ def test_a_to_mesh_send_on_a_stopping_proc_is_no_error_but_other_send_failures_a
     import logging
     from types import SimpleNamespace
 
-    import worker.messages as wm
+    import monarch_tensor.worker.messages as wm
+    from monarch_tensor.worker.worker import TensorWorker
+
     from monarch_tensor.mailbox import Mailbox
-    from worker.worker import TensorWorker
 
     msg = wm.SendTensor(src=1, xfer=7, dests={0: "ipc://nowhere"}, stream=0, loc=None)
     mailbox = Mailbox()
@@ -1181,8 +1183,9 @@ def test_dropped_tensors_are_freed_on_the_workers_while_the_script_is_idle(procs
 def test_in_place_reduces_of_overlapping_memory_are_not_folded_into_one_collective(procs):
     # Adjacent reduces of a batch become one collective, which reads every input before it writes any: a
     # reduce_ of a view (or a detach()) of a tensor reduced just before lost its own reduction.
+    from monarch_tensor.worker import messages as m
+
     from monarch_tensor import coalescing, reduce_
-    from worker import messages as m
 
     def local(n, *parts):
         """Rank r's ``ones(n) * (r + 1)`` with each part (a slice) summed over the two ranks, one at a time."""

@@ -13,8 +13,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from monarch_tensor.controller.api import worker_stats
 
-from controller.api import worker_stats
 from monarch_tensor import (
     MeshTensorError,
     RemoteException,
@@ -238,8 +238,9 @@ def test_a_pytrees_tensors_reduce_in_one_collective_per_dtype_like_one_at_a_time
 def test_a_run_of_reduces_is_one_collective_with_each_result_its_own(mesh):
     """Adjacent reduces of a batch go in one collective (the controller folds them into a ReduceMany); a
     reduce of what an earlier one made still sees that result."""
+    from monarch_tensor.worker import messages as m
+
     from monarch_tensor import coalescing
-    from worker import messages as m
 
     with mesh.activate():
         x = _per_rank(mesh)
@@ -673,7 +674,7 @@ def test_failed_collective_input_propagates(mesh):
 
 
 def test_borrow_rules_are_enforced_and_a_dropped_borrow_is_refused_everywhere(mesh):
-    from controller.errors import BorrowError
+    from monarch_tensor.controller.errors import BorrowError
 
     comms = Stream("comms_rules")
     other = this_host().spawn_procs(per_host={"hosts": 2, "gpus": 2})
@@ -748,7 +749,7 @@ fails = remote(_fails, propagate=lambda t: t.clone())
 def test_borrow_rules_hold_for_views_and_bases(mesh):
     # Only writes to the very tensor were refused: through a view of it, to its base, or through a view of a
     # read-only borrow, they went through and changed memory the other stream was using.
-    from controller.errors import BorrowError
+    from monarch_tensor.controller.errors import BorrowError
 
     comms = Stream("comms_views")
     with mesh.activate():
@@ -802,7 +803,7 @@ def test_a_failure_written_into_a_mutable_borrow_reaches_the_lender(mesh):
 def test_a_mutably_borrowed_tensor_cannot_be_read_until_the_drop(mesh):
     """Monarch's BORROWED: while another stream may write the lender's memory, the lender's stream cannot use
     it. Reads went through and saw the value from before or after the other stream's write, at random."""
-    from controller.errors import BorrowError
+    from monarch_tensor.controller.errors import BorrowError
 
     side = Stream("side_mutable_reads")
     with mesh.activate():

@@ -13,12 +13,12 @@ import types
 
 import pytest
 import torch
+from monarch_tensor.worker import messages as m
+from monarch_tensor.worker.errors import RemoteException
+from monarch_tensor.worker.worker import TensorWorker, flat_leaves, resolve_function, resolve_op
 
 from monarch_tensor import _wire
 from monarch_tensor.messages import PortRef
-from worker import messages as m
-from worker.errors import RemoteException
-from worker.worker import TensorWorker, flat_leaves, resolve_function, resolve_op
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -84,8 +84,8 @@ def test_resolvers():
 
 
 def test_shape_cache_hits_and_user_frame():
-    from controller import tensor as ct
-    from controller.client import user_loc
+    from monarch_tensor.controller import tensor as ct
+    from monarch_tensor.controller.client import user_loc
 
     def here():
         return user_loc()
@@ -126,7 +126,7 @@ class _RacyQueue(collections.deque):
 def _bare_client(monkeypatch, send):
     """A ``MeshClient`` of ranks (0, 1) with no mesh behind it: ``send(batch, ranks)`` gets what it sends, and
     no idle flusher runs (the tests flush)."""
-    from controller import client as cc
+    from monarch_tensor.controller import client as cc
 
     monkeypatch.setattr(cc, "_flusher", type("NoIdleFlush", (), {"wake": lambda self, c: None})())
     client = cc.MeshClient.__new__(cc.MeshClient)
@@ -172,7 +172,7 @@ def test_an_instruction_a_finalizer_queues_goes_between_what_was_issued_before_a
 def test_batches_start_small_after_a_pause_and_double_during_a_burst(monkeypatch):
     """After a fetch or a pause the workers are idle: the next burst's first instructions leave at once
     (``FIRST_BATCH`` of them), and each batch sent for its size doubles the bound, up to ``MAX_BATCH``."""
-    from controller import client as cc
+    from monarch_tensor.controller import client as cc
 
     monkeypatch.setattr(cc, "FIRST_BATCH", 16)
     monkeypatch.setattr(cc, "MAX_BATCH", 128)

@@ -123,7 +123,7 @@ def test_actor_messages_carry_gpu_tensors_to_the_receivers_gpu(procs, n):
 
 
 def test_nccl_on_a_group_of_one_and_shared_gpus_detected():
-    from worker.collectives import gpus_distinct, is_nccl, new_group
+    from monarch_tensor.worker.collectives import gpus_distinct, is_nccl, new_group
 
     store = dist.HashStore()
     dev = torch.device("cuda", 0)

@@ -103,4 +103,4 @@ def test_the_check_finds_an_upward_import(tmp_path, monkeypatch):
     (pkg / "bad.py").write_text("def f():\n    from controller.api import activate\n")
     monkeypatch.setattr(__import__(__name__), "ROOT", str(tmp_path))
     found = _imports()
-    assert ("monarch_tensor.bad", "controller.api", 2) in found
+    assert ("monarch_tensor.bad", "monarch_tensor.controller.api", 2) in found

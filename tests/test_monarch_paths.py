@@ -66,7 +66,8 @@ def test_spawn_tensor_engine_gives_the_mesh_to_activate():
 
 
 def test_opaque_module_path():
-    from controller.opaque_module import OpaqueModule
+    from monarch_tensor.controller.opaque_module import OpaqueModule
+
     from monarch_tensor.opaque_module import OpaqueModule as via_path
 
     assert via_path is OpaqueModule

@@ -100,14 +100,14 @@ class Where(Actor):
 
     @endpoint
     def publish(self, n: int):
-        from rdma import RDMABuffer
+        from monarch_tensor.rdma import RDMABuffer
 
         self.data = torch.arange(n, dtype=torch.float32)
         return RDMABuffer(self.data.view(torch.uint8))
 
     @endpoint
     def pulled(self) -> tuple[int, int]:
-        from rdma import payload, transfer_stats
+        from monarch_tensor.rdma import payload, transfer_stats
 
         return payload.stats()["pulled"], transfer_stats()["tcp"]["reads"]
 
@@ -204,7 +204,7 @@ def test_actors_reduce_and_dtensors_across_network_namespaces(hosts):
 def test_large_payloads_are_pulled_across_network_namespaces_over_tcp(hosts, monkeypatch):
     """The data servers are announced at each side's address on the route to the other: a 4 MiB argument
     is pulled by a proc from this process, and its echo by this process from the proc, both over tcp."""
-    from rdma import payload
+    from monarch_tensor.rdma import payload
 
     mesh, _ = hosts
     monkeypatch.setenv("MONARCH_TENSOR_RDMA_BACKEND", "tcp")

@@ -33,7 +33,7 @@ def _grow(refs):  # an OpaqueRef in a list, and one returned as it came in
 
 
 def _live_objects():
-    from worker import opaque
+    from monarch_tensor.worker import opaque
 
     return sum(1 for v in opaque._table.values() if isinstance(v, _Tracked))
 

@@ -26,7 +26,8 @@ def _local_copy(module: OpaqueModule, rank: int, make):
 
 
 def test_monarchs_module_paths():
-    from controller.opaque import OpaqueObject, opaque_method
+    from monarch_tensor.controller.opaque import OpaqueObject, opaque_method
+
     from monarch_tensor.opaque_object import OpaqueObject as O2
     from monarch_tensor.opaque_object import opaque_method as om2
 
@@ -101,7 +102,7 @@ def test_unused_inputs_frozen_parameters_and_structured_results(mesh):
 
 def _graphs_held():
     """The backward closures of OpaqueModule calls that this worker holds."""
-    from worker import opaque
+    from monarch_tensor.worker import opaque
 
     return sum(1 for v in opaque._table.values() if getattr(v, "__qualname__", "") == "_module_forward.<locals>.backward")
 

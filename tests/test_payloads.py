@@ -16,6 +16,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from monarch_tensor.rdma._registry import registry
 
 from monarch_tensor import _wire, fetch_shard, inspect
 from monarch_tensor._ports import Collector
@@ -23,8 +24,7 @@ from monarch_tensor.actor import Actor, endpoint
 from monarch_tensor.job import LocalJob
 from monarch_tensor.mailbox import LOST_REWRITES, Mailbox, current_mailbox
 from monarch_tensor.messages import CallEndpoint, PortRef, SendToPort
-from rdma import payload, transfer_stats
-from rdma._registry import registry
+from monarch_tensor.rdma import payload, transfer_stats
 
 MiB = 1 << 20
 
@@ -165,8 +165,8 @@ def test_to_mesh_data_whose_payload_is_lost_fails_the_receiving_tensor():
 
 @pytest.mark.timeout(60)
 def test_a_tensor_batch_whose_payload_is_lost_fails_the_instructions_that_carried_tensors():
-    import worker.worker as ww
-    from worker import messages as wm
+    import monarch_tensor.worker.worker as ww
+    from monarch_tensor.worker import messages as wm
 
     const = wm.CreateValue(5, torch.randn(MiB), 0)  # its bytes ride the payload
     op = wm.CallOp("aten::add.Tensor", (wm.Ref(5), 1), {}, (0,), (6,), (), 0, None)  # no data of its own

@@ -21,6 +21,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from monarch_tensor.rdma.backends import cma
+from monarch_tensor.rdma.buffer import ENV_BACKEND, unavailable_backends
+from monarch_tensor.rdma.errors import BackendUnavailableError
 
 from monarch_tensor.actor import Actor, endpoint, this_host
 from monarch_tensor.rdma import (
@@ -37,9 +40,6 @@ from monarch_tensor.rdma import (
     publish_tensor,
     transfer_stats,
 )
-from rdma.backends import cma
-from rdma.buffer import ENV_BACKEND, unavailable_backends
-from rdma.errors import BackendUnavailableError
 
 BACKENDS = ["cma", "tcp"]
 N = 1 << 16
@@ -693,7 +693,7 @@ def test_tcp_timeout_when_the_owner_is_stopped(owners, monkeypatch):
 def test_tcp_polls_then_blocks_for_a_slow_owner(owners, monkeypatch, n, kind):
     """An answer later than the tcp client's polling (the owner is stopped for 0.3 s) still arrives whole:
     the client went back to a blocking wait under its timeout (and a 4 MiB read's rest after its first bytes)."""
-    from rdma.backends import tcp
+    from monarch_tensor.rdma.backends import tcp
 
     monkeypatch.setenv(ENV_BACKEND, "tcp")
     monkeypatch.setattr(tcp, "SPIN_S", 0.02)
@@ -838,7 +838,7 @@ def test_forced_backend_is_read_at_every_transfer(owners, monkeypatch):
 def test_pid_and_per_process_values_follow_a_fork():
     """A forked child's cached pid is its own (``my_pid`` stands for ``os.getpid``), and a ``per_process``
     value is made again there."""
-    from rdma._host import my_pid, per_process
+    from monarch_tensor.rdma._host import my_pid, per_process
 
     made: list = []
     get = per_process(lambda: made.append(os.getpid()) or os.getpid())
@@ -883,7 +883,7 @@ def test_a_read_into_read_only_memory_or_with_a_bad_timeout_is_refused(owners, b
 def test_a_zombie_owner_is_not_alive():
     """A process that exited and that its parent has not reaped yet still has its /proc entry and start
     time: it is dead all the same (a reader's tcp connection to it was reset, and the error says so)."""
-    from rdma._host import alive, start_time
+    from monarch_tensor.rdma._host import alive, start_time
 
     assert alive(os.getpid(), start_time(os.getpid()))
     child = os.fork()
@@ -903,8 +903,9 @@ def test_a_zombie_owner_is_not_alive():
 
 
 def test_no_ibverbs_here_is_reported_cleanly(monkeypatch):
+    from monarch_tensor.rdma.backends import verbs
+
     from monarch_tensor import config
-    from rdma.backends import verbs
 
     monkeypatch.delenv(ENV_BACKEND, raising=False)
     reason = verbs.unavailable_reason()
@@ -957,8 +958,9 @@ def test_who_runs_a_deferred_transfer(owners, monkeypatch):
     """tcp transfers start on the first of: the thread that waits on the Future (no thread hop, also for a
     wait shorter than the transfer's timeout), a pool thread when the Future is awaited, or a pool thread
     after KICK_S when nobody waits at all (fire and forget)."""
-    from rdma import _future as rdma_future
-    from rdma.backends import tcp
+    from monarch_tensor.rdma.backends import tcp
+
+    from monarch_tensor.rdma import _future as rdma_future
 
     monkeypatch.setenv(ENV_BACKEND, "tcp")
     o = _owner(owners)
@@ -1009,7 +1011,7 @@ def test_a_shorter_wait_runs_the_transfer_then_hands_it_over(owners, monkeypatch
     on time, the transfer goes on on a pool thread (a read ran on the waiting thread until the wait ended,
     then again there; a write runs there from the start), and once the owner runs again the Future
     settles with the right bytes."""
-    from rdma.errors import TransferTimeoutError
+    from monarch_tensor.rdma.errors import TransferTimeoutError
 
     monkeypatch.setenv(ENV_BACKEND, "tcp")
     _, fut, pid, holds = _transfer_with_the_owner_stopped(owners, f"handoff-{kind}", 1 << 16, 13, kind, timeout=30)
@@ -1031,7 +1033,7 @@ def test_a_shorter_wait_runs_the_transfer_then_hands_it_over(owners, monkeypatch
 def test_mem_describes_exactly_the_bytes_given(shape, dtype, row, kind):
     """``as_mem``: address and length of exactly the bytes (a row of a bigger tensor included), and its
     flat uint8 view, made on first use, holds those bytes."""
-    from rdma._memory import as_mem
+    from monarch_tensor.rdma._memory import as_mem
 
     base = torch.arange(int(np.prod(shape)) * 5, dtype=torch.int64).to(getattr(torch, dtype)).reshape(5, *shape)
     t = base[row % 5]  # a view at an offset into its storage
@@ -1057,7 +1059,7 @@ def test_mem_describes_exactly_the_bytes_given(shape, dtype, row, kind):
 def test_mem_view_is_a_writable_window_on_the_bytes(n, data):
     """``Mem.view(offset, k)``: a flat, writable memoryview of exactly bytes [offset, offset + k), any
     offset and length; bytes written through it land in the object."""
-    from rdma._memory import as_mem
+    from monarch_tensor.rdma._memory import as_mem
 
     buf = bytearray(np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes())
     offset = data.draw(st.integers(0, n - 1))
@@ -1071,7 +1073,7 @@ def test_mem_view_is_a_writable_window_on_the_bytes(n, data):
 
 
 def test_mem_of_a_tensor_that_needs_grad_and_of_other_devices():
-    from rdma._memory import as_mem
+    from monarch_tensor.rdma._memory import as_mem
 
     w = torch.ones(4, requires_grad=True)
     assert not as_mem(w).flat.requires_grad  # detached: backends copy into it
@@ -1083,7 +1085,7 @@ def _tcp_pair():
     """A connected (reader, owner) pair of loopback TCP sockets, the reader's set up as the data plane's."""
     import socket as _socket
 
-    from rdma.backends import tcp
+    from monarch_tensor.rdma.backends import tcp
 
     srv = _socket.create_server(("127.0.0.1", 0))
     with srv:
@@ -1095,7 +1097,7 @@ def _tcp_pair():
 def test_tcp_client_socket_setup():
     import socket as _socket
 
-    from rdma.backends import tcp
+    from monarch_tensor.rdma.backends import tcp
 
     reader, owner = _tcp_pair()
     with reader, owner:
@@ -1109,7 +1111,7 @@ def test_tcp_client_socket_waits_under_its_deadline(monkeypatch):
     """A reader's socket blocks with the kernel's timeouts (no Python socket timeout): a silent owner
     times the receive out at the deadline, an owner that reads nothing times the send out, and bytes
     that come in pieces, with pauses longer than the kernel's timeout, are received whole."""
-    from rdma.backends import tcp
+    from monarch_tensor.rdma.backends import tcp
 
     monkeypatch.setattr(tcp, "TICK_S", 0.05)
     reader, owner = _tcp_pair()
@@ -1184,7 +1186,7 @@ def test_tcp_headers_keep_the_data_aligned():
     answer is HEAD bytes."""
     import socket as _socket
 
-    from rdma.backends import tcp
+    from monarch_tensor.rdma.backends import tcp
 
     assert tcp.HEAD % 64 == 0 and tcp._REQ.size == tcp.HEAD
     data = np.random.default_rng(4).integers(0, 256, 10000, dtype=np.uint8)
@@ -1212,8 +1214,8 @@ def test_tcp_headers_keep_the_data_aligned():
 @pytest.mark.parametrize("timeout", [float("inf"), 1e10])
 def test_tcp_transfer_takes_a_timeout_past_what_a_socket_takes(timeout):
     # Its connect passed the timeout to the socket: OverflowError.
-    from rdma._memory import as_mem
-    from rdma.backends import tcp
+    from monarch_tensor.rdma._memory import as_mem
+    from monarch_tensor.rdma.backends import tcp
 
     src = bytearray(b"no time limit")
     buf = RDMABuffer(memoryview(src))
@@ -1237,8 +1239,8 @@ def test_tcp_reader_takes_an_answer_in_pieces():
     import dataclasses
     import socket as _socket
 
-    from rdma._memory import as_mem
-    from rdma.backends import tcp
+    from monarch_tensor.rdma._memory import as_mem
+    from monarch_tensor.rdma.backends import tcp
 
     data = os.urandom(20000)
     srv = _socket.create_server(("127.0.0.1", 0))
@@ -1273,7 +1275,7 @@ def test_tcp_reader_takes_an_answer_in_pieces():
 def test_tcp_streams_start_at_aligned_offsets(monkeypatch):
     """A transfer cut over several connections starts each piece at a multiple of ALIGN of the local
     memory (odd total size), and the pieces cover it exactly."""
-    from rdma.backends import tcp
+    from monarch_tensor.rdma.backends import tcp
 
     monkeypatch.setenv(ENV_BACKEND, "tcp")
     n = 3 * tcp.MIN_STREAM_CHUNK + 12345
@@ -1303,7 +1305,7 @@ def test_tcp_reader_polls_for_the_rest_then_blocks(monkeypatch, spin_us):
     """``_recv_rest`` (the rest of a read on one connection): bytes that come in pieces, with pauses both
     shorter and longer than its polling, arrive whole; a sender that stops times it out at the deadline;
     a sender that hangs up mid-transfer is a ConnectionError."""
-    from rdma.backends import tcp
+    from monarch_tensor.rdma.backends import tcp
 
     monkeypatch.setattr(tcp, "SPIN_S", spin_us * 1e-6)
     monkeypatch.setattr(tcp, "TICK_S", 0.05)
@@ -1331,7 +1333,7 @@ def test_tcp_reader_polls_for_the_rest_then_blocks(monkeypatch, spin_us):
 def test_tcp_polls_for_the_rest_only_on_one_connection(owners, monkeypatch):
     """A read on one connection polls for its rest (``_recv_rest``); a read cut over several connections
     does not (they would poll at once); both get the right bytes."""
-    from rdma.backends import tcp
+    from monarch_tensor.rdma.backends import tcp
 
     monkeypatch.setenv(ENV_BACKEND, "tcp")
     o = _owner(owners)
@@ -1362,7 +1364,7 @@ def test_tcp_polls_for_the_rest_only_on_one_connection(owners, monkeypatch):
 def test_tcp_reader_stops_polling_a_trickle(monkeypatch):
     """Bytes that keep trickling in (never a pause as long as its polling) are polled for ten times
     ``SPIN_S`` at most; then ``_recv_rest`` waits for the rest blocked (``_recv_exact``), whole."""
-    from rdma.backends import tcp
+    from monarch_tensor.rdma.backends import tcp
 
     monkeypatch.setattr(tcp, "SPIN_S", 0.002)
     handed = []
@@ -1394,7 +1396,7 @@ def test_tcp_owner_polls_for_a_lone_writes_bytes(monkeypatch, flags):
     land whole either way."""
     import socket as _socket
 
-    from rdma.backends import tcp
+    from monarch_tensor.rdma.backends import tcp
 
     assert tcp.ALONE == 1
     used = []
@@ -1430,7 +1432,7 @@ def test_tcp_owner_polls_for_the_next_request_after_a_lone_transfer(monkeypatch,
     either way."""
     import socket as _socket
 
-    from rdma.backends import tcp
+    from monarch_tensor.rdma.backends import tcp
 
     monkeypatch.setattr(tcp, "SPIN_S", 20.0)  # long: a slow machine's delays stay well within it
     monkeypatch.setattr(tcp, "_cpu", lambda: 5)
@@ -1480,7 +1482,7 @@ def test_tcp_reader_tells_its_cpu_only_on_the_owners_host(monkeypatch):
     (another host's CPU numbers say nothing about sharing a core)."""
     import dataclasses
 
-    from rdma.backends import tcp
+    from monarch_tensor.rdma.backends import tcp
 
     monkeypatch.setenv(ENV_BACKEND, "tcp")
     monkeypatch.setattr(tcp, "_cpu", lambda: 3)
@@ -1511,7 +1513,7 @@ def test_tcp_owner_next_request_polls_then_blocks(monkeypatch):
     """``_next_request``: a header that comes in pieces while the thread polls, or after its polling
     ended, arrives whole; polling yields the core between tries, and does not start on a crowded machine;
     a client that hangs up while it polls is a ConnectionError."""
-    from rdma.backends import tcp
+    from monarch_tensor.rdma.backends import tcp
 
     monkeypatch.setattr(tcp, "SPIN_S", 20.0)  # long against the pieces' pauses, even on a slow machine
     clock = _JumpClock()

@@ -13,12 +13,12 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from monarch_tensor.rdma.backends import verbs
 
 from monarch_tensor import _wire
 from monarch_tensor.mailbox import current_mailbox
 from monarch_tensor.messages import PortRef
-from rdma import messages, service
-from rdma.backends import verbs
+from monarch_tensor.rdma import messages, service
 
 
 def test_pyverbs_imports_and_reports_no_device_cleanly():

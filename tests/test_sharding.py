@@ -172,7 +172,7 @@ def test_fsdp_refuses_what_it_cannot_honour(dp2):
 
 def _prefetch_stats(mesh) -> dict:
     def read():
-        from worker import fsdp
+        from monarch_tensor.worker import fsdp
 
         return dict(fsdp.stats)
 

@@ -130,7 +130,7 @@ def test_the_setting_is_read_in_microseconds(monkeypatch):
 
 def test_a_tensor_stream_is_busy_from_its_put_until_its_handler_returns():
     torch = pytest.importorskip("torch")
-    from worker.worker import _Stream
+    from monarch_tensor.worker.worker import _Stream
 
     class _Worker:
         device = torch.device("cpu")

@@ -4,8 +4,7 @@ overrides runs when called without options, as c10d's callers may call it, and g
 import pytest
 import torch
 import torch.distributed as dist
-
-from worker.collectives import StagedGroup
+from monarch_tensor.worker.collectives import StagedGroup
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -62,7 +62,7 @@ def test_an_internal_failure_keeps_its_whole_traceback(tmp_path):
     path = tmp_path / "bug.py"
     path.write_text(textwrap.dedent('''
         import torch
-        import controller.tensor as t
+        import monarch_tensor.controller.tensor as t
         from monarch_tensor import this_host
 
         def broken(*a, **k):

@@ -16,7 +16,7 @@ CODE = """
 import sys, threading
 import torch
 assert "torch._dynamo" not in sys.modules
-from worker.worker import start_warm_up
+from monarch_tensor.worker.worker import start_warm_up
 t = start_warm_up()
 if t is None:
     print("off", "torch._dynamo" in sys.modules)

@@ -454,8 +454,8 @@ def test_large_files_are_pulled_over_the_data_plane(tmp_path, monkeypatch, backe
     The writers are on this host, which by default gets every file in the messages: the test makes
     them pull as writers on other hosts do (the tcp backend is what those use), then turns that off.
     """
-    from rdma._registry import registry
-    from rdma.buffer import ENV_BACKEND
+    from monarch_tensor.rdma._registry import registry
+    from monarch_tensor.rdma.buffer import ENV_BACKEND
 
     proj = tmp_path / "proj"
     proj.mkdir()

@@ -265,7 +265,7 @@ class TensorWorker(Actor):
                 streams[instr.stream].put(handlers[t], (instr, current_runtime().reserve(instr.actor)))
             else:
                 if t is m.CallFunction and self.warming is not None and type(instr.fn) is str and \
-                        instr.fn.startswith("worker.dtensor."):
+                        instr.fn.startswith("monarch_tensor.worker.dtensor."):
                     self._after_warm_up(streams[instr.stream])
                 streams[instr.stream].put(handlers[t], instr, first + i if first and t in _WITHDRAWABLE else 0)
 

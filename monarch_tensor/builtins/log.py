@@ -3,7 +3,7 @@
 
 import logging
 
-from controller.api import remote
+from monarch_tensor.controller.api import remote
 
 logger = logging.getLogger(__name__)
 

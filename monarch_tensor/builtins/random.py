@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from controller.api import remote
+from monarch_tensor.controller.api import remote
 
 _CPU_STATE_BYTES = torch.get_rng_state().numel()
 

@@ -1,5 +1,5 @@
 """Monarch's ``monarch.common.opaque_ref`` path."""
 
-from worker.opaque import OpaqueRef
+from monarch_tensor.worker.opaque import OpaqueRef
 
 __all__ = ["OpaqueRef"]

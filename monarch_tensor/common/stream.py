@@ -1,5 +1,5 @@
 """Monarch's ``monarch.common.stream`` path."""
 
-from controller.api import Stream, get_active_stream
+from monarch_tensor.controller.api import Stream, get_active_stream
 
 __all__ = ["Stream", "get_active_stream"]

@@ -1,6 +1,6 @@
 """Monarch's ``monarch.common.tensor`` path."""
 
-from controller.api import reduce, reduce_
-from controller.tensor import Tensor
+from monarch_tensor.controller.api import reduce, reduce_
+from monarch_tensor.controller.tensor import Tensor
 
 __all__ = ["Tensor", "reduce", "reduce_"]

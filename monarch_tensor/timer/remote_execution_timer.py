@@ -4,7 +4,7 @@ and as remote functions ready to call inside ``with mesh.activate():``."""
 
 import torch
 
-from controller.api import remote
+from monarch_tensor.controller.api import remote
 
 from .execution_timer import (  # noqa: F401
     execution_timer_start,
