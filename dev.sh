@@ -23,7 +23,7 @@ setup() {
         || "$py" -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
     fi
   fi
-  if ! "$py" -c "import monarch_tensor, zmq, cloudpickle, pytest, hypothesis, pytest_timeout, mypy, mkdocs, mkdocstrings_handlers.python" 2>/dev/null \
+  if ! "$py" -c "import monarch_tensor, zmq, cloudpickle, pytest, hypothesis, pytest_timeout, xdist, mypy, mkdocs, mkdocstrings_handlers.python" 2>/dev/null \
      || [ pyproject.toml -nt "$VENV/.installed" ]; then
     "$py" -m pip install -q -e ".[dev]"
     touch "$VENV/.installed"
@@ -34,7 +34,13 @@ cmd=${1:-}
 shift || true
 case "$cmd" in
   demo)  setup; exec "$VENV/bin/python" examples/actors_basics.py "$@" ;;
-  test)  setup; "$VENV/bin/python" -m ruff check .; "$VENV/bin/python" -m mypy; exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 "$@" ;;
+  # The tests wait on processes and sockets more than they compute: 3 workers (pytest-xdist), each running whole
+  # files (module fixtures stay shared; tests/test_slurm.py's cluster is used by one file) but for the few files
+  # that tests/conftest.py hands out test by test, the longest first (tests/durations.json). A later -n wins:
+  # `bash dev.sh test -n 0 tests/test_x.py -k y` runs in this process.
+  # Byte-code caching on (an environment may turn it off): the tests start hundreds of Python processes.
+  test)  setup; "$VENV/bin/python" -m ruff check .; "$VENV/bin/python" -m mypy; unset PYTHONDONTWRITEBYTECODE
+         exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 -n 3 --dist loadfile --no-loadscope-reorder "$@" ;;
   bench) setup; exec "$VENV/bin/python" bench/actor_bench.py "$@" ;;
   setup) setup ;;
   *) echo "usage: bash dev.sh {demo|test|bench|setup} [args...]" >&2; exit 2 ;;

@@ -3,7 +3,10 @@
 # (see the shared notes on SLURM). Needs root and Debian's packages; installs them when missing.
 #   source .ci/slurm.sh start   # exports SLURM_CONF; on any failure prints why and returns 0 (tests then skip)
 #   bash .ci/slurm.sh stop      # scancel everything, stop the daemons it started (by their PIDs)
+# A second cluster on the same machine (another checkout's CI) takes another directory and ports:
+#   MONARCH_TENSOR_SLURM_DIR=/tmp/s2 MONARCH_TENSOR_SLURM_PORT=6827 source .ci/slurm.sh start
 DIR=${MONARCH_TENSOR_SLURM_DIR:-/tmp/monarch-tensor-slurm}
+PORT=${MONARCH_TENSOR_SLURM_PORT:-6817}  # slurmctld's; the two slurmd listen on PORT + 10184 and + 10185
 
 _slurm_start() {
   if [ "$(id -u)" != 0 ]; then echo "slurm: not root, skipping the SLURM set-up"; return 1; fi
@@ -28,7 +31,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-SlurmctldPort=6817
+SlurmctldPort=$PORT
 StateSaveLocation=$DIR/state
 SlurmdSpoolDir=$DIR/spool/%n
 SlurmctldPidFile=$DIR/slurmctld.pid
@@ -45,8 +48,8 @@ MpiDefault=none
 ReturnToService=2
 EnforcePartLimits=ALL
 SlurmdParameters=config_overrides
-NodeName=n1 NodeHostname=$host NodeAddr=127.0.0.1 Port=17001 CPUs=$cpus RealMemory=1000 State=UNKNOWN
-NodeName=n2 NodeHostname=$host NodeAddr=127.0.0.1 Port=17002 CPUs=$cpus RealMemory=1000 State=UNKNOWN
+NodeName=n1 NodeHostname=$host NodeAddr=127.0.0.1 Port=$((PORT + 10184)) CPUs=$cpus RealMemory=1000 State=UNKNOWN
+NodeName=n2 NodeHostname=$host NodeAddr=127.0.0.1 Port=$((PORT + 10185)) CPUs=$cpus RealMemory=1000 State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 CONF
   export SLURM_CONF="$DIR/slurm.conf"

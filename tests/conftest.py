@@ -1,3 +1,4 @@
+import json
 import os
 import signal
 import sys
@@ -20,6 +21,51 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+# Seconds each test file took in a recent full run (.ci/durations.py writes it from a JUnit XML); a file it does not
+# list counts as DEFAULT_FILE_SECONDS.
+DURATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
+DEFAULT_FILE_SECONDS = 20.0
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Under pytest-xdist (``--dist loadfile``: each file runs whole on one worker, in the order collected) the
+    files that take longest come first, so that no worker starts a long file while the others run out of work.
+    The tests of a file keep their order; a run without workers keeps the files' order too."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    try:
+        with open(DURATIONS) as f:
+            seconds = json.load(f)
+    except (OSError, ValueError):
+        return
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.nodeid.split("::")[0], i)
+    items.sort(key=lambda it: (-float(seconds.get(it.nodeid.split("::")[0], DEFAULT_FILE_SECONDS)),
+                               first[it.nodeid.split("::")[0]]))
+
+
+# Files whose tests are long and share nothing but module fixtures (each runs its own subprocess or job):
+# pytest-xdist hands out their tests one at a time, not the whole file to one worker.
+ONE_TEST_AT_A_TIME = ("tests/test_bench_smoke.py", "tests/test_dtensor_examples.py", "tests/test_examples.py",
+                      "tests/test_job_cli.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile``, except for the files of ONE_TEST_AT_A_TIME, whose tests are scheduled one by one."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return nodeid if file in ONE_TEST_AT_A_TIME else file
+
+    return Scheduling(config, log)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _report_unhandled_faults_instead_of_exiting():
     """The default ``unhandled_fault_hook`` ends the script's process: in the test runner that would end
@@ -36,6 +82,19 @@ def _report_unhandled_faults_instead_of_exiting():
     actor_mod.unhandled_fault_hook = report
     yield
     actor_mod.unhandled_fault_hook = default
+
+
+@pytest.fixture
+def short_tmp_path():
+    """A directory with a short path, for a test that makes it a process's TMPDIR: the sockets under it stay
+    within the 107 characters of a socket's path (``tmp_path`` is long, longer under pytest-xdist's workers)."""
+    import pathlib
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="mt-t-")
+    yield pathlib.Path(d)
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

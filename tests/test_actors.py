@@ -487,6 +487,7 @@ def _wrapper_of_nested_procs() -> tuple:
         inner.stop()
 
 
+@pytest.mark.timeout(120)  # (new interpreters that import torch, with the suite's other workers on the cores)
 def test_with_python_executable_runs_procs_with_another_interpreter(tmp_path):
     from monarch_tensor import heal_mesh
 
@@ -1669,6 +1670,7 @@ def test_monarch_spellings_of_proc_mesh_port_hints_instance_and_cleanup(tmp_path
         c.answer.call_one(port).get(timeout=T)
         assert receiver.recv().get(timeout=T) == 42
         a = procs.spawn("async_cleanup", AsyncCleanup, str(tmp_path / "async"))
+        a.initialized.get(timeout=T)  # (a stop during the constructor is acknowledged before __cleanup__ runs)
         c.stop().get(timeout=T)
         a.stop().get(timeout=T)
         assert (tmp_path / "cleanup").read_text() == "exc=None rank=0"  # exc is None on a normal stop

@@ -471,13 +471,13 @@ def test_debug_link_reads_bytes_that_are_not_utf8():
 
 
 @pytest.mark.timeout(60)
-def test_ctrl_c_leaves_the_debug_cli_without_a_traceback(tmp_path):
+def test_ctrl_c_leaves_the_debug_cli_without_a_traceback(tmp_path, short_tmp_path):
     """Ctrl-C while ``monarch-tensor debug`` waits for a script (or at its prompt) exits with 130 and a line,
     not Python's KeyboardInterrupt traceback."""
     import signal
 
     cli = subprocess.Popen([sys.executable, "-m", "monarch_tensor.cli", "debug", "--wait", "30"], cwd=tmp_path,
-                           env={**ENV, "TMPDIR": str(tmp_path)}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                           env={**ENV, "TMPDIR": str(short_tmp_path)}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 30

@@ -21,9 +21,9 @@ def test_dt_matmul_tour():
     assert any(ln.startswith("ShardingError: sharding_spec entry 0 names mesh dim 'tensor_parallel'") for ln in lines)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(450)  # (about 90 s alone on 2 cores; the suite's other workers share the cores)
 def test_train_sharded_matches_local():
-    out = run_example("train_sharded.py", timeout=290, args=("--steps", "2")).stdout
+    out = run_example("train_sharded.py", timeout=440, args=("--steps", "2")).stdout
     runs = dict(re.findall(r"^(local|fsdp  dp=2|dp=2 x tp=2): +losses (\[.*?\])", out, re.M))
     assert set(runs) == {"local", "fsdp  dp=2", "dp=2 x tp=2"}, out
     assert runs["fsdp  dp=2"] == runs["local"] and runs["dp=2 x tp=2"] == runs["local"], out

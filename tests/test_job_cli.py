@@ -68,7 +68,7 @@ def workdir(tmp_path):
             pass
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_apply_exec_kill(workdir):
     r = cli(workdir, "apply", "myjob.job")
     assert r.returncode == 0, r.stderr
@@ -168,7 +168,7 @@ def test_apply_exec_kill(workdir):
     assert r.returncode == 2 and "no running job" in r.stderr
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_contexts_hold_jobs_side_by_side(workdir):
     assert cli(workdir, "apply", "myjob.job").returncode == 0
     r = cli(workdir, "context", "use", "second")
@@ -360,7 +360,7 @@ def test_a_zombie_agent_is_not_running():
         parent.wait()
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_remote_mount_mirrors_a_directory_and_its_interpreter(tmp_path):
     src, mnt = tmp_path / "proj", tmp_path / "mnt"
     (src / "pkg").mkdir(parents=True)
@@ -478,7 +478,7 @@ def _interrupt_apply(cwd, marker, env) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.timeout(120)
-def test_ctrl_c_while_apply_starts_the_agents_stops_them(tmp_path):
+def test_ctrl_c_while_apply_starts_the_agents_stops_them(tmp_path, short_tmp_path):
     """Ctrl-C while ``apply`` waits for its agents to serve: they are stopped and the job's directory (its key)
     removed, as no job file records them for ``kill``."""
     agent = tmp_path / "agent.sh"  # an agent that never serves: apply waits for it
@@ -486,12 +486,11 @@ def test_ctrl_c_while_apply_starts_the_agents_stops_them(tmp_path):
     agent.chmod(0o755)
     (tmp_path / "job.py").write_text("from monarch_tensor.job import LocalJob\n"
                                      f"job = LocalJob(meshes={{'hosts': 2}}, python_exe={str(agent)!r})\n")
-    (tmp_path / "tmp").mkdir()
-    r = _interrupt_apply(tmp_path, tmp_path / "started", dict(ENV, TMPDIR=str(tmp_path / "tmp")))
+    r = _interrupt_apply(tmp_path, tmp_path / "started", dict(ENV, TMPDIR=str(short_tmp_path)))
     assert r.returncode == 130 and "no job was left running" in r.stderr and "Traceback" not in r.stderr, r.stderr
     started = [int(x) for x in (tmp_path / "started").read_text().split()]
     assert started and not any(alive(p) for p in started)
-    assert os.listdir(tmp_path / "tmp") == []  # the job's directory, with its key, is gone
+    assert os.listdir(short_tmp_path) == []  # the job's directory, with its key, is gone
     assert not (tmp_path / ".monarch" / "default" / "state.json").exists()
 
 
@@ -533,7 +532,7 @@ def test_ctrl_c_while_a_job_command_exits_shows_no_traceback(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_killing_a_local_job_whose_procs_run_leaves_no_socket_files(tmp_path):
+def test_killing_a_local_job_whose_procs_run_leaves_no_socket_files(short_tmp_path):
     """``job.kill()`` while the job's procs still run (no ``stop()``: a script's ``finally: job.kill()``): the
     procs, killed by their template, leave no socket files in the socket directory."""
     script = textwrap.dedent("""
@@ -548,6 +547,7 @@ def test_killing_a_local_job_whose_procs_run_leaves_no_socket_files(tmp_path):
         assert list(procs.spawn("a", A).ping.call().get().values()) == [1, 1]
         job.kill()
         """)
+    tmp_path = short_tmp_path
     r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=dict(ENV, TMPDIR=str(tmp_path)),
                        capture_output=True, text=True, timeout=90)
     assert r.returncode == 0, r.stderr
