@@ -48,6 +48,12 @@ _settle_hook: Callable[[], None] | None = None
 _interrupt_hook: Callable[[Any], None] | None = None
 
 
+# The client's default folding of procs' output (logs.py) holds lines a moment to fold the same line from
+# several ranks; while it holds some, a wait that returns prints them first (``logs.flush``): what an endpoint
+# printed comes before its result, in the notebook cell or terminal line that waited for it.
+_held_output: Callable[[], None] | None = None
+
+
 class Future(Generic[R]):
     """``fut.get(timeout=None)`` / ``fut.result()`` / ``await fut``.
 
@@ -114,6 +120,8 @@ class Future(Generic[R]):
                 if timeout is None:  # only a receiving wait returns unsettled without a timeout
                     raise RuntimeError(f"no {self._what}: this process's mailbox closed while waiting for it")
                 raise TimeoutError(f"no {self._what} within {timeout} s")
+        if _held_output is not None:
+            _held_output()
         return self._result()
 
     result = get

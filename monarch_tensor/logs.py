@@ -16,6 +16,7 @@ import threading
 import time
 
 from . import config
+from . import future as _future
 from .messages import ForwardLogs
 
 _lock = threading.Lock()
@@ -219,6 +220,14 @@ def client_log_sink(msg: ForwardLogs) -> None:
                 prev.followed = True
             group.ranks.append(msg.rank)
             _last[msg.rank] = group
+        if not _explicit:  # (the default folding: a wait that returns prints what it holds, see future.py)
+            _future._held_output = _print_held
+
+
+def _print_held() -> None:
+    """What the default folding holds, printed now: a wait returned (``future._held_output``)."""
+    if not _explicit:
+        flush()
 
 
 def _ranks_text(ranks: list[int]) -> str:
@@ -238,6 +247,8 @@ def flush(older_than: float | None = None) -> None:
         n = len(order) if older_than is None else max(
             (i + 1 for i, g in enumerate(order) if now - g.seen >= older_than), default=0)
         items, _groups = order[:n], order[n:]
+        if not _groups:
+            _future._held_output = None
         for g in items:
             if _latest.get((g.stream, g.line)) is g:
                 del _latest[(g.stream, g.line)]

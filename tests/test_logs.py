@@ -524,3 +524,35 @@ def test_a_terminal_sees_a_line_every_rank_printed_once(tmp_path):
         else:
             assert sorted(x for x in out if "UserWarning" in x) == [f"[{r}] UserWarning: this op is slow"
                                                                      for r in range(4)]
+
+
+@pytest.mark.timeout(30)
+def test_a_wait_that_returns_prints_what_the_default_folding_holds_first(monkeypatch, capsys):
+    """In a terminal or a notebook the default folding holds lines DEFAULT_WINDOW_S to fold the same line from
+    several ranks; the wait for the call's result prints them first, so they land in the cell that waited
+    (printed later by the folding's thread, a notebook showed them under another cell, or not at all). A window
+    the script chose (logging_option) is kept as it is."""
+    from monarch_tensor import future, logs
+    from monarch_tensor.future import Future
+    from monarch_tensor.messages import ForwardLogs
+
+    monkeypatch.setattr(logs, "_interactive", lambda: True)
+    monkeypatch.setattr(logs, "_explicit", False)
+    monkeypatch.setattr(logs, "_flusher", object())  # (no thread: only the wait prints)
+    for rank in (0, 1):
+        logs.client_log_sink(ForwardLogs(rank=rank, stream=1, lines=("a warning every rank prints",
+                                                                        f"rank {rank} says hello")))
+    assert capsys.readouterr().out == ""  # held, to fold
+    assert Future.ready(7).get() == 7
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == "[2 similar lines] [rank 0-1] a warning every rank prints"
+    assert sorted(printed[1:]) == ["[0] rank 0 says hello", "[1] rank 1 says hello"]
+    assert future._held_output is None  # nothing held: a wait costs one check
+
+    monkeypatch.setattr(logs, "_explicit", True)
+    monkeypatch.setattr(logs, "_window", 60.0)
+    logs.client_log_sink(ForwardLogs(rank=0, stream=1, lines=("kept for the chosen window",)))
+    assert Future.ready(8).get() == 8
+    assert capsys.readouterr().out == ""
+    logs.flush()
+    assert capsys.readouterr().out.splitlines() == ["[0] kept for the chosen window"]
