@@ -198,11 +198,12 @@ def test_an_init_error_on_a_mesh_nobody_calls_reaches_the_fault_hook(procs, faul
 
 
 def test_an_init_error_somebody_waits_on_is_theirs(procs, faults):
-    # (the constructor fails a while after the spawn: the call below is made before, on a loaded machine too)
+    # (each constructor fails a while after the spawn: the call or wait below is made before, on a loaded machine
+    # too; a failure that comes before anybody waits is the mesh owner's fault, the test above)
     m = procs.spawn("failing_init_called", FailsInInit, "awaited", 2.0)
     with pytest.raises(ActorError, match="awaited"):
         m.ping.call_one().get(timeout=T)
-    m = procs.spawn("failing_init_waited", FailsInInit, "waited")
+    m = procs.spawn("failing_init_waited", FailsInInit, "waited", 2.0)
     with pytest.raises(ActorError, match="waited"):
         m.initialized.get(timeout=T)
     m = procs._spawn_named("failing_runtime_actor", FailsInInit, "the runtime's own")  # (its user sees it)
