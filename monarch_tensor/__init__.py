@@ -56,22 +56,23 @@ from .tools.config import Workspace  # noqa: F401
 
 __version__ = "0.1.0"
 
-# The tensor engine (controller/), imported on first use so that `import monarch_tensor` stays light.
+# The tensor engine (monarch_tensor.controller), imported on first use so that `import monarch_tensor` stays
+# light: name -> its module, under this package.
 _ENGINE = {
-    "fetch_shard": "monarch_tensor.controller.api", "inspect": "monarch_tensor.controller.api", "show": "monarch_tensor.controller.api", "remote": "monarch_tensor.controller.api",
-    "reduce": "monarch_tensor.controller.api", "reduce_": "monarch_tensor.controller.api", "Stream": "monarch_tensor.controller.api",
-    "no_mesh": "monarch_tensor.controller.api", "call_on_shard_and_fetch": "monarch_tensor.controller.api",
-    "get_active_stream": "monarch_tensor.controller.api", "get_active_mesh": "monarch_tensor.controller.api", "to_mesh": "monarch_tensor.controller.api",
-    "slice_mesh": "monarch_tensor.controller.api", "shard_batch": "monarch_tensor.controller.api", "preview": "monarch_tensor.controller.api", "coalescing": "monarch_tensor.controller.client",
-    "compile": "monarch_tensor.controller.compile", "Tensor": "monarch_tensor.controller.tensor",
-    "RemoteException": "monarch_tensor.controller.errors", "MeshTensorError": "monarch_tensor.controller.errors",
-    "RemoteProcessGroup": "monarch_tensor.controller.process_group", "OpaqueRef": "monarch_tensor.worker.opaque",
-    "OpaqueObject": "monarch_tensor.controller.opaque", "opaque_method": "monarch_tensor.controller.opaque",
-    "grad_generator": "monarch_tensor.controller.gradient_generator", "grad_function": "monarch_tensor.controller.gradient_generator",
+    "fetch_shard": "controller.api", "inspect": "controller.api", "show": "controller.api", "remote": "controller.api",
+    "reduce": "controller.api", "reduce_": "controller.api", "Stream": "controller.api",
+    "no_mesh": "controller.api", "call_on_shard_and_fetch": "controller.api",
+    "get_active_stream": "controller.api", "get_active_mesh": "controller.api", "to_mesh": "controller.api",
+    "slice_mesh": "controller.api", "shard_batch": "controller.api", "preview": "controller.api", "coalescing": "controller.client",
+    "compile": "controller.compile", "Tensor": "controller.tensor",
+    "RemoteException": "controller.errors", "MeshTensorError": "controller.errors",
+    "RemoteProcessGroup": "controller.process_group", "OpaqueRef": "worker.opaque",
+    "OpaqueObject": "controller.opaque", "opaque_method": "controller.opaque",
+    "grad_generator": "controller.gradient_generator", "grad_function": "controller.gradient_generator",
     # global sharded tensors (controller/dtensor.py, controller/placements.py, controller/sharding.py)
-    "distribute": "monarch_tensor.controller.dtensor", "from_local": "monarch_tensor.controller.dtensor", "Shard": "monarch_tensor.controller.placements",
-    "Replicate": "monarch_tensor.controller.placements", "Partial": "monarch_tensor.controller.placements",
-    "ShardingError": "monarch_tensor.controller.placements", "module_to_mesh": "monarch_tensor.controller.sharding",
+    "distribute": "controller.dtensor", "from_local": "controller.dtensor", "Shard": "controller.placements",
+    "Replicate": "controller.placements", "Partial": "controller.placements",
+    "ShardingError": "controller.placements", "module_to_mesh": "controller.sharding",
 }
 
 
@@ -86,4 +87,4 @@ def __getattr__(name: str):
     mod = _ENGINE.get(name)
     if mod is None:
         raise AttributeError(f"module 'monarch_tensor' has no attribute {name!r}")
-    return getattr(importlib.import_module(mod), name)
+    return getattr(importlib.import_module(f"{__name__}.{mod}"), name)
