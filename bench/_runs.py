@@ -120,13 +120,45 @@ def report_rank(measure: Callable[[dict], int], marker: str, script: str) -> Non
     os._exit(1 if "error" in res else 0)
 
 
+def tree_cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user + system, every thread) used so far by process ``pid`` (default: this one) and every
+    live process below it: a controller and the procs it spawned. Linux's /proc; elsewhere this process only."""
+    pid = os.getpid() if pid is None else pid
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    stats: dict[int, tuple[int, float]] = {}  # pid: (parent, cpu s)
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return time.process_time()
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid ... utime stime
+        except OSError:  # gone meanwhile
+            continue
+        stats[int(name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    children: dict[int, list[int]] = {}
+    for p, (parent, _) in stats.items():
+        children.setdefault(parent, []).append(p)
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += stats.get(p, (0, 0.0))[1]
+        todo += children.get(p, [])
+    return total
+
+
 def timed_training(step: Callable, batches, wait: Callable, warmup: int, steps: int, repeats: int,
-                   barrier: Callable = lambda: None) -> dict:
+                   barrier: Callable = lambda: None, cpu: Callable[[], float] | None = None) -> dict:
     """A training loop's timings: the first step alone (issued, then ``wait``ed for), ``warmup - 1`` more
     untimed steps, then ``repeats`` loops of ``steps`` steps, each loop ending when ``wait(its last loss)``
     returns. ``step(x, y)`` issues one step and returns its loss (whatever the runtime's loss is); ``batches``
     yields ``(x, y)``. Returns ``first_s``, ``loops_ms`` (per step), ``step_ms`` (their median) and ``losses``
-    (every step's loss object, in order, for the caller to turn into numbers outside the timed region)."""
+    (every step's loss object, in order, for the caller to turn into numbers outside the timed region); with
+    ``cpu`` (CPU seconds used so far by every process of the runtime), also ``cpu_loops_ms`` and ``cpu_ms``:
+    the CPU time a step costs, which other work on the machine does not inflate as it does wall time."""
     import statistics
 
     it = iter(batches)
@@ -137,15 +169,22 @@ def timed_training(step: Callable, batches, wait: Callable, warmup: int, steps: 
     first = time.perf_counter() - t
     losses += [step(*next(it)) for _ in range(max(0, warmup - 1))]
     wait(losses[-1])
-    loops = []
+    loops, cpu_loops = [], []
     for _ in range(repeats):
         barrier()
+        c = cpu() if cpu else 0.0
         t = time.perf_counter()
         for _ in range(steps):
             losses.append(step(*next(it)))
         wait(losses[-1])
         loops.append((time.perf_counter() - t) * 1e3 / steps)
-    return {"first_s": first, "loops_ms": loops, "step_ms": statistics.median(loops), "losses": losses}
+        if cpu:
+            barrier()
+            cpu_loops.append((cpu() - c) * 1e3 / steps)
+    out = {"first_s": first, "loops_ms": loops, "step_ms": statistics.median(loops), "losses": losses}
+    if cpu:
+        out.update(cpu_loops_ms=cpu_loops, cpu_ms=statistics.median(cpu_loops))
+    return out
 
 
 def write_json(path: str, tiny: bool, load: tuple[float, float], **results) -> None:

@@ -257,6 +257,32 @@ class _Redistribute(torch.autograd.Function):
         return _Redistribute.apply(grad, back), None
 
 
+class _ReplicateOver(torch.autograd.Function):
+    """``t`` replicated over one mesh dim, its other placements kept (decided on the workers, where they are
+    known: no round trip). Redistributing keeps the global value, so the gradient is the output's, in any
+    placement: as it comes (``grad_too=False``), or replicated over the same dim (torch's ``ColwiseParallel``
+    input: the backward's ``Partial`` sums all-reduced there, once, rather than in whatever reads them next)."""
+
+    @staticmethod
+    def forward(ctx_, t: Tensor, dim: int, grad_too: bool) -> Tensor:
+        ctx_.dim, ctx_.grad_too = dim, grad_too
+        return _call(t._ctx, "replicate_over", (t, dim), t.shape, t.dtype, t._dist.derived())
+
+    @staticmethod
+    def backward(ctx_, grad):
+        if ctx_.grad_too and getattr(grad, "_dist", None) is not None:
+            grad = _ReplicateOver.apply(grad, ctx_.dim, False)
+        return grad, None, None
+
+
+def replicate_over(t: Tensor, dim: int, *, grad_too: bool = False) -> Tensor:
+    """``t`` (a distributed tensor) made ``Replicate()`` over its mesh's dim ``dim`` (an index), the rest as it is:
+    a ``Partial`` there all-reduced, a ``Shard`` all-gathered, a ``Replicate`` copied (torch's ``RowwiseParallel``
+    output layout); ``grad_too``: its gradient replicated over that dim as well (``ColwiseParallel``'s input)."""
+    require_dist(t, "replicate_over")
+    return _ReplicateOver.apply(t, dim, grad_too)
+
+
 def redistribute(t: Tensor, device_mesh=None, placements=None, *, sharding_spec=None) -> Tensor:
     """``t`` with new placements (``Shard``/``Replicate``); torch performs the collectives on the workers."""
     info = require_dist(t, "redistribute")

@@ -17,7 +17,13 @@ reduce-scatter of its gradient in the optimizer's update, ...).
   splits an ``nn.Linear``'s output features (weight and bias ``Shard(0)``),
   ``rowwise`` its input features (weight ``Shard(1)``, bias replicated); for an
   ``nn.Embedding`` colwise splits the embedding dim, rowwise the vocabulary.
-  Planned parameters are replicated over the data-parallel dim.
+  Planned parameters are replicated over the data-parallel dim. As torch's
+  ``RowwiseParallel``, a rowwise module's output is made ``Replicate()`` over
+  ``tp_dim`` (its ``Partial`` sums all-reduced) as it leaves the module, and
+  as ``ColwiseParallel``, a colwise Linear's input (and that input's gradient
+  in the backward) too, so what lies between (a residual add, a layer norm)
+  sees whole activations and whole gradients. Left to sharding propagation, a
+  layer norm reduce-scatters them and the next Linear all-gathers its weight.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import torch
 from monarch_tensor.worker import messages as m
 from torch import nn
 
-from .dtensor import _resolve_mesh, distribute
+from .dtensor import _resolve_mesh, distribute, replicate_over
 from .fsdp import FSDPState, Unit
 from .placements import Replicate, Shard, ShardingError
 from .tensor import Tensor, contiguous_meta, intern_meta
@@ -111,9 +117,39 @@ def module_to_mesh(module: nn.Module, mesh=None, *, dp_dim: str | None = None, t
                 setattr(mod, bname, seen[0])
     if dp_dim is None and mp_policy is not None:
         raise ShardingError(f"mp_policy needs a data-parallel mesh dim; the mesh {mesh._shape.sizes} has only tp_dim")
+    if plan:
+        tp_index = names.index(tp_dim)
+        for mname, style in styles.items():
+            if style == "rowwise":
+                submodules[mname].register_forward_hook(_replicated_output(tp_index))
+            elif isinstance(submodules[mname], nn.Linear):
+                submodules[mname].register_forward_pre_hook(_replicated_input(tp_index))
     params = [v for v in made.values() if v[1] is not None]
     _make_units(module, submodules, params, units, FSDPState(dp_dim, reshard_after_forward, mp_policy, bool(plan)))
     return module
+
+
+def _replicated_output(dim: int):
+    """A forward hook: the module's output (a distributed tensor) replicated over mesh dim ``dim``."""
+
+    def hook(module, args, out):
+        if getattr(out, "_dist", None) is not None:
+            return replicate_over(out, dim)
+        return None
+
+    return hook
+
+
+def _replicated_input(dim: int):
+    """A forward pre-hook: the module's input (a distributed tensor) replicated over mesh dim ``dim``, and its
+    gradient too (torch's ``ColwiseParallel`` input layout)."""
+
+    def hook(module, args):
+        if args and getattr(args[0], "_dist", None) is not None:
+            return (replicate_over(args[0], dim, grad_too=True), *args[1:])
+        return None
+
+    return hook
 
 
 def _matches(patterns, submodules: dict, module, what: str) -> list[tuple[str, str]]:

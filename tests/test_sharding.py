@@ -137,7 +137,17 @@ def test_tp_plan_units_gather_dtensors_and_reduce_gradients_per_unit(dp2):
     torch.manual_seed(0)
     ref = TinyGPT()
     mesh = dp2.split(dp=("dp", "tp"), tp=1)
-    model = module_to_mesh(copy.deepcopy(ref), mesh, plan={"blocks.*.fc": "colwise", "blocks.*.proj": "rowwise"})
+    model = copy.deepcopy(ref)
+    seen = {}
+    fc, proj = model.blocks[0].fc, model.blocks[0].proj
+
+    def grad_of_fc_input(mod, args):  # registered first: sees fc's input as the model made it
+        args[0].register_hook(lambda g: seen.update(fc_in_grad=g))
+
+    fc.register_forward_pre_hook(grad_of_fc_input)
+    model = module_to_mesh(model, mesh, plan={"blocks.*.fc": "colwise", "blocks.*.proj": "rowwise"})
+    fc.register_forward_pre_hook(lambda mod, args: seen.update(fc_in=args[0]))  # (after module_to_mesh's own)
+    proj.register_forward_hook(lambda mod, args, out: seen.update(proj_out=out))
     before = _prefetch_stats(dp2)
     batches = _batches()
     want = _train(ref, batches)
@@ -151,7 +161,10 @@ def test_tp_plan_units_gather_dtensors_and_reduce_gradients_per_unit(dp2):
     units = 3  # (two blocks and the root)
     assert all(a["dist_gathers"] - b["dist_gathers"] == a["dist_reduces"] - b["dist_reduces"] == 3 * units
                for a, b in zip(after, before)), (before, after)
-    fc, proj = model.blocks[0].fc, model.blocks[0].proj
+    # torch's ColwiseParallel / RowwiseParallel layouts: whole activations between the tensor-parallel Linears,
+    # and whole gradients of them in the backward (the matmuls' Partial sums all-reduced at the boundary)
+    assert seen["fc_in"].placements == seen["proj_out"].placements == (Shard(0), Replicate())
+    assert seen["fc_in_grad"].placements == (Shard(0), Replicate())
     assert fc.weight.placements == fc.weight.grad.placements == (Replicate(), Shard(0))
     assert proj.weight.grad.placements == (Replicate(), Shard(1)) and proj.bias.grad.placements == (Replicate(),) * 2
     assert model.wte.weight.grad.placements == (Shard(0), Replicate())  # (15 rows over 2 ranks: uneven)

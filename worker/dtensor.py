@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_tensor
 
 from .collectives import connect_store, new_group, register_name, user_group
 
@@ -138,6 +138,17 @@ def distribute(value: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Place
 def redistribute(dt: DTensor, placements: Sequence[Placement]) -> DTensor:
     """``dt`` with other placements (torch performs the collectives)."""
     return dt.redistribute(dt.device_mesh, list(placements))
+
+
+def replicate_over(dt: DTensor, dim: int) -> DTensor:
+    """``dt`` with ``Replicate()`` on mesh dim ``dim``, its other placements as they are: always a new tensor
+    (the controller holds the result as one, so it must not share memory with ``dt``)."""
+    places = list(dt.placements)
+    if isinstance(places[dim], Replicate):
+        return DTensor.from_local(dt.to_local().clone(), dt.device_mesh, places, run_check=False,
+                                  shape=dt.shape, stride=dt.stride())
+    places[dim] = Replicate()
+    return dt.redistribute(dt.device_mesh, places)
 
 
 def to_local(dt: DTensor) -> torch.Tensor:
