@@ -142,10 +142,11 @@ def tree_cpu_s(pid: int | None = None) -> float:
     children: dict[int, list[int]] = {}
     for p, (parent, _) in stats.items():
         children.setdefault(parent, []).append(p)
+    me = os.getpid()
     total, todo = 0.0, [pid]
     while todo:
         p = todo.pop()
-        total += stats.get(p, (0, 0.0))[1]
+        total += time.process_time() if p == me else stats.get(p, (0, 0.0))[1]  # (this one to the ns, not the tick)
         todo += children.get(p, [])
     return total
 

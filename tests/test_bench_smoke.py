@@ -193,6 +193,7 @@ def test_train_bench_tiny(tmp_path):
     assert data["kinds"] == ["local", "fsdp", "ddp_c"] and data["settings"]["FUSED"] is True
     for kind in data["kinds"]:
         assert data["median"][kind]["step_ms"] > 0 and data["median"][kind]["first_s"] > 0, (kind, proc.stdout[-2000:])
+        assert data["median"][kind]["cpu_ms"] > 0, (kind, proc.stdout[-2000:])  # (ours: the controller and its procs)
         assert len(data["losses"][kind]) >= data["settings"]["CHECK_STEPS"]
     # the data-parallel paths train exactly as local torch; a layout that unties lm_head from wte does not
     assert data["loss_match"]["ddp_c"] is True, data["losses"]
