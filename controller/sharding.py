@@ -24,6 +24,7 @@ reduce-scatter of its gradient in the optimizer's update, ...).
   in the backward) too, so what lies between (a residual add, a layer norm)
   sees whole activations and whole gradients. Left to sharding propagation, a
   layer norm reduce-scatters them and the next Linear all-gathers its weight.
+  A rowwise Linear's input gradient is replicated over ``tp_dim`` as well.
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ def module_to_mesh(module: nn.Module, mesh=None, *, dp_dim: str | None = None, t
         for mname, style in styles.items():
             if style == "rowwise":
                 submodules[mname].register_forward_hook(_replicated_output(tp_index))
+                submodules[mname].register_forward_pre_hook(_replicated_input_grad(tp_index))
             elif isinstance(submodules[mname], nn.Linear):
                 submodules[mname].register_forward_pre_hook(_replicated_input(tp_index))
     params = [v for v in made.values() if v[1] is not None]
@@ -135,6 +137,24 @@ def _replicated_output(dim: int):
     def hook(module, args, out):
         if getattr(out, "_dist", None) is not None:
             return replicate_over(out, dim)
+        return None
+
+    return hook
+
+
+def _replicated_input_grad(dim: int):
+    """A forward pre-hook: the gradient of the module's input (a distributed tensor) replicated over mesh dim
+    ``dim`` as the backward hands it on. A rowwise Linear's input gradient comes out of its matmul sharded
+    over ``tp_dim``; whatever made that input (an attention's reshapes of its heads) then sees whole
+    gradients, as its forward saw whole activations, instead of torch's sharding propagation mixing the
+    two (a ``_StridedShard`` of the batch and the heads, whose first propagation alone took seconds)."""
+
+    def replicate(grad):
+        return replicate_over(grad, dim) if getattr(grad, "_dist", None) is not None else None
+
+    def hook(module, args):
+        if args and getattr(args[0], "_dist", None) is not None and args[0].requires_grad:
+            args[0].register_hook(replicate)
         return None
 
     return hook

@@ -148,6 +148,11 @@ def test_tp_plan_units_gather_dtensors_and_reduce_gradients_per_unit(dp2):
     model = module_to_mesh(model, mesh, plan={"blocks.*.fc": "colwise", "blocks.*.proj": "rowwise"})
     fc.register_forward_pre_hook(lambda mod, args: seen.update(fc_in=args[0]))  # (after module_to_mesh's own)
     proj.register_forward_hook(lambda mod, args, out: seen.update(proj_out=out))
+
+    def grad_of_proj_input(mod, args):  # registered after module_to_mesh's hooks: sees the grad they hand on
+        args[0].register_hook(lambda g: seen.update(proj_in_grad=g))
+
+    proj.register_forward_pre_hook(grad_of_proj_input)
     before = _prefetch_stats(dp2)
     batches = _batches()
     want = _train(ref, batches)
@@ -164,7 +169,7 @@ def test_tp_plan_units_gather_dtensors_and_reduce_gradients_per_unit(dp2):
     # torch's ColwiseParallel / RowwiseParallel layouts: whole activations between the tensor-parallel Linears,
     # and whole gradients of them in the backward (the matmuls' Partial sums all-reduced at the boundary)
     assert seen["fc_in"].placements == seen["proj_out"].placements == (Shard(0), Replicate())
-    assert seen["fc_in_grad"].placements == (Shard(0), Replicate())
+    assert seen["fc_in_grad"].placements == seen["proj_in_grad"].placements == (Shard(0), Replicate())
     assert fc.weight.placements == fc.weight.grad.placements == (Replicate(), Shard(0))
     assert proj.weight.grad.placements == (Replicate(), Shard(1)) and proj.bias.grad.placements == (Replicate(),) * 2
     assert model.wte.weight.grad.placements == (Shard(0), Replicate())  # (15 rows over 2 ranks: uneven)
