@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 from monarch_tensor import _wire
 from monarch_tensor._net import ip_towards
 from monarch_tensor.config import _runtime as _config_runtime  # (what configure() set)
+from monarch_tensor.config import setting
 from monarch_tensor.future import Future
 
 from ._future import TransferFuture
@@ -101,7 +102,7 @@ def _forced_backend(name: str) -> Backend:
 
 def _where_forced() -> str:
     chosen = _config_runtime.get("rdma_backend")
-    return f"configure(rdma_backend={chosen!r})" if chosen else f"{ENV_BACKEND}={os.environ.get(ENV_BACKEND)}"
+    return f"configure(rdma_backend={chosen!r})" if chosen else f"{ENV_BACKEND}={setting(ENV_BACKEND)}"
 
 
 def unavailable_backends() -> dict[str, str]:
@@ -118,7 +119,7 @@ def _forced() -> str | None:
     if chosen is not None:
         return chosen or None
     if _ENV_DATA is None:
-        return os.environ.get(ENV_BACKEND)
+        return setting(ENV_BACKEND) or None
     v = _ENV_DATA.get(_ENV_KEY)
     if v is None:
         return None
@@ -251,7 +252,7 @@ class RDMABuffer:
     def __reduce__(self):
         d = self._desc = _with_owner(self._desc)
         towards = _wire.destination()
-        if towards and d.tcp is not None and d.pid == os.getpid() and not os.environ.get("MONARCH_TENSOR_RDMA_HOST"):
+        if towards and d.tcp is not None and d.pid == os.getpid() and not setting("MONARCH_TENSOR_RDMA_HOST"):
             # Pickled into a message for another host: announce the tcp server (which listens on every
             # address) at this machine's address on the route there, not the default one (may be loopback).
             host = ip_towards(towards)
