@@ -14,8 +14,8 @@ from monarch_tensor.worker import messages as m
 
 from monarch_tensor.future import Future
 
-# activation imports torch_patches, which imports this module: its siblings in that cycle are imported as
-# modules (their names are looked up at the call)
+# activation imports torch_patches, which imports this module (through remote_functions): its siblings in that
+# cycle are imported as modules (their names are looked up at the call)
 from . import activation
 from .arguments import mesh_leaves, to_wire
 from .client import Ctx, user_loc

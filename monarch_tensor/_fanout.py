@@ -139,6 +139,7 @@ def build_tree(items: list[tuple[str, list[str]]], fanout: int | None = None,
         for hop in path(agent, fanout):
             node = level.setdefault(hop, {"t": [], "c": {}, "p": []})
             level = node["c"]
+        assert node is not None  # (a path ends at its agent)
         node["t"].extend(procs)
         if positions is not None:
             node["p"].extend(positions[agent])

@@ -120,7 +120,7 @@ class _Segment:
             os.unlink(os.path.join(SHM_DIR, self.name))
         except OSError:
             pass
-        self.mm = None  # views a reader of ours may hold keep their own mapping
+        self.mm = memoryview(b"")  # let go of the mapping: views a reader of ours may hold keep their own
 
 
 class _Pool:

@@ -362,9 +362,10 @@ class RDMABuffer:
                              f"offset {offset}")
         return local
 
-    def _submit(self, kind: str, local: Mem, offset: int, timeout: float, defer: bool = True) -> Future[None]:
+    def _submit(self, kind: str | _Atomic, local: Mem, offset: int, timeout: float,
+                defer: bool = True) -> Future[None]:
         what = kind.op if type(kind) is _Atomic else kind
-        fut: Future[None] = TransferFuture(f"RDMA {what} of {local.nbytes} bytes")
+        fut = TransferFuture(f"RDMA {what} of {local.nbytes} bytes")
         try:
             cands = None if type(kind) is _Atomic else candidates(self._desc, local)
         except Exception as e:  # noqa: BLE001 - delivered to the waiter
@@ -376,7 +377,7 @@ class RDMABuffer:
         fut.defer((self, kind, local, offset, timeout, cands), kick=defer)  # who runs it: see _future
         return fut
 
-    def _run(self, fut: Future, kind: str, local: Mem, offset: int, timeout: float,
+    def _run(self, fut: Future, kind: str | _Atomic, local: Mem, offset: int, timeout: float,
              cands: list[Backend] | None = None) -> None:
         try:
             self.transfer(kind, local, offset, timeout, cands)
@@ -385,19 +386,21 @@ class RDMABuffer:
         else:
             fut._set_result(None)
 
-    def transfer(self, kind: str, local: Mem, offset: int, timeout: float,
+    def transfer(self, kind: str | _Atomic, local: Mem, offset: int, timeout: float,
                  cands: list[Backend] | None = None) -> None:
         """Run one transfer on this thread (the Future-less form; ``kind`` is "read" or "write"), with the
         first of ``cands`` (default: ``candidates``) that does not refuse it."""
         d = self._desc
         _check_owner(d)
         if type(kind) is _Atomic:  # done by the owner, whichever backend moves this buffer's bytes
-            from .backends.tcp import COMPARE_SWAP, FETCH_ADD
+            from .backends.tcp import COMPARE_SWAP, FETCH_ADD, TcpBackend
 
             if d.tcp is None:
                 raise BackendUnavailableError(f"buffer {d.buf_id} has no data server to do atomics")
-            backend_named("tcp").atomic(d, FETCH_ADD if kind.op == "fetch_add" else COMPARE_SWAP, offset, kind.a,
-                                        kind.b, local, timeout)
+            tcp = backend_named("tcp")
+            assert isinstance(tcp, TcpBackend)  # (the backend of that name; its atomic() is its own)
+            tcp.atomic(d, FETCH_ADD if kind.op == "fetch_add" else COMPARE_SWAP, offset, kind.a, kind.b, local,
+                       timeout)
             return
         last: Exception | None = None
         for b in candidates(d, local) if cands is None else cands:
@@ -513,7 +516,7 @@ class RDMAAction:
     """
 
     def __init__(self) -> None:
-        self._ops: list[tuple[str, RDMABuffer, Mem, int]] = []
+        self._ops: list[tuple[str | _Atomic, RDMABuffer, Mem, int]] = []
 
     def read_remote(self, dst: Any, src: RDMABuffer, *, offset: int | None = None) -> RDMAAction:
         """Queue a read of the RDMA buffer ``src`` into local memory ``dst``, as ``src.read_into(dst,

@@ -63,7 +63,7 @@ _ATOMIC_LOCK = threading.Lock()  # the owner's atomics, one at a time: atomic wi
 
 def _send_parts(sock: socket.socket, head: bytes, data=None, deadline: float | None = None) -> None:
     """``head`` then ``data`` in one system call where the kernel takes both (small transfers)."""
-    parts = [head] if data is None else [head, memoryview(data).cast("B")]
+    parts: list[bytes | memoryview] = [head] if data is None else [head, memoryview(data).cast("B")]
     sent = sock.sendmsg(parts)
     for part in parts:
         if sent >= len(part):
@@ -400,7 +400,10 @@ class TcpBackend(Backend):
              alone: bool = False, operands: bytes | None = None) -> None:
         """Move [lo, lo + n) of ``local`` on one connection (``alone``: the only one of its transfer); for an
         atomic, send ``operands`` and receive the word's value before into ``local``."""
-        addr = tuple(desc.tcp)
+        if desc.tcp is None:
+            raise TransferError(f"buffer {desc.buf_id} has no tcp server: the tcp backend cannot move it")
+        host, port = desc.tcp
+        addr = (host, port)
         s = self._conn(addr, desc, deadline)
         ok = False
         try:
@@ -408,12 +411,14 @@ class TcpBackend(Backend):
             req = request(op, ALONE if alone else 0, desc.buf_id, desc.token, offset + lo, n,
                           _cpu() if desc.host == host_id() else NO_CPU)
             status = bytearray(HEAD)
+            view = local.view(lo, n)
+            bufs: list[bytearray | memoryview]
             if op == WRITE:
-                _send_parts(s, req, local.view(lo, n), deadline)
+                _send_parts(s, req, view, deadline)
                 bufs = [status]
             else:
                 _send_parts(s, req, operands, deadline)
-                bufs = [status, local.view(lo, n)]  # the answer and the first bytes in one call
+                bufs = [status, view]  # the answer and the first bytes in one call
             got = _recv_first(s, bufs, deadline)
             if got == 0:
                 raise ConnectionError("connection closed before the owner answered")
@@ -421,7 +426,7 @@ class TcpBackend(Backend):
                 _recv_exact(s, memoryview(status)[got:], deadline)
                 got = HEAD
             if op != WRITE and status[0] == OK and got - HEAD < n:
-                (_recv_rest if alone else _recv_exact)(s, bufs[1][got - HEAD:], deadline)
+                (_recv_rest if alone else _recv_exact)(s, view[got - HEAD:], deadline)
             ok = True
         except (OSError, ConnectionError) as e:
             raise self._lost(desc, e) from e
