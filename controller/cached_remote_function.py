@@ -29,8 +29,8 @@ import torch
 from monarch_tensor.worker.collectives import DummyProcessGroup
 from torch import autograd
 
-from .api import remote
 from .process_group import RemoteProcessGroup
+from .remote_functions import remote
 from .tensor import Tensor
 
 log = logging.getLogger(__name__)

@@ -230,8 +230,8 @@ def _fqns(model: nn.Module) -> dict[int, str]:
 def _full(tree):
     """``tree`` with its mesh tensors as whole CPU tensors: distributed ones gathered on the workers (the
     first rank's copy is fetched, in one fetch per mesh), the others as the first rank holds them."""
-    from .api import fetch_shard
     from .dtensor import _call
+    from .fetching import fetch_shard
 
     leaves, spec = torch.utils._pytree.tree_flatten(tree)
     by_mesh: dict = {}

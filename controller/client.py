@@ -29,15 +29,14 @@ from monarch_tensor.worker.worker import WORKER_NAME, TensorWorker
 
 from monarch_tensor import _wire
 from monarch_tensor._net import ip_towards
-from monarch_tensor.config import env_number
+from monarch_tensor.config import setting
 from monarch_tensor.future import Future
 from monarch_tensor.mailbox import current_mailbox
 from monarch_tensor.messages import CallEndpoint
 
-MAX_BATCH = env_number("MONARCH_TENSOR_MAX_BATCH", 512, "a whole number of instructions, at least 1", integer=True, least=1)
-FIRST_BATCH = min(MAX_BATCH, env_number("MONARCH_TENSOR_FIRST_BATCH", 16, "a whole number of instructions, at least 1",
-                                        integer=True, least=1))
-IDLE_S = env_number("MONARCH_TENSOR_IDLE_FLUSH_S", 0.001, "a number of seconds")
+MAX_BATCH = setting("MONARCH_TENSOR_MAX_BATCH")
+FIRST_BATCH = min(MAX_BATCH, setting("MONARCH_TENSOR_FIRST_BATCH"))
+IDLE_S = setting("MONARCH_TENSOR_IDLE_FLUSH_S")
 PAUSE_ANSWER = 10.0  # how long an interrupt waits for the paused workers to say how far they got (withdraw)
 DELETE_IDLE_S = 0.5  # how often the flusher looks for deletes left with no batch to go with
 

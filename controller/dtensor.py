@@ -116,7 +116,7 @@ def distribute(tensor: torch.Tensor, mesh=None, placements: Sequence[Placement] 
     >>> dt = distribute(torch.randn(8, 4), procs, [Shard(0), Replicate()])
     >>> dt = distribute(torch.randn(8, 4), procs, sharding_spec=["dp", None])
     """
-    from .api import ctx_for
+    from .activation import ctx_for
 
     mesh = _resolve_mesh(mesh, "distribute")
     if not isinstance(tensor, torch.Tensor):
@@ -310,7 +310,7 @@ def placements_of(t) -> tuple:
 
 def full_tensor(t: Tensor) -> torch.Tensor:
     """The whole value of ``t`` on the controller (gathered on the workers, fetched from the first rank)."""
-    from .api import fetch_shard
+    from .fetching import fetch_shard
 
     require_dist(t, "full_tensor")
     with torch.no_grad():

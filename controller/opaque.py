@@ -15,7 +15,7 @@ import functools
 
 from monarch_tensor.worker.opaque import OpaqueRef
 
-from .api import call_on_shard_and_fetch, remote
+from .remote_functions import call_on_shard_and_fetch, remote
 
 
 def _construct_object(constructor, *args, **kwargs) -> OpaqueRef:

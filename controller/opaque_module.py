@@ -24,8 +24,8 @@ import torch
 import torch.utils._pytree as pytree
 from monarch_tensor.worker.opaque import OpaqueRef
 
-from .api import call_on_shard_and_fetch, remote
 from .opaque import OpaqueObject
+from .remote_functions import call_on_shard_and_fetch, remote
 from .tensor import Tensor
 
 

@@ -53,7 +53,7 @@ class RemoteProcessGroup:
                              f"its dims are {list(shape.names)}")
         if len(set(dims)) != len(dims):
             raise ValueError(f"process_group{dims}: a dimension is named twice")
-        from .api import _groups
+        from .collectives import _groups
 
         self.dims = dims
         self.device_mesh = device_mesh
@@ -69,7 +69,7 @@ class RemoteProcessGroup:
     def _check_used_on(self, ctx) -> None:
         """Refuse a call on ``ctx``'s ranks that would leave a member of one of the groups out (it would wait
         for that member until its timeout), or that runs on another mesh's procs."""
-        from .api import client_for
+        from .activation import client_for
 
         if client_for(self.device_mesh) is not ctx.client:
             raise ValueError(f"{self!r} belongs to another proc mesh than the one this remote function runs on")

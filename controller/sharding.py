@@ -184,7 +184,7 @@ def _matches(patterns, submodules: dict, module, what: str) -> list[tuple[str, s
 
 def _plain(b: torch.Tensor, mesh) -> Tensor:
     """``b`` as a plain mesh tensor, the same value on every rank (a buffer: FSDP2 leaves buffers unsharded)."""
-    from .api import ctx_for
+    from .activation import ctx_for
 
     ctx = ctx_for(mesh)
     if type(b) is Tensor:

@@ -204,7 +204,7 @@ class Tensor(DistributedMethods, torch.Tensor):
 
     def preview(self):
         """Every rank's value, fetched (a synchronisation): ``monarch_tensor.preview(self)``."""
-        from .api import preview
+        from .fetching import preview
 
         return preview(self)
 
@@ -267,25 +267,25 @@ class Tensor(DistributedMethods, torch.Tensor):
 
     def reduce(self, dims, reduction: str = "sum", scatter: bool = False, mesh=None, out=None):
         """Collective over the ranks of ``dims``: ``t.reduce("gpus", "sum")`` (see ``monarch_tensor.reduce``)."""
-        from .api import reduce
+        from .collectives import reduce
 
         return reduce(self, dims, reduction, scatter, mesh, out=out)
 
     def reduce_(self, dims, reduction: str = "sum", scatter: bool = False, mesh=None):
         """In-place ``reduce``: every rank's tensor becomes the reduced value."""
-        from .api import reduce_
+        from .collectives import reduce_
 
         return reduce_(self, dims, reduction, scatter, mesh)
 
     def to_mesh(self, mesh, stream=None):
         """This tensor's data on another mesh of the same shape (rank i sends to rank i)."""
-        from .api import _to_mesh
+        from .moving import _to_mesh
 
         return _to_mesh(self, mesh, stream)
 
     def slice_mesh(self, **kwargs):
         """This tensor on a slice of its mesh: ``t.slice_mesh(gpus=0)``."""
-        from .api import _slice_mesh
+        from .moving import _slice_mesh
 
         return _slice_mesh(self, **kwargs)
 
@@ -304,7 +304,7 @@ class Tensor(DistributedMethods, torch.Tensor):
             del self._val
         ctx.client.issue(m.DeleteRefs((self._ref,), ctx.sid), ctx.ranks)  # in order after its last use
         ctx.client.flush()
-        from .api import _Dropped
+        from .streams import _Dropped
 
         self._ctx = _Dropped(ctx, "t.drop()")
 
@@ -705,7 +705,7 @@ def agreed_value(t: Tensor, what: str) -> torch.Tensor:
     ranks' values and the one-line fetch of one of them. A value the controller knows needs no fetch."""
     if hasattr(t, "_val"):
         return t._val
-    from .api import preview
+    from .fetching import preview
 
     values = preview(t).values()
     first = values[0]
@@ -1063,8 +1063,8 @@ def _mutated_tensors(pos, names, args, kwargs, func) -> list:
     return mut
 
 
-borrowing = [False]  # set by the first Stream.borrow (controller/api.py)
-mutable_loans: set = set()  # the ids of the live mutable borrows (controller/api.py): while any, reads are checked
+borrowing = [False]  # set by the first Stream.borrow (controller/streams.py)
+mutable_loans: set = set()  # the ids of the live mutable borrows (controller/streams.py): while any, reads are checked
 
 
 class Loans(list):

@@ -31,7 +31,7 @@ from torch.utils._device import DeviceContext, _device_constructors
 
 from monarch_tensor import _wire
 
-from . import api
+from . import activation, moving, remote_functions, streams
 from .client import Ctx, user_loc
 from .errors import MeshTensorError
 from .tensor import Tensor, record, state
@@ -83,14 +83,14 @@ def _lend_generator(pm) -> None:
     numbers as a local run, both ways. Ranks with different states (``set_manual_seed_remote(s,
     process_idx=...)``) keep theirs: the loader draws from rank 0's, and theirs do not move.
     Nothing issued to the mesh since the last fetch: the controller's state is the workers' already."""
-    client = api.client_for(pm)
+    client = activation.client_for(pm)
     if client.on_next_issue is not None:
         return
-    ctx = client.ctx(pm, api._MAIN)
+    ctx = client.ctx(pm, streams._MAIN)
     loc = user_loc()
     replies = [client.request(r, lambda port: m.FetchValue(((), {}), "torch.get_rng_state", port, ctx.sid, loc),
                               "the workers' generator state", mesh=ctx.ranks) for r in ctx.ranks]
-    states = [f.result(api.RECV_TIMEOUT) for f in replies]
+    states = [f.result(moving.RECV_TIMEOUT) for f in replies]
     torch.default_generator.set_state(states[0])
     if all(torch.equal(s, states[0]) for s in states[1:]):
         client.on_next_issue = functools.partial(_give_back_generator, ctx)
@@ -185,7 +185,7 @@ def install_factories() -> None:
                 # whether the device is named or comes from ``with torch.device("cuda"):``.
                 if kwargs.get("device") is not None or _device_context():
                     kwargs = {**kwargs, "device": "cpu"}
-                with _FactoryMode(api.ctx_for(pm)):
+                with _FactoryMode(activation.ctx_for(pm)):
                     return orig(*args, **kwargs)
             return factory
 
@@ -207,7 +207,7 @@ def install_factories() -> None:
         except (TypeError, ValueError, RuntimeError) as e:
             raise type(e)(f"torch.manual_seed({value!r}) inside activate(): the seed must be an int in "
                           f"[-2**63, 2**64) ({e})") from None
-        ctx = api.ctx_for(pm)
+        ctx = activation.ctx_for(pm)
         ctx.client.issue(m.CallFunction("torch.manual_seed", (int(value),), {}, (), (), ctx.sid, user_loc()),
                          ctx.ranks)
         return gen
@@ -246,7 +246,7 @@ def install_factories() -> None:
     # result and no error: a value only the workers know runs torch's own one_hot there (its error comes at
     # a fetch, as other workers' errors do), and a value the controller knows is checked here.
     one_hot = torch.nn.functional.one_hot
-    one_hot_on_workers = api.Remote("torch.nn.functional.one_hot", propagate=one_hot)
+    one_hot_on_workers = remote_functions.Remote("torch.nn.functional.one_hot", propagate=one_hot)
 
     @functools.wraps(one_hot)
     def one_hot_(tensor, num_classes=-1):
@@ -270,7 +270,7 @@ def install_factories() -> None:
     # script's own moves on as much: the draws depend only on the tensor's shape and dtype and the generator,
     # not on the values, so the same call here on a stand-in of that shape draws what the workers draw.
     trunc_normal = torch.nn.init.trunc_normal_
-    trunc_normal_on_workers = api.Remote(_trunc_normal_on_workers, propagate=_none)
+    trunc_normal_on_workers = remote_functions.Remote(_trunc_normal_on_workers, propagate=_none)
 
     @functools.wraps(trunc_normal)
     def trunc_normal_(tensor, mean=0.0, std=1.0, a=-2.0, b=2.0, generator=None):
@@ -278,7 +278,7 @@ def install_factories() -> None:
             return trunc_normal(tensor, mean, std, a, b, generator=generator)
         trunc_normal_on_workers(tensor, mean, std, a, b, generator)
         if generator is not None:
-            with api.no_mesh.activate():  # (its factories, torch.empty_like..., make local tensors)
+            with activation.no_mesh.activate():  # (its factories, torch.empty_like..., make local tensors)
                 stand_in = torch.empty(tensor.shape, dtype=tensor.dtype, device=generator.device)
                 trunc_normal(stand_in, mean, std, a, b, generator=generator)
         return tensor

@@ -17,6 +17,8 @@ import json
 import os
 import platform
 
+from .config import take
+
 KEYS = ("cpus", "physcpubind", "cpunodebind", "membind")
 ENV = "MONARCH_TENSOR_PROC_BIND"
 _MPOL_BIND = 2
@@ -156,6 +158,6 @@ def sharing(proc_bind: list[dict[str, str]] | None, local_index: int, unbound: i
 
 
 def apply_from_env() -> None:
-    raw = os.environ.pop(ENV, "")
+    raw = take(ENV)
     if raw:
         apply(json.loads(raw))

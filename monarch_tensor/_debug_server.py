@@ -20,7 +20,7 @@ import socket
 import sys
 import threading
 
-from .config import env_number
+from .config import setting
 from .mailbox import socket_dir
 
 MAGIC = "MTDBG1"
@@ -53,8 +53,8 @@ def ensure_server() -> tuple[str, int]:
     global _server, _token
     with _lock:
         if _server is None:
-            host = os.environ.get("MONARCH_TENSOR_DEBUG_HOST", "127.0.0.1")
-            port = env_number("MONARCH_TENSOR_DEBUG_PORT", 0, "a port number (0: any free one)", integer=True)
+            host = setting("MONARCH_TENSOR_DEBUG_HOST")
+            port = setting("MONARCH_TENSOR_DEBUG_PORT")
             srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             srv.bind((host, port))
@@ -200,7 +200,7 @@ def _offer() -> None:
     """No prompt is open and a rank is paused: open the prompt in this terminal, or say how to reach it."""
     global _local, _told
     host, port = ensure_server()
-    interactive = os.environ.get("MONARCH_TENSOR_DEBUG_LOCAL", "1") != "0" and _isatty()
+    interactive = setting("MONARCH_TENSOR_DEBUG_LOCAL") and _isatty()
     with _lock:
         if _local is not None or _remote > 0:
             return

@@ -42,16 +42,16 @@ import json
 import threading
 from typing import Callable
 
-from .config import env_flag, env_number
+from .config import setting
 
 TREE_MAGIC = b"MTTR"
 # A proc behind a host agent has the address "tcp://agent:port|ipc:///path": messages to it go to the
 # agent with a first frame ROUTE_MAGIC + "ipc:///path" (or down the tree), and the agent relays them.
 ROUTE_SEP = "|"
 ROUTE_MAGIC = b"MTRT"
-FANOUT = env_number("MONARCH_TENSOR_FANOUT", 8, "a whole number of children per agent, at least 1", integer=True, least=1)
+FANOUT = setting("MONARCH_TENSOR_FANOUT")
 # Replies up the tree (module docstring); MONARCH_TENSOR_GATHER=0 sends each reply straight to its caller.
-GATHER = env_flag("MONARCH_TENSOR_GATHER", True)
+GATHER = setting("MONARCH_TENSOR_GATHER")
 GATHER_PREFIX = "gather+"
 # The first frame of a message up the tree: UP_MAGIC, a kind byte, JSON. Kind b"g", a chunk of gathered
 # entries: {"k": [address, port id], "a": ranks it accounts for, "n": [frames of each entry], "u": urgent
@@ -139,6 +139,7 @@ def build_tree(items: list[tuple[str, list[str]]], fanout: int | None = None,
         for hop in path(agent, fanout):
             node = level.setdefault(hop, {"t": [], "c": {}, "p": []})
             level = node["c"]
+        assert node is not None  # (a path ends at its agent)
         node["t"].extend(procs)
         if positions is not None:
             node["p"].extend(positions[agent])

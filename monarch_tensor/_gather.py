@@ -206,6 +206,7 @@ class Gathers:
 
     def _merge(self, g: _Gather, i: int) -> None:
         a, b = g.runs[i], g.runs[i + 1]
+        assert g.fold is not None  # (a gather has runs only where it folds: _fold_in)
         ok, value = g.fold.merge(a[2], b[2])
         if ok:
             a[1], a[2] = b[1], value

@@ -37,7 +37,7 @@ from typing import Callable
 
 from . import _context, _proc_exit, _proc_ext, _zygote
 from ._fanout import GATHER_PREFIX
-from .config import env_flag, env_number
+from .config import setting, take
 from .errors import ActorAbortedError, ActorError, ActorFailedError, ActorStoppedError
 from .logs import OUTPUT_WAIT_S
 from .mailbox import _EVENTS, _POLLIN, Mailbox, set_current_mailbox
@@ -57,7 +57,7 @@ from .shape import Point, Shape
 
 # A call to an actor this proc does not have waits this long for its spawn before it fails (see
 # ProcRuntime._await_actor).
-UNKNOWN_ACTOR_WAIT_S = env_number("MONARCH_TENSOR_UNKNOWN_ACTOR_WAIT", 2.0, "a number of seconds")
+UNKNOWN_ACTOR_WAIT_S = setting("MONARCH_TENSOR_UNKNOWN_ACTOR_WAIT")
 
 log = logging.getLogger("monarch_tensor.proc")
 
@@ -127,7 +127,7 @@ class _LogForwarder:
         self.told = threading.local()  # .written: the counts the last reply from this thread carried (relayed)
         self.pumped = {1: 0, 2: 0}  # bytes each pump has read and sent on (pumps only)
         self.pumping = threading.Condition()  # held while a pump reads and sends on what it read
-        given = os.environ.pop(_zygote.LOG_PIPES_ENV, "")  # "relay|pump,r1,r2,t1,t2" (see _zygote._child)
+        given = take(_zygote.LOG_PIPES_ENV)  # "relay|pump,r1,r2,t1,t2" (see _zygote._child)
         mode, *fds = given.split(",") if given else ("",)
         for stream in (1, 2):
             if given:  # fds 1 and 2 are the template's pipes already
@@ -1050,8 +1050,8 @@ def run_proc(addr: str, client_addr: str, rank: int) -> None:
 
     _bind.apply_from_env()  # before any other thread starts: they inherit it
     _threads.apply_from_env()  # (after the binding: a bound proc's share is of its own CPUs)
-    if "torch" in sys.modules and not env_flag("MONARCH_TENSOR_NO_WARMUP", False):  # (the script uses torch)
-        _zygote.finish_preload(_zygote._modules("MONARCH_TENSOR_IDLE_PRELOAD", "torch._dynamo"))
+    if "torch" in sys.modules and not setting("MONARCH_TENSOR_NO_WARMUP"):  # (the script uses torch)
+        _zygote.finish_preload(_zygote._modules("MONARCH_TENSOR_IDLE_PRELOAD"))
     _proc_exit.forget_inherited_hooks()
     rt = _runtime = ProcRuntime(addr, client_addr, rank)
     try:
@@ -1068,7 +1068,7 @@ def run_proc(addr: str, client_addr: str, rank: int) -> None:
 def _say_started() -> None:
     """Tell the template this proc started, its mailbox bound: its spawn waits for that (a proc that dies
     before is the spawn's error, not a supervision failure: ``host.LocalHost.spawn``)."""
-    fd = os.environ.pop(_zygote.STARTED_ENV, "")
+    fd = take(_zygote.STARTED_ENV)
     if fd:
         os.write(int(fd), b"1")
         os.close(int(fd))

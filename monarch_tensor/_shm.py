@@ -44,12 +44,12 @@ import threading
 import uuid
 import weakref
 
-from .config import env_number
+from .config import setting
 
 SHM_DIR = "/dev/shm"
-SHM_THRESHOLD = env_number("MONARCH_TENSOR_SHM_THRESHOLD", 1 << 20, "a number of bytes", integer=True)
-SHM_POOL_BYTES = env_number("MONARCH_TENSOR_SHM_POOL_BYTES", 1 << 30, "a number of bytes", integer=True)  # per sending process
-SHM_MAP_CACHE_BYTES = env_number("MONARCH_TENSOR_SHM_MAP_CACHE_BYTES", 2 << 30, "a number of bytes", integer=True)  # per receiver
+SHM_THRESHOLD = setting("MONARCH_TENSOR_SHM_THRESHOLD")
+SHM_POOL_BYTES = setting("MONARCH_TENSOR_SHM_POOL_BYTES")  # per sending process
+SHM_MAP_CACHE_BYTES = setting("MONARCH_TENSOR_SHM_MAP_CACHE_BYTES")  # per receiver
 HEADER = 64  # one hold flag per reader; also keeps the data 64-byte aligned
 MAX_READERS = HEADER
 _ALIGN = 1 << 20
@@ -120,7 +120,7 @@ class _Segment:
             os.unlink(os.path.join(SHM_DIR, self.name))
         except OSError:
             pass
-        self.mm = None  # views a reader of ours may hold keep their own mapping
+        self.mm = memoryview(b"")  # let go of the mapping: views a reader of ours may hold keep their own
 
 
 class _Pool:

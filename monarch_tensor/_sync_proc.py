@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 
 from . import _filetree, _reload
-from .config import env_number
+from .config import setting
 from .mailbox import SYSTEM_HANDLERS, Mailbox, socket_dir
 from .messages import SendToPort
 from .sync_messages import DescribeWorkspace, DiffWorkspace, ReloadWorkspace, ScanWorkspace, WorkspaceDiff, WriteFiles
@@ -214,7 +214,7 @@ def handle_diff(mailbox: Mailbox, msg: DiffWorkspace) -> None:
     _reply(mailbox, msg, value)
 
 
-SYNC_TIMEOUT = env_number("MONARCH_TENSOR_SYNC_TIMEOUT", 120.0, "a number of seconds", least=0.001)  # every wait of a sync, both sides
+SYNC_TIMEOUT = setting("MONARCH_TENSOR_SYNC_TIMEOUT")  # every wait of a sync, both sides
 PULL_PIECE = 8 << 20  # bytes per data-plane read
 
 _local = threading.local()

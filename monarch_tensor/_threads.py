@@ -23,6 +23,8 @@ from __future__ import annotations
 import os
 import sys
 
+from .config import take
+
 ENV = "MONARCH_TENSOR_THREADS"  # in a proc's environment: "N" (chosen) or "share:K" (its cores / K)
 
 
@@ -82,7 +84,7 @@ def remote_notice(n_procs: int, sharing: int) -> None:
 
 def from_env() -> int | None:
     """This proc's count, from its environment (None: nothing to set)."""
-    raw = os.environ.pop(ENV, "")
+    raw = take(ENV)
     if not raw:
         return None
     if raw.startswith("share:"):

@@ -30,7 +30,7 @@ import sys
 import threading
 import types
 from collections import ChainMap
-from typing import Callable
+from typing import Any, Callable, ClassVar
 
 import cloudpickle
 
@@ -109,7 +109,8 @@ def _encode(msg: object, shm: bool | int | list[str], remote: tuple[int, str, st
     raws = [b.raw() for b in buffers]
     if shm and raws and sum(r.nbytes for r in raws) >= _shm.SHM_THRESHOLD and _shm.available():
         holders = shm if isinstance(shm, list) else None
-        desc = pickle.dumps(_shm.write(raws, readers=len(holders) if holders else int(shm), holders=holders))
+        readers = len(shm) if isinstance(shm, list) else int(shm)
+        desc = pickle.dumps(_shm.write(raws, readers=readers, holders=holders))
         return [_HEADER.pack(MAGIC_SHM, 1) + body, desc]
     if remote and raws and _payload().wanted(raws):
         try:
@@ -301,7 +302,8 @@ def unpack_batch(frame) -> list[memoryview]:
     if len(view) < _HEADER.size:
         raise ProtocolError("batch frame shorter than its header")
     _, n = _HEADER.unpack_from(view)
-    pos, out = _HEADER.size, []
+    pos = _HEADER.size
+    out: list[memoryview] = []
     for _ in range(n):
         if pos + _LEN.size > len(view):
             raise ProtocolError(f"batch frame of {len(view)} bytes ends inside message {len(out)} of {n}")
@@ -439,12 +441,18 @@ ENVELOPE_MODULES = {"builtins", "copyreg", "monarch_tensor.messages", "monarch_t
                     "monarch_tensor.sync_messages", "monarch_tensor.errors"}
 
 
+# pickle's pure-Python unpickler's methods that _SalvageUnpickler wraps (typeshed does not declare them)
+_BASE: dict[str, Callable[..., None]] = {k: vars(pickle._Unpickler)[k] for k in ("load_build", "_instantiate")}
+
+
 class _SalvageUnpickler(pickle._Unpickler):
     """Reads a message whose body failed to unpickle, leaving out only what failed: a global its receiver
     cannot import, and whatever a reducer or ``__setstate__`` that raises here was rebuilding, become
     :class:`_Stub`. Pure Python (its opcodes can be wrapped): only for messages that already failed."""
 
-    dispatch = dict(pickle._Unpickler.dispatch)
+    dispatch: ClassVar[dict[int, Callable[..., None]]] = dict(pickle._Unpickler.dispatch)
+    stack: list[Any]  # (pickle's pure-Python unpickler sets these two in load(); typeshed leaves them out)
+    append: Callable[[Any], None]
 
     def find_class(self, module: str, name: str):
         try:
@@ -475,13 +483,13 @@ class _SalvageUnpickler(pickle._Unpickler):
 
     def load_build(self) -> None:
         try:
-            pickle._Unpickler.load_build(self)  # pops the state first, then sets it on the object below
+            _BASE["load_build"](self)  # pops the state first, then sets it on the object below
         except Exception:  # noqa: BLE001
             self.stack[-1] = _Stub()
 
     def _instantiate(self, klass, args) -> None:
         try:
-            pickle._Unpickler._instantiate(self, klass, args)  # appends the object once it is made
+            _BASE["_instantiate"](self, klass, args)  # appends the object once it is made
         except Exception:  # noqa: BLE001
             self.append(_Stub())
 
@@ -532,7 +540,8 @@ def holds(obj: object, kinds: tuple[type, ...] = (_Stub,), budget: int = 100_000
     """Whether ``obj`` (a piece of a message that could not be read whole) holds an instance of ``kinds``
     (by default: something that could not be unpickled here); True also when it is too large to look
     through in ``budget`` steps."""
-    stack, seen = [obj], set()
+    stack: list[Any] = [obj]
+    seen: set[int] = set()
     while stack:
         budget -= 1
         if budget < 0:

@@ -21,6 +21,8 @@ import sys
 import threading
 import time
 
+from .config import setting
+
 _LEN = struct.Struct("!I")
 
 
@@ -426,13 +428,12 @@ def _child(req_fd, rep_fd, sig_r, sig_w, entry, args, env, pipes=None, others=()
 
 
 def _warm_up_on() -> bool:
-    """Whether ``MONARCH_TENSOR_NO_WARMUP`` leaves the warm-up on (config.env_flag's reading; the client
-    refused a bad value before starting this process)."""
-    return os.environ.get("MONARCH_TENSOR_NO_WARMUP", "").strip().lower() in ("", "0", "false", "no", "off")
+    """Whether ``MONARCH_TENSOR_NO_WARMUP`` leaves the warm-up on."""
+    return not setting("MONARCH_TENSOR_NO_WARMUP")
 
 
-def _modules(var: str, default: str) -> list[str]:
-    return [m for m in os.environ.get(var, default).split(",") if m]
+def _modules(var: str) -> list[str]:
+    return [m for m in setting(var).split(",") if m]
 
 
 # Idle imports run in pieces, so that a spawn request or a proc's output is served between two of them:
@@ -493,7 +494,7 @@ def main(req_fd: int, rep_fd: int) -> None:
     os.dup2(devnull, 0)
     # No PDEATHSIG here: it fires when the spawning *thread* exits. The client
     # going away closes the request pipe instead, which serve() treats as the end.
-    for mod in _modules("MONARCH_TENSOR_PRELOAD", "torch"):
+    for mod in _modules("MONARCH_TENSOR_PRELOAD"):
         _try_import(mod)
     import monarch_tensor._proc  # noqa: F401 - the runtime every child runs
 
@@ -501,7 +502,7 @@ def main(req_fd: int, rep_fd: int) -> None:
     # more when several procs do it at once): import it here once, whenever idle.
     # (A client that has not imported torch starts us with both lists empty, and sends a "preload"
     # request if it imports torch later: see host.LocalHost.)
-    idle = _modules("MONARCH_TENSOR_IDLE_PRELOAD", "torch._dynamo")
+    idle = _modules("MONARCH_TENSOR_IDLE_PRELOAD")
     try:
         serve(req_fd, rep_fd, idle)
     except OSError as e:

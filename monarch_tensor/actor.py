@@ -774,8 +774,8 @@ def send(endpoint: Endpoint, args: tuple, kwargs: dict, port: Port | None = None
     go to that port (``Channel.open()``). ``selection``: ``"all"`` the whole mesh, ``"choose"`` one live rank."""
     _check_send_args(args, kwargs)
     if not isinstance(endpoint, Endpoint):
-        api = sys.modules.get("monarch_tensor.controller.api")  # (a remote function can only come from there, once imported)
-        if api is not None and isinstance(endpoint, api.Remote) and selection == "all":
+        rf = sys.modules.get("monarch_tensor.controller.remote_functions")  # (where a remote function comes from)
+        if rf is not None and isinstance(endpoint, rf.Remote) and selection == "all":
             endpoint.send(args, kwargs, port)  # Monarch's Remote is an endpoint: every proc of the active mesh
             return
         raise TypeError(f"send() needs an endpoint (mesh.method), got {endpoint!r}")

@@ -45,7 +45,7 @@ from .agent_messages import (
     ShutdownAgent,
     SpawnProcs,
 )
-from .config import env_number
+from .config import setting
 from .errors import AddressInUseError, JobKeyError
 from .future import Future
 from .host import LocalHost, ProcInfo, _gpu_count
@@ -54,11 +54,11 @@ from .messages import ForwardLogs, SendToPort
 
 log = logging.getLogger("monarch_tensor.agent")
 
-SESSION_TIMEOUT = env_number("MONARCH_TENSOR_SESSION_TIMEOUT", 10.0, "a number of seconds", least=0.001)
-DEFAULT_TTL = env_number("MONARCH_TENSOR_AGENT_TTL", 3600.0, "a number of seconds", least=0.001)
+SESSION_TIMEOUT = setting("MONARCH_TENSOR_SESSION_TIMEOUT")
+DEFAULT_TTL = setting("MONARCH_TENSOR_AGENT_TTL")
 # Replies up the tree (_gather.py): a gather sends what it holds this long after its first entry at the
 # latest; one that saw nothing for GATHER_TTL_S is dropped (what comes for it later goes up as it is).
-GATHER_WINDOW_S = env_number("MONARCH_TENSOR_GATHER_WINDOW_MS", 20.0, "milliseconds") * 1e-3
+GATHER_WINDOW_S = setting("MONARCH_TENSOR_GATHER_WINDOW_MS") * 1e-3
 GATHER_TTL_S = 600.0
 
 

@@ -16,36 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from typing import Any, Callable, Iterator
 
-# name: (default, where it acts, what it does)
-SETTINGS: dict[str, tuple[Any, str, str]] = {
-    "enable_log_forwarding": (True, "procs", "procs' stdout and stderr reach the script (procs spawned "
-                                             "afterwards; procs.logging_option() switches a running mesh)"),
-    "prefix_with_rank": (True, "client", "forwarded lines start with their proc's [rank]"),
-    "fold_repeated_lines": (True, "client", "in a terminal or a notebook, the same line from several ranks within "
-                                            "a quarter second prints once, with the ranks that printed it "
-                                            "(logging_option(aggregate_window_sec=...) sets another window)"),
-    "rdma_allow_tcp_fallback": (True, "procs", "a buffer on another host that no RDMA device serves moves over "
-                                               "TCP, with an RDMATcpFallbackWarning; False: that transfer fails"),
-    "rdma_disable_ibverbs": (False, "procs", "never use the verbs backend, even where an RDMA device is found"),
-    "rdma_backend": ("", "procs", "the data-plane backend every transfer uses: verbs, cuda_ipc, cma or tcp "
-                              "(\"\": the best one for each pair of processes)"),
-    "spawn_timeout": (60.0, "client", "seconds a proc's spawn may take before it fails (Monarch's "
-                                      "mesh_proc_spawn_max_idle)"),
-    "job_start_timeout": (0.0, "client", "seconds a job's host agents may take to come up; 0: the job's own "
-                                         "default, LocalJob 60 s, SlurmJob 120 s (Monarch's host_spawn_ready_timeout)"),
-    "stop_timeout": (5.0, "client", "seconds stopped procs get to exit before they are killed (Monarch's "
-                                    "mesh_terminate_timeout, process_exit_timeout)"),
-    "payload_timeout": (60.0, "procs", "seconds the receiver of a message may take to pull its large payload, "
-                                       "its delivery (Monarch's message_delivery_timeout)"),
-    "agent_heartbeat_timeout": (5.0, "client", "seconds of silence from a host agent after which its procs are "
-                                               "taken for lost (Monarch's supervision_watchdog_timeout)"),
-}
+from ._settings import REGISTRY, env_flag, env_number, setting, take  # noqa: F401 - the read helpers, here
+
+# name: (default, where it acts, what it does), from the registry's declarations (monarch_tensor/_settings.py).
+SETTINGS: dict[str, tuple[Any, str, str]] = {s.option: (s.default, s.acts, s.doc) for s in REGISTRY.values()
+                                             if s.option}
 # Settings in seconds: at least this much (a zero or negative timeout would fail everything at once).
-_SECONDS = {"spawn_timeout": 0.1, "job_start_timeout": 0.0, "stop_timeout": 0.0, "payload_timeout": 1.0,
-            "agent_heartbeat_timeout": 0.1}
+_SECONDS = {s.option: s.least for s in REGISTRY.values() if s.option and s.kind == "seconds"}
 # Monarch's names for the Rust runtime's settings that have a counterpart here: Monarch's name -> ours. Their
 # durations are humantime strings ("30s", "5m", "1h 30m", "250ms") or seconds.
 MONARCH_NAMES = {
@@ -57,7 +36,7 @@ MONARCH_NAMES = {
     "supervision_watchdog_timeout": "agent_heartbeat_timeout",
 }
 # Settings that take one of a few words.
-_CHOICES = {"rdma_backend": ("", "verbs", "cuda_ipc", "cma", "tcp")}
+_CHOICES = {s.option: s.choices for s in REGISTRY.values() if s.option and s.kind == "choice"}
 # Monarch's keys for its Rust runtime: named in the error, so that a port from Monarch reads why.
 _HYPERACTOR = {
     "default_transport", "enable_file_capture", "tail_log_lines", "codec_max_frame_length",
@@ -116,48 +95,8 @@ def _seconds(name: str, given: str, value: Any) -> float:
     if not (math.isfinite(secs) and secs >= least):
         raise ValueError(f"configure({given}=...) must be at least {least:g} s, got {value!r}")
     return secs
-# How an on/off switch in the environment may be written (any case).
-_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
 def _env_name(name: str) -> str:
     return f"MONARCH_TENSOR_{name.upper()}"
-
-
-def env_number(name: str, default: float, what: str, *, integer: bool = False, least: float = 0) -> Any:
-    """The number in environment variable ``name`` (``default`` where it is unset), read where a module
-    starts: one that is not a number, or is below ``least``, is an error naming the variable and what it
-    takes (``what``: "a number of microseconds (0: block at once)") rather than a bare ``int()`` error or a
-    value that breaks things later.
-
-    >>> SPIN_S = env_number("MONARCH_TENSOR_SPIN_US", 200, "a number of microseconds (0: block at once)") * 1e-6
-    """
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        value = int(raw) if integer else float(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be {what}, got {raw!r}") from None
-    if not (value >= least and math.isfinite(value)):  # (nan compares false)
-        raise ValueError(f"{name} must be {what}, at least {least:g}, got {raw!r}")
-    return value
-
-
-def env_flag(name: str, default: bool) -> bool:
-    """Whether the switch in environment variable ``name`` is on (``default`` where it is unset or empty):
-    1/0, true/false, yes/no or on/off, in any case. Anything else is an error naming the variable, rather than
-    a value read silently as one or the other (``=true`` was read as off where only ``1`` was on).
-
-    >>> COPY_LOCAL = env_flag("MONARCH_TENSOR_SYNC_COPY_LOCAL", True)
-    """
-    raw = os.environ.get(name, "")
-    word = raw.strip().lower()
-    if not word:
-        return default
-    if word in _ON or word in _OFF:
-        return word in _ON
-    raise ValueError(f"{name} must be 1 or 0 (true or false), got {raw!r}")
 
 
 def _check(name: str, value: Any) -> None:
@@ -176,30 +115,13 @@ def _check(name: str, value: Any) -> None:
         raise ValueError(f"configure({name}=...) takes one of {list(_CHOICES[name])}, got {value!r}")
 
 
-def _from_env(name: str) -> Any:
-    raw = os.environ.get(_env_name(name))
-    if raw is None:
-        return None
-    default = SETTINGS[name][0]
-    if isinstance(default, bool):
-        if raw.strip().lower() in _ON:
-            return True
-        if raw.strip().lower() in (*_OFF, ""):
-            return False
-        raise ValueError(f"{_env_name(name)} must be 1 or 0 (true or false), not {raw!r}")
-    return type(default)(raw)
-
-
 def get(name: str) -> Any:
     """The value in effect here: the runtime layer's, else the environment's, else the default."""
     if name in _runtime:
         return _runtime[name]
     if name not in SETTINGS:
         raise KeyError(f"no setting {name!r}; the settings are {sorted(SETTINGS)}")
-    if name in _SECONDS:
-        return env_number(_env_name(name), SETTINGS[name][0], "a number of seconds", least=_SECONDS[name])
-    v = _from_env(name)
-    return SETTINGS[name][0] if v is None else v
+    return setting(_env_name(name))
 
 
 def configure(**kwargs: Any) -> None:

@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 from . import _context, _exit_status, _wire, _zygote, config, logs
 from ._fanout import send_many
-from .config import env_flag, env_number
+from .config import setting
 from .env import check_env
 from .errors import MeshStoppedError, SupervisionError
 from .future import CoroutineFuture, Future, in_event_loop, run_to_end
@@ -197,7 +197,7 @@ class LocalHost:
         # served before anything it would import while idle.
         futs = []
         # (Read before the warm-up thread starts: a bad value is an error at the spawn, not that thread's.)
-        warm = not env_flag("MONARCH_TENSOR_NO_WARMUP", False)
+        warm = not setting("MONARCH_TENSOR_NO_WARMUP")
         with self._lock:
             if self.dead:
                 raise RuntimeError(f"{self._exited()}; a new mesh starts a new one")
@@ -282,7 +282,7 @@ def _warm_tensor_engine() -> None:
     torch._dynamo, 1.6-2.2 s here, which the script's first mesh-tensor op would pay otherwise. Only in a
     script that imported torch itself; a failure here is left for that op to report."""
     if "torch" not in sys.modules or "torch._dynamo" in sys.modules or \
-            env_flag("MONARCH_TENSOR_NO_WARMUP", False):
+            setting("MONARCH_TENSOR_NO_WARMUP"):
         return
     try:
         from . import _seams
@@ -877,11 +877,10 @@ stopped_addrs: set[str] = set()
 
 # The most procs one ``spawn_procs`` starts on each host unless the environment says otherwise: a guard
 # against a typo such as ``{"gpus": 10**6}`` forking until the machine gives out.
-DEFAULT_MAX_PROCS_PER_HOST = 1024
 
 
 # How long spawn_procs waits for its bootstrap function on every proc (a proc that dies fails it at once).
-BOOTSTRAP_TIMEOUT = env_number("MONARCH_TENSOR_BOOTSTRAP_TIMEOUT", 600.0, "a number of seconds", least=0.001)
+BOOTSTRAP_TIMEOUT = setting("MONARCH_TENSOR_BOOTSTRAP_TIMEOUT")
 
 
 class BootstrapCommand:
@@ -1013,11 +1012,7 @@ def per_host_sizes(per_host: Mapping[str, int] | None) -> dict[str, int]:
 
 def check_procs_per_host(per_host: dict, n: int) -> None:
     """Refuse ``n`` procs on each host above ``MONARCH_TENSOR_MAX_PROCS_PER_HOST`` (default 1024)."""
-    raw = os.environ.get("MONARCH_TENSOR_MAX_PROCS_PER_HOST", "")
-    try:
-        limit = int(raw) if raw else DEFAULT_MAX_PROCS_PER_HOST
-    except ValueError:
-        raise ValueError(f"MONARCH_TENSOR_MAX_PROCS_PER_HOST must be an integer, not {raw!r}") from None
+    limit = setting("MONARCH_TENSOR_MAX_PROCS_PER_HOST")
     if n > limit:
         raise ValueError(f"spawn_procs(per_host={per_host}) asks for {n} procs on each host, more than the limit of "
                          f"{limit}; set MONARCH_TENSOR_MAX_PROCS_PER_HOST to allow more")
@@ -1240,7 +1235,7 @@ HOST_PYTHON_ENV = "MONARCH_TENSOR_HOST_PYTHON"
 def this_host() -> HostMesh:
     """The machine this script runs on, as a host mesh of one host (in a proc started by a host mesh's
     ``with_python_executable``, of that interpreter)."""
-    python_exe = os.environ.get(HOST_PYTHON_ENV) or None
+    python_exe = setting(HOST_PYTHON_ENV) or None
     local_host(python_exe)  # start the template process early: it imports torch while the script goes on
     return HostMesh(python_exe=python_exe)
 

@@ -42,20 +42,20 @@ from . import _wire
 from . import future as _future
 from . import logs as _logs
 from ._fanout import ROUTE_SEP, UP_MAGIC, read_up, routed_frames, up_header
-from .config import env_flag, env_number
+from .config import setting
 from .errors import ProtocolError, SupervisionError
 from .messages import FoldedReplies, ForwardLogs, PortRef, SendToPort
 
 log = logging.getLogger("monarch_tensor.mailbox")
 
 
-def _us_from_env(name: str, default: str, zero: str) -> float:
-    """Seconds from an environment variable that holds microseconds."""
-    return env_number(name, float(default), f"a number of microseconds ({zero})") * 1e-6
+def _us_from_env(name: str) -> float:
+    """Seconds from a declared setting that holds microseconds."""
+    return setting(name) * 1e-6
 
 
 # Batching of calls and replies (see Mailbox.send_frames); MONARCH_TENSOR_BATCH_GAP_US=0 turns it off.
-BATCH_GAP = _us_from_env("MONARCH_TENSOR_BATCH_GAP_US", "200", "0: no batching")
+BATCH_GAP = _us_from_env("MONARCH_TENSOR_BATCH_GAP_US")
 _NEVER = float("-inf")  # a last-send time that no next send is within BATCH_GAP of
 BATCH_DELAY = 0.001  # the longest a batched message waits
 BATCH_MAX = 512  # messages in one batch
@@ -66,9 +66,9 @@ _EVENTS, _POLLIN, _RCVMORE, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq
 # A thread that blocks on a reply receives on the client's socket itself while it waits, instead of
 # waiting for the I/O thread to hand the reply over: a synchronous call then pays one thread wake-up
 # less (measured 230-240 -> 158 µs a round trip on a 2-core VM). 0 turns it off.
-RECEIVE_ON_WAIT = env_flag("MONARCH_TENSOR_RECEIVE_ON_WAIT", True)
+RECEIVE_ON_WAIT = setting("MONARCH_TENSOR_RECEIVE_ON_WAIT")
 # Polling before blocking for the next message (see Spin); 0 turns it off.
-SPIN_S = _us_from_env("MONARCH_TENSOR_SPIN_US", "200", "0: block at once")
+SPIN_S = _us_from_env("MONARCH_TENSOR_SPIN_US")
 _sched_yield = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))  # both release the GIL
 _LEAD_SLICE_MS = 100  # a receiving waiter's longest poll before it looks at the clock and the mailbox
 _LINGER_S = 0.002  # after a waiter received, the I/O thread waits this long for the next one before it takes over
@@ -241,15 +241,15 @@ class Mailbox:
         self._held: collections.deque = collections.deque()
         self.on_held: Callable[[], None] | None = None
         # Addresses reached through another one (a remote controller's ipc address -> its tcp gateway).
-        self.aliases: dict[str, str] = json.loads(os.environ.get("MONARCH_TENSOR_ALIASES") or "{}")
+        self.aliases: dict[str, str] = json.loads(setting("MONARCH_TENSOR_ALIASES") or "{}")
         # A proc behind a host agent: its controller's tcp gateway, which also relays to the controller's
         # procs on its own host (``this_host()``'s), whose ipc sockets are not on this host, and to the
         # procs of the controller's other jobs, whose keys this host does not hold (``_resolve``).
-        self.gateway = os.environ.get("MONARCH_TENSOR_GATEWAY", "")
+        self.gateway = (setting("MONARCH_TENSOR_GATEWAY") or "")
         self._here: set[str] = set()  # ipc addresses whose sockets are on this host
         self.relayed: set[str] = set()  # other jobs' agents, reached through the gateway (KnowPeers)
         # The address others reach this mailbox at, in ports (a proc behind a host agent: a routed one).
-        pub = os.environ.get("MONARCH_TENSOR_PUBLIC_ADDR", "")
+        pub = (setting("MONARCH_TENSOR_PUBLIC_ADDR") or "")
         self.public_addr = pub.partition("=")[2] if pub.startswith(self.addr + "=") else self.addr
         # A proc behind a host agent: what it sends its caller (``up_for``) goes up through the agent
         # (``set_up``, see _fanout.py), on a socket to the agent whose identity is the proc's id there.
@@ -371,7 +371,7 @@ class Mailbox:
 
     def set_up(self, client_addr: str) -> None:
         """A proc behind a host agent: send what goes to ``client_addr`` (its caller) up through the agent."""
-        up = os.environ.get("MONARCH_TENSOR_AGENT_UP", "")
+        up = (setting("MONARCH_TENSOR_AGENT_UP") or "")
         if not up or self.public_addr == self.addr or ROUTE_SEP not in self.public_addr:
             return
         s = self.ctx.socket(zmq.DEALER)

@@ -32,7 +32,7 @@ from . import _curve, _fanout, _wire
 from ._fanout import ROUTE_SEP
 from ._net import ip_towards
 from .agent_messages import EndSession, KeepSession, KillProcs, OpenSession, ReportExit, ShutdownAgent, SpawnProcs
-from .config import env_number
+from .config import setting
 from .errors import HostUnreachableError, JobKeyError, SupervisionError
 from .future import CoroutineFuture, Future
 from .host import (
@@ -72,7 +72,7 @@ def _agents_context() -> zmq.Context:
         return _ctx
 
 
-CONNECT_TIMEOUT = env_number("MONARCH_TENSOR_CONNECT_TIMEOUT", 30.0, "a number of seconds", least=0.001)
+CONNECT_TIMEOUT = setting("MONARCH_TENSOR_CONNECT_TIMEOUT")
 KEEPALIVE_S = 1.0
 LOST_AFTER_S = 0.5  # a dropped connection not re-established within this is a lost agent
 

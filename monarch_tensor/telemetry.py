@@ -27,7 +27,7 @@ import inspect
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from . import _context
 
@@ -45,7 +45,7 @@ class Span:
         if not isinstance(name, str) or not name:
             raise TypeError(f"a span's name is a non-empty string, got {name!r}")
         self.name = name
-        self._range = None
+        self._range: Any = None  # torch.autograd.profiler.record_function, while the profiler records
 
     def __enter__(self) -> Span:
         torch = sys.modules.get("torch")
@@ -56,7 +56,7 @@ class Span:
         self._start = time.perf_counter()
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         seconds = time.perf_counter() - self._start
         if self._range is not None:
             self._range.__exit__(exc_type, exc, tb)

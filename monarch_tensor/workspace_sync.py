@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 
 from . import _filetree, _seams, _sync_proc
 from ._ports import Collector
-from .config import env_flag, env_number
+from .config import setting
 from .future import Future, ThreadFuture
 from .mailbox import current_mailbox
 from .sync_messages import DescribeWorkspace, DiffWorkspace, ReloadWorkspace, ScanWorkspace, WorkspaceDiff, WriteFiles
@@ -59,17 +59,17 @@ log = logging.getLogger("monarch_tensor.workspace_sync")
 SYNC_TIMEOUT = _sync_proc.SYNC_TIMEOUT  # seconds ($MONARCH_TENSOR_SYNC_TIMEOUT), the procs' too
 CHUNK = 8 << 20  # bytes of file data per WriteFiles message
 FIRST_CHUNK = 1 << 20  # ... in a writer's first one, sent early so that it starts while the rest is planned
-PULL_MIN = env_number("MONARCH_TENSOR_SYNC_PULL_MIN", 256 << 10, "a number of bytes", integer=True)  # bytes: bigger files go on the data plane
+PULL_MIN = setting("MONARCH_TENSOR_SYNC_PULL_MIN")  # bytes: bigger files go on the data plane
 INBAND = 64 << 10  # bytes: smaller file data rides inside a message's body, not as one frame per file
 PULL_MAX = 2 << 30  # bytes registered for pulls at once in one sync; further files ride in messages
 # Writers on this client's own host that cannot copy the files themselves (COPY_LOCAL below) get every
 # file in the messages, which travel through shared memory there: bench/sync_bench.py measured that 1.3x
 # faster than pulling (the pull's cross-memory read and the file write both run in the writer; the
 # messages' copy runs in the client, in parallel).
-PULL_SAME_HOST = env_flag("MONARCH_TENSOR_SYNC_PULL_SAME_HOST", False)
+PULL_SAME_HOST = setting("MONARCH_TENSOR_SYNC_PULL_SAME_HOST")
 # A writer that sees the client's source dirs (same host and file system) copies whole files of INBAND
 # bytes and more from them itself, two at a time: one kernel copy per byte, no message or pull at all.
-COPY_LOCAL = env_flag("MONARCH_TENSOR_SYNC_COPY_LOCAL", True)
+COPY_LOCAL = setting("MONARCH_TENSOR_SYNC_COPY_LOCAL")
 
 _roots: dict[tuple[str, str], tuple[str, str]] = {}  # (proc addr, root variable) -> (hostname, root)
 

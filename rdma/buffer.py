@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 from monarch_tensor import _wire
 from monarch_tensor._net import ip_towards
 from monarch_tensor.config import _runtime as _config_runtime  # (what configure() set)
+from monarch_tensor.config import setting
 from monarch_tensor.future import Future
 
 from ._future import TransferFuture
@@ -101,7 +102,7 @@ def _forced_backend(name: str) -> Backend:
 
 def _where_forced() -> str:
     chosen = _config_runtime.get("rdma_backend")
-    return f"configure(rdma_backend={chosen!r})" if chosen else f"{ENV_BACKEND}={os.environ.get(ENV_BACKEND)}"
+    return f"configure(rdma_backend={chosen!r})" if chosen else f"{ENV_BACKEND}={setting(ENV_BACKEND)}"
 
 
 def unavailable_backends() -> dict[str, str]:
@@ -118,7 +119,7 @@ def _forced() -> str | None:
     if chosen is not None:
         return chosen or None
     if _ENV_DATA is None:
-        return os.environ.get(ENV_BACKEND)
+        return setting(ENV_BACKEND) or None
     v = _ENV_DATA.get(_ENV_KEY)
     if v is None:
         return None
@@ -251,7 +252,7 @@ class RDMABuffer:
     def __reduce__(self):
         d = self._desc = _with_owner(self._desc)
         towards = _wire.destination()
-        if towards and d.tcp is not None and d.pid == os.getpid() and not os.environ.get("MONARCH_TENSOR_RDMA_HOST"):
+        if towards and d.tcp is not None and d.pid == os.getpid() and not setting("MONARCH_TENSOR_RDMA_HOST"):
             # Pickled into a message for another host: announce the tcp server (which listens on every
             # address) at this machine's address on the route there, not the default one (may be loopback).
             host = ip_towards(towards)
@@ -361,9 +362,10 @@ class RDMABuffer:
                              f"offset {offset}")
         return local
 
-    def _submit(self, kind: str, local: Mem, offset: int, timeout: float, defer: bool = True) -> Future[None]:
+    def _submit(self, kind: str | _Atomic, local: Mem, offset: int, timeout: float,
+                defer: bool = True) -> Future[None]:
         what = kind.op if type(kind) is _Atomic else kind
-        fut: Future[None] = TransferFuture(f"RDMA {what} of {local.nbytes} bytes")
+        fut = TransferFuture(f"RDMA {what} of {local.nbytes} bytes")
         try:
             cands = None if type(kind) is _Atomic else candidates(self._desc, local)
         except Exception as e:  # noqa: BLE001 - delivered to the waiter
@@ -375,7 +377,7 @@ class RDMABuffer:
         fut.defer((self, kind, local, offset, timeout, cands), kick=defer)  # who runs it: see _future
         return fut
 
-    def _run(self, fut: Future, kind: str, local: Mem, offset: int, timeout: float,
+    def _run(self, fut: Future, kind: str | _Atomic, local: Mem, offset: int, timeout: float,
              cands: list[Backend] | None = None) -> None:
         try:
             self.transfer(kind, local, offset, timeout, cands)
@@ -384,19 +386,21 @@ class RDMABuffer:
         else:
             fut._set_result(None)
 
-    def transfer(self, kind: str, local: Mem, offset: int, timeout: float,
+    def transfer(self, kind: str | _Atomic, local: Mem, offset: int, timeout: float,
                  cands: list[Backend] | None = None) -> None:
         """Run one transfer on this thread (the Future-less form; ``kind`` is "read" or "write"), with the
         first of ``cands`` (default: ``candidates``) that does not refuse it."""
         d = self._desc
         _check_owner(d)
         if type(kind) is _Atomic:  # done by the owner, whichever backend moves this buffer's bytes
-            from .backends.tcp import COMPARE_SWAP, FETCH_ADD
+            from .backends.tcp import COMPARE_SWAP, FETCH_ADD, TcpBackend
 
             if d.tcp is None:
                 raise BackendUnavailableError(f"buffer {d.buf_id} has no data server to do atomics")
-            backend_named("tcp").atomic(d, FETCH_ADD if kind.op == "fetch_add" else COMPARE_SWAP, offset, kind.a,
-                                        kind.b, local, timeout)
+            tcp = backend_named("tcp")
+            assert isinstance(tcp, TcpBackend)  # (the backend of that name; its atomic() is its own)
+            tcp.atomic(d, FETCH_ADD if kind.op == "fetch_add" else COMPARE_SWAP, offset, kind.a, kind.b, local,
+                       timeout)
             return
         last: Exception | None = None
         for b in candidates(d, local) if cands is None else cands:
@@ -512,7 +516,7 @@ class RDMAAction:
     """
 
     def __init__(self) -> None:
-        self._ops: list[tuple[str, RDMABuffer, Mem, int]] = []
+        self._ops: list[tuple[str | _Atomic, RDMABuffer, Mem, int]] = []
 
     def read_remote(self, dst: Any, src: RDMABuffer, *, offset: int | None = None) -> RDMAAction:
         """Queue a read of the RDMA buffer ``src`` into local memory ``dst``, as ``src.read_into(dst,

@@ -33,19 +33,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from monarch_tensor.config import env_number
+from monarch_tensor.config import setting
 
 from ._host import per_process
 from .errors import RDMAError
 
 log = logging.getLogger("monarch_tensor.rdma")
 
-THRESHOLD = env_number("MONARCH_TENSOR_PAYLOAD_THRESHOLD", 1 << 20,
-                       "a whole number of bytes (0: every payload in the message frames)", integer=True)
+THRESHOLD = setting("MONARCH_TENSOR_PAYLOAD_THRESHOLD")
 # (0 or less dropped every registration at once, failing every pull: at least a second)
-TTL = env_number("MONARCH_TENSOR_PAYLOAD_TTL", 300.0, "a number of seconds a payload waits to be pulled", least=1)
-MAX_BYTES = env_number("MONARCH_TENSOR_PAYLOAD_MAX_BYTES", 4 << 30, "a number of bytes", integer=True)
-POOL_BYTES = env_number("MONARCH_TENSOR_PAYLOAD_POOL_BYTES", 1 << 30, "a number of bytes", integer=True)  # snapshots kept warm
+TTL = setting("MONARCH_TENSOR_PAYLOAD_TTL")
+MAX_BYTES = setting("MONARCH_TENSOR_PAYLOAD_MAX_BYTES")
+POOL_BYTES = setting("MONARCH_TENSOR_PAYLOAD_POOL_BYTES")  # snapshots kept warm
 _ALIGN = 64
 _HUGE = 2 << 20
 _PAGED = 64 << 10

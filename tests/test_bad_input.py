@@ -211,7 +211,7 @@ def test_spawn_procs_refuses_more_procs_per_host_than_its_limit(monkeypatch):
     with pytest.raises(ValueError, match="limit of 1; set MONARCH_TENSOR_MAX_PROCS_PER_HOST"):
         this_host().spawn_procs(per_host={"gpus": 2})
     monkeypatch.setenv("MONARCH_TENSOR_MAX_PROCS_PER_HOST", "lots")
-    with pytest.raises(ValueError, match="must be an integer, not 'lots'"):
+    with pytest.raises(ValueError, match="MONARCH_TENSOR_MAX_PROCS_PER_HOST must be a whole number, got 'lots'"):
         this_host().spawn_procs(per_host={"gpus": 2})
     monkeypatch.setenv("MONARCH_TENSOR_MAX_PROCS_PER_HOST", "2")
     mesh = this_host().spawn_procs(per_host={"gpus": 2})  # at the limit: allowed

@@ -282,6 +282,6 @@ def test_a_script_that_exits_right_after_a_burst_still_delivers_it(tmp_path):
 def test_a_bad_batch_gap_setting_is_a_clear_error(monkeypatch, bad):
     monkeypatch.setenv("MONARCH_TENSOR_BATCH_GAP_US", bad)
     with pytest.raises(ValueError, match="MONARCH_TENSOR_BATCH_GAP_US"):
-        mailbox_mod._us_from_env("MONARCH_TENSOR_BATCH_GAP_US", "200", "0: no batching")
+        mailbox_mod._us_from_env("MONARCH_TENSOR_BATCH_GAP_US")
     monkeypatch.setenv("MONARCH_TENSOR_BATCH_GAP_US", "50")
-    assert mailbox_mod._us_from_env("MONARCH_TENSOR_BATCH_GAP_US", "200", "0: no batching") == pytest.approx(50e-6)
+    assert mailbox_mod._us_from_env("MONARCH_TENSOR_BATCH_GAP_US") == pytest.approx(50e-6)

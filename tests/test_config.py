@@ -2,6 +2,7 @@
 effect: on the script's log lines, on procs spawned afterwards, and on the data plane."""
 
 import dataclasses
+import re
 import warnings
 
 import pytest
@@ -276,3 +277,51 @@ def test_monarchs_runtime_settings_map_to_their_counterparts_or_warn_that_they_a
         assert config.get_global_config()["default_transport"] is actor.ChannelTransport.TcpWithHostname
     assert actor.enabled_transport is before
 
+
+
+def test_every_declared_setting_is_well_formed_and_checks_its_values(monkeypatch):
+    """Each registry entry: a known kind and place, a default of its kind, unset and empty read as the
+    default, a good value read as such, and a bad one refused with the variable, the value and what it takes."""
+    from monarch_tensor import _settings
+
+    assert len(_settings.REGISTRY) == len(_settings._DECLARED) > 50, "a variable declared twice"
+    for s in _settings.REGISTRY.values():
+        assert s.name.startswith("MONARCH_TENSOR_") and s.kind in _settings.KINDS and s.acts in _settings.ACTS, s
+        assert s.section in _settings.SECTIONS and s.doc, s
+        monkeypatch.delenv(s.name, raising=False)
+        assert config.setting(s.name) == s.default
+        if s.kind == "text":
+            monkeypatch.setenv(s.name, "a,b")
+            assert config.setting(s.name) == "a,b"
+            monkeypatch.delenv(s.name)
+            continue
+        if s.kind == "choice":
+            assert s.default in s.choices
+            good, bad = s.choices[-1], "nonesuch"
+        elif s.kind == "flag":
+            assert isinstance(s.default, bool)
+            good, bad = ("off" if s.default else "on"), "maybe"
+            monkeypatch.setenv(s.name, "")
+            assert config.setting(s.name) is s.default
+        else:
+            assert s.default is None or (s.default >= s.least and isinstance(s.default, int if s.kind == "int"
+                                                                            else float)), s
+            good, bad = str(int(s.least) + 3), "abc"
+            monkeypatch.setenv(s.name, str(s.least - 1))
+            with pytest.raises(ValueError, match=f"{s.name} must be .*at least {s.least:g}, got "):
+                config.setting(s.name)
+        monkeypatch.setenv(s.name, good)
+        want = good if s.kind == "choice" else (not s.default) if s.kind == "flag" else \
+            int(good) if s.kind == "int" else float(good)
+        assert config.setting(s.name) == want and type(config.setting(s.name)) is type(want), s
+        monkeypatch.setenv(s.name, bad)
+        with pytest.raises(ValueError, match=f"^{s.name} must be {re.escape(s.accepts())}, got '{bad}'$"):
+            config.setting(s.name)
+        monkeypatch.delenv(s.name)
+
+
+def test_an_undeclared_setting_is_refused_by_name():
+    with pytest.raises(KeyError, match="MONARCH_TENSOR_NOPE is not a declared setting"):
+        config.setting("MONARCH_TENSOR_NOPE")
+    with pytest.raises(KeyError, match="MONARCH_TENSOR_NOPE is not a declared setting"):
+        config.take("MONARCH_TENSOR_NOPE")

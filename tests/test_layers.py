@@ -134,3 +134,71 @@ def test_the_engines_folders_are_imported_only_as_sub_packages():
                     wrong += [f"{os.path.relpath(path, ROOT)}:{node.lineno} imports {n}" for n in names
                               if n.split(".")[0] in ("controller", "worker", "rdma")]
     assert not wrong, "\n".join(wrong)
+
+
+# controller/api.py gathers the engine's public functions from the modules of their concerns. Those import one
+# another in this order (each only earlier ones), and no module of the engine imports api: it is the face that
+# the runtime's seam, Monarch's paths and users import.
+API = ENGINE + ".api"
+API_PARTS = [f"{ENGINE}.{m}" for m in ("streams", "activation", "collectives", "fetching", "moving",
+                                        "remote_functions", "actor_calls")]
+# activation installs torch's patches (torch_patches), which use moving and remote functions: in that cycle a
+# module imports its siblings as modules (``from . import activation``), never their names, so that it
+# imports whichever of them comes first.
+PATCH_CYCLE = {f"{ENGINE}.{m}" for m in ("activation", "torch_patches", "moving", "remote_functions", "fetching")}
+
+
+def _engine_imports() -> list[tuple[str, str, int, bool]]:
+    """(module, engine module it imports, line, whether it imports names from it) for the engine's folder,
+    ``from . import x`` read as an import of module ``x``."""
+    out = []
+    folder = os.path.join(ROOT, "controller")
+    for f in sorted(os.listdir(folder)):
+        if not f.endswith(".py"):
+            continue
+        path = os.path.join(folder, f)
+        mod = _module(path)
+        with open(path) as fh:
+            tree = ast.parse(fh.read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module is None:
+                out += [(mod, f"{ENGINE}.{a.name}", node.lineno, False) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 1:
+                out.append((mod, f"{ENGINE}.{node.module}", node.lineno, True))
+            elif isinstance(node, ast.ImportFrom) and node.module and _under(node.module, (ENGINE,)):
+                out.append((mod, node.module, node.lineno, True))
+    return out
+
+
+def test_the_engines_api_is_gathered_from_its_parts_which_import_downwards():
+    found = _engine_imports()
+    assert any(a == API for a, *_ in found) and all(p.rsplit(".", 1)[1] + ".py" in os.listdir(
+        os.path.join(ROOT, "controller")) for p in API_PARTS)
+    wrong = [f"  {a}:{line} imports {b} (api is the engine's face; import the module of the concern)"
+             for a, b, line, _ in found if b == API]
+    order = {p: i for i, p in enumerate(API_PARTS)}
+    wrong += [f"  {a}:{line} imports {b}, which comes after it ({[p.rsplit('.', 1)[1] for p in API_PARTS]})"
+              for a, b, line, _ in found if a in order and b in order and order[b] >= order[a]]
+    wrong += [f"  {a}:{line} imports names from {b}: import the module (`from . import x`), as its cycle needs"
+              for a, b, line, by_name in found if a in PATCH_CYCLE and b in PATCH_CYCLE and by_name]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_part_of_the_engines_api_imports_first():
+    """Each module of the patch cycle imports first without an error (the order the cycle allows does not
+    depend on which module a script reaches first): in one fresh interpreter, the engine's modules are
+    forgotten between tries."""
+    import subprocess
+    import sys
+
+    code = f"""
+import importlib, sys, torch
+import monarch_tensor
+for first in {sorted(PATCH_CYCLE | set(API_PARTS))!r}:
+    for name in [n for n in sys.modules if n.startswith("{ENGINE}.") or n == "{ENGINE}"]:
+        del sys.modules[name]
+    importlib.import_module(first)
+    print("ok", first)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.count("ok ") == len(PATCH_CYCLE | set(API_PARTS)), r.stderr[-3000:]

@@ -27,10 +27,9 @@ from torch._C._distributed_c10d import _register_process_group, _resolve_process
 from torch.utils._pytree import tree_leaves, tree_map
 
 from monarch_tensor._net import ip_towards
-from monarch_tensor.config import env_number
+from monarch_tensor.config import setting
 
-TIMEOUT = env_number("MONARCH_TENSOR_COLLECTIVE_TIMEOUT", 300.0, "a number of seconds a collective waits for "
-                     "its group", least=1)
+TIMEOUT = setting("MONARCH_TENSOR_COLLECTIVE_TIMEOUT")
 # How long a worker whose collective failed waits for the controller to say a member's proc died (see
 # Collectives._wait): a peer that died breaks the collective at once, its death report follows shortly.
 DEATH_REPORT_WAIT_S = 5.0

@@ -34,7 +34,7 @@ from monarch_tensor import _wire
 from monarch_tensor._proc import current_runtime
 from monarch_tensor._zygote import finish_preload
 from monarch_tensor.actor import Actor, current_rank, endpoint
-from monarch_tensor.config import env_flag, env_number
+from monarch_tensor.config import setting
 from monarch_tensor.mailbox import LOST_REWRITES, current_mailbox
 from monarch_tensor.messages import CallEndpoint, SendToPort
 
@@ -51,8 +51,7 @@ log = logging.getLogger("monarch_tensor.worker")
 WORKER_NAME = "tensor_engine_worker"
 RECV_TIMEOUT = TIMEOUT
 # Freed tensor memory a worker keeps for its next allocations, in MiB (0: glibc's defaults).
-KEEP_FREED_MB = env_number("MONARCH_TENSOR_KEEP_FREED_MB", 1024, "a whole number of MiB (0: glibc's defaults)",
-                           integer=True)
+KEEP_FREED_MB = setting("MONARCH_TENSOR_KEEP_FREED_MB")
 
 
 def keep_freed_memory(keep_mb: int = KEEP_FREED_MB) -> bool:
@@ -118,7 +117,7 @@ def start_warm_up() -> threading.Thread | None:
     """The thread importing what DTensor work imports on first use (torch._dynamo and what it loads,
     seconds per proc), started at the proc's start if its template had not imported it yet, else now;
     None when there is nothing to import (or ``MONARCH_TENSOR_NO_WARMUP``)."""
-    if env_flag("MONARCH_TENSOR_NO_WARMUP", False):
+    if setting("MONARCH_TENSOR_NO_WARMUP"):
         return None
     return finish_preload(["torch._dynamo"])
 

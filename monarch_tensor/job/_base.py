@@ -29,6 +29,7 @@ import pickle
 from typing import Any
 
 from .. import _curve
+from ..config import setting
 from ..errors import HostUnreachableError, JobKeyError
 from ..remote_hosts import AgentClient, RemoteHostMesh, connect_agents, reachable_agents, shutdown_agents
 
@@ -190,7 +191,7 @@ class JobTrait:
             return self._monarch_state(cached_path)
         if self._job_state is None:
             reuse = self.reusable or getattr(self, "_reuse_cached", False)  # (load_current_job's: any kind)
-            batch = os.environ.get(BATCH_JOB_ENV)
+            batch = setting(BATCH_JOB_ENV)
             if batch and self.addrs is None:  # a batch job's script (LocalJob.apply(client_script=...)): its job
                 cached_path, reuse = batch, True
             if self.addrs is None and cached_path and reuse and self._adopt_cached(cached_path):

@@ -43,6 +43,8 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from monarch_tensor.config import setting
+
 from .._host import alive, host_id, my_pid, per_process
 from .._memory import Mem
 from .._registry import Descriptor
@@ -165,11 +167,9 @@ def short_distance(dst: int, src: int) -> bool:
 @functools.lru_cache(maxsize=1)
 def threads() -> int:
     """Threads per large transfer: ``$MONARCH_TENSOR_CMA_THREADS``, else the cores we may run on (at most 8)."""
-    env = os.environ.get("MONARCH_TENSOR_CMA_THREADS")
-    if env:
-        if not env.isdigit() or int(env) < 1:
-            raise ValueError(f"MONARCH_TENSOR_CMA_THREADS must be a positive integer, got {env!r}")
-        return int(env)
+    chosen = setting("MONARCH_TENSOR_CMA_THREADS")
+    if chosen is not None:
+        return chosen
     return max(1, min(8, len(os.sched_getaffinity(0))))
 
 

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
-import os
 import socket
 import struct
 import sys
 import threading
 import time
 
-from monarch_tensor.config import env_number
-from monarch_tensor.mailbox import _crowded, _sched_yield, _us_from_env
+from monarch_tensor.config import setting
+from monarch_tensor.mailbox import _crowded, _sched_yield
 
 from .._host import alive, host_id, per_process
 from .._memory import Mem
@@ -28,13 +27,13 @@ from .._registry import Descriptor, registry
 from ..errors import BufferDroppedError, OwnerDiedError, TransferError, TransferTimeoutError
 from .base import Backend, check_deadline
 
-STREAMS = env_number("MONARCH_TENSOR_RDMA_TCP_STREAMS", 4, "a whole number of connections, at least 1", integer=True, least=1)
+STREAMS = setting("MONARCH_TENSOR_RDMA_TCP_STREAMS")
 MIN_STREAM_CHUNK = 4 << 20  # below this a transfer uses one connection
 # A client (reader or writer) polls its socket this long for the owner's answer before it blocks: blocked, it
 # waited for the scheduler to wake its core (65 µs for a 4 KiB read on this project's 2-core VM; 24 µs polling).
 # The owner's thread polls as long for the next request after a transfer that had one connection, while
 # such requests keep coming within that time (see _next_request).
-SPIN_S = _us_from_env("MONARCH_TENSOR_RDMA_TCP_SPIN_US", "200", "0: block at once")
+SPIN_S = setting("MONARCH_TENSOR_RDMA_TCP_SPIN_US") * 1e-6
 TICK_S = 0.1  # a reader's socket waits in the kernel at most this long at a time, then checks its deadline
 # The longest a connect may wait: a socket refuses a timeout past about 9.2e9 s (OverflowError; a transfer's
 # timeout may be float("inf")), and the kernel gives up on an unanswered connect after about 2 minutes anyway.
@@ -64,7 +63,7 @@ _ATOMIC_LOCK = threading.Lock()  # the owner's atomics, one at a time: atomic wi
 
 def _send_parts(sock: socket.socket, head: bytes, data=None, deadline: float | None = None) -> None:
     """``head`` then ``data`` in one system call where the kernel takes both (small transfers)."""
-    parts = [head] if data is None else [head, memoryview(data).cast("B")]
+    parts: list[bytes | memoryview] = [head] if data is None else [head, memoryview(data).cast("B")]
     sent = sock.sendmsg(parts)
     for part in parts:
         if sent >= len(part):
@@ -218,7 +217,7 @@ class Server:
         # Listen on every address (a buffer's token guards it), so that a descriptor may name whichever
         # of this machine's addresses its reader can route to (message payloads do); announce the
         # host's default one, or MONARCH_TENSOR_RDMA_HOST, which then is the only one listened on.
-        chosen = os.environ.get("MONARCH_TENSOR_RDMA_HOST")
+        chosen = setting("MONARCH_TENSOR_RDMA_HOST")
         host = chosen or _default_host()
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -401,7 +400,10 @@ class TcpBackend(Backend):
              alone: bool = False, operands: bytes | None = None) -> None:
         """Move [lo, lo + n) of ``local`` on one connection (``alone``: the only one of its transfer); for an
         atomic, send ``operands`` and receive the word's value before into ``local``."""
-        addr = tuple(desc.tcp)
+        if desc.tcp is None:
+            raise TransferError(f"buffer {desc.buf_id} has no tcp server: the tcp backend cannot move it")
+        host, port = desc.tcp
+        addr = (host, port)
         s = self._conn(addr, desc, deadline)
         ok = False
         try:
@@ -409,12 +411,14 @@ class TcpBackend(Backend):
             req = request(op, ALONE if alone else 0, desc.buf_id, desc.token, offset + lo, n,
                           _cpu() if desc.host == host_id() else NO_CPU)
             status = bytearray(HEAD)
+            view = local.view(lo, n)
+            bufs: list[bytearray | memoryview]
             if op == WRITE:
-                _send_parts(s, req, local.view(lo, n), deadline)
+                _send_parts(s, req, view, deadline)
                 bufs = [status]
             else:
                 _send_parts(s, req, operands, deadline)
-                bufs = [status, local.view(lo, n)]  # the answer and the first bytes in one call
+                bufs = [status, view]  # the answer and the first bytes in one call
             got = _recv_first(s, bufs, deadline)
             if got == 0:
                 raise ConnectionError("connection closed before the owner answered")
@@ -422,7 +426,7 @@ class TcpBackend(Backend):
                 _recv_exact(s, memoryview(status)[got:], deadline)
                 got = HEAD
             if op != WRITE and status[0] == OK and got - HEAD < n:
-                (_recv_rest if alone else _recv_exact)(s, bufs[1][got - HEAD:], deadline)
+                (_recv_rest if alone else _recv_exact)(s, view[got - HEAD:], deadline)
             ok = True
         except (OSError, ConnectionError) as e:
             raise self._lost(desc, e) from e

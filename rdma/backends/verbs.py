@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from monarch_tensor import config
-from monarch_tensor.config import env_number
+from monarch_tensor.config import setting
 
 from .._memory import Mem
 from .._registry import Descriptor
@@ -38,11 +38,10 @@ from .base import Backend, check_deadline
 
 MAX_WR_BYTES = 1 << 20  # one work request
 MAX_OUTSTANDING = 16  # work requests in flight per queue pair (<= max_rd_atomic for READs)
-MR_CACHE_BYTES = env_number("MONARCH_TENSOR_RDMA_MR_CACHE_BYTES", 16 << 30, "a number of bytes", integer=True)
-DEVICE = os.environ.get("MONARCH_TENSOR_RDMA_DEVICE")  # a device name (mlx5_0 ...); default: the first
+MR_CACHE_BYTES = setting("MONARCH_TENSOR_RDMA_MR_CACHE_BYTES")
+DEVICE = setting("MONARCH_TENSOR_RDMA_DEVICE")  # a device name (mlx5_0 ...); default: the first
 PORT = 1
-GID_INDEX = env_number("MONARCH_TENSOR_RDMA_GID_INDEX", -1, "a GID index (-1: the first RoCE v2 one)", integer=True,
-                       least=-1)  # -1: the first RoCE v2 / non-zero GID
+GID_INDEX = setting("MONARCH_TENSOR_RDMA_GID_INDEX")  # -1: the first RoCE v2 / non-zero GID
 
 
 # ---- seams: descriptors, chunks, caches (tested without a device) ----------------------
@@ -140,7 +139,7 @@ class MRCache:
 
 
 # ---- pyverbs ---------------------------------------------------------------------------
-PYVERBS_DIRS = [os.environ.get("MONARCH_TENSOR_PYVERBS_DIR", ""), "/usr/lib/python3/dist-packages/pyverbs"]
+PYVERBS_DIRS = [setting("MONARCH_TENSOR_PYVERBS_DIR") or "", "/usr/lib/python3/dist-packages/pyverbs"]
 
 
 def import_pyverbs():
