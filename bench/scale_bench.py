@@ -32,7 +32,12 @@ The model (printed at the end) takes from the same run:
   of 4,096 replies nested as the tree sends it, handed to a Collector), beside the live slope, which on a
   small machine also counts the procs' share of its cores,
 * reply_us: with replies sent straight back, the controller's CPU per reply (the slope as entry_us),
-* spawn_agent_ms: the controller's CPU per extra agent in a spawn (slope of spawn_cpu_ms over agents),
+* spawn_agent_ms: the controller's CPU per extra agent in a spawn (slope of spawn_cpu_ms over agents, flat
+  tree; the spawn goes down the tree of agents, ``_spawn_tree``, so this is its own bookkeeping per agent),
+* spawn_level_s: one more tree level in a spawn (8 agents as a chain vs flat, per level, wall clock),
+* spawn_plan: the controller's CPU to plan a spawn on H x P procs and encode its requests to the root agents
+  (``ctl_ms``), and a root agent's CPU to read its request and pass each child its part (``agent_ms``), in this
+  process at the target size,
 
 * agent_fold_level_us: an agent's CPU for one folded call at one level (P plain replies folded, F children's
   chunks of 3 runs merged), controller_fold_us: the controller's CPU to read one chunk per root agent (depth
@@ -46,7 +51,8 @@ and projects a gathered call() to H hosts x P procs with fan-out F, depth d, as
 that term is printed again with controller_entry_us in place of entry_us), the same call with direct
 replies as ``rtt + hop_us + (d - 1) * level_us + H * P * reply_us``, a folded one as ``rtt + hop_us + (d - 1) * level_us
 + d * agent_fold_level_us + min(H, F) * chunk_us + controller_fold_us + send_ctl_us["next"]``, and a spawn as
-``spawn_s(P procs on 1 agent) + H * spawn_agent_ms`` (spawns still go to each agent from the controller).
+``spawn_s(P procs on 1 agent) + (d - 1) * spawn_level_s + d * spawn_plan["agent_ms"] + H * spawn_agent_ms`` (the
+controller sends one request per root agent; each level forks its procs and passes the spawn on at once).
 """
 
 from __future__ import annotations
@@ -174,6 +180,7 @@ def main() -> None:
     res["agent_fold_level_us"] = agent_fold_level_us(per, FANOUT)
     res["controller_fold_us"] = controller_fold_us(hosts, per, FANOUT)
     res["send_ctl_us"] = {m: send_ctl_us(hosts, per, FANOUT, m == "fold") for m in ("gather", "fold")}
+    res["spawn_plan"] = spawn_plan(hosts, per, FANOUT)
     res["loadavg_after"] = os.getloadavg()
     res["model"] = model(rows, res, agents_sweep)
     print(f"load average before {res['loadavg_before'][0]:.1f}, after {res['loadavg_after'][0]:.1f} "
@@ -230,9 +237,9 @@ def agent_level_us(per: int = 8, fanout: int = FANOUT, subtree: int = 1024) -> f
 
 
 def controller_entry_us(n: int = 4096, per: int = 8, fanout: int = FANOUT) -> float:
-    """The controller's CPU per gathered reply, in this process alone: chunks of ``n`` one-frame replies as a
-    root agent sends them (its children's chunks nested in its own, made by ``_gather.Gathers``) read and
-    handed to a ``Collector`` (``Mailbox._dispatch``, as its receiving thread does); median of 5."""
+    """The controller's CPU per gathered reply, in this process alone: a ``Collector`` for ``n`` procs made, and
+    chunks of ``n`` one-frame replies as a root agent sends them (its children's chunks nested in its own, made by
+    ``_gather.Gathers``) read and handed to it (``Mailbox._dispatch``, as its receiving thread does); median of 5."""
     from monarch_tensor import _fanout, _wire
     from monarch_tensor._gather import Gathers
     from monarch_tensor._ports import Collector
@@ -242,9 +249,12 @@ def controller_entry_us(n: int = 4096, per: int = 8, fanout: int = FANOUT) -> fl
     mb = Mailbox(io_thread=False)
     times = []
     try:
+        addrs = [f"a|{i}" for i in range(n)]
         for _ in range(5):
-            col = Collector([f"a|{i}" for i in range(n)], list(range(n)), list)
+            t = time.process_time()
+            col = Collector(list(addrs), list(range(n)), list)
             port = mb.open_port(col)
+            made = time.process_time() - t
             key = [port.addr, port.port_id]
             sent: list = []
             root = Gathers(lambda addr, frames, sent=sent: sent.append(frames), 60.0, 600.0)
@@ -263,7 +273,7 @@ def controller_entry_us(n: int = 4096, per: int = 8, fanout: int = FANOUT) -> fl
             frames = [bytes(f.buffer if hasattr(f, "buffer") else f) for f in sent[-1]]
             t = time.process_time()
             mb._dispatch(frames)
-            times.append((time.process_time() - t) * 1e6 / n)
+            times.append((made + time.process_time() - t) * 1e6 / n)
             assert col.future.done() and len(col.future.get(timeout=1)) == n
     finally:
         mb.close()
@@ -385,6 +395,47 @@ def send_ctl_us(hosts: int = 1024, per: int = 8, fanout: int = FANOUT, fold: boo
     return {"first": times[0], "next": statistics.median(times[1:])}
 
 
+def spawn_plan(hosts: int = 1024, per: int = 8, fanout: int = FANOUT) -> dict:
+    """The CPU of a spawn on ``hosts`` x ``per`` procs down the tree, in this process (median of 3): the controller's
+    (``ctl_ms``: each agent's ``SpawnProcs`` made with its procs' environments, as ``spawn_procs`` makes them,
+    ``_spawn_tree.plan``, and each root's request encoded) and a root agent's (``agent_ms``: its request decoded, each
+    child's part encoded with its ``reply_to``)."""
+    import dataclasses
+
+    from monarch_tensor import _fanout, _spawn_tree, _wire, config
+    from monarch_tensor.agent_messages import SpawnProcs
+    from monarch_tensor.messages import PortRef
+
+    agents = [f"tcp://bench-s{i}:1" for i in range(hosts)]
+    for a in agents:
+        _fanout.register(a, "scale-bench-spawn")
+    settings = config.proc_env()
+    ctl, agent = [], []
+    try:
+        for _ in range(3):
+            t = time.process_time()
+            parts = {}
+            for h, a in enumerate(agents):
+                ranks = range(h * per, (h + 1) * per)
+                envs = tuple({"MONARCH_TENSOR_RANK": str(r), **settings, "MONARCH_TENSOR_THREADS": f"share:{per}",
+                              "MONARCH_TENSOR_LOCAL_GPU": str(r % per)} for r in ranks)
+                parts[a] = SpawnProcs("bench", tuple(ranks), envs, "ipc:///c", "tcp://gw:1", PortRef("ipc:///c", h),
+                                      None, "id")
+            roots = _spawn_tree.plan("bench", parts, 60.0, fanout=fanout)
+            frames = [_wire.encode((1, tree)) for _, tree, _ in roots]
+            ctl.append((time.process_time() - t) * 1e3)
+            body = [bytes(f.buffer if hasattr(f, "buffer") else f) for f in frames[0]]
+            t = time.process_time()
+            _, tree = _wire.decode(body)
+            for _child, sub in tree.below:
+                _wire.encode((None, dataclasses.replace(sub, reply_to=("tcp://bench-s0:1", 1))))
+            agent.append((time.process_time() - t) * 1e3)
+    finally:
+        for a in agents:
+            _fanout.forget(a)
+    return {"ctl_ms": statistics.median(ctl), "agent_ms": statistics.median(agent)}
+
+
 def _slope(xs, ys) -> float:
     if len(xs) < 2:
         return 0.0
@@ -428,14 +479,16 @@ def model(rows, res, agents_sweep) -> dict:
     gather_us = res["local_rtt_us"] + send["gather"] + d * agent_us + gather_ctl
     direct_ctl = hosts * per * reply_us
     direct_us = res["local_rtt_us"] + send["direct"] + direct_ctl
-    spawn_s = base["spawn_s"] + hosts * spawn_agent_ms / 1e3
+    spawn_level_s = max(0.0, (chain["spawn_s"] - wide["spawn_s"]) / (amax - 1)) if chain and wide and amax > 1 else 0.0
+    plan = res["spawn_plan"]
+    spawn_s = base["spawn_s"] + (d - 1) * spawn_level_s + d * plan["agent_ms"] / 1e3 + hosts * spawn_agent_ms / 1e3
     fold_agent_us, fold_read_us, send_ctl = res["agent_fold_level_us"], res["controller_fold_us"], res["send_ctl_us"]
     fold_ctl = roots * chunk_us + fold_read_us + send_ctl["fold"]["next"]
     fold_us = res["local_rtt_us"] + res["hop_us"] + (d - 1) * level["fold"] + d * fold_agent_us + fold_ctl
     m = {"hop_us": res["hop_us"], "level_us": level, "entry_us": entry_us, "entry_alone_us": alone_us,
          "chunk_us": chunk_us, "gather_alone_us": gather_us - hosts * per * (entry_us - alone_us),
          "agent_level_us": agent_us, "reply_us": reply_us, "spawn_agent_ms": spawn_agent_ms,
-         "spawn_agent_wall_s": spawn_agent_wall_s, "target": f"{hosts} hosts x {per} procs", "fanout": FANOUT,
+         "spawn_agent_wall_s": spawn_agent_wall_s, "spawn_level_s": spawn_level_s, "spawn_plan": plan, "target": f"{hosts} hosts x {per} procs", "fanout": FANOUT,
          "depth": d, "gather_us": gather_us, "gather_ctl_us": gather_ctl, "direct_us": direct_us,
          "direct_ctl_us": direct_ctl, "bcast_us": gather_us, "spawn_s": spawn_s, "fold_us": fold_us,
          "fold_ctl_us": fold_ctl, "agent_fold_level_us": fold_agent_us, "controller_fold_us": fold_read_us,
@@ -445,7 +498,8 @@ def model(rows, res, agents_sweep) -> dict:
           f"direct; controller CPU per gathered entry {entry_us:.1f} us, per agent's chunk {chunk_us:.0f} us, "
           f"per direct reply {reply_us:.1f} us; an agent's CPU per call at one level {agent_us:.0f} us; controller "
           f"CPU per agent "
-          f"in a spawn {spawn_agent_ms:.1f} ms ({spawn_agent_wall_s * 1e3:.0f} ms wall)")
+          f"in a spawn {spawn_agent_ms:.1f} ms ({spawn_agent_wall_s * 1e3:.0f} ms wall), a spawn's tree level "
+          f"{spawn_level_s * 1e3:.0f} ms wall")
     print(f"projected, {hosts} hosts x {per} procs, fan-out {FANOUT} (depth {d}):")
     print(f"  call() gathered {gather_us / 1e3:.1f} ms = rtt {res['local_rtt_us'] / 1e3:.2f} + send side "
           f"{send['gather'] / 1e3:.2f} + {d} agent levels {d * agent_us / 1e3:.2f} + "
@@ -463,8 +517,12 @@ def model(rows, res, agents_sweep) -> dict:
           f"{send_ctl['gather']['next'] / 1e3:.2f} ms gathered, not in its figure)")
     print(f"  call() direct   {direct_us / 1e3:.1f} ms = rtt {res['local_rtt_us'] / 1e3:.2f} + send side "
           f"{send['direct'] / 1e3:.2f} + controller {hosts * per} replies {direct_ctl / 1e3:.1f}")
-    print(f"  spawn {spawn_s:.1f} s = {base['procs']} procs on one agent {base['spawn_s']:.2f} s + {hosts} agents x "
-          f"{spawn_agent_ms:.1f} ms controller CPU")
+    print(f"  spawn {spawn_s:.1f} s = {base['procs']} procs on one agent {base['spawn_s']:.2f} s + {d - 1} more levels "
+          f"x {spawn_level_s * 1e3:.0f} ms + {d} root agents' passes x {plan['agent_ms']:.1f} ms + {hosts} agents x "
+          f"{spawn_agent_ms:.2f} ms controller CPU")
+    print(f"  (the controller's planning and encoding of that spawn alone, in this process: {plan['ctl_ms']:.0f} ms, "
+          f"beside {hosts} x {spawn_agent_ms:.2f} = {hosts * spawn_agent_ms:.0f} ms from the live slope; it sends "
+          f"{min(hosts, FANOUT)} requests)")
     return m
 
 
