@@ -15,8 +15,9 @@ Rules the agent keeps:
   fails its rank).
 * A gather (not folded) reads its own procs' plain replies whose values are made of builtin types only
   (``_wire.loads_builtin``: no class is looked up, so nothing of the sender's code runs on the agent, and the
-  values pickle back the same) and sends them up as one entry (``GatheredReplies``), its chunk's first: the
-  caller unpickles one list per agent, not one message per reply. A proc's later messages in the same chunk
+  values pickle back the same), and its children's chunks that hold nothing else, and sends them up as one
+  entry (``GatheredReplies``), its chunk's first: the caller unpickles one list per root agent, not one
+  message per reply. A proc's later messages in the same chunk
   follow it, so one sender's order holds. Errors, values with buffers or of other types go up as they came.
 * A chunk of one-frame entries (small replies) travels as one batch frame (``_wire.pack_batch``; a parent's
   batch holds its children's batches), so the caller receives two frames, not one per reply.
@@ -174,17 +175,23 @@ class Gathers:
                 self.next_deadline = g.deadline
 
     def _read_plain(self, g: _Gather, head: dict, frames: list) -> bool:
-        """Keep a proc's plain reply of builtin values in ``g.ranks``/``g.values`` (sent up as one entry)."""
-        if "n" in head or head.get("u") or len(frames) != 2:  # (a child's chunk, an error, buffers)
+        """Keep a proc's plain reply of builtin values, or a child's chunk that is only its ``GatheredReplies``, in
+        ``g.ranks``/``g.values`` (sent up as one entry)."""
+        if head.get("u") or len(frames) != 2 or head.get("n", [1]) != [1]:  # (an error, buffers, several entries)
             return False
         try:
             t = _wire.loads_builtin(_buf(frames[1]))
         except Exception:  # noqa: BLE001 - not builtin values: up as it came
             return False
-        if type(t) is tuple and len(t) == 6 and t[0] == "\0reply" and t[1] == g.key[1] and t[3] is None \
-                and t[5] is None:
+        if type(t) is not tuple or t[1:2] != (g.key[1],):
+            return False
+        if "n" not in head and len(t) == 6 and t[0] == "\0reply" and t[3] is None and t[5] is None:
             g.ranks.append(t[4])
             g.values.append(t[2])
+            return True
+        if "n" in head and len(t) == 4 and t[0] == "\0replies":
+            g.ranks.extend(t[2])
+            g.values.extend(t[3])
             return True
         return False
 
