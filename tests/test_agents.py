@@ -956,7 +956,7 @@ def test_an_agent_that_dies_while_it_handles_a_request_fails_it(tmp_path, monkey
         os.kill(pid, signal.SIGSTOP)  # it takes the request and never answers...
         killer = threading.Timer(2.0, os.kill, (pid, signal.SIGKILL))  # ...then dies
         killer.start()
-        with pytest.raises(SupervisionError, match="was lost while it handled SpawnProcs"):
+        with pytest.raises(SupervisionError, match="was lost while it handled SpawnTree"):
             hosts.spawn_procs(per_host={"gpus": 1})
         killer.join()
     finally:
