@@ -249,5 +249,9 @@ class StopProc:
     reason: str
 
 
-_wire.COMPACT_ENCODERS[GatheredReplies] = lambda m: ("\0replies", m.port_id, m.ranks, m.values)  # type: ignore[assignment]
+def _compact_replies(m: GatheredReplies) -> tuple:
+    return ("\0replies", m.port_id, m.ranks, m.values)
+
+
+_wire.COMPACT_ENCODERS[GatheredReplies] = _compact_replies  # type: ignore[assignment]
 _wire.COMPACT_DECODERS["\0replies"] = lambda t: GatheredReplies(t[1], t[2], t[3])
