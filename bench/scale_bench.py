@@ -13,6 +13,8 @@ turns: ``gather``, replies up the tree in chunks, ``_fanout.GATHER``; ``direct``
 
 * spawn_s, spawn_cpu_ms: ``spawn_procs`` + an actor on every proc + its first reply (agents warm): wall
   clock, and the controller's CPU time (its process time: every thread of it).
+* chunks: the messages up the tree the controller received per gathered call (one per root agent, more where
+  an agent's window, MONARCH_TENSOR_GATHER_WINDOW_MS, sent part of its subtree's replies ahead of a straggler),
 * {gather,direct}_us: ``call()`` of a no-op endpoint on every proc, down the fan-out tree, every reply back
   (median of REPS); fold_us: ``Accumulator(ping, 0, max).accumulate()`` of the same replies, folded in the
   agents (``fold`` mode); *_cpu_us: the controller's CPU time per such call (its threads do not spin-poll while
@@ -32,7 +34,16 @@ The model (printed at the end) takes from the same run:
   of 4,096 replies nested as the tree sends it, handed to a Collector), beside the live slope, which on a
   small machine also counts the procs' share of its cores,
 * reply_us: with replies sent straight back, the controller's CPU per reply (the slope as entry_us),
-* spawn_agent_ms: the controller's CPU per extra agent in a spawn (slope of spawn_cpu_ms over agents),
+* spawn_agent_ms: the controller's CPU per extra agent in a spawn (slope of spawn_cpu_ms over agents, flat
+  tree; the spawn goes down the tree of agents, ``_spawn_tree``, so this is its own bookkeeping per agent),
+* idle_pct: the controller's CPU per second of wall clock while it waits with that row's mesh up (its
+  threads serve the procs' own traffic meanwhile), in %; the gathered call's slopes are printed again net of
+  it (``net_*``: CPU minus idle_pct x that call's wall time); idle_cpu_rate: the same with no procs up,
+  which the spawn's slope is taken net of,
+* spawn_level_s: one more tree level in a spawn (8 agents as a chain vs flat, per level, wall clock),
+* spawn_plan: the controller's CPU to plan a spawn on H x P procs and encode its requests to the root agents
+  (``ctl_ms``), and a root agent's CPU to read its request and pass each child its part (``agent_ms``), in this
+  process at the target size,
 
 * agent_fold_level_us: an agent's CPU for one folded call at one level (P plain replies folded, F children's
   chunks of 3 runs merged), controller_fold_us: the controller's CPU to read one chunk per root agent (depth
@@ -46,7 +57,8 @@ and projects a gathered call() to H hosts x P procs with fan-out F, depth d, as
 that term is printed again with controller_entry_us in place of entry_us), the same call with direct
 replies as ``rtt + hop_us + (d - 1) * level_us + H * P * reply_us``, a folded one as ``rtt + hop_us + (d - 1) * level_us
 + d * agent_fold_level_us + min(H, F) * chunk_us + controller_fold_us + send_ctl_us["next"]``, and a spawn as
-``spawn_s(P procs on 1 agent) + H * spawn_agent_ms`` (spawns still go to each agent from the controller).
+``spawn_s(P procs on 1 agent) + (d - 1) * spawn_level_s + d * spawn_plan["agent_ms"] + H * spawn_agent_ms`` (the
+controller sends one request per root agent; each level forks its procs and passes the spawn on at once).
 """
 
 from __future__ import annotations
@@ -85,6 +97,16 @@ def main() -> None:
     from monarch_tensor.job import LocalJob
 
     del os.environ["MONARCH_TENSOR_SPIN_US"]
+    from monarch_tensor import mailbox
+
+    up_messages = [0]  # messages up the tree this process received (chunks, messages passed up)
+    up_entries = mailbox.Mailbox._up_entries
+
+    def counted(self, frames):
+        up_messages[0] += 1
+        return up_entries(self, frames)
+
+    mailbox.Mailbox._up_entries = counted
 
     class Noop(Actor):
         @endpoint
@@ -107,16 +129,21 @@ def main() -> None:
         return statistics.median(xs), statistics.median(cs)
 
     def both(mesh, n) -> dict:
-        """The call in every mode, in turns (REPS rounds of a few calls each), medians of each."""
+        """The call in every mode, in turns (REPS rounds of a few calls each), medians of each; ``chunks``: the
+        messages up the tree the controller received per gathered call (mean)."""
         got: dict = {m: ([], []) for m in MODES}
+        chunks = calls = 0
         for _ in range(max(1, n // 3)):
             for mode in MODES:
                 _fanout.GATHER = mode != "direct"
+                before = up_messages[0]
                 w, c = timed_calls(mesh, 3, mode)
+                if mode == "gather":
+                    chunks, calls = chunks + up_messages[0] - before, calls + 3
                 got[mode][0].append(w)
                 got[mode][1].append(c)
         _fanout.GATHER = True
-        out = {}
+        out = {"chunks": chunks / max(1, calls)}
         for mode, (w, c) in got.items():
             out[f"{mode}_us"], out[f"{mode}_cpu_us"] = statistics.median(w), statistics.median(c)
         return out
@@ -136,6 +163,7 @@ def main() -> None:
         # Warm every agent's zygote (it imports torch once).
         p, _, _, _ = spawn(all_hosts, 1)
         p.stop().get(timeout=60)
+        res["idle_cpu_rate"] = idle_cpu_rate()
 
         # hop_us: a proc behind an agent vs a proc of this host, same call.
         local = this_host().spawn_procs(per_host={"gpus": 1})
@@ -151,7 +179,7 @@ def main() -> None:
         for n in procs_sweep:  # procs on one agent
             p, m, s, sc = spawn(all_hosts.slice(hosts=0), n)
             rows.append({"agents": 1, "procs": n, "fanout": FANOUT, "spawn_s": s, "spawn_cpu_ms": sc,
-                         **both(m, reps)})
+                         **both(m, reps), "idle_pct": 100 * idle_cpu_rate(0.5, 1)})
             p.stop().get(timeout=60)
             _print(rows[-1])
         for fanout in (FANOUT, 1):
@@ -161,7 +189,7 @@ def main() -> None:
                     continue
                 p, m, s, sc = spawn(all_hosts.slice(hosts=slice(0, a)), PER_AGENT)
                 rows.append({"agents": a, "procs": a * PER_AGENT, "fanout": fanout, "spawn_s": s,
-                             "spawn_cpu_ms": sc, **both(m, reps)})
+                             "spawn_cpu_ms": sc, **both(m, reps), "idle_pct": 100 * idle_cpu_rate(0.5, 1)})
                 p.stop().get(timeout=60)
                 _print(rows[-1])
         _fanout.FANOUT = FANOUT
@@ -174,6 +202,7 @@ def main() -> None:
     res["agent_fold_level_us"] = agent_fold_level_us(per, FANOUT)
     res["controller_fold_us"] = controller_fold_us(hosts, per, FANOUT)
     res["send_ctl_us"] = {m: send_ctl_us(hosts, per, FANOUT, m == "fold") for m in ("gather", "fold")}
+    res["spawn_plan"] = spawn_plan(hosts, per, FANOUT)
     res["loadavg_after"] = os.getloadavg()
     res["model"] = model(rows, res, agents_sweep)
     print(f"load average before {res['loadavg_before'][0]:.1f}, after {res['loadavg_after'][0]:.1f} "
@@ -184,8 +213,8 @@ def main() -> None:
 
 
 COLS = [("agents", 6, "d"), ("procs", 5, "d"), ("fanout", 6, "d"), ("spawn_s", 8, ".2f"), ("spawn_cpu_ms", 12, ".0f"),
-        ("gather_us", 9, ".0f"), ("gather_cpu_us", 13, ".0f"), ("direct_us", 9, ".0f"), ("direct_cpu_us", 13, ".0f"),
-        ("fold_us", 7, ".0f"), ("fold_cpu_us", 11, ".0f")]
+        ("gather_us", 9, ".0f"), ("gather_cpu_us", 13, ".0f"), ("chunks", 6, ".1f"), ("direct_us", 9, ".0f"), ("direct_cpu_us", 13, ".0f"),
+        ("fold_us", 7, ".0f"), ("fold_cpu_us", 11, ".0f"), ("idle_pct", 8, ".1f")]
 
 
 def _print(r: dict) -> None:
@@ -230,9 +259,9 @@ def agent_level_us(per: int = 8, fanout: int = FANOUT, subtree: int = 1024) -> f
 
 
 def controller_entry_us(n: int = 4096, per: int = 8, fanout: int = FANOUT) -> float:
-    """The controller's CPU per gathered reply, in this process alone: chunks of ``n`` one-frame replies as a
-    root agent sends them (its children's chunks nested in its own, made by ``_gather.Gathers``) read and
-    handed to a ``Collector`` (``Mailbox._dispatch``, as its receiving thread does); median of 5."""
+    """The controller's CPU per gathered reply, in this process alone: a ``Collector`` for ``n`` procs made, and
+    chunks of ``n`` one-frame replies as a root agent sends them (its children's chunks nested in its own, made by
+    ``_gather.Gathers``) read and handed to it (``Mailbox._dispatch``, as its receiving thread does); median of 5."""
     from monarch_tensor import _fanout, _wire
     from monarch_tensor._gather import Gathers
     from monarch_tensor._ports import Collector
@@ -242,9 +271,12 @@ def controller_entry_us(n: int = 4096, per: int = 8, fanout: int = FANOUT) -> fl
     mb = Mailbox(io_thread=False)
     times = []
     try:
+        addrs = [f"a|{i}" for i in range(n)]
         for _ in range(5):
-            col = Collector([f"a|{i}" for i in range(n)], list(range(n)), list)
+            t = time.process_time()
+            col = Collector(list(addrs), list(range(n)), list)
             port = mb.open_port(col)
+            made = time.process_time() - t
             key = [port.addr, port.port_id]
             sent: list = []
             root = Gathers(lambda addr, frames, sent=sent: sent.append(frames), 60.0, 600.0)
@@ -263,7 +295,7 @@ def controller_entry_us(n: int = 4096, per: int = 8, fanout: int = FANOUT) -> fl
             frames = [bytes(f.buffer if hasattr(f, "buffer") else f) for f in sent[-1]]
             t = time.process_time()
             mb._dispatch(frames)
-            times.append((time.process_time() - t) * 1e6 / n)
+            times.append((made + time.process_time() - t) * 1e6 / n)
             assert col.future.done() and len(col.future.get(timeout=1)) == n
     finally:
         mb.close()
@@ -385,6 +417,59 @@ def send_ctl_us(hosts: int = 1024, per: int = 8, fanout: int = FANOUT, fold: boo
     return {"first": times[0], "next": statistics.median(times[1:])}
 
 
+def spawn_plan(hosts: int = 1024, per: int = 8, fanout: int = FANOUT) -> dict:
+    """The CPU of a spawn on ``hosts`` x ``per`` procs down the tree, in this process (median of 3): the controller's
+    (``ctl_ms``: each agent's ``SpawnProcs`` made with its procs' environments, as ``spawn_procs`` makes them,
+    ``_spawn_tree.plan``, and each root's request encoded) and a root agent's (``agent_ms``: its request decoded, each
+    child's part encoded with its ``reply_to``)."""
+    import dataclasses
+
+    from monarch_tensor import _fanout, _spawn_tree, _wire, config
+    from monarch_tensor.agent_messages import SpawnProcs
+    from monarch_tensor.messages import PortRef
+
+    agents = [f"tcp://bench-s{i}:1" for i in range(hosts)]
+    for a in agents:
+        _fanout.register(a, "scale-bench-spawn")
+    settings = config.proc_env()
+    ctl, agent = [], []
+    try:
+        for _ in range(3):
+            t = time.process_time()
+            parts = {}
+            for h, a in enumerate(agents):
+                ranks = range(h * per, (h + 1) * per)
+                envs = tuple({"MONARCH_TENSOR_RANK": str(r), **settings, "MONARCH_TENSOR_THREADS": f"share:{per}",
+                              "MONARCH_TENSOR_LOCAL_GPU": str(r % per)} for r in ranks)
+                parts[a] = SpawnProcs("bench", tuple(ranks), envs, "ipc:///c", "tcp://gw:1", PortRef("ipc:///c", h),
+                                      None, "id")
+            roots = _spawn_tree.plan("bench", parts, 60.0, fanout=fanout)
+            frames = [_wire.encode((1, tree)) for _, tree, _ in roots]
+            ctl.append((time.process_time() - t) * 1e3)
+            body = [bytes(f.buffer if hasattr(f, "buffer") else f) for f in frames[0]]
+            t = time.process_time()
+            _, tree = _wire.decode(body)
+            for _child, sub in tree.below:
+                _wire.encode((None, dataclasses.replace(sub, reply_to=("tcp://bench-s0:1", 1))))
+            agent.append((time.process_time() - t) * 1e3)
+    finally:
+        for a in agents:
+            _fanout.forget(a)
+    return {"ctl_ms": statistics.median(ctl), "agent_ms": statistics.median(agent)}
+
+
+def idle_cpu_rate(seconds: float = 1.0, n: int = 3) -> float:
+    """The controller's CPU per second of wall clock while it waits for nothing (its watcher, keep-alives, the
+    gateway's and mailbox's threads), the job's agents up: what every figure of this process also counts for
+    the time it lasted; median of ``n``."""
+    rates = []
+    for _ in range(n):
+        c = time.process_time()
+        time.sleep(seconds)
+        rates.append((time.process_time() - c) / seconds)
+    return statistics.median(rates)
+
+
 def _slope(xs, ys) -> float:
     if len(xs) < 2:
         return 0.0
@@ -428,14 +513,32 @@ def model(rows, res, agents_sweep) -> dict:
     gather_us = res["local_rtt_us"] + send["gather"] + d * agent_us + gather_ctl
     direct_ctl = hosts * per * reply_us
     direct_us = res["local_rtt_us"] + send["direct"] + direct_ctl
-    spawn_s = base["spawn_s"] + hosts * spawn_agent_ms / 1e3
+    # The same slopes net of the controller's idle CPU over each figure's wall time (a call to more procs lasts
+    # longer on this machine's 2 cores, and the controller's background threads run meanwhile).
+    rate = res.get("idle_cpu_rate", 0.0)
+
+    def net(r: dict) -> float:  # the row's gathered call's CPU less its mesh's idle CPU over that call's wall time
+        return r["gather_cpu_us"] - r["idle_pct"] / 100 * r["gather_us"]
+
+    net_entry_us = _slope(procs1, [net(r) for r in one])
+    net_per_agent = _slope([r["agents"] for r in flat], [net(r) for r in flat])
+    net_chunk_us = max(0.0, net_per_agent - PER_AGENT * net_entry_us)
+    net_spawn_agent_ms = _slope([r["agents"] for r in flat], [r["spawn_cpu_ms"] - rate * r["spawn_s"] * 1e3 for r in flat])
+    spawn_level_s = max(0.0, (chain["spawn_s"] - wide["spawn_s"]) / (amax - 1)) if chain and wide and amax > 1 else 0.0
+    plan = res["spawn_plan"]
+    spawn_s = base["spawn_s"] + (d - 1) * spawn_level_s + d * plan["agent_ms"] / 1e3 + hosts * spawn_agent_ms / 1e3
+    net_spawn_s = spawn_s - hosts * (spawn_agent_ms - net_spawn_agent_ms) / 1e3
+    net_gather_ctl = roots * net_chunk_us + hosts * per * net_entry_us
+    net_gather_us = gather_us - gather_ctl + net_gather_ctl
     fold_agent_us, fold_read_us, send_ctl = res["agent_fold_level_us"], res["controller_fold_us"], res["send_ctl_us"]
     fold_ctl = roots * chunk_us + fold_read_us + send_ctl["fold"]["next"]
     fold_us = res["local_rtt_us"] + res["hop_us"] + (d - 1) * level["fold"] + d * fold_agent_us + fold_ctl
     m = {"hop_us": res["hop_us"], "level_us": level, "entry_us": entry_us, "entry_alone_us": alone_us,
          "chunk_us": chunk_us, "gather_alone_us": gather_us - hosts * per * (entry_us - alone_us),
          "agent_level_us": agent_us, "reply_us": reply_us, "spawn_agent_ms": spawn_agent_ms,
-         "spawn_agent_wall_s": spawn_agent_wall_s, "target": f"{hosts} hosts x {per} procs", "fanout": FANOUT,
+         "idle_cpu_rate": rate, "net_entry_us": net_entry_us, "net_chunk_us": net_chunk_us,
+         "net_spawn_agent_ms": net_spawn_agent_ms, "gather_net_us": net_gather_us, "spawn_net_s": net_spawn_s,
+         "spawn_agent_wall_s": spawn_agent_wall_s, "spawn_level_s": spawn_level_s, "spawn_plan": plan, "target": f"{hosts} hosts x {per} procs", "fanout": FANOUT,
          "depth": d, "gather_us": gather_us, "gather_ctl_us": gather_ctl, "direct_us": direct_us,
          "direct_ctl_us": direct_ctl, "bcast_us": gather_us, "spawn_s": spawn_s, "fold_us": fold_us,
          "fold_ctl_us": fold_ctl, "agent_fold_level_us": fold_agent_us, "controller_fold_us": fold_read_us,
@@ -445,7 +548,8 @@ def model(rows, res, agents_sweep) -> dict:
           f"direct; controller CPU per gathered entry {entry_us:.1f} us, per agent's chunk {chunk_us:.0f} us, "
           f"per direct reply {reply_us:.1f} us; an agent's CPU per call at one level {agent_us:.0f} us; controller "
           f"CPU per agent "
-          f"in a spawn {spawn_agent_ms:.1f} ms ({spawn_agent_wall_s * 1e3:.0f} ms wall)")
+          f"in a spawn {spawn_agent_ms:.1f} ms ({spawn_agent_wall_s * 1e3:.0f} ms wall), a spawn's tree level "
+          f"{spawn_level_s * 1e3:.0f} ms wall")
     print(f"projected, {hosts} hosts x {per} procs, fan-out {FANOUT} (depth {d}):")
     print(f"  call() gathered {gather_us / 1e3:.1f} ms = rtt {res['local_rtt_us'] / 1e3:.2f} + send side "
           f"{send['gather'] / 1e3:.2f} + {d} agent levels {d * agent_us / 1e3:.2f} + "
@@ -453,6 +557,9 @@ def model(rows, res, agents_sweep) -> dict:
           f"{hosts * per * entry_us / 1e3:.2f})")
     print(f"  (with the controller's CPU per entry as read alone in this process, {alone_us:.1f} us instead of "
           f"{entry_us:.1f} us: call() gathered {m['gather_alone_us'] / 1e3:.1f} ms)")
+    print(f"  (net of the controller's idle CPU with each row's mesh up, idle_pct of that call's wall time: per entry "
+          f"{net_entry_us:.1f} us, per chunk {net_chunk_us:.0f} us: call() gathered {net_gather_us / 1e3:.1f} ms, of "
+          f"which controller {net_gather_ctl / 1e3:.2f})")
     print(f"  Accumulator (max, folded in the agents) {fold_us / 1e3:.1f} ms = rtt {res['local_rtt_us'] / 1e3:.2f} + "
           f"send side {(res['hop_us'] + (d - 1) * level['fold']) / 1e3:.2f} + {d} agent levels "
           f"{d * fold_agent_us / 1e3:.2f} + controller {fold_ctl / 1e3:.2f} ({roots} chunks {roots * chunk_us / 1e3:.2f}, "
@@ -463,8 +570,13 @@ def model(rows, res, agents_sweep) -> dict:
           f"{send_ctl['gather']['next'] / 1e3:.2f} ms gathered, not in its figure)")
     print(f"  call() direct   {direct_us / 1e3:.1f} ms = rtt {res['local_rtt_us'] / 1e3:.2f} + send side "
           f"{send['direct'] / 1e3:.2f} + controller {hosts * per} replies {direct_ctl / 1e3:.1f}")
-    print(f"  spawn {spawn_s:.1f} s = {base['procs']} procs on one agent {base['spawn_s']:.2f} s + {hosts} agents x "
-          f"{spawn_agent_ms:.1f} ms controller CPU")
+    print(f"  spawn {spawn_s:.1f} s = {base['procs']} procs on one agent {base['spawn_s']:.2f} s + {d - 1} more levels "
+          f"x {spawn_level_s * 1e3:.0f} ms + {d} root agents' passes x {plan['agent_ms']:.1f} ms + {hosts} agents x "
+          f"{spawn_agent_ms:.2f} ms controller CPU")
+    print(f"  (the controller's planning and encoding of that spawn alone, in this process: {plan['ctl_ms']:.0f} ms, "
+          f"beside {hosts} x {spawn_agent_ms:.2f} = {hosts * spawn_agent_ms:.0f} ms from the live slope; it sends "
+          f"{min(hosts, FANOUT)} requests; net of the idle CPU, {net_spawn_agent_ms:.2f} ms per agent: spawn "
+          f"{net_spawn_s:.1f} s)")
     return m
 
 

@@ -13,6 +13,12 @@ Rules the agent keeps:
   caller sees one sender's messages in the order sent, a reply before its sender's death.
 * A proc that exits accounts for its entry in every gather that waits on it (the caller's supervision
   fails its rank).
+* A gather (not folded) reads its own procs' plain replies whose values are made of builtin types only
+  (``_wire.loads_builtin``: no class is looked up, so nothing of the sender's code runs on the agent, and the
+  values pickle back the same), and its children's chunks that hold nothing else, and sends them up as one
+  entry (``GatheredReplies``), its chunk's first: the caller unpickles one list per root agent, not one
+  message per reply. A proc's later messages in the same chunk
+  follow it, so one sender's order holds. Errors, values with buffers or of other types go up as they came.
 * A chunk of one-frame entries (small replies) travels as one batch frame (``_wire.pack_batch``; a parent's
   batch holds its children's batches), so the caller receives two frames, not one per reply.
 * A folded gather (plan key "r", ``Accumulator`` with an associative combine) keeps its plain replies (one
@@ -36,7 +42,7 @@ from typing import Callable
 from . import _wire
 from ._fanout import count, read_up, up_header
 from ._wire import pack_batch
-from .messages import FoldedReplies
+from .messages import FoldedReplies, GatheredReplies
 
 log = logging.getLogger("monarch_tensor.agent")
 
@@ -92,13 +98,15 @@ def _buf(f):
 
 class _Gather:
     __slots__ = ("key", "up", "w", "left", "procs", "frames", "counts", "accounted", "senders", "deadline",
-                 "touched", "fold", "pos", "runs")
+                 "touched", "fold", "pos", "runs", "ranks", "values")
 
     def __init__(self, key: tuple, up: str | None, w: str, left: int, procs: set) -> None:
         self.key, self.up, self.w, self.left, self.procs = key, up, w, left, procs
         self.fold: Fold | None = None
         self.pos: dict = {}  # proc id -> its place in the call (a folded gather)
         self.runs: list = []  # [lo, hi, value], sorted by lo, none adjacent to the next unless they did not merge
+        self.ranks: list = []  # its procs' plain replies read here (a gathered call): their ranks and values
+        self.values: list = []
         self.frames: list = []
         self.counts: list[int] = []
         self.accounted = 0
@@ -153,7 +161,7 @@ class Gathers:
             rest, counts = self._fold_in(g, sender, head, frames)
             g.frames.extend(rest)
             g.counts.extend(counts)
-        else:
+        elif not self._read_plain(g, head, frames):
             g.frames.extend(frames[1:])
             g.counts.extend(head.get("n", (len(frames) - 1,)))
         g.senders.add(sender)
@@ -165,6 +173,27 @@ class Gathers:
             g.deadline = g.touched + self.window
             if self.next_deadline is None or g.deadline < self.next_deadline:
                 self.next_deadline = g.deadline
+
+    def _read_plain(self, g: _Gather, head: dict, frames: list) -> bool:
+        """Keep a proc's plain reply of builtin values, or a child's chunk that is only its ``GatheredReplies``, in
+        ``g.ranks``/``g.values`` (sent up as one entry)."""
+        if head.get("u") or len(frames) != 2 or head.get("n", [1]) != [1]:  # (an error, buffers, several entries)
+            return False
+        try:
+            t = _wire.loads_builtin(_buf(frames[1]))
+        except Exception:  # noqa: BLE001 - not builtin values: up as it came
+            return False
+        if type(t) is not tuple or t[1:2] != (g.key[1],):
+            return False
+        if "n" not in head and len(t) == 6 and t[0] == "\0reply" and t[3] is None and t[5] is None:
+            g.ranks.append(t[4])
+            g.values.append(t[2])
+            return True
+        if "n" in head and len(t) == 4 and t[0] == "\0replies":
+            g.ranks.extend(t[2])
+            g.values.extend(t[3])
+            return True
+        return False
 
     def _fold_in(self, g: _Gather, sender, head: dict, frames: list) -> tuple[list, list]:
         """Fold what a message up brings into ``g``'s runs: a proc's plain reply, or a child's runs (its chunk's
@@ -249,6 +278,10 @@ class Gathers:
     def _flush(self, g: _Gather, urgent: bool) -> None:
         if g.frames or g.accounted:
             frames, counts = g.frames, g.counts
+            if g.ranks:  # its procs' plain replies first: each sender's later entries follow its reply
+                read = _wire.encode(GatheredReplies(g.key[1], tuple(g.ranks), tuple(g.values)))
+                frames, counts = [*read, *frames], [len(read), *counts]
+                g.ranks, g.values = [], []
             if len(frames) > 1 and len(counts) == len(frames):  # one-frame entries only: one batch frame
                 frames, counts = [pack_batch([f.buffer if hasattr(f, "buffer") else f for f in frames])], [1]
             head = {"k": list(g.key), "a": g.accounted, "n": counts, "u": int(urgent), "w": g.w}

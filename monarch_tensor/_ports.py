@@ -35,13 +35,11 @@ class Collector:
         self._left = len(addrs)
         self._finish = finish
         self._lock = threading.Lock()
-        self._waiting = set(addrs)
 
     def deliver(self, msg: SendToPort) -> bool:
         with self._lock:
             slot = self._by_rank.pop(msg.rank, None)  # each rank's first reply counts
             if slot is not None:
-                self._waiting.discard(self._addr_of[msg.rank])
                 self._left -= 1
             done = self._left == 0
         if msg.error is not None:
@@ -71,14 +69,13 @@ class Collector:
                 done = self.deliver(SendToPort(-1, value, None, rank))
             return done
         with self._lock:
-            by_rank, addr_of, waiting, slots = self._by_rank, self._addr_of, self._waiting, self._values
+            by_rank, slots = self._by_rank, self._values
             dropped = []
             for rank, value in zip(ranks, values):
                 slot = by_rank.pop(rank, None)
                 if slot is None:
                     dropped.append(rank)
                     continue
-                waiting.discard(addr_of[rank])
                 slots[slot] = value
             self._left -= len(ranks) - len(dropped)
             done = self._left == 0
@@ -88,11 +85,11 @@ class Collector:
         return self._settle(done)
 
     def proc_died(self, addr: str, error: SupervisionError) -> tuple[bool, bool]:
-        with self._lock:
-            if addr not in self._waiting:
+        with self._lock:  # (a rank still waited on is one not yet popped from _by_rank)
+            gone = [r for r in self._by_rank if self._addr_of[r] == addr]
+            if not gone:
                 return False, False
-            self._waiting.discard(addr)
-            for rank in [r for r in self._by_rank if self._addr_of[r] == addr]:
+            for rank in gone:
                 del self._by_rank[rank]  # (it answers no more: the port is finished once the others did)
                 self._left -= 1
             done = self._left == 0

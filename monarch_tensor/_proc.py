@@ -385,6 +385,7 @@ class ProcRuntime:
 
     # ---- handlers, one per message ------------------------------------------
     def handle_SpawnActor(self, msg: SpawnActor) -> None:
+        msg = self._placed(msg)
         shape: Shape = msg.shape
         point = shape.point(msg.rank) if len(shape.names) else Point(0, {})
         old = self.actors.get(msg.name)
@@ -397,7 +398,8 @@ class ProcRuntime:
             return
         ctx = _context.ActorContext(msg.name, point, self.rank, sizes=shape.sizes)
         ctx.proc_mesh_bytes = msg.proc_mesh
-        slot = _Slot(msg.name, None, ctx, owner=msg.reply.addr)
+        owner = msg.reply.addr
+        slot = _Slot(msg.name, None, ctx, owner=owner[len(GATHER_PREFIX):] if owner.startswith(GATHER_PREFIX) else owner)
         slot.busy = slot.initializing = True  # its calls queue until the constructor has returned
         self.actors[msg.name] = slot
         timer, calls = self._awaiting.pop(msg.name, (None, ()))
@@ -409,6 +411,15 @@ class ProcRuntime:
             slot.pending_init = msg
             return
         self._start_construct(slot, msg)
+
+    def _placed(self, msg: SpawnActor) -> SpawnActor:
+        """A spawn sent to the whole mesh at once (``ranks``) as this proc's own: its place in the mesh."""
+        if msg.ranks is None:
+            return msg
+        if self.rank not in msg.ranks:
+            raise ValueError(f"a spawn of actor {msg.name!r} reached proc rank {self.rank}, which is not among its "
+                             f"procs' ranks")
+        return dataclasses.replace(msg, rank=msg.ranks.index(self.rank), ranks=None)
 
     def _start_construct(self, slot: _Slot, msg: SpawnActor) -> None:
         if getattr(msg.cls, "_init_on_loop", False):  # the runtime's own actors whose place in message order
@@ -467,6 +478,7 @@ class ProcRuntime:
         reducer that raises): calls to the actor fail with that error, as for a constructor that raised,
         rather than wait for a spawn that never comes and then say none was made."""
         try:
+            msg = self._placed(msg)
             name, shape = msg.name, msg.shape
             point = shape.point(msg.rank) if len(shape.names) else Point(0, {})
             sizes = shape.sizes

@@ -474,8 +474,16 @@ def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs
 
     col.future.add_done_callback(failed)
     portable = procs._portable()
+    ranks = tuple(p.rank for p in members)
+    i = 0
     try:
         try:
+            if len(addrs) > 1 and _fanout.GATHER and _context.in_client() and all("|" in a for a in addrs) and \
+                    len(set(ranks)) == len(ranks):  # procs behind host agents: one message down their tree
+                up = PortRef(_fanout.GATHER_PREFIX + port.addr, port.port_id)  # (its acks gathered up it)
+                msg = SpawnActor(name, cls, args, kwargs, -1, shape, up, portable, ranks=ranks)
+                _fanout.send_many(mailbox, addrs, _wire.encode_for(msg, addrs, mailbox)[0], (port.addr, port.port_id))
+                return mesh
             for i, p in enumerate(members):
                 mailbox.send(p.addr, SpawnActor(name, cls, args, kwargs, i, shape, port, portable))
         except Exception as e:

@@ -34,6 +34,7 @@ import zmq
 from . import _curve, _fanout, _wire
 from ._fanout import ROUTE_MAGIC, UP_MAGIC
 from ._gather import Gathers
+from ._spawn_tree import SpawnTrees
 from .agent_messages import (
     DescribeHost,
     EndSession,
@@ -42,8 +43,10 @@ from .agent_messages import (
     OpenSession,
     ReportExit,
     ReportSpawned,
+    ReportSpawnedTree,
     ShutdownAgent,
     SpawnProcs,
+    SpawnTree,
 )
 from .config import setting
 from .errors import AddressInUseError, JobKeyError
@@ -67,6 +70,8 @@ class _Session:
     last_seen: float
     procs: dict = field(default_factory=dict)  # pid -> (ProcInfo, events PortRef)
     clients: set = field(default_factory=set)  # its controllers' addresses (their procs' workspace roots)
+    spawns: dict = field(default_factory=dict)  # spawn id -> the pids it forked here
+    cancelled: set = field(default_factory=set)  # spawn ids killed (KillProcs): procs forked for them later die
 
 
 class HostAgent:
@@ -118,6 +123,7 @@ class HostAgent:
         self.up_addr = new_ipc_address("agent-up")
         self.up.bind(self.up_addr)
         self.gathers = Gathers(self._send_raw, GATHER_WINDOW_S, GATHER_TTL_S)
+        self.spawn_trees = SpawnTrees(self.addr, lambda child, tree: self._send_raw(child, _wire.encode((None, tree))))
         self.sessions: dict[str, _Session] = {}
         self.local_addrs: dict[str, str] = {}  # short proc id -> ipc address
         self._next_id = 0
@@ -167,6 +173,7 @@ class HostAgent:
                     os.read(self._wake_r, 4096)
                 self._drain_inbox()
                 self._expire()
+                self.spawn_trees.expire(time.monotonic())
                 now = time.monotonic()
                 nxt = self.gathers.due(now)
                 wait_ms = 250 if nxt is None else max(1, min(250, int((nxt - now) * 1000) + 1))
@@ -201,7 +208,9 @@ class HostAgent:
                 return
             try:
                 handler(ident, req_id, msg)
-            except Exception as e:  # noqa: BLE001 - a failed request is an error reply
+            except Exception as e:  # noqa: BLE001 - a failed request is an error reply (a one-way one's is logged)
+                if req_id is None:
+                    log.warning("agent failed to handle %s: %r", type(msg).__name__, e)
                 self._answer(ident, req_id, None, e)
 
     def _answer(self, ident, req_id, value, error=None) -> None:
@@ -253,6 +262,8 @@ class HostAgent:
                 self.gathers.pass_up(proc_id, gateway, msg_frames)
                 if exited:
                     self.gathers.proc_exited(proc_id)
+            elif ident == "call":  # a worker thread's result, for the loop's thread
+                frames()
             elif ident == "forget":  # a proc exited: close our socket to it
                 s = self._out.pop(frames, None)
                 if s is not None:
@@ -288,6 +299,30 @@ class HostAgent:
         self._session(msg.session)
 
     def handle_SpawnProcs(self, ident, req_id, msg: SpawnProcs) -> None:
+        self._spawn(msg, lambda reply, error: self._answer(ident, req_id, reply, error))
+
+    def handle_SpawnTree(self, ident, req_id, msg: SpawnTree) -> None:
+        if msg.reply_to is None:
+            def answer(results: tuple) -> None:
+                self._answer(ident, req_id, ReportSpawnedTree(0, results, msg.agent))
+        else:
+            parent, parent_tid = msg.reply_to
+
+            def answer(results: tuple) -> None:
+                self._send_raw(parent, _wire.encode((None, ReportSpawnedTree(parent_tid, results, msg.agent))))
+        mine = self.spawn_trees.start(msg, answer)
+        if msg.spawn is not None:
+            try:
+                self._spawn(msg.spawn, lambda reply, error: self.spawn_trees.own_done(mine, reply, error))
+            except Exception as e:  # noqa: BLE001 - this agent's ranks fail, its children's go on
+                self.spawn_trees.own_done(mine, None, e)
+
+    def handle_ReportSpawnedTree(self, ident, req_id, msg: ReportSpawnedTree) -> None:
+        self.spawn_trees.child_done(msg.tid, msg.agent, msg.results)
+
+    def _spawn(self, msg: SpawnProcs, done) -> None:
+        """Fork ``msg``'s procs (on the spawner's thread); ``done(ReportSpawned or None, error or None)`` on the
+        loop's thread."""
         session = self._session(msg.session)
         session.clients.add(msg.client_addr)
         infos, envs = [], []
@@ -308,11 +343,15 @@ class HostAgent:
             info.owner = (msg.session, msg.events, pid_key, msg.gateway)
             infos.append(info)
             envs.append(env)
-        self._spawner.submit(ident, req_id, session, infos, msg.client_addr, envs, msg.python_exe)
+        self._spawner.submit(session, infos, msg.client_addr, envs, msg.python_exe, msg.spawn_id, done)
 
     def handle_KillProcs(self, ident, req_id, msg: KillProcs) -> None:
         s = self._session(msg.session)
-        for pid in msg.pids:
+        pids = list(msg.pids)
+        if msg.spawn_id:
+            s.cancelled.add(msg.spawn_id)
+            pids += s.spawns.get(msg.spawn_id, ())
+        for pid in pids:
             if pid in s.procs:
                 _signal(pid, msg.sig)
         self._answer(ident, req_id, None)
@@ -439,21 +478,24 @@ class _Worker:
             job = self.q.get()
             if job is None:
                 return
-            ident, req_id, session, infos, client_addr, envs, python_exe = job
+            session, infos, client_addr, envs, python_exe, spawn_id, done = job
+            reply, error = None, None
             try:
                 self.agent.host_for(python_exe).spawn(infos, client_addr, envs)
                 session.last_seen = time.monotonic()
                 for info in infos:
                     session.procs[info.pid] = info
-                if self.agent.sessions.get(info.owner[0]) is not session:  # it ended while we forked
+                if spawn_id:
+                    session.spawns.setdefault(spawn_id, []).extend(i.pid for i in infos)
+                # it ended, or the spawn was cancelled, while we forked
+                if self.agent.sessions.get(info.owner[0]) is not session or spawn_id in session.cancelled:
                     for info in infos:
                         _signal(info.pid, signal.SIGKILL)
                 reply = ReportSpawned(tuple(f"{self.agent.addr}|{i.owner[2]}" for i in infos),
                                       tuple(i.pid for i in infos))
-                frames = _wire.encode((req_id, reply, None))
             except Exception as e:  # noqa: BLE001
-                frames = _wire.encode((req_id, None, e))
-            self.agent._inbox.put((ident, frames))
+                error = e
+            self.agent._inbox.put(("call", lambda done=done, reply=reply, error=error: done(reply, error)))
             self.agent._wake()
 
 

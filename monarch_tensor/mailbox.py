@@ -41,10 +41,10 @@ import zmq
 from . import _wire
 from . import future as _future
 from . import logs as _logs
-from ._fanout import ROUTE_SEP, UP_MAGIC, read_up, routed_frames, up_header
+from ._fanout import GATHER_PREFIX, ROUTE_SEP, UP_MAGIC, read_up, routed_frames, up_header
 from .config import setting
 from .errors import ProtocolError, SupervisionError
-from .messages import FoldedReplies, ForwardLogs, PortRef, SendToPort
+from .messages import FoldedReplies, ForwardLogs, GatheredReplies, PortRef, SendToPort
 
 log = logging.getLogger("monarch_tensor.mailbox")
 
@@ -833,7 +833,10 @@ class Mailbox:
                     continue
                 yield from self._chunk_parts(parts)
             else:
-                yield from self._decoded(entry)
+                for msg, unreadable in self._decoded(entry):
+                    if type(msg) is GatheredReplies:  # (an agent's procs' replies, alone in their chunk)
+                        msg = _Replies(msg.port_id, list(msg.ranks), list(msg.values))
+                    yield msg, unreadable
 
     def _chunk_parts(self, parts: list):
         """A chunk's one-frame entries: each run of plain values for one port (no error, no output to print
@@ -856,6 +859,12 @@ class Mailbox:
                 t = _wire.loads_plain(part)
             except Exception:  # noqa: BLE001 - not plain: decoded (or reported) as any message is
                 t = None
+            if type(t) is tuple and len(t) == 4 and t[0] == "\0replies":  # an agent's procs' replies, read there
+                if run is not None:
+                    yield _Replies(*run), None
+                    run = None
+                yield _Replies(t[1], list(t[2]), list(t[3])), None
+                continue
             if type(t) is tuple and len(t) == 6 and t[0] == "\0reply" and t[3] is None and t[5] is None:
                 if run is not None and run[0] == t[1]:
                     run[1].append(t[4])
@@ -977,8 +986,9 @@ class Mailbox:
             if self.on_lost_spawn is not None and type(msg).__name__ == "SpawnActor":
                 self.on_lost_spawn(msg, error)
             reply = getattr(msg, "reply", None)
-            if isinstance(reply, PortRef):  # a call or request: its caller gets the error
-                self.send(reply.addr, SendToPort(reply.port_id, None, error, getattr(msg, "rank", -1)))
+            if isinstance(reply, PortRef):  # a call or request: its caller gets the error (straight, not gathered)
+                addr = reply.addr[len(GATHER_PREFIX):] if reply.addr.startswith(GATHER_PREFIX) else reply.addr
+                self.send(addr, SendToPort(reply.port_id, None, error, getattr(msg, "rank", -1)))
                 return
             rewrite = LOST_REWRITES.get((msg.actor, msg.method)) if isinstance(msg, CallEndpoint) else None
             handle = defer if defer is not None else self.on_message

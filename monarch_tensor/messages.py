@@ -39,7 +39,9 @@ class SpawnActor:
     """Client -> proc: construct ``cls(*args, **kwargs)`` as actor ``name``; ack on ``reply``. ``proc_mesh``:
     the pickled proc mesh it is spawned on (``context().actor_instance.proc_mesh``), read when asked for.
     ``args_by_engine``: the arguments hold mesh tensors, and come instead in a call of ``__init__`` from the
-    tensor engine's worker, which gives the constructor this rank's own tensors."""
+    tensor engine's worker, which gives the constructor this rank's own tensors. ``ranks``: one message for the
+    whole mesh (down the tree of host agents, its acks gathered up it): each proc's place in the mesh is the
+    index of its own proc rank in ``ranks`` (``rank`` is then -1)."""
 
     name: str
     cls: Any
@@ -50,6 +52,7 @@ class SpawnActor:
     reply: PortRef
     proc_mesh: bytes | None = None
     args_by_engine: bool = False
+    ranks: tuple | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +153,17 @@ class FoldedReplies:
     runs: tuple
 
 
+@dataclass(frozen=True, slots=True)
+class GatheredReplies:
+    """Host agent -> caller: plain replies of its own procs to a gathered ``call()`` (values of builtin types
+    only, no error, no output to print first), read on the agent and sent up as one entry: ``values[i]`` is
+    rank ``ranks[i]``'s reply to port ``port_id``."""
+
+    port_id: int
+    ranks: tuple
+    values: tuple
+
+
 @_fast_reduce
 @dataclass(frozen=True, slots=True)
 class ActorFault:
@@ -233,3 +247,11 @@ class StopProc:
     """Client -> proc: stop every actor and exit the process."""
 
     reason: str
+
+
+def _compact_replies(m: GatheredReplies) -> tuple:
+    return ("\0replies", m.port_id, m.ranks, m.values)
+
+
+_wire.COMPACT_ENCODERS[GatheredReplies] = _compact_replies  # type: ignore[assignment]
+_wire.COMPACT_DECODERS["\0replies"] = lambda t: GatheredReplies(t[1], t[2], t[3])

@@ -28,7 +28,7 @@ from typing import Mapping
 
 import zmq
 
-from . import _curve, _fanout, _wire
+from . import _curve, _fanout, _spawn_tree, _wire
 from ._fanout import ROUTE_SEP
 from ._net import ip_towards
 from .agent_messages import EndSession, KeepSession, KillProcs, OpenSession, ReportExit, ShutdownAgent, SpawnProcs
@@ -261,7 +261,9 @@ class AgentClient:
         raise HostUnreachableError(f"no host agent reachable at {self.addr} within {timeout:.0f} s "
                                    f"(nothing listens there, the host is down, or a firewall drops it)")
 
-    def request(self, msg, timeout: float = 30.0):
+    def request(self, msg, timeout: float = 30.0, watch: list[AgentClient] = ()):
+        """Send ``msg`` and wait for its answer; one of the ``watch`` agents lost meanwhile fails it too (the
+        request was passed on to them)."""
         with self._lock:
             if self.lost:
                 raise SupervisionError(f"host agent {self.addr} was lost: {self.lost}")
@@ -279,6 +281,10 @@ class AgentClient:
                     if self.lost:
                         raise SupervisionError(f"host agent {self.addr} was lost while it handled "
                                                f"{type(msg).__name__}: {self.lost}")
+                    gone = next((a for a in watch if a.lost), None)
+                    if gone is not None:
+                        raise SupervisionError(f"host agent {gone.addr} was lost while {self.addr} passed it "
+                                               f"{type(msg).__name__}: {gone.lost}")
                     continue
                 rid, value, error = _wire.decode(self.sock.recv_multipart())
                 if rid == req_id:
@@ -286,6 +292,15 @@ class AgentClient:
         if error is not None:
             raise error
         return value
+
+    def tell(self, msg) -> None:
+        """Send ``msg`` one-way (no answer, no wait); nothing if the agent is lost."""
+        with self._lock:
+            if not self.lost:
+                try:
+                    self.sock.send_multipart(_wire.encode((None, msg)), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
 
     def keep_alive(self) -> None:
         """Tell the agent this controller lives (the watcher thread's socket; never blocks)."""
@@ -508,11 +523,15 @@ class RemoteHostMesh(HostMesh):
         mailbox = current_mailbox()
         infos: list[ProcInfo] = []
         pending = []
+        spawn_id = uuid.uuid4().hex[:16]
         from . import config
 
         settings = config.proc_env()  # configure()'s settings that procs act on
-        live = [p for mesh in list(_live_meshes) for p in mesh._procs if p.alive]
-        most = max((per + sum(1 for p in live if getattr(p, "agent", None) is a) for a in self._agents), default=per)
+        running: dict[int, int] = {}  # id of an agent -> its live procs
+        for p in [p for mesh in list(_live_meshes) for p in mesh._procs if p.alive]:
+            key = id(getattr(p, "agent", None))
+            running[key] = running.get(key, 0) + 1
+        most = max((per + running.get(id(a), 0) for a in self._agents), default=per)
         if threads is None and not _threads.user_set() and not _bind.restricts_cpus(proc_bind):
             _threads.remote_notice(per * len(self._agents), most)
         for h, agent in enumerate(self._agents):
@@ -520,7 +539,7 @@ class RemoteHostMesh(HostMesh):
             _fanout.set_gateway(agent.addr, gateway.addr)  # (gathered replies of its procs come through it)
             events = mailbox.open_port(_Events(agent))
             ranks, envs = [], []
-            sharing = per + sum(1 for p in live if getattr(p, "agent", None) is agent)
+            sharing = per + running.get(id(agent), 0)
             for r in range(h * per, (h + 1) * per):
                 point = shape.point(r)
                 env = {"MONARCH_TENSOR_RANK": str(r), **settings, **_bind.env_for(proc_bind, r - h * per),
@@ -534,8 +553,13 @@ class RemoteHostMesh(HostMesh):
                 ranks.append(r)
                 envs.append(env)
             pending.append((agent, ranks, SpawnProcs(SESSION, tuple(ranks), tuple(envs), mailbox.addr,
-                                                      gateway.addr, events, python_exe)))
-        results = _parallel([(a.request, (m, config.get("spawn_timeout"))) for a, _, m in pending])
+                                                      gateway.addr, events, python_exe, spawn_id)))
+        try:
+            results = _spawn_down_tree(pending, spawn_id, config.get("spawn_timeout"))
+        except BaseException:
+            for _, _, m in pending:
+                mailbox.close_port(m.events.port_id)
+            raise
         mesh = RemoteProcMesh([], shape)
         mesh._host_handle = self._handle
         mesh._host_dims = len(self._shape.names)  # (heal_mesh spawns the same again)
@@ -591,6 +615,59 @@ class RemoteProcMesh(ProcMesh):
             agent.request(KillProcs(SESSION, (p.pid,), 9), timeout=5)
         except Exception:  # noqa: BLE001 - a lost agent's procs are gone with it
             p.alive = False
+
+
+def _spawn_down_tree(pending: list, spawn_id: str, timeout: float) -> list:
+    """Each ``(agent, ranks, SpawnProcs)`` of ``pending`` down the tree of agents (``_spawn_tree``): one request
+    per root agent, each watched for the loss of any agent of its subtree. Every agent's ``ReportSpawned``, in
+    order; if any agent failed, the spawn is cancelled on every agent (its procs killed there) and the first
+    failure is raised, its message naming that agent and its ranks (and the others that failed)."""
+    by_addr = {a.addr: a for a, _, _ in pending}
+    if len(by_addr) < len(pending):  # (an agent twice in one host mesh: a spawn of its own each)
+        return _parallel([(a.request, (m, timeout)) for a, _, m in pending])
+    roots = _spawn_tree.plan(SESSION, {a.addr: m for a, _, m in pending}, timeout)
+    clients = {a.addr: a for a in list(_watcher.agents)}
+    clients.update(by_addr)
+    wait = _spawn_tree.request_timeout(roots, timeout)
+
+    def ask(root: str, tree, agents: list[str]) -> dict:
+        client = clients.get(root)
+        try:
+            if client is None:
+                raise HostUnreachableError(f"host agent {root}, on the way to {agents}, is not connected here")
+            watch = [clients[a] for a in _spawn_tree.nodes_of(tree) if a in clients]
+            rep = client.request(tree, wait, watch=watch)
+            return {addr: (report, error) for addr, report, error in rep.results}
+        except Exception as e:  # noqa: BLE001 - the subtree's agents fail with it
+            return {addr: (None, e) for addr in agents}
+
+    got: dict = {}
+    for part in _parallel([(ask, r) for r in roots]):
+        got.update(part)
+    failed = []
+    for agent, ranks, _ in pending:
+        report, error = got.get(agent.addr, (None, None))
+        if report is None and error is None:
+            error = HostUnreachableError(f"host agent {agent.addr} was left out of the spawn's answers")
+        if error is None and len(report.pids) != len(ranks):
+            error = HostUnreachableError(f"host agent {agent.addr} spawned {len(report.pids)} procs of {len(ranks)}")
+        if error is not None:
+            failed.append((agent, ranks, error))
+    if not failed:
+        return [got[a.addr][0] for a, _, _ in pending]
+    for agent, _, _ in pending:  # (those that did spawn, and any whose spawn comes late, kill its procs)
+        agent.tell(KillProcs(SESSION, (), 9, spawn_id))
+    agent, ranks, error = failed[0]
+    where = [f"host agent {a.addr} (ranks {_span(r)})" for a, r, _ in failed]
+    others = "; ".join(f"{w}: {e!r}" for w, (_, _, e) in zip(where[1:], failed[1:]))
+    if error.args and isinstance(error.args[0], str):
+        error.args = (f"spawn_procs failed on {where[0]}: {error.args[0]}" + (f"; and on {others}" if others else ""),
+                      *error.args[1:])
+    raise error
+
+
+def _span(ranks: list[int]) -> str:
+    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else f"{ranks[0]}"
 
 
 def _parallel(calls: list) -> list:

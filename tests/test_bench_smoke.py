@@ -119,6 +119,8 @@ def test_scale_bench_tiny(tmp_path):
     assert m["gather_us"] > 0 and m["direct_us"] > 0 and m["spawn_s"] > 0 and m["agent_level_us"] > 0
     assert m["fold_us"] > 0 and m["agent_fold_level_us"] > 0 and m["controller_fold_us"] > 0
     assert "Accumulator (max, folded in the agents)" in proc.stdout
+    assert m["spawn_plan"]["ctl_ms"] > 0 and m["spawn_plan"]["agent_ms"] > 0 and m["spawn_level_s"] >= 0
+    assert "root agents' passes" in proc.stdout
 
 
 @pytest.mark.timeout(300)

@@ -1,13 +1,17 @@
 """Replies up the agent tree (``_fanout.GATHER``, ``_gather.py``) on real agents: chunks, per-rank errors and
 deaths, a dead subtree, one sender's order; reductions folded in the agents (``Accumulator``), pure and live.
 
-One LocalJob (module fixture): two hosts of two procs each, and a spare host that the last test kills. The
+Spawns down the agent tree (``_spawn_tree``): ranks and places, a failed spawn on one agent, a dead agent.
+
+One LocalJob (module fixture): two hosts of two procs each, a spare host that a test kills, and a doomed host
+whose template process, then agent, the spawn tests kill. The
 agents' gather window is long (``MONARCH_TENSOR_GATHER_WINDOW_MS``), so what the tests see is what the rules
 send at once (a whole subtree answered, an error, a death, a message passed up), never a window's flush.
 """
 
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -54,6 +58,11 @@ class Echo(Actor):
         return f"<{current_rank().rank}>"
 
     @endpoint
+    def where(self):
+        p = current_rank()
+        return p.rank, dict(p), os.environ["MONARCH_TENSOR_PUBLIC_ADDR"].partition("=")[2].partition("|")[0]
+
+    @endpoint
     def wait_gate(self, gate: str):
         _wait_for(gate)
         return current_rank().rank
@@ -80,7 +89,7 @@ def job(tmp_path_factory):
     old = os.environ.get("MONARCH_TENSOR_GATHER_WINDOW_MS")
     os.environ["MONARCH_TENSOR_GATHER_WINDOW_MS"] = "60000"
     try:
-        j = LocalJob(meshes={"hosts": 2, "spare": 1}, root_dir=str(tmp_path_factory.mktemp("job")), ttl=120)
+        j = LocalJob(meshes={"hosts": 2, "spare": 1, "doomed": 1}, root_dir=str(tmp_path_factory.mktemp("job")), ttl=120)
         j.state()
     finally:
         if old is None:
@@ -289,6 +298,76 @@ def test_chunks_up_two_levels_read_as_the_replies_one_by_one_would_be():
         # A proc that exits accounts for its rank: the gathers waiting on it may finish.
         root.proc_exited("2")
         assert list(root.open) == [tuple(key2)]  # the child's ranks 3 and 5 are still out
+    finally:
+        mb.close()
+
+
+def test_an_agent_sends_its_procs_builtin_replies_as_one_entry_and_the_rest_as_they_came():
+    """Property: replies of any mix of builtin values, values of other types (a Fraction, whose class the agent
+    must not look up) and errors, taken in any order by a root agent and a child: the caller gets every value at
+    its rank, exactly as sent (types too), the first error fails the call, and each agent's builtin replies came
+    as one ``GatheredReplies`` entry."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from monarch_tensor import _wire
+
+    leaf = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=5),
+                     st.binary(max_size=5))
+    builtin = st.recursive(leaf, lambda c: st.one_of(st.lists(c, max_size=3), st.tuples(c, c),
+                                                     st.dictionaries(st.text(max_size=3), c, max_size=3)),
+                           max_leaves=6)
+    value = st.one_of(builtin, st.fractions().map(lambda f: ("frac", f)), st.just(("error", None)))
+
+    @settings(max_examples=25, deadline=None)
+    @given(st.lists(value, min_size=2, max_size=8), st.integers(0, 2**32 - 1))
+    def check(values, seed):
+        import random
+
+        rng = random.Random(seed)
+        n = len(values)
+        cut = rng.randint(1, n)  # ranks [0, cut) on the root, the rest on its child
+        col = Collector([f"a|{i}" for i in range(n)], list(range(n)), list)
+        port = mb.open_port(col)
+        key = [port.addr, port.port_id]
+        sent: list = []
+        root, child = _agent_tree(sent)
+        root.start({"g": key, "w": "gw", "t": [str(i) for i in range(cut)],
+                    "c": [["child", {"t": [str(i) for i in range(cut, n)], "c": []}]] if cut < n else []})
+        if cut < n:
+            child.start({"g": key, "w": "gw", "u": "root", "t": [str(i) for i in range(cut, n)], "c": []})
+        for r in rng.sample(range(n), n):
+            v = values[r]
+            reply = _reply(key, r, error=ValueError(f"rank {r}")) if v == ("error", None) else _reply(key, r, value=v)
+            (root if r < cut else child).take(str(r), reply)
+        merged = []  # the ranks of the agents' GatheredReplies entries
+
+        def read(frame):
+            if _wire.is_batch(frame):
+                for part in _wire.unpack_batch(frame):
+                    read(bytes(part))
+                return
+            t = _wire.loads_plain(frame) if not frame.startswith(_fanout.UP_MAGIC) else None
+            if type(t) is tuple and t[0] == "\0replies":
+                merged.extend(t[2])
+
+        for _, frames in sent:
+            frames = [bytes(f.buffer if hasattr(f, "buffer") else f) for f in frames]
+            for f in frames[1:]:
+                read(f)
+            mb._dispatch(frames)
+        assert sorted(merged) == [r for r, v in enumerate(values) if v != ("error", None) and
+                                  not (type(v) is tuple and v[:1] == ("frac",))]
+        if ("error", None) in values:
+            with pytest.raises(ValueError, match="rank"):
+                col.future.get(timeout=1)
+            return
+        got = col.future.get(timeout=1)
+        assert got == values and [type(v) for v in got] == [type(v) for v in values]
+
+    mb = mailbox.Mailbox(io_thread=False)
+    try:
+        check()
     finally:
         mb.close()
 
@@ -541,3 +620,162 @@ def test_a_fold_collector_fails_on_a_death_or_a_run_over_an_answered_rank():
     assert col2.deliver_runs([(0, 1, 9)]) is True
     with pytest.raises(ProtocolError, match="rank 1, which answered already"):
         col2.future.get(timeout=1)
+
+
+# ---- spawns down the agent tree -------------------------------------------------------------------------
+def test_a_spawn_plan_follows_the_tree_and_each_level_waits_longer_than_the_one_below():
+    from monarch_tensor import _spawn_tree
+    from monarch_tensor.agent_messages import SpawnProcs
+    from monarch_tensor.messages import PortRef
+
+    agents = [f"tcp://plan-h{i}:1" for i in range(7)]
+    for a in agents:
+        _fanout.register(a, "plan-test")
+    try:
+        def part(h):
+            return SpawnProcs("s", (2 * h, 2 * h + 1), ({}, {}), "ipc:///c", "tcp://gw:1", PortRef("ipc:///c", h))
+
+        parts = {agents[h]: part(h) for h in (1, 2, 5, 6)}  # agent 0 only passes it on (fan-out 2: i // 2 - 1)
+        roots = _spawn_tree.plan("s", parts, 60.0, slack=2.0, fanout=2)
+        assert [(r, sorted(under)) for r, _, under in roots] == [
+            (agents[1], [agents[1], agents[5]]), (agents[0], [agents[2], agents[6]])]
+        one, zero = roots[0][1], roots[1][1]
+        assert zero.spawn is None and [c for c, _ in zero.below] == [agents[2]]
+        two = dict(zero.below)[agents[2]]
+        assert two.spawn.ranks == (4, 5) and [c for c, _ in two.below] == [agents[6]]
+        six = dict(two.below)[agents[6]]
+        assert six.spawn.ranks == (12, 13) and six.below == ()
+        assert one.spawn.ranks == (2, 3) and dict(one.below)[agents[5]].spawn.ranks == (10, 11)
+        # a tree of depth 3: each level waits one slack longer than the level below it
+        assert (zero.timeout, two.timeout, six.timeout, one.timeout) == (64.0, 62.0, 60.0, 64.0)
+        assert _spawn_tree.request_timeout(roots, 60.0, slack=2.0) == 66.0
+    finally:
+        for a in agents:
+            _fanout.forget(a)
+
+
+def test_an_agent_answers_for_its_subtree_once_and_fails_a_silent_child_at_its_timeout():
+    from monarch_tensor import _spawn_tree
+    from monarch_tensor.agent_messages import ReportSpawned, SpawnProcs, SpawnTree
+    from monarch_tensor.errors import HostUnreachableError
+    from monarch_tensor.messages import PortRef
+
+    spawn = SpawnProcs("s", (0,), ({},), "ipc:///c", "tcp://gw:1", PortRef("ipc:///c", 1))
+    def leaf(addr):
+        return SpawnTree("s", addr, spawn, (), 5.0)
+
+    quiet = SpawnTree("s", "tcp://d:1", None, (("tcp://e:1", leaf("tcp://e:1")), ("tcp://f:1", leaf("tcp://f:1"))), 5.0)
+    tree = SpawnTree("s", "tcp://me:1", spawn, (("tcp://c:1", leaf("tcp://c:1")), ("tcp://d:1", quiet)), 10.0)
+    passed, answers = [], []
+    trees = _spawn_tree.SpawnTrees("tcp://me:1", lambda child, t: passed.append((child, t)))
+    tid = trees.start(tree, answers.append)
+    assert [(c, t.reply_to) for c, t in passed] == [("tcp://c:1", ("tcp://me:1", tid)), ("tcp://d:1", ("tcp://me:1", tid))]
+    ok = ReportSpawned(("tcp://c:1|1",), (77,))
+    trees.child_done(tid, "tcp://c:1", (("tcp://c:1", ok, None),))
+    trees.own_done(tid, ok, None)
+    trees.expire(time.monotonic())
+    assert answers == []  # the quiet child still has time
+    trees.expire(time.monotonic() + 10.5)
+    assert len(answers) == 1 and not trees.pending
+    got = {a: (r, e) for a, r, e in answers[0]}
+    assert got["tcp://c:1"] == (ok, None) and got["tcp://me:1"] == (ok, None)
+    assert set(got) == {"tcp://me:1", "tcp://c:1", "tcp://e:1", "tcp://f:1"}  # (d spawns nothing itself)
+    assert isinstance(got["tcp://e:1"][1], HostUnreachableError) and "through tcp://d:1" in str(got["tcp://e:1"][1])
+    trees.child_done(tid, "tcp://d:1", ())  # a late answer is dropped
+    assert len(answers) == 1
+
+
+def _live(agent) -> int:
+    """The procs an agent runs (every session's)."""
+    from monarch_tensor.agent_messages import OpenSession
+    from monarch_tensor.remote_hosts import SESSION
+
+    return agent.request(OpenSession(SESSION), timeout=10).procs
+
+
+def _chain(job) -> list:
+    """The job's live agents in the order of its tree (with fan-out 1, a chain: each the child of the one before)."""
+    st = job.state()
+    mine = {a.addr: a for m in (st.hosts, st.spare, st.doomed) for a in m._agents if not a.lost}
+    return [mine[a] for a in _fanout._trees[next(iter(mine.values())).keys.public] if a in mine]
+
+
+@pytest.mark.timeout(120)
+def test_a_spawn_goes_down_the_agent_tree_and_each_rank_gets_its_place(job, monkeypatch, chunks):
+    """A chain of the job's agents (fan-out 1); the mesh leaves out the first, which only passes the spawn on. The
+    controller sends one request, to that first agent; the actors' spawn goes down the same tree, its acks
+    gathered; every rank runs on its own host's agent, at its coordinates."""
+    from monarch_tensor import remote_hosts
+    from monarch_tensor.remote_hosts import RemoteHostMesh
+
+    monkeypatch.setattr(_fanout, "FANOUT", 1)
+    chain = _chain(job)
+    assert len(chain) >= 3
+    sent = []
+    request = remote_hosts.AgentClient.request
+
+    def spy(self, msg, *a, **k):
+        sent.append((self.addr, type(msg).__name__))
+        return request(self, msg, *a, **k)
+
+    monkeypatch.setattr(remote_hosts.AgentClient, "request", spy)
+    hosts = RemoteHostMesh(chain[1:])
+    procs = hosts.spawn_procs(per_host={"gpus": 2})
+    try:
+        assert sent == [(chain[0].addr, "SpawnTree")]
+        got = procs.spawn("where", Echo).where.call().get(timeout=60).values()
+        n = 2 * len(chain[1:])
+        assert [(r, coords) for r, coords, _ in got] == [(r, {"hosts": r // 2, "gpus": r % 2}) for r in range(n)]
+        assert [agent for _, _, agent in got] == [chain[1 + r // 2].info.addr for r in range(n)]
+        assert [p.rank for p in procs._procs] == list(range(n))
+        assert [sorted(ranks) for ranks, _ in chunks] == [list(range(n))] * 2  # the spawn's acks, the call's replies
+    finally:
+        procs.stop().get(timeout=30)
+
+
+def _template_of(agent_pid: int) -> int:
+    """The pid of a host agent's template process (its child that runs ``_zygote``)."""
+    import glob
+
+    for path in glob.glob(f"/proc/{agent_pid}/task/*/children"):
+        for pid in open(path).read().split():
+            if "_zygote" in open(f"/proc/{pid}/cmdline").read():
+                return int(pid)
+    raise AssertionError(f"no template process under agent {agent_pid}")
+
+
+@pytest.mark.timeout(120)
+def test_a_spawn_that_fails_on_one_agent_names_its_ranks_and_cancels_the_others(job, monkeypatch):
+    """The doomed host's template process is killed: a spawn across it and a healthy host (down a chain) fails
+    with that agent's error, naming it and its ranks; the healthy host's procs of that spawn are killed."""
+    from monarch_tensor.remote_hosts import RemoteHostMesh
+
+    monkeypatch.setattr(_fanout, "FANOUT", 1)
+    st = job.state()
+    host, doomed = st.hosts._agents[0], st.doomed._agents[0]
+    before = _live(host)
+    os.kill(_template_of(job.pids[3]), signal.SIGKILL)
+    with pytest.raises(RuntimeError, match=rf"spawn_procs failed on host agent {doomed.addr} \(ranks 2-3\): .*template"):
+        RemoteHostMesh([host, doomed]).spawn_procs(per_host={"gpus": 2})
+    _wait_for_value(lambda: _live(host) == before)
+    assert _live(host) == before
+
+
+@pytest.mark.timeout(120)
+def test_an_agent_lost_during_a_spawn_fails_it_at_once_naming_that_agent(job, monkeypatch):
+    """The doomed host's agent is killed as a spawn goes down a chain to it: the spawn fails with a supervision
+    error naming it within seconds (not at the spawn timeout); the healthy host's procs of that spawn are killed."""
+    from monarch_tensor import config
+    from monarch_tensor.remote_hosts import RemoteHostMesh
+
+    monkeypatch.setattr(_fanout, "FANOUT", 1)
+    st = job.state()
+    host, doomed = st.hosts._agents[0], st.doomed._agents[0]
+    before = _live(host)
+    os.kill(job.pids[3], signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(SupervisionError, match=f"host agent {doomed.addr} was lost"):
+        RemoteHostMesh([host, doomed]).spawn_procs(per_host={"gpus": 2})
+    assert time.monotonic() - t0 < config.get("spawn_timeout") / 2
+    _wait_for_value(lambda: _live(host) == before)
+    assert _live(host) == before
