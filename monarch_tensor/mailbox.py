@@ -904,6 +904,8 @@ class Mailbox:
                     self.close_port(msg.port_id)
             elif type(msg) is _Replies:
                 self._deliver_run(msg)
+            elif type(msg) is GatheredReplies:  # (outside a chunk of gathered replies: delivered all the same)
+                self._deliver_run(_Replies(msg.port_id, list(msg.ranks), list(msg.values)))
             elif type(msg) is FoldedReplies:
                 self._deliver_folded(msg)
             elif isinstance(msg, ForwardLogs):

@@ -120,12 +120,12 @@ def test_zero_never_polls(pair):
 def test_a_bad_setting_is_refused_with_its_name(monkeypatch, raw):
     monkeypatch.setenv("MONARCH_TENSOR_SPIN_US", raw)
     with pytest.raises(ValueError, match="MONARCH_TENSOR_SPIN_US"):
-        mb_mod._us_from_env("MONARCH_TENSOR_SPIN_US", "200", "0: block at once")
+        mb_mod._us_from_env("MONARCH_TENSOR_SPIN_US")
 
 
 def test_the_setting_is_read_in_microseconds(monkeypatch):
     monkeypatch.setenv("MONARCH_TENSOR_SPIN_US", "350")
-    assert mb_mod._us_from_env("MONARCH_TENSOR_SPIN_US", "200", "0: block at once") == pytest.approx(350e-6)
+    assert mb_mod._us_from_env("MONARCH_TENSOR_SPIN_US") == pytest.approx(350e-6)
 
 
 def test_a_tensor_stream_is_busy_from_its_put_until_its_handler_returns():
