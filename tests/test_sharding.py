@@ -269,3 +269,29 @@ def test_fsdp_prefetches_the_next_units_gather_and_never_hands_out_stale_values(
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-5)
     after = _prefetch_stats(dp2)
     assert all(a["stale"] >= m["stale"] + 2 for a, m in zip(after, mid)), (mid, after)
+
+
+def test_tp_plan_boundaries_take_non_contiguous_inputs(dp2):
+    """A colwise Linear fed a transposed (non-contiguous) global tensor: its replicated input is contiguous, as
+    the controller records it, so the views that follow work, and the gradients match local torch's."""
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.proj = torch.nn.Linear(6, 8), torch.nn.Linear(8, 6)
+
+        def forward(self, x):
+            h = self.fc(x.transpose(1, 2)).relu()
+            return self.proj(h).transpose(1, 2).reshape(-1).sum()
+
+    torch.manual_seed(0)
+    ref, x = M(), torch.randn(4, 6, 5)
+    mesh = dp2.split(dp=("dp", "tp"), tp=1)
+    model = module_to_mesh(copy.deepcopy(ref), mesh, plan={"fc": "colwise", "proj": "rowwise"})
+    loss = model(distribute(x, mesh, {"dp": Shard(0)}))
+    loss.backward()
+    want = ref(x)
+    want.backward()
+    torch.testing.assert_close(loss.full_tensor(), want.detach(), rtol=1e-5, atol=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), dict(ref.named_parameters())[name].grad, rtol=1e-5, atol=1e-5)

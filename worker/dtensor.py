@@ -141,14 +141,25 @@ def redistribute(dt: DTensor, placements: Sequence[Placement]) -> DTensor:
 
 
 def replicate_over(dt: DTensor, dim: int) -> DTensor:
-    """``dt`` with ``Replicate()`` on mesh dim ``dim``, its other placements as they are: always a new tensor
-    (the controller holds the result as one, so it must not share memory with ``dt``)."""
+    """``dt`` with ``Replicate()`` on mesh dim ``dim``, its other placements as they are: always a new,
+    contiguous tensor (the controller holds the result as one, with a contiguous layout, so it must not share
+    memory with ``dt``, nor have other strides)."""
     places = list(dt.placements)
     if isinstance(places[dim], Replicate):
-        return DTensor.from_local(dt.to_local().clone(), dt.device_mesh, places, run_check=False,
-                                  shape=dt.shape, stride=dt.stride())
-    places[dim] = Replicate()
-    return dt.redistribute(dt.device_mesh, places)
+        out = DTensor.from_local(dt.to_local().clone(memory_format=torch.contiguous_format), dt.device_mesh,
+                                 places, run_check=False, shape=dt.shape, stride=_contiguous(dt.shape))
+    else:
+        places[dim] = Replicate()
+        out = dt.redistribute(dt.device_mesh, places)
+    return out if out.is_contiguous() else out.contiguous()
+
+
+def _contiguous(shape) -> tuple:
+    stride, step = [], 1
+    for n in reversed(tuple(shape)):
+        stride.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(stride))
 
 
 def to_local(dt: DTensor) -> torch.Tensor:
