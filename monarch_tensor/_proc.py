@@ -257,6 +257,7 @@ class ProcRuntime:
         self._stopping = False  # a StopProc is being handled
         self._skipped = asyncio.Handle(_nothing, (), self.loop)  # a cancelled callback: the loop skips it
         self._skipped.cancel()
+        self._in_reader = False  # the loop is running _drain (the mailbox's reader, or a wake-up for held messages)
         self.mailbox.on_held = self._wake_for_held
         self.mailbox.on_lost_spawn = self._spawn_lost
         set_current_mailbox(self.mailbox)
@@ -315,11 +316,14 @@ class ProcRuntime:
         if task is not None:
             asyncio.tasks._leave_task(loop, task)
         sync_call = self.sync_call
+        reader = self._lend_reader() if self._in_reader else None
         try:
             loop.call_soon(_nothing)  # (so that the turn's look for I/O does not block)
             loop._run_once()
         finally:
             self.sync_call = sync_call
+            if reader is not None:
+                self._restore_reader(*reader)
             if task is not None:
                 asyncio.tasks._enter_task(loop, task)
             if debugged and sys.gettrace() is None:
@@ -330,6 +334,31 @@ class ProcRuntime:
             return 0.0
         timers = loop._scheduled
         return max(0.0, timers[0]._when - loop.time()) if timers else None
+
+    def _lend_reader(self) -> tuple[asyncio.Handle, asyncio.Handle] | None:
+        """For a turn run from inside the mailbox's reader: the loop runs a reader's callback in the context the
+        reader was registered with, and a context cannot be entered twice, so the turn gets a reader of its own
+        (the same ``_drain``). Returns (the reader to put back, the one lent)."""
+        selector, fd = self.loop._selector, self.mailbox.fd
+        try:
+            key = selector.get_key(fd)
+        except KeyError:  # (the proc is stopping: no reader)
+            return None
+        reader, writer = key.data
+        if reader is None:
+            return None
+        lent = asyncio.Handle(self._drain, (), self.loop)
+        selector.modify(fd, key.events, (lent, writer))  # (same events: no system call)
+        return reader, lent
+
+    def _restore_reader(self, reader: asyncio.Handle, lent: asyncio.Handle) -> None:
+        selector, fd = self.loop._selector, self.mailbox.fd
+        try:
+            key = selector.get_key(fd)
+        except KeyError:
+            return
+        if key.data[0] is lent:  # (not replaced or removed meanwhile)
+            selector.modify(fd, key.events, (reader, key.data[1]))
 
     def _after_waits(self) -> None:
         """The loop's thread no longer blocks in a wait: a ``StopProc`` that came meanwhile runs now."""
@@ -348,6 +377,13 @@ class ProcRuntime:
         """The loop's reader: handle what came; then, while nothing else is ready to run on the loop,
         poll for the next message a while before the loop blocks (``mailbox.Spin``): in a loop of
         synchronous calls the next one comes within a few tens of µs of the reply."""
+        outer, self._in_reader = self._in_reader, True
+        try:
+            self._drain_once()
+        finally:
+            self._in_reader = outer
+
+    def _drain_once(self) -> None:
         mb, spin = self.mailbox, self.mailbox._spin
         with mb._rx_lock:  # (the socket is used by one thread at a time: Mailbox.receive_for)
             came = mb._router.getsockopt(_EVENTS) & _POLLIN or mb._held  # not every wake-up of zmq's descriptor is one

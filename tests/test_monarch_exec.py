@@ -74,6 +74,34 @@ def test_a_sync_endpoint_waits_on_an_async_endpoint_of_its_proc(procs):
     assert sync.sync_endpoint.call_one(counter).get(timeout=T) == 5
 
 
+class Pinger(Actor):
+    @endpoint
+    def ping(self) -> int:
+        return 1
+
+
+class Looper(Actor):
+    @endpoint
+    def ping_many(self, pinger, n: int) -> int:
+        return sum(pinger.ping.call_one().get(timeout=T) for _ in range(n))
+
+
+def test_a_sync_endpoint_waits_in_a_loop_while_its_proc_gets_other_calls(procs, capfd):
+    # A wait run from inside the proc's message reader, with messages for the proc arriving throughout: the
+    # loop's turns inside the wait read them with a reader of their own (the reader's context cannot be
+    # entered twice), so every call is answered and the proc prints no error.
+    pinger = procs.spawn("pinger", Pinger)
+    looper = procs.spawn("looper", Looper)
+    other = procs.spawn("other", Counter, 3)
+    for _ in range(3):
+        looped = looper.ping_many.call_one(pinger, 300)
+        others = [other.value.call_one() for _ in range(200)]
+        assert looped.get(timeout=T) == 300
+        assert sum(f.get(timeout=T) for f in others) == 600
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "already entered" not in err, err
+
+
 class RunForeverOnInit(Actor):
     """Monarch's RunForeverOnInitActor: its constructor spawns a sibling, hands it out, and never returns."""
 
