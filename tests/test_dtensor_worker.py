@@ -102,6 +102,28 @@ class DTWorker(Actor):
         return {"w": wd.full_tensor().detach(), "losses": losses}
 
     @endpoint
+    def attention(self, q: torch.Tensor, k: torch.Tensor):
+        """``q @ k^T`` of (batch, heads, T, hs) tensors with the batch sharded over dp and the heads over tp (a
+        ``bmm`` of ``_StridedShard`` inputs), with its gradients; and how the rating of strategies prices moves
+        of such an input."""
+        from monarch_tensor.worker.dtensor import distribute
+        from torch.distributed.tensor._collective_utils import redistribute_cost
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+        mesh = self._mesh(GRID_2D, ("dp", "tp"))
+        qd, kd = (distribute(t, mesh, [Shard(0), Shard(1)], requires_grad=True) for t in (q, k))
+        att = qd @ kd.transpose(-2, -1)
+        att.sum().backward()
+        flat = qd.detach().reshape(-1, *q.shape[2:])  # (batch x heads, T, hs): (Shard(0), _StridedShard(0))
+        spec = flat._spec
+        gathered = DTensorSpec(mesh, (Replicate(), Replicate()), tensor_meta=spec.tensor_meta)
+        return {"att": att.full_tensor(), "placements": tuple(att.placements),
+                "q_grad": qd.grad.full_tensor(), "k_grad": kd.grad.full_tensor(),
+                "flat": str(flat.placements),
+                "to_itself": redistribute_cost(spec, spec), "to_replicate": redistribute_cost(spec, gathered),
+                "from_replicate": redistribute_cost(gathered, spec)}
+
+    @endpoint
     def rank_groups(self):
         from monarch_tensor.worker.dtensor import dim_groups
 
@@ -190,6 +212,25 @@ def test_redistribute_pairs_2d(workers, src, dst):
     for res in _all(workers, "redistribute", GRID_2D, ("dp", "tp"), x, list(src), list(dst)):
         torch.testing.assert_close(res["full"], x)
         assert res["placements"] == dst
+
+
+def test_attention_matmul_on_batch_and_heads_sharded_inputs(workers):
+    # A (batch, heads) split over {dp, tp} that a view merges into one dim (a _StridedShard, as attention's bmm
+    # sees it): results and gradients as local torch, the heads' placement kept, and the strategy rating's
+    # prices of moving such an input: nothing to stay, something to gather, nothing from a replicated one.
+    torch.manual_seed(2)
+    q, k = torch.randn(4, 2, 3, 5), torch.randn(4, 2, 3, 5)
+    rq, rk = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
+    ref = rq @ rk.transpose(-2, -1)
+    ref.sum().backward()
+    for res in _all(workers, "attention", q, k):
+        torch.testing.assert_close(res["att"], ref.detach())
+        torch.testing.assert_close(res["q_grad"], rq.grad)
+        torch.testing.assert_close(res["k_grad"], rk.grad)
+        assert res["placements"] == (Shard(0), Shard(1))
+        assert "_StridedShard" in res["flat"]
+        assert res["to_itself"] == 0 and res["from_replicate"] == 0
+        assert 0 < res["to_replicate"] < float("inf")
 
 
 def test_optimizer_on_sharded_params_matches_local(workers):

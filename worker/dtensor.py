@@ -119,6 +119,7 @@ def device_mesh(grid: Sequence, names: Sequence[str], rank: int, factory: Backen
         raise ValueError(f"proc rank {rank} is not in the mesh {grid_t.tolist()}")
     if len(names) != grid_t.ndim:
         raise ValueError(f"{len(names)} dim names {tuple(names)} for a {grid_t.ndim}-dim mesh")
+    _install_strided_cost_estimate()
     pgs = [process_group(g, rank, factory, device_type) for g in dim_groups(grid_t, rank)]
     mesh = ProcDeviceMesh(device_type, grid_t, mesh_dim_names=tuple(names), _init_backend=False, _rank=rank)
     mesh._dim_group_names = [pg.group_name for pg in pgs]
@@ -190,6 +191,50 @@ def describe(dt) -> tuple:
 # ---- entry points of the tensor engine (run as CallFunction on every proc of the mesh) -----------------
 MeshSpec = tuple  # (store_addr, grid, names): how the controller names a proc mesh
 _store_groups: dict[tuple, StoreGroups] = {}
+
+
+_strided_costs_installed = False
+
+
+def _install_strided_cost_estimate() -> None:
+    """Make DTensor's choice of a strategy quick for ops on ``_StridedShard`` inputs (once per process).
+
+    DTensor rates each candidate sharding strategy of an op by the cost of redistributing its inputs to it.
+    A view that merges a dim sharded on one mesh dim with one sharded on another (attention's batch and heads on
+    {dp, tp}, reshaped for ``bmm``) gives a ``_StridedShard``, and torch rates moves from or to one with its
+    graph search of redistribution plans: seconds per candidate, a minute for a small GPT's first step on a
+    2-D mesh. Here such a move is rated as the same move of plain ``Shard``s plus gathering the input, so a
+    candidate that keeps the inputs as they are (cost 0) wins as before, and one torch deems impossible (no
+    shard order) stays impossible. Only the rating changes: the redistribution that runs is torch's own plan."""
+    global _strided_costs_installed
+    if _strided_costs_installed:
+        return
+    from torch.distributed.tensor import _collective_utils, _utils
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._ops import utils as _ops_utils
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+    torch_cost = _collective_utils.redistribute_cost
+
+    def plain(spec: DTensorSpec, gathered: bool = False) -> DTensorSpec:
+        places = tuple(Replicate() if gathered else Shard(p.dim) if isinstance(p, _StridedShard) else p
+                       for p in spec.placements)
+        return DTensorSpec(spec.mesh, places, tensor_meta=spec.tensor_meta)
+
+    def redistribute_cost(current: DTensorSpec, target: DTensorSpec) -> float:
+        if current.placements == target.placements or not any(
+                isinstance(p, _StridedShard) for p in (*current.placements, *target.placements)):
+            return torch_cost(current, target)
+        if current.mesh != target.mesh or current.shard_order is None or target.shard_order is None:
+            return float("inf")
+        if current.is_replicated():
+            return 0.0
+        return torch_cost(plain(current), plain(target)) + torch_cost(plain(current), plain(current, gathered=True))
+
+    for module in (_collective_utils, _utils, _ops_utils):
+        if getattr(module, "redistribute_cost", None) is torch_cost:
+            module.redistribute_cost = redistribute_cost  # type: ignore[attr-defined]
+    _strided_costs_installed = True
 
 
 def engine_mesh(rank: torch.Tensor, spec: MeshSpec, device: torch.device) -> DeviceMesh:
