@@ -162,3 +162,54 @@ def test_docs_build_strict(tmp_path):
     api = (tmp_path / "site" / "api" / "index.html").read_text(encoding="utf-8")
     for name in ("spawn_procs", "module_to_mesh", "RDMABuffer", "SlurmJob", "configure"):
         assert name in api, f"the API reference lacks {name}"
+
+
+def _figures():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        return importlib.import_module("figures")
+    finally:
+        sys.path.remove(os.path.join(ROOT, "bench"))
+
+
+def test_figures_are_generated_from_their_records():
+    # Every figure block of the docs holds what `python bench/figures.py render` writes from its record.
+    stale = _figures().render(check=True)
+    assert not stale, f"out of date (run `python bench/figures.py render`): {stale}"
+
+
+def test_figures_record_a_run_and_render_it(tmp_path):
+    import shlex
+    import xml.etree.ElementTree as ET
+
+    figures = _figures()
+    records, pages = tmp_path / "figures", tmp_path / "pages"
+    pages.mkdir()
+    table = "| runtime   | ms | / base |\\n|-----------|----|--------|\\n| ours      | 3.0 | 1.50x |\\n| base | 2.0 | |"
+    cmd = [sys.executable, "-c", f"print('a bench\\n\\n{table}\\n\\nlosses ...')"]
+    rec = figures.record("demo", cmd, directory=str(records), timeout=60)
+    assert rec["tables"] == [["| runtime | ms | / base |", "| --- | --- | --- |", "| ours | 3.0 | 1.50x |",
+                              "| base | 2.0 |  |"]]
+    assert rec["command"] == shlex.join(cmd) and len(rec["load"]) == 2 and rec["commit"]
+    page = pages / "p.md"
+    page.write_text("# P\n\nbefore\n\n<!-- figure: demo -->\nhand-edited\n<!-- /figure -->\n\nafter\n")
+    assert figures.render(check=True, pages=str(pages), directory=str(records)) == [str(page), str(records / "demo.svg")]
+    assert "hand-edited" in page.read_text()  # (a check changes nothing)
+    figures.render(pages=str(pages), directory=str(records))
+    text = page.read_text()
+    assert "hand-edited" not in text and "| ours | 3.0 | 1.50x |" in text and "before" in text and "after" in text
+    assert f"`{rec['command']}` on {rec['date']}" in text and "![the ratio columns of demo, as bars]" in text
+    svg = ET.fromstring((records / "demo.svg").read_text())
+    assert [t.text for t in svg.iter("{http://www.w3.org/2000/svg}text")][:2] == ["ours (ms / base)", "1.5x"]
+    assert figures.render(check=True, pages=str(pages), directory=str(records)) == []
+    # a run that fails, or prints no table, is not recorded; a block without a record is an error
+    with pytest.raises(RuntimeError, match="exited with 3"):
+        figures.record("bad", [sys.executable, "-c", "raise SystemExit(3)"], directory=str(records), timeout=60)
+    with pytest.raises(RuntimeError, match="no markdown table"):
+        figures.record("bad", [sys.executable, "-c", "print('| a |')"], directory=str(records), timeout=60)
+    assert not (records / "bad.json").exists()
+    with pytest.raises(ValueError, match="--date, --commit and --load"):
+        figures.record("old", ["x"], from_output=str(page), directory=str(records))
+    page.write_text("<!-- figure: missing -->\n<!-- /figure -->\n")
+    with pytest.raises(FileNotFoundError, match="'missing' has no record"):
+        figures.render(pages=str(pages), directory=str(records))
