@@ -220,7 +220,7 @@ def placeholders(payload: Payload) -> list[memoryview]:
 
 
 def _release(payload: Payload) -> None:
-    from monarch_tensor.mailbox import current_mailbox
+    from monarch_tensor.transport.mailbox import current_mailbox
 
     from .messages import ReleasePayload
 

@@ -178,7 +178,7 @@ def test_env_flag_reads_the_usual_spellings_and_names_the_variable_otherwise(mon
 _SWITCHES = [  # (variable, the module that reads it at import, the module's name for it)
     ("MONARCH_TENSOR_SYNC_PULL_SAME_HOST", "monarch_tensor.workspace_sync", "PULL_SAME_HOST"),
     ("MONARCH_TENSOR_SYNC_COPY_LOCAL", "monarch_tensor.workspace_sync", "COPY_LOCAL"),
-    ("MONARCH_TENSOR_RECEIVE_ON_WAIT", "monarch_tensor.mailbox", "RECEIVE_ON_WAIT"),
+    ("MONARCH_TENSOR_RECEIVE_ON_WAIT", "monarch_tensor.transport.mailbox", "RECEIVE_ON_WAIT"),
 ]
 
 

@@ -291,7 +291,7 @@ def test_a_bootstrap_commands_program_runs_the_procs(tmp_path):
     import sys
 
     from monarch_tensor.actor import BootstrapCommand
-    from monarch_tensor.host import bootstrap_plan
+    from monarch_tensor.hosts.host import bootstrap_plan
     from monarch_tensor.shape import Shape
 
     link = tmp_path / "python"

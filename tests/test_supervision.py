@@ -26,7 +26,7 @@ from monarch_tensor.actor import (
     this_host,
 )
 from monarch_tensor.errors import MeshStoppedError
-from monarch_tensor.mailbox import socket_dir
+from monarch_tensor.transport.mailbox import socket_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -961,7 +961,7 @@ def test_procs_lost_with_the_template_process_leave_no_socket_files(tmp_path):
 def test_the_templates_idle_import_steps_each_import_on_their_own():
     # The template imports torch._dynamo while idle in pieces, serving spawns and procs' output between
     # them; each piece must import on its own, in this order, with this torch.
-    code = ("import torch\nfrom monarch_tensor._zygote import _in_steps\nsteps = _in_steps(['torch._dynamo'])\n"
+    code = ("import torch\nfrom monarch_tensor.runtime._zygote import _in_steps\nsteps = _in_steps(['torch._dynamo'])\n"
             "assert steps[-1] == 'torch._dynamo' and len(steps) > 1, steps\nfor m in steps:\n    __import__(m)\n"
             "print('OK')")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=100)
