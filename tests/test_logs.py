@@ -343,7 +343,7 @@ def test_a_stuck_relay_holds_a_reply_only_a_while(tmp_path):
     procs' lines cannot come, and the calls still return; the lines follow once it runs again."""
     out = run_script(tmp_path, '''
         import signal
-        from monarch_tensor import host
+        from monarch_tensor.hosts import host
 
         procs = this_host().spawn_procs(per_host={"gpus": 1})
         try:

@@ -900,7 +900,7 @@ _TEMPLATE_DEATH_START = textwrap.dedent("""
     import os, signal, sys, time
     sys.path.insert(0, {root!r})
     import monarch_tensor.actor as actor_mod
-    from monarch_tensor import host
+    from monarch_tensor.hosts import host
     from monarch_tensor.actor import Actor, endpoint, this_host
     class W(Actor):
         @endpoint
@@ -972,7 +972,7 @@ INTERRUPTED_SPAWN_SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
     sys.path.insert(0, {root!r})
     import torch
-    from monarch_tensor import host
+    from monarch_tensor.hosts import host
     from monarch_tensor.actor import this_host
 
     def interrupted():  # Ctrl-C while the first spawn warms the tensor engine up
@@ -1015,7 +1015,7 @@ def test_an_interrupted_spawn_stops_its_procs(tmp_path):
 INTERRUPTED_STOP_SCRIPT = textwrap.dedent("""
     import os, signal, sys, threading
     sys.path.insert(0, {root!r})
-    from monarch_tensor import host
+    from monarch_tensor.hosts import host
     from monarch_tensor.actor import Actor, endpoint, this_host
     from monarch_tensor.errors import MeshStoppedError
     class Busy(Actor):
@@ -1062,7 +1062,8 @@ INTERRUPTED_WARM_UP_SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
     sys.path.insert(0, {root!r})
     import torch
-    from monarch_tensor import fetch_shard, host
+    from monarch_tensor import fetch_shard
+    from monarch_tensor.hosts import host
     from monarch_tensor.actor import this_host
 
     class CtrlC:  # Ctrl-C halfway through the first spawn's warm-up: as its import of torch._dynamo imports sympy

@@ -41,7 +41,7 @@ import sys
 sys.path.insert(0, {root!r})
 import torch
 {engine}
-from monarch_tensor import _zygote
+from monarch_tensor.runtime import _zygote
 from monarch_tensor.actor import Actor, endpoint, this_host
 
 class Probe(Actor):
