@@ -238,7 +238,7 @@ def test_no_warmup_reads_0_as_off_as_the_other_switches(raw, warms):
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = ("import sys, torch\nfrom monarch_tensor.hosts import host\nhost._warm_tensor_engine()\n"
+    code = ("import sys, torch\nfrom monarch_tensor.hosts import host, local\nlocal._warm_tensor_engine()\n"
             "print('torch._dynamo' in sys.modules)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90,
                        env=dict(os.environ, PYTHONPATH=root, MONARCH_TENSOR_NO_WARMUP=raw))

@@ -972,12 +972,12 @@ INTERRUPTED_SPAWN_SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
     sys.path.insert(0, {root!r})
     import torch
-    from monarch_tensor.hosts import host
+    from monarch_tensor.hosts import host, local
     from monarch_tensor.actor import this_host
 
     def interrupted():  # Ctrl-C while the first spawn warms the tensor engine up
         os.kill(os.getpid(), signal.SIGINT)
-    host._warm_tensor_engine = interrupted
+    local._warm_tensor_engine = interrupted
     try:
         this_host().spawn_procs({{"gpus": 2}})
     except KeyboardInterrupt:

@@ -38,17 +38,16 @@ from .. import future as _future_mod
 from ..errors import ActorError, MeshFailure, SupervisionError
 from ..future import Future, returns_future
 from ..hosts import host as _host
+from ..hosts.bootstrap import BootstrapCommand, default_bootstrap_cmd
 from ..hosts.host import (
-    BootstrapCommand,
     HostMesh,
-    ProcInfo,
     ProcMesh,
-    default_bootstrap_cmd,
     proc_mesh,
     shutdown_context,
     this_host,
     this_proc,
 )
+from ..hosts.local import ProcInfo
 from ..runtime import _context
 from ..runtime._context import ActorContext as Context
 from ..shape import Extent, MeshTrait, Point, Shape

@@ -53,7 +53,7 @@ from .agent_messages import (
     SpawnProcs,
     SpawnTree,
 )
-from .host import LocalHost, ProcInfo, _gpu_count
+from .local import LocalHost, ProcInfo, _gpu_count
 
 log = logging.getLogger("monarch_tensor.hosts.agent")
 

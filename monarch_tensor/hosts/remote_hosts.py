@@ -39,22 +39,20 @@ from ..transport.mailbox import current_mailbox
 from ..transport.messages import PortRef, SendToPort, StopProc
 from . import _spawn_tree
 from .agent_messages import EndSession, KeepSession, KillProcs, OpenSession, ReportExit, ShutdownAgent, SpawnProcs
+from .bootstrap import bootstrap_plan, check_bootstrap, run_bootstrap
 from .host import (
     HOST_PYTHON_ENV,
     HostMesh,
-    ProcInfo,
     ProcMesh,
     _live_meshes,
     _proc_exited,
     _procs_shape,
-    bootstrap_plan,
-    check_bootstrap,
     check_procs_per_host,
     local_procs,
     per_host_sizes,
-    run_bootstrap,
     share_peers,
 )
+from .local import ProcInfo
 
 log = logging.getLogger("monarch_tensor.hosts.remote_hosts")
 

@@ -20,7 +20,7 @@ import threading
 import time
 
 from ..errors import JobStartError
-from ..hosts.host import python_path
+from ..hosts.local import python_path
 from ._base import DEFAULT_STATE, JobTrait, agent_command, log_tail, private_dir, read_address
 
 START_TIMEOUT = 120.0  # (the job_start_timeout setting, where set, replaces it)
