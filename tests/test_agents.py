@@ -77,13 +77,6 @@ def job(tmp_path_factory):
     j.kill()
 
 
-@pytest.fixture
-def faults(monkeypatch):
-    seen = []
-    monkeypatch.setattr(actor_mod, "unhandled_fault_hook", seen.append)
-    return seen
-
-
 # ---- meshes on agents ---------------------------------------------------------------------
 @pytest.mark.timeout(180)
 def test_spawn_procs_on_every_host_and_call_them(job):

@@ -24,13 +24,6 @@ from monarch_tensor.actor import Actor, ActorError, as_endpoint, current_rank, e
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def procs():
-    mesh = this_host().spawn_procs(per_host={"gpus": 2})
-    yield mesh
-    mesh.stop()
-
-
 def test_rank_tensor_reduce_fetch(procs):
     with procs.activate():
         x = torch.ones(4) + procs.rank_tensor("gpus")

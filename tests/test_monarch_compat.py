@@ -5,7 +5,6 @@ import time
 
 import pytest
 
-import monarch_tensor.actor as actor_mod
 from monarch_tensor.actor import (
     Actor,
     ActorError,
@@ -95,13 +94,6 @@ def procs():
     m = this_host().spawn_procs(per_host={"gpus": 1})
     yield m
     m.stop().get(timeout=30)
-
-
-@pytest.fixture
-def faults(monkeypatch):
-    seen = []
-    monkeypatch.setattr(actor_mod, "unhandled_fault_hook", seen.append)
-    return seen
 
 
 def _wait_for(cond, timeout: float = 30) -> None:

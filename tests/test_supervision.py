@@ -53,13 +53,6 @@ class Worker(Actor):
 
 
 @pytest.fixture
-def faults(monkeypatch):
-    seen = []
-    monkeypatch.setattr(actor_mod, "unhandled_fault_hook", seen.append)
-    return seen
-
-
-@pytest.fixture
 def mesh():
     procs = this_host().spawn_procs({"gpus": 3})
     w = procs.spawn("w", Worker)
@@ -466,7 +459,6 @@ def test_unhandled_failure_stops_the_script_by_default(tmp_path):
     assert "NOT REACHED" not in p.stdout
     # Monarch's: the main thread gets a KeyboardInterrupt, so the script ends as from Ctrl-C, cleaning up
     assert "KeyboardInterrupt" in p.stderr and "finally ran" in p.stdout and "atexit ran" in p.stdout, p
-
 
 
 @pytest.mark.timeout(60)
