@@ -25,6 +25,7 @@ import os
 import stat
 import threading
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 import zmq
 
@@ -86,12 +87,12 @@ class JobKeys:
         return {ENV_PUBLIC: self.public, ENV_SECRET: self.secret}
 
     @staticmethod
-    def from_env(env: dict | None = None) -> JobKeys | None:
-        env = os.environ if env is None else env
-        if env.get(ENV_PUBLIC) and env.get(ENV_SECRET):
-            return JobKeys(env[ENV_PUBLIC], env[ENV_SECRET]).checked()
-        if env.get(ENV_KEY_FILE):
-            return JobKeys.load(env[ENV_KEY_FILE])
+    def from_env(env: Mapping[str, str] | None = None) -> JobKeys | None:
+        e: Mapping[str, str] = os.environ if env is None else env
+        if e.get(ENV_PUBLIC) and e.get(ENV_SECRET):
+            return JobKeys(e[ENV_PUBLIC], e[ENV_SECRET]).checked()
+        if e.get(ENV_KEY_FILE):
+            return JobKeys.load(e[ENV_KEY_FILE])
         return None
 
     def checked(self) -> JobKeys:
@@ -157,7 +158,7 @@ def read_private(path: str) -> str:
 
 # ---- sockets ----------------------------------------------------------------------
 _auth_lock = threading.Lock()
-_authenticators: dict[int, object] = {}  # id(context) -> (ThreadAuthenticator, allowed keys)
+_authenticators: dict[int, tuple[Any, _Allowed]] = {}  # id(context) -> (ThreadAuthenticator, allowed keys)
 
 
 class _Allowed:

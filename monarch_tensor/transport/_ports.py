@@ -129,7 +129,7 @@ class FoldCollector:
         with self._lock:
             pos = self._place_of(msg.rank)
             first = pos is not None and not self._answered[pos]  # each rank's first reply counts
-            if first:
+            if first and pos is not None:
                 self._answered[pos] = 1
                 self._left -= 1
                 if msg.error is None:
@@ -308,7 +308,7 @@ class Receiver:
         if fut._state == _FAILED:
             msg = SendToPort(-1, None, fut._value, -1)
         else:
-            rank, value = fut._value if fut._ranked else (-1, fut._value)
+            rank, value = fut._value if getattr(fut, "_ranked", False) else (-1, fut._value)
             msg = SendToPort(-1, value, None, rank)
         with self._lock:
             if not self._waiters:
