@@ -1,8 +1,8 @@
 """The distributed debugger, client side: paused ranks, and the ``monarch_dbg>`` prompt.
 
 Every ``breakpoint()`` hit in an endpoint registers a session here (see
-``_debug_proc.py``). The prompt runs in ``monarch-tensor debug`` (another
-terminal, over an authenticated local TCP link: ``_debug_server.py``) or, when
+``debugger/_proc.py``). The prompt runs in ``monarch-tensor debug`` (another
+terminal, over an authenticated local TCP link: ``debugger/_server.py``) or, when
 the script runs in a terminal and no debugger is connected, in the script's own
 terminal. A rank whose proc dies while paused leaves the debugger: the process that
 spawned the proc, which is told of its death, ends the session (``_DeathWatch``). Commands::

@@ -3,7 +3,7 @@
 ``sys.breakpointhook`` is set in every proc (``_proc_ext.on_start``). The pdb
 registers its session with the client (``DebugRegister``), sends what it prints
 (``DebugOutput``) and reads input lines from a port of its own; the client's
-debug controller (``debugger.py``) is the other end. While paused, the proc
+debug controller (``debugger/__init__.py``) is the other end. While paused, the proc
 keeps receiving, and its other actors' sync endpoints keep serving: they run
 on the paused thread while pdb waits for its next line. pdb's wait holds the
 proc's event loop, though (a frame cannot pause anywhere else), so calls of

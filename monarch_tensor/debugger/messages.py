@@ -1,4 +1,4 @@
-"""The debugger protocol, procs -> client; handlers are in ``debugger.py``.
+"""The debugger protocol, procs -> client; handlers are in ``debugger/__init__.py``.
 
 A proc paused at ``breakpoint()`` registers a session with the client that owns
 it; the client sends input lines as values on the session's ``port`` (plain

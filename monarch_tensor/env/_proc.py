@@ -1,4 +1,4 @@
-"""Environment inspection, the proc side: handlers of ``env_messages``."""
+"""Environment inspection, the proc side: handlers of ``env/messages.py``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The environment-inspection protocol, client -> procs; handlers are in ``_env_proc.py``."""
+"""The environment-inspection protocol, client -> procs; handlers are in ``env/_proc.py``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Workspace sync, the proc side: handlers of ``sync_messages``.
+"""Workspace sync, the proc side: handlers of ``workspace_sync/messages.py``.
 
 Each proc knows its host's workspace root: ``$WORKSPACE_DIR`` (Monarch's
 variable; a host agent or job sets it per host) or, by default, a directory per

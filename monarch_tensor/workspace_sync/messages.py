@@ -1,4 +1,4 @@
-"""The workspace-sync protocol, client -> procs; handlers are in ``_sync_proc.py``.
+"""The workspace-sync protocol, client -> procs; handlers are in ``workspace_sync/_proc.py``.
 
 A sync is three rounds: ``DescribeWorkspace`` to every proc (once per mesh:
 which host and root each proc has), ``ScanWorkspace``, ``DiffWorkspace`` then
