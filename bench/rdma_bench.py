@@ -9,7 +9,7 @@
 
 The owner of the buffer is an actor on a proc, its buffer a torch tensor of the largest size made there as a
 user's would be (the table's header says how much of it sits on 2 MiB pages: procs allocate large tensors on
-them, see monarch_tensor/host.py); the reader is this process. For every size, every
+them, see monarch_tensor/hosts/host.py); the reader is this process. For every size, every
 backend that can serve a CPU buffer here (forced with MONARCH_TENSOR_RDMA_BACKEND) reads and writes
 into a warm destination, taking turns with memcpy, copy_ and the raw tcp stream below: ROUNDS rounds,
 each of REPEATS runs of every measure (more for small sizes: until 50 ms have passed in all, up to 500);

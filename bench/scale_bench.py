@@ -92,12 +92,12 @@ def main() -> None:
     # The controller blocks while it waits (no spin-polling): its CPU time is then the work it does. Only it:
     # the variable is gone again before any agent or proc starts.
     os.environ["MONARCH_TENSOR_SPIN_US"] = "0"
-    from monarch_tensor import _fanout
     from monarch_tensor.actor import Accumulator, Actor, endpoint, this_host
     from monarch_tensor.job import LocalJob
+    from monarch_tensor.transport import _fanout
 
     del os.environ["MONARCH_TENSOR_SPIN_US"]
-    from monarch_tensor import mailbox
+    from monarch_tensor.transport import mailbox
 
     up_messages = [0]  # messages up the tree this process received (chunks, messages passed up)
     up_entries = mailbox.Mailbox._up_entries
@@ -229,9 +229,9 @@ def agent_level_us(per: int = 8, fanout: int = FANOUT, subtree: int = 1024) -> f
     """An agent's CPU for one call at one level of the tree (``_gather.Gathers`` in this process): its gather
     opened, ``per`` replies of its own procs taken one by one, ``fanout`` children's chunks of ``subtree``
     replies each taken, and its own chunk sent (packed); median of 5."""
-    from monarch_tensor import _fanout, _wire
-    from monarch_tensor._gather import Gathers
-    from monarch_tensor.messages import SendToPort
+    from monarch_tensor.hosts._gather import Gathers
+    from monarch_tensor.transport import _fanout, _wire
+    from monarch_tensor.transport.messages import SendToPort
 
     key = ["ipc:///c", 7]
     body = _wire.encode(SendToPort(7, 0, None, 3))
@@ -262,11 +262,11 @@ def controller_entry_us(n: int = 4096, per: int = 8, fanout: int = FANOUT) -> fl
     """The controller's CPU per gathered reply, in this process alone: a ``Collector`` for ``n`` procs made, and
     chunks of ``n`` one-frame replies as a root agent sends them (its children's chunks nested in its own, made by
     ``_gather.Gathers``) read and handed to it (``Mailbox._dispatch``, as its receiving thread does); median of 5."""
-    from monarch_tensor import _fanout, _wire
-    from monarch_tensor._gather import Gathers
-    from monarch_tensor._ports import Collector
-    from monarch_tensor.mailbox import Mailbox
-    from monarch_tensor.messages import SendToPort
+    from monarch_tensor.hosts._gather import Gathers
+    from monarch_tensor.transport import _fanout, _wire
+    from monarch_tensor.transport._ports import Collector
+    from monarch_tensor.transport.mailbox import Mailbox
+    from monarch_tensor.transport.messages import SendToPort
 
     mb = Mailbox(io_thread=False)
     times = []
@@ -311,8 +311,8 @@ def _fold_spec() -> dict:
 
 def _runs_chunk(key: list, runs: list, accounted: int) -> list:
     """A chunk as a folding agent sends it: its runs (``FoldedReplies``) as the first entry, nothing else."""
-    from monarch_tensor import _fanout, _wire
-    from monarch_tensor.messages import FoldedReplies
+    from monarch_tensor.transport import _fanout, _wire
+    from monarch_tensor.transport.messages import FoldedReplies
 
     folded = _wire.encode(FoldedReplies(key[1], tuple(runs)))
     head = {"k": key, "a": accounted, "n": [len(folded)], "u": 0, "w": "gw", "f": 1}
@@ -323,9 +323,9 @@ def agent_fold_level_us(per: int = 8, fanout: int = FANOUT, runs: int = 3) -> fl
     """An agent's CPU for one folded call (``Accumulator`` with ``max``) at one level: its gather opened, ``per``
     plain replies of its own procs folded, ``fanout`` children's chunks of ``runs`` runs each merged (each
     child's runs adjacent, as siblings' are at each level of the tree), its own chunk sent; median of 5."""
-    from monarch_tensor import _fanout, _wire
-    from monarch_tensor._gather import Gathers
-    from monarch_tensor.messages import SendToPort
+    from monarch_tensor.hosts._gather import Gathers
+    from monarch_tensor.transport import _fanout, _wire
+    from monarch_tensor.transport.messages import SendToPort
 
     key = ["ipc:///c", 7]
     head = _fanout.UP_MAGIC + b"g" + json.dumps({"k": key, "u": 0, "w": "gw"}).encode()
@@ -355,8 +355,8 @@ def controller_fold_us(hosts: int = 1024, per: int = 8, fanout: int = FANOUT) ->
     ``Endpoint._collect`` does per rank (the call's addresses listed and checked, its ``FoldCollector`` made), and
     one chunk per root agent read, each with one run per level of the tree (``depth`` runs), the fold finished;
     median of 5."""
-    from monarch_tensor._ports import FoldCollector
-    from monarch_tensor.mailbox import Mailbox
+    from monarch_tensor.transport._ports import FoldCollector
+    from monarch_tensor.transport.mailbox import Mailbox
 
     n, d = hosts * per, depth(hosts, fanout)
     roots = min(hosts, fanout)
@@ -392,7 +392,7 @@ def send_ctl_us(hosts: int = 1024, per: int = 8, fanout: int = FANOUT, fold: boo
     """The controller's CPU to send one call to ``hosts`` x ``per`` procs down the tree (``_fanout.send_many``,
     its sockets' sends left out), gathered or folded: the first call to these procs ("first": every agent's plan
     built and encoded) and the median of the next 5 ("next": the plans made for the first, reused)."""
-    from monarch_tensor import _fanout
+    from monarch_tensor.transport import _fanout
 
     class Sink:
         def send_frames(self, addr, frames):
@@ -424,9 +424,11 @@ def spawn_plan(hosts: int = 1024, per: int = 8, fanout: int = FANOUT) -> dict:
     child's part encoded with its ``reply_to``)."""
     import dataclasses
 
-    from monarch_tensor import _fanout, _spawn_tree, _wire, config
-    from monarch_tensor.agent_messages import SpawnProcs
-    from monarch_tensor.messages import PortRef
+    from monarch_tensor import config
+    from monarch_tensor.hosts import _spawn_tree
+    from monarch_tensor.hosts.agent_messages import SpawnProcs
+    from monarch_tensor.transport import _fanout, _wire
+    from monarch_tensor.transport.messages import PortRef
 
     agents = [f"tcp://bench-s{i}:1" for i in range(hosts)]
     for a in agents:
@@ -480,7 +482,7 @@ def _slope(xs, ys) -> float:
 
 def depth(hosts: int, fanout: int) -> int:
     """Agent hops from the controller to the farthest host of the tree in ``_fanout``."""
-    from monarch_tensor._fanout import depth as tree_depth
+    from monarch_tensor.transport._fanout import depth as tree_depth
 
     return tree_depth(hosts, fanout)
 

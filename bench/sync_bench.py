@@ -101,7 +101,7 @@ class Sink(Actor):
         """Seconds to copy the files of ``src_dir`` into a fresh ``base`` as a copying writer does (its
         ``_copy_file``, in ``lanes`` threads, files dealt out in turn), and nothing else: no temp names,
         modes, times or renames, no messages."""
-        from monarch_tensor._sync_proc import _copy_file
+        from monarch_tensor.workspace_sync._proc import _copy_file
 
         names = sorted(os.listdir(src_dir))
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from monarch_tensor.worker import messages as m
 
-from monarch_tensor import _wire
+from monarch_tensor.transport import _wire
 
 from .activation import ctx_for
 from .arguments import mesh_leaves

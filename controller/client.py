@@ -27,12 +27,12 @@ import weakref
 from monarch_tensor.worker import messages as m
 from monarch_tensor.worker.worker import WORKER_NAME, TensorWorker
 
-from monarch_tensor import _wire
-from monarch_tensor._net import ip_towards
 from monarch_tensor.config import setting
 from monarch_tensor.future import Future
-from monarch_tensor.mailbox import current_mailbox
-from monarch_tensor.messages import CallEndpoint
+from monarch_tensor.transport import _wire
+from monarch_tensor.transport._net import ip_towards
+from monarch_tensor.transport.mailbox import current_mailbox
+from monarch_tensor.transport.messages import CallEndpoint
 
 MAX_BATCH = setting("MONARCH_TENSOR_MAX_BATCH")
 FIRST_BATCH = min(MAX_BATCH, setting("MONARCH_TENSOR_FIRST_BATCH"))

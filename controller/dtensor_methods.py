@@ -132,7 +132,7 @@ class DistributedMethods:
     def _repr_html_(self) -> str:
         """Jupyter's display: a row per rank with what it holds (for a global tensor: its shard's shape). No
         value is read from the workers: fetch with ``fetch_shard``/``full_tensor()`` to see values."""
-        from monarch_tensor import _display
+        from monarch_tensor.actor import _display
 
         ctx = self._ctx
         shape = ctx.pm._shape

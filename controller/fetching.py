@@ -25,7 +25,10 @@ from .tensor import Tensor, check_live, check_readable
 
 def _leaves_ctx(obj, what: str = "fetch_shard") -> tuple[list, Ctx | None]:
     leaves = mesh_leaves(obj, what)
-    ctx = leaves[0]._ctx if leaves else None
+    if not leaves:
+        check_readable(what, leaves)
+        return leaves, None
+    ctx = leaves[0]._ctx
     for t in leaves:
         check_live(t._ctx, what)
         if t._ctx.client is not ctx.client or t._ctx.ranks != ctx.ranks:

@@ -136,7 +136,7 @@ def _to_mesh(t: Tensor, mesh, stream: Stream | None = None) -> Tensor:
     same way (``_ToMesh``)."""
     if type(t) is not Tensor:
         raise TypeError(f"to_mesh needs a mesh tensor, got {type(t).__name__}")
-    from monarch_tensor.host import ProcMesh
+    from monarch_tensor.hosts.host import ProcMesh
 
     if not isinstance(mesh, ProcMesh):
         raise TypeError(f"to_mesh needs a proc mesh to copy to, such as this_host().spawn_procs(...), "

@@ -58,9 +58,9 @@ class Stream:
         src = t._ctx
         if src.sid == self.id:
             raise BorrowError(f"the tensor already lives on stream {self.name!r}")
-        if mutable and loans_of(t):
+        if mutable and (lent_to := loans_of(t)):
             raise BorrowError(f"borrow(mutable=True): this tensor (or a view of its memory) is lent to stream(s) "
-                              f"{sorted(loans_of(t))} already, which may read it meanwhile; drop those borrows first")
+                              f"{sorted(lent_to)} already, which may read it meanwhile; drop those borrows first")
         dst = src.client.ctx(src.pm, self)
         bid = next(_borrow_ids)
         ref = next(src.client.refs)
@@ -98,16 +98,15 @@ def get_active_stream() -> Stream:
     return state.stream or _MAIN
 
 
-class _Dropped:
-    """The context of a dropped tensor (``t.drop()``, or a borrowed one after ``borrow.drop()``): any use
-    fails with a clear error."""
+class _Dropped(Ctx):
+    """The context of a dropped tensor (``t.drop()``, or a borrowed one after ``borrow.drop()``): a context of
+    stream -1 on no ranks, which any use refuses with a clear error (``tensor.check_live``)."""
 
-    sid = -1
-    client = None
-    ranks = ()
+    __slots__ = ("dropped_by",)
 
     def __init__(self, ctx: Ctx, dropped_by: str = "borrow.drop()") -> None:
         self.pm, self.stream, self.client = ctx.pm, ctx.stream, ctx.client
+        self.sid, self.ranks = -1, ()
         self.dropped_by = dropped_by
 
 
@@ -117,11 +116,13 @@ class Borrow:
     work on it from that point."""
 
     def __init__(self, bid: int, tensor: Tensor, src: Ctx, dst: Ctx, mutable: bool, origin: Tensor) -> None:
-        self.id, self._tensor, self._src, self._dst, self.mutable = bid, tensor, src, dst, mutable
+        self.id, self._src, self._dst, self.mutable = bid, src, dst, mutable
+        self._tensor: Tensor | None = tensor  # (None once dropped)
         self._dropped = False
         # The lent tensor stays alive while the borrow lasts, even if the script lets go of it: the other
         # stream reads it when it gets there.
-        self._origin = tensor._origin = origin
+        self._origin: Tensor | None = origin
+        tensor._origin = origin
 
     def drop(self) -> None:
         if self._dropped:
@@ -131,20 +132,24 @@ class Borrow:
         self._end()
 
     def _drop_instruction(self) -> m.BorrowDrop:
-        return m.BorrowDrop(self.id, self._tensor._ref, self._src.sid, self._dst.sid)
+        t = self._tensor
+        assert t is not None, "a borrow's drop instruction is made once, before the drop ends it"
+        return m.BorrowDrop(self.id, t._ref, self._src.sid, self._dst.sid)
 
     def _end(self) -> None:
         """The controller's side of the drop: the borrowed tensor is refused from now on, the lender usable."""
         t = self._tensor
+        assert t is not None, "a borrow ends once"
         t._ctx = _Dropped(self._dst)
         self._tensor = None
-        lent = getattr(self._origin, "_lent", None)
+        origin = self._origin
+        lent = getattr(origin, "_lent", None)
         if lent is not None:
             lent.remove(self._dst.stream.name)  # (the list is shared with its root, which sees it empty too)
             if self.mutable:
                 lent.mutable = False
             if not lent:
-                del self._origin._lent
+                delattr(origin, "_lent")
         mutable_loans.discard(self.id)
         self._origin = t._origin = None
 

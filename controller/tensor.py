@@ -92,6 +92,8 @@ class Tensor(DistributedMethods, torch.Tensor):
     """
 
     __torch_function__ = torch._C._disabled_torch_function_impl
+    _ctx: Ctx  # where it lives (a ``streams._Dropped`` once dropped)
+    _origin: Tensor | None  # a borrowed tensor's lender, while the borrow lasts (streams.Borrow)
 
     @staticmethod
     def __new__(cls, meta: tuple, mid: int, ctx: Ctx, ref: int):

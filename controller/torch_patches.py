@@ -29,7 +29,7 @@ from monarch_tensor.worker import messages as m
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._device import DeviceContext, _device_constructors
 
-from monarch_tensor import _wire
+from monarch_tensor.transport import _wire
 
 from . import activation, moving, remote_functions, streams
 from .client import Ctx, user_loc

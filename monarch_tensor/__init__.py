@@ -16,7 +16,6 @@ if not _os.path.isdir(_os.path.join(__path__[0], "controller")) and \
     __path__.append(_root)
 del _root
 
-from . import _exit_status  # noqa: F401 - first: its atexit hook runs last
 from . import debugger as _debugger  # noqa: F401 - registers the debugger's message handlers
 from .actor import (  # noqa: F401
     Accumulator,
@@ -49,7 +48,8 @@ from .config import (  # noqa: F401
     get_global_config,
     get_runtime_config,
 )
-from .host import heal_mesh  # noqa: F401
+from .hosts.host import heal_mesh  # noqa: F401
+from .runtime import _exit_status  # noqa: F401 - first: its atexit hook runs last
 from .selection import Selection  # noqa: F401
 from .shape import Extent, NDSlice, Shape  # noqa: F401
 from .tools.config import Workspace  # noqa: F401

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         return code
     if args.cmd == "debug":
-        from . import _debug_cli
+        from .debugger import _cli as _debug_cli
 
         return _debug_cli.main(args.pid, args.wait)
     if args.cmd == "version":
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         print(__version__)
         return 0
     if args.cmd == "keygen":
-        from ._curve import JobKeys
+        from .transport._curve import JobKeys
 
         try:
             JobKeys.generate().save(args.path)
@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote a job key pair to {args.path} (mode 0600)")
         return 0
     if args.cmd == "host":
-        from .agent import run_worker_loop_forever
         from .errors import AddressInUseError, JobKeyError
+        from .hosts.agent import run_worker_loop_forever
 
         try:
             run_worker_loop_forever(args.bind, key_file=args.key_file, ttl=args.ttl, address_file=args.address_file)

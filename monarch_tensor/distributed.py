@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .host import ProcMesh, this_host
+from .hosts.host import ProcMesh, this_host
 
 
 def Mesh(shape: Sequence[int] | int, mesh_dim_names: Sequence[str] | None = None) -> ProcMesh:

@@ -94,7 +94,7 @@ class Future(Generic[R]):
         """Block until the value is there; raise the remote error, or ``TimeoutError``."""
         timeout = wait_limit(timeout)
         if not self._state:
-            from .mailbox import _mailbox
+            from .transport.mailbox import _mailbox
 
             if _mailbox is not None:
                 _mailbox.flush()  # a call this waits on may still sit in a batch
@@ -154,7 +154,7 @@ class Future(Generic[R]):
 
     def __await__(self):
         if not self._state:
-            from .mailbox import _mailbox
+            from .transport.mailbox import _mailbox
 
             if _mailbox is not None:
                 _mailbox.flush()
@@ -186,7 +186,7 @@ class Future(Generic[R]):
             raise RuntimeError("as_asyncio() needs a running asyncio event loop; use .get() outside one") from None
         out = loop.create_future()
         if not self._state:
-            from .mailbox import _mailbox
+            from .transport.mailbox import _mailbox
 
             if _mailbox is not None:
                 _mailbox.flush()

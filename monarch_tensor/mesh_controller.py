@@ -19,7 +19,7 @@ def spawn_tensor_engine(proc_mesh):
     >>> with dm.activate():
     ...     t = torch.ones(3)
     """
-    from .host import ProcMesh
+    from .hosts.host import ProcMesh
 
     if not isinstance(proc_mesh, ProcMesh):
         raise TypeError(f"spawn_tensor_engine takes a proc mesh (this_host().spawn_procs(...)), "

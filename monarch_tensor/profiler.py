@@ -108,7 +108,7 @@ _records: dict[int, Any] = {}
 
 
 def _export(prof, dir_path: str) -> None:
-    from monarch_tensor._context import current
+    from monarch_tensor.runtime._context import current
 
     os.makedirs(dir_path, exist_ok=True)
     prof.export_chrome_trace(os.path.join(os.path.abspath(dir_path), f"trace_{current().rank.rank}.json"))

@@ -26,13 +26,13 @@ import socket
 import sys
 from collections.abc import Sequence
 
-from ._fanout import ROUTE_SEP
-from ._net import ip_towards
-from ._ports import Collector
 from .actor import Actor, current_rank, current_size, endpoint
-from .env_messages import ReserveMasterPort, WriteEnv
+from .env.messages import ReserveMasterPort, WriteEnv
 from .future import Future
-from .mailbox import current_mailbox
+from .transport._fanout import ROUTE_SEP
+from .transport._net import ip_towards
+from .transport._ports import Collector
+from .transport.mailbox import current_mailbox
 
 TIMEOUT = 60.0
 

@@ -30,7 +30,7 @@ import time
 import zmq
 
 from monarch_tensor.future import Future, wait_limit
-from monarch_tensor.mailbox import _poke
+from monarch_tensor.transport.mailbox import _poke
 
 from ._host import per_process
 from .errors import TransferTimeoutError
@@ -95,7 +95,7 @@ class TransferFuture(Future):
             else:  # a write is not started twice (see _run_until): a pool thread runs it
                 _pool().submit(buf._run, self, kind, local, offset, own, cands)
         if not self.done():
-            from monarch_tensor import mailbox as _mb
+            from monarch_tensor.transport import mailbox as _mb
 
             mb = _mb._mailbox
             if mb is not None and mb.receiver_ident == threading.get_ident():

@@ -26,11 +26,11 @@ import threading
 import warnings
 from typing import Any, NamedTuple
 
-from monarch_tensor import _wire
-from monarch_tensor._net import ip_towards
 from monarch_tensor.config import _runtime as _config_runtime  # (what configure() set)
 from monarch_tensor.config import setting
 from monarch_tensor.future import Future
+from monarch_tensor.transport import _wire
+from monarch_tensor.transport._net import ip_towards
 
 from ._future import TransferFuture
 from ._host import host_id, my_pid
@@ -229,7 +229,7 @@ class RDMABuffer:
     def __init__(self, data: Any) -> None:
         mem = as_mem(data, "RDMABuffer data")
         bs = backends()
-        from monarch_tensor import mailbox as _mb
+        from monarch_tensor.transport import mailbox as _mb
 
         from .backends import cma, tcp
 
@@ -315,7 +315,7 @@ class RDMABuffer:
         if d.pid == my_pid() and d.host == host_id():
             registry().drop(d.buf_id)
             return Future.ready(None)
-        from monarch_tensor.mailbox import current_mailbox
+        from monarch_tensor.transport.mailbox import current_mailbox
 
         from .messages import DropBuffer
 
@@ -423,7 +423,7 @@ def _with_owner(d: Descriptor) -> Descriptor:
     buffer made before its first mesh) names it once there is one, so that a handle sent on can reach the
     owner (a holder's ``drop()`` was silently ignored: it had no address to send the drop to)."""
     if not d.owner and d.pid == my_pid() and d.host == host_id():
-        from monarch_tensor import mailbox as _mb
+        from monarch_tensor.transport import mailbox as _mb
 
         if _mb._mailbox is not None:
             return dataclasses.replace(d, owner=_mb._mailbox.addr)
@@ -464,7 +464,7 @@ def _check_owner(d: Descriptor) -> None:
     if d.pid == my_pid() and d.host == host_id() and registry().lookup(d.buf_id, d.token) is None:
         raise BufferDroppedError(f"buffer {d.buf_id} was dropped")
     if d.owner:
-        from monarch_tensor import mailbox as _mb
+        from monarch_tensor.transport import mailbox as _mb
 
         if _mb._mailbox is not None and _mb._mailbox.death_of(d.owner) is not None:
             raise OwnerDiedError(f"the owner of buffer {d.buf_id} ({d.owner}) died")

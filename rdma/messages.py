@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from monarch_tensor.messages import PortRef
+from monarch_tensor.transport.messages import PortRef
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ import mmap
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -37,6 +38,9 @@ from monarch_tensor.config import setting
 
 from ._host import per_process
 from .errors import RDMAError
+
+if TYPE_CHECKING:
+    from .buffer import RDMABuffer
 
 log = logging.getLogger("monarch_tensor.rdma")
 
@@ -76,7 +80,7 @@ class PayloadError(RDMAError):
 class Payload:
     """What travels in a message instead of its buffers: where to pull them from and how to cut them."""
 
-    buf: object  # an RDMABuffer over the sender's snapshot
+    buf: RDMABuffer  # over the sender's snapshot
     layout: tuple  # ((offset, nbytes), ...) of each out-of-band buffer in the snapshot
     release_to: str  # the sender's mailbox address, as the receivers reach it
 
@@ -197,7 +201,7 @@ def pull(payload: Payload, timeout: float | None = None) -> list[memoryview]:
             from monarch_tensor import config
 
             timeout = config.get("payload_timeout")  # (Monarch's message_delivery_timeout)
-        payload.buf.read_into(memoryview(dst), timeout=timeout).get()
+        payload.buf.read_into(dst.data, timeout=timeout).get()
     except BaseException as e:  # reported as the message's failure
         with _published().lock:
             _published().stats["lost"] += 1
@@ -209,18 +213,18 @@ def pull(payload: Payload, timeout: float | None = None) -> list[memoryview]:
     with p.lock:
         p.stats["pulled"] += 1
         p.stats["pulled_bytes"] += total
-    mv = memoryview(dst)
+    mv = dst.data
     return [mv[off:off + n] for off, n in layout]
 
 
 def placeholders(payload: Payload) -> list[memoryview]:
     """Zeroed buffers of the payload's layout: enough to rebuild a message whose pull failed, to fail it."""
-    zeros = memoryview(np.zeros(payload.buf.size(), dtype=np.uint8))  # calloc: pages never touched stay free
+    zeros = np.zeros(payload.buf.size(), dtype=np.uint8).data  # calloc: pages never touched stay free
     return [zeros[off:off + n] for off, n in payload.layout]
 
 
 def _release(payload: Payload) -> None:
-    from monarch_tensor.mailbox import current_mailbox
+    from monarch_tensor.transport.mailbox import current_mailbox
 
     from .messages import ReleasePayload
 

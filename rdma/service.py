@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from monarch_tensor import mailbox as _mailbox
-from monarch_tensor.messages import SendToPort
+from monarch_tensor.transport import mailbox as _mailbox
+from monarch_tensor.transport.messages import SendToPort
 
 from ._registry import registry
 from .messages import ConnectQueuePair, DropBuffer, ReleasePayload

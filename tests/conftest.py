@@ -27,10 +27,45 @@ DURATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.
 DEFAULT_FILE_SECONDS = 20.0
 
 
+# The tiers (docs/quick-start.md): files whose tests spawn no procs (no template process, host agent or job),
+# marked ``unit``; every other test is marked ``procs``. ``pytest -m unit`` runs in seconds; a unit test that
+# starts this machine's template process fails (see _unit_tests_spawn_no_procs).
+UNIT_FILES = ("test_engine_wire.py", "test_future.py", "test_layers.py", "test_ndslice.py", "test_opaque.py",
+              "test_profiler.py", "test_rdma_verbs.py", "test_reload.py", "test_remote_autograd_function.py",
+              "test_selection.py", "test_shape.py", "test_shard_batch.py", "test_slurm_script.py",
+              "test_staged_group.py")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "unit: spawns no procs (tests/conftest.py's UNIT_FILES); `pytest -m unit`")
+    config.addinivalue_line("markers", "procs: runs procs, host agents or jobs; `pytest -m procs`")
+
+
+def _mark_tiers(items) -> None:
+    for item in items:
+        unit = os.path.basename(str(item.fspath)) in UNIT_FILES
+        item.add_marker(pytest.mark.unit if unit else pytest.mark.procs)
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_spawn_no_procs(request):
+    """A test marked ``unit`` that started this machine's template process (so procs) is in the wrong tier."""
+    if request.node.get_closest_marker("unit") is None:
+        yield
+        return
+    host = sys.modules.get("monarch_tensor.hosts.host")
+    before = host is not None and host._local_host is not None
+    yield
+    host = sys.modules.get("monarch_tensor.hosts.host")
+    if not before and host is not None and host._local_host is not None:
+        pytest.fail(f"{request.node.nodeid} is marked unit (tests/conftest.py's UNIT_FILES) but spawned procs")
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """Under pytest-xdist (``--dist loadfile``: each file runs whole on one worker, in the order collected) the
+    """Marks each test with its tier (``unit`` or ``procs``). Under pytest-xdist (``--dist loadfile``: each file runs whole on one worker, in the order collected) the
     files that take longest come first, so that no worker starts a long file while the others run out of work.
     The tests of a file keep their order; a run without workers keeps the files' order too."""
+    _mark_tiers(items)
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     try:
@@ -105,3 +140,23 @@ def mesh():
     m = this_host().spawn_procs(per_host={"gpus": 2})
     yield m
     m.stop()
+
+
+@pytest.fixture(scope="module")
+def procs():
+    """A mesh of two procs, {"gpus": 2}, for a test module (a module may define its own ``procs``)."""
+    from monarch_tensor import this_host
+
+    m = this_host().spawn_procs(per_host={"gpus": 2})
+    yield m
+    m.stop()
+
+
+@pytest.fixture
+def faults(monkeypatch):
+    """The unhandled supervision failures of a test, collected in a list (instead of the default hook)."""
+    import monarch_tensor.actor as actor_mod
+
+    seen = []
+    monkeypatch.setattr(actor_mod, "unhandled_fault_hook", seen.append)
+    return seen

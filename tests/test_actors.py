@@ -769,7 +769,7 @@ def test_ranked_and_once_channels(procs):
 def test_a_channel_closes_when_its_receivers_are_gone(procs):
     import gc
 
-    from monarch_tensor.mailbox import current_mailbox
+    from monarch_tensor.transport.mailbox import current_mailbox
 
     ports = current_mailbox()._ports
     gc.collect()

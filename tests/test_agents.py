@@ -17,13 +17,13 @@ import pytest
 import zmq
 
 import monarch_tensor.actor as actor_mod
-from monarch_tensor import _curve, _fanout, _wire
 from monarch_tensor.actor import Actor, SupervisionError, context, endpoint, this_host
-from monarch_tensor.agent import HostAgent
-from monarch_tensor.agent_messages import REPORTS, REQUESTS, OpenSession, ReportSpawnedTree, SpawnProcs, SpawnTree
 from monarch_tensor.errors import AddressInUseError, HostUnreachableError, JobKeyError, JobStartError, MeshStoppedError
+from monarch_tensor.hosts.agent import HostAgent
+from monarch_tensor.hosts.agent_messages import REPORTS, REQUESTS, OpenSession, ReportSpawnedTree, SpawnProcs, SpawnTree
+from monarch_tensor.hosts.remote_hosts import AgentClient, attach_to_workers
 from monarch_tensor.job import HostListJob, LocalJob, job_load, job_loads
-from monarch_tensor.remote_hosts import AgentClient, attach_to_workers
+from monarch_tensor.transport import _curve, _fanout, _wire
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -75,13 +75,6 @@ def job(tmp_path_factory):
             os.environ["MONARCH_TENSOR_SESSION_TIMEOUT"] = old
     yield j
     j.kill()
-
-
-@pytest.fixture
-def faults(monkeypatch):
-    seen = []
-    monkeypatch.setattr(actor_mod, "unhandled_fault_hook", seen.append)
-    return seen
 
 
 # ---- meshes on agents ---------------------------------------------------------------------
@@ -317,7 +310,7 @@ def test_tree_bounds_fan_out_gives_each_agent_one_path_and_covers_every_host():
 # ---- faults -----------------------------------------------------------------------------------
 @pytest.mark.timeout(180)
 def test_killing_an_agent_fails_its_procs_with_a_supervision_error(job, faults):
-    from monarch_tensor.remote_hosts import RemoteHostMesh
+    from monarch_tensor.hosts.remote_hosts import RemoteHostMesh
 
     st = job.state()
     hosts = RemoteHostMesh([st.mesh0._agents[0], st.spare._agents[0]])  # one healthy host, the spare
@@ -544,8 +537,8 @@ def test_unauthenticated_clients_cannot_make_an_agent_read_anything(job, tmp_pat
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("client", ["plain", "wrong key"])
 def test_unauthenticated_clients_cannot_make_the_controller_read_anything(job, tmp_path, client):
-    from monarch_tensor import remote_hosts
-    from monarch_tensor.mailbox import socket_dir
+    from monarch_tensor.hosts import remote_hosts
+    from monarch_tensor.transport.mailbox import socket_dir
 
     gateway = remote_hosts._gateway_for(job.keys, job.addrs["mesh0"][0])
     marker = tmp_path / "unpickled"
@@ -624,10 +617,10 @@ def test_a_proc_calls_a_mesh_of_several_procs_of_another_job(job, tmp_path):
 def test_the_gateway_fails_a_call_it_cannot_pass_on(job):
     """A call the gateway drops (for no live proc of this process, or for an agent this process never
     attached to) fails its caller's reply port at once instead of leaving the caller waiting."""
-    from monarch_tensor import remote_hosts
-    from monarch_tensor._ports import OneReply
-    from monarch_tensor.mailbox import current_mailbox, new_ipc_address
-    from monarch_tensor.messages import CallEndpoint
+    from monarch_tensor.hosts import remote_hosts
+    from monarch_tensor.transport._ports import OneReply
+    from monarch_tensor.transport.mailbox import current_mailbox, new_ipc_address
+    from monarch_tensor.transport.messages import CallEndpoint
 
     gateway = remote_hosts._gateway_for(job.keys, job.addrs["mesh0"][0])
     ctx = zmq.Context()
@@ -652,9 +645,9 @@ def test_the_gateway_fails_a_call_it_cannot_pass_on(job):
 
 @pytest.mark.timeout(60)
 def test_the_gateway_relays_only_to_this_processs_live_procs(job, monkeypatch):
-    from monarch_tensor import remote_hosts
-    from monarch_tensor.mailbox import new_ipc_address
-    from monarch_tensor.messages import StopProc
+    from monarch_tensor.hosts import remote_hosts
+    from monarch_tensor.transport.mailbox import new_ipc_address
+    from monarch_tensor.transport.messages import StopProc
 
     gateway = remote_hosts._gateway_for(job.keys, job.addrs["mesh0"][0])
     procs = this_host().spawn_procs(per_host={"gpus": 1})
@@ -788,7 +781,7 @@ def test_attach_to_workers_and_job_load_give_the_same_hosts(job, tmp_path):
                                         ("run_worker_loop_until_shutdown", "trust_all_connections")])
 def test_monarchs_other_worker_loop_entry_points_serve_until_their_hosts_shut_down(tmp_path, entry, auth,
                                                                                    monkeypatch):
-    from monarch_tensor._curve import InsecureConnectionWarning, JobKeys
+    from monarch_tensor.transport._curve import InsecureConnectionWarning, JobKeys
 
     key = str(tmp_path / "k")
     JobKeys.generate().save(key)
@@ -839,7 +832,7 @@ def test_monarchs_other_worker_loop_entry_points_serve_until_their_hosts_shut_do
 def test_agent_messages_round_trip_and_have_handlers(cls):
     import dataclasses
 
-    from monarch_tensor.messages import PortRef
+    from monarch_tensor.transport.messages import PortRef
 
     values = {"session": "s", "ranks": (0, 1), "envs": ({}, {}), "client_addr": "ipc:///x", "gateway": "tcp://a:1",
               "events": PortRef("ipc:///x", 3), "pids": (5,), "sig": 9, "reason": "r", "hostname": "h",

@@ -10,8 +10,8 @@ import pytest
 
 from monarch_tensor import Workspace
 from monarch_tensor.actor import Accumulator, Actor, ActorError, endpoint, this_host
-from monarch_tensor.env_messages import ReadEnv
-from monarch_tensor.messages import SetLogging
+from monarch_tensor.env.messages import ReadEnv
+from monarch_tensor.transport.messages import SetLogging
 from monarch_tensor.utils import setup_env_for_distributed
 
 pytestmark = pytest.mark.timeout(120)
@@ -44,8 +44,8 @@ def procs():
 
 def _send_to_all(procs, make, what: str):
     """Send ``make(port)`` to every proc of ``procs`` past the client's checks; the Future of their replies."""
-    from monarch_tensor._ports import Collector
-    from monarch_tensor.mailbox import current_mailbox
+    from monarch_tensor.transport._ports import Collector
+    from monarch_tensor.transport.mailbox import current_mailbox
 
     members = procs._members()
     col = Collector([p.addr for p in members], [p.rank for p in members], list, what)
@@ -113,7 +113,7 @@ def test_a_second_actor_of_the_same_name_is_a_mesh_of_its_own_and_the_first_keep
     with pytest.raises(ValueError, match="already runs on proc"):
         procs._spawn_named("named_once", Counter, 100)
     # A process that did not spawn the first (here a mesh made past this one's records): the proc refuses it.
-    from monarch_tensor.host import ProcMesh
+    from monarch_tensor.hosts.host import ProcMesh
 
     again = ProcMesh([type(p)(p.addr, p.rank) for p in procs._members()], procs._shape)
     with pytest.raises(ActorError, match="already runs on proc"):
@@ -168,8 +168,8 @@ def test_a_wait_without_limit_is_inf_and_a_bad_timeout_names_timeout(procs):
 def test_proc_mesh_env_is_checked_at_the_call_as_env_set_checks_it(procs, monkeypatch):
     # These killed every proc at its start (os.environ.update in the template's child: a traceback per
     # proc), and the caller got a SupervisionError. A name with a space is refused as env.set refuses it.
-    from monarch_tensor import host
     from monarch_tensor.actor import proc_mesh
+    from monarch_tensor.hosts import host
 
     monkeypatch.setattr(host, "_spawn_procs", lambda *a, **k: pytest.fail("spawned procs for a bad env"))
     for env in ({"": "1"}, {"A=B": "1"}, {"A\0B": "1"}, {"MT A": "1"}, {"1A": "1"}):
@@ -270,8 +270,8 @@ def test_spawn_procs_per_host_that_is_no_dict_is_a_type_error_naming_it(per_host
 
 
 def test_job_load_of_a_file_that_is_no_job_file_says_so(tmp_path):
-    from monarch_tensor._curve import write_private
     from monarch_tensor.job import job_load
+    from monarch_tensor.transport._curve import write_private
 
     path = str(tmp_path / "job.json")
     for text, match in [("{not json", "not a monarch-tensor job file \\(not JSON"),
@@ -320,7 +320,7 @@ def _cli(*args, timeout: float = 30):
 def test_the_cli_refuses_bad_paths_and_seconds_in_one_line(tmp_path):
     """A path it cannot write and a number of seconds that is none (negative, nan) are one line on stderr and
     status 2, not a traceback, nor accepted (``--ttl -1`` exited at once, ``nan`` never)."""
-    from monarch_tensor._curve import JobKeys
+    from monarch_tensor.transport._curve import JobKeys
 
     key = str(tmp_path / "job.key")
     JobKeys.generate().save(key)
@@ -345,7 +345,7 @@ def test_ctrl_c_stops_a_host_agent_cleanly_and_takes_back_its_address_file(tmp_p
     import sys
     import time
 
-    from monarch_tensor._curve import JobKeys
+    from monarch_tensor.transport._curve import JobKeys
 
     key, addr = str(tmp_path / "job.key"), tmp_path / "addr"
     JobKeys.generate().save(key)
@@ -369,9 +369,9 @@ def test_ctrl_c_stops_a_host_agent_cleanly_and_takes_back_its_address_file(tmp_p
 def test_a_str_where_a_list_of_strings_is_needed_is_a_type_error(tmp_path):
     # Each was split into characters: a "#SBATCH" line per character, a mesh of one "host" per character, and
     # attach_to_workers complained about the address 't'.
-    from monarch_tensor._curve import JobKeys
+    from monarch_tensor.hosts.remote_hosts import attach_to_workers
     from monarch_tensor.job import HostListJob, SlurmJob
-    from monarch_tensor.remote_hosts import attach_to_workers
+    from monarch_tensor.transport._curve import JobKeys
 
     key = str(tmp_path / "job.key")
     JobKeys.generate().save(key)
@@ -388,7 +388,7 @@ def test_a_str_where_a_list_of_strings_is_needed_is_a_type_error(tmp_path):
 def test_sync_workspace_of_a_path_is_a_type_error_whether_or_not_procs_run(procs, monkeypatch):
     # With no proc running, this_host().sync_workspace("/tmp") failed with "'str' object has no attribute
     # 'check'" (the path to sync_local skipped the type check the path to the procs makes).
-    from monarch_tensor import host
+    from monarch_tensor.hosts import host
 
     for ws in ("/tmp", None):
         with pytest.raises(TypeError, match="sync_workspace needs a Workspace, got"):
@@ -418,9 +418,9 @@ def test_job_and_exec_env_is_checked_at_the_call_as_proc_mesh_checks_it():
 
 def test_a_key_or_job_file_that_is_a_directory_or_no_path_says_so(tmp_path):
     # Loading a directory said "run `chmod 600 /tmp`" (other users may read /tmp) or raised IsADirectoryError.
-    from monarch_tensor._curve import JobKeys
     from monarch_tensor.errors import JobKeyError
     from monarch_tensor.job import job_load
+    from monarch_tensor.transport._curve import JobKeys
 
     for path in ("/tmp", str(tmp_path)):
         with pytest.raises(JobKeyError, match="is a directory, not a key or job file"):

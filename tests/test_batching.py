@@ -20,12 +20,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from monarch_tensor import _wire
-from monarch_tensor import mailbox as mailbox_mod
 from monarch_tensor.actor import Actor, endpoint, this_host
 from monarch_tensor.errors import ProtocolError
-from monarch_tensor.mailbox import Mailbox
-from monarch_tensor.messages import CallEndpoint, PortRef, SendToPort, StopProc
+from monarch_tensor.transport import _wire
+from monarch_tensor.transport import mailbox as mailbox_mod
+from monarch_tensor.transport.mailbox import Mailbox
+from monarch_tensor.transport.messages import CallEndpoint, PortRef, SendToPort, StopProc
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -262,8 +262,8 @@ def test_a_script_that_exits_right_after_a_burst_still_delivers_it(tmp_path):
     script = tmp_path / "burst.py"
     script.write_text(
         "import sys\n"
-        "from monarch_tensor.mailbox import current_mailbox\n"
-        "from monarch_tensor.messages import CallEndpoint\n"
+        "from monarch_tensor.transport.mailbox import current_mailbox\n"
+        "from monarch_tensor.transport.messages import CallEndpoint\n"
         "mb = current_mailbox()\n"
         "for i in range(50):\n"
         "    mb.send(sys.argv[1], CallEndpoint('a', 'm', (i,), {}, None), batch=True)\n"

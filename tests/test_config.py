@@ -178,7 +178,7 @@ def test_env_flag_reads_the_usual_spellings_and_names_the_variable_otherwise(mon
 _SWITCHES = [  # (variable, the module that reads it at import, the module's name for it)
     ("MONARCH_TENSOR_SYNC_PULL_SAME_HOST", "monarch_tensor.workspace_sync", "PULL_SAME_HOST"),
     ("MONARCH_TENSOR_SYNC_COPY_LOCAL", "monarch_tensor.workspace_sync", "COPY_LOCAL"),
-    ("MONARCH_TENSOR_RECEIVE_ON_WAIT", "monarch_tensor.mailbox", "RECEIVE_ON_WAIT"),
+    ("MONARCH_TENSOR_RECEIVE_ON_WAIT", "monarch_tensor.transport.mailbox", "RECEIVE_ON_WAIT"),
 ]
 
 
@@ -238,7 +238,7 @@ def test_no_warmup_reads_0_as_off_as_the_other_switches(raw, warms):
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = ("import sys, torch\nfrom monarch_tensor import host\nhost._warm_tensor_engine()\n"
+    code = ("import sys, torch\nfrom monarch_tensor.hosts import host, local\nlocal._warm_tensor_engine()\n"
             "print('torch._dynamo' in sys.modules)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90,
                        env=dict(os.environ, PYTHONPATH=root, MONARCH_TENSOR_NO_WARMUP=raw))

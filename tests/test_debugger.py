@@ -22,9 +22,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from monarch_tensor import _debug_cli, _debug_server
 from monarch_tensor.actor import Actor, ActorError, SupervisionError, current_rank, endpoint, this_host
 from monarch_tensor.debugger import Repl, controller, parse_ranks, table
+from monarch_tensor.debugger import _cli as _debug_cli
+from monarch_tensor.debugger import _server as _debug_server
 
 pexpect = pytest.importorskip("pexpect", reason="pexpect is a dev extra: pip install -e '.[dev]'")
 

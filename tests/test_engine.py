@@ -24,13 +24,6 @@ from monarch_tensor.actor import Actor, ActorError, as_endpoint, current_rank, e
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def procs():
-    mesh = this_host().spawn_procs(per_host={"gpus": 2})
-    yield mesh
-    mesh.stop()
-
-
 def test_rank_tensor_reduce_fetch(procs):
     with procs.activate():
         x = torch.ones(4) + procs.rank_tensor("gpus")
@@ -692,7 +685,7 @@ def test_a_to_mesh_send_on_a_stopping_proc_is_no_error_but_other_send_failures_a
     import monarch_tensor.worker.messages as wm
     from monarch_tensor.worker.worker import TensorWorker
 
-    from monarch_tensor.mailbox import Mailbox
+    from monarch_tensor.transport.mailbox import Mailbox
 
     msg = wm.SendTensor(src=1, xfer=7, dests={0: "ipc://nowhere"}, stream=0, loc=None)
     mailbox = Mailbox()

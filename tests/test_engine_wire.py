@@ -17,8 +17,8 @@ from monarch_tensor.worker import messages as m
 from monarch_tensor.worker.errors import RemoteException
 from monarch_tensor.worker.worker import TensorWorker, flat_leaves, resolve_function, resolve_op
 
-from monarch_tensor import _wire
-from monarch_tensor.messages import PortRef
+from monarch_tensor.transport import _wire
+from monarch_tensor.transport.messages import PortRef
 
 pytestmark = pytest.mark.timeout(60)
 

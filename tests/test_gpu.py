@@ -20,13 +20,6 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA 
               pytest.mark.timeout(180)]
 
 
-@pytest.fixture(scope="module")
-def procs():
-    mesh = this_host().spawn_procs(per_host={"gpus": 2})
-    yield mesh
-    mesh.stop()
-
-
 def _device_code(x: torch.Tensor) -> torch.Tensor:
     return torch.tensor(1 if x.is_cuda else 0, device=x.device)
 

@@ -285,7 +285,7 @@ def test_what_pipelined_calls_printed_comes_before_each_result(tmp_path):
     """Replies that leave in one batch are checked for their proc's output once for the whole batch
     (Mailbox.output_mark): still, each call's lines are printed before its result is delivered."""
     out = run_script(tmp_path, ORDER_CHECK + textwrap.dedent('''
-        from monarch_tensor._proc import current_runtime
+        from monarch_tensor.runtime._proc import current_runtime
 
         class Counted(Hello):
             @endpoint
@@ -343,7 +343,7 @@ def test_a_stuck_relay_holds_a_reply_only_a_while(tmp_path):
     procs' lines cannot come, and the calls still return; the lines follow once it runs again."""
     out = run_script(tmp_path, '''
         import signal
-        from monarch_tensor import host
+        from monarch_tensor.hosts import host
 
         procs = this_host().spawn_procs(per_host={"gpus": 1})
         try:
@@ -370,7 +370,7 @@ def test_a_switch_applies_in_order_with_the_lines_around_it():
     """A proc's forwarder switches a stream when its pump reads the switch's marker in the pipe: lines
     written before the switch are handled as before it, however late the pump reads them (here all at
     once, after every write), and a partial line that the marker comes behind ends there."""
-    from monarch_tensor._proc import _LogForwarder
+    from monarch_tensor.runtime._proc import _LogForwarder
 
     sent: list = []
     fw = _LogForwarder.__new__(_LogForwarder)  # no fds taken over: the pump reads a pipe of the test's own
@@ -379,7 +379,7 @@ def test_a_switch_applies_in_order_with_the_lines_around_it():
     fw.pumped, fw.pumping = {1: 0, 2: 0}, threading.Condition()
     term_r, term_w = os.pipe()  # stands for the proc's own terminal
     fw.originals = {1: term_w}
-    from monarch_tensor.logs import StreamLines
+    from monarch_tensor.transport.logs import StreamLines
 
     off, on = StreamLines.MARK_OF[False], StreamLines.MARK_OF[True]
     r, w = os.pipe()
@@ -398,8 +398,8 @@ def test_a_switch_applies_in_order_with_the_lines_around_it():
 def _fold(monkeypatch, capsys, batches, flush_at=None, older_than=None) -> list[str]:
     """What the client prints for ``batches`` of a proc's stdout lines ``(rank, [lines], seen at)``, folded by
     a 60 s aggregation window, when flushed (at ``flush_at``, with ``older_than``; the rest is dropped)."""
-    from monarch_tensor import logs
-    from monarch_tensor.messages import ForwardLogs
+    from monarch_tensor.transport import logs
+    from monarch_tensor.transport.messages import ForwardLogs
 
     clock = [0.0]
     monkeypatch.setattr(logs, "time", type("Clock", (), {"monotonic": staticmethod(lambda: clock[0])}))
@@ -532,9 +532,10 @@ def test_a_wait_that_returns_prints_what_the_default_folding_holds_first(monkeyp
     several ranks; the wait for the call's result prints them first, so they land in the cell that waited
     (printed later by the folding's thread, a notebook showed them under another cell, or not at all). A window
     the script chose (logging_option) is kept as it is."""
-    from monarch_tensor import future, logs
+    from monarch_tensor import future
     from monarch_tensor.future import Future
-    from monarch_tensor.messages import ForwardLogs
+    from monarch_tensor.transport import logs
+    from monarch_tensor.transport.messages import ForwardLogs
 
     monkeypatch.setattr(logs, "_interactive", lambda: True)
     monkeypatch.setattr(logs, "_explicit", False)

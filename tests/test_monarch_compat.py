@@ -5,7 +5,6 @@ import time
 
 import pytest
 
-import monarch_tensor.actor as actor_mod
 from monarch_tensor.actor import (
     Actor,
     ActorError,
@@ -95,13 +94,6 @@ def procs():
     m = this_host().spawn_procs(per_host={"gpus": 1})
     yield m
     m.stop().get(timeout=30)
-
-
-@pytest.fixture
-def faults(monkeypatch):
-    seen = []
-    monkeypatch.setattr(actor_mod, "unhandled_fault_hook", seen.append)
-    return seen
 
 
 def _wait_for(cond, timeout: float = 30) -> None:
@@ -291,7 +283,7 @@ def test_a_bootstrap_commands_program_runs_the_procs(tmp_path):
     import sys
 
     from monarch_tensor.actor import BootstrapCommand
-    from monarch_tensor.host import bootstrap_plan
+    from monarch_tensor.hosts.host import bootstrap_plan
     from monarch_tensor.shape import Shape
 
     link = tmp_path / "python"

@@ -11,7 +11,7 @@ import tomllib
 
 import monarch_tensor
 from monarch_tensor.errors import MeshStoppedError
-from monarch_tensor.host import ProcMesh
+from monarch_tensor.hosts.host import ProcMesh
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -21,12 +21,12 @@ import pytest
 import torch
 
 from monarch_tensor import Replicate, Shard, distribute, fetch_shard
-from monarch_tensor._curve import JobKeys
-from monarch_tensor._net import ip_towards
 from monarch_tensor.actor import Actor, endpoint, this_host
-from monarch_tensor.mailbox import socket_dir
-from monarch_tensor.remote_hosts import attach_to_workers, shutdown_agents
+from monarch_tensor.hosts.remote_hosts import attach_to_workers, shutdown_agents
 from monarch_tensor.spmd import SPMDActor
+from monarch_tensor.transport._curve import JobKeys
+from monarch_tensor.transport._net import ip_towards
+from monarch_tensor.transport.mailbox import socket_dir
 from monarch_tensor.utils import setup_env_for_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

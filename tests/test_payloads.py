@@ -19,12 +19,13 @@ import torch
 from monarch_tensor.rdma import payload, transfer_stats
 from monarch_tensor.rdma._registry import registry
 
-from monarch_tensor import _wire, fetch_shard, inspect
-from monarch_tensor._ports import Collector
+from monarch_tensor import fetch_shard, inspect
 from monarch_tensor.actor import Actor, endpoint
 from monarch_tensor.job import LocalJob
-from monarch_tensor.mailbox import LOST_REWRITES, Mailbox, current_mailbox
-from monarch_tensor.messages import CallEndpoint, PortRef, SendToPort
+from monarch_tensor.transport import _wire
+from monarch_tensor.transport._ports import Collector
+from monarch_tensor.transport.mailbox import LOST_REWRITES, Mailbox, current_mailbox
+from monarch_tensor.transport.messages import CallEndpoint, PortRef, SendToPort
 
 MiB = 1 << 20
 

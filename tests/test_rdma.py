@@ -75,7 +75,7 @@ class Owner(Actor):
 
     @endpoint
     def addr(self) -> str:
-        from monarch_tensor.mailbox import current_mailbox
+        from monarch_tensor.transport.mailbox import current_mailbox
 
         return current_mailbox().addr
 
@@ -499,7 +499,7 @@ def test_drop_is_a_future_set_once_the_drop_took_effect(owners):
 
 def test_a_holder_drops_a_buffer_made_before_its_owner_had_a_mailbox(owners, monkeypatch):
     # Its handle named no owner address, and a holder's drop() did nothing.
-    from monarch_tensor import mailbox
+    from monarch_tensor.transport import mailbox
 
     src = torch.arange(100, dtype=torch.uint8)
     with monkeypatch.context() as m:
@@ -633,7 +633,7 @@ def test_owner_death_fails_within_the_timeout(backend, monkeypatch, who):
     import re
 
     import monarch_tensor.actor as actor_mod
-    from monarch_tensor.mailbox import Mailbox, current_mailbox
+    from monarch_tensor.transport.mailbox import Mailbox, current_mailbox
 
     faults: list = []  # the owner's death is expected here, not a failure that should stop the script
     monkeypatch.setattr(actor_mod, "unhandled_fault_hook", faults.append)

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from monarch_tensor.rdma import messages, service
 from monarch_tensor.rdma.backends import verbs
 
-from monarch_tensor import _wire
-from monarch_tensor.mailbox import current_mailbox
-from monarch_tensor.messages import PortRef
+from monarch_tensor.transport import _wire
+from monarch_tensor.transport.mailbox import current_mailbox
+from monarch_tensor.transport.messages import PortRef
 
 
 def test_pyverbs_imports_and_reports_no_device_cleanly():

@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from monarch_tensor import mailbox as mb_mod
 from monarch_tensor.actor import Actor, endpoint, this_host
 from monarch_tensor.future import Future
+from monarch_tensor.transport import mailbox as mb_mod
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,4 +1,4 @@
-"""Hot reload in one process (``monarch_tensor._reload``): what a sync's ``auto_reload`` does in each proc.
+"""Hot reload in one process (``monarch_tensor.workspace_sync._reload``): what a sync's ``auto_reload`` does in each proc.
 
 Modules live in a fresh directory on ``sys.path``; each test edits their files, says which changed
 (``note_changed``, as a sync does) and reloads (``reload_stale``), then checks what old references run.
@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from monarch_tensor import _reload
+from monarch_tensor.workspace_sync import _reload
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -16,10 +16,10 @@ import time
 import numpy as np
 import pytest
 
-from monarch_tensor import _fanout, mailbox
-from monarch_tensor._ports import Collector, FoldCollector, Receiver
 from monarch_tensor.actor import Accumulator, Actor, ActorError, Channel, SupervisionError, current_rank, endpoint
 from monarch_tensor.job import LocalJob
+from monarch_tensor.transport import _fanout, mailbox
+from monarch_tensor.transport._ports import Collector, FoldCollector, Receiver
 
 
 class Echo(Actor):
@@ -202,7 +202,7 @@ def test_a_dead_proc_or_subtree_fails_its_own_ranks_and_holds_nothing_else(job, 
     that dies, then the spare's agent dying while a call waits on it: their ranks fail by supervision, the
     call does not hang, and the host before them still answers; then a proc dying in a folded call."""
     from monarch_tensor import actor as actor_mod
-    from monarch_tensor.remote_hosts import RemoteHostMesh
+    from monarch_tensor.hosts.remote_hosts import RemoteHostMesh
 
     monkeypatch.setattr(actor_mod, "unhandled_fault_hook", lambda f: None)
     monkeypatch.setattr(_fanout, "FANOUT", 1)
@@ -230,7 +230,7 @@ def test_a_dead_proc_or_subtree_fails_its_own_ranks_and_holds_nothing_else(job, 
 def _agent_tree(sent: list):
     """A two-level tree in one process: a root agent's and a child agent's ``Gathers``; what the root sends
     up lands in ``sent``, what the child sends goes to the root."""
-    from monarch_tensor._gather import Gathers
+    from monarch_tensor.hosts._gather import Gathers
 
     root = Gathers(lambda addr, frames: sent.append((addr, frames)), 60.0, 600.0)
     child = Gathers(lambda addr, frames: root.take(b"child", frames), 60.0, 600.0)
@@ -240,8 +240,8 @@ def _agent_tree(sent: list):
 def _reply(key, rank, value=None, error=None):
     import json
 
-    from monarch_tensor import _wire
-    from monarch_tensor.messages import SendToPort
+    from monarch_tensor.transport import _wire
+    from monarch_tensor.transport.messages import SendToPort
 
     head = _fanout.UP_MAGIC + b"g" + json.dumps({"k": key, "u": int(error is not None), "w": "gw"}).encode()
     return [head, *_wire.encode(SendToPort(key[1], value, error, rank))]
@@ -250,8 +250,8 @@ def _reply(key, rank, value=None, error=None):
 def test_chunks_up_two_levels_read_as_the_replies_one_by_one_would_be():
     """Entries of a child's chunk and the root's own, errors among them, reach the caller's port in full and in
     order, as the same replies sent one by one would."""
-    from monarch_tensor import _wire
-    from monarch_tensor.messages import SendToPort
+    from monarch_tensor.transport import _wire
+    from monarch_tensor.transport.messages import SendToPort
 
     mb = mailbox.Mailbox(io_thread=False)
     try:
@@ -310,7 +310,7 @@ def test_an_agent_sends_its_procs_builtin_replies_as_one_entry_and_the_rest_as_t
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from monarch_tensor import _wire
+    from monarch_tensor.transport import _wire
 
     leaf = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=5),
                      st.binary(max_size=5))
@@ -388,8 +388,8 @@ def _folded_call(mb, n, groups, combine, spec, values, identity, fanout=2):
     """One folded call in one process: ``n`` places, ``groups`` (each: the places of one agent's procs, in any
     order), agents in a ``fanout``-ary tree in the order of ``groups`` as ``_fanout`` builds it, every proc's
     reply taken by its agent; what the root agents send up is dispatched to a ``FoldCollector``."""
-    from monarch_tensor._gather import Gathers
-    from monarch_tensor._ports import FoldCollector
+    from monarch_tensor.hosts._gather import Gathers
+    from monarch_tensor.transport._ports import FoldCollector
 
     col = FoldCollector([f"a|{i}" for i in range(n)], list(range(n)), identity, combine)
     port = mb.open_port(col)
@@ -606,7 +606,7 @@ def test_messages_from_one_proc_follow_its_folded_reply_in_the_order_sent(echo, 
 
 def test_a_fold_collector_fails_on_a_death_or_a_run_over_an_answered_rank():
     from monarch_tensor.errors import ProtocolError
-    from monarch_tensor.messages import SendToPort
+    from monarch_tensor.transport.messages import SendToPort
 
     col = FoldCollector(["a|0", "a|1", "b|0", "b|1"], [4, 5, 6, 7], 0, max)
     assert col.deliver_runs([(0, 1, 9)]) is False
@@ -624,9 +624,9 @@ def test_a_fold_collector_fails_on_a_death_or_a_run_over_an_answered_rank():
 
 # ---- spawns down the agent tree -------------------------------------------------------------------------
 def test_a_spawn_plan_follows_the_tree_and_each_level_waits_longer_than_the_one_below():
-    from monarch_tensor import _spawn_tree
-    from monarch_tensor.agent_messages import SpawnProcs
-    from monarch_tensor.messages import PortRef
+    from monarch_tensor.hosts import _spawn_tree
+    from monarch_tensor.hosts.agent_messages import SpawnProcs
+    from monarch_tensor.transport.messages import PortRef
 
     agents = [f"tcp://plan-h{i}:1" for i in range(7)]
     for a in agents:
@@ -655,10 +655,10 @@ def test_a_spawn_plan_follows_the_tree_and_each_level_waits_longer_than_the_one_
 
 
 def test_an_agent_answers_for_its_subtree_once_and_fails_a_silent_child_at_its_timeout():
-    from monarch_tensor import _spawn_tree
-    from monarch_tensor.agent_messages import ReportSpawned, SpawnProcs, SpawnTree
     from monarch_tensor.errors import HostUnreachableError
-    from monarch_tensor.messages import PortRef
+    from monarch_tensor.hosts import _spawn_tree
+    from monarch_tensor.hosts.agent_messages import ReportSpawned, SpawnProcs, SpawnTree
+    from monarch_tensor.transport.messages import PortRef
 
     spawn = SpawnProcs("s", (0,), ({},), "ipc:///c", "tcp://gw:1", PortRef("ipc:///c", 1))
     def leaf(addr):
@@ -687,8 +687,8 @@ def test_an_agent_answers_for_its_subtree_once_and_fails_a_silent_child_at_its_t
 
 def _live(agent) -> int:
     """The procs an agent runs (every session's)."""
-    from monarch_tensor.agent_messages import OpenSession
-    from monarch_tensor.remote_hosts import SESSION
+    from monarch_tensor.hosts.agent_messages import OpenSession
+    from monarch_tensor.hosts.remote_hosts import SESSION
 
     return agent.request(OpenSession(SESSION), timeout=10).procs
 
@@ -705,8 +705,8 @@ def test_a_spawn_goes_down_the_agent_tree_and_each_rank_gets_its_place(job, monk
     """A chain of the job's agents (fan-out 1); the mesh leaves out the first, which only passes the spawn on. The
     controller sends one request, to that first agent; the actors' spawn goes down the same tree, its acks
     gathered; every rank runs on its own host's agent, at its coordinates."""
-    from monarch_tensor import remote_hosts
-    from monarch_tensor.remote_hosts import RemoteHostMesh
+    from monarch_tensor.hosts import remote_hosts
+    from monarch_tensor.hosts.remote_hosts import RemoteHostMesh
 
     monkeypatch.setattr(_fanout, "FANOUT", 1)
     chain = _chain(job)
@@ -748,7 +748,7 @@ def _template_of(agent_pid: int) -> int:
 def test_a_spawn_that_fails_on_one_agent_names_its_ranks_and_cancels_the_others(job, monkeypatch):
     """The doomed host's template process is killed: a spawn across it and a healthy host (down a chain) fails
     with that agent's error, naming it and its ranks; the healthy host's procs of that spawn are killed."""
-    from monarch_tensor.remote_hosts import RemoteHostMesh
+    from monarch_tensor.hosts.remote_hosts import RemoteHostMesh
 
     monkeypatch.setattr(_fanout, "FANOUT", 1)
     st = job.state()
@@ -766,7 +766,7 @@ def test_an_agent_lost_during_a_spawn_fails_it_at_once_naming_that_agent(job, mo
     """The doomed host's agent is killed as a spawn goes down a chain to it: the spawn fails with a supervision
     error naming it within seconds (not at the spawn timeout); the healthy host's procs of that spawn are killed."""
     from monarch_tensor import config
-    from monarch_tensor.remote_hosts import RemoteHostMesh
+    from monarch_tensor.hosts.remote_hosts import RemoteHostMesh
 
     monkeypatch.setattr(_fanout, "FANOUT", 1)
     st = job.state()

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import monarch_tensor.actor as actor_mod
-from monarch_tensor import _shm
 from monarch_tensor.actor import Actor, current_rank, endpoint, this_host
+from monarch_tensor.transport import _shm
 
 MIB = 1 << 20
 

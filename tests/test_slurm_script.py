@@ -53,7 +53,7 @@ def test_a_batch_job_script_starts_the_agents_then_the_client(tmp_path):
 def test_proc_bind_cpu_lists_parse_as_numactl_writes_them(runs):
     """Hypothesis: a list of ranges and single CPUs, written as numactl does ("0-3,8"), parses back to
     exactly those CPUs, in order."""
-    from monarch_tensor._bind import parse_list
+    from monarch_tensor.runtime._bind import parse_list
 
     text = ",".join(f"{lo}-{lo + k}" if k else str(lo) for lo, k in runs)
     assert parse_list(text, "cpus") == [c for lo, k in runs for c in range(lo, lo + k + 1)]

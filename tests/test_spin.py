@@ -15,9 +15,9 @@ import time
 import pytest
 import zmq
 
-from monarch_tensor import mailbox as mb_mod
 from monarch_tensor.actor import Actor, endpoint, this_host
-from monarch_tensor.mailbox import Spin
+from monarch_tensor.transport import mailbox as mb_mod
+from monarch_tensor.transport.mailbox import Spin
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -26,7 +26,7 @@ from monarch_tensor.actor import (
     this_host,
 )
 from monarch_tensor.errors import MeshStoppedError
-from monarch_tensor.mailbox import socket_dir
+from monarch_tensor.transport.mailbox import socket_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,13 +50,6 @@ class Worker(Actor):
         import ctypes
 
         ctypes.string_at(0)
-
-
-@pytest.fixture
-def faults(monkeypatch):
-    seen = []
-    monkeypatch.setattr(actor_mod, "unhandled_fault_hook", seen.append)
-    return seen
 
 
 @pytest.fixture
@@ -466,7 +459,6 @@ def test_unhandled_failure_stops_the_script_by_default(tmp_path):
     assert "NOT REACHED" not in p.stdout
     # Monarch's: the main thread gets a KeyboardInterrupt, so the script ends as from Ctrl-C, cleaning up
     assert "KeyboardInterrupt" in p.stderr and "finally ran" in p.stdout and "atexit ran" in p.stdout, p
-
 
 
 @pytest.mark.timeout(60)
@@ -900,7 +892,7 @@ _TEMPLATE_DEATH_START = textwrap.dedent("""
     import os, signal, sys, time
     sys.path.insert(0, {root!r})
     import monarch_tensor.actor as actor_mod
-    from monarch_tensor import host
+    from monarch_tensor.hosts import host
     from monarch_tensor.actor import Actor, endpoint, this_host
     class W(Actor):
         @endpoint
@@ -961,7 +953,7 @@ def test_procs_lost_with_the_template_process_leave_no_socket_files(tmp_path):
 def test_the_templates_idle_import_steps_each_import_on_their_own():
     # The template imports torch._dynamo while idle in pieces, serving spawns and procs' output between
     # them; each piece must import on its own, in this order, with this torch.
-    code = ("import torch\nfrom monarch_tensor._zygote import _in_steps\nsteps = _in_steps(['torch._dynamo'])\n"
+    code = ("import torch\nfrom monarch_tensor.runtime._zygote import _in_steps\nsteps = _in_steps(['torch._dynamo'])\n"
             "assert steps[-1] == 'torch._dynamo' and len(steps) > 1, steps\nfor m in steps:\n    __import__(m)\n"
             "print('OK')")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=100)
@@ -972,12 +964,12 @@ INTERRUPTED_SPAWN_SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
     sys.path.insert(0, {root!r})
     import torch
-    from monarch_tensor import host
+    from monarch_tensor.hosts import host, local
     from monarch_tensor.actor import this_host
 
     def interrupted():  # Ctrl-C while the first spawn warms the tensor engine up
         os.kill(os.getpid(), signal.SIGINT)
-    host._warm_tensor_engine = interrupted
+    local._warm_tensor_engine = interrupted
     try:
         this_host().spawn_procs({{"gpus": 2}})
     except KeyboardInterrupt:
@@ -1015,7 +1007,7 @@ def test_an_interrupted_spawn_stops_its_procs(tmp_path):
 INTERRUPTED_STOP_SCRIPT = textwrap.dedent("""
     import os, signal, sys, threading
     sys.path.insert(0, {root!r})
-    from monarch_tensor import host
+    from monarch_tensor.hosts import host
     from monarch_tensor.actor import Actor, endpoint, this_host
     from monarch_tensor.errors import MeshStoppedError
     class Busy(Actor):
@@ -1062,7 +1054,8 @@ INTERRUPTED_WARM_UP_SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
     sys.path.insert(0, {root!r})
     import torch
-    from monarch_tensor import fetch_shard, host
+    from monarch_tensor import fetch_shard
+    from monarch_tensor.hosts import host
     from monarch_tensor.actor import this_host
 
     class CtrlC:  # Ctrl-C halfway through the first spawn's warm-up: as its import of torch._dynamo imports sympy

@@ -5,8 +5,7 @@ import asyncio
 import pytest
 import torch
 
-from monarch_tensor import telemetry
-from monarch_tensor.actor import Actor, endpoint, get_meter, span, this_host, traced
+from monarch_tensor.actor import Actor, endpoint, get_meter, span, telemetry, this_host, traced
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from monarch_tensor import this_host
-from monarch_tensor._threads import cores
-from monarch_tensor.host import local_procs
+from monarch_tensor.hosts.host import local_procs
+from monarch_tensor.runtime._threads import cores
 
 pytestmark = pytest.mark.timeout(120)
 

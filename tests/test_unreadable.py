@@ -14,10 +14,11 @@ import types
 import pytest
 import torch
 
-from monarch_tensor import RemoteException, _wire, fetch_shard, remote, this_host
+from monarch_tensor import RemoteException, fetch_shard, remote, this_host
 from monarch_tensor.actor import Actor, ActorError, endpoint
 from monarch_tensor.errors import ProtocolError
-from monarch_tensor.messages import CallEndpoint, PortRef, SendToPort
+from monarch_tensor.transport import _wire
+from monarch_tensor.transport.messages import CallEndpoint, PortRef, SendToPort
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -41,7 +41,7 @@ import sys
 sys.path.insert(0, {root!r})
 import torch
 {engine}
-from monarch_tensor import _zygote
+from monarch_tensor.runtime import _zygote
 from monarch_tensor.actor import Actor, endpoint, this_host
 
 class Probe(Actor):
@@ -74,7 +74,7 @@ def test_an_import_ahead_of_time_never_raises(tmp_path, monkeypatch):
     """The background import (``_zygote._try_import``) is best effort: a proc that exits while it runs has its
     modules' globals cleared under it, which raised "'NoneType' object has no attribute 'rand'" out of the
     thread and printed a traceback in the user's terminal. Any error is left for the proc's own import."""
-    from monarch_tensor import _zygote
+    from monarch_tensor.runtime import _zygote
 
     (tmp_path / "mt_broken_mod.py").write_text("aten = None\nrand = aten.rand\n")
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -27,12 +27,12 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from monarch_tensor import _wire, messages
-from monarch_tensor._proc import ProcRuntime
 from monarch_tensor.actor import Actor, ActorError, Channel, endpoint, this_host
 from monarch_tensor.errors import ProtocolError
-from monarch_tensor.mailbox import Mailbox
+from monarch_tensor.runtime._proc import ProcRuntime
 from monarch_tensor.shape import Shape
+from monarch_tensor.transport import _wire, messages
+from monarch_tensor.transport.mailbox import Mailbox
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -164,7 +164,7 @@ def _dispatched_by_mailbox(cls) -> bool:
 
 @pytest.mark.parametrize("cls", PROTOCOL, ids=lambda c: c.__name__)
 def test_every_message_has_a_handler(cls):
-    from monarch_tensor.mailbox import SYSTEM_HANDLERS
+    from monarch_tensor.transport.mailbox import SYSTEM_HANDLERS
 
     if cls in SYSTEM_HANDLERS:  # (handled in any process: a proc's fault, sent to whoever spawned its actor)
         return
@@ -265,7 +265,7 @@ def _shm_files() -> set[str]:
 
 @pytest.mark.skipif(not hasattr(_wire, "MAGIC_SHM"), reason="no shared-memory path in this wire format")
 def test_shared_memory_path_round_trips_and_leaves_no_file():
-    from monarch_tensor import _shm
+    from monarch_tensor.transport import _shm
 
     if not _shm.available():
         pytest.skip("no writable /dev/shm")
@@ -294,7 +294,7 @@ def test_running_out_of_descriptors_says_so_where_a_message_cannot_be_mapped(mon
     # shared memory, not of the receiving process's descriptor limit.
     import errno
 
-    from monarch_tensor import _shm
+    from monarch_tensor.transport import _shm
 
     if not _shm.available():
         pytest.skip("no writable /dev/shm")

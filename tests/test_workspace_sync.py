@@ -15,22 +15,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from monarch_tensor import (
-    Workspace,
-    _filetree,
-    _proc_ext,
-    _sync_proc,
-    _wire,
-    debug_messages,
-    env_messages,
-    sync_messages,
-)
+from monarch_tensor import Workspace
 from monarch_tensor import workspace_sync as ws_sync
 from monarch_tensor.actor import Actor, endpoint, this_host
-from monarch_tensor.mailbox import SYSTEM_HANDLERS
-from monarch_tensor.messages import PortRef
+from monarch_tensor.debugger import messages as debug_messages
+from monarch_tensor.env import messages as env_messages
+from monarch_tensor.runtime import _proc_ext
 from monarch_tensor.tools.config import Workspace as WorkspaceFromToolsPath
-from monarch_tensor.workspace_sync import _Batcher, _Pulls, local_manifest, plan
+from monarch_tensor.transport import _wire
+from monarch_tensor.transport.mailbox import SYSTEM_HANDLERS
+from monarch_tensor.transport.messages import PortRef
+from monarch_tensor.workspace_sync import _Batcher, _filetree, _Pulls, local_manifest, plan
+from monarch_tensor.workspace_sync import _proc as _sync_proc
+from monarch_tensor.workspace_sync import messages as sync_messages
 
 pytestmark = pytest.mark.timeout(90)
 assert _proc_ext  # registers the procs' handlers in this process too
@@ -801,7 +798,7 @@ def test_pulled_pieces_left_at_a_timeout_or_a_failed_open_leave_no_temp_file(tmp
 def _sync_events():
     """Record what this client does in a sync: the kind of each message it sends, and "client scan" when it
     scans its dirs."""
-    from monarch_tensor.mailbox import current_mailbox
+    from monarch_tensor.transport.mailbox import current_mailbox
 
     events: list = []
     mb = current_mailbox()
@@ -971,7 +968,7 @@ def test_host_sync_reaches_the_procs_of_two_meshes(tmp_path, monkeypatch):
 
 
 def _agents_live_procs() -> list:
-    from monarch_tensor.host import _live_meshes
+    from monarch_tensor.hosts.host import _live_meshes
 
     return [p for m in list(_live_meshes) for p in m._procs if p.alive and getattr(p, "agent", None) is not None]
 
@@ -1291,7 +1288,7 @@ def test_conda_env_named_through_a_symlink_rewrites_both_of_its_paths(tmp_path, 
 
 @pytest.mark.timeout(60)
 def test_conda_sync_to_this_host_before_any_proc(tmp_path, monkeypatch):
-    from monarch_tensor.host import _live_meshes
+    from monarch_tensor.hosts.host import _live_meshes
     from monarch_tensor.tools.config.environment import CondaEnvironment
 
     assert not any(p.alive for m in _live_meshes for p in m._procs if getattr(p, "agent", None) is None)
@@ -1366,8 +1363,8 @@ def test_a_sync_step_to_a_proc_that_died_fails_at_once(monkeypatch):
     import monarch_tensor.actor as actor_mod
     from monarch_tensor import workspace_sync
     from monarch_tensor.errors import SupervisionError
-    from monarch_tensor.mailbox import current_mailbox
-    from monarch_tensor.sync_messages import ReloadWorkspace
+    from monarch_tensor.transport.mailbox import current_mailbox
+    from monarch_tensor.workspace_sync.messages import ReloadWorkspace
 
     monkeypatch.setattr(actor_mod, "unhandled_fault_hook", lambda failure: None)
     procs = this_host().spawn_procs(per_host={"gpus": 2})
@@ -1389,7 +1386,7 @@ def test_a_sync_step_to_a_proc_that_died_fails_at_once(monkeypatch):
 _SYNC_AND_EXIT = """
 import os, sys
 from monarch_tensor import Workspace, this_host
-from monarch_tensor.remote_hosts import attach_to_workers
+from monarch_tensor.hosts.remote_hosts import attach_to_workers
 hosts = attach_to_workers([sys.argv[2]], key_file=sys.argv[3]) if len(sys.argv) > 2 else this_host()
 procs = hosts.spawn_procs(per_host={"gpus": 2})
 print(*procs.sync_workspace(Workspace(dirs=[sys.argv[1]])).get(timeout=60).roots, flush=True)
@@ -1452,7 +1449,7 @@ def test_a_host_agent_removes_a_sessions_default_roots_when_it_ends(short_tmp):
     import subprocess
     import sys
 
-    from monarch_tensor._curve import JobKeys
+    from monarch_tensor.transport._curve import JobKeys
 
     proj = short_tmp / "proj"
     proj.mkdir()

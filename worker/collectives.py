@@ -26,8 +26,8 @@ from torch._C._distributed_c10d import AllgatherOptions as _AllgatherOptions  # 
 from torch._C._distributed_c10d import _register_process_group, _resolve_process_group
 from torch.utils._pytree import tree_leaves, tree_map
 
-from monarch_tensor._net import ip_towards
 from monarch_tensor.config import setting
+from monarch_tensor.transport._net import ip_towards
 
 TIMEOUT = setting("MONARCH_TENSOR_COLLECTIVE_TIMEOUT")
 # How long a worker whose collective failed waits for the controller to say a member's proc died (see

@@ -14,8 +14,8 @@ import operator
 from dataclasses import dataclass, fields
 from typing import Any
 
-from monarch_tensor import _wire
-from monarch_tensor.messages import PortRef
+from monarch_tensor.transport import _wire
+from monarch_tensor.transport.messages import PortRef
 
 
 def _fast_reduce(cls):

@@ -30,13 +30,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from monarch_tensor import _wire
-from monarch_tensor._proc import current_runtime
-from monarch_tensor._zygote import finish_preload
 from monarch_tensor.actor import Actor, current_rank, endpoint
 from monarch_tensor.config import setting
-from monarch_tensor.mailbox import LOST_REWRITES, current_mailbox
-from monarch_tensor.messages import CallEndpoint, SendToPort
+from monarch_tensor.runtime._proc import current_runtime
+from monarch_tensor.runtime._zygote import finish_preload
+from monarch_tensor.transport import _wire
+from monarch_tensor.transport.mailbox import LOST_REWRITES, current_mailbox
+from monarch_tensor.transport.messages import CallEndpoint, SendToPort
 
 from . import messages as m
 from . import opaque

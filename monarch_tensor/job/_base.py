@@ -28,10 +28,10 @@ import os
 import pickle
 from typing import Any
 
-from .. import _curve
 from ..config import setting
 from ..errors import HostUnreachableError, JobKeyError
-from ..remote_hosts import AgentClient, RemoteHostMesh, connect_agents, reachable_agents, shutdown_agents
+from ..hosts.remote_hosts import AgentClient, RemoteHostMesh, connect_agents, reachable_agents, shutdown_agents
+from ..transport import _curve
 
 log = logging.getLogger("monarch_tensor.job")
 

@@ -39,9 +39,9 @@ import threading
 from typing import Any
 
 from .. import env as _env
-from .._context import current as _own  # the running actor (its rank and sizes in the mesh spawned)
 from ..actor import Actor, Channel, endpoint
 from ..future import Future
+from ..runtime._context import current as _own  # the running actor (its rank and sizes in the mesh spawned)
 
 CHUNK = 64 << 10
 STOP_TIMEOUT = 30.0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .. import _curve
+from ..transport import _curve
 from ._base import JobTrait
 
 

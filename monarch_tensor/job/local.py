@@ -18,7 +18,7 @@ import time
 
 from ..env import check_env
 from ..errors import JobStartError
-from ..host import python_path
+from ..hosts.local import python_path
 from ._base import BATCH_JOB_ENV, DEFAULT_STATE, JobTrait, agent_command, log_tail, private_dir, read_address
 
 START_TIMEOUT = 60.0  # (the job_start_timeout setting, where set, replaces it)

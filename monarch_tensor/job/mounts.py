@@ -65,7 +65,7 @@ def check(job, source, mntpoint, meshes, python_exe, options: dict) -> Mount:
 def apply(job, state) -> None:
     """Mirror each of ``job``'s mounts onto the hosts of its meshes (helper procs, stopped after), and point
     the meshes of ``state`` at the mount's interpreter where the source has one."""
-    from ..remote_hosts import RemoteHostMesh
+    from ..hosts.remote_hosts import RemoteHostMesh
     from ..tools.config import Workspace
     from ..workspace_sync import _sync
 

@@ -20,7 +20,7 @@ import threading
 import time
 
 from ..errors import JobStartError
-from ..host import python_path
+from ..hosts.local import python_path
 from ._base import DEFAULT_STATE, JobTrait, agent_command, log_tail, private_dir, read_address
 
 START_TIMEOUT = 120.0  # (the job_start_timeout setting, where set, replaces it)
@@ -263,7 +263,7 @@ class SlurmJob(JobTrait):
 def write_batch_state(args: str) -> None:
     """In a batch job's script (``apply(client_script=...)``): wait for the agents, then write the job file
     that the client script's ``job.state()`` reattaches from. The key comes from the job's environment."""
-    from .. import _curve
+    from ..transport import _curve
 
     a = json.loads(args)
     job = SlurmJob.__new__(SlurmJob)

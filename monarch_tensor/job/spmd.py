@@ -141,7 +141,7 @@ class SPMDJob(JobTrait):
                 and spec._original_roles == self._original_roles)
 
     def _state(self) -> JobState:
-        from ..host import this_host
+        from ..hosts.host import this_host
 
         return JobState({"workers": this_host()})
 

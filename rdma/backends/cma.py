@@ -19,7 +19,7 @@ one thread moved 37-50% of memcpy's bytes per second from 4 KiB pages and
 about 100% from 2 MiB pages (a scratch loop of ``process_vm_readv``); two
 threads, in bench/rdma_bench.py at 64 MiB, 72-81% and 90-130%. Procs
 allocate large tensors on 2 MiB pages (``THP_MEM_ALLOC_ENABLE``,
-monarch_tensor/host.py).
+monarch_tensor/hosts/host.py).
 
 Where the CPU has fast string copies (x86's ``erms``/``fsrm`` flags), the
 kernel copies between processes with ``rep movsb``, and that copy is several

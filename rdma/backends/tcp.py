@@ -19,7 +19,7 @@ import threading
 import time
 
 from monarch_tensor.config import setting
-from monarch_tensor.mailbox import _crowded, _sched_yield
+from monarch_tensor.transport.mailbox import _crowded, _sched_yield
 
 from .._host import alive, host_id, per_process
 from .._memory import Mem

@@ -372,7 +372,7 @@ class Connections:
 def exchange_over_mailbox(owner: str, device_name: str, endpoint: bytes, timeout: float = 30.0) -> bytes:
     """Send our endpoint to ``owner``'s mailbox (``ConnectQueuePair``) and wait for its reply."""
     from monarch_tensor.future import Future
-    from monarch_tensor.mailbox import current_mailbox
+    from monarch_tensor.transport.mailbox import current_mailbox
 
     from ..messages import ConnectQueuePair
 

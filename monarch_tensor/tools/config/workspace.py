@@ -53,7 +53,7 @@ class Workspace:
         version-control dirs left out, no empty dirs), with their permission bits and times."""
         import shutil
 
-        from monarch_tensor import _filetree
+        from monarch_tensor.workspace_sync import _filetree
 
         self.check()
         out = Path(outdir)

@@ -1,0 +1,4 @@
+"""Hosts and host agents: host and proc meshes (``host``), the host agent and its protocol (``agent``,
+``agent_messages``), the controller's side of agents (``remote_hosts``), and spawns and replies through
+trees of agents (``_spawn_tree``, ``_gather``).
+"""
