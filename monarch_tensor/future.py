@@ -44,6 +44,8 @@ def wait_limit(timeout: Any) -> float | None:
 # Called after every settlement: the mailbox wakes a thread that receives while it waits (its poll
 # does not see a Future settled by another thread). Set by mailbox.py.
 _settle_hook: Callable[[], None] | None = None
+# The calling thread's mailbox, or None (``mailbox.mailbox_here``). Set by mailbox.py.
+_mailbox_here: Callable[[], Any] = lambda: None
 # Called with a Future's ``_interrupt`` when a wait on it is interrupted. Set by actor.py.
 _interrupt_hook: Callable[[Any], None] | None = None
 
@@ -94,8 +96,7 @@ class Future(Generic[R]):
         """Block until the value is there; raise the remote error, or ``TimeoutError``."""
         timeout = wait_limit(timeout)
         if not self._state:
-            from .transport.mailbox import _mailbox
-
+            _mailbox = _mailbox_here()
             if _mailbox is not None:
                 _mailbox.flush()  # a call this waits on may still sit in a batch
             try:
@@ -154,8 +155,7 @@ class Future(Generic[R]):
 
     def __await__(self):
         if not self._state:
-            from .transport.mailbox import _mailbox
-
+            _mailbox = _mailbox_here()
             if _mailbox is not None:
                 _mailbox.flush()
             loop = asyncio.get_running_loop()
@@ -186,8 +186,7 @@ class Future(Generic[R]):
             raise RuntimeError("as_asyncio() needs a running asyncio event loop; use .get() outside one") from None
         out = loop.create_future()
         if not self._state:
-            from .transport.mailbox import _mailbox
-
+            _mailbox = _mailbox_here()
             if _mailbox is not None:
                 _mailbox.flush()
 

@@ -97,7 +97,7 @@ class TransferFuture(Future):
         if not self.done():
             from monarch_tensor.transport import mailbox as _mb
 
-            mb = _mb._mailbox
+            mb = _mb.mailbox_here()
             if mb is not None and mb.receiver_ident == threading.get_ident():
                 self._wait_serving(mb, timeout)
             else:

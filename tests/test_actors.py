@@ -1082,7 +1082,7 @@ def test_get_or_spawn_controller_returns_the_same_actor():
     finally:
         mesh = actor_mod._controllers.pop(name, None)
         if mesh is not None:
-            mesh._proc_mesh.stop().get(timeout=T)
+            ActorMesh.stop(mesh).get(timeout=T)
 
 
 def test_calls_on_a_stopped_mesh_are_refused():
@@ -1149,17 +1149,21 @@ def test_a_call_cut_short_by_stop_fails_and_awaiting_stop_leaves_the_loop_free()
 
 @pytest.mark.timeout(60)
 def test_spawn_on_this_proc_in_the_script_works_as_monarchs_getting_started_does():
-    """``this_proc().spawn("counter", Counter, initial_value=0)`` (Monarch's first example): the actors go to
-    one proc started for the script's own actors, a mesh of one with no dims, as this_proc() is."""
-    from monarch_tensor import actor as actor_mod
-
+    """``this_proc().spawn("counter", Counter, initial_value=0)`` (Monarch's first example): the actors run in
+    the script's own process, a mesh of one with no dims; stopping it stops them, and a later this_proc() is
+    a new one."""
     counter = this_proc().spawn("script_counter", Counter, 5)
     counter.incr.call_one().get(timeout=T)
     assert counter.value.call_one().get(timeout=T) == 6 and counter._shape.names == ()
     other = this_proc().spawn("script_counter_2", Counter)  # the same proc for the next one
-    assert other._procs[0].addr == counter._procs[0].addr
-    assert other._procs[0].addr != this_proc()._procs[0].addr  # (not this process: it hosts no actors)
-    actor_mod._script_procs.stop().get(timeout=T)
+    assert other._procs[0].addr == counter._procs[0].addr == this_proc()._procs[0].addr
+    assert other.pid.call_one().get(timeout=T) == os.getpid()
+    mesh = this_proc()
+    mesh.stop().get(timeout=T)
+    with pytest.raises(SupervisionError):
+        counter.value.call_one().get(timeout=T)
+    again = this_proc()
+    assert again is not mesh and again.spawn("script_counter", Counter, 1).value.call_one().get(timeout=T) == 1
 
 
 # ---- found by probing: each once hung, lost a value or gave a raw error ---------------------------
@@ -1248,7 +1252,7 @@ def test_spawn_errors_leave_nothing_behind(procs):
     finally:
         mesh = actor_mod._controllers.pop(name, None)
         if mesh is not None:
-            mesh._proc_mesh.stop().get(timeout=T)
+            ActorMesh.stop(mesh).get(timeout=T)
     with pytest.raises(TypeError, match="needs a subclass of Actor"):
         get_or_spawn_controller("not_an_actor", int)
 

@@ -12,6 +12,7 @@ import pytest
 from monarch_tensor.actor import (
     Actor,
     ActorError,
+    ActorMesh,
     Channel,
     SupervisionError,
     concurrent_endpoint,
@@ -207,7 +208,7 @@ def controllers_stopped_after():
     before = set(actor_mod._controllers)
     yield
     for name in set(actor_mod._controllers) - before:
-        actor_mod._controllers.pop(name)._proc_mesh.stop().get(timeout=T)
+        ActorMesh.stop(actor_mod._controllers.pop(name)).get(timeout=T)
 
 
 def test_get_or_spawn_controller_inside_an_actor_finds_the_jobs_one(procs, controllers_stopped_after):

@@ -446,10 +446,8 @@ def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs
         name = f"{name}<{k}>"
     shape = Shape(procs._shape.names, procs._shape.dims)
     mailbox = current_mailbox()
-    if mailbox.on_message is None and any(p.addr == mailbox.addr for p in members):
-        # this_proc().spawn(...) in the script (Monarch's getting-started does it): the script's process hosts
-        # no actors here, so they go to one proc started for them, a mesh of one like this_proc()'s.
-        return _spawn_actor_mesh(_script_proc(), name, cls, args, kwargs, rename)
+    if isinstance(procs._alloc, _host.ScriptProc):  # this_proc() of the script: its runtime starts on first use
+        procs._alloc._start()
     addrs = [p.addr for p in members]
     # Acks only come after the sends below, so `mesh` is bound by the time finish runs.
     owner = None if _context.in_client() else _context.current()
@@ -524,20 +522,6 @@ class _SpawnCollector(Collector):
             failure.mesh = self.procs
             host._supervise_later(self.owner, failure)
         return super().deliver(msg)
-
-
-_script_procs: ProcMesh | None = None
-_script_lock = threading.Lock()
-
-
-def _script_proc() -> ProcMesh:
-    """The proc that hosts the actors a script spawns on ``this_proc()``: started on first use, one per script,
-    stopped with the script's other procs at its exit (a mesh of one proc and no dims, as this_proc())."""
-    global _script_procs
-    with _script_lock:
-        if _script_procs is None or _script_procs._alloc._stopped or not _script_procs._procs[0].alive:
-            _script_procs = this_host().spawn_procs(per_host={"procs": 1}).slice(procs=0)
-        return _script_procs
 
 
 _signatures: dict = {}  # (class, wire method) -> (signature, its leading args, fewest and most positional args)
@@ -992,6 +976,7 @@ class _Executor(Actor):
 
 # ---- singletons --------------------------------------------------------------------------
 _controllers: dict[str, ActorMesh] = {}
+_controllers_lock = threading.RLock()
 
 
 # How long the script takes to spawn a controller for an actor that asked for it (a constructor that does not
@@ -1000,31 +985,30 @@ CONTROLLER_SPAWN_TIMEOUT = 600.0
 
 
 def get_or_spawn_controller(name: str, actor_class: type, *args, **kwargs) -> Future[ActorMesh]:
-    """One actor named ``name`` per job: the script spawns it on its own proc the first time, and every later
-    call, in the script or in any actor of the job (asked of the script), gets that one."""
-    mesh = _controllers.get(name)
-    if mesh is None:
-        if not (isinstance(actor_class, type) and issubclass(actor_class, Actor)):
-            raise TypeError(f"get_or_spawn_controller() needs a subclass of Actor, got {actor_class!r}")
-        from ..runtime._proc import current_runtime
+    """One actor named ``name`` per job, as Monarch's: the script spawns it in its own process (``this_proc()``,
+    the script's in-process actor runtime) the first time, and every later call, in the script or in any actor
+    of the job (a proc's asks the script), gets that one."""
+    with _controllers_lock:
+        mesh = _controllers.get(name)
+        if mesh is not None and mesh._proc_mesh is not None and mesh._proc_mesh._alloc._stopped:
+            mesh = None  # (its process's runtime was stopped: a new one spawns it afresh)
+        if mesh is None:
+            if not (isinstance(actor_class, type) and issubclass(actor_class, Actor)):
+                raise TypeError(f"get_or_spawn_controller() needs a subclass of Actor, got {actor_class!r}")
+            from ..runtime._proc import current_runtime
 
-        rt = current_runtime()
-        if rt is not None:  # in an actor: the script holds the job's controllers
-            return _controller_of_script(rt.client_addr, name, actor_class, args, kwargs)
-        procs = this_host().spawn_procs(per_host={"procs": 1})
-        try:
-            mesh = ActorMesh.slice(procs.spawn(name, actor_class, *args, **kwargs), procs=0)  # (not an endpoint)
-        except BaseException:
-            procs.stop()
-            raise
-        _controllers[name] = mesh
+            rt = current_runtime()
+            if rt is not None and not rt.in_script:  # in a proc's actor: the script holds the job's controllers
+                return _controller_of_script(rt.client_addr, name, actor_class, args, kwargs)
+            mesh = _controllers[name] = this_proc().spawn(name, actor_class, *args, **kwargs)
 
-        def forget_failed(f: Future) -> None:  # a constructor that raised: the next call spawns afresh
-            if f.exception() is not None and _controllers.get(name) is mesh:
-                del _controllers[name]
-                threading.Thread(target=procs.stop, daemon=True, name="mt-stop-controller").start()
+            def forget_failed(f: Future, mesh: ActorMesh = mesh) -> None:  # a constructor that raised: the next
+                if f.exception() is not None:  # call spawns afresh
+                    with _controllers_lock:
+                        if _controllers.get(name) is mesh:
+                            del _controllers[name]
 
-        mesh._spawned.add_done_callback(forget_failed)
+            mesh._spawned.add_done_callback(forget_failed)
     mesh._observe()  # (the Future returned gives the constructor's error)
     out: Future[ActorMesh] = Future(f"spawn of controller {name!r}")
     mesh._spawned.add_done_callback(
@@ -1054,7 +1038,7 @@ def _on_get_controller(mailbox, msg: GetController) -> None:
     from ..runtime._proc import current_runtime
 
     rt = current_runtime()
-    if rt is not None:
+    if rt is not None and not rt.in_script:  # (a script's in-process runtime serves it as the script does)
         mailbox.send(rt.client_addr, msg)
         return
 

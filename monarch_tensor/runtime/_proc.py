@@ -38,6 +38,7 @@ from typing import Callable
 from ..config import setting, take
 from ..errors import ActorAbortedError, ActorError, ActorFailedError, ActorStoppedError
 from ..shape import Point, Shape
+from ..transport import mailbox as _mailbox_mod
 from ..transport._fanout import GATHER_PREFIX
 from ..transport.logs import OUTPUT_WAIT_S
 from ..transport.mailbox import _EVENTS, _POLLIN, Mailbox, set_current_mailbox
@@ -240,9 +241,14 @@ class _LogForwarder:
 
 
 class ProcRuntime:
-    def __init__(self, addr: str, client_addr: str, rank: int) -> None:
+    """The actor runtime of a proc; ``in_script``: the one a script runs on a thread of its own
+    (``start_in_script``), whose actors share the script's memory."""
+
+    def __init__(self, addr: str, client_addr: str, rank: int, in_script: bool = False) -> None:
         self.rank = rank
         self.client_addr = client_addr
+        self.in_script = in_script
+        self.on_exit: Callable[[], None] | None = None  # in a script: told once the runtime has stopped
         self.loop = asyncio.new_event_loop()
         self.actors: dict[str, _Slot] = {}
         self._awaiting: dict[str, tuple[asyncio.TimerHandle, list[CallEndpoint]]] = {}  # (_await_actor)
@@ -260,13 +266,20 @@ class ProcRuntime:
         self._in_reader = False  # the loop is running _drain (the mailbox's reader, or a wake-up for held messages)
         self.mailbox.on_held = self._wake_for_held
         self.mailbox.on_lost_spawn = self._spawn_lost
-        set_current_mailbox(self.mailbox)
-        self.mailbox.set_up(client_addr)  # behind a host agent: what goes to the client goes up through it
-        self.logs = _LogForwarder(self.mailbox, client_addr, rank)
-        if self.logs.counts is not None:  # relayed: counted without waiting, so once per frame as it leaves
-            self.mailbox.output_mark = self.output_before
-        else:  # pumps: each reply waits for them before it is sent, so that their lines go first
-            self.mailbox.output_before = self.output_before
+        self.logs: _LogForwarder | None = None
+        if in_script:  # the script's threads keep its own mailbox; this one is its thread's (_bind_thread).
+            # Its output is the script's own, and its loop never polls (a spinning thread would take the GIL
+            # from the script's).
+            self.mailbox._spin = _mailbox_mod.Spin(self.mailbox._router, 0.0)
+            self.mailbox.wake_waiter = self.loop._write_to_self
+        else:
+            set_current_mailbox(self.mailbox)
+            self.mailbox.set_up(client_addr)  # behind a host agent: what goes to the client goes up through it
+            self.logs = _LogForwarder(self.mailbox, client_addr, rank)
+            if self.logs.counts is not None:  # relayed: counted without waiting, so once per frame as it leaves
+                self.mailbox.output_mark = self.output_before
+            else:  # pumps: each reply waits for them before it is sent, so that their lines go first
+                self.mailbox.output_before = self.output_before
         # The loop polls for the next message only while each of these says the proc is otherwise idle
         # (a tensor worker's streams computing need the cores more than the next message does).
         self.spin_gates: list[Callable[[], bool]] = []
@@ -280,7 +293,7 @@ class ProcRuntime:
     def output_before(self, addr: str) -> tuple | None:
         """For a value about to be sent to ``addr``: what of this proc's output must reach ``addr`` first (see
         ``_LogForwarder.before_reply``). Only its client prints it: for anyone else, nothing."""
-        return self.logs.before_reply() if addr == self.client_addr else None
+        return self.logs.before_reply() if addr == self.client_addr and self.logs is not None else None
 
     def _relay_logs(self, msg: ForwardLogs) -> None:
         # Logs of procs this proc spawned go up to our own client.
@@ -372,6 +385,13 @@ class ProcRuntime:
         self.loop.add_reader(self.mailbox.fd, self._drain)
         self.loop.call_soon(self.mailbox.drain)
         self.loop.run_forever()
+
+    def _bind_thread(self) -> None:
+        """In a script: the calling thread (the loop's, a constructor's) is this runtime's, and its code uses
+        this runtime's mailbox and sees this runtime as ``current_runtime()``; the script's threads do not."""
+        if self.in_script:
+            _mailbox_mod.bind_thread(self.mailbox)
+            _thread.runtime = self
 
     def _drain(self) -> None:
         """The loop's reader: handle what came; then, while nothing else is ready to run on the loop,
@@ -469,6 +489,8 @@ class ProcRuntime:
     def _construct(self, slot: _Slot, msg: SpawnActor, inline: bool = False) -> None:
         """The constructor's thread (or, ``inline``, the loop's): runs it, then hands the result to the loop
         (``_constructed``)."""
+        if not inline:
+            self._bind_thread()
         token = _context.enter(slot.ctx)
         instance, err = None, None
         try:
@@ -591,7 +613,8 @@ class ProcRuntime:
             entry.done.set()
 
     def handle_SetLogging(self, msg: SetLogging) -> None:
-        self.logs.set_enabled(msg.stream_to_client)
+        if self.logs is not None:  # (in a script, its actors write to the script's own streams)
+            self.logs.set_enabled(msg.stream_to_client)
         logging.getLogger().setLevel(msg.level)
         self._reply(msg.reply, None, None, self.rank)
 
@@ -739,7 +762,8 @@ class ProcRuntime:
         if self._stopping:
             return
         self._stopping = True
-        _proc_exit.exit_within(_proc_exit.EXIT_LIMIT_S, 0)
+        if not self.in_script:  # (a script's runtime stops; the script goes on)
+            _proc_exit.exit_within(_proc_exit.EXIT_LIMIT_S, 0)
         tasks = [task for slot in self.actors.values() for task in slot.tasks]
         for task in tasks:
             task.cancel()
@@ -762,7 +786,10 @@ class ProcRuntime:
 
     def shutdown(self, code: int, graceful: bool = False) -> None:
         """End the proc; ``graceful``: after the interpreter's shutdown (``_proc_exit``), while its output is
-        still forwarded."""
+        still forwarded. A script's runtime ends its loop and its mailbox only (``_end_in_script``)."""
+        if self.in_script:
+            self._end_in_script()
+            return
         try:
             if graceful:
                 _proc_exit.run_exit_hooks()
@@ -771,6 +798,21 @@ class ProcRuntime:
             self.mailbox.close()
         finally:
             os._exit(code)
+
+    def _end_in_script(self) -> None:
+        """On the loop's thread: a script's runtime stops (its actors have): its mailbox closes, its loop ends
+        (and with it its thread), and ``on_exit`` tells the script's side."""
+        try:
+            self.loop.remove_reader(self.mailbox.fd)
+        except Exception:  # noqa: BLE001 - (the socket is gone already)
+            pass
+        try:
+            self.mailbox.close()
+        finally:
+            _mailbox_mod.unbind(self.mailbox)
+            self.loop.stop()
+            if self.on_exit is not None:
+                self.on_exit()
 
     # ---- running endpoints ----------------------------------------------------
     def _pump(self, slot: _Slot) -> None:
@@ -1083,12 +1125,50 @@ def _on_sigint(signum, frame) -> None:
         raise KeyboardInterrupt("the call was interrupted by its caller")
 
 
-_runtime: ProcRuntime | None = None
+_runtime: ProcRuntime | None = None  # this proc's (None in a script)
+
+
+class _ThreadRuntime(threading.local):
+    runtime: ProcRuntime | None = None  # set on the threads of a script's in-process runtime (_bind_thread)
+
+
+_thread = _ThreadRuntime()
 
 
 def current_runtime() -> ProcRuntime | None:
-    """This proc's runtime (None in a client script)."""
-    return _runtime
+    """The runtime whose actors the calling thread runs: this proc's, or, on a thread of a script's
+    in-process runtime, that one (``in_script``); None on the script's own threads."""
+    return _thread.runtime or _runtime
+
+
+def start_in_script(addr: str, on_exit: Callable[[], None] | None = None) -> ProcRuntime:
+    """Start an actor runtime in this script's process, at ``addr``, on a daemon thread of its own with its own
+    mailbox and event loop: actors spawned there run as on a proc and share the script's memory. Its
+    ``client_addr`` is the script's mailbox (what reaches it for the script, it passes on there).
+    ``on_exit`` runs once it stopped (a ``StopProc``: its actors' ``__cleanup__`` ran)."""
+    from ..transport import _wire
+    from ..transport.mailbox import current_mailbox
+
+    client = current_mailbox()
+    rt = ProcRuntime(addr, client.addr, 0, in_script=True)
+    _proc_ext._ActorLogFilter.install()  # (records its actors write carry their identity, as on a proc)
+    rt.on_exit = on_exit
+    _wire.IN_PROCESS.update((addr, client.addr))  # (messages between them refer to __main__ by reference)
+    started = threading.Event()
+
+    def main() -> None:
+        rt._bind_thread()
+        rt.loop.call_soon(started.set)
+        try:
+            rt.run()
+        finally:
+            _wire.IN_PROCESS.discard(addr)
+            rt.loop.close()
+
+    threading.Thread(target=main, daemon=True, name="monarch-tensor-actors").start()
+    if not started.wait(30):
+        raise RuntimeError("the script's in-process actor runtime did not start within 30 s")
+    return rt
 
 
 def run_proc(addr: str, client_addr: str, rank: int) -> None:

@@ -47,6 +47,10 @@ _MAGICS = (MAGIC, MAGIC_SHM, MAGIC_DP)
 _HEADER = struct.Struct("!4sI")
 _LEN = struct.Struct("!I")
 _MAIN = b"__main__"
+# Addresses of mailboxes that decode in this very process (a script and its in-process actor runtime): what
+# goes to one of them alone refers to ``__main__`` by reference, so that its classes and globals stay the
+# script's own (a by-value class would be a copy, and a module-level list the actor appends to another list).
+IN_PROCESS: set[str] = set()
 
 
 class Unreadable(ProtocolError):
@@ -91,6 +95,7 @@ def _encode(msg: object, shm: bool | int | list[str], remote: tuple[int, str, st
     compact = COMPACT_ENCODERS.get(type(msg))
     if compact is not None:
         msg = compact(msg)
+    pickled = False
     try:
         if "torch" in sys.modules and not (compact is not None and _plain(msg, 3)):
             f = io.BytesIO()
@@ -98,9 +103,12 @@ def _encode(msg: object, shm: bool | int | list[str], remote: tuple[int, str, st
             body = f.getvalue()
         else:
             body = pickle.dumps(msg, protocol=5, buffer_callback=buffers.append)
+        pickled = True
         by_value = _MAIN in body
     except (pickle.PicklingError, AttributeError, TypeError):
         by_value = True
+    if by_value and pickled and IN_PROCESS and isinstance(shm, list) and len(shm) == 1 and shm[0] in IN_PROCESS:
+        by_value = False
     if by_value:
         buffers.clear()
         f = io.BytesIO()

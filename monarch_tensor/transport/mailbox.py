@@ -235,6 +235,8 @@ class Mailbox:
         self.on_blocked_turn: Callable[[], float | None] | None = None
         self.blocked_wake_fd: int | None = None
         self.after_waits: Callable[[], None] | None = None
+        # An in-process runtime's: wakes its thread blocked in wait_until when another thread settled a Future.
+        self.wake_waiter: Callable[[], None] | None = None
         # A mailbox without an I/O thread (a proc's): messages that another thread waiting on a reply received
         # while the receiving thread was busy (``receive_for``), for the receiving thread, in order, as
         # (message, Unreadable or None); ``on_held()`` tells the receiving thread that some are there.
@@ -1050,10 +1052,14 @@ class Mailbox:
 
 
 def _wake_leader() -> None:
-    """After a Future settled: wake a thread that receives while it waits, unless it settled it."""
+    """After a Future settled: wake a thread that receives while it waits, unless it settled it; and an
+    in-process runtime's thread blocked in a wait (``wait_until`` polls its own socket, not the Future)."""
     mb = _mailbox
     if mb is not None and mb._wanted and threading.get_ident() != mb.receiver_ident:
         _poke(mb._lead_wake_w)
+    for mb in _bound:
+        if mb._waits and threading.get_ident() != mb.receiver_ident and mb.wake_waiter is not None:
+            mb.wake_waiter()
 
 
 def _pipe() -> tuple[int, int]:
@@ -1080,12 +1086,56 @@ def _drain_pipe(fd: int) -> None:
 
 _mailbox: Mailbox | None = None
 _mailbox_lock = threading.Lock()
+
+
+class _ThreadMailbox(threading.local):
+    mailbox: Mailbox | None = None  # set on the threads of an in-process runtime (``bind_thread``)
+
+
+_thread = _ThreadMailbox()
+_bound: tuple[Mailbox, ...] = ()  # the mailboxes bound to threads of this process (in-process runtimes')
+
+
+def mailbox_here() -> Mailbox | None:
+    """The mailbox of the calling thread: an in-process runtime's on its threads (``bind_thread``), else
+    this process's (None in a script that has not made it yet)."""
+    return _thread.mailbox or _mailbox
+
+
 _future._settle_hook = _wake_leader
+_future._mailbox_here = mailbox_here
+
+
+def bind_thread(mb: Mailbox) -> None:
+    """Make ``mb`` the mailbox of the calling thread (an in-process runtime's thread, in a script): what
+    code on it sends, and the ports it opens, go through ``mb``."""
+    global _bound
+    _thread.mailbox = mb
+    with _mailbox_lock:
+        if mb not in _bound:
+            _bound = (*_bound, mb)
+
+
+def unbind(mb: Mailbox) -> None:
+    """``mb`` is closed: no longer among this process's mailboxes (its threads end with it)."""
+    global _bound
+    with _mailbox_lock:
+        _bound = tuple(m for m in _bound if m is not mb)
+
+
+def local_mailboxes() -> list[Mailbox]:
+    """Every mailbox of this process: its own, and those of in-process runtimes. A proc's death is news for
+    each of them (``proc_died``): each holds ports of calls made from its threads."""
+    return [m for m in (_mailbox, *_bound) if m is not None]
 
 
 def current_mailbox() -> Mailbox:
-    """This process's mailbox, created on first use in a client script."""
+    """The calling thread's mailbox (``mailbox_here``); this process's is created on first use in a client
+    script."""
     global _mailbox
+    mb = _thread.mailbox
+    if mb is not None:
+        return mb
     if _mailbox is None:
         with _mailbox_lock:
             if _mailbox is None:
