@@ -15,8 +15,10 @@ calls that take no mesh tensor do. Installed on first use of a mesh (``install_f
 * ``Optimizer._process_value_according_to_param_policy``: ``load_state_dict`` places state like its parameter;
 * Dynamo's ``trace_rules``: ``torch.compile`` leaves the engine's packages alone.
 
-One more patch lives with its feature: ``Module.__delattr__`` (``controller/compile.py``: ``del module.attr``
-invalidates compiled steps, which torch has no hook for).
+Two more patches live with their features: ``Module.__delattr__`` (``controller/compile.py``: ``del module.attr``
+invalidates compiled steps, which torch has no hook for), and on the workers DTensor's ``redistribute_cost``
+(``worker/dtensor.py``, ``_install_strided_cost_estimate``: torch rates a move of a ``_StridedShard`` input with
+a graph search that takes seconds per op; the workers rate it as the same move of plain shards plus a gather).
 """
 
 from __future__ import annotations
