@@ -482,8 +482,10 @@ class _Flusher:
                 # A quiet script: the deletes of tensors it dropped go out anyway (they waited for its next
                 # batch, the workers holding the memory meanwhile). Not woken by Tensor.__del__ itself: that
                 # runs at any time, inside this Event's own lock too.
+                if _held:  # inside coalescing(): nothing leaves before the block ends
+                    continue
                 for c in list(self._clients):
-                    if (c._dels or c._late) and not c._q and not c.closed and c not in _held:
+                    if (c._dels or c._late) and not c._q and not c.closed:
                         try:
                             c.flush_deletes()
                         except Exception:  # noqa: BLE001 - e.g. a closed mailbox at exit
