@@ -1,7 +1,10 @@
 """Monarch's behaviours that its own tests pin (issue 41), on one shared proc mesh: what kills an actor, what
 its caller and its owner's supervision see."""
 
+import asyncio
+import threading
 import time
+import types
 
 import pytest
 
@@ -464,3 +467,71 @@ def test_a_local_job_runs_a_client_script(tmp_path, monkeypatch):
         job.kill()
     with pytest.raises(FileNotFoundError, match="no such file"):
         LocalJob(meshes={"mesh0": 1}).apply(client_script="missing.py")
+
+
+class AsyncParent(Parent):
+    """``Parent`` whose ``__supervise__`` is async: it runs on the actor's loop, and what it returns counts."""
+
+    async def __supervise__(self, failure) -> bool:
+        await asyncio.sleep(0.01)
+        self.failures.append(str(failure))
+        return True
+
+
+def test_an_async_supervise_runs_on_its_actor_and_handles_the_failure(procs, faults):
+    # Monarch's test_async_supervise_callback_handled: before, the coroutine was never awaited, and being
+    # truthy it counted as handled: the failure vanished.
+    parent = procs.spawn("async_parent", AsyncParent, procs)
+    assert parent.kill_child.call_one().get(timeout=T) == "ActorFailedError"
+    _wait_for(lambda: parent.seen.call_one().get(timeout=T))
+    seen = parent.seen.call_one().get(timeout=T)
+    assert len(seen) == 1 and "fatal_child" in seen[0] and "SystemExit(4)" in seen[0]
+    assert faults == []
+
+
+def test_what_an_async_or_raising_supervise_decides(faults):
+    # The owner's __supervise__ on the supervision thread: an async one runs on its actor's loop and its result
+    # decides; one that raises passes the failure on with the exception as its cause; an async one whose actor
+    # has no loop any more passes it on too, saying so.
+    from monarch_tensor.hosts import host
+
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    ran_on = []
+
+    class Owner:
+        def __init__(self, answer):
+            self.answer = answer
+
+        async def __supervise__(self, failure):
+            ran_on.append(threading.current_thread())
+            if isinstance(self.answer, Exception):
+                raise self.answer
+            return self.answer
+
+    class RaisingSync:
+        def __supervise__(self, failure):
+            raise KeyError("sync handler")
+
+    def supervise(instance, owner_loop=loop):
+        err = SupervisionError("proc x died", proc="x", rank=0)
+        host._supervise(types.SimpleNamespace(instance=instance, loop=owner_loop), err)
+        return err
+
+    try:
+        supervise(Owner(True))
+        assert faults == [] and ran_on == [runner]
+        err = supervise(Owner(False))
+        assert faults == [err] and ran_on == [runner, runner]
+        supervise(Owner(ValueError("async handler")))
+        assert "__supervise__ raised ValueError('async handler')" in str(faults[-1])
+        assert isinstance(faults[-1].__cause__, ValueError)
+        supervise(RaisingSync())
+        assert isinstance(faults[-1].__cause__, KeyError) and faults[-1].proc == "x"
+        supervise(Owner(True), owner_loop=None)
+        assert "event loop is gone" in str(faults[-1]) and len(ran_on) == 3
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(timeout=10)
+        loop.close()

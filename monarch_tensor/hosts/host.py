@@ -8,7 +8,10 @@ forks local procs is driven from ``local.py``; how procs start (``BootstrapComma
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import concurrent.futures
+import inspect
 import itertools
 import logging
 import os
@@ -160,16 +163,38 @@ def _supervise(owner, err: SupervisionError) -> None:
     handler = getattr(owner.instance, "__supervise__", None) if owner is not None else None
     if handler is not None:
         try:
-            if handler(err):
+            handled = handler(err)
+            if inspect.iscoroutine(handled):  # an async __supervise__: on its actor's loop, as its endpoints
+                handled = _await_on_actor_loop(owner, handled)
+            if handled:
                 return
         except Exception as e:  # noqa: BLE001
             err2 = SupervisionError(f"{err} (and __supervise__ raised {e!r})", proc=err.proc, rank=err.rank,
                                     exit_status=err.exit_status)
-            err2.mesh, err = err.mesh, err2
+            err2.mesh, err2.__cause__, err = err.mesh, e, err2
     try:
         actor.unhandled_fault_hook(err)
     except BaseException as e:  # noqa: BLE001 - the supervision thread goes on to the next failure
         _unhandled_fault(err, e)
+
+
+# How long an async ``__supervise__`` may take before its failure counts as unhandled.
+SUPERVISE_TIMEOUT_S = 300.0
+
+
+def _await_on_actor_loop(owner, coro):
+    """The result of an async ``__supervise__``'s coroutine, run on its actor's event loop (from the supervision
+    thread); an error when the actor has no running loop or the coroutine does not finish in time."""
+    loop = getattr(owner, "loop", None)
+    if loop is None or loop.is_closed():
+        coro.close()
+        raise RuntimeError("its actor's event loop is gone")
+    future = asyncio.run_coroutine_threadsafe(coro, loop)
+    try:
+        return future.result(timeout=SUPERVISE_TIMEOUT_S)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise TimeoutError(f"the async __supervise__ did not finish within {SUPERVISE_TIMEOUT_S:g} s") from None
 
 
 def _on_actor_fault(mailbox, msg: ActorFault) -> None:

@@ -20,6 +20,7 @@ class ActorContext:
     sizes: dict = field(default_factory=dict)
     owned_meshes: list = field(default_factory=list)
     proc_mesh_bytes: bytes | None = None  # the proc mesh it was spawned on, pickled (see proc_mesh)
+    loop: Any = field(default=None, repr=False, compare=False)  # where its async endpoints (and __supervise__) run
 
     @property
     def actor_instance(self):

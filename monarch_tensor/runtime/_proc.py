@@ -452,7 +452,7 @@ class ProcRuntime:
             self._reply(msg.reply, None, ActorError(msg.name, point.rank, "__init__", repr(err), "", err),
                         point.rank)
             return
-        ctx = _context.ActorContext(msg.name, point, self.rank, sizes=shape.sizes)
+        ctx = _context.ActorContext(msg.name, point, self.rank, sizes=shape.sizes, loop=self.loop)
         ctx.proc_mesh_bytes = msg.proc_mesh
         owner = msg.reply.addr
         slot = _Slot(msg.name, None, ctx, owner=owner[len(GATHER_PREFIX):] if owner.startswith(GATHER_PREFIX) else owner)
@@ -544,7 +544,7 @@ class ProcRuntime:
             return
         if not isinstance(name, str) or name in self.actors:
             return
-        slot = _Slot(name, None, _context.ActorContext(name, point, self.rank, sizes=sizes))
+        slot = _Slot(name, None, _context.ActorContext(name, point, self.rank, sizes=sizes, loop=self.loop))
         slot.init_error = ActorError(name, point.rank, "__init__", repr(error), "", error)
         self.actors[name] = slot
         timer, calls = self._awaiting.pop(name, (None, ()))
