@@ -263,7 +263,6 @@ class ProcRuntime:
         self._stopping = False  # a StopProc is being handled
         self._skipped = asyncio.Handle(_nothing, (), self.loop)  # a cancelled callback: the loop skips it
         self._skipped.cancel()
-        self._in_reader = False  # the loop is running _drain (the mailbox's reader, or a wake-up for held messages)
         self.mailbox.on_held = self._wake_for_held
         self.mailbox.on_lost_spawn = self._spawn_lost
         self.logs: _LogForwarder | None = None
@@ -329,7 +328,7 @@ class ProcRuntime:
         if task is not None:
             asyncio.tasks._leave_task(loop, task)
         sync_call = self.sync_call
-        reader = self._lend_reader() if self._in_reader else None
+        reader = self._lend_reader()
         try:
             loop.call_soon(_nothing)  # (so that the turn's look for I/O does not block)
             loop._run_once()
@@ -349,9 +348,10 @@ class ProcRuntime:
         return max(0.0, timers[0]._when - loop.time()) if timers else None
 
     def _lend_reader(self) -> tuple[asyncio.Handle, asyncio.Handle] | None:
-        """For a turn run from inside the mailbox's reader: the loop runs a reader's callback in the context the
-        reader was registered with, and a context cannot be entered twice, so the turn gets a reader of its own
-        (the same ``_drain``). Returns (the reader to put back, the one lent)."""
+        """For a turn of the loop run from inside a callback (the wait may be inside the mailbox's reader): the
+        loop runs a reader's callback in the context the reader was registered with, and a context cannot be
+        entered twice, so the turn gets a reader of its own (the same ``_drain``). Returns (the reader to put
+        back, the one lent)."""
         selector, fd = self.loop._selector, self.mailbox.fd
         try:
             key = selector.get_key(fd)
@@ -397,13 +397,6 @@ class ProcRuntime:
         """The loop's reader: handle what came; then, while nothing else is ready to run on the loop,
         poll for the next message a while before the loop blocks (``mailbox.Spin``): in a loop of
         synchronous calls the next one comes within a few tens of µs of the reply."""
-        outer, self._in_reader = self._in_reader, True
-        try:
-            self._drain_once()
-        finally:
-            self._in_reader = outer
-
-    def _drain_once(self) -> None:
         mb, spin = self.mailbox, self.mailbox._spin
         with mb._rx_lock:  # (the socket is used by one thread at a time: Mailbox.receive_for)
             came = mb._router.getsockopt(_EVENTS) & _POLLIN or mb._held  # not every wake-up of zmq's descriptor is one
