@@ -267,6 +267,42 @@ def test_an_error_in_a_replay_is_a_value_naming_the_recorded_line(mesh):
         assert torch.equal(value(lookup(good)), torch.tensor([2.0, 4.0]))  # the mesh stays usable
 
 
+def test_a_failure_inside_or_into_a_replay_fails_only_what_reads_it(mesh):
+    """A replay's ops run as generated straight-line source; one that raises, or an input that holds a failure,
+    fails exactly the results that depend on it (naming the user's line, with no frame of the generated source),
+    and the rest compute as the uncompiled ops would."""
+    with mesh.activate():
+        table = torch.arange(10.0)
+
+        @compile(verify=False)
+        def f(i, x):
+            a = x + 1
+            b = torch.index_select(table, 0, i)  # the line the error names
+            c = b * 2
+            d = (a * 3).reshape(2, 1) + 0
+            return c, d
+
+        good, x = torch.tensor([1, 2]), torch.ones(2)
+        f(good, x), f(good, x)
+        b = counts()
+        c, d = f(torch.tensor([1, 99]), x)
+        assert delta(b)["replays"] == 1
+        with pytest.raises(RemoteException, match=r"test_compile.py:\d+") as e:
+            value(c)
+        assert "index_select" in e.value.op and "program>" not in e.value.traceback
+        assert torch.equal(value(d), torch.full((2, 1), 6.0))
+
+        failed_x = torch.index_select(table, 0, torch.tensor([98, 99]))  # a tensor holding a failure
+        b = counts()
+        c, d = f(good, failed_x)
+        assert delta(b)["replays"] == 1
+        assert torch.equal(value(c), torch.tensor([2.0, 4.0]))
+        with pytest.raises(RemoteException, match="index_select"):
+            value(d)
+        c, d = f(good, x)  # and the next replay is whole again
+        assert torch.equal(value(c), torch.tensor([2.0, 4.0])) and torch.equal(value(d), torch.full((2, 1), 6.0))
+
+
 def test_memory_is_flat_over_many_replays_and_programs_are_freed(mesh):
     with mesh.activate():
         w = torch.ones(8)

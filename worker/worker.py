@@ -44,7 +44,7 @@ from .collectives import TIMEOUT, Collectives, DummyProcessGroup, restore_names
 from .containers import is_dataclass_instance, rebuild
 from .errors import RemoteException
 from .opaque import OpaqueRef
-from .program import Program
+from .program import STRAIGHT_FILE, Program
 
 log = logging.getLogger("monarch_tensor.worker")
 
@@ -203,7 +203,7 @@ class _Stream:
                 self.dones += 1
 
 
-_OWN_FILES = (__file__, sys.modules[Program.__module__].__file__)  # the interpreter's frames, left out of tracebacks
+_OWN_FILES = (__file__, sys.modules[Program.__module__].__file__, STRAIGHT_FILE)  # the interpreter's frames, left out of tracebacks
 
 
 class TensorWorker(Actor):
