@@ -191,6 +191,9 @@ _DECLARED = [
     Setting("MONARCH_TENSOR_COLLECTIVE_TIMEOUT", "seconds", 300.0, "procs", _ENGINE,
             "seconds a collective waits for its group", least=1,
             takes="a number of seconds a collective waits for its group"),
+    Setting("MONARCH_TENSOR_NO_SHM_REDUCE", "flag", False, "procs", _ENGINE,
+            "on: a reduce whose procs all run on one host goes through gloo (TCP on the loopback), not through "
+            "shared memory"),
     # Data plane.
     Setting("MONARCH_TENSOR_PAYLOAD_THRESHOLD", "int", 1 << 20, "procs", _DATA,
             "bytes from which an array or tensor in a message to another host is pulled over the data plane (0: "

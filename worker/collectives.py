@@ -23,11 +23,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions as _AllgatherOptions  # (not in torch.distributed)
-from torch._C._distributed_c10d import _register_process_group, _resolve_process_group
+from torch._C._distributed_c10d import _create_work_from_future, _register_process_group, _resolve_process_group
 from torch.utils._pytree import tree_leaves, tree_map
 
 from monarch_tensor.config import setting
 from monarch_tensor.transport._net import ip_towards
+
+from .shm_reduce import SameHostReduce
 
 TIMEOUT = setting("MONARCH_TENSOR_COLLECTIVE_TIMEOUT")
 # How long a worker whose collective failed waits for the controller to say a member's proc died (see
@@ -138,11 +140,15 @@ class StagedGroup(dist.ProcessGroup):
     there, and the result is copied back. It stands for gloo wherever user code or DTensor may hand it CUDA
     tensors (procs sharing a GPU, where NCCL refuses them): gloo's own CUDA support covers a few collectives,
     and DTensor's collectives handed to it as CUDA tensors crashed the procs (SIGSEGV; torch 2.11, H100).
-    CPU tensors go to gloo as they are. Each call completes before it returns (the ``Work`` it gives is gloo's, done)."""
+    CPU tensors go to gloo as they are. Each call completes before it returns (the ``Work`` it gives is gloo's, done).
+    Where the group's procs share a host (``same_host``), its all-reduce, all-gather and reduce-scatter of
+    contiguous CPU tensors by sum, max, min or product go through shared memory instead (``SameHostReduce``;
+    the same choice on every member: it depends on the call's arguments only)."""
 
-    def __init__(self, backend, rank: int, size: int) -> None:
+    def __init__(self, backend, rank: int, size: int, same_host=None) -> None:
         super().__init__(rank, size)
         self.backend, self._name = backend, ""
+        self._shm, self._lost = same_host if same_host is not None else (None, None)
 
     def getBackendName(self) -> str:
         return "gloo"
@@ -168,7 +174,12 @@ class StagedGroup(dist.ProcessGroup):
         return work
 
     def allreduce(self, tensors, opts=None):
-        return self._staged("allreduce", [tensors], [], opts or dist.AllreduceOptions())
+        opts = opts or dist.AllreduceOptions()
+        how = _shm_op(opts.reduceOp) if self._shm is not None and len(tensors) == 1 else None
+        if how is not None and self._shm.takes(tensors[0]):
+            self._shm.allreduce(tensors[0], how, self._lost, TIMEOUT)
+            return _done(tensors)
+        return self._staged("allreduce", [tensors], [], opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self._staged("allreduce_coalesced", [tensors], [], opts or dist.AllreduceCoalescedOptions())
@@ -177,6 +188,10 @@ class StagedGroup(dist.ProcessGroup):
         return self._staged("allgather", [outputs], [inputs], opts or _AllgatherOptions())
 
     def _allgather_base(self, output, input, opts=None):
+        if self._shm is not None and self._shm.takes(output, input) and output.dtype == input.dtype \
+                and output.numel() == input.numel() * self.size():
+            self._shm.allgather(output, input, self._lost, TIMEOUT)
+            return _done([output])
         return self._staged("_allgather_base", [output], [input], opts or _AllgatherOptions())
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
@@ -186,7 +201,13 @@ class StagedGroup(dist.ProcessGroup):
         return self._staged("reduce_scatter", [outputs], [inputs], opts or dist.ReduceScatterOptions())
 
     def _reduce_scatter_base(self, output, input, opts=None):
-        return self._staged("_reduce_scatter_base", [output], [input], opts or dist.ReduceScatterOptions())
+        opts = opts or dist.ReduceScatterOptions()
+        how = _shm_op(opts.reduceOp) if self._shm is not None else None
+        if how is not None and self._shm.takes(output, input) and output.dtype == input.dtype \
+                and input.numel() == output.numel() * self.size():
+            self._shm.reduce_scatter(output, input, how, self._lost, TIMEOUT)
+            return _done([output])
+        return self._staged("_reduce_scatter_base", [output], [input], opts)
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         return _each(self._reduce_scatter_base, outputs, inputs, opts)
@@ -235,6 +256,23 @@ class StagedGroup(dist.ProcessGroup):
         return self.backend.barrier(opts or dist.BarrierOptions())
 
 
+# torch's reduce ops that the shared-memory collectives take, with their names there.
+_SHM_OPS = ((dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.MAX, "max"), (dist.ReduceOp.MIN, "min"),
+            (dist.ReduceOp.PRODUCT, "product"))
+
+
+def _shm_op(op) -> str | None:
+    """The shared-memory collectives' name of torch's reduce op ``op``; None for one they do not take."""
+    return next((name for red, name in _SHM_OPS if op == red), None)
+
+
+def _done(tensors: list):
+    """A ``Work`` that is complete, with ``tensors`` as its result."""
+    fut = torch.futures.Future()
+    fut.set_result(tensors)
+    return _create_work_from_future(fut)
+
+
 def _each(method, outputs, inputs, opts):
     """A coalesced collective as one ``method(output, input, opts)`` per pair, in order; the last one's Work
     (each is done when it returns)."""
@@ -273,12 +311,14 @@ def is_nccl(backend) -> bool:
     return type(backend).__name__ == "ProcessGroupNCCL"
 
 
-def user_group(backend, me: int, n: int, device: torch.device, store=None, cpu_backend=None) -> dist.ProcessGroup:
+def user_group(backend, me: int, n: int, device: torch.device, store=None, cpu_backend=None,
+               same_host=None) -> dist.ProcessGroup:
     """``backend`` (``new_group``'s) as a ``ProcessGroup`` that user code and DTensor take: NCCL's registered
     for ``device`` (and ``cpu_backend``, if given, for CPU tensors), gloo's as a ``StagedGroup`` (CUDA tensors
-    too, through the CPU)."""
+    too, through the CPU; ``same_host``: (the group's ``SameHostReduce``, its ``lost()``), for the collectives
+    it takes)."""
     if not is_nccl(backend):
-        return StagedGroup(backend, me, n)
+        return StagedGroup(backend, me, n, same_host)
     pg = dist.ProcessGroup(store if store is not None else dist.HashStore(), me, n)  # (the backend has its own)
     nccl = dist.ProcessGroup.BackendType.NCCL
     pg._register_backend(device, nccl, backend)
@@ -374,6 +414,7 @@ class Collectives:
         self._groups: dict[tuple, object] = {}
         self._registrations: dict[tuple, tuple] = {}  # a user group's key -> _register's arguments for it
         self._flags: dict[tuple, torch.Tensor] = {}
+        self._shm: dict[tuple, SameHostReduce] = {}  # a gloo group's shared-memory all-reduce, where it has one
         self.dead: set[int] = set()  # ranks of this mesh whose procs died (the controller tells: peers_died)
         self._dead_cv = threading.Condition()
 
@@ -450,7 +491,13 @@ class Collectives:
                 # on its connection (until its timeout), which later groups' rendezvous would queue behind.
                 self._base_store()  # (its errors, on this thread)
                 store = dist.PrefixStore(prefix, connect_store(self.store_addr))
-                return new_group(store, ranks.index(self.rank), len(ranks), self.device, self.store_addr[0])
+                me, n = ranks.index(self.rank), len(ranks)
+                made = new_group(store, me, n, self.device, self.store_addr[0])
+                if not is_nccl(made) and not setting("MONARCH_TENSOR_NO_SHM_REDUCE"):
+                    shm = SameHostReduce.rendezvous(store, me, n)
+                    if shm is not None:
+                        self._shm[key] = shm
+                return made
 
             pg = self._groups[key] = self._form(ranks, make)
         return pg
@@ -475,7 +522,9 @@ class Collectives:
             if is_nccl(backend):  # CPU tensors on a gloo group of their own (torch's default)
                 cpu = new_group(dist.PrefixStore(prefix + "cpu/", self._base_store()), me, n, _CPU,
                                 self.store_addr[0])
-            pg = user_group(backend, me, n, self.device, store, cpu)
+            shm = self._shm.get((ranks, stream))
+            pg = user_group(backend, me, n, self.device, store, cpu,
+                            (shm, lambda: sorted(self.dead.intersection(ranks))) if shm is not None else None)
             name = f"monarch_tensor/{stream}/" + "_".join(map(str, ranks))
             pg._set_group_name(name)
             self._registrations[key] = (name, "nccl" if is_nccl(backend) else "gloo", store, ranks)
@@ -512,14 +561,24 @@ class Collectives:
         pg = self.group(ranks, stream)
         return pg, (self.device if is_nccl(pg) else _CPU)
 
+    def _allreduce(self, pg, work: torch.Tensor, reduction: str, ranks: tuple[int, ...], stream: int) -> None:
+        """``work`` all-reduced in place over ``pg``, the group of ``ranks`` on ``stream``: through shared memory
+        where the group has it and it takes ``work`` (the same choice on every member), else ``pg``'s."""
+        shm = self._shm.get((ranks, stream))
+        if shm is not None and shm.takes(work):
+            shm.allreduce(work, reduction, lambda: sorted(self.dead.intersection(ranks)), TIMEOUT)
+            return
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = _OPS[reduction]
+        self._wait(pg.allreduce([work], opts), ranks)
+
     def reduce_many(self, ts: list, ranks: tuple[int, ...], reduction: str, inplace: bool, stream: int,
                     numels: tuple, dtype: torch.dtype) -> list:
         """``reduce`` of several tensors of one ``dtype`` in one collective (not "stack", no scatter): copied side
         by side into one buffer, a flag per tensor after them. ``ts[i]`` None: this rank's input i failed (it
         takes part with zeros). The results: per tensor, its result (a view of the buffer, or ``ts[i]``
         written in place), or None where some member's input i failed."""
-        op = _OPS.get(reduction)
-        if op is None:
+        if reduction not in _OPS:
             raise ValueError(f"reduce of several tensors at once: unknown reduction {reduction!r}; use one of "
                              f"{sorted(_OPS)}")
         n, k = len(ranks), len(numels)
@@ -536,9 +595,7 @@ class Collectives:
                 parts[i].copy_(t.reshape(-1))
         flags.copy_(torch.tensor([ok if t is not None else failed for t in ts], dtype=dtype))  # one copy on GPU
         if n > 1:
-            opts = dist.AllreduceOptions()
-            opts.reduceOp = op
-            self._wait(pg.allreduce([work], opts), ranks)
+            self._allreduce(pg, work, reduction, ranks, stream)
         good = (flags == ok).tolist()
         if reduction == "avg":
             flat = work[:total]
@@ -582,15 +639,12 @@ class Collectives:
             if bool(gathered[:, numel].any()):
                 return None
             return _home(gathered[:, :numel].reshape((n, *shape)), home)
-        op = _OPS.get(reduction)
-        if op is None:
+        if reduction not in _OPS:
             raise ValueError(f"unknown reduction {reduction!r}; use one of {sorted(_OPS) + ['stack']}")
         ok, failed = _FLAGS[reduction]
         work = self._flagged(t, numel, dtype, ok, failed, device)
         if n > 1:
-            opts = dist.AllreduceOptions()
-            opts.reduceOp = op
-            self._wait(pg.allreduce([work], opts), ranks)
+            self._allreduce(pg, work, reduction, ranks, stream)
             if work[numel].item() != ok:
                 return None
         out = work[:numel].view(shape)

@@ -1,0 +1,198 @@
+"""The shared-memory collectives of same-host groups (worker/shm_reduce.py), between real processes: results
+equal local torch's bit for bit on every member (chunked buffers too; all-reduce, all-gather, reduce-scatter), the choice of it is the same on every
+member, nothing is left in /dev/shm, and a member that is gone or silent fails the others' wait instead of
+hanging it."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from monarch_tensor.worker import shm_reduce
+from monarch_tensor.worker.shm_reduce import SLOT_BYTES, SameHostReduce
+
+pytestmark = pytest.mark.timeout(120)
+N = 3
+CTX = mp.get_context("fork")  # (the children only run this file's functions)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _store(port: int, master: bool = False) -> dist.TCPStore:
+    """The rendezvous store: the test process serves it, as the controller does for procs."""
+    return dist.TCPStore("127.0.0.1", port, None, master, timeout=timedelta(seconds=30), wait_for_workers=False)
+
+
+def _member(rank: int, port: int, conn, host_id: str | None) -> None:
+    """A member: takes (data, reduction, timeout) cases from ``conn``, answers each with its result or error."""
+    try:
+        torch.set_num_threads(1)
+        if host_id is not None:
+            shm_reduce._host_id = lambda: host_id
+        shm = SameHostReduce.rendezvous(dist.PrefixStore("g/", _store(port)), rank, N)
+        conn.send(None if shm is None else shm.nonce)
+        while True:
+            case = conn.recv()
+            if case is None:
+                return
+            kind, data, reduction, timeout = case
+            work = data[rank].clone()
+            try:
+                if kind == "allreduce":
+                    shm.allreduce(work, reduction, lambda: [], timeout)
+                elif kind == "allgather":
+                    out = torch.empty(N * work.numel(), dtype=work.dtype)
+                    shm.allgather(out, work, lambda: [], timeout)
+                    work = out
+                else:
+                    out = torch.empty(work.numel() // N, dtype=work.dtype)
+                    shm.reduce_scatter(out, work, reduction, lambda: [], timeout)
+                    work = out
+                conn.send(("ok", work))
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                conn.send(("error", f"{type(e).__name__}: {e}"))
+    except Exception:  # noqa: BLE001
+        conn.send(("crash", traceback.format_exc()))
+
+
+class Members:
+    def __init__(self, host_ids=(None,) * N) -> None:
+        port = _free_port()
+        self.store = _store(port, master=True)
+        self.conns, self.procs = [], []
+        for r in range(N):
+            parent, child = CTX.Pipe()
+            p = CTX.Process(target=_member, args=(r, port, child, host_ids[r]), daemon=True)
+            p.start()
+            self.conns.append(parent)
+            self.procs.append(p)
+        self.nonces = [self._recv(c) for c in self.conns]
+
+    def _recv(self, conn, timeout: float = 60):
+        assert conn.poll(timeout), "a member did not answer"
+        return conn.recv()
+
+    def run(self, data, reduction: str, timeout: float = 60, members=range(N), kind: str = "allreduce") -> list:
+        for r in members:
+            self.conns[r].send((kind, data, reduction, timeout))
+        return [self._recv(self.conns[r], timeout + 30) for r in members]
+
+    def close(self) -> None:
+        for c, p in zip(self.conns, self.procs):
+            if p.is_alive():
+                c.send(None)
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+
+
+@pytest.fixture(scope="module")
+def members():
+    m = Members()
+    yield m
+    m.close()
+
+
+def _reference(data: list, reduction: str) -> torch.Tensor:
+    op = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum, "product": torch.mul}
+    out = op[reduction](data[0], data[1])
+    for d in data[2:]:
+        out = op[reduction](out, d)
+    return out
+
+
+DTYPES = [torch.float32, torch.float64, torch.int64, torch.int32, torch.bfloat16]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(numel=st.integers(1, 3000), dtype=st.sampled_from(DTYPES),
+       reduction=st.sampled_from(["sum", "avg", "max", "min", "product"]), seed=st.integers(0, 2**16))
+def test_every_member_gets_local_torchs_result_bit_for_bit(members, numel, dtype, reduction, seed):
+    g = torch.Generator().manual_seed(seed)
+    data = [(torch.randn(numel, generator=g) * 10).to(dtype) for _ in range(N)]
+    answers = members.run(data, reduction)
+    ref = _reference(data, reduction)
+    for kind, got in answers:
+        assert kind == "ok", got
+        assert got.dtype == dtype and torch.equal(got, ref)
+
+
+def test_a_buffer_larger_than_a_slot_goes_through_in_chunks(members):
+    numel = 2 * SLOT_BYTES // 4 + 1001  # three chunks of float32
+    data = [torch.arange(numel, dtype=torch.float32) * (r + 1) for r in range(N)]
+    for kind, got in members.run(data, "sum"):
+        assert kind == "ok", got
+        assert torch.equal(got, torch.arange(numel, dtype=torch.float32) * 6)
+    small = [torch.full((5,), float(r)) for r in range(N)]  # and the slots keep alternating after it
+    for kind, got in members.run(small, "max"):
+        assert kind == "ok" and torch.equal(got, torch.full((5,), 2.0))
+    big = [torch.arange(N * (SLOT_BYTES // 8 + 5), dtype=torch.float64) + r for r in range(N)]  # two chunks
+    ref = _reference(big, "sum").chunk(N)
+    for r, (kind, got) in enumerate(members.run(big, "sum", kind="reduce_scatter")):
+        assert kind == "ok" and torch.equal(got, ref[r]), got
+    for kind, got in members.run(big, "sum", kind="allgather"):
+        assert kind == "ok" and torch.equal(got, torch.cat(big)), got
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(part=st.integers(1, 500), dtype=st.sampled_from(DTYPES),
+       reduction=st.sampled_from(["sum", "max", "min", "product"]), seed=st.integers(0, 2**16))
+def test_all_gather_and_reduce_scatter_equal_local_torch(members, part, dtype, reduction, seed):
+    g = torch.Generator().manual_seed(seed)
+    data = [(torch.randn(N * part, generator=g) * 10).to(dtype) for _ in range(N)]
+    ref = _reference(data, reduction).chunk(N)
+    for r, (kind, got) in enumerate(members.run(data, reduction, kind="reduce_scatter")):
+        assert kind == "ok", got
+        assert torch.equal(got, ref[r])
+    for kind, got in members.run(data, reduction, kind="allgather"):
+        assert kind == "ok", got
+        assert torch.equal(got, torch.cat(data))
+
+
+def test_nothing_is_left_in_the_shared_memory_folder(members):
+    folder = shm_reduce._shm_dir()
+    assert members.nonces[0] is not None and len(set(members.nonces)) == 1
+    assert not [f for f in os.listdir(folder) if members.nonces[0] in f]
+
+
+def test_members_on_different_hosts_all_take_gloo():
+    m = Members(host_ids=("host-a", "host-a", "host-b"))
+    try:
+        assert m.nonces == [None, None, None]
+    finally:
+        for c in m.conns:
+            c.send(None)
+        for p in m.procs:
+            p.join(10)
+
+
+def test_a_silent_member_times_the_wait_out_and_a_gone_one_fails_it_at_once():
+    m = Members()
+    try:
+        data = [torch.ones(4) for _ in range(N)]
+        answers = m.run(data, "sum", timeout=1.0, members=(0, 1))  # member 2 never joins this one
+        assert all(kind == "error" and "TimeoutError" in msg and "[2]" in msg for kind, msg in answers), answers
+        answers = m.run(data, "sum", members=(0,))  # after a failure the group says so, at once
+        assert answers[0][0] == "error" and "failed before" in answers[0][1]
+    finally:
+        m.close()
+    m = Members()
+    try:
+        m.procs[2].kill()
+        m.procs[2].join(10)
+        answers = m.run([torch.ones(4) for _ in range(N)], "sum", members=(0, 1))
+        assert all(kind == "error" and "gone" in msg for kind, msg in answers), answers
+    finally:
+        m.close()

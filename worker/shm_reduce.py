@@ -1,0 +1,281 @@
+"""All-reduce, all-gather and reduce-scatter through shared memory, for a group whose procs all run on one host.
+
+Gloo sends a same-host all-reduce through TCP on the loopback interface: a 270 KB gradient buffer between
+two procs costs each about 1 ms of CPU on three threads. Here each member has a shared-memory file of
+two slots; an all-reduce of a buffer copies it, in chunks of one slot, into the member's slot, tells
+every other member so with one datagram on a Unix socket, waits for theirs, and sums all members'
+slots in rank order into its buffer (every member computes the same bits: the order is the same
+everywhere). The slots alternate between chunks: a member writes a slot again only two chunks later,
+after every other member has said it finished the chunk that read it (it sends the next chunk's
+datagram only then), so one exchange of datagrams per chunk is all the synchronisation needed. The
+datagrams go through the kernel, which orders the slot's writes before the reads on every CPU. An
+all-gather copies every member's slot into its place instead; a reduce-scatter sums only this member's
+part of the buffer.
+
+Used by ``Collectives`` for the engine's own reduces (``reduce_``, data-parallel gradients), and by the
+process groups that user code, DTensor and the FSDP path get (``StagedGroup``), when the rendezvous
+finds every member on this host and each could allocate its file; otherwise, and for the tensors and
+reduce ops it does not take, gloo as before. All members decide alike: the decision is made once, in the
+group's rendezvous, and each call's path depends only on the buffer's dtype, the same on every member.
+A member that dies mid-collective fails the others' wait (its socket refuses the datagram, or the
+controller's death report arrives), as with gloo; so does one that stays silent past the timeout.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import struct
+import sys
+import tempfile
+import time
+import uuid
+
+import torch
+
+SLOT_BYTES = 4 << 20  # a member's file holds two slots of this size: a larger buffer goes through in chunks
+_SIGNAL = struct.Struct("<iqq")  # sender's index in the group, chunk sequence number, 0 (reserved)
+_REDUCE = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum, "product": torch.mul}
+_POLL_S = 0.5  # how often a wait looks at the controller's death reports
+
+
+def _host_id() -> str:
+    """What two procs of one host (one kernel, so one shared memory and one socket namespace) share."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}|{boot}|{os.getuid()}"
+
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+class SameHostReduce:
+    """The shared-memory collectives of one group (``me`` of ``n``); made by ``rendezvous``."""
+
+    def __init__(self, nonce: str, me: int, n: int) -> None:
+        self.me, self.n, self.nonce = me, n, nonce
+        self.seq = 0  # chunks sent
+        self.seen = [0] * n  # per member: the highest chunk sequence number it has said it wrote
+        self.broken: str | None = None
+        self._peers: dict[int, torch.Tensor] = {}  # member -> its file's bytes, mapped when first read
+        self._mine_path = os.path.join(_shm_dir(), f"monarch-tensor-{nonce}-{me}")
+        self._mine = _create(self._mine_path, 2 * SLOT_BYTES)
+        self._unlinked = False
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._addrs = [self._address(i) for i in range(n)]
+        self.sock.bind(self._addrs[me])
+
+    def _address(self, i: int):
+        if sys.platform.startswith("linux"):
+            return f"\0monarch-tensor-{self.nonce}-{i}"  # abstract: nothing to clean up
+        return os.path.join(tempfile.gettempdir(), f"mt-{self.nonce[:16]}-{i}.sock")
+
+    @classmethod
+    def rendezvous(cls, store, me: int, n: int) -> SameHostReduce | None:
+        """The group's shared-memory all-reduce, or None (gloo's then) where some member runs on another host
+        or could not allocate or map the files. Every member calls this at the same point of the group's
+        rendezvous in ``store`` and gets the same answer. The files are unlinked before it returns (each
+        member has mapped every other's): nothing is left behind, however the procs end. A group of one has
+        nothing to exchange: None."""
+        if n < 2:
+            return None
+        store.set(f"shm/host/{me}", _host_id())
+        if any(store.get(f"shm/host/{i}").decode() != _host_id() for i in range(n)):
+            return None
+        if me == 0:
+            store.set("shm/nonce", uuid.uuid4().hex)
+        nonce = store.get("shm/nonce").decode()
+        made: SameHostReduce | None = None
+        try:
+            made = cls(nonce, me, n)
+        except OSError:
+            pass
+        store.set(f"shm/made/{me}", "1" if made is not None else "0")
+        ok = all(store.get(f"shm/made/{i}") == b"1" for i in range(n))
+        if ok:
+            try:
+                for i in range(n):
+                    made._slot(i)
+            except OSError:
+                ok = False
+        store.set(f"shm/mapped/{me}", "1" if ok else "0")
+        ok = all(store.get(f"shm/mapped/{i}") == b"1" for i in range(n))
+        if made is not None:
+            made._unlink()
+            if not ok:
+                made.close()
+        return made if ok else None
+
+    @staticmethod
+    def takes(*ts: torch.Tensor) -> bool:
+        """Whether the collectives here take these tensors: contiguous CPU tensors of a number type (what
+        decides must be the same on every member: the tensors' dtype, device and layout are)."""
+        return all(t.device.type == "cpu" and t.dtype != torch.bool and not t.is_complex() and t.is_contiguous()
+                   for t in ts)
+
+    def allreduce(self, work: torch.Tensor, reduction: str, lost, timeout: float) -> None:
+        """Reduce ``work`` (contiguous, CPU) over the group in place. ``lost()``: the group's members whose
+        procs the controller reported dead."""
+        op = _REDUCE[reduction]
+
+        def reduce(slots, start: int, size: int) -> None:
+            out = flat[start:start + size].view(work.dtype)
+            parts = [s[:size].view(work.dtype) for s in slots]
+            op(parts[0], parts[1], out=out)
+            for p in parts[2:]:
+                op(out, p, out=out)
+
+        flat = _bytes(work)
+        self._exchange(flat, work.element_size(), reduce, lost, timeout)
+
+    def allgather(self, output: torch.Tensor, input: torch.Tensor, lost, timeout: float) -> None:
+        """``output`` (n times ``input``'s elements) = every member's ``input``, in rank order."""
+        out = _bytes(output)
+        whole = input.numel() * input.element_size()
+
+        def gather(slots, start: int, size: int) -> None:
+            for i, s in enumerate(slots):
+                out[i * whole + start:i * whole + start + size].copy_(s[:size])
+
+        self._exchange(_bytes(input), input.element_size(), gather, lost, timeout)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, reduction: str, lost,
+                       timeout: float) -> None:
+        """``output`` = this member's part (its rank's of n equal parts) of every member's ``input`` reduced."""
+        op = _REDUCE[reduction]
+        dtype, width = input.dtype, input.element_size()
+        out = _bytes(output)
+        part = out.numel()
+        mine = self.me * part
+
+        def reduce(slots, start: int, size: int) -> None:
+            lo, hi = max(start, mine), min(start + size, mine + part)
+            if lo >= hi:
+                return
+            dst = out[lo - mine:hi - mine].view(dtype)
+            srcs = [s[lo - start:hi - start].view(dtype) for s in slots]
+            op(srcs[0], srcs[1], out=dst)
+            for p in srcs[2:]:
+                op(dst, p, out=dst)
+
+        self._exchange(_bytes(input), width, reduce, lost, timeout)
+
+    def _exchange(self, data: torch.Tensor, width: int, use, lost, timeout: float) -> None:
+        """``data`` (bytes) through the slots in chunks: per chunk, this member's part written to its slot, the
+        datagrams exchanged, then ``use(slots, start, size)`` with every member's slot (its chunk at 0)."""
+        if self.broken:
+            raise RuntimeError(f"this group's shared-memory collective failed before: {self.broken}")
+        step = SLOT_BYTES - SLOT_BYTES % width
+        try:
+            for start in range(0, data.numel(), step):
+                size = min(step, data.numel() - start)
+                self.seq += 1
+                off = (self.seq % 2) * SLOT_BYTES
+                self._mine[off:off + size].copy_(data[start:start + size])
+                self._signal()
+                self._wait_for(self.seq, lost, timeout)
+                use([self._slot(i)[off:off + SLOT_BYTES] for i in range(self.n)], start, size)
+        except BaseException as e:
+            self.broken = repr(e)
+            raise
+
+    def _signal(self) -> None:
+        signal = _SIGNAL.pack(self.me, self.seq, 0)
+        for i, addr in enumerate(self._addrs):
+            if i != self.me:
+                try:
+                    self.sock.sendto(signal, addr)
+                except OSError as e:  # its socket is gone: its proc exited
+                    raise RuntimeError(f"member {i} of this group is gone (its proc exited?): {e}") from e
+
+    def _wait_for(self, seq: int, lost, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        sock = self.sock
+        while min(self.seen[i] for i in range(self.n) if i != self.me) < seq:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"a member of this group did not reach the same all-reduce within {timeout} s "
+                                   f"(members still missing: {self._missing(seq)})")
+            sock.settimeout(min(_POLL_S, left))
+            try:
+                data = sock.recv(_SIGNAL.size)
+            except TimeoutError:
+                dead = lost()
+                if dead:
+                    raise RuntimeError(f"the procs of rank(s) {dead} of this group died during the "
+                                       f"collective") from None
+                continue
+            who, their_seq, _ = _SIGNAL.unpack(data)
+            if their_seq > self.seen[who]:
+                self.seen[who] = their_seq
+
+    def _missing(self, seq: int) -> list[int]:
+        return [i for i in range(self.n) if i != self.me and self.seen[i] < seq]
+
+    def _slot(self, i: int) -> torch.Tensor:
+        """Member ``i``'s file as bytes (mapped in the rendezvous)."""
+        if i == self.me:
+            return self._mine
+        mapped = self._peers.get(i)
+        if mapped is None:
+            mapped = self._peers[i] = _open(os.path.join(_shm_dir(), f"monarch-tensor-{self.nonce}-{i}"),
+                                            2 * SLOT_BYTES)
+        return mapped
+
+    def _unlink(self) -> None:
+        self._unlinked = True
+        try:
+            os.unlink(self._mine_path)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        """Unlink this member's file if the rendezvous has not (the mappings go with the object) and close
+        its socket."""
+        if not self._unlinked:
+            self._unlink()
+        self.sock.close()
+        if not sys.platform.startswith("linux"):
+            try:
+                os.unlink(self._addrs[self.me])
+            except FileNotFoundError:
+                pass
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as a flat tensor of bytes (the same memory)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _create(path: str, size: int) -> torch.Tensor:
+    """A new file of ``size`` bytes, its blocks allocated now (a tmpfs short of space refuses here, not with
+    SIGBUS at the first write), mapped, as a tensor of bytes."""
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, size)
+        else:
+            os.ftruncate(fd, size)
+            os.pwrite(fd, b"\0" * size, 0)
+        mm = mmap.mmap(fd, size)
+    except OSError:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
+    return torch.frombuffer(mm, dtype=torch.uint8)
+
+
+def _open(path: str, size: int) -> torch.Tensor:
+    """Another member's file, mapped, as a tensor of bytes."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        mm = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mm, dtype=torch.uint8)
