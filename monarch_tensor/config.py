@@ -19,6 +19,7 @@ import math
 from typing import Any, Callable, Iterator
 
 from ._settings import REGISTRY, env_flag, env_number, setting, take  # noqa: F401 - the read helpers, here
+from .transport import channel
 
 # name: (default, where it acts, what it does), from the registry's declarations (monarch_tensor/_settings.py).
 SETTINGS: dict[str, tuple[Any, str, str]] = {s.option: (s.default, s.acts, s.doc) for s in REGISTRY.values()
@@ -128,7 +129,7 @@ def configure(**kwargs: Any) -> None:
     """Set runtime settings of this process (Monarch's ``configure``); procs spawned afterwards inherit the
     ones they act on. Monarch's names for its Rust runtime's settings with a counterpart here are taken and
     mapped (``MONARCH_NAMES``: ``message_delivery_timeout="30s"`` sets ``payload_timeout=30.0``;
-    ``default_transport`` is ``actor.enable_transport``); those without one are ignored with an
+    ``default_transport`` is ``enable_transport``); those without one are ignored with an
     ``IgnoredSettingWarning`` naming them. Unknown names and wrong types or values are refused before
     anything changes."""
     updates, ignored, transport = _resolve(kwargs)
@@ -138,10 +139,8 @@ def configure(**kwargs: Any) -> None:
         warnings.warn(f"configure(): {', '.join(ignored)}: setting(s) of Monarch's Rust runtime (hyperactor) with "
                       f"no counterpart here, ignored", IgnoredSettingWarning, stacklevel=2)
     if transport is not None:
-        from . import actor
-
-        actor.enable_transport(transport)
-        updates["default_transport"] = actor.enabled_transport
+        channel.enable_transport(transport)
+        updates["default_transport"] = channel.enabled_transport
     _runtime.update(updates)
 
 
@@ -151,15 +150,13 @@ def _resolve(kwargs: dict) -> tuple[dict, list, Any]:
     updates, ignored, transport = {}, [], None
     for given, value in kwargs.items():
         if given == "default_transport":
-            from . import actor
-
-            saved = actor.enabled_transport
+            saved = channel.enabled_transport
             try:
-                actor.enable_transport(value)  # (checks it; set for real once every argument passed)
+                channel.enable_transport(value)  # (checks it; set for real once every argument passed)
             except (TypeError, ValueError) as e:
                 raise type(e)(f"configure(default_transport=...): {e}") from None
             finally:
-                actor.enabled_transport = saved
+                channel.enabled_transport = saved
             transport = value
             continue
         if given in _HYPERACTOR and given not in MONARCH_NAMES:
@@ -195,16 +192,14 @@ def clear_runtime_config() -> None:
 @contextlib.contextmanager
 def configured(**overrides: Any) -> Iterator[dict[str, Any]]:
     """``configure(**overrides)`` for the block, then the runtime layer as it was; yields the merged view."""
-    from . import actor
-
-    prev, transport = get_runtime_config(), actor.enabled_transport
+    prev, transport = get_runtime_config(), channel.enabled_transport
     configure(**overrides)
     try:
         yield get_global_config()
     finally:
         clear_runtime_config()
         _runtime.update(prev)
-        actor.enabled_transport = transport
+        channel.enabled_transport = transport
 
 
 def parametrize_config(**options: Any):

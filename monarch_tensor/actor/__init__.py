@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import base64
-import enum
 import functools
 import inspect
 import logging
@@ -52,7 +51,9 @@ from ..runtime import _context
 from ..runtime._context import ActorContext as Context
 from ..shape import Extent, MeshTrait, Point, Shape
 from ..transport import _fanout, _wire
+from ..transport import channel as _channel
 from ..transport._ports import Collector, FoldCollector, OneReply, Receiver, StreamCollector
+from ..transport.channel import ChannelTransport, enable_transport  # Monarch's names, here
 from ..transport.mailbox import SYSTEM_HANDLERS, current_mailbox
 from ..transport.messages import CallEndpoint, GetController, PortRef, SendToPort, SpawnActor
 from .telemetry import get_meter, span, traced
@@ -1060,56 +1061,6 @@ def _on_get_controller(mailbox, msg: GetController) -> None:
 SYSTEM_HANDLERS[GetController] = _on_get_controller
 
 
-class ChannelTransport(enum.Enum):
-    """Monarch's transports; see ``enable_transport``."""
-
-    Unix = "unix"
-    Local = "local"
-    TcpWithHostname = "tcp-hostname"
-    TcpWithLocalhost = "tcp-localhost"
-    Tls = "tls"
-    MetaTlsWithHostname = "metatls-hostname"
-    MetaTlsWithIpV6 = "metatls-ipv6"
-    Quic = "quic"
-    MetaQuicWithHostname = "metaquic-hostname"
-    MetaQuicWithIpV6 = "metaquic-ipv6"
-
-
-_TRANSPORT_NAMES = {"ipc": ChannelTransport.Unix, "unix": ChannelTransport.Unix, "local": ChannelTransport.Local,
-                    "tcp": ChannelTransport.TcpWithHostname, "tls": ChannelTransport.Tls,
-                    "metatls": ChannelTransport.MetaTlsWithIpV6,
-                    "metatls-hostname": ChannelTransport.MetaTlsWithHostname}
-_SERVED = {ChannelTransport.Unix, ChannelTransport.Local, ChannelTransport.TcpWithHostname,
-           ChannelTransport.TcpWithLocalhost}
-enabled_transport: ChannelTransport = ChannelTransport.Unix
-
-
-def enable_transport(transport: ChannelTransport | str) -> None:
-    """Monarch's transport choice. Here every link picks its own: ``ipc://`` between the procs of one host,
-    TCP with CURVE encryption between hosts, so the Unix and TCP transports (``"ipc"``, ``"tcp"``, a
-    ``tcp://`` URL) are what runs anyway and are accepted; TLS and QUIC are not served (CURVE keys stand
-    in for TLS certificates) and are refused. Recorded in ``enabled_transport``."""
-    global enabled_transport
-    if isinstance(transport, str):
-        key = transport.lower()
-        if key.startswith(("tcp://", "ipc://")):
-            chosen = ChannelTransport.TcpWithHostname if key.startswith("tcp") else ChannelTransport.Unix
-        elif key in _TRANSPORT_NAMES:
-            chosen = _TRANSPORT_NAMES[key]
-        else:
-            raise ValueError(f"enable_transport({transport!r}): known names are {sorted(_TRANSPORT_NAMES)}, a "
-                             f"ChannelTransport, or a tcp:// or ipc:// URL")
-    elif isinstance(transport, ChannelTransport):
-        chosen = transport
-    else:
-        raise TypeError(f"enable_transport() takes a ChannelTransport or its name, got {transport!r}")
-    if chosen not in _SERVED:
-        raise ValueError(f"enable_transport({transport!r}): {chosen.name} is not served here; links use ipc:// "
-                         f"within a host and TCP with CURVE keys between hosts (the job's key pair stands in "
-                         f"for TLS certificates)")
-    enabled_transport = chosen
-
-
 def __getattr__(name: str):
     """Monarch's multi-host entry points, imported on first use: ``attach_to_workers``, ``run_worker_loop_forever``,
     ``run_worker_loop_until_shutdown``, ``start_worker_loop_forever``."""
@@ -1125,4 +1076,6 @@ def __getattr__(name: str):
         from .. import config
 
         return config
+    if name == "enabled_transport":  # (the transport layer's, as enable_transport left it)
+        return _channel.enabled_transport
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
