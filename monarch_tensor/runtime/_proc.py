@@ -55,6 +55,7 @@ from ..transport.messages import (
     StopProc,
 )
 from . import _context, _proc_exit, _proc_ext, _zygote
+from ._port import Port
 
 # A call to an actor this proc does not have waits this long for its spawn before it fails (see
 # ProcRuntime._await_actor).
@@ -860,8 +861,6 @@ class ProcRuntime:
         args = msg.args
         explicit = plain == "port" if plain else getattr(fn, "_explicit_port", False)
         if explicit:  # @endpoint(explicit_response_port=True): the endpoint answers through a port of its own
-            from ..actor import Port
-
             args = (Port(msg.reply, rank),) + tuple(args)
         try:
             is_coro = getattr(fn, "_endpoint_coro", None)  # set by @endpoint
