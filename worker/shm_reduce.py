@@ -95,20 +95,23 @@ class SameHostReduce:
             made = cls(nonce, me, n)
         except OSError:
             pass
-        store.set(f"shm/made/{me}", "1" if made is not None else "0")
-        ok = all(store.get(f"shm/made/{i}") == b"1" for i in range(n))
-        if ok:
-            try:
-                for i in range(n):
-                    made._slot(i)
-            except OSError:
-                ok = False
-        store.set(f"shm/mapped/{me}", "1" if ok else "0")
-        ok = all(store.get(f"shm/mapped/{i}") == b"1" for i in range(n))
-        if made is not None:
-            made._unlink()
-            if not ok:
-                made.close()
+        ok = False
+        try:
+            store.set(f"shm/made/{me}", "1" if made is not None else "0")
+            ok = all(store.get(f"shm/made/{i}") == b"1" for i in range(n))
+            if ok:
+                try:
+                    for i in range(n):
+                        made._slot(i)
+                except OSError:
+                    ok = False
+            store.set(f"shm/mapped/{me}", "1" if ok else "0")
+            ok = all(store.get(f"shm/mapped/{i}") == b"1" for i in range(n))
+        finally:  # (a member that died meanwhile fails the store's get: this file must not stay behind)
+            if made is not None:
+                made._unlink()
+                if not ok:
+                    made.close()
         return made if ok else None
 
     @staticmethod
