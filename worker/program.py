@@ -150,7 +150,8 @@ def _straight_op(instr, resolve_op):
     """The callable that runs ``instr`` in generated source, and whether it returns exactly one tensor; None
     for an instruction that is not a plain aten op (those run as their steps)."""
     if type(instr) is not m.CallOp or any(p == m.DEEP for p in instr.tpos) or "device" in instr.kwargs \
-            or instr.kwargs.get("pin_memory") or any(keyword.iskeyword(k) for k in instr.kwargs):
+            or instr.kwargs.get("pin_memory") or any(keyword.iskeyword(k) for k in instr.kwargs) \
+            or not all(_placed(instr, p) for p in instr.tpos):
         return None
     fn = resolve_op(instr.op)
     if type(fn) is not torch._ops.OpOverload:
@@ -215,7 +216,7 @@ def _straight_run(worker, instrs, steps, ops, propagate):
         for i, a in enumerate(instr.args):
             if i in tpos:
                 args.append(read(tpos[i]))
-            elif type(a) is list and any((i, j) in tpos for j in range(len(a))):
+            elif any((i, j) in tpos for j in range(len(a) if isinstance(a, (list, tuple)) else 0)):  # (as a list)
                 items = [read(tpos[(i, j)]) if (i, j) in tpos else const(x) for j, x in enumerate(a)]
                 args.append("[" + ", ".join(items) + "]")
             else:
@@ -268,6 +269,17 @@ def _straight_run(worker, instrs, steps, ops, propagate):
             _slowly(refs, steps, k + 1)
 
     return step
+
+
+def _placed(instr, p) -> bool:
+    """Whether the generated source puts a tensor at ``tpos`` place ``p``: an argument, a keyword argument, or
+    an item of a list or tuple argument (anything else runs as its step)."""
+    if type(p) is int:
+        return p < len(instr.args)
+    if type(p) is str:
+        return p in instr.kwargs
+    return type(p) is tuple and len(p) == 2 and type(p[0]) is int and p[0] < len(instr.args) \
+        and isinstance(instr.args[p[0]], (list, tuple)) and type(p[1]) is int and p[1] < len(instr.args[p[0]])
 
 
 def _ref_at(instr, p):
