@@ -36,7 +36,6 @@ ABOVE_CORE = (RUNTIME, ACTOR, HOSTS, *TOOLS, "monarch_tensor.job", "monarch_tens
               "monarch_tensor.spmd", "monarch_tensor.utils", "monarch_tensor.distributed")
 # Upward imports (inside functions) that remain, each an edge of a cycle still to untie: no new ones.
 KNOWN_UPWARD = {
-    ("monarch_tensor.runtime._context", "monarch_tensor.hosts.host"),  # this_proc()
     ("monarch_tensor.runtime._zygote", "monarch_tensor.debugger._server"),      # the fork server's warm-up
     ("monarch_tensor.runtime._zygote", "monarch_tensor.workspace_sync._proc"),
     ("monarch_tensor.runtime._proc_ext", "monarch_tensor.debugger._proc"),      # the tools' proc-start hooks

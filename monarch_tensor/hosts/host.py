@@ -876,6 +876,9 @@ def this_proc() -> ProcMesh:
     return ProcMesh([ProcInfo(mailbox.addr, ctx.proc_rank)], Shape((), ()))
 
 
+_context.this_proc_hook = this_proc
+
+
 class ScriptProc(ProcMesh):
     """The script's own process as a proc mesh of one (``this_proc()`` in the script), as Monarch's: actors
     spawned on it run in the script's process, on an actor runtime (``_proc.start_in_script``) started on

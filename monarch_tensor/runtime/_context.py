@@ -56,18 +56,14 @@ class ActorContext:
     def proc(self):
         """This proc as a mesh of one (Monarch's ``Instance.proc``): ``context().actor_instance.proc.spawn(
         "sibling", Cls)`` spawns an actor beside this one."""
-        from ..hosts.host import this_proc
-
-        return this_proc()
+        return _this_proc()
 
     @property
     def proc_mesh(self):
         """The proc mesh this actor was spawned on (Monarch's ``Instance.proc_mesh``): ``spawn`` on it puts an
         actor beside each of this mesh's actors; in the script, ``this_proc()``."""
         if self.proc_mesh_bytes is None:
-            from ..hosts.host import this_proc
-
-            return this_proc()
+            return _this_proc()
         mesh = getattr(self, "_proc_mesh", None)
         if mesh is None:
             import pickle
@@ -112,6 +108,16 @@ class ActorContext:
 
 
 _CLIENT = ActorContext("client", Point(0, {}), 0)
+
+# ``this_proc()`` of the hosts layer, which enters it here when it is imported (the actor layer imports it, so
+# wherever an actor or the script asks for its proc, it is there): this layer imports nothing above it.
+this_proc_hook: Any = None
+
+
+def _this_proc():
+    if this_proc_hook is None:
+        raise RuntimeError("this proc as a mesh needs monarch_tensor.actor imported in this process")
+    return this_proc_hook()
 _current: contextvars.ContextVar[ActorContext] = contextvars.ContextVar("monarch_tensor_actor", default=_CLIENT)
 # The shape of the slice the current message was sent to (None: the whole mesh); its point is found when asked.
 _message: contextvars.ContextVar[Any] = contextvars.ContextVar("monarch_tensor_message", default=None)
