@@ -629,3 +629,36 @@ def test_shell_stops_its_foreground_command_at_end_of_input(tmp_path, monkeypatc
     pid = int(pid_file.read_text())
     _wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 10)
     assert not os.path.exists(f"/proc/{pid}")  # the command was stopped, not left running
+
+
+class MeshOwner(_Supervising):
+    """Spawns a mesh under a name another owner of this proc uses too."""
+
+    def __init__(self, procs) -> None:
+        self.failures = []
+        self.child = procs.spawn("same_name_child", Fatal)
+
+    @endpoint
+    def child_mesh(self):
+        return self.child
+
+    @endpoint
+    def kill_through(self, mesh) -> str:
+        try:
+            mesh.exits.call_one(5).get(timeout=T)
+        except SupervisionError as e:
+            return type(e).__name__
+        return "no error"
+
+
+def test_owners_of_same_named_meshes_each_hear_of_their_own(procs, faults):
+    # Monarch's test_supervise_callback_with_mesh_ref: two actors of one proc each spawn a mesh of the same name
+    # on the same procs; a failure of one, caused through a reference by the other, reaches its owner only.
+    a, b = procs.spawn("owner_a", MeshOwner, procs), procs.spawn("owner_b", MeshOwner, procs)
+    assert a.kill_through.call_one(b.child_mesh.call_one().get(timeout=T)).get(timeout=T) == "ActorFailedError"
+    _wait_for(lambda: b.seen.call_one().get(timeout=T))
+    time.sleep(0.3)
+    seen_b = b.seen.call_one().get(timeout=T)
+    assert len(seen_b) == 1 and "same_name_child" in seen_b[0] and "SystemExit(5)" in seen_b[0]
+    assert a.seen.call_one().get(timeout=T) == [] and faults == []
+    assert a.child_mesh.call_one().get(timeout=T).ping.call_one().get(timeout=T) == "pong"  # (a's lives on)
