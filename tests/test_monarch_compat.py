@@ -662,3 +662,22 @@ def test_owners_of_same_named_meshes_each_hear_of_their_own(procs, faults):
     assert len(seen_b) == 1 and "same_name_child" in seen_b[0] and "SystemExit(5)" in seen_b[0]
     assert a.seen.call_one().get(timeout=T) == [] and faults == []
     assert a.child_mesh.call_one().get(timeout=T).ping.call_one().get(timeout=T) == "pong"  # (a's lives on)
+
+
+class SlowInit(Actor):
+    def __init__(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    @endpoint
+    def ping(self) -> str:
+        return "pong"
+
+
+def test_a_name_stopped_while_its_constructor_runs_may_be_spawned_again(procs):
+    # stop() of actors still constructing is acknowledged at once; the name is then free, as after any stop
+    first = procs.spawn("slow_init", SlowInit, 1.0)
+    first.stop("stopped early").get(timeout=T)
+    again = procs.spawn("slow_init", SlowInit, 0.0)
+    assert again._name == "slow_init" and again.ping.call_one().get(timeout=T) == "pong"
+    time.sleep(1.2)  # (the first constructor has returned, and its actor stopped)
+    assert again.ping.call_one().get(timeout=T) == "pong"

@@ -449,8 +449,10 @@ class ProcRuntime:
         shape: Shape = msg.shape
         point = shape.point(msg.rank) if len(shape.names) else Point(0, {})
         old = self.actors.get(msg.name)
-        if old is not None and old.init_error is None and not old.stop_done:  # (one whose constructor failed, or
-            # that was stopped, may be spawned again)
+        # One whose constructor failed, or that was stopped, may be spawned again; so may one whose stop was
+        # acknowledged while its constructor still ran (it stops once that returns, under its old slot).
+        if old is not None and old.init_error is None and not old.stop_done and \
+                not (old.stopped is not None and old.initializing):
             err = ValueError(f"an actor named {msg.name!r} already runs on proc {self.rank}: spawn it under "
                              f"another name (the running one keeps its state)")
             self._reply(msg.reply, None, ActorError(msg.name, point.rank, "__init__", repr(err), "", err),
