@@ -312,12 +312,18 @@ class CoroutineFuture(Future):
             self._steps.close()
 
 
+# The threads that run a proc's event loop. A synchronous endpoint running there sees no running loop
+# (Monarch's), yet blocking there stalls the loop all the same.
+loop_threads: set[int] = set()
+
+
 def in_event_loop() -> bool:
-    """Whether this thread runs an asyncio event loop now (blocking here would stall it)."""
+    """Whether this thread runs an asyncio event loop now (blocking here would stall it): a running one, or a
+    proc's loop that the synchronous endpoint running on it does not see."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return False
+        return threading.get_ident() in loop_threads
     return True
 
 

@@ -1027,7 +1027,7 @@ def test_concurrent_endpoints_overlap_and_start_in_order(procs):
     closed.stop("the test stops it").get(timeout=T)
     with pytest.raises(ActorError, match="was stopped \\(the test stops it\\)"):
         waiting.get(timeout=T)
-    with pytest.raises(TypeError, match="needs an async def"):
+    with pytest.raises(ValueError, match="needs an async def"):  # Monarch's error type (concurrent.py)
         concurrent_endpoint(lambda self: None)
     with pytest.raises(ValueError, match="does not wrap @endpoint"):  # Monarch refuses the stack too
 

@@ -535,3 +535,149 @@ def test_what_an_async_or_raising_supervise_decides(faults):
         loop.call_soon_threadsafe(loop.stop)
         runner.join(timeout=10)
         loop.close()
+
+
+class LoopProbe(Actor):
+    @endpoint
+    def sync_sees_loop(self) -> bool:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        return True
+
+    @endpoint
+    def asks_async_neighbour(self, other) -> tuple:
+        # (Monarch's test_sync_endpoint_has_no_visible_loop_and_get_does_not_warn: no loop here, and a wait on an
+        # async endpoint of another actor of this proc, which needs the loop, still runs)
+        return other.async_sees_loop.call_one().get(timeout=T), self.sync_sees_loop.__name__
+
+
+class AsyncLoopProbe(Actor):
+    @endpoint
+    async def async_sees_loop(self) -> bool:
+        await asyncio.sleep(0.01)
+        return asyncio.get_running_loop() is not None
+
+
+def test_a_sync_endpoint_sees_no_running_loop_and_its_waits_still_run(procs):
+    sync, other = procs.spawn("loop_probe", LoopProbe), procs.spawn("async_loop_probe", AsyncLoopProbe)
+    assert sync.sync_sees_loop.call_one().get(timeout=T) is False
+    assert other.async_sees_loop.call_one().get(timeout=T) is True
+    assert sync.asks_async_neighbour.call_one(other).get(timeout=T) == (True, "sync_sees_loop")
+    assert sync.sync_sees_loop.call_one().get(timeout=T) is False  # (and after a wait too)
+
+
+def test_actor_mesh_is_generic(procs):
+    # Monarch's tests cast spawned meshes: cast(ActorMesh[Counter], counters).stop()
+    import typing
+
+    from monarch_tensor.actor import ActorMesh
+
+    alias = ActorMesh[LoopProbe]
+    assert typing.get_origin(alias) is ActorMesh and typing.get_args(alias) == (LoopProbe,)
+    m = typing.cast(ActorMesh[LoopProbe], procs.spawn("generic_probe", LoopProbe))
+    assert isinstance(m, ActorMesh) and m.sync_sees_loop.call_one().get(timeout=T) is False
+
+
+def test_conda_environment_without_one_active_fails_when_read(monkeypatch):
+    # Monarch's tools/config/test_environment.py: made without $CONDA_PREFIX, read -> AssertionError
+    from monarch_tensor.tools.config.environment import CondaEnvironment
+
+    monkeypatch.delenv("CONDA_PREFIX", raising=False)
+    env = CondaEnvironment()
+    with pytest.raises(AssertionError, match=r"\$CONDA_PREFIX is not set"):
+        _ = env.conda_prefix
+    with pytest.raises(ValueError):
+        _ = env.conda_prefix
+    monkeypatch.setenv("CONDA_PREFIX", "/opt/envs/active")
+    assert env.conda_prefix == "/opt/envs/active"
+
+
+@pytest.mark.timeout(90)
+def test_shell_stops_its_foreground_command_at_end_of_input(tmp_path, monkeypatch):
+    # Monarch's test_shell_eof_stops_foreground_process: input ends while a command that reads none runs
+    import os
+    import shlex
+    import sys
+
+    from monarch_tensor.job import shell
+
+    pid_file = tmp_path / "child-pid"
+    child = f"echo $$ > {shlex.quote(str(pid_file))}; exec sleep 60"
+    r_in, w_in = os.pipe()
+    r_out, w_out = os.pipe()
+    os.write(w_in, f"sh -c {shlex.quote(child)}\n".encode())
+
+    def close_input_once_it_runs() -> None:
+        _wait_for(pid_file.exists, T)
+        os.close(w_in)
+
+    closer = threading.Thread(target=close_input_once_it_runs, daemon=True)
+    closer.start()
+    drained = []
+    threading.Thread(target=lambda: drained.append(b"".join(iter(lambda: os.read(r_out, 1 << 16), b""))),
+                     daemon=True).start()
+    with os.fdopen(r_in, "r") as stdin, os.fdopen(w_out, "w") as stdout:
+        monkeypatch.setattr(sys, "stdin", stdin)
+        monkeypatch.setattr(sys, "stdout", stdout)
+        started = time.monotonic()
+        code = shell(this_host(), env={"SHELL": "/bin/bash"})
+        elapsed = time.monotonic() - started
+    closer.join(timeout=5)
+    assert pid_file.exists() and code != 0 and elapsed < 45
+    pid = int(pid_file.read_text())
+    _wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 10)
+    assert not os.path.exists(f"/proc/{pid}")  # the command was stopped, not left running
+
+
+class MeshOwner(_Supervising):
+    """Spawns a mesh under a name another owner of this proc uses too."""
+
+    def __init__(self, procs) -> None:
+        self.failures = []
+        self.child = procs.spawn("same_name_child", Fatal)
+
+    @endpoint
+    def child_mesh(self):
+        return self.child
+
+    @endpoint
+    def kill_through(self, mesh) -> str:
+        try:
+            mesh.exits.call_one(5).get(timeout=T)
+        except SupervisionError as e:
+            return type(e).__name__
+        return "no error"
+
+
+def test_owners_of_same_named_meshes_each_hear_of_their_own(procs, faults):
+    # Monarch's test_supervise_callback_with_mesh_ref: two actors of one proc each spawn a mesh of the same name
+    # on the same procs; a failure of one, caused through a reference by the other, reaches its owner only.
+    a, b = procs.spawn("owner_a", MeshOwner, procs), procs.spawn("owner_b", MeshOwner, procs)
+    assert a.kill_through.call_one(b.child_mesh.call_one().get(timeout=T)).get(timeout=T) == "ActorFailedError"
+    _wait_for(lambda: b.seen.call_one().get(timeout=T))
+    time.sleep(0.3)
+    seen_b = b.seen.call_one().get(timeout=T)
+    assert len(seen_b) == 1 and "same_name_child" in seen_b[0] and "SystemExit(5)" in seen_b[0]
+    assert a.seen.call_one().get(timeout=T) == [] and faults == []
+    assert a.child_mesh.call_one().get(timeout=T).ping.call_one().get(timeout=T) == "pong"  # (a's lives on)
+
+
+class SlowInit(Actor):
+    def __init__(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    @endpoint
+    def ping(self) -> str:
+        return "pong"
+
+
+def test_a_name_stopped_while_its_constructor_runs_may_be_spawned_again(procs):
+    # stop() of actors still constructing is acknowledged at once; the name is then free, as after any stop
+    first = procs.spawn("slow_init", SlowInit, 1.0)
+    first.stop("stopped early").get(timeout=T)
+    again = procs.spawn("slow_init", SlowInit, 0.0)
+    assert again._name == "slow_init" and again.ping.call_one().get(timeout=T) == "pong"
+    time.sleep(1.2)  # (the first constructor has returned, and its actor stopped)
+    assert again.ping.call_one().get(timeout=T) == "pong"

@@ -60,6 +60,7 @@ from ..transport.messages import CallEndpoint, GetController, PortRef, SendToPor
 from .telemetry import get_meter, span, traced
 
 R = TypeVar("R")
+A = TypeVar("A")  # an actor mesh's actor class
 
 __all__ = [
     "Actor", "ActorError", "ActorMesh", "Accumulator", "BootstrapCommand", "Channel", "Context", "Extent", "Future",
@@ -128,9 +129,9 @@ def concurrent_endpoint(fn: Callable | None = None, **options):
     if getattr(fn, "_is_endpoint", False):
         raise ValueError(f"@concurrent_endpoint does not wrap @endpoint ({fn.__qualname__}): use one of the two; "
                          f"@concurrent_endpoint takes @endpoint's options itself")
-    if not inspect.iscoroutinefunction(fn):
-        raise TypeError(f"@concurrent_endpoint needs an async def: {getattr(fn, '__qualname__', fn)} is not one "
-                        f"(a plain def blocks the actor however it is marked)")
+    if not inspect.iscoroutinefunction(fn):  # (Monarch's error type: concurrent.py's _wrap_endpoint)
+        raise ValueError(f"@concurrent_endpoint needs an async def: {getattr(fn, '__qualname__', fn)} is not one "
+                         f"(a plain def blocks the actor however it is marked)")
     fn = endpoint(fn, **options)
     fn._concurrent = True
     return fn
@@ -281,9 +282,10 @@ class ValueMesh(MeshTrait, Generic[R]):
 
 
 # ---- actor meshes ------------------------------------------------------------------
-class ActorMesh(MeshTrait):
-    """Actors of one class on a proc mesh; attribute access gives endpoints, which hide the mesh's own methods
-    and properties of the same name (``ActorMesh.stop(mesh)`` reaches the mesh's; see ``_YieldsToEndpoint``)."""
+class ActorMesh(MeshTrait, Generic[A]):
+    """Actors of one class on a proc mesh (``ActorMesh[Counter]``, generic as Monarch's); attribute access gives
+    endpoints, which hide the mesh's own methods and properties of the same name (``ActorMesh.stop(mesh)``
+    reaches the mesh's; see ``_YieldsToEndpoint``)."""
 
     def __init__(self, name: str, cls: type, procs: list[ProcInfo], shape: Shape,
                  spawned: Future | None = None, proc_mesh: ProcMesh | None = None, whole: Shape | None = None,

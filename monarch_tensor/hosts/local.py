@@ -34,6 +34,9 @@ client_proc_exited: Callable[[ProcInfo, str], None] | None = None
 THP_ENV = "THP_MEM_ALLOC_ENABLE"
 
 
+_actors_spawned_here: dict[str, set] = {}  # a proc's address -> names of the actors this process spawned there
+
+
 @dataclass
 class ProcInfo:
     """One proc of an allocation, as the client sees it."""
@@ -47,6 +50,11 @@ class ProcInfo:
     exit_status: str = ""
     owner: Any = None  # the ProcMesh allocation that made it
     actors: set = field(default_factory=set)  # names of the actors spawned on it from here (not pickled)
+
+    def __post_init__(self) -> None:
+        # "From here" is this process: every handle of the proc here (each unpickled ProcMesh makes its own)
+        # shares one set, so that two actors of this process spawning a mesh of the same name there get two.
+        self.actors = _actors_spawned_here.setdefault(self.addr, self.actors)
 
     def __getstate__(self):
         return {"addr": self.addr, "rank": self.rank, "pid": self.pid, "alive": self.alive}

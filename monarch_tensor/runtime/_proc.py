@@ -32,11 +32,13 @@ import termios
 import threading
 import time
 import traceback
+from asyncio.events import _get_running_loop, _set_running_loop
 from dataclasses import dataclass, field
 from typing import Callable
 
 from ..config import setting, take
 from ..errors import ActorAbortedError, ActorError, ActorFailedError, ActorStoppedError
+from ..future import loop_threads
 from ..shape import Point, Shape
 from ..transport import mailbox as _mailbox_mod
 from ..transport._fanout import GATHER_PREFIX
@@ -330,10 +332,15 @@ class ProcRuntime:
             asyncio.tasks._leave_task(loop, task)
         sync_call = self.sync_call
         reader = self._lend_reader()
+        hidden = _get_running_loop() is None  # (a sync endpoint's wait: what the turn runs sees the loop)
+        if hidden:
+            _set_running_loop(loop)
         try:
             loop.call_soon(_nothing)  # (so that the turn's look for I/O does not block)
             loop._run_once()
         finally:
+            if hidden:
+                _set_running_loop(None)
             self.sync_call = sync_call
             if reader is not None:
                 self._restore_reader(*reader)
@@ -385,7 +392,11 @@ class ProcRuntime:
         self.mailbox.receiver_ident = self.loop_ident = threading.get_ident()
         self.loop.add_reader(self.mailbox.fd, self._drain)
         self.loop.call_soon(self.mailbox.drain)
-        self.loop.run_forever()
+        loop_threads.add(self.loop_ident)
+        try:
+            self.loop.run_forever()
+        finally:
+            loop_threads.discard(self.loop_ident)
 
     def _bind_thread(self) -> None:
         """In a script: the calling thread (the loop's, a constructor's) is this runtime's, and its code uses
@@ -439,8 +450,10 @@ class ProcRuntime:
         shape: Shape = msg.shape
         point = shape.point(msg.rank) if len(shape.names) else Point(0, {})
         old = self.actors.get(msg.name)
-        if old is not None and old.init_error is None and not old.stop_done:  # (one whose constructor failed, or
-            # that was stopped, may be spawned again)
+        # One whose constructor failed, or that was stopped, may be spawned again; so may one whose stop was
+        # acknowledged while its constructor still ran (it stops once that returns, under its old slot).
+        if old is not None and old.init_error is None and not old.stop_done and \
+                not (old.stopped is not None and old.initializing):
             err = ValueError(f"an actor named {msg.name!r} already runs on proc {self.rank}: spawn it under "
                              f"another name (the running one keeps its state)")
             self._reply(msg.reply, None, ActorError(msg.name, point.rank, "__init__", repr(err), "", err),
@@ -881,9 +894,12 @@ class ProcRuntime:
                 return
             slot.busy = True
             outer, self.sync_call = self.sync_call, msg  # (what an InterruptCall that comes meanwhile stops:
-            try:  # _InterruptWatch; ``outer``: a call blocked in a wait, which ran this one meanwhile)
+            running = _get_running_loop()  # _InterruptWatch; ``outer``: a call blocked in a wait, which ran
+            _set_running_loop(None)  # this one meanwhile). A sync endpoint sees no running loop (Monarch's).
+            try:
                 value = fn(*args, **msg.kwargs)
             finally:
+                _set_running_loop(running)
                 slot.busy = False
                 self.sync_call = outer
             if type(value) not in _PLAIN and inspect.isawaitable(value):  # a sync def returned a coroutine
@@ -1024,7 +1040,12 @@ def _cleanup(slot: _Slot) -> None:
             takes_exc = bool(inspect.signature(stop).parameters)
         except (TypeError, ValueError):
             takes_exc = False
-        result = stop(None) if takes_exc else stop()
+        running = _get_running_loop()
+        _set_running_loop(None)  # (a sync one sees no running loop, as a sync endpoint does)
+        try:
+            result = stop(None) if takes_exc else stop()
+        finally:
+            _set_running_loop(running)
         if inspect.isawaitable(result):
             from ..future import run_to_end
 

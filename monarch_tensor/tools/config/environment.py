@@ -9,6 +9,11 @@ from __future__ import annotations
 import os
 
 
+class NoCondaEnvironmentError(ValueError, AssertionError):
+    """No conda environment named and none active: a ``ValueError``, and the ``AssertionError`` Monarch's
+    ``CondaEnvironment().conda_prefix`` raises."""
+
+
 class Environment:
     """The dependencies of a workspace's projects (Monarch's base class)."""
 
@@ -24,7 +29,7 @@ class CondaEnvironment(Environment):
         """The prefix given, else the active environment's; a ValueError when there is neither."""
         prefix = self._conda_prefix or os.environ.get("CONDA_PREFIX")
         if not prefix:
-            raise ValueError("no conda environment is active ($CONDA_PREFIX is not set): name one, "
+            raise NoCondaEnvironmentError("no conda environment is active ($CONDA_PREFIX is not set): name one, "
                              "CondaEnvironment('/path/to/env'), or activate one")
         return prefix
 
