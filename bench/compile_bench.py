@@ -8,7 +8,9 @@
 Workloads (one training step each: forward, cross entropy, backward, torch.optim.SGD, zero_grad):
   mlp      Linear(256, 256) -> ReLU -> Linear(256, 10), batch 32 (notes/figures.md's MLP step)
   gptN     examples/gpt.py's GPT with N layers (GPT_CFG, batch GPT_BATCH): small, so the cost of issuing its
-           ops shows (an N-layer step has about 60 N aten ops)
+           ops shows (an N-layer step has about 150 N aten ops, forward, backward and SGD)
+  wide     the same GPT, compute-bound: 2 layers of WIDE_CFG, batch WIDE_BATCH (issue 38's "compute-bound
+           GPT step": its compiled step on 1 proc against eager)
 On a mesh of 1 and of 2 procs ("gpus"; with 2 the gradients are averaged with reduce_, data-parallel),
 each step uncompiled and wrapped in ``compile`` (after warm-up steps that record it), and in local eager
 torch (no mesh). Figures, medians of REPEATS loops of STEPS steps:
@@ -39,16 +41,18 @@ from _runs import markdown, write_json  # noqa: E402
 
 # ---- settings ------------------------------------------------------------------------------
 PROCS = [1, 2]
-WORKLOADS = ["mlp", "gpt2", "gpt8", "gpt32"]
+WORKLOADS = ["mlp", "gpt2", "gpt8", "gpt32", "wide"]
 STEPS = 10           # steps per timed loop
 REPEATS = 3          # timed loops per figure (median)
 WARMUP = 5           # untimed steps first (a compiled step records until it is steady)
 GPT_CFG = dict(vocab_size=64, block_size=32, n_head=2, n_embd=32)
 GPT_BATCH = 4
+WIDE_CFG = dict(n_layer=2, vocab_size=512, block_size=128, n_head=4, n_embd=256)
+WIDE_BATCH = 8
 TIMEOUT = 300.0
 TINY = dict(PROCS=[1], WORKLOADS=["mlp", "gpt2"], STEPS=3, REPEATS=1, WARMUP=4,
             GPT_CFG=dict(vocab_size=16, block_size=8, n_head=2, n_embd=16), GPT_BATCH=2)
-SETTINGS = ["PROCS", "WORKLOADS", "STEPS", "REPEATS", "WARMUP", "GPT_CFG", "GPT_BATCH"]
+SETTINGS = ["PROCS", "WORKLOADS", "STEPS", "REPEATS", "WARMUP", "GPT_CFG", "GPT_BATCH", "WIDE_CFG", "WIDE_BATCH"]
 MODES = ["eager", "uncompiled", "compiled"]
 
 
@@ -63,9 +67,12 @@ def build(workload: str):
         model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
         data, target = torch.randn(32, 256), torch.randint(0, 10, (32,))
         return model, lambda: F.cross_entropy(model(data), target)
-    cfg = GPTConfig(n_layer=int(workload[3:]), **GPT_CFG)
+    if workload == "wide":
+        cfg, batch = GPTConfig(**WIDE_CFG), WIDE_BATCH
+    else:
+        cfg, batch = GPTConfig(n_layer=int(workload[3:]), **GPT_CFG), GPT_BATCH
     model = GPT(cfg)
-    idx = torch.randint(0, cfg.vocab_size, (GPT_BATCH, cfg.block_size))
+    idx = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size))
     return model, lambda: model(idx, idx)[1]
 
 
