@@ -36,7 +36,7 @@ case "$cmd" in
   demo)  setup; exec "$VENV/bin/python" examples/actors_basics.py "$@" ;;
   # The tests wait on processes and sockets more than they compute: 3 workers (pytest-xdist), each running whole
   # files (module fixtures stay shared; tests/test_slurm.py's cluster is used by one file) but for the few files
-  # that tests/conftest.py hands out test by test, the longest first (tests/durations.json). A later -n wins:
+  # that tests/conftest.py hands out test by test, the longest units first (tests/durations.json). A later -n wins:
   # `bash dev.sh test -n 0 tests/test_x.py -k y` runs in this process.
   # Byte-code caching on (an environment may turn it off): the tests start hundreds of Python processes.
   test)  setup; "$VENV/bin/python" -m ruff check .; "$VENV/bin/python" -m mypy; unset PYTHONDONTWRITEBYTECODE

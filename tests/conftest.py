@@ -21,8 +21,9 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-# Seconds each test file took in a recent full run (.ci/durations.py writes it from a JUnit XML); a file it does not
-# list counts as DEFAULT_FILE_SECONDS.
+# Seconds each test file took in a recent full run, and each test of the files handed out test by test
+# (ONE_TEST_AT_A_TIME; keyed by node id); .ci/durations.py writes it from a JUnit XML. A file it does not list counts
+# as DEFAULT_FILE_SECONDS; a test it does not list as its file's seconds not listed by test, shared evenly.
 DURATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
 DEFAULT_FILE_SECONDS = 20.0
 
@@ -62,9 +63,10 @@ def _unit_tests_spawn_no_procs(request):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Marks each test with its tier (``unit`` or ``procs``). Under pytest-xdist (``--dist loadfile``: each file runs whole on one worker, in the order collected) the
-    files that take longest come first, so that no worker starts a long file while the others run out of work.
-    The tests of a file keep their order; a run without workers keeps the files' order too."""
+    """Marks each test with its tier (``unit`` or ``procs``). Under pytest-xdist (``--dist loadfile``: each file runs
+    whole on one worker, but the tests of ONE_TEST_AT_A_TIME one by one) the units of work that take longest come
+    first, so that no worker starts a long one while the others run out of work. The tests of a file run whole keep
+    their order; a run without workers keeps the collected order."""
     _mark_tiers(items)
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
@@ -73,11 +75,37 @@ def pytest_collection_modifyitems(session, config, items):
             seconds = json.load(f)
     except (OSError, ValueError):
         return
+    estimate = _unit_seconds(items, seconds)
     first: dict[str, int] = {}
     for i, item in enumerate(items):
-        first.setdefault(item.nodeid.split("::")[0], i)
-    items.sort(key=lambda it: (-float(seconds.get(it.nodeid.split("::")[0], DEFAULT_FILE_SECONDS)),
-                               first[it.nodeid.split("::")[0]]))
+        first.setdefault(_unit(item.nodeid), i)
+    items.sort(key=lambda it: (-estimate[_unit(it.nodeid)], first[_unit(it.nodeid)]))
+
+
+def _unit(nodeid: str) -> str:
+    """What pytest-xdist hands a worker at once: the test's file, or the test itself in ONE_TEST_AT_A_TIME."""
+    file = nodeid.split("::", 1)[0]
+    return nodeid if file in ONE_TEST_AT_A_TIME else file
+
+
+def _unit_seconds(items, seconds: dict) -> dict[str, float]:
+    """Each unit's expected seconds: a file's from durations.json; a test of ONE_TEST_AT_A_TIME its own, or else
+    an even share of what its file's listed tests leave of the file's seconds."""
+    per_file: dict[str, list[str]] = {}
+    for item in items:
+        per_file.setdefault(item.nodeid.split("::", 1)[0], []).append(item.nodeid)
+    out: dict[str, float] = {}
+    for file, ids in per_file.items():
+        total = float(seconds.get(file, DEFAULT_FILE_SECONDS))
+        if file not in ONE_TEST_AT_A_TIME:
+            out[file] = total
+            continue
+        listed = {i: float(seconds[i]) for i in ids if i in seconds}
+        rest = [i for i in ids if i not in listed]
+        share = max(total - sum(listed.values()), 0.0) / len(rest) if rest else 0.0
+        out.update(listed)
+        out.update({i: share for i in rest})
+    return out
 
 
 # Files whose tests are long and share nothing but module fixtures (each runs its own subprocess or job):

@@ -11,7 +11,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_example(name: str, timeout: float = 90, args: tuple = ()) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    # An example runs as a user runs it, with the warm-up (tests/conftest.py turns it off for this process's own
+    # procs): its procs fork with torch._dynamo loaded once in their template instead of each importing it.
+    env = {k: v for k, v in os.environ.items() if k != "MONARCH_TENSOR_NO_WARMUP"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
     proc = subprocess.run([sys.executable, os.path.join("examples", name), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{name} exited with {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"

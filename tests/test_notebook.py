@@ -17,7 +17,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.timeout(300)
 def test_the_notebook_runs_in_a_real_kernel(tmp_path):
     nb = nbformat.read(os.path.join(ROOT, "examples", "notebook.ipynb"), as_version=4)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    # (as a user's kernel: with the warm-up, which tests/conftest.py turns off for the tests' own procs)
+    env = {k: v for k, v in os.environ.items() if k != "MONARCH_TENSOR_NO_WARMUP"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
     client = nbclient.NotebookClient(nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": ROOT}})
     with _env(env):
         client.execute()
@@ -42,14 +44,15 @@ def test_the_notebook_runs_in_a_real_kernel(tmp_path):
 
 
 class _env:
-    """The kernel inherits this process's environment: the repository on its path, as for a user's notebook
-    started in the checkout."""
+    """The kernel inherits this process's environment, ``env`` in place of it: the repository on its path, as for
+    a user's notebook started in the checkout."""
 
     def __init__(self, env):
         self.env, self.old = env, None
 
     def __enter__(self):
         self.old = dict(os.environ)
+        os.environ.clear()
         os.environ.update(self.env)
 
     def __exit__(self, *exc):

@@ -68,7 +68,7 @@ def finalize_user_modules() -> None:
 
 def _is_users(mod: object) -> bool:
     path = getattr(mod, "__file__", None)
-    if not isinstance(path, str):
+    if not isinstance(path, str) or not os.path.isabs(path):  # (torch.ops's is "_ops.py": no file of the user's)
         return False
     path = os.path.realpath(path)
     return not path.startswith(_NOT_USERS)

@@ -11,6 +11,7 @@ kills every child it made and exits: no orphans.
 from __future__ import annotations
 
 import errno
+import gc
 import mmap
 import os
 import pickle
@@ -390,6 +391,9 @@ def _child(req_fd, rep_fd, sig_r, sig_w, entry, args, env, pipes=None, others=()
     global output_counts
     code = 1
     try:
+        # What the template made (torch, the runtime) outlives the proc: the proc's collections, its stop's
+        # among them (_proc_exit), pass over what the proc itself made only.
+        gc.freeze()
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -508,6 +512,11 @@ def main(req_fd: int, rep_fd: int) -> None:
     except OSError as e:
         if e.errno != errno.EPIPE:
             raise
+    # Its procs are gone and their files removed: nothing is left to finalize, and the interpreter's teardown
+    # of torch (seconds on a busy machine) would only keep the client or agent that waits for this exit.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

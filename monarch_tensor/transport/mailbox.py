@@ -1029,6 +1029,9 @@ class Mailbox:
             for sock in self._out.values():
                 sock.close(linger=500)
             self._out.clear()
+            if self._up_sock is not None:  # (every socket closes before ctx.term(), which otherwise waits for ever)
+                self._up_sock.close(linger=500)
+                self._up_sock = None
         wake.close(linger=0)
         self._router.close(linger=0)
         self.ctx.term()
