@@ -41,13 +41,20 @@ _POLL_S = 0.5  # how often a wait looks at the controller's death reports
 
 
 def _host_id() -> str:
-    """What two procs of one host (one kernel, so one shared memory and one socket namespace) share."""
+    """What two procs share when they can meet here: one kernel (its boot), one user, and the same network and
+    mount namespaces (the sockets' abstract names are per network namespace; /dev/shm is per mount)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    return f"{socket.gethostname()}|{boot}|{os.getuid()}"
+    spaces = []
+    for ns in ("net", "mnt"):
+        try:
+            spaces.append(os.readlink(f"/proc/self/ns/{ns}"))
+        except OSError:
+            spaces.append("")
+    return "|".join([socket.gethostname(), boot, str(os.getuid()), *spaces])
 
 
 def _shm_dir() -> str:
