@@ -594,41 +594,6 @@ def test_conda_environment_without_one_active_fails_when_read(monkeypatch):
     assert env.conda_prefix == "/opt/envs/active"
 
 
-@pytest.mark.timeout(90)
-def test_shell_stops_its_foreground_command_at_end_of_input(tmp_path, monkeypatch):
-    # Monarch's test_shell_eof_stops_foreground_process: input ends while a command that reads none runs
-    import os
-    import shlex
-    import sys
-
-    from monarch_tensor.job import shell
-
-    pid_file = tmp_path / "child-pid"
-    child = f"echo $$ > {shlex.quote(str(pid_file))}; exec sleep 3600"  # (ends on its own long after the timeout)
-    r_in, w_in = os.pipe()
-    r_out, w_out = os.pipe()
-    os.write(w_in, f"sh -c {shlex.quote(child)}\n".encode())
-
-    def close_input_once_it_runs() -> None:
-        _wait_for(pid_file.exists, T)
-        os.close(w_in)
-
-    closer = threading.Thread(target=close_input_once_it_runs, daemon=True)
-    closer.start()
-    drained = []
-    threading.Thread(target=lambda: drained.append(b"".join(iter(lambda: os.read(r_out, 1 << 16), b""))),
-                     daemon=True).start()
-    with os.fdopen(r_in, "r") as stdin, os.fdopen(w_out, "w") as stdout:
-        monkeypatch.setattr(sys, "stdin", stdin)
-        monkeypatch.setattr(sys, "stdout", stdout)
-        code = shell(this_host(), env={"SHELL": "/bin/bash"})  # (returns only once the command is stopped)
-    closer.join(timeout=5)
-    assert pid_file.exists() and code != 0
-    pid = int(pid_file.read_text())
-    _wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 10)
-    assert not os.path.exists(f"/proc/{pid}")  # the command was stopped, not left running
-
-
 class MeshOwner(_Supervising):
     """Spawns a mesh under a name another owner of this proc uses too."""
 

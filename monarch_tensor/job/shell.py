@@ -9,10 +9,8 @@ with ``MONARCH_RANK_*``/``MONARCH_SIZE_*`` and ``env`` set, in ``workdir`` or
 else the client's working directory where the host has it. Keystrokes go to
 it as endpoint calls, in order; its output comes back on a port. The client's
 terminal is in raw mode meanwhile (so Ctrl-C, tab completion and full-screen
-programs work there), and its size follows the client's. At the end of the
-client's input (a pipe) the shell gets EOF (Ctrl-D), and what still runs
-``HANG_UP_AFTER_EOF_S`` later is hung up. Returns the shell's exit status; the
-proc is stopped after it.
+programs work there), and its size follows the client's. Returns the shell's
+exit status; the proc is stopped after it.
 """
 
 from __future__ import annotations
@@ -39,7 +37,6 @@ CHUNK = 16 << 10
 GRACE_S = 1.0
 START_TIMEOUT = 60.0
 EOF_EVERY_S = 0.5
-HANG_UP_AFTER_EOF_S = 3.0
 
 
 def _set_size(fd: int, rows: int, cols: int) -> None:
@@ -184,7 +181,7 @@ def _forward(sh, procs, receiver, stdin: int, stdout: int) -> int:
     old_winch = None
     if os.isatty(stdin) and threading.current_thread() is threading.main_thread():
         old_winch = signal.signal(signal.SIGWINCH, lambda *_: resized.set())
-    reading, eof_at, ended_at, hung_up = True, 0.0, 0.0, False
+    reading, eof_at = True, 0.0
     item = receiver.recv()
     try:
         with _raw(stdin):
@@ -213,17 +210,12 @@ def _forward(sh, procs, receiver, stdin: int, stdout: int) -> int:
                         sh.write.call_one(data).add_done_callback(check)
                     else:
                         reading = False
-                        eof_at, ended_at = 0.0, time.monotonic()
+                        eof_at = 0.0
                 elif not reading:
                     # Our input ended (a pipe): end the shell's as a terminal does, with EOF (Ctrl-D), again
                     # every EOF_EVERY_S until it exits: one typed while a command still ran is lost when the
-                    # shell's line editor takes the terminal back. What still runs HANG_UP_AFTER_EOF_S after
-                    # the end of input is hung up, as Monarch's shell() does at once (a foreground command
-                    # that reads no input would never see the EOF).
-                    if not hung_up and time.monotonic() - ended_at >= HANG_UP_AFTER_EOF_S:
-                        hung_up = True
-                        sh.close.call_one().add_done_callback(check)
-                    elif time.monotonic() - eof_at >= EOF_EVERY_S:
+                    # shell's line editor takes the terminal back.
+                    if time.monotonic() - eof_at >= EOF_EVERY_S:
                         eof_at = time.monotonic()
                         sh.write.call_one(b"\x04").add_done_callback(check)
                     time.sleep(0.02)
