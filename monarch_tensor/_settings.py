@@ -192,8 +192,8 @@ _DECLARED = [
             "seconds a collective waits for its group", least=1,
             takes="a number of seconds a collective waits for its group"),
     Setting("MONARCH_TENSOR_NO_SHM_REDUCE", "flag", False, "procs", _ENGINE,
-            "on: a reduce whose procs all run on one host goes through gloo (TCP on the loopback), not through "
-            "shared memory"),
+            "on: collectives whose procs all run on one host (reduces, and process groups' all-reduce, "
+            "all-gather and reduce-scatter) go through gloo (TCP on the loopback), not through shared memory"),
     # Data plane.
     Setting("MONARCH_TENSOR_PAYLOAD_THRESHOLD", "int", 1 << 20, "procs", _DATA,
             "bytes from which an array or tensor in a message to another host is pulled over the data plane (0: "

@@ -21,7 +21,10 @@ from monarch_tensor.worker.shm_reduce import SLOT_BYTES, SameHostReduce
 
 pytestmark = pytest.mark.timeout(120)
 N = 3
-CTX = mp.get_context("fork")  # (the children only run this file's functions)
+# A fresh server process forks the members: forking this test process, whose other threads (a store's, a
+# mesh's) may hold locks at that moment, can leave a child stuck.
+CTX = mp.get_context("forkserver")
+CTX.set_forkserver_preload(["torch", "torch.distributed", "monarch_tensor.worker.shm_reduce"])
 
 
 def _free_port() -> int:

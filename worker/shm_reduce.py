@@ -1,7 +1,7 @@
 """All-reduce, all-gather and reduce-scatter through shared memory, for a group whose procs all run on one host.
 
-Gloo sends a same-host all-reduce through TCP on the loopback interface: a 270 KB gradient buffer between
-two procs costs each about 1 ms of CPU on three threads. Here each member has a shared-memory file of
+Gloo sends a same-host all-reduce through TCP on the loopback interface, through its own threads and a
+copy per hop. Here each member has a shared-memory file of
 two slots; an all-reduce of a buffer copies it, in chunks of one slot, into the member's slot, tells
 every other member so with one datagram on a Unix socket, waits for theirs, and sums all members'
 slots in rank order into its buffer (every member computes the same bits: the order is the same
@@ -16,7 +16,8 @@ Used by ``Collectives`` for the engine's own reduces (``reduce_``, data-parallel
 process groups that user code, DTensor and the FSDP path get (``StagedGroup``), when the rendezvous
 finds every member on this host and each could allocate its file; otherwise, and for the tensors and
 reduce ops it does not take, gloo as before. All members decide alike: the decision is made once, in the
-group's rendezvous, and each call's path depends only on the buffer's dtype, the same on every member.
+group's rendezvous, and each call's path depends only on its tensors' dtype, device and layout and its
+reduce op, the same on every member.
 A member that dies mid-collective fails the others' wait (its socket refuses the datagram, or the
 controller's death report arrives), as with gloo; so does one that stays silent past the timeout.
 """
@@ -69,7 +70,7 @@ class SameHostReduce:
         self.seq = 0  # chunks sent
         self.seen = [0] * n  # per member: the highest chunk sequence number it has said it wrote
         self.broken: str | None = None
-        self._peers: dict[int, torch.Tensor] = {}  # member -> its file's bytes, mapped when first read
+        self._peers: dict[int, torch.Tensor] = {}  # member -> its file's bytes (mapped in the rendezvous)
         self._mine_path = os.path.join(_shm_dir(), f"monarch-tensor-{nonce}-{me}")
         self._mine = _create(self._mine_path, 2 * SLOT_BYTES)
         self._unlinked = False
