@@ -132,12 +132,15 @@ def test_an_ordinary_exception_leaves_the_actor_serving(procs, faults):
 
 
 def test_a_base_exception_reaches_the_owners_supervise(procs, faults):
-    parent = procs.spawn("parent", Parent, procs)
+    _its_child_dies_and_it_sees_it_once(procs.spawn("parent", Parent, procs))
+    assert faults == []  # the owner handled it
+
+
+def _its_child_dies_and_it_sees_it_once(parent) -> None:
     assert parent.kill_child.call_one().get(timeout=T) == "ActorFailedError"
     _wait_for(lambda: parent.seen.call_one().get(timeout=T))
     seen = parent.seen.call_one().get(timeout=T)
     assert len(seen) == 1 and "fatal_child" in seen[0] and "SystemExit(4)" in seen[0]
-    assert faults == []  # the owner handled it
 
 
 @pytest.mark.parametrize("method", ["raises_with_port", "raises_with_port_async", "raises_with_port_concurrent"])
@@ -481,11 +484,7 @@ class AsyncParent(Parent):
 def test_an_async_supervise_runs_on_its_actor_and_handles_the_failure(procs, faults):
     # Monarch's test_async_supervise_callback_handled: before, the coroutine was never awaited, and being
     # truthy it counted as handled: the failure vanished.
-    parent = procs.spawn("async_parent", AsyncParent, procs)
-    assert parent.kill_child.call_one().get(timeout=T) == "ActorFailedError"
-    _wait_for(lambda: parent.seen.call_one().get(timeout=T))
-    seen = parent.seen.call_one().get(timeout=T)
-    assert len(seen) == 1 and "fatal_child" in seen[0] and "SystemExit(4)" in seen[0]
+    _its_child_dies_and_it_sees_it_once(procs.spawn("async_parent", AsyncParent, procs))
     assert faults == []
 
 
