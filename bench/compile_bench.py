@@ -133,6 +133,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, help=f"timed loops per figure, their median (default {REPEATS})")
     ap.add_argument("--modes", help=f"comma-separated, of {','.join(MODES)} (default all)")
     ap.add_argument("--procs", help=f"comma-separated mesh sizes (default {','.join(map(str, PROCS))})")
+    ap.add_argument("--workloads", help=f"comma-separated, of {','.join(WORKLOADS)} (default all)")
     args = ap.parse_args()
     if args.tiny:
         globals().update(TINY)
@@ -143,6 +144,11 @@ def main() -> None:
         if bad:
             ap.error(f"--modes: unknown {sorted(bad)}; choose from {MODES}")
         globals()["MODES"] = [m for m in MODES if m in args.modes.split(",")]
+    if args.workloads:
+        bad = set(args.workloads.split(",")) - set(WORKLOADS)
+        if bad:
+            ap.error(f"--workloads: unknown {sorted(bad)}; choose from {WORKLOADS}")
+        globals()["WORKLOADS"] = [w for w in WORKLOADS if w in args.workloads.split(",")]
     if args.procs:
         globals()["PROCS"] = [int(n) for n in args.procs.split(",")]
     import torch
