@@ -206,3 +206,24 @@ def test_a_thread_future_is_waited_on_without_taking_the_socket(echo, monkeypatc
     value, where = result.get(timeout=60)
     t.join(30)
     assert value == "reply" and where == [t]  # the worker received its reply itself
+
+
+def _switches(tid: int) -> int:
+    with open(f"/proc/self/task/{tid}/status") as f:
+        return sum(int(line.split()[1]) for line in f if line.startswith(("voluntary_ctxt", "nonvoluntary_ctxt")))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="counts the I/O thread's switches in /proc")
+def test_the_io_thread_sleeps_through_a_long_wait_and_takes_over_when_it_ends(echo, monkeypatch):
+    monkeypatch.setattr(mb_mod, "_PARKED_S", 3600.0)  # only the leaving waiter's notify can wake it in time
+    mb = mb_mod.current_mailbox()
+    assert echo.echo.call_one(0).get(timeout=30) == 0
+    tid = mb._thread.native_id
+    before = _switches(tid)
+    assert echo.slow.call_one(1, 1.0).get(timeout=30) == 1  # one wait of a second: the I/O thread stays asleep
+    assert _switches(tid) - before < 100  # (it woke every 2 ms to look: about 500 times)
+    futs = [echo.echo.call_one(i) for i in range(20)]
+    deadline = time.monotonic() + 30
+    while not all(f.done() for f in futs) and time.monotonic() < deadline:
+        time.sleep(0.005)  # nobody calls get(): only the I/O thread, woken as the wait ended, settles these
+    assert [f.get(timeout=0) for f in futs] == list(range(20))

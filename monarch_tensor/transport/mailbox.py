@@ -72,6 +72,7 @@ SPIN_S = _us_from_env("MONARCH_TENSOR_SPIN_US")
 _sched_yield = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))  # both release the GIL
 _LEAD_SLICE_MS = 100  # a receiving waiter's longest poll before it looks at the clock and the mailbox
 _LINGER_S = 0.002  # after a waiter received, the I/O thread waits this long for the next one before it takes over
+_PARKED_S = 1.0  # the I/O thread's longest wait while a waiter that notifies it as it leaves receives (a backstop)
 _HELP_TICK_S = 0.002  # how long a message waits on a busy proc's socket before a waiting thread takes it (receive_for)
 
 
@@ -270,6 +271,8 @@ class Mailbox:
         self._wanted = 0
         self._lead_until = _NEVER  # the I/O thread stays parked until then (see _loop)
         self._io_parked = False
+        self._leads = 0  # waits that took the socket so far: the I/O thread tells one long wait from many short ones
+        self._io_long = False  # the I/O thread waits for a notify, not a tick: a waiter that leaves notifies it
         self._io_ident: int | None = None
         self._spin = Spin(self._router)  # used by whoever holds _rx_lock (lead), or by a proc's loop
         self._io_wake_r = self._io_wake_w = self._lead_wake_r = self._lead_wake_w = -1
@@ -538,10 +541,20 @@ class Mailbox:
             if self._wanted or time.monotonic() < self._lead_until:
                 # A waiter receives now. Take the socket back only once none has for _LINGER_S: in a
                 # loop of synchronous calls this thread then sleeps instead of waking twice per call.
+                # While one waiter stays (a long call), this thread waits for that waiter to notify it as it
+                # leaves, instead of waking each _LINGER_S to look (a wake costs tens of µs of CPU);
+                # while short waits follow one another, it wakes each _LINGER_S and nobody notifies it.
                 with self._lead_cv:
                     self._io_parked = True
+                    seen = -1
                     while (self._wanted or time.monotonic() < self._lead_until) and not self._closed:
-                        self._lead_cv.wait(_LINGER_S)
+                        if self._wanted and self._leads == seen:
+                            self._io_long = True
+                            self._lead_cv.wait(_PARKED_S)
+                            self._io_long = False
+                        else:
+                            seen = self._leads
+                            self._lead_cv.wait(_LINGER_S)
                     self._io_parked = False
                 continue
             with self._rx_lock:
@@ -585,6 +598,7 @@ class Mailbox:
         me = threading.get_ident()
         with self._lead_cv:
             self._wanted += 1
+            self._leads += 1
         try:
             if not self._io_parked:
                 _poke(self._io_wake_w)  # it parks now, while the request travels, not when the reply comes
@@ -613,6 +627,8 @@ class Mailbox:
             with self._lead_cv:
                 self._wanted -= 1
                 self._lead_until = time.monotonic() + _LINGER_S
+                if self._io_long and not self._wanted:
+                    self._lead_cv.notify()
 
     def _receive_until(self, done: Callable[[], bool], deadline: float | None) -> None:
         poller = zmq.Poller()
