@@ -25,7 +25,8 @@ The model (printed at the end) takes from the same run:
 * hop_us: one extra agent hop (call_one to a proc behind an agent minus the same to a local proc),
 * level_us: one more tree level (8 agents as a chain, fan-out 1, vs flat, fan-out 8, per level; gathered
   replies climb the chain too, so it counts both ways),
-* entry_us: the controller's CPU per gathered reply (slope of its CPU per call() over procs on one agent),
+* entry_us: the controller's CPU per gathered reply (slope of its CPU per call() over 2-64 procs on one agent;
+  a call() to one proc is not gathered),
 * chunk_us: the controller's CPU per agent it sends to and hears a chunk from (slope of its CPU per call()
   over agents, flat tree, less that agent's procs' entries),
 * agent_level_us: an agent's CPU for one call at one level (``_gather.Gathers`` timed in this process: P
@@ -488,7 +489,8 @@ def depth(hosts: int, fanout: int) -> int:
 
 
 def model(rows, res, agents_sweep) -> dict:
-    one = [r for r in rows if r["agents"] == 1 and r["fanout"] == FANOUT]
+    # (a call() to one proc is never gathered: the slopes start at 2 procs)
+    one = [r for r in rows if r["agents"] == 1 and r["fanout"] == FANOUT and r["procs"] > 1]
     procs1 = [r["procs"] for r in one]
     entry_us = _slope(procs1, [r["gather_cpu_us"] for r in one])
     reply_us = _slope(procs1, [r["direct_cpu_us"] for r in one])
