@@ -20,8 +20,10 @@ torch (no mesh). Figures, medians of REPEATS loops of STEPS steps:
   step_ms    wall time per step, every step's work done (the loop ends with a fetch of the last loss)
   msgs       instruction messages per step per proc, counted by the client (MeshClient.messages)
   params     the model's parameter tensors (a replay's guards must not cost per parameter)
+  py_calls   Python function calls in the controller's thread per step (cProfile's count over STEPS steps of
+             their own): its work counted, not timed, so load does not change it
   cpu / gpt2 a compiled step's controller CPU time over the 2-layer GPT's on the same mesh (issue 38's
-             target: at most 1.2 at 32 layers)
+             target: at most 1.2 at 32 layers); calls / gpt2 the same of py_calls
 Every process computes with one torch thread. PyTorch Monarch's ``compile`` is not measured here: torchmonarch
 is not installed in this environment (bench/dispatch_bench.py says how to install it aside).
 """
@@ -121,8 +123,21 @@ def measure(workload: str, mode: str, procs, client) -> dict:
         cpu.append(spent_cpu / STEPS * 1e6)
         if client is not None:
             msgs.append((client.messages - m0) / STEPS / len(client.addrs))
+    calls = None
+    if mode != "eager":  # the controller's work per step counted, not timed: Python calls in its thread
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(STEPS):
+            loss = step()
+        prof.disable()
+        calls = sum(v[1] for v in pstats.Stats(prof).stats.values()) / STEPS
+        last = fetch(loss)
     assert last == last and last < first * 1.5, f"training diverged: loss {first} -> {last}"
     return {"ctl_us": statistics.median(ctl), "cpu_us": statistics.median(cpu), "step_ms": statistics.median(wall),
+            "calls": calls,
             "msgs": statistics.median(msgs) if msgs else 0.0, "params": len(list(model.parameters()))}
 
 
@@ -174,22 +189,24 @@ def main() -> None:
         finally:
             procs.stop().get(timeout=TIMEOUT)
     load1 = os.getloadavg()
-    head = ["workload", "params", "procs", "mode", "ctl_us", "cpu_us", "step_ms", "msgs", "step / eager",
-            "cpu / gpt2"]
+    head = ["workload", "params", "procs", "mode", "ctl_us", "cpu_us", "py_calls", "step_ms", "msgs",
+            "step / eager", "cpu / gpt2", "calls / gpt2"]
     rows = []
     for w in WORKLOADS:
         eager = results.get(f"{w}/eager")
         if eager is not None:
             rows.append([w, str(eager["params"]), "-", "eager", f"{eager['ctl_us']:.0f}", f"{eager['cpu_us']:.0f}",
-                         f"{eager['step_ms']:.2f}", "-", "1.00", "-"])
+                         "-", f"{eager['step_ms']:.2f}", "-", "1.00", "-", "-"])
         for n in PROCS:
             for mode in mesh_modes:
                 r = results[f"{w}/{n}/{mode}"]
                 base = results.get(f"gpt2/{n}/compiled") if mode == "compiled" and w.startswith("gpt") else None
                 rows.append([w, str(r["params"]), str(n), mode, f"{r['ctl_us']:.0f}", f"{r['cpu_us']:.0f}",
+                             f"{r['calls']:.0f}",
                              f"{r['step_ms']:.2f}", f"{r['msgs']:.1f}",
                              f"{r['step_ms'] / eager['step_ms']:.2f}" if eager else "-",
-                             f"{r['cpu_us'] / base['cpu_us']:.2f}" if base else "-"])
+                             f"{r['cpu_us'] / base['cpu_us']:.2f}" if base else "-",
+                             f"{r['calls'] / base['calls']:.2f}" if base else "-"])
     print(markdown(head, rows, {}, {}))
     print(f"load average {load0[0]:.2f} at the start, {load1[0]:.2f} at the end")
     if args.json:
