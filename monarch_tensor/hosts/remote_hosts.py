@@ -38,6 +38,7 @@ from ..transport._net import ip_towards
 from ..transport.mailbox import current_mailbox
 from ..transport.messages import PortRef, SendToPort, StopProc
 from . import _spawn_tree
+from ._address import split_agent_address
 from .agent_messages import EndSession, KeepSession, KillProcs, OpenSession, ReportExit, ShutdownAgent, SpawnProcs
 from .bootstrap import bootstrap_plan, check_bootstrap, run_bootstrap
 from .host import (
@@ -197,8 +198,9 @@ class AgentClient:
     """The control connection to one host agent; ``request`` is a round trip with a timeout."""
 
     def __init__(self, addr: str, keys: _curve.JobKeys, timeout: float = CONNECT_TIMEOUT) -> None:
+        addr = split_agent_address(addr)[0]  # (an alias's dial address: where the agent is reached)
         port = addr.rpartition(":")[2]
-        if not addr.startswith("tcp://") or not (port.isdigit() and 1 <= int(port) <= 65535):
+        if not (port.isdigit() and 1 <= int(port) <= 65535):
             raise ValueError(f"a host agent's address is tcp://HOST:PORT with PORT in 1-65535, got {addr!r}")
         self.addr, self.keys = addr, keys
         self.ctx = _agents_context()
