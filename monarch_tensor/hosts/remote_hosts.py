@@ -456,6 +456,19 @@ class RemoteHostMesh(HostMesh):
         self._handle = next(_handles) if handle is None else handle
         self._borrowed = False  # unpickled in this process (``_attached``)
 
+    @property
+    def stream_logs(self) -> bool:
+        """Whether procs spawned on these hosts stream their stdout and stderr to this script from their start.
+        As Monarch's job and ``attach_to_workers`` host meshes: not unless log forwarding was turned on
+        explicitly (``configure(enable_log_forwarding=True)`` or ``MONARCH_TENSOR_ENABLE_LOG_FORWARDING=1``);
+        their output goes to their host agent's. ``procs.logging_option(stream_to_client=True)`` turns it on
+        for a running mesh."""
+        from .. import config
+
+        explicit = "enable_log_forwarding" in config.get_runtime_config() or \
+            "MONARCH_TENSOR_ENABLE_LOG_FORWARDING" in os.environ
+        return explicit and bool(config.get("enable_log_forwarding"))
+
     def _new_with_shape(self, shape: Shape) -> RemoteHostMesh:
         """A slice, split, rename or flatten: ``hosts.slice(hosts=0)`` is one host (no dim left)."""
         mesh = RemoteHostMesh([self._agents[r] for r in shape.ranks()], shape, self._python_exe, self._handle)
@@ -528,6 +541,7 @@ class RemoteHostMesh(HostMesh):
         from .. import config
 
         settings = config.proc_env()  # configure()'s settings that procs act on
+        settings["MONARCH_TENSOR_ENABLE_LOG_FORWARDING"] = "1" if self.stream_logs else "0"
         running: dict[int, int] = {}  # id of an agent -> its live procs
         for p in [p for mesh in list(_live_meshes) for p in mesh._procs if p.alive]:
             key = id(getattr(p, "agent", None))
