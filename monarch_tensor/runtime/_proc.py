@@ -1034,10 +1034,13 @@ _PLAIN = frozenset({type(None), bool, int, float, str, bytes, tuple, list, dict}
 def _thread_locals(instance: object) -> tuple:
     """The ``threading.local`` attributes of an actor and what its constructor's thread set in them: the loop's
     thread, where its endpoints run, sees the same (Monarch runs constructor and endpoints on one thread)."""
-    attrs = getattr(instance, "__dict__", None)
-    if not attrs:
+    try:
+        attrs = getattr(instance, "__dict__", None)
+        if not isinstance(attrs, dict):
+            return ()
+        return tuple((v, dict(v.__dict__)) for v in list(attrs.values()) if isinstance(v, threading.local))
+    except Exception:  # noqa: BLE001 - an odd instance carries nothing; its construction still completes
         return ()
-    return tuple((v, dict(v.__dict__)) for v in list(attrs.values()) if isinstance(v, threading.local))
 
 
 def _cleanup(slot: _Slot) -> None:
