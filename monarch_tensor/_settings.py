@@ -89,7 +89,7 @@ _DECLARED = [
     # configure()'s options (config.SETTINGS is built from these).
     Setting("MONARCH_TENSOR_ENABLE_LOG_FORWARDING", "flag", True, "procs", _OPTIONS,
             "procs' stdout and stderr reach the script (procs spawned afterwards; procs.logging_option() switches "
-            "a running mesh)", option="enable_log_forwarding"),
+            "a running mesh); on a job's hosts only when set explicitly, as Monarch's", option="enable_log_forwarding"),
     Setting("MONARCH_TENSOR_PREFIX_WITH_RANK", "flag", True, "client", _OPTIONS,
             "forwarded lines start with their proc's [rank]", option="prefix_with_rank"),
     Setting("MONARCH_TENSOR_FOLD_REPEATED_LINES", "flag", True, "client", _OPTIONS,

@@ -37,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     kg = sub.add_parser("keygen", help="write a new job key pair to a 0600 file")
     kg.add_argument("path")
     h = sub.add_parser("host", help="run a host agent (spawns and serves this machine's procs)")
-    h.add_argument("--bind", required=True, help="tcp://HOST:PORT to listen on (PORT 0: any free port)")
+    h.add_argument("--bind", required=True, help="tcp://HOST:PORT to listen on (PORT 0: any free port), or "
+                                                  "tcp://DIAL_HOST:PORT@tcp://BIND_HOST:PORT: listen on BIND, "
+                                                  "be reached at DIAL")
     h.add_argument("--key-file", default=None, help="the job's key file (else MONARCH_TENSOR_KEY_FILE or "
                                                     "MONARCH_TENSOR_CURVE_PUBLIC/SECRET)")
     h.add_argument("--ttl", type=_seconds(more_than_0=True), default=3600.0,

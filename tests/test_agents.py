@@ -413,6 +413,9 @@ def test_address_in_use_is_a_clear_error(job):
     ("tcp://127.0.0.1:abc", "port of 1-65535"),
     ("tcp://10.255.255.254:0", "cannot listen on .*HOST must be an address or name of this machine"),
     ("tcp://nosuchhost.invalid:0", "cannot listen on .*HOST must be an address or name of this machine"),
+    ("ipc:///tmp/agent0", "an ipc:// agent address .* is not served; on one machine use tcp://127.0.0.1:PORT"),
+    ("udp://127.0.0.1:0", "address is tcp://HOST:PORT, or Monarch's alias tcp://DIAL_HOST:PORT@tcp://BIND_HOST"),
+    ("tcp://:5@tcp://127.0.0.1:0", "alias is tcp://DIAL_HOST:PORT@tcp://BIND_HOST:PORT, got the dial address"),
 ])
 def test_a_bad_bind_address_is_a_clear_error(bind, why):
     # A raw zmq traceback before, or a port that silently wrapped.
@@ -791,10 +794,12 @@ def test_monarchs_other_worker_loop_entry_points_serve_until_their_hosts_shut_do
         for var in (_curve.ENV_PUBLIC, _curve.ENV_SECRET, _curve.ENV_KEY_FILE):
             monkeypatch.delenv(var, raising=False)
     addr_file = str(tmp_path / "addr")
+    # (the opt-out's agent binds Monarch's alias form: listen on every interface, named by 127.0.0.1)
+    bind = "tcp://127.0.0.1:0" if auth == "key" else "tcp://127.0.0.1:0@tcp://0.0.0.0:0"
     body = (f"fut = start_worker_loop_forever(address='tcp://127.0.0.1:0', {creds}, "
             f"address_file={addr_file!r})\nprint('started', flush=True)\nfut.get(timeout=100)"
             if entry == "start_worker_loop_forever" else
-            f"run_worker_loop_until_shutdown(address='tcp://127.0.0.1:0', {creds}, "
+            f"run_worker_loop_until_shutdown(address={bind!r}, {creds}, "
             f"address_file={addr_file!r})")
     script = f"import sys\nsys.path.insert(0, {ROOT!r})\nfrom monarch_tensor.actor import {entry}\n{body}\n" \
              f"print('returned', flush=True)\n"
@@ -812,8 +817,9 @@ def test_monarchs_other_worker_loop_entry_points_serve_until_their_hosts_shut_do
         else:
             with pytest.raises(JobKeyError, match="trust_all_connections"):  # still refused without the opt-out
                 attach_to_workers(workers=[addr])
-            with pytest.warns(InsecureConnectionWarning, match="accept any peer"):
-                hosts = attach_to_workers(workers=[addr], ca="trust_all_connections")
+            assert addr.startswith("tcp://127.0.0.1:")  # the alias's dial address, with the port it bound
+            with pytest.warns(InsecureConnectionWarning, match="accept any peer"):  # (a ProcAddr's alias dials left)
+                hosts = attach_to_workers(workers=[f"service<x>@{addr}@tcp://0.0.0.0:1"], ca="trust_all_connections")
         procs = hosts.spawn_procs(per_host={"gpus": 1})
         assert procs.spawn("w", Where).where.call_one().get(timeout=60)[0] == 0
         hosts.shutdown()

@@ -321,19 +321,36 @@ def test_what_pipelined_calls_printed_comes_before_each_result(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_what_a_host_agents_proc_printed_comes_before_its_result(tmp_path):
-    """A host agent's procs send their lines themselves (a pump thread per stream), on the mailbox the reply
-    takes next: the reply waits until the pumps sent what the pipes held."""
+    """A job's procs stream nothing to the script by default (Monarch's job host meshes: stream_logs=False);
+    logging_option(stream_to_client=True), or log forwarding configured on explicitly, turns it on. A host
+    agent's procs send their lines themselves (a pump thread per stream), on the mailbox the reply takes next:
+    the reply waits until the pumps sent what the pipes held."""
     out = run_script(tmp_path, ORDER_CHECK + textwrap.dedent('''
+        import asyncio
+
+        from monarch_tensor.config import configure
         from monarch_tensor.job import LocalJob
 
         job = LocalJob(meshes={"m": 1}, root_dir=sys.argv[1], ttl=60)
         try:
-            procs = job.state(cached_path=None).m.spawn_procs(per_host={"gpus": 2})
+            hosts = job.state(cached_path=None).m
+            print("STREAMS", hosts.stream_logs)
+            procs = hosts.spawn_procs(per_host={"gpus": 2})
+            procs.spawn("talker", Talker).say.call("job default muted").get(timeout=30)
+            asyncio.run(procs.logging_option(stream_to_client=True))
             print("LATE", late_lines(procs))
+            procs.stop().get(timeout=30)
+            configure(enable_log_forwarding=True)
+            print("STREAMS", hosts.stream_logs)
+            procs = hosts.spawn_procs(per_host={"gpus": 1})
+            procs.spawn("talker", Talker).say.call("configured on").get(timeout=30)
+            wait_for(sys.stdout, "[0] configured on")
             procs.stop().get(timeout=30)
         finally:
             job.kill()
     '''), args=[str(tmp_path / "job")], timeout=150)
+    assert lines(out.stdout)[:1] == ["STREAMS False"] and "STREAMS True" in lines(out.stdout), out.stdout
+    assert "job default muted" not in out.stdout  # (it went to the agent's output)
     assert "LATE []" in lines(out.stdout), out.stdout
 
 

@@ -643,3 +643,43 @@ def test_a_name_stopped_while_its_constructor_runs_may_be_spawned_again(procs):
     assert again._name == "slow_init" and again.ping.call_one().get(timeout=T) == "pong"
     time.sleep(1.2)  # (the first constructor has returned, and its actor stopped)
     assert again.ping.call_one().get(timeout=T) == "pong"
+
+
+class TLSActor(Actor):
+    """Monarch's test_python_actors.py TLSActor / TLSActorFullSync: a threading.local set in __init__."""
+
+    def __init__(self) -> None:
+        self.local = threading.local()
+        self.local.value = 0
+        self.init_thread = threading.get_ident()
+
+    @endpoint
+    def increment(self) -> None:
+        self.local.value += 1
+
+    @endpoint
+    async def increment_async(self) -> None:
+        self.local.value += 1
+
+    @endpoint
+    def get_value(self) -> int:
+        return self.local.value
+
+    @endpoint
+    async def get_async(self) -> int:
+        return self.local.value
+
+    @endpoint
+    def threads(self) -> tuple:
+        return self.init_thread, threading.get_ident()
+
+
+def test_a_thread_local_set_in_init_is_seen_by_the_endpoints(procs):
+    am = procs.spawn("tls", TLSActor)
+    for method in (am.increment, am.increment_async, am.increment, am.increment_async):
+        method.call_one().get(timeout=T)
+    assert am.get_value.call_one().get(timeout=T) == 4
+    assert am.get_async.call_one().get(timeout=T) == 4
+    init_thread, endpoint_thread = am.threads.call_one().get(timeout=T)
+    assert init_thread != endpoint_thread  # (the constructor still ran on a thread of its own)
+    am.stop().get(timeout=T)

@@ -38,6 +38,7 @@ from ..transport import _curve, _fanout, _wire
 from ..transport._fanout import ROUTE_MAGIC, UP_MAGIC
 from ..transport.mailbox import _EVENTS, _POLLIN, new_ipc_address
 from ..transport.messages import ForwardLogs, SendToPort
+from ._address import split_agent_address
 from ._gather import Gathers
 from ._spawn_tree import SpawnTrees
 from .agent_messages import (
@@ -85,8 +86,7 @@ class HostAgent:
 
     def __init__(self, bind: str, keys: _curve.JobKeys, *, ttl: float = DEFAULT_TTL,
                  advertise: str | None = None) -> None:
-        if not bind.startswith("tcp://"):
-            raise ValueError(f"a host agent listens on tcp://HOST:PORT, got {bind!r}")
+        dial, bind = split_agent_address(bind)  # (an alias: listen on bind, be reached and named by dial)
         host, _, port = bind[len("tcp://"):].rpartition(":")
         if not host or not (port in ("*", "0") or (port.isdigit() and 0 < int(port) < 65536)):
             raise ValueError(f"a host agent listens on tcp://HOST:PORT with a port of 1-65535 (or 0: any free "
@@ -113,6 +113,13 @@ class HostAgent:
             raise ValueError(f"cannot listen on {bind}: {e.strerror} (HOST must be an address or name of this "
                              f"machine, or 0.0.0.0 for all of them)") from e
         bound_port = self.router.getsockopt(zmq.LAST_ENDPOINT).decode().rpartition(":")[2]
+        dial_host, _, dial_port = dial[len("tcp://"):].rpartition(":")
+        if dial != bind:
+            if not dial_host or not dial_port.isdigit() or not 0 <= int(dial_port) < 65536:
+                raise ValueError(f"a host agent's alias is tcp://DIAL_HOST:PORT@tcp://BIND_HOST:PORT, got the "
+                                 f"dial address {dial!r}")
+            advertise = advertise or dial_host
+            bound_port = bound_port if dial_port == "0" else dial_port  # (NAT: the port peers dial)
         if advertise is None:
             advertise = host if host not in ("*", "0.0.0.0", "") else _my_ip()
         self.addr = f"tcp://{advertise}:{bound_port}"

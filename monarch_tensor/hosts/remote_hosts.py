@@ -38,6 +38,7 @@ from ..transport._net import ip_towards
 from ..transport.mailbox import current_mailbox
 from ..transport.messages import PortRef, SendToPort, StopProc
 from . import _spawn_tree
+from ._address import split_agent_address
 from .agent_messages import EndSession, KeepSession, KillProcs, OpenSession, ReportExit, ShutdownAgent, SpawnProcs
 from .bootstrap import bootstrap_plan, check_bootstrap, run_bootstrap
 from .host import (
@@ -197,8 +198,9 @@ class AgentClient:
     """The control connection to one host agent; ``request`` is a round trip with a timeout."""
 
     def __init__(self, addr: str, keys: _curve.JobKeys, timeout: float = CONNECT_TIMEOUT) -> None:
+        addr = split_agent_address(addr)[0]  # (an alias's dial address: where the agent is reached)
         port = addr.rpartition(":")[2]
-        if not addr.startswith("tcp://") or not (port.isdigit() and 1 <= int(port) <= 65535):
+        if not (port.isdigit() and 1 <= int(port) <= 65535):
             raise ValueError(f"a host agent's address is tcp://HOST:PORT with PORT in 1-65535, got {addr!r}")
         self.addr, self.keys = addr, keys
         self.ctx = _agents_context()
@@ -454,6 +456,19 @@ class RemoteHostMesh(HostMesh):
         self._handle = next(_handles) if handle is None else handle
         self._borrowed = False  # unpickled in this process (``_attached``)
 
+    @property
+    def stream_logs(self) -> bool:
+        """Whether procs spawned on these hosts stream their stdout and stderr to this script from their start.
+        As Monarch's job and ``attach_to_workers`` host meshes: not unless log forwarding was turned on
+        explicitly (``configure(enable_log_forwarding=True)`` or ``MONARCH_TENSOR_ENABLE_LOG_FORWARDING=1``);
+        their output goes to their host agent's. ``procs.logging_option(stream_to_client=True)`` turns it on
+        for a running mesh."""
+        from .. import config
+
+        explicit = "enable_log_forwarding" in config.get_runtime_config() or \
+            "MONARCH_TENSOR_ENABLE_LOG_FORWARDING" in os.environ
+        return explicit and bool(config.get("enable_log_forwarding"))
+
     def _new_with_shape(self, shape: Shape) -> RemoteHostMesh:
         """A slice, split, rename or flatten: ``hosts.slice(hosts=0)`` is one host (no dim left)."""
         mesh = RemoteHostMesh([self._agents[r] for r in shape.ranks()], shape, self._python_exe, self._handle)
@@ -526,6 +541,7 @@ class RemoteHostMesh(HostMesh):
         from .. import config
 
         settings = config.proc_env()  # configure()'s settings that procs act on
+        settings["MONARCH_TENSOR_ENABLE_LOG_FORWARDING"] = "1" if self.stream_logs else "0"
         running: dict[int, int] = {}  # id of an agent -> its live procs
         for p in [p for mesh in list(_live_meshes) for p in mesh._procs if p.alive]:
             key = id(getattr(p, "agent", None))

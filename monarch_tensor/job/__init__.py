@@ -8,7 +8,8 @@
 
 The command-line workflow (``monarch-tensor apply myjob.job``, ``exec``, ``shell``, ``kill``, ``context``)
 keeps the working directory's current job: ``set_current_job``, ``load_current_job`` (``current.py``),
-``exec_command`` (``exec.py``), ``shell`` (``shell.py``).
+``exec_command`` (``exec.py``), ``shell`` (``shell.py``). ``PortForwarder`` forwards TCP ports between
+proc meshes (``port_forward.py``).
 """
 
 from ._base import JobState, JobTrait, job_load, job_loads
@@ -16,8 +17,9 @@ from .current import DEFAULT_JOB_PATH, load_current_job, set_current_job
 from .exec import exec_command
 from .hosts import HostListJob
 from .local import LocalJob, ProcessJob
+from .port_forward import PortForwarder
 from .shell import shell
 from .slurm import SlurmJob
 
-__all__ = ["DEFAULT_JOB_PATH", "HostListJob", "JobState", "JobTrait", "LocalJob", "ProcessJob", "SlurmJob",
+__all__ = ["DEFAULT_JOB_PATH", "HostListJob", "JobState", "JobTrait", "LocalJob", "PortForwarder", "ProcessJob", "SlurmJob",
            "exec_command", "job_load", "job_loads", "load_current_job", "set_current_job", "shell"]

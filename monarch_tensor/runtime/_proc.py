@@ -7,7 +7,8 @@ task that holds the actor until it finishes. An endpoint that blocks the loop
 waiting on a reply (``.get()``) runs the loop's turns meanwhile
 (``_blocked_turn``), so the calls it waits on run even when they are async.
 An actor's constructor runs on a thread of its own (``_construct``), so one
-that blocks leaves the proc's other actors serving.
+that blocks leaves the proc's other actors serving; what it set in the actor's
+``threading.local`` attributes is carried over to the loop's thread.
 Replies go straight back to the caller's port. Nothing a message contains can
 kill the proc: an unknown actor or endpoint, or an endpoint that raises,
 becomes an error reply (an endpoint
@@ -510,11 +511,14 @@ class ProcRuntime:
             self._constructed(slot, msg, instance, err)
             return
         try:
-            self.loop.call_soon_threadsafe(self._constructed, slot, msg, instance, err)
+            self.loop.call_soon_threadsafe(self._constructed, slot, msg, instance, err, _thread_locals(instance))
         except RuntimeError:  # the loop closed: the proc stops
             pass
 
-    def _constructed(self, slot: _Slot, msg: SpawnActor, instance: object, err: ActorError | None) -> None:
+    def _constructed(self, slot: _Slot, msg: SpawnActor, instance: object, err: ActorError | None,
+                     carried: tuple = ()) -> None:
+        for local, values in carried:  # (on the loop's thread, where its endpoints run)
+            local.__dict__.update(values)
         slot.instance = slot.ctx.instance = instance
         slot.init_error = err
         slot.busy = slot.initializing = False
@@ -1025,6 +1029,18 @@ def _nothing() -> None:
 
 # Results that are never awaitable (inspect.isawaitable's ABC check costs ~1 µs a call).
 _PLAIN = frozenset({type(None), bool, int, float, str, bytes, tuple, list, dict})
+
+
+def _thread_locals(instance: object) -> tuple:
+    """The ``threading.local`` attributes of an actor and what its constructor's thread set in them: the loop's
+    thread, where its endpoints run, sees the same (Monarch runs constructor and endpoints on one thread)."""
+    try:
+        attrs = getattr(instance, "__dict__", None)
+        if not isinstance(attrs, dict):
+            return ()
+        return tuple((v, dict(v.__dict__)) for v in list(attrs.values()) if isinstance(v, threading.local))
+    except Exception:  # noqa: BLE001 - an odd instance carries nothing; its construction still completes
+        return ()
 
 
 def _cleanup(slot: _Slot) -> None:
