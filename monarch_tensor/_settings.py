@@ -193,7 +193,8 @@ _DECLARED = [
             takes="a number of seconds a collective waits for its group"),
     Setting("MONARCH_TENSOR_NO_SHM_REDUCE", "flag", False, "procs", _ENGINE,
             "on: collectives whose procs all run on one host (reduces, and process groups' all-reduce, "
-            "all-gather and reduce-scatter) go through gloo (TCP on the loopback), not through shared memory"),
+            "all-gather, reduce-scatter, all-to-all and broadcast) go through gloo (TCP on the loopback), not through "
+            "shared memory"),
     # Data plane.
     Setting("MONARCH_TENSOR_PAYLOAD_THRESHOLD", "int", 1 << 20, "procs", _DATA,
             "bytes from which an array or tensor in a message to another host is pulled over the data plane (0: "

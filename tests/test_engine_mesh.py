@@ -488,10 +488,11 @@ def test_send_and_recv_on_a_process_group(mesh):
                 torch.testing.assert_close(inspect(got, hosts=h, gpus=g), _local(h * 2 + (1 - g)))
 
 
-@remote(propagate=lambda t, group: (t.new_empty(2 * t.numel()), t.new_empty(t.numel() // 2), t.clone()))
+@remote(propagate=lambda t, group: (t.new_empty(2 * t.numel()), t.new_empty(t.numel() // 2), t.clone(), t.clone()))
 def _newer_collectives(t, group):
     """torch 2.13's all_gather_into_tensor / reduce_scatter_tensor (all_gather_single, reduce_scatter_single on
-    the group), monitored_barrier, and a functional collective, which finds the group by its name."""
+    the group), monitored_barrier, a functional collective, which finds the group by its name, and an
+    all-to-all in equal parts."""
     import torch.distributed._functional_collectives as funcol
 
     gathered = t.new_empty(2 * t.numel())
@@ -499,7 +500,9 @@ def _newer_collectives(t, group):
     scattered = t.new_empty(t.numel() // 2)
     torch.distributed.reduce_scatter_tensor(scattered, t.clone(), group=group)
     torch.distributed.monitored_barrier(group=group)
-    return gathered, scattered, funcol.all_reduce(t, "sum", group)
+    exchanged = torch.empty_like(t)
+    torch.distributed.all_to_all_single(exchanged, t, group=group)
+    return gathered, scattered, funcol.all_reduce(t, "sum", group), exchanged
 
 
 @remote(propagate=lambda t, group: t.clone())
@@ -520,11 +523,12 @@ def test_newer_collectives_and_a_group_after_the_scripts_destroy_process_group()
         pg = procs.process_group("gpus")
         with procs.activate():
             x = procs.rank("gpus").float() * 10 + torch.arange(4.)
-            gathered, scattered, summed = _newer_collectives(x, pg)
+            gathered, scattered, summed, exchanged = _newer_collectives(x, pg)
             for r in range(2):
                 assert inspect(gathered, gpus=r).tolist() == [0, 1, 2, 3, 10, 11, 12, 13]
                 assert inspect(scattered, gpus=r).tolist() == [[10, 12], [14, 16]][r]
                 assert inspect(summed, gpus=r).tolist() == [10, 12, 14, 16]
+                assert inspect(exchanged, gpus=r).tolist() == [[0, 1, 10, 11], [2, 3, 12, 13]][r]
             inspect(_broadcast_after_a_destroy(x, pg), gpus=0)
             assert inspect(_broadcast_from(x, pg, 1), gpus=0).tolist() == [10, 11, 12, 13]
     finally:

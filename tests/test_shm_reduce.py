@@ -1,5 +1,6 @@
 """The shared-memory collectives of same-host groups (worker/shm_reduce.py), between real processes: results
-equal local torch's bit for bit on every member (chunked buffers too; all-reduce, all-gather, reduce-scatter), the choice of it is the same on every
+equal local torch's bit for bit on every member (chunked buffers too; all-reduce, all-gather, reduce-scatter,
+all-to-all, broadcast), the choice of it is the same on every
 member, nothing is left in /dev/shm, and a member that is gone or silent fails the others' wait instead of
 hanging it."""
 
@@ -59,6 +60,14 @@ def _member(rank: int, port: int, conn, host_id: str | None) -> None:
                     out = torch.empty(N * work.numel(), dtype=work.dtype)
                     shm.allgather(out, work, lambda: [], timeout)
                     work = out
+                elif kind == "alltoall":
+                    out = torch.full_like(work, -1)
+                    shm.alltoall(out, work, lambda: [], timeout)
+                    work = out
+                elif kind == "alltoall_in_place":
+                    shm.alltoall(work, work, lambda: [], timeout)
+                elif kind == "broadcast":
+                    shm.broadcast(work, int(reduction), lambda: [], timeout)
                 else:
                     out = torch.empty(work.numel() // N, dtype=work.dtype)
                     shm.reduce_scatter(out, work, reduction, lambda: [], timeout)
@@ -162,6 +171,31 @@ def test_all_gather_and_reduce_scatter_equal_local_torch(members, part, dtype, r
     for kind, got in members.run(data, reduction, kind="allgather"):
         assert kind == "ok", got
         assert torch.equal(got, torch.cat(data))
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(part=st.integers(1, 400), dtype=st.sampled_from(DTYPES), root=st.integers(0, N - 1),
+       in_place=st.booleans(), seed=st.integers(0, 2**16))
+def test_all_to_all_and_broadcast_equal_local_torch(members, part, dtype, root, in_place, seed):
+    g = torch.Generator().manual_seed(seed)
+    data = [(torch.randn(N * part, generator=g) * 10).to(dtype) for _ in range(N)]
+    kind = "alltoall_in_place" if in_place else "alltoall"
+    for r, (status, got) in enumerate(members.run(data, "", kind=kind)):
+        assert status == "ok", got
+        assert torch.equal(got, torch.cat([d.chunk(N)[r] for d in data]))
+    for status, got in members.run(data, str(root), kind="broadcast"):
+        assert status == "ok", got
+        assert torch.equal(got, data[root])
+
+
+def test_all_to_all_and_broadcast_of_buffers_larger_than_a_slot(members):
+    big = [torch.arange(N * (SLOT_BYTES // 8 + 3), dtype=torch.float64) * (r + 1) for r in range(N)]  # two chunks
+    for r, (status, got) in enumerate(members.run(big, "", kind="alltoall")):
+        assert status == "ok" and torch.equal(got, torch.cat([d.chunk(N)[r] for d in big])), got
+    for r, (status, got) in enumerate(members.run(big, "", kind="alltoall_in_place")):
+        assert status == "ok" and torch.equal(got, torch.cat([d.chunk(N)[r] for d in big])), got
+    for status, got in members.run(big, "1", kind="broadcast"):
+        assert status == "ok" and torch.equal(got, big[1]), got
 
 
 def test_nothing_is_left_in_the_shared_memory_folder(members):

@@ -142,8 +142,9 @@ class StagedGroup(dist.ProcessGroup):
     and DTensor's collectives handed to it as CUDA tensors crashed the procs (SIGSEGV; torch 2.11, H100).
     CPU tensors go to gloo as they are. Each call completes before it returns (the ``Work`` it gives is gloo's, done).
     Where the group's procs share a host (``same_host``), its all-reduce, all-gather and reduce-scatter of
-    contiguous CPU tensors by sum, max, min or product go through shared memory instead (``SameHostReduce``;
-    the same choice on every member: it depends on the call's arguments only)."""
+    contiguous CPU tensors by sum, max, min or product, its all-to-all in equal parts and its broadcast go
+    through shared memory instead (``SameHostReduce``; the same choice on every member: it depends on the
+    call's arguments only)."""
 
     def __init__(self, backend, rank: int, size: int, same_host=None) -> None:
         super().__init__(rank, size)
@@ -225,6 +226,13 @@ class StagedGroup(dist.ProcessGroup):
         return self.barrier()
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        # Through shared memory only with no split sizes given (equal parts): sizes may differ between members,
+        # and each member's choice must be the same.
+        if self._shm is not None and not output_split_sizes and not input_split_sizes \
+                and self._shm.takes(output, input) and output.dtype == input.dtype \
+                and output.numel() == input.numel() and input.numel() % self.size() == 0:
+            self._shm.alltoall(output, input, self._lost, TIMEOUT)
+            return _done([output])
         return self._staged("alltoall_base", [output], [input], output_split_sizes, input_split_sizes,
                             opts or dist.AllToAllOptions())
 
@@ -232,7 +240,11 @@ class StagedGroup(dist.ProcessGroup):
         return self._staged("alltoall", [outputs], [inputs], opts or dist.AllToAllOptions())
 
     def broadcast(self, tensors, opts=None):
-        return self._staged("broadcast", [tensors], [], opts or dist.BroadcastOptions())
+        opts = opts or dist.BroadcastOptions()
+        if self._shm is not None and len(tensors) == 1 and opts.rootTensor == 0 and self._shm.takes(tensors[0]):
+            self._shm.broadcast(tensors[0], opts.rootRank, self._lost, TIMEOUT)
+            return _done(tensors)
+        return self._staged("broadcast", [tensors], [], opts)
 
     def reduce(self, tensors, opts=None):
         return self._staged("reduce", [tensors], [], opts or dist.ReduceOptions())

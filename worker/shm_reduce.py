@@ -1,4 +1,5 @@
-"""All-reduce, all-gather and reduce-scatter through shared memory, for a group whose procs all run on one host.
+"""All-reduce, all-gather, reduce-scatter, all-to-all and broadcast through shared memory, for a group whose procs
+all run on one host.
 
 Gloo sends a same-host all-reduce through TCP on the loopback interface, through its own threads and a
 copy per hop. Here each member has a shared-memory file of
@@ -10,7 +11,8 @@ after every other member has said it finished the chunk that read it (it sends t
 datagram only then), so one exchange of datagrams per chunk is all the synchronisation needed. The
 datagrams go through the kernel, which orders the slot's writes before the reads on every CPU. An
 all-gather copies every member's slot into its place instead; a reduce-scatter sums only this member's
-part of the buffer.
+part of the buffer; an all-to-all copies this member's part of every member's slot; a broadcast copies
+the root's slot (the others write none).
 
 Used by ``Collectives`` for the engine's own reduces (``reduce_``, data-parallel gradients), and by the
 process groups that user code, DTensor and the FSDP path get (``StagedGroup``), when the rendezvous
@@ -176,9 +178,37 @@ class SameHostReduce:
 
         self._exchange(_bytes(input), width, reduce, lost, timeout)
 
-    def _exchange(self, data: torch.Tensor, width: int, use, lost, timeout: float) -> None:
-        """``data`` (bytes) through the slots in chunks: per chunk, this member's part written to its slot, the
-        datagrams exchanged, then ``use(slots, start, size)`` with every member's slot (its chunk at 0)."""
+    def alltoall(self, output: torch.Tensor, input: torch.Tensor, lost, timeout: float) -> None:
+        """``output``'s part j (of n equal parts) = member j's ``input``'s part for this member (its rank's)."""
+        if output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr():
+            input = input.clone()  # (the parts written here would be read from later chunks)
+        out = _bytes(output)
+        part = out.numel() // self.n
+        mine = self.me * part
+
+        def scatter(slots, start: int, size: int) -> None:
+            lo, hi = max(start, mine), min(start + size, mine + part)
+            if lo >= hi:
+                return
+            for j, s in enumerate(slots):
+                out[j * part + lo - mine:j * part + hi - mine].copy_(s[lo - start:hi - start])
+
+        self._exchange(_bytes(input), input.element_size(), scatter, lost, timeout)
+
+    def broadcast(self, tensor: torch.Tensor, root: int, lost, timeout: float) -> None:
+        """``tensor`` = member ``root``'s ``tensor``, on every member (only the root writes its slot)."""
+        data = _bytes(tensor)
+
+        def take(slots, start: int, size: int) -> None:
+            if self.me != root:
+                data[start:start + size].copy_(slots[root][:size])
+
+        self._exchange(data, tensor.element_size(), take, lost, timeout, write=self.me == root)
+
+    def _exchange(self, data: torch.Tensor, width: int, use, lost, timeout: float, write: bool = True) -> None:
+        """``data`` (bytes) through the slots in chunks: per chunk, this member's part written to its slot (unless
+        not ``write``), the datagrams exchanged, then ``use(slots, start, size)`` with every member's slot (its
+        chunk at 0)."""
         if self.broken:
             raise RuntimeError(f"this group's shared-memory collective failed before: {self.broken}")
         step = SLOT_BYTES - SLOT_BYTES % width
@@ -187,7 +217,8 @@ class SameHostReduce:
                 size = min(step, data.numel() - start)
                 self.seq += 1
                 off = (self.seq % 2) * SLOT_BYTES
-                self._mine[off:off + size].copy_(data[start:start + size])
+                if write:
+                    self._mine[off:off + size].copy_(data[start:start + size])
                 self._signal()
                 self._wait_for(self.seq, lost, timeout)
                 use([self._slot(i)[off:off + SLOT_BYTES] for i in range(self.n)], start, size)
