@@ -39,7 +39,6 @@ def test_the_worker_imports_dtensors_needs_in_the_background(off, expected):
 SPAWN = """
 import sys
 sys.path.insert(0, {root!r})
-import torch
 {engine}
 from monarch_tensor.runtime import _zygote
 from monarch_tensor.actor import Actor, endpoint, this_host
@@ -56,12 +55,15 @@ procs.stop().get(timeout=60)
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("engine, expected", [("from monarch_tensor import distribute", "STATE [(True, False)]"),
-                                              ("", "STATE [(False, False)]")])
+@pytest.mark.parametrize("engine, expected", [
+    ("import torch; from monarch_tensor import distribute", "STATE [(True, False)]"),
+    ("import torch", "STATE [(True, False)]"),
+    ("", "STATE [(False, False)]")])
 def test_procs_are_forked_after_their_template_imported_what_dtensor_needs(engine, expected):
-    """With the warm-up on, a script that loaded the tensor engine has its spawn wait for the template's idle
-    imports, so its procs start with them loaded and none imports them again on a thread of its own (seconds
-    of CPU a proc). An actor-only script's procs are forked at once and import nothing in the background."""
+    """With the warm-up on, a script that imported torch (the tensor engine or not) has its spawn wait for the
+    template's idle imports, so its procs start with them loaded and none imports them again (seconds of CPU
+    a proc: an optimizer made in an actor's __init__ imports torch._dynamo). A script without torch has its
+    procs forked at once, and they import nothing in the background."""
     env = dict(os.environ, PYTHONPATH=ROOT, MONARCH_TENSOR_NO_WARMUP="")
     out = subprocess.run([sys.executable, "-c", SPAWN.format(root=ROOT, engine=engine)], env=env,
                          capture_output=True, text=True, timeout=180)

@@ -229,11 +229,12 @@ class LocalHost:
         if self._bare and "torch" in sys.modules:
             self._bare = self._warmed = False  # and warm up the tensor engine meanwhile (spawn)
             _zygote.write_msg(self._req_fd, ("preload", ["torch"], ["torch._dynamo"]))
-        # Procs for the tensor engine (the script has loaded it) wait for the template's idle imports (what
-        # DTensor needs), so that they start with them loaded; others are forked at once and import nothing in
-        # the background (an actor-only script that imported torch spends no seconds of CPU on torch._dynamo;
-        # the engine's worker imports it on its own thread, should the procs run one later).
-        engine = "monarch_tensor.controller" in sys.modules
+        # Where the script has imported torch (its procs then have it too), the spawn waits for the template's
+        # idle imports (torch._dynamo, what DTensor needs), so that the procs start with them loaded: the first
+        # torch.optim optimizer imports torch._dynamo, seconds of CPU in each proc that makes one (an actor per
+        # proc building its optimizer in __init__: all at once, on the same cores), against once in the
+        # template. A script without torch gets its procs forked at once; they import nothing in the background.
+        engine = "monarch_tensor.controller" in sys.modules or "torch" in sys.modules
         for info, env in zip(infos, envs):
             self._next += 1
             fut = Future("proc spawn")
