@@ -674,6 +674,34 @@ class TLSActor(Actor):
         return self.init_thread, threading.get_ident()
 
 
+class DeviceActor(Actor):
+    """Sets its CUDA device in __init__, as a GPU trainer does (``torch.cuda.set_device(local_rank)``). This proc
+    has no GPU: torch.cuda's per-thread current device is stood in for by a thread-local here."""
+
+    def __init__(self, device: int) -> None:
+        import torch
+
+        per_thread = threading.local()
+        torch.cuda.is_initialized = lambda: True
+        torch.cuda.current_device = lambda: getattr(per_thread, "device", 0)
+        torch.cuda.set_device = lambda d: setattr(per_thread, "device", d)
+        torch.cuda.set_device(device)
+
+    @endpoint
+    def device(self) -> int:
+        import torch
+
+        return torch.cuda.current_device()
+
+
+def test_the_cuda_device_set_in_init_is_current_in_the_endpoints():
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        assert procs.spawn("dev", DeviceActor, 3).device.call_one().get(timeout=T) == 3
+    finally:
+        procs.stop().get(timeout=T)
+
+
 def test_a_thread_local_set_in_init_is_seen_by_the_endpoints(procs):
     am = procs.spawn("tls", TLSActor)
     for method in (am.increment, am.increment_async, am.increment, am.increment_async):

@@ -8,7 +8,8 @@ waiting on a reply (``.get()``) runs the loop's turns meanwhile
 (``_blocked_turn``), so the calls it waits on run even when they are async.
 An actor's constructor runs on a thread of its own (``_construct``), so one
 that blocks leaves the proc's other actors serving; what it set in the actor's
-``threading.local`` attributes is carried over to the loop's thread.
+``threading.local`` attributes, and the CUDA device it made current, are carried
+over to the loop's thread.
 Replies go straight back to the caller's port. Nothing a message contains can
 kill the proc: an unknown actor or endpoint, or an endpoint that raises,
 becomes an error reply (an endpoint
@@ -501,6 +502,7 @@ class ProcRuntime:
             self._bind_thread()
         token = _context.enter(slot.ctx)
         instance, err = None, None
+        device = _cuda_device()
         try:
             instance = msg.cls(*msg.args, **msg.kwargs)
         except BaseException as e:  # noqa: BLE001 - the constructor is user code
@@ -510,15 +512,24 @@ class ProcRuntime:
         if inline:
             self._constructed(slot, msg, instance, err)
             return
+        after = _cuda_device()  # torch.cuda.set_device() in the constructor: its endpoints' device too
+        device = after if after is not None and after != (device or 0) else None
         try:
-            self.loop.call_soon_threadsafe(self._constructed, slot, msg, instance, err, _thread_locals(instance))
+            self.loop.call_soon_threadsafe(self._constructed, slot, msg, instance, err, _thread_locals(instance),
+                                           device)
         except RuntimeError:  # the loop closed: the proc stops
             pass
 
     def _constructed(self, slot: _Slot, msg: SpawnActor, instance: object, err: ActorError | None,
-                     carried: tuple = ()) -> None:
+                     carried: tuple = (), device: int | None = None) -> None:
         for local, values in carried:  # (on the loop's thread, where its endpoints run)
             local.__dict__.update(values)
+        if device is not None:
+            try:
+                sys.modules["torch"].cuda.set_device(device)
+            except Exception:  # the constructor's own call worked: say why this one did not
+                log.warning("actor %s: could not make CUDA device %d, which its __init__ set, current for its "
+                            "endpoints", msg.name, device, exc_info=True)
         slot.instance = slot.ctx.instance = instance
         slot.init_error = err
         slot.busy = slot.initializing = False
@@ -1029,6 +1040,17 @@ def _nothing() -> None:
 
 # Results that are never awaitable (inspect.isawaitable's ABC check costs ~1 µs a call).
 _PLAIN = frozenset({type(None), bool, int, float, str, bytes, tuple, list, dict})
+
+
+def _cuda_device() -> int | None:
+    """This thread's current CUDA device, where torch has initialized CUDA; else None."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        return torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    except Exception:  # noqa: BLE001 - a broken CUDA set-up: nothing to carry over
+        return None
 
 
 def _thread_locals(instance: object) -> tuple:
