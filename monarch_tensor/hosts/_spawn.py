@@ -14,9 +14,6 @@ from .bootstrap import check_bootstrap, run_bootstrap
 from .local import ProcInfo, _gpu_count
 from .proc_mesh import ProcMesh, _agents_of, _live_meshes, local_host
 
-# The most procs one ``spawn_procs`` starts on each host unless the environment says otherwise: a guard
-# against a typo such as ``{"gpus": 10**6}`` forking until the machine gives out.
-
 
 def per_host_sizes(per_host: Mapping[str, int] | None) -> dict[str, int]:
     """``spawn_procs``' ``per_host`` as a dict; None is one proc per host, of the hosts' dims. Anything but a
@@ -29,6 +26,8 @@ def per_host_sizes(per_host: Mapping[str, int] | None) -> dict[str, int]:
     return dict(per_host)
 
 
+# The most procs one ``spawn_procs`` starts on each host unless the environment says otherwise: a guard
+# against a typo such as ``{"gpus": 10**6}`` forking until the machine gives out.
 def check_procs_per_host(per_host: dict, n: int) -> None:
     """Refuse ``n`` procs on each host above ``MONARCH_TENSOR_MAX_PROCS_PER_HOST`` (default 1024)."""
     limit = setting("MONARCH_TENSOR_MAX_PROCS_PER_HOST")
