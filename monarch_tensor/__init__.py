@@ -16,6 +16,18 @@ if not _os.path.isdir(_os.path.join(__path__[0], "controller")) and \
     __path__.append(_root)
 del _root
 
+# The tools plug into every proc here, and only here: each proc imports their modules and runs their start
+# hooks, and a host's template process cleans up after a killed client through them (runtime/_hooks.py).
+from .runtime import _hooks as _proc_hooks
+
+_proc_hooks.register("workspace_sync", serves=("monarch_tensor.workspace_sync._proc",),
+                     start="monarch_tensor.workspace_sync._proc:on_start",
+                     client_gone="monarch_tensor.workspace_sync._proc:on_client_gone")
+_proc_hooks.register("env", serves=("monarch_tensor.env._proc",))
+_proc_hooks.register("debugger", serves=("monarch_tensor.debugger._proc",),
+                     start="monarch_tensor.debugger._proc:on_start",
+                     client_gone="monarch_tensor.debugger._server:on_client_gone")
+
 from . import debugger as _debugger  # noqa: F401 - registers the debugger's message handlers
 from .actor import (  # noqa: F401
     Accumulator,

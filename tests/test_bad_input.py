@@ -172,9 +172,9 @@ def test_proc_mesh_env_is_checked_at_the_call_as_env_set_checks_it(procs, monkey
     # These killed every proc at its start (os.environ.update in the template's child: a traceback per
     # proc), and the caller got a SupervisionError. A name with a space is refused as env.set refuses it.
     from monarch_tensor.actor import proc_mesh
-    from monarch_tensor.hosts import host
+    from monarch_tensor.hosts import _spawn
 
-    monkeypatch.setattr(host, "_spawn_procs", lambda *a, **k: pytest.fail("spawned procs for a bad env"))
+    monkeypatch.setattr(_spawn, "_spawn_procs", lambda *a, **k: pytest.fail("spawned procs for a bad env"))
     for env in ({"": "1"}, {"A=B": "1"}, {"A\0B": "1"}, {"MT A": "1"}, {"1A": "1"}):
         with pytest.raises(ValueError, match="bad environment variable name"):
             procs.env.set(next(iter(env)), "1")
@@ -391,12 +391,12 @@ def test_a_str_where_a_list_of_strings_is_needed_is_a_type_error(tmp_path):
 def test_sync_workspace_of_a_path_is_a_type_error_whether_or_not_procs_run(procs, monkeypatch):
     # With no proc running, this_host().sync_workspace("/tmp") failed with "'str' object has no attribute
     # 'check'" (the path to sync_local skipped the type check the path to the procs makes).
-    from monarch_tensor.hosts import host
+    from monarch_tensor.hosts import host_mesh
 
     for ws in ("/tmp", None):
         with pytest.raises(TypeError, match="sync_workspace needs a Workspace, got"):
             this_host().sync_workspace(ws).get(timeout=30)  # to the procs running here
-    monkeypatch.setattr(host, "_live_meshes", set())  # as if none ran: this host's root is written directly
+    monkeypatch.setattr(host_mesh, "_live_meshes", set())  # as if none ran: this host's root is written directly
     for ws in ("/tmp", None):
         with pytest.raises(TypeError, match="sync_workspace needs a Workspace, got"):
             this_host().sync_workspace(ws).get(timeout=30)

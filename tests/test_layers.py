@@ -34,14 +34,6 @@ RUNTIME, ACTOR, HOSTS = "monarch_tensor.runtime", "monarch_tensor.actor", "monar
 TOOLS = tuple("monarch_tensor." + m for m in ("debugger", "workspace_sync", "env"))
 ABOVE_CORE = (RUNTIME, ACTOR, HOSTS, *TOOLS, "monarch_tensor.job", "monarch_tensor.tools", "monarch_tensor.cli",
               "monarch_tensor.spmd", "monarch_tensor.utils", "monarch_tensor.distributed")
-# Upward imports (inside functions) that remain, each an edge of a cycle still to untie: no new ones.
-KNOWN_UPWARD = {
-    ("monarch_tensor.runtime._zygote", "monarch_tensor.debugger._server"),      # the fork server's warm-up
-    ("monarch_tensor.runtime._zygote", "monarch_tensor.workspace_sync._proc"),
-    ("monarch_tensor.runtime._proc_ext", "monarch_tensor.debugger._proc"),      # the tools' proc-start hooks
-    ("monarch_tensor.runtime._proc_ext", "monarch_tensor.env._proc"),
-    ("monarch_tensor.runtime._proc_ext", "monarch_tensor.workspace_sync._proc"),
-}
 
 
 def _module(path: str) -> str:
@@ -109,14 +101,15 @@ def test_the_transport_imports_nothing_above_it():
     """The transport (and the values every layer uses) imports no proc runtime, actors, hosts or tools."""
     core = [(a, b, line) for a, b, line in _imports() if _under(a, (TRANSPORT,)) or a in VALUES]
     assert core, "no module of the transport found"
-    wrong = [(a, b, line) for a, b, line in core if _under(b, ABOVE_CORE) and (a, b) not in KNOWN_UPWARD]
+    wrong = [(a, b, line) for a, b, line in core if _under(b, ABOVE_CORE)]
     assert not wrong, "\n".join(f"  {a}:{line} imports {b}" for a, b, line in wrong)
 
 
-def test_the_proc_runtime_imports_actors_hosts_and_tools_only_where_known():
+def test_the_proc_runtime_imports_no_actors_hosts_or_tools():
+    """The tools plug into a proc through ``runtime/_hooks.py``; the actor layer and hosts through hooks the
+    runtime defines (``_context.this_proc_hook``)."""
     wrong = [(a, b, line) for a, b, line in _imports()
-             if _under(a, (RUNTIME,)) and _under(b, (ACTOR, HOSTS, *TOOLS, "monarch_tensor.job"))
-             and (a, b) not in KNOWN_UPWARD]
+             if _under(a, (RUNTIME,)) and _under(b, (ACTOR, HOSTS, *TOOLS, "monarch_tensor.job"))]
     assert not wrong, "\n".join(f"  {a}:{line} imports {b}" for a, b, line in wrong)
 
 
@@ -126,10 +119,21 @@ def test_the_actor_layer_and_the_tools_import_no_job_or_cli():
     assert not wrong, "\n".join(f"  {a}:{line} imports {b}" for a, b, line in wrong)
 
 
-def test_every_known_upward_import_is_still_there():
-    """The list of known upward imports shrinks as the cycles are untied: an entry that no import matches goes."""
-    found = {(a, b) for a, b, _ in _imports()}
-    assert not KNOWN_UPWARD - found, sorted(KNOWN_UPWARD - found)
+def test_every_tool_plugs_into_the_procs_through_the_runtimes_hooks():
+    """Each tool package has an entry in ``runtime/_hooks.py``'s registry (made in ``monarch_tensor/__init__.py``)
+    whose modules import and whose hooks are functions: its proc side is loaded in every proc."""
+    from monarch_tensor.runtime import _hooks
+
+    tools = {t.name: t for t in _hooks.tools()}
+    assert set(tools) == {pkg.rsplit(".", 1)[1] for pkg in TOOLS}, sorted(tools)
+    for pkg in TOOLS:
+        tool = tools[pkg.rsplit(".", 1)[1]]
+        assert pkg + "._proc" in tool.serves, tool
+        for module in tool.serves:
+            assert _under(module, (pkg,)), (tool.name, module)
+        for ref in (tool.start, tool.client_gone):
+            if ref is not None:
+                assert _under(ref.partition(":")[0], (pkg,)) and callable(_hooks._function(ref)), (tool.name, ref)
 
 
 def test_every_seam_entry_exists():

@@ -20,7 +20,7 @@ from monarch_tensor import workspace_sync as ws_sync
 from monarch_tensor.actor import Actor, endpoint, this_host
 from monarch_tensor.debugger import messages as debug_messages
 from monarch_tensor.env import messages as env_messages
-from monarch_tensor.runtime import _proc_ext
+from monarch_tensor.runtime import _hooks
 from monarch_tensor.tools.config import Workspace as WorkspaceFromToolsPath
 from monarch_tensor.transport import _wire
 from monarch_tensor.transport.mailbox import SYSTEM_HANDLERS
@@ -30,7 +30,7 @@ from monarch_tensor.workspace_sync import _proc as _sync_proc
 from monarch_tensor.workspace_sync import messages as sync_messages
 
 pytestmark = pytest.mark.timeout(90)
-assert _proc_ext  # registers the procs' handlers in this process too
+_hooks.load()  # the procs' handlers, in this process too
 
 
 # ---- protocol ---------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The debugger, the proc side: ``breakpoint()`` opens a pdb whose terminal is the client.
 
-``sys.breakpointhook`` is set in every proc (``_proc_ext.on_start``). The pdb
+``sys.breakpointhook`` is set in every proc (``on_start``, a proc-start hook: ``runtime/_hooks.py``). The pdb
 registers its session with the client (``DebugRegister``), sends what it prints
 (``DebugOutput``) and reads input lines from a port of its own; the client's
 debug controller (``debugger/__init__.py``) is the other end. While paused, the proc
@@ -147,3 +147,8 @@ def breakpoint_hook(*args, **kwargs) -> None:
         return sys.__breakpointhook__(*args, **kwargs)
     RemotePdb(rt.client_addr).set_trace(sys._getframe(1))
     return None
+
+
+def on_start(rt) -> None:
+    """A new proc (its start hook): ``breakpoint()`` pauses its rank under the distributed debugger."""
+    sys.breakpointhook = breakpoint_hook

@@ -78,6 +78,12 @@ def _remove_info(path: str) -> None:
         pass
 
 
+def on_client_gone(client_pid: int, client_addrs) -> None:
+    """A client that was killed left its debug server's file (which holds its token): removed by the host's
+    template process once the client is gone (a hook: ``runtime/_hooks.py``)."""
+    _remove_info(info_path(client_pid))
+
+
 def _accept(srv: socket.socket) -> None:
     while True:
         try:

@@ -17,7 +17,7 @@ from ..future import Future, run_to_end
 from ..shape import Shape
 
 if TYPE_CHECKING:
-    from .host import ProcMesh
+    from .proc_mesh import ProcMesh
 
 
 # How long spawn_procs waits for its bootstrap function on every proc (a proc that dies fails it at once).

@@ -39,21 +39,13 @@ from ..transport.mailbox import current_mailbox
 from ..transport.messages import PortRef, SendToPort, StopProc
 from . import _spawn_tree
 from ._address import split_agent_address
+from ._failures import _proc_exited
+from ._spawn import HOST_PYTHON_ENV, _procs_shape, check_procs_per_host, local_procs, per_host_sizes, share_peers
 from .agent_messages import EndSession, KeepSession, KillProcs, OpenSession, ReportExit, ShutdownAgent, SpawnProcs
 from .bootstrap import bootstrap_plan, check_bootstrap, run_bootstrap
-from .host import (
-    HOST_PYTHON_ENV,
-    HostMesh,
-    ProcMesh,
-    _live_meshes,
-    _proc_exited,
-    _procs_shape,
-    check_procs_per_host,
-    local_procs,
-    per_host_sizes,
-    share_peers,
-)
+from .host_mesh import HostMesh
 from .local import ProcInfo
+from .proc_mesh import ProcMesh, _live_meshes
 
 log = logging.getLogger("monarch_tensor.hosts.remote_hosts")
 

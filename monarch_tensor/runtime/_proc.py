@@ -58,7 +58,7 @@ from ..transport.messages import (
     StopActor,
     StopProc,
 )
-from . import _context, _proc_exit, _proc_ext, _zygote
+from . import _actor_logs, _context, _hooks, _proc_exit, _zygote
 from ._port import Port
 
 # A call to an actor this proc does not have waits this long for its spawn before it fails (see
@@ -1202,7 +1202,8 @@ def start_in_script(addr: str, on_exit: Callable[[], None] | None = None) -> Pro
 
     client = current_mailbox()
     rt = ProcRuntime(addr, client.addr, 0, in_script=True)
-    _proc_ext._ActorLogFilter.install()  # (records its actors write carry their identity, as on a proc)
+    _hooks.load()  # (the tools' modules: their messages are answered here as on a proc)
+    _actor_logs.ActorLogFilter.install()  # (records its actors write carry their identity, as on a proc)
     rt.on_exit = on_exit
     _wire.IN_PROCESS.update((addr, client.addr))  # (messages between them refer to __main__ by reference)
     started = threading.Event()
@@ -1239,7 +1240,8 @@ def run_proc(addr: str, client_addr: str, rank: int) -> None:
         pass
     else:
         _InterruptWatch(rt)
-    _proc_ext.on_start(rt)  # workspace dirs on sys.path, breakpoint() hook
+    _hooks.start(rt)  # the tools' modules and start hooks (workspace dirs on sys.path, breakpoint() hook)
+    _actor_logs.ActorLogFilter.install()
     _say_started()
     rt.run()
 

@@ -23,6 +23,7 @@ import threading
 import time
 
 from ..config import setting
+from . import _hooks
 
 _LEN = struct.Struct("!I")
 
@@ -194,20 +195,16 @@ def _remove_files_of(client: int, procs: list[int], client_addrs=()) -> None:
     """The shared-memory segments of ``client`` and ``procs`` (named ``mt-<pid>-...``), the sockets of the
     client and of the procs it named (``client-<pid>-...``, ``proc-<pid>-...``), the client's debug server
     file (``debug-<pid>.json``, which holds its token), and the client session's default workspace root
-    (``client_addrs``: see ``_sync_proc.default_root``): a process that was killed removes none of its own.
-    Only once the client is gone: its own segments are in use while it lives."""
+    (``client_addrs``): a process that was killed removes none of its own. The tools' files go through their
+    ``client_gone`` hooks (``_hooks``). Only once the client is gone: its own segments are in use while it
+    lives."""
     import glob
 
-    from ..debugger._server import info_path
     from ..transport.mailbox import socket_dir
-    from ..workspace_sync._proc import remove_default_root
 
-    for addr in client_addrs:
-        remove_default_root(addr)
-
+    _hooks.client_gone(client, client_addrs)
     paths = [p for pid in (client, *procs) for p in glob.glob(f"/dev/shm/mt-{pid}-*")]
     paths += glob.glob(os.path.join(socket_dir(), f"*-{client}-*"))
-    paths.append(info_path(client))
     for path in paths:
         try:
             os.unlink(path)
@@ -501,6 +498,8 @@ def main(req_fd: int, rep_fd: int) -> None:
     for mod in _modules("MONARCH_TENSOR_PRELOAD"):
         _try_import(mod)
     import monarch_tensor.runtime._proc  # noqa: F401 - the runtime every child runs
+
+    _hooks.load()  # the tools' modules every child serves with
 
     # torch._dynamo is imported by the first torch.optim optimizer (~2 s per proc, far
     # more when several procs do it at once): import it here once, whenever idle.

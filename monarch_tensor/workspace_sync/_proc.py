@@ -711,12 +711,23 @@ def handle_reload(mailbox: Mailbox, msg: ReloadWorkspace) -> None:
     _reply(mailbox, msg, tuple(reloaded))
 
 
-def on_start(client_addr: str) -> None:
-    """A new proc: put the dirs synced to its root so far on ``sys.path``."""
-    root = workspace_root(client_key(client_addr))
-    dirs = _filetree.read_meta(root, "dirs.json", None)
-    if dirs:
-        add_to_sys_path(root, dirs)
+def on_start(rt) -> None:
+    """A new proc (its start hook: ``runtime/_hooks.py``): put the dirs synced to its root so far on
+    ``sys.path``. A proc starts even if its root is unreadable."""
+    try:
+        root = workspace_root(client_key(rt.client_addr))
+        dirs = _filetree.read_meta(root, "dirs.json", None)
+        if dirs:
+            add_to_sys_path(root, dirs)
+    except Exception as e:  # noqa: BLE001 - a proc must start even if its workspace root is unreadable
+        print(f"monarch_tensor: cannot read the workspace root: {e!r}", file=sys.stderr)
+
+
+def on_client_gone(client_pid: int, client_addrs) -> None:
+    """A client that was killed (its procs are gone) left the default roots of its sessions on this host:
+    removed by the host's template process (a hook: ``runtime/_hooks.py``)."""
+    for addr in client_addrs:
+        remove_default_root(addr)
 
 
 SYSTEM_HANDLERS.update({

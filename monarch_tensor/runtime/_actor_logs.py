@@ -1,31 +1,11 @@
-"""Hooks of the interactive tools in every proc: workspace sync, env inspection, the debugger.
-
-Imported by ``_proc`` (so the template process preloads it); importing it
-registers the handlers of the tools' messages in ``mailbox.SYSTEM_HANDLERS``.
-``on_start`` runs in each new proc before it serves anything.
-"""
+"""The actor's identity on the log records its code writes, in every proc (and the script's in-process runtime)."""
 
 from __future__ import annotations
 
 import logging
-import sys
-
-from ..debugger import _proc as _debug_proc
-from ..env import _proc as _env_proc  # noqa: F401 - register their message handlers
-from ..workspace_sync import _proc as _sync_proc
 
 
-def on_start(rt) -> None:
-    """Put the dirs synced so far on ``sys.path``; route ``breakpoint()`` to the distributed debugger."""
-    try:
-        _sync_proc.on_start(rt.client_addr)
-    except Exception as e:  # noqa: BLE001 - a proc must start even if its workspace root is unreadable
-        print(f"monarch_tensor: cannot read the workspace root: {e!r}", file=sys.stderr)
-    sys.breakpointhook = _debug_proc.breakpoint_hook
-    _ActorLogFilter.install()
-
-
-class _ActorLogFilter(logging.Filter):
+class ActorLogFilter(logging.Filter):
     """Log records written while an actor's code runs carry its identity, as Monarch's do: attributes
     ``actor_id``, ``actor_name`` and ``actor_prefix`` (``"[actor=<root>.<module.Class name{'gpus': 0/2}>] "``),
     and the message starts with that prefix (``config.prefix_python_logs_with_actor = False`` leaves the message

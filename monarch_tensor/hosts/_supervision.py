@@ -1,0 +1,132 @@
+"""Supervision: a failure reaches its owner, one at a time, on a thread of its own.
+
+A proc's death or an actor's fault that nobody awaited goes to its mesh's owner (an actor's ``__supervise__``,
+else ``unhandled_fault_hook``: Monarch's order); when the hook raises, the fault is unhandled and ends the script
+(``_unhandled_fault``). How this process learns of failures is ``_failures.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+from typing import TYPE_CHECKING
+
+from ..errors import SupervisionError
+from ..runtime import _exit_status
+
+if TYPE_CHECKING:
+    from .proc_mesh import ProcMesh
+
+log = logging.getLogger("monarch_tensor.hosts.host")  # (the public module's name, for all its parts)
+
+_to_supervise: queue.SimpleQueue = queue.SimpleQueue()  # (owner, failure), for the supervision thread
+_supervisor: threading.Thread | None = None
+_supervisor_lock = threading.Lock()
+
+
+def _supervise_later(owner, err: SupervisionError) -> None:
+    """``_supervise(owner, err)`` on the supervision thread, one failure at a time in the order they came.
+    Not on the thread that reports them: a hook or ``__supervise__`` may block (``heal_mesh`` waits for a
+    spawn, whose reply that thread reads), and procs' exits must still be reported meanwhile."""
+    global _supervisor
+    _to_supervise.put((owner, err))
+    with _supervisor_lock:
+        if _supervisor is None or not _supervisor.is_alive():  # (not started, or not in this forked child)
+            _supervisor = threading.Thread(target=_supervision_loop, daemon=True, name="monarch-tensor-supervise")
+            _supervisor.start()
+
+
+def _supervision_loop() -> None:
+    while True:
+        owner, err = _to_supervise.get()
+        _supervise(owner, err)
+
+
+def _supervise(owner, err: SupervisionError) -> None:
+    """A failure for ``owner`` (an actor's context, None for the script): its ``__supervise__(err)`` may
+    handle it by returning True; else ``unhandled_fault_hook`` runs (Monarch's order)."""
+    from .. import actor
+
+    handler = getattr(owner.instance, "__supervise__", None) if owner is not None else None
+    if handler is not None:
+        try:
+            handled = handler(err)
+            if inspect.iscoroutine(handled):  # an async __supervise__: on its actor's loop, as its endpoints
+                handled = _await_on_actor_loop(owner, handled)
+            if handled:
+                return
+        except Exception as e:  # noqa: BLE001
+            err2 = SupervisionError(f"{err} (and __supervise__ raised {e!r})", proc=err.proc, rank=err.rank,
+                                    exit_status=err.exit_status)
+            err2.mesh, err2.__cause__, err = err.mesh, e, err2
+    try:
+        actor.unhandled_fault_hook(err)
+    except BaseException as e:  # noqa: BLE001 - the supervision thread goes on to the next failure
+        _unhandled_fault(err, e)
+
+
+# How long an async ``__supervise__`` may take before its failure counts as unhandled.
+SUPERVISE_TIMEOUT_S = 300.0
+
+
+def _await_on_actor_loop(owner, coro):
+    """The result of an async ``__supervise__``'s coroutine, run on its actor's event loop (from the supervision
+    thread); an error when the actor has no running loop or the coroutine does not finish in time."""
+    loop = getattr(owner, "loop", None)
+    if loop is None or loop.is_closed():
+        coro.close()
+        raise RuntimeError("its actor's event loop is gone")
+    future = asyncio.run_coroutine_threadsafe(coro, loop)
+    try:
+        return future.result(timeout=SUPERVISE_TIMEOUT_S)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise TimeoutError(f"the async __supervise__ did not finish within {SUPERVISE_TIMEOUT_S:g} s") from None
+
+
+# The proc meshes whose unhandled faults interrupted the script's main thread (None: faults of no known mesh).
+_interrupted_for: set[ProcMesh | None] = set()
+_interrupted_lock = threading.Lock()
+
+
+def _unhandled_fault(err: SupervisionError, raised: BaseException) -> None:
+    """The fault hook raised (the default one does, with ``SystemExit``): the fault is unhandled. The script's
+    main thread gets a ``KeyboardInterrupt`` (Monarch's), so that it ends running its ``finally`` blocks and
+    ``atexit`` hooks; a proc ends at once, and its owner is told. Where no Python handler takes SIGINT (a
+    script started with it ignored), the process ends at once too.
+
+    One interrupt per proc mesh: a broadcast that raises on every proc, or a host that dies with all its procs,
+    is several faults at once, each on a thread of its own, and a second interrupt would cut off the
+    ``finally`` blocks and ``atexit`` hooks the first one started. The later faults are only printed (by the
+    hook). A script that catches the interrupt and goes on is interrupted again by a fault of another mesh."""
+    # A proc's runtime; None in the script, which need not import _proc for it (this may run at its exit,
+    # when an import that registers an atexit hook fails).
+    proc = sys.modules.get("monarch_tensor.runtime._proc")
+    rt = proc.current_runtime() if proc is not None else None
+    if not isinstance(raised, SystemExit):
+        log.error("unhandled_fault_hook raised %r handling %s", raised, err)
+    if rt is None and callable(signal.getsignal(signal.SIGINT)):
+        mesh = getattr(err.mesh, "_alloc", None)
+        with _interrupted_lock:
+            if mesh in _interrupted_for:  # its first fault ends the script already (maybe in its atexit hooks)
+                return
+            _interrupted_for.add(mesh)
+        main = threading.main_thread()
+        if main.is_alive():
+            print("monarch_tensor: delivering KeyboardInterrupt to the main thread to end the script",
+                  file=sys.stderr, flush=True)
+            signal.pthread_kill(main.ident, signal.SIGINT)
+            return
+        # The script is exiting (its main thread ended): its atexit hooks run on, stopping its procs, and it
+        # then ends with status 1, not 0.
+        _exit_status.fail_at_exit()
+        return
+    sys.stderr.flush()
+    os._exit(1)
