@@ -77,7 +77,8 @@ _HELP_TICK_S = 0.002  # how long a message waits on a busy proc's socket before 
 
 
 # System messages (workspace sync, env, debugger, the data plane's) handled by whichever process receives them,
-# by message type: ``handler(mailbox, msg)``. Filled by the modules that define them (_proc_ext.py).
+# by message type: ``handler(mailbox, msg)``. Filled by the modules that define them as they are imported: the
+# tools' ``_proc`` modules, which every proc imports before it serves (``runtime/_hooks.py``), and the data plane.
 SYSTEM_HANDLERS: dict[type, Callable[[Mailbox, object], None]] = {}
 
 
