@@ -360,7 +360,7 @@ def _unit_plan(owner: Stretches, lo: int, hi: int, compilable: bool, facts, born
                 dropped.discard(r)
                 targets.append(names[r])
             n_ret = len(owner.ops[lo + k]._schema.returns)
-            if not targets:
+            if not targets or n_ret == 0:
                 body.append(call)
             elif n_ret == 1 and len(targets) == 1:
                 body.append(f"{targets[0]} = {call}")
@@ -438,6 +438,8 @@ def _job(owner_ref, units: list, values: dict, grad: bool):
         owner = owner_ref()
         if owner is None:
             return  # the program was freed
+        if device == "cuda":
+            torch.cuda.synchronize()  # the copies were made on the worker's stream
         with torch.set_grad_enabled(grad):
             done = _compile_units(owner, units, env, compile_fn)
         if any(u.fn is not None for u in units) and done:
