@@ -92,7 +92,11 @@ class Stretches:
                 u()
             return
         if self.state == "new":
-            self._start()
+            try:
+                self._start()
+            except Exception:  # a bug or no memory for the copies: the run stays straight-line
+                log.exception("tensor worker: preparing a stretch's compile failed; it runs straight-line")
+                self.state = "off"
         self.straight()
 
     def _start(self) -> None:
@@ -440,8 +444,12 @@ def _job(owner_ref, units: list, values: dict, grad: bool):
             return  # the program was freed
         if device == "cuda":
             torch.cuda.synchronize()  # the copies were made on the worker's stream
-        with torch.set_grad_enabled(grad):
-            done = _compile_units(owner, units, env, compile_fn)
+        try:
+            with torch.set_grad_enabled(grad):
+                done = _compile_units(owner, units, env, compile_fn)
+        except Exception:  # a bug here: the run stays straight-line
+            log.exception("tensor worker: compiling a run's stretches failed; it runs straight-line")
+            done = False
         if any(u.fn is not None for u in units) and done:
             owner.units, owner.state = tuple(units), "ready"
         else:
