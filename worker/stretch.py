@@ -66,10 +66,12 @@ def counts() -> torch.Tensor:
 
 
 def eligible(op) -> bool:
-    """Whether ``op`` (an OpOverload) may sit inside a compiled unit."""
+    """Whether ``op`` (an OpOverload) may sit inside a compiled unit: not random, its output shapes known
+    from its input shapes, and returning tensors (or one list of them, unpacked into its outputs)."""
     if any(t in op.tags for t in _EXCLUDED_TAGS):
         return False
-    return all(str(r.type) == "Tensor" for r in op._schema.returns)
+    returns = [str(r.type) for r in op._schema.returns]
+    return all(t == "Tensor" for t in returns) or returns == ["List[Tensor]"]
 
 
 class Stretches:
@@ -363,10 +365,10 @@ def _unit_plan(owner: Stretches, lo: int, hi: int, compilable: bool, facts, born
                 names[r] = f"v{next(fresh)}"
                 dropped.discard(r)
                 targets.append(names[r])
-            n_ret = len(owner.ops[lo + k]._schema.returns)
-            if not targets or n_ret == 0:
+            returns = owner.ops[lo + k]._schema.returns
+            if not targets or not returns:
                 body.append(call)
-            elif n_ret == 1 and len(targets) == 1:
+            elif len(returns) == 1 and len(targets) == 1 and str(returns[0].type) == "Tensor":
                 body.append(f"{targets[0]} = {call}")
             else:
                 body.append(f"{', '.join(targets) + (',' if len(targets) == 1 else '')} = {call}")
