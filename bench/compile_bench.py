@@ -4,6 +4,7 @@
     python bench/compile_bench.py --json bench/out/compile_bench.json
     python bench/compile_bench.py --tiny --json /tmp/tiny.json   # smoke test
     python bench/compile_bench.py --modes compiled --runs 5      # compiled steps only (a replay's cost), ~1 min
+    python bench/compile_bench.py --procs 1 --workloads mlp,gpt2,gpt8 --modes eager,compiled,stretches
 
 Workloads (one training step each: forward, cross entropy, backward, torch.optim.SGD, zero_grad):
   mlp      Linear(256, 256) -> ReLU -> Linear(256, 10), batch 32 (notes/figures.md's MLP step)
@@ -22,6 +23,9 @@ torch (no mesh). Figures, medians of REPEATS loops of STEPS steps:
   params     the model's parameter tensors (a replay's guards must not cost per parameter)
   py_calls   Python function calls in the controller's thread per step (cProfile's count over STEPS steps of
              their own): its work counted, not timed, so load does not change it
+  compile_s  "stretches" rows (compiled steps on procs with MONARCH_TENSOR_COMPILE_STRETCHES=1, their stretches
+             of aten ops run through torch.compile): seconds from the first call until a replay ran compiled
+             code (inductor compiling on the procs' background thread while the steps replay op by op)
   cpu / gpt2 a compiled step's controller CPU time over the 2-layer GPT's on the same mesh (issue 38's
              target: at most 1.2 at 32 layers); calls / gpt2 the same of py_calls
 Every process computes with one torch thread. PyTorch Monarch's ``compile`` is not measured here: torchmonarch
@@ -56,6 +60,8 @@ TINY = dict(PROCS=[1], WORKLOADS=["mlp", "gpt2"], STEPS=3, REPEATS=1, WARMUP=4,
             GPT_CFG=dict(vocab_size=16, block_size=8, n_head=2, n_embd=16), GPT_BATCH=2)
 SETTINGS = ["PROCS", "WORKLOADS", "STEPS", "REPEATS", "WARMUP", "GPT_CFG", "GPT_BATCH", "WIDE_CFG", "WIDE_BATCH"]
 MODES = ["eager", "uncompiled", "compiled"]
+ALL_MODES = MODES + ["stretches"]  # stretches: only when asked for (inductor compiles take minutes here)
+COMPILE_TIMEOUT = 1800.0  # seconds a "stretches" row waits for its first replay that runs compiled code
 
 
 def build(workload: str):
@@ -97,13 +103,27 @@ def measure(workload: str, mode: str, procs, client) -> dict:
         opt.step()
         return loss.detach()
 
-    if mode == "compiled":
+    if mode in ("compiled", "stretches"):
         step = compile(step)
 
     def fetch(t):
         return fetch_shard(t, gpus=0).result(TIMEOUT).item() if procs is not None else t.item()
 
     first = fetch(step())
+    compile_s = None
+    if mode == "stretches":  # steps until one replay ran compiled code: the compile's cost in wall time
+        ran0, _, _, failed0 = stretch_counts()  # (counters per proc, over the workloads before this one)
+        t0 = time.perf_counter()
+        while True:
+            fetch(step())
+            ran, _, done, failed = stretch_counts()
+            failed -= failed0
+            if ran > ran0:
+                compile_s = time.perf_counter() - t0
+                break
+            if failed and done + failed > 0 and time.perf_counter() - t0 > 60 or \
+                    time.perf_counter() - t0 > COMPILE_TIMEOUT:
+                break  # nothing compiled: the row shows the straight-line replay
     for _ in range(WARMUP - 1):
         loss = step()
     fetch(loss)
@@ -137,8 +157,19 @@ def measure(workload: str, mode: str, procs, client) -> dict:
         last = fetch(loss)
     assert last == last and last < first * 1.5, f"training diverged: loss {first} -> {last}"
     return {"ctl_us": statistics.median(ctl), "cpu_us": statistics.median(cpu), "step_ms": statistics.median(wall),
-            "calls": calls,
+            "calls": calls, "compile_s": compile_s,
             "msgs": statistics.median(msgs) if msgs else 0.0, "params": len(list(model.parameters()))}
+
+
+def stretch_counts() -> list:
+    """The first proc's stretch counters: compiled runs, fallbacks, compiles, failed compiles."""
+    import torch
+    from monarch_tensor.controller.api import remote
+
+    from monarch_tensor import fetch_shard
+
+    c = remote("monarch_tensor.worker.stretch.counts", propagate=lambda: torch.zeros(4, dtype=torch.int64))()
+    return fetch_shard(c, gpus=0).result(TIMEOUT).tolist()
 
 
 def main() -> None:
@@ -146,7 +177,7 @@ def main() -> None:
     ap.add_argument("--json", help="write settings, figures and the load average here")
     ap.add_argument("--tiny", action="store_true", help="every workload tiny (a smoke test)")
     ap.add_argument("--runs", type=int, help=f"timed loops per figure, their median (default {REPEATS})")
-    ap.add_argument("--modes", help=f"comma-separated, of {','.join(MODES)} (default all)")
+    ap.add_argument("--modes", help=f"comma-separated, of {','.join(ALL_MODES)} (default {','.join(MODES)})")
     ap.add_argument("--procs", help=f"comma-separated mesh sizes (default {','.join(map(str, PROCS))})")
     ap.add_argument("--workloads", help=f"comma-separated, of {','.join(WORKLOADS)} (default all)")
     args = ap.parse_args()
@@ -155,10 +186,10 @@ def main() -> None:
     if args.runs:
         globals()["REPEATS"] = args.runs
     if args.modes:
-        bad = set(args.modes.split(",")) - set(MODES)
+        bad = set(args.modes.split(",")) - set(ALL_MODES)
         if bad:
-            ap.error(f"--modes: unknown {sorted(bad)}; choose from {MODES}")
-        globals()["MODES"] = [m for m in MODES if m in args.modes.split(",")]
+            ap.error(f"--modes: unknown {sorted(bad)}; choose from {ALL_MODES}")
+        globals()["MODES"] = [m for m in ALL_MODES if m in args.modes.split(",")]
     if args.workloads:
         bad = set(args.workloads.split(",")) - set(WORKLOADS)
         if bad:
@@ -169,12 +200,13 @@ def main() -> None:
     import torch
     from monarch_tensor.controller.api import client_for, remote
 
-    from monarch_tensor import this_host
+    from monarch_tensor import proc_mesh, this_host
 
     torch.set_num_threads(1)
     load0 = os.getloadavg()
     results: dict = {}
     mesh_modes = [m for m in ("uncompiled", "compiled") if m in MODES]
+    row_modes = mesh_modes + ["stretches"] * ("stretches" in MODES)
     for w in WORKLOADS if "eager" in MODES else ():
         results[f"{w}/eager"] = measure(w, "eager", None, None)
     for n in PROCS:
@@ -188,17 +220,27 @@ def main() -> None:
                         results[f"{w}/{n}/{mode}"] = measure(w, mode, procs, client)
         finally:
             procs.stop().get(timeout=TIMEOUT)
+        if "stretches" in MODES:  # procs whose programs hand their stretches to torch.compile
+            procs = proc_mesh(gpus=n, env={"MONARCH_TENSOR_COMPILE_STRETCHES": "1"})
+            try:
+                with procs.activate():
+                    remote("torch.set_num_threads", propagate=lambda k: None)(1)
+                    client = client_for(procs)
+                    for w in WORKLOADS:
+                        results[f"{w}/{n}/stretches"] = measure(w, "stretches", procs, client)
+            finally:
+                procs.stop().get(timeout=TIMEOUT)
     load1 = os.getloadavg()
     head = ["workload", "params", "procs", "mode", "ctl_us", "cpu_us", "py_calls", "step_ms", "msgs",
-            "step / eager", "cpu / gpt2", "calls / gpt2"]
+            "step / eager", "cpu / gpt2", "calls / gpt2", "compile_s"]
     rows = []
     for w in WORKLOADS:
         eager = results.get(f"{w}/eager")
         if eager is not None:
             rows.append([w, str(eager["params"]), "-", "eager", f"{eager['ctl_us']:.0f}", f"{eager['cpu_us']:.0f}",
-                         "-", f"{eager['step_ms']:.2f}", "-", "1.00", "-", "-"])
+                         "-", f"{eager['step_ms']:.2f}", "-", "1.00", "-", "-", "-"])
         for n in PROCS:
-            for mode in mesh_modes:
+            for mode in row_modes:
                 r = results[f"{w}/{n}/{mode}"]
                 base = results.get(f"gpt2/{n}/compiled") if mode == "compiled" and w.startswith("gpt") else None
                 rows.append([w, str(r["params"]), str(n), mode, f"{r['ctl_us']:.0f}", f"{r['cpu_us']:.0f}",
@@ -206,7 +248,8 @@ def main() -> None:
                              f"{r['step_ms']:.2f}", f"{r['msgs']:.1f}",
                              f"{r['step_ms'] / eager['step_ms']:.2f}" if eager else "-",
                              f"{r['cpu_us'] / base['cpu_us']:.2f}" if base else "-",
-                             f"{r['calls'] / base['calls']:.2f}" if base else "-"])
+                             f"{r['calls'] / base['calls']:.2f}" if base else "-",
+                             f"{r['compile_s']:.0f}" if r.get("compile_s") is not None else "-"])
     print(markdown(head, rows, {}, {}))
     print(f"load average {load0[0]:.2f} at the start, {load1[0]:.2f} at the end")
     if args.json:

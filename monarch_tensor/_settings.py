@@ -188,6 +188,14 @@ _DECLARED = [
     Setting("MONARCH_TENSOR_KEEP_FREED_MB", "int", 1024, "procs", _ENGINE,
             "MiB of freed tensor memory a worker keeps at a heap's top for its next allocations (0: glibc's "
             "defaults)", takes="a whole number of MiB (0: glibc's defaults)"),
+    Setting("MONARCH_TENSOR_COMPILE_STRETCHES", "choice", "", "procs", _ENGINE,
+            "1: a compiled step's stretches of aten ops run through torch.compile (inductor; CUDA graphs on a GPU), "
+            "compiled on a background thread while the step replays op by op; wait: compiled at the first replay, "
+            "which waits; results then agree with uncompiled steps to rounding, not bit for bit (docs/compile.md)",
+            choices=("", "0", "1", "wait")),
+    Setting("MONARCH_TENSOR_STRETCH_MIN_OPS", "int", 32, "procs", _ENGINE,
+            "the fewest aten ops a stretch needs to be handed to torch.compile (shorter ones run op by op)",
+            least=1, takes="a whole number of ops"),
     Setting("MONARCH_TENSOR_COLLECTIVE_TIMEOUT", "seconds", 300.0, "procs", _ENGINE,
             "seconds a collective waits for its group", least=1,
             takes="a number of seconds a collective waits for its group"),

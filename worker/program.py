@@ -27,6 +27,7 @@ import keyword
 import torch
 
 from . import messages as m
+from . import stretch
 from .collectives import restore_names
 from .errors import RemoteException
 
@@ -46,7 +47,7 @@ class Program:
         steps = [(_prepare(worker, instr, resolve_op, propagate), frees)
                  for instr, frees in zip(msg.instrs, msg.frees)]
         ops = [_straight_op(instr, resolve_op) for instr in msg.instrs]
-        self.steps = tuple(_with_straight_runs(worker, msg.instrs, steps, ops, propagate))
+        self.steps = tuple(_with_straight_runs(worker, msg.instrs, steps, ops, propagate, resolve_op))
 
     def run(self, worker, msg: m.RunProgram) -> None:
         refs = worker.refs
@@ -161,9 +162,10 @@ def _straight_op(instr, resolve_op):
     return fn._op, one  # the overload's C++ callable: OpOverload.__call__ only forwards to it
 
 
-def _with_straight_runs(worker, instrs, steps, ops, propagate):
+def _with_straight_runs(worker, instrs, steps, ops, propagate, resolve_op):
     """``steps`` with each run of at least STRAIGHT_MIN consecutive aten ops replaced by one step (frees ())
     that runs the run's generated source, falling back to the run's own steps."""
+    how = stretch.mode()
     i, n = 0, len(steps)
     while i < n:
         if ops[i] is None:
@@ -175,9 +177,24 @@ def _with_straight_runs(worker, instrs, steps, ops, propagate):
             j += 1
         if j - i < STRAIGHT_MIN:
             yield from steps[i:j]
+        elif how:
+            yield _stretches(worker, instrs[i:j], steps[i:j], ops[i:j], propagate, how, resolve_op), ()
         else:
             yield _straight_run(worker, instrs[i:j], steps[i:j], ops[i:j], propagate), ()
         i = j
+
+
+def _stretches(worker, instrs, steps, ops, propagate, how: str, resolve_op):
+    """A run's step with ``MONARCH_TENSOR_COMPILE_STRETCHES`` on (``stretch.py``): its straight-line source
+    until its stretches are compiled; a part of it as straight-line source where needed."""
+    def make_straight(lo: int, hi: int):
+        if hi - lo >= STRAIGHT_MIN:
+            return _straight_run(worker, instrs[lo:hi], steps[lo:hi], ops[lo:hi], propagate)
+        return functools.partial(_slowly, worker.refs, steps[lo:hi], 0)
+
+    overloads = tuple(resolve_op(instr.op) for instr in instrs)  # (dynamo traces OpOverloads, not their _op)
+    return stretch.Stretches(worker, instrs, steps, overloads, _straight_run(worker, instrs, steps, ops, propagate),
+                             make_straight, how)
 
 
 def _straight_run(worker, instrs, steps, ops, propagate):
