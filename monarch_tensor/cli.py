@@ -165,11 +165,7 @@ def _job_command(args) -> int:
                   f"context {c.current_context()!r}, job file {c.DEFAULT_JOB_PATH}")
             return 0
         if args.cmd == "exec":
-            cmd = list(args.cmd_args)
-            if cmd[:1] == ["--"]:
-                cmd = cmd[1:]
-            if args.module:
-                cmd = ["-m", args.module, *cmd]
+            cmd = c.exec_argv(args.cmd_args, args.module)
             if not cmd and args.script is None:
                 raise ValueError("no command: give one (exec python train.py), or --script FILE")
             return c.exec_on_job(cmd, run_all=args.run_all, mesh_name=args.mesh, point_str=args.point,

@@ -31,6 +31,7 @@ from .commands import (
     context_use,
     current_context,
     current_spec,
+    exec_argv,
     exec_on_job,
     kill,
     load_current_job,
@@ -132,11 +133,7 @@ class ExecCmd:
         subparser.add_argument("cmd", nargs=argparse.REMAINDER, help="the command and its arguments")
 
     def run(self, args: argparse.Namespace) -> None:
-        cmd = list(args.cmd)
-        if cmd[:1] == ["--"]:
-            cmd = cmd[1:]
-        if args.module:
-            cmd = ["-m", args.module, *cmd]
+        cmd = exec_argv(args.cmd, args.module)
         if not cmd and args.script is None:
             print("Error: no command specified (use cmd args or --script)", file=sys.stderr)
             sys.exit(1)

@@ -98,6 +98,15 @@ def _meshes(job):
     return state._meshes
 
 
+def exec_argv(args: list[str], module: str | None) -> list[str]:
+    """What an ``exec`` runs, from its command-line arguments: those after an optional ``--``, behind
+    ``-m MODULE`` where a module is given (``python -m``)."""
+    cmd = list(args)
+    if cmd[:1] == ["--"]:
+        cmd = cmd[1:]
+    return ["-m", module, *cmd] if module else cmd
+
+
 def exec_on_job(cmd: list[str], run_all: bool = False, mesh_name: str | None = None, point_str: str | None = None,
                 env: list[str] | None = None, workdir: str | None = None, kill: bool = False,
                 script: str | None = None, per_host: dict[str, int] | None = None,
