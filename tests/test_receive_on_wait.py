@@ -118,13 +118,18 @@ def test_a_callback_that_waits_runs_on_the_receiving_thread_without_deadlock(ech
     assert inner == ["outer+inner"]
 
 
-def test_the_io_thread_takes_over_again_when_nobody_waits(echo):
-    assert echo.echo.call_one(1).get(timeout=30) == 1  # this thread received; the I/O thread parked
+def _settled_by_the_io_thread(echo) -> list:
+    """Calls that nobody waits on (no get()): only the I/O thread can settle them; their values."""
     futs = [echo.echo.call_one(i) for i in range(20)]
     deadline = time.monotonic() + 30
     while not all(f.done() for f in futs) and time.monotonic() < deadline:
-        time.sleep(0.005)  # nobody calls get(): only the I/O thread can settle these
-    assert [f.get(timeout=0) for f in futs] == list(range(20))
+        time.sleep(0.005)
+    return [f.get(timeout=0) for f in futs]
+
+
+def test_the_io_thread_takes_over_again_when_nobody_waits(echo):
+    assert echo.echo.call_one(1).get(timeout=30) == 1  # this thread received; the I/O thread parked
+    assert _settled_by_the_io_thread(echo) == list(range(20))
 
 
 @pytest.mark.timeout(30)
@@ -222,8 +227,4 @@ def test_the_io_thread_sleeps_through_a_long_wait_and_takes_over_when_it_ends(ec
     before = _switches(tid)
     assert echo.slow.call_one(1, 1.0).get(timeout=30) == 1  # one wait of a second: the I/O thread stays asleep
     assert _switches(tid) - before < 100  # (it woke every 2 ms to look: about 500 times)
-    futs = [echo.echo.call_one(i) for i in range(20)]
-    deadline = time.monotonic() + 30
-    while not all(f.done() for f in futs) and time.monotonic() < deadline:
-        time.sleep(0.005)  # nobody calls get(): only the I/O thread, woken as the wait ended, settles these
-    assert [f.get(timeout=0) for f in futs] == list(range(20))
+    assert _settled_by_the_io_thread(echo) == list(range(20))  # the I/O thread, woken as the wait ended
