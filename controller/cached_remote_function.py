@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 
 import torch
-from monarch_tensor.worker.collectives import DummyProcessGroup
+from monarch_tensor.worker.dummy_group import DummyProcessGroup
 from torch import autograd
 
 from .process_group import RemoteProcessGroup

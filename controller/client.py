@@ -25,7 +25,7 @@ import time
 import weakref
 
 from monarch_tensor.worker import messages as m
-from monarch_tensor.worker.worker import WORKER_NAME, TensorWorker
+from monarch_tensor.worker.interface import IMPLEMENTATION, WORKER_NAME, TensorWorkerInterface
 
 from monarch_tensor.config import setting
 from monarch_tensor.future import Future
@@ -143,7 +143,8 @@ class MeshClient:
         host = "127.0.0.1" if agent is None else ip_towards(agent.addr)
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         self.store_addr = (host, self.store.port)
-        self.workers = alloc._spawn_named(WORKER_NAME, TensorWorker, self.store_addr)
+        self.workers = alloc._spawn_named(WORKER_NAME, TensorWorkerInterface, self.store_addr,
+                                          implementation=IMPLEMENTATION)
         self.closed = False
         self.messages = 0  # instruction batches sent, one per proc they went to
         self.seq = 0  # the sequence number of the last instruction sent (see withdraw)

@@ -61,8 +61,8 @@ import weakref
 
 import torch
 from monarch_tensor.worker import messages as m
+from monarch_tensor.worker.interface import flat_leaves
 from monarch_tensor.worker.opaque import OpaqueRef
-from monarch_tensor.worker.worker import flat_leaves
 from torch.nn.modules import module as _module
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree

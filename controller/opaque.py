@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import functools
 
+from monarch_tensor.worker.interface import resolve_function
 from monarch_tensor.worker.opaque import OpaqueRef
 
 from .remote_functions import call_on_shard_and_fetch, remote
 
 
 def _construct_object(constructor, *args, **kwargs) -> OpaqueRef:
-    from monarch_tensor.worker.worker import resolve_function
-
     return OpaqueRef(resolve_function(constructor)(*args, **kwargs))
 
 

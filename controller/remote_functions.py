@@ -13,6 +13,8 @@ import functools
 import torch
 from monarch_tensor.worker import messages as m
 from monarch_tensor.worker.containers import rebuild
+from monarch_tensor.worker.dummy_group import DummyProcessGroup
+from monarch_tensor.worker.interface import flat_leaves, resolve_function
 from monarch_tensor.worker.opaque import OpaqueRef
 from torch.utils import _pytree as pytree
 
@@ -40,8 +42,6 @@ class Remote:
         self._cache: dict = {}
 
     def _local_fn(self):
-        from monarch_tensor.worker.worker import resolve_function
-
         return resolve_function(self.fn)
 
     # ---- Monarch's endpoint forms: the function on every proc of the active mesh, its results to the caller --
@@ -159,8 +159,6 @@ def _refuse_process_groups(tree, what: str) -> None:
 
 def _stand_in(pg: RemoteProcessGroup):
     """What a propagating run on the controller sees in place of ``pg``."""
-    from monarch_tensor.worker.collectives import DummyProcessGroup
-
     return DummyProcessGroup(pg.dims, pg.size())
 
 
@@ -188,8 +186,6 @@ def _outputs(leaves_spec: list, tensors: list, ctx: Ctx) -> tuple[list, list, li
 
 def _describe_call(fn, *args, **kwargs):
     """Worker side of ``propagate="inspect"``: run ``fn`` and describe its outputs."""
-    from monarch_tensor.worker.worker import flat_leaves, resolve_function
-
     out = resolve_function(fn)(*args, **kwargs)
     leaves = []
     for leaf in flat_leaves(out):

@@ -23,8 +23,8 @@ import weakref
 import torch
 from monarch_tensor.worker import messages as m
 from monarch_tensor.worker.containers import is_dataclass_instance
+from monarch_tensor.worker.interface import flat_leaves
 from monarch_tensor.worker.opaque import OpaqueRef
-from monarch_tensor.worker.worker import flat_leaves
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 
 from .client import Ctx, user_loc

@@ -126,6 +126,21 @@ def test_a_second_actor_of_the_same_name_is_a_mesh_of_its_own_and_the_first_keep
     assert procs.spawn("named_once", Counter, 7)._name == "named_once<2>"  # a stopped one's name is free again
 
 
+def test_an_actor_spawned_by_its_class_path_is_imported_on_the_procs_and_a_bad_path_is_its_error(procs):
+    """``_spawn_named(..., implementation="module:Class")`` (how the tensor engine spawns its worker): the procs
+    import and construct that class; the mesh calls the endpoints of the class given."""
+    mesh = procs._spawn_named("by_path", Counter, 40, implementation=f"{Counter.__module__}:Counter")
+    assert mesh.incr.call().get(timeout=30).values() == [41, 41]
+    missing = procs._spawn_named("by_path_missing", Counter, implementation="mt_no_such_module:Counter")
+    with pytest.raises(ActorError, match="mt_no_such_module"):
+        missing.initialized.get(timeout=30)
+    not_a_class = procs._spawn_named("by_path_function", Counter, implementation="os.path:join")
+    with pytest.raises(ActorError, match="is not a class"):
+        not_a_class.initialized.get(timeout=30)
+    with pytest.raises(ValueError, match="package.module:attribute"):
+        procs._spawn_named("by_path_bad", Counter, implementation="os.path.join")
+
+
 def test_every_adverb_on_actors_the_script_stopped_is_refused_at_the_call(procs):
     # A broadcast was sent, and the proc's "was stopped" answer went to nobody: an unhandled supervision
     # failure that ended the script.

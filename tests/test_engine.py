@@ -441,6 +441,39 @@ def test_the_first_spawn_builds_the_fake_tensor_mode_while_the_procs_start(off, 
     assert f"warm {not off} " in p.stdout, p.stdout
 
 
+_CONTROLLER_SCRIPT = """
+import sys
+import torch
+import monarch_tensor
+from monarch_tensor import fetch_shard, proc_mesh
+mesh = proc_mesh(gpus=2)
+with mesh.activate():
+    x = (torch.ones(3) + mesh.rank("gpus")).reduce("gpus", "sum")
+    got = fetch_shard(x, gpus=1).result(timeout=60)
+assert torch.equal(got, torch.full((3,), 3.0)), got
+print("worker modules", sorted(n for n in sys.modules if n.startswith("monarch_tensor.worker")))
+mesh.stop().get(timeout=30)
+"""
+
+
+def test_the_controller_imports_none_of_the_workers_runtime(tmp_path):
+    """A script that runs mesh ops (a collective among them) imports the worker's interface and instruction
+    records, not its interpreter (``worker.worker``) or its collectives: the worker actor is spawned by its
+    class's path (``worker/interface.py``), and only the procs import it."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-c", _CONTROLLER_SCRIPT], cwd=str(tmp_path), capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=root), timeout=100)
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = next(x for x in p.stdout.splitlines() if x.startswith("worker modules "))
+    loaded = set(eval(line[len("worker modules "):]))
+    assert "monarch_tensor.worker.interface" in loaded, loaded  # (the check sees what the script imported)
+    runtime = {f"monarch_tensor.worker.{m}" for m in ("worker", "collectives", "shm_reduce", "program", "stretch",
+                                                      "dtensor", "fsdp", "checkpoint")}
+    assert not loaded & runtime, sorted(loaded & runtime)
+
+
 def test_coalescing_sends_the_ops_of_its_block_as_one_batch(procs, monkeypatch):
     from monarch_tensor.controller.api import client_for
 

@@ -55,6 +55,25 @@ def test_every_instruction_has_a_sample_and_a_handler():
         assert callable(getattr(TensorWorker, f"handle_{cls.__name__}", None)), cls
 
 
+def test_the_worker_implements_every_endpoint_of_its_interface_with_its_signature():
+    """The controller calls the worker by ``worker/interface.py``'s class (it never imports ``TensorWorker``):
+    the two declare the same endpoints, with the same parameters, and the path the procs import is the class."""
+    from monarch_tensor.worker import interface
+    from monarch_tensor.worker import worker as worker_module
+
+    from monarch_tensor.runtime import _names
+
+    def endpoints(cls) -> dict:
+        return {n: pyinspect.signature(getattr(cls, n)) for n in dir(cls)
+                if getattr(getattr(cls, n), "_is_endpoint", False)}
+
+    declared = endpoints(interface.TensorWorkerInterface)
+    assert {"execute", "pause", "withdraw", "peers_died"} <= set(declared)
+    assert declared == endpoints(TensorWorker)
+    assert _names.resolve(interface.IMPLEMENTATION) is TensorWorker
+    assert interface.WORKER_NAME == worker_module.WORKER_NAME
+
+
 @pytest.mark.parametrize("cls", m.INSTRUCTIONS, ids=lambda c: c.__name__)
 def test_instruction_round_trips_through_the_wire(cls):
     msg = SAMPLES[cls]

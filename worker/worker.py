@@ -17,7 +17,6 @@ import contextlib
 import contextvars
 import ctypes
 import functools
-import importlib
 import logging
 import os
 import pickle
@@ -40,15 +39,16 @@ from monarch_tensor.transport.messages import CallEndpoint, SendToPort
 
 from . import messages as m
 from . import opaque
-from .collectives import TIMEOUT, Collectives, DummyProcessGroup, restore_names
+from .collectives import TIMEOUT, Collectives, restore_names
 from .containers import is_dataclass_instance, rebuild
+from .dummy_group import DummyProcessGroup
 from .errors import RemoteException
+from .interface import WORKER_NAME, flat_leaves, resolve_function
 from .opaque import OpaqueRef
 from .program import STRAIGHT_FILE, Program
 
 log = logging.getLogger("monarch_tensor.worker")
 
-WORKER_NAME = "tensor_engine_worker"
 RECV_TIMEOUT = TIMEOUT
 # Freed tensor memory a worker keeps for its next allocations, in MiB (0: glibc's defaults).
 KEEP_FREED_MB = setting("MONARCH_TENSOR_KEEP_FREED_MB")
@@ -79,24 +79,6 @@ def keep_freed_memory(keep_mb: int = KEEP_FREED_MB) -> bool:
     ))
 
 
-def flat_leaves(obj: Any) -> list:
-    """Leaves of nested tuples/lists/dicts (a dict's values in its order), in order (the layout of
-    ``CallOp.outs``); an ``OpaqueRef``'s leaf is its key tensor."""
-    if isinstance(obj, (tuple, list)):  # named tuples and torch.return_types too
-        out = []
-        for x in obj:
-            if isinstance(x, (tuple, list, dict)):
-                out.extend(flat_leaves(x))
-            elif isinstance(x, OpaqueRef):
-                out.append(x._key)
-            else:
-                out.append(x)
-        return out
-    if isinstance(obj, dict):
-        return flat_leaves(list(obj.values()))
-    return [obj._key] if isinstance(obj, OpaqueRef) else [obj]
-
-
 class _Propagate(Exception):
     def __init__(self, failure: RemoteException) -> None:
         self.failure = failure
@@ -120,14 +102,6 @@ def start_warm_up() -> threading.Thread | None:
     if setting("MONARCH_TENSOR_NO_WARMUP"):
         return None
     return finish_preload(["torch._dynamo"])
-
-
-def resolve_function(fn: Any):
-    """A callable, or a dotted path ``"package.module.function"`` imported here."""
-    if isinstance(fn, str):
-        module, _, name = fn.rpartition(".")
-        return getattr(importlib.import_module(module), name)
-    return fn
 
 
 # How long a stream paused by an interrupt (TensorWorker.pause) waits for the controller's decision before it
@@ -207,7 +181,8 @@ _OWN_FILES = (__file__, sys.modules[Program.__module__].__file__, STRAIGHT_FILE)
 
 
 class TensorWorker(Actor):
-    """Executes the controller's instructions on this proc (see the module docstring)."""
+    """Executes the controller's instructions on this proc (see the module docstring). Its endpoints are
+    ``interface.TensorWorkerInterface``'s, by which the controller calls them."""
 
     # Constructed on the proc's loop, in order with the messages that follow its spawn (a user actor's
     # constructor runs on a thread of its own): the engine's calls to actors (CallActor) take their places

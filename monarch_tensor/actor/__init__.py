@@ -47,7 +47,7 @@ from ..hosts.host import (
     this_proc,
 )
 from ..hosts.local import ProcInfo
-from ..runtime import _context
+from ..runtime import _context, _names
 from ..runtime._context import ActorContext as Context
 from ..runtime._port import Port
 from ..shape import Extent, MeshTrait, Point, Shape
@@ -428,13 +428,17 @@ _mesh_owners: dict[tuple[str, str], _context.ActorContext | None] = {}
 
 
 def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs: dict,
-                      rename: bool = True) -> ActorMesh:
+                      rename: bool = True, implementation: str | None = None) -> ActorMesh:
     """Spawn actors of ``cls`` named ``name`` on ``procs``. A name that actors this process spawned there still
     use gives a second, independent actor mesh (Monarch's: a name is a label, each spawn a mesh of its own),
     under ``name<2>``, ``name<3>``...: its actors' name, errors and ``current_actor_name()`` say so. Without
-    ``rename`` (the runtime's own actors, whose name is their address) such a name is refused."""
+    ``rename`` (the runtime's own actors, whose name is their address) such a name is refused.
+    ``implementation``: ``"package.module:Class"``, what the procs construct (imported there, not here), when
+    ``cls`` only declares the endpoints that the returned mesh calls."""
     if not (isinstance(cls, type) and issubclass(cls, Actor)):
         raise TypeError(f"spawn() needs a subclass of Actor, got {cls!r}")
+    if implementation is not None:
+        _names.check(implementation, "spawn's implementation")
     if not isinstance(name, str) or not name:
         raise ValueError(f"actor name must be a non-empty string, got {name!r}")
     procs._check_alive()
@@ -473,17 +477,18 @@ def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs
     col.future.add_done_callback(failed)
     portable = procs._portable()
     ranks = tuple(p.rank for p in members)
+    made = cls if implementation is None else implementation  # (a class path: resolved on the procs)
     i = 0
     try:
         try:
             if len(addrs) > 1 and _fanout.GATHER and _context.in_client() and all("|" in a for a in addrs) and \
                     len(set(ranks)) == len(ranks):  # procs behind host agents: one message down their tree
                 up = PortRef(_fanout.GATHER_PREFIX + port.addr, port.port_id)  # (its acks gathered up it)
-                msg = SpawnActor(name, cls, args, kwargs, -1, shape, up, portable, ranks=ranks)
+                msg = SpawnActor(name, made, args, kwargs, -1, shape, up, portable, ranks=ranks)
                 _fanout.send_many(mailbox, addrs, _wire.encode_for(msg, addrs, mailbox)[0], (port.addr, port.port_id))
                 return mesh
             for i, p in enumerate(members):
-                mailbox.send(p.addr, SpawnActor(name, cls, args, kwargs, i, shape, port, portable))
+                mailbox.send(p.addr, SpawnActor(name, made, args, kwargs, i, shape, port, portable))
         except Exception as e:
             errors = sys.modules.get("monarch_tensor.controller.errors")
             if i != 0 or errors is None or not isinstance(e, errors.MeshTensorError):  # (none was sent)
@@ -492,7 +497,7 @@ def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs
             from .. import _seams
 
             for i, p in enumerate(members):
-                mailbox.send(p.addr, SpawnActor(name, cls, (), {}, i, shape, port, portable, args_by_engine=True))
+                mailbox.send(p.addr, SpawnActor(name, made, (), {}, i, shape, port, portable, args_by_engine=True))
             _seams.get("call_actor")(mesh, mesh._rank_list, "__init__", args, kwargs, None)
     except BaseException:  # e.g. arguments that cannot be pickled: nothing was spawned, the name is free
         if i == 0:

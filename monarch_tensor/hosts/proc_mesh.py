@@ -178,12 +178,14 @@ class ProcMesh(MeshTrait):
 
         return _spawn_actor_mesh(self, name, actor_class, args, kwargs)
 
-    def _spawn_named(self, name: str, actor_class: type, *args, **kwargs):
+    def _spawn_named(self, name: str, actor_class: type, *args, implementation: str | None = None, **kwargs):
         """``spawn`` for the runtime's own actors, reached by their name: a name in use is an error, not a
-        second mesh under another name."""
+        second mesh under another name. ``implementation``: ``"package.module:Class"``, the class the procs
+        construct, when ``actor_class`` only declares its endpoints (the tensor engine's worker: this process
+        then never imports the class)."""
         from ..actor import _spawn_actor_mesh
 
-        return _spawn_actor_mesh(self, name, actor_class, args, kwargs, rename=False)
+        return _spawn_actor_mesh(self, name, actor_class, args, kwargs, rename=False, implementation=implementation)
 
     def execute(self, fn, *args, timeout: float | None = 60.0, **kwargs):
         """Run ``fn(*args, **kwargs)`` on every proc of this mesh and wait: a ``ValueMesh`` of the results (the

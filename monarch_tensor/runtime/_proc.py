@@ -58,7 +58,7 @@ from ..transport.messages import (
     StopActor,
     StopProc,
 )
-from . import _actor_logs, _context, _hooks, _proc_exit, _zygote
+from . import _actor_logs, _context, _hooks, _names, _proc_exit, _zygote
 from ._port import Port
 
 # A call to an actor this proc does not have waits this long for its spawn before it fails (see
@@ -487,6 +487,15 @@ class ProcRuntime:
         return dataclasses.replace(msg, rank=msg.ranks.index(self.rank), ranks=None)
 
     def _start_construct(self, slot: _Slot, msg: SpawnActor) -> None:
+        if isinstance(msg.cls, str):  # the class by its path (its spawner did not import it): imported here
+            try:
+                msg = dataclasses.replace(msg, cls=_names.resolve(msg.cls))
+                if not isinstance(msg.cls, type):
+                    raise TypeError(f"{msg.cls!r} is not a class")
+            except Exception as e:  # noqa: BLE001 - as a constructor that raised: its callers hear of it
+                err = ActorError(msg.name, slot.ctx.rank.rank, "__init__", repr(e), traceback.format_exc(), _picklable(e))
+                self._constructed(slot, msg, None, err)
+                return
         if getattr(msg.cls, "_init_on_loop", False):  # the runtime's own actors whose place in message order
             self._construct(slot, msg, inline=True)  # matters (the tensor engine's worker: see TensorWorker)
             return

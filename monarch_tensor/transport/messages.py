@@ -41,7 +41,8 @@ class SpawnActor:
     ``args_by_engine``: the arguments hold mesh tensors, and come instead in a call of ``__init__`` from the
     tensor engine's worker, which gives the constructor this rank's own tensors. ``ranks``: one message for the
     whole mesh (down the tree of host agents, its acks gathered up it): each proc's place in the mesh is the
-    index of its own proc rank in ``ranks`` (``rank`` is then -1)."""
+    index of its own proc rank in ``ranks`` (``rank`` is then -1). ``cls``: the class, or its
+    ``"package.module:Class"`` path, imported by the proc (a spawner that does not import it)."""
 
     name: str
     cls: Any
