@@ -22,8 +22,12 @@ from .runtime import _hooks as _proc_hooks
 
 _proc_hooks.register("workspace_sync", serves=("monarch_tensor.workspace_sync._proc",),
                      start="monarch_tensor.workspace_sync._proc:on_start",
-                     client_gone="monarch_tensor.workspace_sync._proc:on_client_gone")
-_proc_hooks.register("env", serves=("monarch_tensor.env._proc",))
+                     client_gone="monarch_tensor.workspace_sync._proc:on_client_gone",
+                     session_end="monarch_tensor.workspace_sync._proc:on_session_end",
+                     api={"sync_workspace": "monarch_tensor.workspace_sync:sync_workspace",     # ProcMesh's, a job's hosts'
+                          "sync_this_host": "monarch_tensor.workspace_sync:sync_this_host"})  # HostMesh's
+_proc_hooks.register("env", serves=("monarch_tensor.env._proc",),
+                     api={"ProcEnv": "monarch_tensor.env:ProcEnv"})  # ProcMesh.env
 _proc_hooks.register("debugger", serves=("monarch_tensor.debugger._proc",),
                      start="monarch_tensor.debugger._proc:on_start",
                      client_gone="monarch_tensor.debugger._server:on_client_gone")

@@ -76,3 +76,48 @@ def test_the_templates_cleanup_after_a_killed_client_reaches_the_tools():
     _zygote._remove_files_of(pid, [], [addr])
     assert not os.path.exists(root)
     assert not os.path.exists(debug_server.info_path(pid))
+
+
+def test_a_tools_api_is_what_a_facade_calls_and_an_unknown_one_is_named(registry):
+    mod = __import__("sys").modules["mt_fake_tool"]
+    mod.double = lambda x: 2 * x
+    _hooks.register("calc", api={"double": "mt_fake_tool:double"})
+    assert _hooks.api("calc", "double")(21) == 42
+    with pytest.raises(LookupError, match="the calc tool has no api function 'triple'"):
+        _hooks.api("calc", "triple")
+    with pytest.raises(LookupError, match="no tool named 'nothing'"):
+        _hooks.api("nothing", "double")
+    for bad in ({"double": "mt_fake_tool.double"}, {"not a name": "mt_fake_tool:double"}, ["double"]):
+        with pytest.raises(ValueError, match="tool 'y'"):
+            _hooks.register("y", api=bad)
+
+
+def test_session_end_reaches_the_tools_and_loaded_only_skips_those_this_process_never_imported(registry, capsys):
+    mod = __import__("sys").modules["mt_fake_tool"]
+    mod.ended = lambda addrs: registry.append(("ended", addrs))
+    mod.ended_fails = lambda addrs: 1 / 0
+    _hooks.register("used", session_end="mt_fake_tool:ended_fails")
+    _hooks.register("used_too", session_end="mt_fake_tool:ended")
+    _hooks.register("never_imported", session_end="mt_no_such_tool_module:ended")
+    _hooks.session_end(iter(["ipc://a"]), loaded_only=True)
+    assert registry == [("ended", ("ipc://a",))]
+    assert "the used tool's cleanup after session ('ipc://a',) failed: ZeroDivisionError" in capsys.readouterr().err
+    _hooks.session_end(["ipc://b"])  # every tool: the one whose module is missing says so, the others run
+    assert registry[-1] == ("ended", ("ipc://b",))
+    assert "the never_imported tool's cleanup" in capsys.readouterr().err
+
+
+def test_the_packages_facades_reach_the_tools_functions():
+    """With the package's own registry: what ``ProcMesh.sync_workspace``, ``HostMesh.sync_workspace`` and
+    ``ProcMesh.env`` delegate to, and a session's end removing its default workspace root."""
+    import monarch_tensor.env
+    import monarch_tensor.workspace_sync
+
+    assert _hooks.api("workspace_sync", "sync_workspace") is monarch_tensor.workspace_sync.sync_workspace
+    assert _hooks.api("workspace_sync", "sync_this_host") is monarch_tensor.workspace_sync.sync_this_host
+    assert _hooks.api("env", "ProcEnv") is monarch_tensor.env.ProcEnv
+    addr = f"ipc:///nowhere/client-{(1 << 22) + os.getpid()}-session"
+    root = sync_proc.default_root(sync_proc.client_key(addr))
+    os.makedirs(os.path.join(root, "d"))
+    _hooks.session_end([addr], loaded_only=True)
+    assert not os.path.exists(root)

@@ -119,6 +119,46 @@ def test_the_actor_layer_and_the_tools_import_no_job_or_cli():
     assert not wrong, "\n".join(f"  {a}:{line} imports {b}" for a, b, line in wrong)
 
 
+def _tool_names_in_strings() -> list[tuple[str, str, int]]:
+    """(module, string, line) for every string constant of the proc runtime, the actor layer and hosts that names
+    a tool's module (``sys.modules.get("monarch_tensor.workspace_sync._proc")``, an ``importlib`` call): an
+    import by another name. (The transport names one protocol module of workspace sync among the records its
+    salvage may rebuild, ``_wire.ENVELOPE_MODULES``: data, not an import.)"""
+    out = []
+    for dirpath, _, files in os.walk(os.path.join(ROOT, "monarch_tensor")):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, f)
+            mod = _module(path)
+            if not _under(mod, (RUNTIME, ACTOR, HOSTS)):
+                continue
+            with open(path) as fh:
+                tree = ast.parse(fh.read(), path)
+            out += [(mod, node.value, node.lineno) for node in ast.walk(tree)
+                    if isinstance(node, ast.Constant) and isinstance(node.value, str) and _under(node.value, TOOLS)]
+    return out
+
+
+def test_hosts_and_actors_reach_the_tools_only_through_the_runtimes_hooks():
+    """The public methods of hosts that a tool serves (``ProcMesh.sync_workspace``, ``ProcMesh.env``,
+    ``HostMesh.sync_workspace``) delegate to what the tool registered (``_hooks.api``), and a host agent's
+    cleanup after a session calls the tools' ``session_end``: the hosts layer imports no tool, not even by
+    its name in a string."""
+    wrong = [f"  {a}:{line} imports {b}" for a, b, line in _imports()
+             if _under(a, (ACTOR, HOSTS)) and _under(b, TOOLS)]
+    wrong += [f"  {a}:{line} names {b!r}" for a, b, line in _tool_names_in_strings()]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_string_check_finds_a_tool_named_in_a_lower_layer(tmp_path, monkeypatch):
+    pkg = tmp_path / "monarch_tensor" / "hosts"
+    pkg.mkdir(parents=True)
+    (pkg / "bad.py").write_text("import sys\nsync = sys.modules.get('monarch_tensor.workspace_sync._proc')\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", str(tmp_path))
+    assert _tool_names_in_strings() == [("monarch_tensor.hosts.bad", "monarch_tensor.workspace_sync._proc", 2)]
+
+
 def test_every_tool_plugs_into_the_procs_through_the_runtimes_hooks():
     """Each tool package has an entry in ``runtime/_hooks.py``'s registry (made in ``monarch_tensor/__init__.py``)
     whose modules import and whose hooks are functions: its proc side is loaded in every proc."""

@@ -11,42 +11,14 @@ NCCL_SOCKET_IFNAME: 'eth0' on ranks [0, 1, 2]; 'eth1' on ranks [3]
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Callable
 
 from ..future import Future
+from ..hosts.bootstrap import check_env_name, check_env_values
 from ..transport._ports import Collector
 from ..transport.mailbox import current_mailbox
 from .messages import ReadEnv, WriteEnv
-
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-def _check_values(values) -> None:
-    for v in values:
-        if v is not None and not isinstance(v, str):
-            raise TypeError(f"environment values must be str or None, got {v!r}")
-        if v is not None and "\0" in v:
-            raise ValueError(f"environment values cannot hold a NUL character, got {v!r}")
-
-
-def _check_name(name: str) -> None:
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise ValueError(f"bad environment variable name {name!r}: letters, digits and '_', not starting with a digit")
-
-
-def check_env(env: object, what: str) -> None:
-    """``env`` for procs to start with (``proc_mesh(env=...)``): ``{name: value}`` of strings, the names and
-    values ``env.set`` takes (POSIX's portable names: a proc could not set ``""``, ``"A=B"`` or a NUL, and
-    would die at its start). Checked at the call; ``what`` names it in the error."""
-    if env is None:
-        return
-    if not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
-        raise TypeError(f"{what} maps variable names to string values, got {env!r}")
-    for name in env:
-        _check_name(name)
-    _check_values(env.values())
 
 
 def _learn_roots(procs: list, replies: list) -> None:
@@ -101,7 +73,7 @@ class ProcEnv:
 
     def get(self, name: str) -> Future:
         """The variable on every rank (``None`` where unset), as a ``ValueMesh``."""
-        _check_name(name)
+        check_env_name(name)
         return self._call(lambda i, port: ReadEnv((name,), "", port),
                           lambda vs: self._values([v[name] for v in vs]), f"env.get({name!r})")
 
@@ -113,7 +85,7 @@ class ProcEnv:
 
     def set(self, name: str, value: str | None | Mapping[int, str | None] | list) -> Future:
         """Set ``name`` on every rank (``None`` unsets it); a list or {rank index: value} sets it per rank."""
-        _check_name(name)
+        check_env_name(name)
         n = len(self._mesh._shape)
         if isinstance(value, (list, tuple)):
             if len(value) != n:
@@ -126,14 +98,14 @@ class ProcEnv:
             return self._set_some(name, dict(value))
         else:
             per = [value] * n
-        _check_values(per)
+        check_env_values(per)
         members = self._mesh._members()
         self._moved_roots(name, members)
         return self._call(lambda i, port: WriteEnv({name: per[i]}, port), lambda vs: _learn_roots(members, vs),
                           f"env.set({name!r})")
 
     def _set_some(self, name: str, values: dict) -> Future:
-        _check_values(values.values())
+        check_env_values(values.values())
         mesh = self._mesh
         members = mesh._members()
         mailbox = current_mailbox()

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import atexit
-import sys
 
 from ..future import Future
+from ..runtime import _hooks
 from . import _script_proc, proc_mesh
 from .proc_mesh import _live_meshes
 
@@ -29,15 +29,14 @@ def _shutdown() -> None:
 
 @atexit.register
 def _shutdown_at_exit() -> None:
-    """Stop this machine's procs; then remove this client session's default workspace root here, which its
-    procs wrote and nothing reads any more (a killed script's goes with its template, ``_zygote``; a host
+    """Stop this machine's procs; then the tools it used remove what they keep for this client session here
+    (``_hooks.session_end``: the default workspace root, which its procs wrote and nothing reads any more (a killed script's goes with its template, ``_zygote``; a host
     agent's with the session, ``HostAgent._end``)."""
     _shutdown()
-    sync = sys.modules.get("monarch_tensor.workspace_sync._proc")  # (imported by any sync from here)
     from ..transport import mailbox
 
-    if sync is not None and mailbox._mailbox is not None:
-        sync.remove_default_root(mailbox._mailbox.addr)
+    if mailbox._mailbox is not None:  # (the tools this script used: a sync from here imported its hook's module)
+        _hooks.session_end((mailbox._mailbox.addr,), loaded_only=True)
 
 
 def shutdown_context(host_timeout: float | None = None) -> Future:

@@ -7,10 +7,9 @@ from __future__ import annotations
 from typing import Mapping
 
 from ..config import setting
-from ..env import check_env
 from ..shape import Shape
 from ..transport.mailbox import current_mailbox, new_ipc_address
-from .bootstrap import check_bootstrap, run_bootstrap
+from .bootstrap import check_bootstrap, check_env, run_bootstrap
 from .local import ProcInfo, _gpu_count
 from .proc_mesh import ProcMesh, _agents_of, _live_meshes, local_host
 

@@ -34,6 +34,7 @@ import zmq
 from ..config import setting
 from ..errors import AddressInUseError, JobKeyError
 from ..future import Future
+from ..runtime import _hooks
 from ..transport import _curve, _fanout, _wire
 from ..transport._fanout import ROUTE_MAGIC, UP_MAGIC
 from ..transport.mailbox import _EVENTS, _POLLIN, new_ipc_address
@@ -507,11 +508,9 @@ class _Worker:
 
 
 def _remove_roots(session: _Session) -> None:
-    """The default workspace roots of a session that ended (its procs are gone): see ``_sync_proc``."""
-    from ..workspace_sync._proc import remove_default_root
-
-    for addr in session.clients:
-        remove_default_root(addr)
+    """What the tools keep on this host for a session that ended (its procs are gone): its default workspace
+    roots (``_hooks.session_end``)."""
+    _hooks.session_end(session.clients)
 
 
 def _signal(pid: int, sig: int) -> None:

@@ -6,18 +6,51 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import shutil
 import sys
 import threading
 from typing import TYPE_CHECKING, Mapping
 
 from ..config import setting
-from ..env import check_env
 from ..future import Future, run_to_end
 from ..shape import Shape
 
 if TYPE_CHECKING:
     from .proc_mesh import ProcMesh
+
+
+# Environment variables that procs start with, and that ``procs.env`` sets (the env tool checks its names
+# and values here too).
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def check_env_values(values) -> None:
+    """Each of ``values`` is a string without NUL, or None (unset)."""
+    for v in values:
+        if v is not None and not isinstance(v, str):
+            raise TypeError(f"environment values must be str or None, got {v!r}")
+        if v is not None and "\0" in v:
+            raise ValueError(f"environment values cannot hold a NUL character, got {v!r}")
+
+
+def check_env_name(name: str) -> None:
+    """``name`` is a portable variable name: letters, digits and ``_``, not starting with a digit."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(f"bad environment variable name {name!r}: letters, digits and '_', not starting with a digit")
+
+
+def check_env(env: object, what: str) -> None:
+    """``env`` for procs to start with (``proc_mesh(env=...)``): ``{name: value}`` of strings, the names and
+    values ``procs.env.set`` takes (POSIX's portable names: a proc could not set ``""``, ``"A=B"`` or a NUL, and
+    would die at its start). Checked at the call; ``what`` names it in the error."""
+    if env is None:
+        return
+    if not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+        raise TypeError(f"{what} maps variable names to string values, got {env!r}")
+    for name in env:
+        check_env_name(name)
+    check_env_values(env.values())
 
 
 # How long spawn_procs waits for its bootstrap function on every proc (a proc that dies fails it at once).

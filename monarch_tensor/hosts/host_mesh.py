@@ -11,6 +11,7 @@ from typing import Mapping
 
 from ..config import setting
 from ..future import CoroutineFuture, Future
+from ..runtime import _hooks
 from ..shape import MeshTrait, Shape
 from ._spawn import HOST_PYTHON_ENV, _procs_shape, _spawn_procs, check_procs_per_host, per_host_sizes
 from .bootstrap import bootstrap_plan, check_bootstrap, run_bootstrap
@@ -81,25 +82,8 @@ class HostMesh(MeshTrait):
         return CoroutineFuture.of(self._sync_workspace(workspace, conda, auto_reload))
 
     def _sync_workspace(self, workspace, conda: bool, auto_reload: bool) -> Future:
-        from ..workspace_sync import SyncResult, check_workspace, conda_prefix, sync_local, sync_workspace
-
-        check_workspace(workspace)  # on every path, as sync_workspace checks it: a path is no Workspace
         procs = [p for mesh in list(_live_meshes) for p in mesh._procs if p.alive and self._runs_here(p)]
-        if not procs:  # nothing runs yet: write this host's root directly
-            try:
-                prefix = conda_prefix(workspace) if conda else None
-                active = os.environ.get("CONDA_PREFIX")
-                if prefix is not None and not (active and os.path.samefile(prefix, active)):
-                    raise ValueError(f"sync_workspace(conda=True): no proc runs on this host yet to receive {prefix} "
-                                     f"(procs spawned here run in this script's environment, {active}); spawn "
-                                     "procs with CONDA_PREFIX set where it should go, then sync")
-                result = sync_local(workspace)
-                if prefix is not None:  # (the procs spawned here later inherit this very environment)
-                    result.conda = SyncResult(roots=[prefix])
-                return Future.ready(result)
-            except Exception as e:  # noqa: BLE001
-                return Future.failed(e)
-        return sync_workspace(procs, workspace, auto_reload, conda=conda)
+        return _hooks.api("workspace_sync", "sync_this_host")(procs, workspace, auto_reload, conda=conda)
 
     @property
     def is_fake_in_process(self) -> bool:

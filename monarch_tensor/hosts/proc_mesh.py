@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from .. import config
 from ..errors import MeshStoppedError, SupervisionError
 from ..future import CoroutineFuture, Future, in_event_loop
-from ..runtime import _context
+from ..runtime import _context, _hooks
 from ..shape import MeshTrait, Shape
 from ..transport.mailbox import current_mailbox
 from ..transport.messages import SetLogging, StopProc
@@ -339,17 +339,14 @@ class ProcMesh(MeshTrait):
 
         >>> await procs.sync_workspace(Workspace(dirs=["./proj"]), auto_reload=True)  # doctest: +SKIP
         """
-        from ..workspace_sync import sync_workspace
-
         self._check_alive()
-        return CoroutineFuture.of(sync_workspace(self._members(), workspace, auto_reload, conda=conda))
+        sync = _hooks.api("workspace_sync", "sync_workspace")
+        return CoroutineFuture.of(sync(self._members(), workspace, auto_reload, conda=conda))
 
     @property
     def env(self):
         """Environment variables of the procs: ``procs.env.get("NCCL_DEBUG").get()`` -> ValueMesh."""
-        from ..env import ProcEnv
-
-        return ProcEnv(self)
+        return _hooks.api("env", "ProcEnv")(self)
 
     # ---- tensor engine (see controller/) ---------------------------------------------
     def activate(self):

@@ -31,6 +31,7 @@ import zmq
 from ..config import setting
 from ..errors import HostUnreachableError, JobKeyError, SupervisionError
 from ..future import CoroutineFuture, Future
+from ..runtime import _hooks
 from ..shape import Shape
 from ..transport import _curve, _fanout, _wire
 from ..transport._fanout import ROUTE_SEP
@@ -592,12 +593,11 @@ class RemoteHostMesh(HostMesh):
 
         >>> await job.state().trainers.sync_workspace(Workspace(dirs=["./proj"]))  # doctest: +SKIP
         """
-        from ..workspace_sync import sync_workspace
-
         procs = [p for mesh in list(_live_meshes) for p in mesh._procs if p.alive and self._runs_here(p)]
         idle = [a for a in self._agents if not any(p.agent is a for p in procs)]
         spawn = (lambda: RemoteHostMesh(idle).spawn_procs(name="workspace-sync")) if idle else None
-        return CoroutineFuture.of(sync_workspace(procs, workspace, auto_reload, spawn, conda=conda))
+        sync = _hooks.api("workspace_sync", "sync_workspace")
+        return CoroutineFuture.of(sync(procs, workspace, auto_reload, spawn, conda=conda))
 
     def shutdown(self) -> Future:
         """Stop the procs on these hosts, then their agents: the hosts take no new procs afterwards."""

@@ -38,9 +38,9 @@ import sys
 import threading
 from typing import Any
 
-from .. import env as _env
 from ..actor import Actor, Channel, endpoint
 from ..future import Future
+from ..hosts import bootstrap as _bootstrap
 from ..runtime._context import current as _own  # the running actor (its rank and sizes in the mesh spawned)
 
 CHUNK = 64 << 10
@@ -176,7 +176,7 @@ def stop_group(proc: subprocess.Popen, signals=(signal.SIGTERM, signal.SIGKILL),
 def check_env(env) -> None:
     """The names and values ``proc_mesh(env=...)`` takes, checked here: the procs' subprocess would refuse
     a bad name or a NUL only after they started."""
-    _env.check_env(env, "env")
+    _bootstrap.check_env(env, "env")
 
 
 class BashActor(Actor):

@@ -16,8 +16,8 @@ import sys
 import tempfile
 import time
 
-from ..env import check_env
 from ..errors import JobStartError
+from ..hosts.bootstrap import check_env
 from ..hosts.local import python_path
 from ._base import BATCH_JOB_ENV, DEFAULT_STATE, JobTrait, agent_command, log_tail, private_dir, read_address
 

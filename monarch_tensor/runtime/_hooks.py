@@ -13,14 +13,23 @@ itself when it needs them:
 * ``client_gone``: ``"module:function"``, called in a host's template process with the pid and the addresses
   of a client that went away without cleaning up (killed): the tool removes what that client's session left
   on the host.
+* ``session_end``: ``"module:function"``, called with the addresses of a client session whose procs on this
+  host are gone (a host agent ends the session; a script exits, for the tools it used): the tool removes what
+  it keeps for that session here.
+* ``api``: ``{name: "module:function"}``, what the layers below the tool delegate to (``api(tool, name)``):
+  ``HostMesh.sync_workspace`` is workspace sync's ``sync_this_host``, ``ProcMesh.env`` the env tool's
+  ``ProcEnv``. The hosts layer keeps the public methods (Monarch's names) and imports no tool.
 
->>> register("example", serves=("json",), start="json:dumps")  # doctest: +SKIP
+>>> register("example", serves=("json",), start="json:dumps", api={"dump": "json:dumps"})  # doctest: +SKIP
+>>> api("example", "dump")({"a": 1})  # doctest: +SKIP
+'{"a": 1}'
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -33,6 +42,8 @@ class Tool:
     serves: tuple[str, ...] = ()
     start: str | None = None
     client_gone: str | None = None
+    session_end: str | None = None
+    api: tuple[tuple[str, str], ...] = ()  # (name, "module:function"), sorted by name
 
 
 _tools: dict[str, Tool] = {}
@@ -47,15 +58,23 @@ def _check_function(ref: str | None, what: str, name: str) -> None:
 
 
 def register(name: str, *, serves: Iterable[str] = (), start: str | None = None,
-             client_gone: str | None = None) -> Tool:
+             client_gone: str | None = None, session_end: str | None = None,
+             api: Mapping[str, str] | None = None) -> Tool:
     """Register the tool ``name``'s hooks (see the module's docstring). Registering a name again with other
     hooks is an error: two tools under one name would leave one of them out of every proc."""
-    tool = Tool(name, tuple(serves), start, client_gone)
+    if api is not None and not isinstance(api, Mapping):
+        raise ValueError(f"tool {name!r}: api maps names to 'package.module:function', got {api!r}")
+    tool = Tool(name, tuple(serves), start, client_gone, session_end, tuple(sorted((api or {}).items())))
     for module in tool.serves:
         if not isinstance(module, str) or not module or ":" in module:
             raise ValueError(f"tool {name!r}: serves takes module names ('package.module'), got {module!r}")
     _check_function(start, "start", name)
     _check_function(client_gone, "client_gone", name)
+    _check_function(session_end, "session_end", name)
+    for key, ref in tool.api:
+        if not isinstance(key, str) or not key.isidentifier():
+            raise ValueError(f"tool {name!r}: api names are identifiers, got {key!r}")
+        _check_function(ref, f"api {key!r}", name)
     known = _tools.get(name)
     if known is not None and known != tool:
         raise ValueError(f"a tool named {name!r} is registered already, with other hooks: {known}")
@@ -109,4 +128,33 @@ def client_gone(client_pid: int, client_addrs: Iterable[str]) -> None:
             _function(tool.client_gone)(client_pid, addrs)
         except Exception as e:  # noqa: BLE001 - cleanup after a dead client is best effort
             print(f"monarch_tensor: the {tool.name} tool's cleanup after client {client_pid} failed: {e!r}",
+                  file=sys.stderr)
+
+
+def api(tool: str, name: str) -> Callable[..., Any]:
+    """The function that tool ``tool`` registered as ``name`` in its ``api``, its module imported on first
+    use: what a facade of a lower layer delegates to. A tool or name not registered is a ``LookupError``."""
+    entry = _tools.get(tool)
+    if entry is None:
+        raise LookupError(f"no tool named {tool!r} is registered (monarch_tensor/__init__.py registers the tools)")
+    for key, ref in entry.api:
+        if key == name:
+            return _function(ref)
+    raise LookupError(f"the {tool} tool has no api function {name!r} (it has {[k for k, _ in entry.api]})")
+
+
+def session_end(client_addrs: Iterable[str], loaded_only: bool = False) -> None:
+    """A client session's procs on this host are gone: each tool's ``session_end`` removes what it keeps for
+    it here. ``loaded_only``: only the tools whose hook's module this process imported (a script exiting: a
+    tool it never used has nothing of its session). Best effort, as ``client_gone``."""
+    addrs = tuple(client_addrs)
+    for tool in tools():
+        if tool.session_end is None:
+            continue
+        if loaded_only and tool.session_end.partition(":")[0] not in sys.modules:
+            continue
+        try:
+            _function(tool.session_end)(addrs)
+        except Exception as e:  # noqa: BLE001 - cleanup after a session is best effort
+            print(f"monarch_tensor: the {tool.name} tool's cleanup after session {addrs} failed: {e!r}",
                   file=sys.stderr)

@@ -705,3 +705,26 @@ def sync_local(workspace: Workspace) -> SyncResult:
     return SyncResult(files_sent=b.files, bytes_sent=b.bytes,
                       unchanged=len(manifest) - len(diff.send) - len(diff.verify), deleted=len(diff.delete),
                       roots=[root], changed=sorted(changed), seconds=time.perf_counter() - t0)
+
+
+def sync_this_host(procs: list, workspace: Workspace, auto_reload: bool = False,
+                   conda: bool = False) -> Future[SyncResult]:
+    """``this_host().sync_workspace``: sync to ``procs``, the live procs that run on this host; with none, write
+    this client's own root here directly (``sync_local``), which the procs spawned here later start from."""
+    check_workspace(workspace)  # on every path, as sync_workspace checks it: a path is no Workspace
+    if procs:
+        return sync_workspace(procs, workspace, auto_reload, conda=conda)
+    try:
+        prefix = conda_prefix(workspace) if conda else None
+        active = os.environ.get("CONDA_PREFIX")
+        if prefix is not None and not (active and os.path.samefile(prefix, active)):
+            raise ValueError(f"sync_workspace(conda=True): no proc runs on this host yet to receive {prefix} "
+                             f"(procs spawned here run in this script's environment, {active}); spawn "
+                             "procs with CONDA_PREFIX set where it should go, then sync")
+        result = sync_local(workspace)
+        if prefix is not None:  # (the procs spawned here later inherit this very environment)
+            result.conda = SyncResult(roots=[prefix])
+        return Future.ready(result)
+    except Exception as e:  # noqa: BLE001
+        return Future.failed(e)
+

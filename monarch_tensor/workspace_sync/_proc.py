@@ -723,6 +723,13 @@ def on_start(rt) -> None:
         print(f"monarch_tensor: cannot read the workspace root: {e!r}", file=sys.stderr)
 
 
+def on_session_end(client_addrs) -> None:
+    """A client session whose procs on this host are gone (its host agent ended it, or the script exited):
+    its default roots here are removed (a hook: ``runtime/_hooks.py``)."""
+    for addr in client_addrs:
+        remove_default_root(addr)
+
+
 def on_client_gone(client_pid: int, client_addrs) -> None:
     """A client that was killed (its procs are gone) left the default roots of its sessions on this host:
     removed by the host's template process (a hook: ``runtime/_hooks.py``)."""
