@@ -24,15 +24,19 @@ _proc_hooks.register("workspace_sync", serves=("monarch_tensor.workspace_sync._p
                      start="monarch_tensor.workspace_sync._proc:on_start",
                      client_gone="monarch_tensor.workspace_sync._proc:on_client_gone",
                      session_end="monarch_tensor.workspace_sync._proc:on_session_end",
+                     handlers=("monarch_tensor.workspace_sync._proc:HANDLERS",),
                      api={"sync_workspace": "monarch_tensor.workspace_sync:sync_workspace",     # ProcMesh's, a job's hosts'
                           "sync_this_host": "monarch_tensor.workspace_sync:sync_this_host"})  # HostMesh's
-_proc_hooks.register("env", serves=("monarch_tensor.env._proc",),
+_proc_hooks.register("env", serves=("monarch_tensor.env._proc",), handlers=("monarch_tensor.env._proc:HANDLERS",),
                      api={"ProcEnv": "monarch_tensor.env:ProcEnv"})  # ProcMesh.env
 _proc_hooks.register("debugger", serves=("monarch_tensor.debugger._proc",),
                      start="monarch_tensor.debugger._proc:on_start",
-                     client_gone="monarch_tensor.debugger._server:on_client_gone")
+                     client_gone="monarch_tensor.debugger._server:on_client_gone",
+                     handlers=("monarch_tensor.debugger:HANDLERS",))
+# The debugger's handlers answer in every process, not only where the tools serve: a proc passes its ranks'
+# breakpoints on to its client, which serves them.
+_proc_hooks.install("debugger")
 
-from . import debugger as _debugger  # noqa: F401 - registers the debugger's message handlers
 from .actor import (  # noqa: F401
     Accumulator,
     Actor,

@@ -121,3 +121,59 @@ def test_the_packages_facades_reach_the_tools_functions():
     os.makedirs(os.path.join(root, "d"))
     _hooks.session_end([addr], loaded_only=True)
     assert not os.path.exists(root)
+
+
+def test_a_tools_handlers_are_installed_by_load_or_install_and_a_clash_is_an_error(registry, monkeypatch):
+    from monarch_tensor.transport import mailbox
+
+    monkeypatch.setattr(mailbox, "SYSTEM_HANDLERS", dict(mailbox.SYSTEM_HANDLERS))
+    monkeypatch.setattr(_hooks, "SYSTEM_HANDLERS", mailbox.SYSTEM_HANDLERS)
+
+    class Ping:
+        pass
+
+    mod = __import__("sys").modules["mt_fake_tool"]
+    mod.HANDLERS = {Ping: lambda mb, msg: None}
+    mod.OTHER = {Ping: lambda mb, msg: None}
+    mod.NOT_A_DICT = [Ping]
+    _hooks.register("pinger", serves=("mt_fake_tool",), handlers=("mt_fake_tool:HANDLERS",))
+    assert Ping not in mailbox.SYSTEM_HANDLERS  # (registering installs nothing)
+    _hooks.load()
+    assert mailbox.SYSTEM_HANDLERS[Ping] is mod.HANDLERS[Ping]
+    _hooks.install("pinger")  # again: no change
+    _hooks.register("clash", handlers=("mt_fake_tool:OTHER",))
+    with pytest.raises(ValueError, match="the clash tool's handler of Ping .* would replace"):
+        _hooks.install("clash")
+    _hooks.register("odd", handlers=("mt_fake_tool:NOT_A_DICT",))
+    with pytest.raises(TypeError, match="not a dict"):
+        _hooks.install("odd")
+    with pytest.raises(LookupError, match="no tool named 'ghost'"):
+        _hooks.install("ghost")
+
+
+_IMPORT_INSTALLS_NOTHING = """
+import monarch_tensor
+from monarch_tensor.env import _proc as env_proc
+from monarch_tensor.env.messages import ReadEnv
+from monarch_tensor.runtime import _hooks
+from monarch_tensor.transport.mailbox import SYSTEM_HANDLERS
+from monarch_tensor.workspace_sync import _proc as sync_proc
+from monarch_tensor.workspace_sync.messages import WriteFiles
+from monarch_tensor.debugger.messages import DebugRegister
+print(DebugRegister in SYSTEM_HANDLERS, ReadEnv in SYSTEM_HANDLERS, WriteFiles in SYSTEM_HANDLERS)
+_hooks.load()
+print(SYSTEM_HANDLERS[ReadEnv] is env_proc.HANDLERS[ReadEnv], SYSTEM_HANDLERS[WriteFiles] is sync_proc.HANDLERS[WriteFiles])
+"""
+
+
+def test_importing_a_tools_module_installs_no_handler_and_the_registry_installs_them():
+    """The package installs the debugger's handlers in every process; the other tools' handlers come with
+    ``load()`` (procs), not with an import of their modules."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-c", _IMPORT_INSTALLS_NOTHING], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PYTHONPATH=root))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split() == ["True", "False", "False", "True", "True"], p.stdout

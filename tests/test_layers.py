@@ -171,9 +171,18 @@ def test_every_tool_plugs_into_the_procs_through_the_runtimes_hooks():
         assert pkg + "._proc" in tool.serves, tool
         for module in tool.serves:
             assert _under(module, (pkg,)), (tool.name, module)
-        for ref in (tool.start, tool.client_gone):
+        for ref in (tool.start, tool.client_gone, tool.session_end, *(r for _, r in tool.api)):
             if ref is not None:
                 assert _under(ref.partition(":")[0], (pkg,)) and callable(_hooks._function(ref)), (tool.name, ref)
+        for ref in tool.handlers:
+            assert _under(ref.partition(":")[0], (pkg,)) and isinstance(_hooks._function(ref), dict), (tool.name, ref)
+    # (a tool's module that handles messages says so in its entry: importing it installs nothing)
+    import importlib
+
+    for pkg in TOOLS:
+        for name in (pkg, pkg + "._proc"):
+            if isinstance(getattr(importlib.import_module(name), "HANDLERS", None), dict):
+                assert name + ":HANDLERS" in tools[pkg.rsplit(".", 1)[1]].handlers, name
 
 
 def test_every_seam_entry_exists():

@@ -21,7 +21,7 @@ import threading
 from dataclasses import dataclass, field
 
 from ..errors import SupervisionError
-from ..transport.mailbox import SYSTEM_HANDLERS, Mailbox, current_mailbox
+from ..transport.mailbox import Mailbox, current_mailbox
 from ..transport.messages import PortRef, SendToPort
 from .messages import DebugEnd, DebugOutput, DebugRegister
 
@@ -216,11 +216,13 @@ def _relay_or(fn):
     return handle
 
 
-SYSTEM_HANDLERS.update({
+# The messages of paused ranks and their handlers, in every process (a proc passes them on to its client): the
+# debugger's registry entry names them (``runtime/_hooks.py``), and ``monarch_tensor/__init__.py`` installs them.
+HANDLERS = {
     DebugRegister: _on_register,
     DebugOutput: _relay_or(lambda m: controller().output(m)),
     DebugEnd: _on_end,
-})
+}
 
 
 # ---- rank selections ------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import os
 import socket
 
 from ..transport._net import ip_towards
-from ..transport.mailbox import SYSTEM_HANDLERS, Mailbox
+from ..transport.mailbox import Mailbox
 from ..transport.messages import SendToPort
 from .messages import ReadEnv, ReserveMasterPort, WriteEnv
 
@@ -70,4 +70,5 @@ def handle_reserve(mailbox: Mailbox, msg: ReserveMasterPort) -> None:
         _reply(mailbox, msg.reply, error=e)
 
 
-SYSTEM_HANDLERS.update({ReadEnv: handle_read, WriteEnv: handle_write, ReserveMasterPort: handle_reserve})
+# The env tool's messages and their handlers (its registry entry names them: ``runtime/_hooks.py``).
+HANDLERS = {ReadEnv: handle_read, WriteEnv: handle_write, ReserveMasterPort: handle_reserve}

@@ -6,9 +6,12 @@ script, a proc, a template process, a host agent): a proc serves the tools wheth
 imported them. An entry names the tool's modules and functions as dotted strings, data that the runtime imports
 itself when it needs them:
 
-* ``serves``: the tool's modules in a proc (those that handle its messages among them), imported in each
-  proc before it serves anything (``load``; the template process imports them too, so the procs it forks
-  start with them loaded);
+* ``serves``: the tool's modules in a proc, imported in each proc before it serves anything (``load``; the
+  template process imports them too, so the procs it forks start with them loaded);
+* ``handlers``: ``"module:NAME"`` of the dicts ``{message type: handler(mailbox, msg)}`` that answer the tool's
+  messages, installed in the transport's ``SYSTEM_HANDLERS`` where the tool serves (``load``: procs, the
+  template, the script's own proc), or in any process that asks (``install``). Importing a tool's module
+  installs nothing;
 * ``start``: ``"module:function"``, called with the proc's runtime in each new proc before it serves;
 * ``client_gone``: ``"module:function"``, called in a host's template process with the pid and the addresses
   of a client that went away without cleaning up (killed): the tool removes what that client's session left
@@ -33,6 +36,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+from ..transport.mailbox import SYSTEM_HANDLERS
+
 
 @dataclass(frozen=True, slots=True)
 class Tool:
@@ -44,6 +49,7 @@ class Tool:
     client_gone: str | None = None
     session_end: str | None = None
     api: tuple[tuple[str, str], ...] = ()  # (name, "module:function"), sorted by name
+    handlers: tuple[str, ...] = ()
 
 
 _tools: dict[str, Tool] = {}
@@ -59,18 +65,21 @@ def _check_function(ref: str | None, what: str, name: str) -> None:
 
 def register(name: str, *, serves: Iterable[str] = (), start: str | None = None,
              client_gone: str | None = None, session_end: str | None = None,
-             api: Mapping[str, str] | None = None) -> Tool:
+             api: Mapping[str, str] | None = None, handlers: Iterable[str] = ()) -> Tool:
     """Register the tool ``name``'s hooks (see the module's docstring). Registering a name again with other
     hooks is an error: two tools under one name would leave one of them out of every proc."""
     if api is not None and not isinstance(api, Mapping):
         raise ValueError(f"tool {name!r}: api maps names to 'package.module:function', got {api!r}")
-    tool = Tool(name, tuple(serves), start, client_gone, session_end, tuple(sorted((api or {}).items())))
+    tool = Tool(name, tuple(serves), start, client_gone, session_end, tuple(sorted((api or {}).items())),
+                tuple(handlers))
     for module in tool.serves:
         if not isinstance(module, str) or not module or ":" in module:
             raise ValueError(f"tool {name!r}: serves takes module names ('package.module'), got {module!r}")
     _check_function(start, "start", name)
     _check_function(client_gone, "client_gone", name)
     _check_function(session_end, "session_end", name)
+    for ref in tool.handlers:
+        _check_function(ref, "handlers", name)
     for key, ref in tool.api:
         if not isinstance(key, str) or not key.isidentifier():
             raise ValueError(f"tool {name!r}: api names are identifiers, got {key!r}")
@@ -93,15 +102,37 @@ def _function(ref: str) -> Callable[..., Any]:
 
 
 def load() -> None:
-    """Import every tool's ``serves`` modules (their message handlers then answer in this process). A module
-    that cannot be imported is an error naming its tool: a proc without it would leave the tool's messages
-    unanswered."""
+    """Import every tool's ``serves`` modules and install its ``handlers`` (its messages are then answered in
+    this process). A module that cannot be imported is an error naming its tool: a proc without it would
+    leave the tool's messages unanswered."""
     for tool in tools():
         for module in tool.serves:
             try:
                 importlib.import_module(module)
             except ImportError as e:
                 raise ImportError(f"the {tool.name} tool's module {module} cannot be imported in this proc: {e}") from e
+        install(tool.name)
+
+
+def install(name: str) -> None:
+    """Install tool ``name``'s ``handlers`` in this process (again: no change). A message type that another
+    function handles already is an error: one of the two would never be called."""
+    tool = _tools.get(name)
+    if tool is None:
+        raise LookupError(f"no tool named {name!r} is registered (monarch_tensor/__init__.py registers the tools)")
+    for ref in tool.handlers:
+        try:
+            table = _function(ref)
+        except ImportError as e:
+            raise ImportError(f"the {tool.name} tool's handlers {ref} cannot be imported in this process: {e}") from e
+        if not isinstance(table, dict):
+            raise TypeError(f"the {tool.name} tool's handlers {ref} are not a dict of message type -> handler")
+        for msg_type, handler in table.items():
+            known = SYSTEM_HANDLERS.get(msg_type)
+            if known is not None and known is not handler:
+                raise ValueError(f"the {tool.name} tool's handler of {msg_type.__name__} ({ref}) would replace "
+                                 f"{known!r}")
+        SYSTEM_HANDLERS.update(table)
 
 
 def start(rt: Any) -> None:

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 
 from ..config import setting
-from ..transport.mailbox import SYSTEM_HANDLERS, Mailbox, socket_dir
+from ..transport.mailbox import Mailbox, socket_dir
 from ..transport.messages import SendToPort
 from . import _filetree, _reload
 from .messages import DescribeWorkspace, DiffWorkspace, ReloadWorkspace, ScanWorkspace, WorkspaceDiff, WriteFiles
@@ -737,10 +737,11 @@ def on_client_gone(client_pid: int, client_addrs) -> None:
         remove_default_root(addr)
 
 
-SYSTEM_HANDLERS.update({
+# Workspace sync's messages to procs and their handlers (its registry entry names them: ``runtime/_hooks.py``).
+HANDLERS = {
     DescribeWorkspace: handle_describe,
     ScanWorkspace: handle_scan,
     DiffWorkspace: handle_diff,
     WriteFiles: handle_write,
     ReloadWorkspace: handle_reload,
-})
+}
