@@ -31,7 +31,7 @@ DEFAULT_FILE_SECONDS = 20.0
 # The tiers (docs/quick-start.md): files whose tests spawn no procs (no template process, host agent or job),
 # marked ``unit``; every other test is marked ``procs``. ``pytest -m unit`` runs in seconds; a unit test that
 # starts this machine's template process fails (see _unit_tests_spawn_no_procs).
-UNIT_FILES = ("test_engine_wire.py", "test_future.py", "test_layers.py", "test_ndslice.py", "test_opaque.py",
+UNIT_FILES = ("test_engine_wire.py", "test_future.py", "test_hooks.py", "test_layers.py", "test_ndslice.py", "test_opaque.py",
               "test_profiler.py", "test_rdma_verbs.py", "test_reload.py", "test_remote_autograd_function.py",
               "test_selection.py", "test_shape.py", "test_shard_batch.py", "test_slurm_script.py",
               "test_staged_group.py")

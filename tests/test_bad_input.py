@@ -35,13 +35,6 @@ class Counter(Actor):
         raise Odd("odd")
 
 
-@pytest.fixture(scope="module")
-def procs():
-    mesh = this_host().spawn_procs(per_host={"gpus": 2})
-    yield mesh
-    mesh.stop().get(timeout=30)
-
-
 def _send_to_all(procs, make, what: str):
     """Send ``make(port)`` to every proc of ``procs`` past the client's checks; the Future of their replies."""
     from monarch_tensor.transport._ports import Collector

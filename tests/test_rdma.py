@@ -1014,12 +1014,11 @@ def test_a_shorter_wait_runs_the_transfer_then_hands_it_over(owners, monkeypatch
 
     monkeypatch.setenv(ENV_BACKEND, "tcp")
     _, fut, pid, holds = _transfer_with_the_owner_stopped(owners, f"handoff-{kind}", 1 << 16, 13, kind, timeout=30)
-    try:
-        t0 = time.monotonic()
+    try:  # (a wait that ignored its timeout would last while the owner is stopped: the test's timeout)
         with pytest.raises(TimeoutError, match=r"within 0\.5 s") as err:  # (it said "within 0 s")
             fut.get(timeout=0.5)
         assert not isinstance(err.value, TransferTimeoutError)  # the wait ended; the transfer did not fail
-        assert time.monotonic() - t0 < 5 and not fut.done()
+        assert not fut.done()
     finally:
         os.kill(pid, signal.SIGCONT)
     fut.get(timeout=30)
@@ -1317,10 +1316,8 @@ def test_tcp_reader_polls_for_the_rest_then_blocks(monkeypatch, spin_us):
         tcp._recv_rest(reader, memoryview(out), time.monotonic() + 20)
         assert out == data
         owner.sendall(b"x" * 10)
-        t0 = time.monotonic()
-        with pytest.raises(TimeoutError, match="had not come"):
-            tcp._recv_rest(reader, memoryview(bytearray(20)), t0 + 0.3)
-        assert time.monotonic() - t0 < 5
+        with pytest.raises(TimeoutError, match="had not come"):  # (the rest never comes: only the deadline ends it)
+            tcp._recv_rest(reader, memoryview(bytearray(20)), time.monotonic() + 0.3)
     reader, owner = _tcp_pair()
     with reader:
         owner.sendall(b"y" * 5)
