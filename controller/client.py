@@ -119,12 +119,10 @@ class MeshClient:
 
     def __init__(self, alloc) -> None:
         import torch
-        import torch.distributed as dist
 
         self.alloc = alloc
         self.addrs = [p.addr for p in alloc._procs]
         self.all_ranks = tuple(range(len(self.addrs)))
-        self.mailbox = current_mailbox()
         self.refs = itertools.count(1)
         self._q: collections.deque = collections.deque()
         self._dels: collections.deque = collections.deque()
@@ -137,19 +135,27 @@ class MeshClient:
         self._ctxs: dict = {}
         self._streams = {0}
         self.default_dtype = torch.float32  # the workers' torch.get_default_dtype() (see tensor.record)
-        # The rendezvous of the workers' process groups. It listens on every interface; procs on other
-        # hosts (behind host agents) reach it at this machine's address on the route to their agent.
+        self.closed = False
+        self.messages = 0  # instruction batches sent, one per proc they went to
+        self.seq = 0  # the sequence number of the last instruction sent (see withdraw)
+        self._withdrawing = False
+        self._connect(alloc)
+        _flusher._clients.add(self)
+
+    def _connect(self, alloc) -> None:
+        """The link to the workers: this process's mailbox, the rendezvous store of their process groups, and
+        the worker actors, spawned on ``alloc``'s procs. (A test's client without procs overrides it.)"""
+        import torch.distributed as dist
+
+        self.mailbox = current_mailbox()
+        # The store listens on every interface; procs on other hosts (behind host agents) reach it at this
+        # machine's address on the route to their agent.
         agent = next((a for a in (getattr(p, "agent", None) for p in alloc._procs) if a is not None), None)
         host = "127.0.0.1" if agent is None else ip_towards(agent.addr)
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         self.store_addr = (host, self.store.port)
         self.workers = alloc._spawn_named(WORKER_NAME, TensorWorkerInterface, self.store_addr,
                                           implementation=IMPLEMENTATION)
-        self.closed = False
-        self.messages = 0  # instruction batches sent, one per proc they went to
-        self.seq = 0  # the sequence number of the last instruction sent (see withdraw)
-        self._withdrawing = False
-        _flusher._clients.add(self)
 
     def ctx(self, pm, stream) -> Ctx:
         key = (pm._shape, stream.id)

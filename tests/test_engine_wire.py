@@ -8,7 +8,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import inspect as pyinspect
-import threading
 import types
 
 import pytest
@@ -143,20 +142,26 @@ class _RacyQueue(collections.deque):
 
 
 def _bare_client(monkeypatch, send):
-    """A ``MeshClient`` of ranks (0, 1) with no mesh behind it: ``send(batch, ranks)`` gets what it sends, and
-    no idle flusher runs (the tests flush)."""
+    """A ``MeshClient`` of ranks (0, 1) with no procs behind it (no workers spawned, no mailbox):
+    ``send(batch, ranks)`` gets what it sends, and no idle flusher runs (the tests flush)."""
     from monarch_tensor.controller import client as cc
 
-    monkeypatch.setattr(cc, "_flusher", type("NoIdleFlush", (), {"wake": lambda self, c: None})())
-    client = cc.MeshClient.__new__(cc.MeshClient)
-    client._send = send
-    client.all_ranks = client._ranks = (0, 1)
-    client._lock, client.closed = threading.RLock(), False
-    client.alloc = types.SimpleNamespace(_stopped=False)
-    client._q, client._dels, client._late = collections.deque(), collections.deque(), collections.deque()
-    client.on_next_issue = None
-    client._limit = cc.FIRST_BATCH
-    return client
+    class NoIdleFlush:
+        _clients: set = set()
+
+        def wake(self, client) -> None:
+            pass
+
+    class ProclessClient(cc.MeshClient):
+        def _connect(self, alloc) -> None:
+            pass
+
+        def _send(self, batch: list, ranks: tuple) -> None:
+            send(batch, ranks)
+
+    monkeypatch.setattr(cc, "_flusher", NoIdleFlush())
+    procs = [types.SimpleNamespace(addr=f"ipc:///nowhere/proc-{r}", alive=True) for r in (0, 1)]
+    return ProclessClient(types.SimpleNamespace(_procs=procs, _stopped=False))
 
 
 def test_a_delete_never_overtakes_the_op_that_reads_its_ref(monkeypatch):

@@ -77,8 +77,9 @@ _HELP_TICK_S = 0.002  # how long a message waits on a busy proc's socket before 
 
 
 # System messages (workspace sync, env, debugger, the data plane's) handled by whichever process receives them,
-# by message type: ``handler(mailbox, msg)``. Filled by the modules that define them as they are imported: the
-# tools' ``_proc`` modules, which every proc imports before it serves (``runtime/_hooks.py``), and the data plane.
+# by message type: ``handler(mailbox, msg)``. The tools' handlers are installed from their registry entries
+# (``runtime/_hooks.py``: in every proc before it serves, the debugger's in every process); the data plane's,
+# the actor layer's and hosts' by their modules as they load.
 SYSTEM_HANDLERS: dict[type, Callable[[Mailbox, object], None]] = {}
 
 
