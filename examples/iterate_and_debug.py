@@ -22,6 +22,8 @@ import tempfile
 import threading
 import time
 
+import torch  # (imported by the script, torch and torch._dynamo are in the procs from their start)
+
 from monarch_tensor import Workspace
 from monarch_tensor.actor import Actor, current_rank, endpoint, this_host
 from monarch_tensor.utils import setup_env_for_distributed
@@ -90,7 +92,6 @@ class TrainerActor(Actor):
     """Wraps the training loop of the synced workspace; the model lives across runs."""
 
     def __init__(self):
-        import torch
         import torch.distributed as dist
 
         torch.set_num_threads(1)  # as torchrun's OMP_NUM_THREADS=1: several procs share the cores

@@ -182,22 +182,17 @@ _SWITCHES = [  # (variable, the module that reads it at import, the module's nam
 ]
 
 
+_SWITCH_WORDS = (("true", True), ("false", False), ("On", True), ("off", False))
+
+
 @pytest.mark.parametrize("var,module,attr", _SWITCHES, ids=[c[0][15:] for c in _SWITCHES])
-def test_documented_switches_read_true_and_false_and_refuse_other_words(var, module, attr):
+def test_documented_switches_read_true_and_false_and_refuse_other_words(var, module, attr, fresh_imports):
     """``=true`` turned PULL_SAME_HOST off (only ``1`` was on), ``=false`` left COPY_LOCAL and RECEIVE_ON_WAIT
     on (only ``0`` was off), with no error; a word that is neither is an error naming the variable."""
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for raw, on in (("true", True), ("false", False), ("On", True), ("off", False)):
-        r = subprocess.run([sys.executable, "-c", f"import {module} as m; print(m.{attr})"], capture_output=True,
-                           text=True, timeout=60, env=dict(os.environ, PYTHONPATH=root, **{var: raw}))
-        assert r.stdout.strip() == str(on), (raw, r.stderr)
-    r = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=60,
-                       env=dict(os.environ, PYTHONPATH=root, **{var: "maybe"}))
-    assert r.returncode != 0 and f"ValueError: {var} must be 1 or 0 (true or false), got 'maybe'" in r.stderr, r.stderr
+    for raw, on in _SWITCH_WORDS:
+        assert fresh_imports[(var, raw, module, attr)] == str(on), raw
+    last = fresh_imports[(var, "maybe", module, None)]
+    assert last == f"ValueError: {var} must be 1 or 0 (true or false), got 'maybe'", last
 
 
 _ENV_CASES = [  # (variable, bad value, the module that reads it at import, what the error says it takes)
@@ -213,26 +208,65 @@ _ENV_CASES = [  # (variable, bad value, the module that reads it at import, what
 ]
 
 
-@pytest.mark.parametrize("var,raw,module,takes", _ENV_CASES, ids=[f"{c[0][15:]}={c[1]}" for c in _ENV_CASES])
-def test_documented_variables_with_a_bad_value_are_a_clear_error(var, raw, module, takes):
-    """A documented ``MONARCH_TENSOR_*`` number that is not one (or out of range) fails where it is read, with
-    the variable's name and what it takes (bare int()/float() errors named neither; a TTL of 0 failed every
-    cross-host payload later)."""
+_IMPORT_SCRIPT = """
+import importlib, json, os, sys, traceback
+out = []
+for var, raw, module, attr in json.loads(sys.argv[1]):
+    os.environ[var] = raw
+    sys.modules.pop(module, None)  # (a module an earlier case or another module imported: read it afresh)
+    try:
+        m = importlib.import_module(module)
+        out.append(str(getattr(m, attr)) if attr else "imported")
+    except BaseException:
+        out.append(traceback.format_exc().strip().splitlines()[-1])
+    del os.environ[var]
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh_imports() -> dict:
+    """Each module that reads a variable at import, imported afresh with the variable set, all in one fresh
+    process: (variable, value, module, attribute or None) -> the attribute's str, "imported", or the last line
+    of what the import raised. The cases of _SWITCHES (each word, and "maybe") and of _ENV_CASES."""
+    import json
     import os
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-c", f"import {module}"], env=dict(os.environ, PYTHONPATH=root, **{var: raw}),
-                       capture_output=True, text=True, timeout=60)
-    last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""
-    assert r.returncode != 0 and last.startswith(f"ValueError: {var} must be ") and takes in last, r.stderr
+    cases = [(var, raw, module, attr) for var, module, attr in _SWITCHES for raw, _ in _SWITCH_WORDS]
+    cases += [(var, "maybe", module, None) for var, module, _ in _SWITCHES]
+    cases += [(var, raw, module, None) for var, raw, module, _ in _ENV_CASES]
+    r = subprocess.run([sys.executable, "-c", _IMPORT_SCRIPT, json.dumps(cases)], capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=root), timeout=120)
+    assert r.returncode == 0, r.stderr
+    return dict(zip(cases, json.loads(r.stdout.strip().splitlines()[-1])))
 
 
-@pytest.mark.parametrize("raw,warms", [("0", True), ("1", False), ("", True), ("false", True), ("TRUE", False)])
-def test_no_warmup_reads_0_as_off_as_the_other_switches(raw, warms):
+@pytest.mark.parametrize("var,raw,module,takes", _ENV_CASES, ids=[f"{c[0][15:]}={c[1]}" for c in _ENV_CASES])
+def test_documented_variables_with_a_bad_value_are_a_clear_error(var, raw, module, takes, fresh_imports):
+    """A documented ``MONARCH_TENSOR_*`` number that is not one (or out of range) fails where it is read, with
+    the variable's name and what it takes (bare int()/float() errors named neither; a TTL of 0 failed every
+    cross-host payload later)."""
+    last = fresh_imports[(var, raw, module, None)]
+    assert last.startswith(f"ValueError: {var} must be ") and takes in last, last
+
+
+@pytest.mark.parametrize("raw,warms", [("0", True), ("1", False), ("", True), ("false", True), ("TRUE", False),
+                                       ("off", True), ("yes", False)])
+def test_no_warmup_reads_0_as_off_as_the_other_switches(raw, warms, monkeypatch):
     """``MONARCH_TENSOR_NO_WARMUP=0`` (or ``false``) leaves the warm-up on (it turned it off: any value other
-    than 0 did)."""
+    than 0 did). Every reader of it (the spawn's warm-up, the template's, the procs') reads it through ``setting``."""
+    from monarch_tensor.runtime import _zygote
+
+    monkeypatch.setenv("MONARCH_TENSOR_NO_WARMUP", raw)
+    assert _zygote._warm_up_on() is warms
+    assert (not config.setting("MONARCH_TENSOR_NO_WARMUP")) is warms
+
+
+def test_no_warmup_0_warms_the_tensor_engine_up():
+    """End to end, in a fresh process: with ``MONARCH_TENSOR_NO_WARMUP=0`` the warm-up imports torch._dynamo."""
     import os
     import subprocess
     import sys
@@ -241,8 +275,8 @@ def test_no_warmup_reads_0_as_off_as_the_other_switches(raw, warms):
     code = ("import sys, torch\nfrom monarch_tensor.hosts import host, local\nlocal._warm_tensor_engine()\n"
             "print('torch._dynamo' in sys.modules)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90,
-                       env=dict(os.environ, PYTHONPATH=root, MONARCH_TENSOR_NO_WARMUP=raw))
-    assert r.stdout.strip() == str(warms), r.stderr
+                       env=dict(os.environ, PYTHONPATH=root, MONARCH_TENSOR_NO_WARMUP="0"))
+    assert r.stdout.strip() == "True", r.stderr
 
 
 def test_monarchs_runtime_settings_map_to_their_counterparts_or_warn_that_they_are_ignored(monkeypatch):

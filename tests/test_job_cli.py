@@ -331,12 +331,48 @@ def test_shell_in_a_terminal(workdir):
     finally:
         sh.close(force=True)
     assert sh.exitstatus == 7
-    # the shell's proc dies under it: a one-line error, status 2, the terminal given back
-    r = cli(workdir, "shell", stdin="kill -9 $PPID; sleep 30\n")
-    assert r.returncode == 2 and "the remote shell's proc" in r.stderr and "Traceback" not in r.stderr, r.stderr
-    # input from a pipe: the shell runs it, and exits at its end
-    r = cli(workdir, "shell", stdin="sleep 0.5; echo piped-$((40 + 2))\n")
-    assert r.returncode == 0 and "piped-42" in r.stdout, (r.stdout, r.stderr)
+    # the shell's proc dies under it (input from a pipe that stays open): a one-line error, status 2
+    sh = _piped_shell(workdir)
+    try:
+        sh.stdin.write("kill -9 $PPID; sleep 30\n")
+        sh.stdin.flush()
+        sh.wait(timeout=60)  # (the pipe stays open: its end would hang the shell up)
+        err = sh.stderr.read()
+    finally:
+        sh.kill()
+    assert sh.returncode == 2 and "the remote shell's proc" in err and "Traceback" not in err, err
+
+
+def _piped_shell(workdir) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "monarch_tensor.cli", "shell"], cwd=str(workdir), env=ENV,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.timeout(180)
+def test_the_end_of_piped_input_hangs_the_shell_up_at_once(workdir):
+    """Input from a pipe is typed into the remote shell; where it ends, the session is hung up at once, as
+    Monarch's (a terminal's hang-up): a foreground command that reads no input (``sleep 613``) is killed
+    rather than waited for, and ``shell`` returns the hang-up's status, 129."""
+    assert cli(workdir, "apply", "myjob.job").returncode == 0
+    sh = _piped_shell(workdir)
+    try:
+        sh.stdin.write("echo piped-$((40 + 2)); sleep 613\n")
+        sh.stdin.flush()
+        while "piped-42" not in sh.stdout.readline():  # the shell ran what was typed ...
+            assert sh.poll() is None, sh.stderr.read()
+        while not sleeping("613"):  # ... up to the sleep, which reads no input
+            assert sh.poll() is None, sh.stderr.read()
+            time.sleep(0.1)
+        sh.stdin.close()  # the input ends
+        sh.wait(timeout=60)
+        rest, err = sh.stdout.read(), sh.stderr.read()
+    finally:
+        sh.kill()
+    assert sh.returncode == 129 and "Traceback" not in err, (rest, err)
+    deadline = time.monotonic() + 10  # the hung-up command is gone too (SIGHUP, then SIGTERM, SIGKILL)
+    while sleeping("613") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not sleeping("613")
 
 
 @pytest.mark.timeout(60)

@@ -528,19 +528,44 @@ def test_a_terminal_sees_a_line_every_rank_printed_once(tmp_path):
         print("done")
     '''))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    for mode in ("on", "off"):
+
+    def run(mode: str) -> list[str]:
         child = pexpect.spawn(sys.executable, [str(script), mode], cwd=ROOT, env=env, encoding="utf-8", timeout=90)
         child.expect(pexpect.EOF)
         out = [line.strip() for line in child.before.splitlines()]
         child.close()
         assert child.exitstatus == 0, "\n".join(out)
         assert sorted(x for x in out if "own line" in x) == [f"[{r}] rank {r} own line" for r in range(4)]
-        if mode == "on":
-            assert "[4 similar lines] [rank 0-3] UserWarning: this op is slow" in out, out
-            assert not any(x.startswith("[0] UserWarning") for x in out)
-        else:
-            assert sorted(x for x in out if "UserWarning" in x) == [f"[{r}] UserWarning: this op is slow"
-                                                                     for r in range(4)]
+        return out
+
+    def warned(out: list[str]) -> list[list[int]]:
+        """The ranks of each printed warning line: "[2] ..." one, "[3 similar lines] [rank 0-1,3] ..." three."""
+        groups = []
+        for x in out:
+            if x.endswith("UserWarning: this op is slow"):
+                if m := re.match(r"\[(\d+)\] UserWarning", x):
+                    groups.append([int(m[1])])
+                else:
+                    m = re.match(r"\[(\d+) similar lines\] \[rank ([\d,-]+)\] UserWarning", x)
+                    assert m, x
+                    ranks = [r for part in m[2].split(",")
+                             for r in (range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1))]
+                    assert len(ranks) == int(m[1]), x
+                    groups.append(ranks)
+        return groups
+
+    # The fold takes the lines that reach this process within its window (or before the wait returns): on a
+    # loaded machine one rank's line may come later and print on its own. Every rank's warning prints exactly
+    # once either way; all four fold into one line in one of a few tries.
+    for _ in range(3):
+        out = run("on")
+        groups = warned(out)
+        assert sorted(r for g in groups for r in g) == [0, 1, 2, 3], out
+        if len(groups) == 1:
+            break
+    assert "[4 similar lines] [rank 0-3] UserWarning: this op is slow" in out, out
+    out = run("off")
+    assert sorted(x for x in out if "UserWarning" in x) == [f"[{r}] UserWarning: this op is slow" for r in range(4)]
 
 
 @pytest.mark.timeout(30)

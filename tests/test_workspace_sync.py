@@ -217,6 +217,7 @@ def test_root_mirrors_source_after_every_sync(tmp_path_factory, steps, how):
                 mock.patch.object(_sync_proc, "PULL_PIECE", 8):
             sync_in_process(src, root, how == "pull", how == "copy")
         assert tree(os.path.join(root, "ws")) == tree(src)
+        assert set(os.listdir(root)) <= {"ws"}  # nothing of ours in the synced tree
 
 
 def test_small_files_ride_in_the_message_body_and_large_ones_in_their_own_frames(tmp_path):
@@ -329,6 +330,7 @@ def test_sync_to_two_roots_with_hot_reload(tmp_path):
         assert sum(first.phases.values()) == pytest.approx(first.seconds)
         for r in roots:
             assert (r / "proj" / "conf" / "train.toml").read_text() == "lr = 0.1\n"
+            assert os.listdir(r) == ["proj"] and os.path.isdir(_filetree.meta_dir(str(r)))  # (records beside it)
         probes = procs.spawn("probe", Probe)
         vals = probes.run.call().get(timeout=30).values()
         assert [v[:2] for v in vals] == [(1, "version 1")] * 4
@@ -526,8 +528,9 @@ def test_a_commit_marks_its_root_and_rewrites_records_only_when_they_change(tmp_
     root = str(tmp_path / "root")
     os.makedirs(root)
     _sync_proc.commit(root, (), [], time.time_ns(), env=True)
-    meta = os.path.join(root, _filetree.META_DIR)
-    assert os.path.isdir(meta) and _filetree.read_meta(root, "racy.json", None) == []
+    meta = _filetree.meta_dir(root)
+    assert meta == str(tmp_path / ".root.monarch-tensor")  # beside the root: the root holds synced files only
+    assert os.path.isdir(meta) and _filetree.read_meta(root, "racy.json", None) == [] and os.listdir(root) == []
     _sync_proc.check_mount_point(root)  # a root that syncs wrote: no complaint
     _sync_proc.commit(root, ("ws",), [], time.time_ns())
     stamps = {n: os.stat(os.path.join(meta, n)).st_mtime_ns for n in os.listdir(meta)}
@@ -538,6 +541,36 @@ def test_a_commit_marks_its_root_and_rewrites_records_only_when_they_change(tmp_
     _sync_proc.commit(root, ("ws", "other"), [("f", "ws/a.py", 1, time.time_ns(), 0o644, False)], time.time_ns())
     assert _filetree.read_meta(root, "dirs.json", None) == ["ws", "other"]
     assert _filetree.read_meta(root, "racy.json", None) == ["ws/a.py"]
+    assert os.listdir(root) == []
+
+
+def test_a_roots_records_go_to_this_users_directory_where_its_parent_is_not_writable(tmp_path, monkeypatch):
+    """A root whose parent this user cannot write (``/workspace``, an environment's prefix in ``/opt``) keeps
+    its records in the user's directory of this host, one per root's real path; a root named through a
+    symlink finds the same records; the root itself still holds only synced files."""
+    parent = tmp_path / "ro"
+    (parent / "root").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(parent)
+    real_access = os.access
+    monkeypatch.setattr(_filetree.os, "access", lambda p, mode: False if str(p) in (str(parent), str(
+        tmp_path / "link")) else real_access(p, mode))
+    root, other = str(parent / "root"), str(tmp_path / "link" / "root")
+    meta = _filetree.meta_dir(root)
+    assert meta.startswith(os.path.join(_filetree.socket_dir(), "roots") + os.sep) and _filetree.meta_dir(other) == meta
+    assert _filetree.meta_dir(str(tmp_path / "elsewhere")) == str(tmp_path / ".elsewhere.monarch-tensor")
+    try:
+        (parent / "root" / "mine.txt").write_text("x")
+        with pytest.raises(FileExistsError):  # files, no records: a mount refuses it
+            _sync_proc.check_mount_point(root)
+        os.unlink(parent / "root" / "mine.txt")
+        _sync_proc.commit(root, ("ws",), [("f", "ws/a.py", 1, time.time_ns(), 0o644, False)], time.time_ns())
+        assert _filetree.read_meta(other, "racy.json", None) == ["ws/a.py"]
+        assert _filetree.read_meta(root, "dirs.json", None) == ["ws"] and os.path.isdir(meta)
+        (parent / "root" / "ws").mkdir()
+        _sync_proc.check_mount_point(root)  # a root that syncs wrote: no complaint
+        assert os.listdir(parent) == ["root"] and os.listdir(parent / "root") == ["ws"]
+    finally:
+        shutil.rmtree(meta, ignore_errors=True)
 
 
 def test_a_writers_first_message_goes_early_and_copies_do_not_split_the_rest():
@@ -1439,7 +1472,7 @@ def test_a_sessions_default_roots_go_when_it_ends_or_is_killed(short_tmp):
     (proj / "m.py").write_text("X = 1\n")
     for kill in (False, True):
         roots = _run_sync_script(short_tmp, str(proj), kill=kill)
-        assert _gone(roots), (kill, roots)
+        assert _gone(roots + [_filetree.meta_dir(r) for r in roots]), (kill, roots)  # and their records
 
 
 @pytest.mark.timeout(180)

@@ -9,8 +9,10 @@ with ``MONARCH_RANK_*``/``MONARCH_SIZE_*`` and ``env`` set, in ``workdir`` or
 else the client's working directory where the host has it. Keystrokes go to
 it as endpoint calls, in order; its output comes back on a port. The client's
 terminal is in raw mode meanwhile (so Ctrl-C, tab completion and full-screen
-programs work there), and its size follows the client's. Returns the shell's
-exit status; the proc is stopped after it.
+programs work there), and its size follows the client's. Input from a pipe is
+typed as keys; where it ends, the session is hung up at once (Monarch's), as a
+terminal's hang-up ends one. Returns the shell's exit status (129 for a
+hang-up); the proc is stopped after it.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ from .exec import STOP_TIMEOUT, check_env, die_with_parent, rank_env, returncode
 CHUNK = 16 << 10
 GRACE_S = 1.0
 START_TIMEOUT = 60.0
-EOF_EVERY_S = 0.5
 
 
 def _set_size(fd: int, rows: int, cols: int) -> None:
@@ -181,7 +182,7 @@ def _forward(sh, procs, receiver, stdin: int, stdout: int) -> int:
     old_winch = None
     if os.isatty(stdin) and threading.current_thread() is threading.main_thread():
         old_winch = signal.signal(signal.SIGWINCH, lambda *_: resized.set())
-    reading, eof_at = True, 0.0
+    reading = True
     item = receiver.recv()
     try:
         with _raw(stdin):
@@ -209,15 +210,12 @@ def _forward(sh, procs, receiver, stdin: int, stdout: int) -> int:
                     if data:
                         sh.write.call_one(data).add_done_callback(check)
                     else:
+                        # Our input ended (a pipe): the session ends at once, as Monarch's does and as a
+                        # terminal's hang-up would, what was typed having been typed: the shell and its
+                        # foreground job are hung up (``close``, after the writes), whatever they were doing.
                         reading = False
-                        eof_at = 0.0
+                        sh.close.call_one().add_done_callback(check)
                 elif not reading:
-                    # Our input ended (a pipe): end the shell's as a terminal does, with EOF (Ctrl-D), again
-                    # every EOF_EVERY_S until it exits: one typed while a command still ran is lost when the
-                    # shell's line editor takes the terminal back.
-                    if time.monotonic() - eof_at >= EOF_EVERY_S:
-                        eof_at = time.monotonic()
-                        sh.write.call_one(b"\x04").add_done_callback(check)
                     time.sleep(0.02)
     finally:
         if old_winch is not None:

@@ -9,7 +9,8 @@ waiting on a reply (``.get()``) runs the loop's turns meanwhile
 An actor's constructor runs on a thread of its own (``_construct``), so one
 that blocks leaves the proc's other actors serving; what it set in the actor's
 ``threading.local`` attributes, and the CUDA device it made current, are carried
-over to the loop's thread.
+over to the loop's thread; the rest of the thread state it left that is kept
+(``_thread_state``) is put in place around that actor's calls only.
 Replies go straight back to the caller's port. Nothing a message contains can
 kill the proc: an unknown actor or endpoint, or an endpoint that raises,
 becomes an error reply (an endpoint
@@ -58,7 +59,7 @@ from ..transport.messages import (
     StopActor,
     StopProc,
 )
-from . import _actor_logs, _context, _hooks, _names, _proc_exit, _zygote
+from . import _actor_logs, _context, _hooks, _names, _proc_exit, _thread_state, _zygote
 from ._port import Port
 
 # A call to an actor this proc does not have waits this long for its spawn before it fails (see
@@ -84,6 +85,7 @@ class _Slot:
     initializing: bool = False  # its constructor runs (on a thread of its own: _construct)
     pending_init: SpawnActor | None = None  # its spawn, whose arguments the tensor engine brings (args_by_engine)
     running: dict = field(default_factory=dict)  # reply port -> task of its running async (or concurrent) call
+    thread_state: _thread_state.ActorThreadState | None = None  # what its constructor left in its thread's state
 
 
 class Reserved:
@@ -291,6 +293,7 @@ class ProcRuntime:
         # the reply ports of calls interrupted here (their error says so).
         self.loop_ident: int | None = None  # (the loop's thread, once it runs)
         self.sync_call: CallEndpoint | None = None
+        self.thread_state: list | None = None  # [state, what it replaced]: the actor thread state in place
         self.interrupting: CallEndpoint | None = None
         self.interrupted: set = set()
 
@@ -305,10 +308,15 @@ class ProcRuntime:
 
     def _defer(self, msg: object) -> None:
         """A message that came while an endpoint blocks waiting for a reply."""
-        if isinstance(msg, CallEndpoint) and msg.actor in self.actors:
-            self._handle(msg)  # runs now unless its actor is the busy one (then it queues)
-        elif isinstance(msg, SpawnActor):  # an endpoint that spawns a sibling here and waits for it
-            self._handle(msg)
+        if (isinstance(msg, CallEndpoint) and msg.actor in self.actors) or isinstance(msg, SpawnActor):
+            # a call runs now unless its actor is the busy one (then it queues); a spawn: an endpoint that
+            # spawns a sibling here and waits for it. Either runs in its own actor's thread state, not the
+            # waiting one's.
+            in_state = _thread_state.leave(self)
+            try:
+                self._handle(msg)
+            finally:
+                _thread_state.resume(self, in_state)
         else:
             self.loop.call_soon(self._handle, msg)
 
@@ -333,6 +341,7 @@ class ProcRuntime:
         if task is not None:
             asyncio.tasks._leave_task(loop, task)
         sync_call = self.sync_call
+        in_state = _thread_state.leave(self)  # (the waiting actor's thread state: not the other calls')
         reader = self._lend_reader()
         hidden = _get_running_loop() is None  # (a sync endpoint's wait: what the turn runs sees the loop)
         if hidden:
@@ -344,6 +353,7 @@ class ProcRuntime:
             if hidden:
                 _set_running_loop(None)
             self.sync_call = sync_call
+            _thread_state.resume(self, in_state)
             if reader is not None:
                 self._restore_reader(*reader)
             if task is not None:
@@ -523,14 +533,23 @@ class ProcRuntime:
             return
         after = _cuda_device()  # torch.cuda.set_device() in the constructor: its endpoints' device too
         device = after if after is not None and after != (device or 0) else None
+        state = None
+        if err is None:
+            try:
+                state = _thread_state.capture()
+            except Exception:  # the actor is made all the same; say what it will not see
+                log.warning("actor %s: the thread state its __init__ left could not be kept for its endpoints",
+                            msg.name, exc_info=True)
         try:
             self.loop.call_soon_threadsafe(self._constructed, slot, msg, instance, err, _thread_locals(instance),
-                                           device)
+                                           device, state)
         except RuntimeError:  # the loop closed: the proc stops
             pass
 
     def _constructed(self, slot: _Slot, msg: SpawnActor, instance: object, err: ActorError | None,
-                     carried: tuple = (), device: int | None = None) -> None:
+                     carried: tuple = (), device: int | None = None,
+                     state: _thread_state.ActorThreadState | None = None) -> None:
+        slot.thread_state = state
         for local, values in carried:  # (on the loop's thread, where its endpoints run)
             local.__dict__.update(values)
         if device is not None:
@@ -903,9 +922,12 @@ class ProcRuntime:
             is_coro = getattr(fn, "_endpoint_coro", None)  # set by @endpoint
             if is_coro is None:
                 is_coro = inspect.iscoroutinefunction(fn)
+            state = slot.thread_state
             if is_coro:
                 if getattr(fn, "_concurrent", False):  # @concurrent_endpoint: the actor takes its next message now
                     body = fn(*args, **msg.kwargs)
+                    if state is not None:
+                        body = state.wrap(self, body)
                     task = self.loop.create_task(self._run_concurrent(slot, msg, body, explicit))
                     slot.tasks.add(task)
                     task.add_done_callback(slot.tasks.discard)
@@ -913,7 +935,10 @@ class ProcRuntime:
                     task.add_done_callback(lambda t: self._concurrent_cancelled(t, slot, msg, body))
                     return task
                 slot.busy = True
-                task = self.loop.create_task(self._run_async(slot, msg, fn(*args, **msg.kwargs), explicit))
+                body = fn(*args, **msg.kwargs)
+                if state is not None:
+                    body = state.wrap(self, body)
+                task = self.loop.create_task(self._run_async(slot, msg, body, explicit))
                 self._track(slot, msg, task)
                 return
             slot.busy = True
@@ -921,12 +946,17 @@ class ProcRuntime:
             running = _get_running_loop()  # _InterruptWatch; ``outer``: a call blocked in a wait, which ran
             _set_running_loop(None)  # this one meanwhile). A sync endpoint sees no running loop (Monarch's).
             try:
-                value = fn(*args, **msg.kwargs)
+                if state is None:
+                    value = fn(*args, **msg.kwargs)
+                else:
+                    value = state.run(self, fn, args, msg.kwargs)
             finally:
                 _set_running_loop(running)
                 slot.busy = False
                 self.sync_call = outer
             if type(value) not in _PLAIN and inspect.isawaitable(value):  # a sync def returned a coroutine
+                if state is not None:
+                    value = state.wrap(self, value)
                 slot.busy = True
                 self._track(slot, msg, self.loop.create_task(self._run_async(slot, msg, value, explicit)))
                 return

@@ -21,6 +21,8 @@ import os
 import stat
 import tempfile
 
+from ..transport.mailbox import socket_dir
+
 BLOCK = 1 << 20  # bytes per block of a large file
 LARGE = 4 * BLOCK  # files at least this big are compared and patched by blocks
 RACY_NS = 50_000_000  # files modified this close to a sync are verified by hash next time (fine-grained clocks)
@@ -31,7 +33,7 @@ def racy(mtime_ns: int, scan_ns: int) -> bool:
     """Whether a file with this mtime may have been changed again in the same clock tick as the scan."""
     window = RACY_COARSE_NS if mtime_ns % 1_000_000 == 0 else RACY_NS
     return mtime_ns >= scan_ns - window
-META_DIR = ".monarch-tensor"  # per-root bookkeeping (racy list, synced dirs); never synced itself
+META_DIR = ".monarch-tensor"  # this project's own files (SLURM logs, a root's records): never synced
 EXCLUDED_NAMES = frozenset({"__pycache__", ".git", ".hg", ".svn", META_DIR, ".mypy_cache", ".pytest_cache",
                             ".ruff_cache", ".ipynb_checkpoints"})
 EXCLUDED_SUFFIXES = (".pyc", ".pyo", ".swp")
@@ -65,7 +67,8 @@ def scan(base: str, prefix: str = "") -> dict[str, tuple[int, int, int]]:
                     continue
                 try:
                     if e.is_dir(follow_symlinks=False):
-                        stack.append((e.path, f"{p}{name}/"))
+                        if not name.endswith(META_DIR):  # (a nested root's records: meta_dir)
+                            stack.append((e.path, f"{p}{name}/"))
                         continue
                     st = e.stat()
                 except OSError:  # vanished, or a dangling symlink
@@ -337,16 +340,35 @@ def _rmtree(path: str) -> None:
 
 
 # ---- per-root bookkeeping -----------------------------------------------------------------
+# A root's records (racy files, rewritten files, synced dirs) live outside it, so the synced tree holds the
+# source's files and nothing else (as Monarch's): beside the root (``/data/ws`` -> ``/data/.ws.monarch-tensor``),
+# on its filesystem and shared as it is; where the root's parent is not writable, in this user's directory
+# of this host (``socket_dir``), under a name made from the root's real path.
+def meta_dir(root: str) -> str:
+    """The directory of ``root``'s records.
+
+    >>> meta_dir("/data/ws")  # doctest: +SKIP
+    '/data/.ws.monarch-tensor'
+    """
+    root = os.path.abspath(root)
+    parent, name = os.path.split(root)
+    beside = os.path.join(parent, f".{name}{META_DIR}")
+    if name and (os.path.isdir(beside) or os.access(parent, os.W_OK | os.X_OK)):
+        return beside
+    key = hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:24]
+    return os.path.join(socket_dir(), "roots", key)
+
+
 def read_meta(root: str, name: str, default):
     try:
-        with open(os.path.join(root, META_DIR, name)) as f:
+        with open(os.path.join(meta_dir(root), name)) as f:
             return json.load(f)
     except (OSError, ValueError):
         return default
 
 
 def write_meta(root: str, name: str, value) -> None:
-    d = os.path.join(root, META_DIR)
+    d = meta_dir(root)
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".meta-", dir=d)
     with os.fdopen(fd, "w") as f:

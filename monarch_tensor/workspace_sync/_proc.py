@@ -50,7 +50,9 @@ def remove_default_root(client_addr: str) -> None:
     """Remove client session ``client_addr``'s default root on this host once the session ended (the client
     exited or was killed; its procs are gone): nothing reads it any more. Roots in ``$WORKSPACE_DIR`` are
     the user's or a job's, and stay."""
-    shutil.rmtree(default_root(client_key(client_addr)), ignore_errors=True)
+    root = default_root(client_key(client_addr))
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.rmtree(_filetree.meta_dir(root), ignore_errors=True)
 
 
 def workspace_root(key: str, root_var: str = "") -> str:
@@ -598,14 +600,15 @@ def apply_ops(w: _filetree.Writer, ops, jobs: _LaneJobs | None = None) -> None:
 
 def check_mount_point(root: str) -> None:
     """A mount mirrors its source onto ``root``, deleting what the source lacks: refuse a directory that holds
-    files no sync of ours wrote (it has no ``META_DIR``), such as a home directory named by mistake."""
+    files no sync of ours wrote (it has no records, ``_filetree.meta_dir``), such as a home directory named by
+    mistake."""
     try:
-        names = [n for n in os.listdir(root) if n != _filetree.META_DIR]
+        names = os.listdir(root)
     except FileNotFoundError:
         return
     except NotADirectoryError:
         raise NotADirectoryError(f"remote_mount: {root} on {socket.gethostname()} is a file, not a directory") from None
-    if names and not os.path.isdir(os.path.join(root, _filetree.META_DIR)):
+    if names and not os.path.isdir(_filetree.meta_dir(root)):
         raise FileExistsError(f"remote_mount: {root} on {socket.gethostname()} already holds files that no mount "
                               f"or sync wrote ({', '.join(sorted(names)[:3])}{', ...' if len(names) > 3 else ''}); "
                               f"mirroring onto it would delete them: mount at a new or empty directory")
@@ -642,7 +645,7 @@ def commit(root: str, dirs, ops, scan_ns: int, env: bool = False) -> None:
             racy.discard(key)
     # Each record is written only when it changes (a file made and renamed), but the records' directory
     # always exists after a commit: it marks the root as one that syncs wrote (``check_mount_point``).
-    if sorted(racy) != racy_before or not os.path.isdir(os.path.join(root, _filetree.META_DIR)):
+    if sorted(racy) != racy_before or not os.path.isdir(_filetree.meta_dir(root)):
         _filetree.write_meta(root, "racy.json", sorted(racy))
     if rewritten != before:
         _filetree.write_meta(root, "rewritten.json", rewritten)
