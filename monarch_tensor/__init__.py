@@ -36,6 +36,12 @@ _proc_hooks.register("debugger", serves=("monarch_tensor.debugger._proc",),
 # The debugger's handlers answer in every process, not only where the tools serve: a proc passes its ranks'
 # breakpoints on to its client, which serves them.
 _proc_hooks.install("debugger")
+# The protocol modules above the transport whose records carry messages: a relay that cannot deliver a message
+# still tells its sender (its reply port read from the record) where these are known (_wire.envelopes).
+from .transport import _wire as _transport_wire
+
+_transport_wire.add_envelope_modules("monarch_tensor.hosts.agent_messages", "monarch_tensor.workspace_sync.messages")
+del _transport_wire
 
 from .actor import (  # noqa: F401
     Accumulator,

@@ -120,10 +120,10 @@ def test_the_actor_layer_and_the_tools_import_no_job_or_cli():
 
 
 def _tool_names_in_strings() -> list[tuple[str, str, int]]:
-    """(module, string, line) for every string constant of the proc runtime, the actor layer and hosts that names
-    a tool's module (``sys.modules.get("monarch_tensor.workspace_sync._proc")``, an ``importlib`` call): an
-    import by another name. (The transport names one protocol module of workspace sync among the records its
-    salvage may rebuild, ``_wire.ENVELOPE_MODULES``: data, not an import.)"""
+    """(module, string, line) for every string constant of the transport, the proc runtime, the actor layer and
+    hosts that names a tool's module (``sys.modules.get("monarch_tensor.workspace_sync._proc")``, an
+    ``importlib`` call): an import by another name. (The protocol modules whose records a salvage may rebuild
+    are named to the transport from above: ``_wire.add_envelope_modules``.)"""
     out = []
     for dirpath, _, files in os.walk(os.path.join(ROOT, "monarch_tensor")):
         for f in files:
@@ -131,7 +131,7 @@ def _tool_names_in_strings() -> list[tuple[str, str, int]]:
                 continue
             path = os.path.join(dirpath, f)
             mod = _module(path)
-            if not _under(mod, (RUNTIME, ACTOR, HOSTS)):
+            if not _under(mod, (TRANSPORT, RUNTIME, ACTOR, HOSTS)):
                 continue
             with open(path) as fh:
                 tree = ast.parse(fh.read(), path)

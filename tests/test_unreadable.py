@@ -232,3 +232,18 @@ def test_a_tensor_instruction_that_cannot_be_unpickled_fails_its_results_and_the
             fetch_shard(z).result(timeout=60)
         assert fetch_shard(w, gpus=1).result(timeout=60).tolist() == [6.0, 6.0, 6.0]
         assert fetch_shard(add_one(x, 0)).result(timeout=60).tolist() == [2.0, 2.0, 2.0]
+
+
+def test_a_tools_protocol_record_is_an_envelope_with_its_reply_port():
+    """The records of the protocol modules above the transport (workspace sync's here; registered from
+    monarch_tensor/__init__.py, ``_wire.add_envelope_modules``) are read as envelopes too: a relay that cannot
+    deliver one tells its sender at its reply port."""
+    from monarch_tensor.workspace_sync.messages import WriteFiles
+
+    msg = WriteFiles("s1", "key", ("/src",), (("w", 1, 0, RaisesOnLoad("w"), False),), 5, True,
+                     PortRef("ipc:///tmp/y", 9))
+    [got] = _wire.envelopes(_wire.encode(msg))
+    assert isinstance(got, WriteFiles) and got.reply == PortRef("ipc:///tmp/y", 9)
+    assert (got.sync_id, got.dirs) == ("s1", ("/src",))
+    with pytest.raises(ValueError, match="module names"):
+        _wire.add_envelope_modules("")

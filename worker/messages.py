@@ -310,4 +310,4 @@ class RunProgram:
 INSTRUCTIONS = (CallOp, CallFunction, CreateValue, CreateRank, DeleteRefs, Reduce, ReduceMany, FetchValue, SendTensor,
                 RecvTensor, CreateStream, BorrowCreate, BorrowDrop, ReportRefs, CallActor,
                 DefineProgram, RunProgram)
-_wire.ENVELOPE_MODULES.add(__name__)  # a batch that cannot be read whole is still read instruction by instruction
+_wire.add_envelope_modules(__name__)  # a batch that cannot be read whole is still read instruction by instruction

@@ -461,9 +461,17 @@ class _Stub:
 
 
 # Modules of the records that carry messages (their reply ports): what a salvage rebuilds when nothing
-# else can be. A protocol module adds its own name.
-ENVELOPE_MODULES = {"builtins", "copyreg", "monarch_tensor.transport.messages", "monarch_tensor.hosts.agent_messages",
-                    "monarch_tensor.workspace_sync.messages", "monarch_tensor.errors"}
+# else can be. The transport's own; the layers above add theirs (``add_envelope_modules``): the hosts' and the
+# tools' protocol modules in monarch_tensor/__init__.py, the tensor engine's instructions in worker/messages.py.
+ENVELOPE_MODULES = {"builtins", "copyreg", "monarch_tensor.transport.messages", "monarch_tensor.errors"}
+
+
+def add_envelope_modules(*names: str) -> None:
+    """Let a salvage rebuild the records of modules ``names`` (a protocol's messages) too."""
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"envelope modules are module names ('package.module'), got {name!r}")
+    ENVELOPE_MODULES.update(names)
 
 
 # pickle's pure-Python unpickler's methods that _SalvageUnpickler wraps (typeshed does not declare them)
