@@ -349,30 +349,34 @@ def _piped_shell(workdir) -> subprocess.Popen:
 
 
 @pytest.mark.timeout(180)
-def test_the_end_of_piped_input_hangs_the_shell_up_at_once(workdir):
+@pytest.mark.parametrize("command,secs", [("sleep 613", "613"), ("(trap '' HUP; exec sleep 614)", "614")],
+                         ids=["foreground", "ignores-sighup"])
+def test_the_end_of_piped_input_hangs_the_shell_up_at_once(workdir, command, secs):
     """Input from a pipe is typed into the remote shell; where it ends, the session is hung up at once, as
-    Monarch's (a terminal's hang-up): a foreground command that reads no input (``sleep 613``) is killed
-    rather than waited for, and ``shell`` returns the hang-up's status, 129."""
+    Monarch's (a terminal's hang-up): a foreground command that reads no input (``sleep``) is killed rather
+    than waited for, also one that ignores the hang-up (then SIGTERM, SIGKILL), and ``shell`` returns the
+    hang-up's status, 129."""
     assert cli(workdir, "apply", "myjob.job").returncode == 0
     sh = _piped_shell(workdir)
     try:
-        sh.stdin.write("echo piped-$((40 + 2)); sleep 613\n")
+        sh.stdin.write(f"echo piped-$((40 + 2)); {command}\n")
         sh.stdin.flush()
         while "piped-42" not in sh.stdout.readline():  # the shell ran what was typed ...
             assert sh.poll() is None, sh.stderr.read()
-        while not sleeping("613"):  # ... up to the sleep, which reads no input
+        while not sleeping(secs):  # ... up to the sleep, which reads no input
             assert sh.poll() is None, sh.stderr.read()
             time.sleep(0.1)
         sh.stdin.close()  # the input ends
         sh.wait(timeout=60)
         rest, err = sh.stdout.read(), sh.stderr.read()
+        assert sh.returncode == 129 and "Traceback" not in err, (rest, err)
+        deadline = time.monotonic() + 10  # the hung-up command is gone too (SIGHUP, then SIGTERM, SIGKILL)
+        while sleeping(secs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not sleeping(secs)
     finally:
         sh.kill()
-    assert sh.returncode == 129 and "Traceback" not in err, (rest, err)
-    deadline = time.monotonic() + 10  # the hung-up command is gone too (SIGHUP, then SIGTERM, SIGKILL)
-    while sleeping("613") and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not sleeping("613")
+        subprocess.run(["pkill", "-KILL", "-f", f"^sleep {secs}$"], capture_output=True)  # (none left for others)
 
 
 @pytest.mark.timeout(60)

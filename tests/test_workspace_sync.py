@@ -544,6 +544,26 @@ def test_a_commit_marks_its_root_and_rewrites_records_only_when_they_change(tmp_
     assert os.listdir(root) == []
 
 
+def test_records_an_earlier_version_kept_inside_a_root_move_beside_it(tmp_path):
+    """A root synced or mounted by an earlier version holds its records in ``root/.monarch-tensor``: they move
+    to ``meta_dir`` (the mount then knows the root as ours, and its tree holds the source's files only); where
+    records of the new kind exist already, the old ones are dropped."""
+    root = tmp_path / "mnt"
+    (root / ".monarch-tensor").mkdir(parents=True)
+    (root / ".monarch-tensor" / "racy.json").write_text('["a.py"]')
+    (root / "a.py").write_text("x")
+    with pytest.raises(FileExistsError):  # (without the move: files and no records)
+        _sync_proc.check_mount_point(str(root))
+    _filetree.adopt_inner_records(str(root))
+    assert os.listdir(root) == ["a.py"] and _filetree.read_meta(str(root), "racy.json", None) == ["a.py"]
+    _sync_proc.check_mount_point(str(root))
+    (root / ".monarch-tensor").mkdir()
+    (root / ".monarch-tensor" / "racy.json").write_text('["old.py"]')
+    _filetree.adopt_inner_records(str(root))
+    assert os.listdir(root) == ["a.py"] and _filetree.read_meta(str(root), "racy.json", None) == ["a.py"]
+    _filetree.adopt_inner_records(str(tmp_path / "nowhere"))  # (no root: nothing to do)
+
+
 def test_a_roots_records_go_to_this_users_directory_where_its_parent_is_not_writable(tmp_path, monkeypatch):
     """A root whose parent this user cannot write (``/workspace``, an environment's prefix in ``/opt``) keeps
     its records in the user's directory of this host, one per root's real path; a root named through a

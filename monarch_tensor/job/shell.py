@@ -65,6 +65,7 @@ class ShellActor(Actor):
     def __init__(self) -> None:
         self._master: int | None = None
         self._proc: subprocess.Popen | None = None
+        self._hung_up = threading.Event()
 
     @endpoint
     def start(self, port, env: dict[str, str] | None, workdir: str | None, client_cwd: str | None, term: str,
@@ -95,6 +96,12 @@ class ShellActor(Actor):
     def _pump(self, port) -> None:
         master, proc = self._master, self._proc
         while True:
+            if not select.select([master], [], [], 0.2)[0]:
+                # Hung up and the shell gone: done, even where something it started (that ignored the hang-up,
+                # or left the shell's groups) still holds the terminal open.
+                if self._hung_up.is_set() and proc.poll() is not None:
+                    break
+                continue
             try:
                 data = os.read(master, CHUNK)
             except OSError:  # EIO: every end of the terminal closed (the shell and its children exited)
@@ -133,6 +140,34 @@ class ShellActor(Actor):
             groups.add(os.tcgetpgrp(self._master))  # (the job in the shell's foreground)
         groups.discard(os.getpgrp())
         stop_group(proc, (signal.SIGHUP, signal.SIGTERM, signal.SIGKILL), groups, GRACE_S)
+        # The shell is gone; a foreground job that outlived its hang-up (it ignores SIGHUP) is ended as well.
+        groups.discard(proc.pid)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            alive = set()
+            for g in groups:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(g, sig)
+                    alive.add(g)
+            if not alive:
+                break
+            groups = alive
+            deadline = time.monotonic() + GRACE_S
+            while groups and time.monotonic() < deadline:
+                time.sleep(0.02)
+                groups = {g for g in groups if _group_alive(g)}
+            if not groups:
+                break
+        self._hung_up.set()
+
+
+def _group_alive(pgrp: int) -> bool:
+    try:
+        os.killpg(pgrp, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @contextlib.contextmanager

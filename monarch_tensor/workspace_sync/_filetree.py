@@ -359,6 +359,22 @@ def meta_dir(root: str) -> str:
     return os.path.join(socket_dir(), "roots", key)
 
 
+def adopt_inner_records(root: str) -> None:
+    """Records an earlier version kept inside the root (``root/.monarch-tensor``) move to ``meta_dir(root)``,
+    so that a root it synced or mounted is still known as ours and its tree holds the source's files only."""
+    inner = os.path.join(root, META_DIR)
+    if not os.path.isdir(inner):
+        return
+    outer = meta_dir(root)
+    if os.path.isdir(outer):  # (records of the new kind already: the old ones are stale)
+        _rmtree(inner)
+        return
+    import shutil
+
+    os.makedirs(os.path.dirname(outer), exist_ok=True)
+    shutil.move(inner, outer)
+
+
 def read_meta(root: str, name: str, default):
     try:
         with open(os.path.join(meta_dir(root), name)) as f:

@@ -204,6 +204,7 @@ def handle_diff(mailbox: Mailbox, msg: DiffWorkspace) -> None:
         if msg.root_var and _is_source(root, msg.sources):
             _reply(mailbox, msg, WorkspaceDiff((), {}, {}, (), root, same=True))
             return
+        _filetree.adopt_inner_records(root)
         if msg.root_var.startswith("/"):
             check_mount_point(root)
         ours = scanned[2] if scanned is not None and scanned[:2] == (root, tuple(msg.dirs)) else None
