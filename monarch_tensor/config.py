@@ -63,6 +63,11 @@ class IgnoredSettingWarning(UserWarning):
     """``configure`` was given settings of Monarch's Rust runtime that have no counterpart here: ignored."""
 
 
+class DurationError(ValueError, TypeError):
+    """A duration setting given a string that is not a humantime duration (``"30s"``, ``"1h 30m"``): a
+    ``ValueError``, and the ``TypeError`` Monarch raises there, so ``except TypeError`` ported from it holds."""
+
+
 _UNITS = {"ns": 1e-9, "nsec": 1e-9, "us": 1e-6, "usec": 1e-6, "ms": 1e-3, "msec": 1e-3, "millis": 1e-3,
           "s": 1.0, "sec": 1.0, "secs": 1.0, "second": 1.0, "seconds": 1.0, "m": 60.0, "min": 60.0, "mins": 60.0,
           "minute": 60.0, "minutes": 60.0, "h": 3600.0, "hr": 3600.0, "hrs": 3600.0, "hour": 3600.0,
@@ -71,13 +76,14 @@ _UNITS = {"ns": 1e-9, "nsec": 1e-9, "us": 1e-6, "usec": 1e-6, "ms": 1e-3, "msec"
 
 def humantime_seconds(text: str) -> float:
     """Seconds in a humantime duration, as Monarch's settings take them: ``"30s"``, ``"5m"``, ``"1h 30m"``,
-    ``"250ms"``, ``"2min 5s"``. Anything else is a ``ValueError`` saying what is taken."""
+    ``"250ms"``, ``"2min 5s"``. Anything else is a ``DurationError`` (a ``ValueError`` and a ``TypeError``)
+    saying what is taken."""
     import re
 
     parts = re.findall(r"\s*(\d+(?:\.\d+)?)\s*([a-z]+)\s*", text.lower())
     if not parts or "".join(f"{n}{u}" for n, u in parts) != re.sub(r"\s+", "", text.lower()) \
             or any(u not in _UNITS for _, u in parts):
-        raise ValueError(f"{text!r} is not a duration: give a humantime string such as '30s', '5m', '1h 30m' or "
+        raise DurationError(f"{text!r} is not a duration: give a humantime string such as '30s', '5m', '1h 30m' or "
                          f"'250ms', or a number of seconds")
     return sum(float(n) * _UNITS[u] for n, u in parts)
 
@@ -86,8 +92,8 @@ def _seconds(name: str, given: str, value: Any) -> float:
     if isinstance(value, str):
         try:
             secs = humantime_seconds(value)
-        except ValueError as e:
-            raise ValueError(f"configure({given}=...): {e}") from None
+        except DurationError as e:
+            raise DurationError(f"configure({given}=...): {e}") from None
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
         secs = float(value)
     else:

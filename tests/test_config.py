@@ -313,6 +313,19 @@ def test_monarchs_runtime_settings_map_to_their_counterparts_or_warn_that_they_a
 
 
 
+def test_a_string_that_is_not_a_duration_is_the_type_error_monarch_raises():
+    # Monarch's test_config.py::test_duration_config_invalid_format: pytest.raises(TypeError) around
+    # configured(host_spawn_ready_timeout="invalid"); here it is a ValueError too, as before.
+    for key in ("host_spawn_ready_timeout", "mesh_proc_spawn_max_idle", "spawn_timeout"):
+        with pytest.raises(TypeError, match="is not a duration") as info:
+            with config.configured(**{key: "invalid"}):
+                pass
+        assert isinstance(info.value, ValueError) and type(info.value) is config.DurationError
+        assert config.get_runtime_config() == {}  # refused before anything changed
+    with pytest.raises(ValueError, match="'abc123' is not a duration"):
+        config.humantime_seconds("abc123")
+
+
 def test_every_declared_setting_is_well_formed_and_checks_its_values(monkeypatch):
     """Each registry entry: a known kind and place, a default of its kind, unset and empty read as the
     default, a good value read as such, and a bad one refused with the variable, the value and what it takes."""
