@@ -1198,3 +1198,45 @@ def test_an_actor_that_aborts_is_a_supervision_failure_for_its_owner(faults, rea
         procs.stop().get(timeout=30)
     with pytest.raises(RuntimeError, match="call it from an endpoint"):
         context().actor_instance.abort("from the script")
+
+
+class DiesSoon(Actor):
+    @endpoint
+    def die_in(self, s: float) -> None:
+        """Returns at once; its proc exits ``s`` seconds later (with no call of its caller waiting)."""
+        threading.Timer(s, os._exit, (3,)).start()
+
+
+class RaisingSupervisor(Actor):
+    """Spawns a worker mesh of its own; its ``__supervise__`` raises (Monarch's test_supervise_callback_raising)."""
+
+    @endpoint
+    def make(self) -> None:
+        self.procs = this_host().spawn_procs({"gpus": 1})
+        self.w = self.procs.spawn("w", DiesSoon)
+
+    @endpoint
+    def worker_dies(self, sleep: float) -> None:
+        self.w.die_in.call_one(0.2).get(timeout=30)  # (its proc's death is a supervision event for this actor)
+        time.sleep(sleep)
+
+    def __supervise__(self, failure) -> bool:
+        raise RuntimeError("supervise-boom-4711")
+
+
+@pytest.mark.timeout(120)
+def test_a_raising_supervise_ends_its_proc_and_the_callers_error_says_why(faults):
+    """An actor's ``__supervise__`` raises: the fault is unhandled, its proc ends, and a call waiting on that
+    actor fails with a SupervisionError that names what ``__supervise__`` raised (the proc's last words),
+    not only its exit code."""
+    sp = this_host().spawn_procs({"gpus": 1})
+    try:
+        s = sp.spawn("s", RaisingSupervisor)
+        s.make.call_one().get(timeout=60)
+        with pytest.raises(SupervisionError) as info:
+            s.worker_dies.call_one(20).get(timeout=60)
+        text = str(info.value)
+        assert "supervise-boom-4711" in text and "exited with code 1" in text, text
+        assert not glob.glob(os.path.join(socket_dir(), "last-words-*")), "its last words were left behind"
+    finally:
+        sp.stop().get(timeout=30)

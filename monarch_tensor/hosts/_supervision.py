@@ -128,5 +128,8 @@ def _unhandled_fault(err: SupervisionError, raised: BaseException) -> None:
         # then ends with status 1, not 0.
         _exit_status.fail_at_exit()
         return
+    from ..runtime import _zygote
+
+    _zygote.leave_last_words(f"unhandled fault: {err}")  # (its exit's report says why)
     sys.stderr.flush()
     os._exit(1)

@@ -68,15 +68,49 @@ def set_pdeathsig(sig: int = signal.SIGKILL) -> None:
         pass
 
 
-def describe_status(status: int) -> str:
+def describe_status(status: int, pid: int | None = None) -> str:
+    """How a child ended; with ``pid``, and why, where it left word of that (``leave_last_words``)."""
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         try:
             name = signal.Signals(sig).name
         except ValueError:
             name = str(sig)
-        return f"killed by signal {name}"
-    return f"exited with code {os.WEXITSTATUS(status)}"
+        what = f"killed by signal {name}"
+    else:
+        what = f"exited with code {os.WEXITSTATUS(status)}"
+    words = _take_last_words(pid) if pid is not None else ""
+    return f"{what} ({words})" if words else what
+
+
+LAST_WORDS_MAX = 4000  # characters
+
+
+def _last_words_path(pid: int) -> str:
+    from ..transport.mailbox import socket_dir
+
+    return os.path.join(socket_dir(), f"last-words-{pid}")
+
+
+def leave_last_words(text: str) -> None:
+    """In a proc about to end itself (an unhandled fault): why, for its parent's report of its exit
+    (``describe_status``), which its owner's supervision event carries. Best effort."""
+    try:
+        with open(_last_words_path(os.getpid()), "w") as f:
+            f.write(text[:LAST_WORDS_MAX])
+    except OSError:
+        pass
+
+
+def _take_last_words(pid: int) -> str:
+    path = _last_words_path(pid)
+    try:
+        with open(path) as f:
+            text = f.read()
+        os.unlink(path)
+    except OSError:
+        return ""
+    return " ".join(text.split())
 
 
 def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None) -> None:
@@ -346,7 +380,7 @@ def _reap(children: dict[int, int], rep_fd: int, outputs: dict, relayed: dict, w
                 left = _drain(fd, None if was_relayed else LEFTOVER_MAX)
                 if left:
                     write_msg(rep_fd, ("output", pid, stream, left))
-            write_msg(rep_fd, ("exited", pid, describe_status(status)))
+            write_msg(rep_fd, ("exited", pid, describe_status(status, pid)))
             _remove_socket(sockets, pid)
 
 
