@@ -2,6 +2,7 @@
 its caller and its owner's supervision see."""
 
 import asyncio
+import os
 import threading
 import time
 import types
@@ -711,3 +712,58 @@ def test_a_thread_local_set_in_init_is_seen_by_the_endpoints(procs):
     init_thread, endpoint_thread = am.threads.call_one().get(timeout=T)
     assert init_thread != endpoint_thread  # (the constructor still ran on a thread of its own)
     am.stop().get(timeout=T)
+
+
+class _Count(Actor):
+    def __init__(self) -> None:
+        self.n = 0
+
+    @endpoint
+    def incr(self) -> None:
+        self.n += 1
+
+    @endpoint
+    def value(self) -> int:
+        return self.n
+
+
+class _CountsItsCleanup(Actor):
+    def __init__(self, counter) -> None:
+        self.counter = counter
+
+    @endpoint
+    def check(self) -> None:
+        pass
+
+    def __cleanup__(self, exc) -> None:
+        self.counter.incr.call_one().get(timeout=30)
+
+
+class _Owner(Actor):
+    """Spawns a proc mesh of its own with an actor mesh on it, and an actor mesh on the procs it was given; no
+    ``__cleanup__`` of its own."""
+
+    def __init__(self, procs, counter) -> None:
+        self.procs = this_host().spawn_procs()
+        self.on_passed = procs.spawn("inner_passed", _CountsItsCleanup, counter)
+        self.on_owned = self.procs.spawn("inner_owned", _CountsItsCleanup, counter)
+
+    @endpoint
+    def check(self) -> list:
+        self.on_passed.check.call().get(timeout=30)
+        self.on_owned.check.call().get(timeout=30)
+        return [p.pid for p in self.procs._procs]
+
+
+@pytest.mark.timeout(120)
+def test_stopping_an_actor_stops_the_meshes_it_spawned(procs):
+    """Monarch's test_recursive_stop: an actor owns the meshes it spawns; stopping it stops them (their
+    actors' ``__cleanup__`` runs), on its own proc mesh and on one it was given, and its proc mesh's procs end."""
+    counter = procs.spawn("count_cleanups", _Count)
+    owner = procs.spawn("owner", _Owner, procs, counter)
+    pids = owner.check.call_one().get(timeout=60)
+    owner.stop().get(timeout=60)
+    _wait_for(lambda: counter.value.call_one().get(timeout=30) >= 2)
+    assert counter.value.call_one().get(timeout=30) == 2
+    _wait_for(lambda: not any(os.path.exists(f"/proc/{p}") for p in pids))
+    assert not any(os.path.exists(f"/proc/{p}") for p in pids), pids

@@ -465,6 +465,8 @@ def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs
     col.seen = not rename  # (the runtime's own actors: a failed constructor is their user's error)
     port = mailbox.open_port(col)
     mesh = ActorMesh(name, cls, members, shape, col.future, procs, watch=col)
+    if owner is not None:
+        _context.own(mesh)  # (it stops with the actor that spawned it)
     for p in members:
         p.actors.add(name)
         _mesh_owners[(p.addr, name)] = owner

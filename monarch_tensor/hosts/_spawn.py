@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from ..config import setting
+from ..runtime import _context
 from ..shape import Shape
 from ..transport.mailbox import current_mailbox, new_ipc_address
 from .bootstrap import check_bootstrap, check_env, run_bootstrap
@@ -64,6 +65,7 @@ def _spawn_procs(shape: Shape, proc_bind: list | None = None, per: int = 1,
             env[HOST_PYTHON_ENV] = python_exe
         envs.append({**env, **(extra_env or {}), **(rank_envs[point.rank] if rank_envs else {})})
     mesh = ProcMesh(infos, shape)
+    _context.own(mesh)  # (spawned by an actor: its procs stop with it)
     mesh._python_exe = python_exe
     mesh._extra_env, mesh._rank_envs = extra_env, rank_envs  # heal_mesh starts the new procs alike
     for info in infos:

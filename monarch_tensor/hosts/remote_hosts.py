@@ -31,7 +31,7 @@ import zmq
 from ..config import setting
 from ..errors import HostUnreachableError, JobKeyError, SupervisionError
 from ..future import CoroutineFuture, Future
-from ..runtime import _hooks
+from ..runtime import _context, _hooks
 from ..shape import Shape
 from ..transport import _curve, _fanout, _wire
 from ..transport._fanout import ROUTE_SEP
@@ -569,6 +569,7 @@ class RemoteHostMesh(HostMesh):
                 mailbox.close_port(m.events.port_id)
             raise
         mesh = RemoteProcMesh([], shape)
+        _context.own(mesh)  # (spawned by an actor: its procs stop with it)
         mesh._host_handle = self._handle
         mesh._host_dims = len(self._shape.names)  # (heal_mesh spawns the same again)
         mesh._python_exe, mesh._rank_envs = python_exe, rank_envs

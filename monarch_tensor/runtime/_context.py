@@ -18,7 +18,7 @@ class ActorContext:
     proc_rank: int
     instance: Any = None
     sizes: dict = field(default_factory=dict)
-    owned_meshes: list = field(default_factory=list)
+    owned_meshes: list = field(default_factory=list)  # the meshes it spawned: they stop with it (``own``)
     proc_mesh_bytes: bytes | None = None  # the proc mesh it was spawned on, pickled (see proc_mesh)
     loop: Any = field(default=None, repr=False, compare=False)  # where its async endpoints (and __supervise__) run
 
@@ -140,3 +140,11 @@ def leave(tokens: tuple) -> None:
 
 def in_client() -> bool:
     return _current.get() is _CLIENT
+
+
+def own(mesh: Any) -> None:
+    """``mesh`` (an actor mesh, or a proc mesh) was spawned by the current actor: it is stopped when that actor
+    stops (Monarch's ownership; see ``_proc._cleanup``). In the script: nothing (its meshes stop at its exit)."""
+    ctx = _current.get()
+    if ctx is not _CLIENT:
+        ctx.owned_meshes.append(mesh)

@@ -1107,9 +1107,11 @@ def _thread_locals(instance: object) -> tuple:
 def _cleanup(slot: _Slot) -> None:
     """An actor's ``__cleanup__`` as it stops: Monarch's ``__cleanup__(self, exc)``, ``exc`` None on a normal
     stop (one of no arguments works too); an ``async def`` one runs to its end on a loop of its own (this
-    thread runs the proc's), in the actor's context. Its error is printed; the actor stops all the same."""
+    thread runs the proc's), in the actor's context. Its error is printed; the actor stops all the same. Then
+    the meshes it spawned stop (``_stop_owned``)."""
     stop = getattr(slot.instance, "__cleanup__", None)
     if not callable(stop):
+        _stop_owned(slot.ctx)
         return
     token = _context.enter(slot.ctx)
     try:
@@ -1131,6 +1133,18 @@ def _cleanup(slot: _Slot) -> None:
         traceback.print_exc()
     finally:
         _context.leave(token)
+        _stop_owned(slot.ctx)
+
+
+def _stop_owned(ctx: _context.ActorContext) -> None:
+    """The meshes an actor spawned stop with it, after its ``__cleanup__`` (Monarch's ownership): its actor
+    meshes, on whichever procs, then its proc meshes; the last spawned first. Nothing waits for them here."""
+    owned, ctx.owned_meshes = ctx.owned_meshes, []
+    for mesh in reversed(owned):
+        try:
+            mesh.stop(f"its owner, actor {ctx.actor_name}, stopped")
+        except Exception:  # (stopped already, its procs gone: nothing left to stop)
+            log.debug("stopping a mesh of actor %s", ctx.actor_name, exc_info=True)
 
 
 def _point_in(shape: Shape, rank: int) -> Point | None:
