@@ -767,3 +767,64 @@ def test_stopping_an_actor_stops_the_meshes_it_spawned(procs):
     assert counter.value.call_one().get(timeout=30) == 2
     _wait_for(lambda: not any(os.path.exists(f"/proc/{p}") for p in pids))
     assert not any(os.path.exists(f"/proc/{p}") for p in pids), pids
+
+
+class _FailsFatally(Actor):
+    @endpoint
+    async def check(self) -> str:
+        return "ok"
+
+    @endpoint
+    async def fail(self) -> None:
+        raise _ActorFailure("fails its actor")
+
+
+class _ActorFailure(BaseException):
+    """Monarch's tests' ActorFailureError: a BaseException kills the actor that raises it."""
+
+
+class _SyncSupervisor(Actor):
+    """Monarch's ErrorActorWithSupervise: a sync ``__supervise__`` that sets an ``asyncio.Event`` an async endpoint
+    waits on."""
+
+    def __init__(self, procs) -> None:
+        self.mesh = procs.spawn("fails_fatally", _FailsFatally)
+        self.failures: list = []
+        self.faulted = asyncio.Event()
+        self.loops: set = set()
+
+    @endpoint
+    async def broadcast_fail(self, expected: int) -> int:
+        self.expected = expected
+        self.loops.add(threading.get_ident())
+        self.mesh.check.broadcast()
+        self.mesh.fail.broadcast()  # (nobody awaits it: each rank's failure goes to __supervise__)
+        await asyncio.wait_for(self.faulted.wait(), timeout=60)
+        return len(self.failures)
+
+    @endpoint
+    def loops_seen(self) -> int:
+        return len(self.loops)
+
+    def __supervise__(self, failure) -> bool:
+        self.loops.add(threading.get_ident())
+        self.failures.append(str(failure))
+        if len(self.failures) >= self.expected:
+            self.faulted.set()
+        return True
+
+
+@pytest.mark.timeout(120)
+def test_a_sync_supervise_runs_on_its_actors_loop_and_wakes_what_waits_there():
+    """Monarch's test_supervise_callback_without_await_handled: a sync ``__supervise__`` runs on its actor's loop
+    thread, as its endpoints (an ``asyncio.Event`` it sets wakes the async endpoint waiting on it; from another
+    thread it did not, and that endpoint waited for ever)."""
+    pm = this_host().spawn_procs({"gpus": 1})
+    workers = this_host().spawn_procs({"gpus": 2})
+    try:
+        s = pm.spawn("sync_supervisor", _SyncSupervisor, workers)
+        assert s.broadcast_fail.call_one(2).get(timeout=90) >= 2
+        assert s.loops_seen.call_one().get(timeout=30) == 1
+    finally:
+        workers.stop().get(timeout=30)
+        pm.stop().get(timeout=30)

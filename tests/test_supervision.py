@@ -1216,9 +1216,9 @@ class RaisingSupervisor(Actor):
         self.w = self.procs.spawn("w", DiesSoon)
 
     @endpoint
-    def worker_dies(self, sleep: float) -> None:
-        self.w.die_in.call_one(0.2).get(timeout=30)  # (its proc's death is a supervision event for this actor)
-        time.sleep(sleep)
+    async def worker_dies(self, sleep: float) -> None:
+        await self.w.die_in.call_one(0.2)  # (its proc's death is a supervision event for this actor)
+        await asyncio.sleep(sleep)  # (__supervise__ runs on this actor's loop meanwhile)
 
     def __supervise__(self, failure) -> bool:
         raise RuntimeError("supervise-boom-4711")

@@ -57,7 +57,7 @@ def _supervise(owner, err: SupervisionError) -> None:
     handler = getattr(owner.instance, "__supervise__", None) if owner is not None else None
     if handler is not None:
         try:
-            handled = handler(err)
+            handled = _on_actor_loop(owner, handler, err)
             if inspect.iscoroutine(handled):  # an async __supervise__: on its actor's loop, as its endpoints
                 handled = _await_on_actor_loop(owner, handled)
             if handled:
@@ -74,6 +74,36 @@ def _supervise(owner, err: SupervisionError) -> None:
 
 # How long an async ``__supervise__`` may take before its failure counts as unhandled.
 SUPERVISE_TIMEOUT_S = 300.0
+
+
+def _on_actor_loop(owner, handler, err: SupervisionError):
+    """``handler(err)`` run on its actor's loop thread, as the actor's sync endpoints run (no running loop in
+    sight; a wait in it, ``heal_mesh``'s, goes on serving the proc): one message at a time with them, and with
+    their state (an ``asyncio.Event`` it sets wakes an endpoint waiting on it), as Monarch runs it. Where the
+    actor has no running loop (the script), here."""
+    loop = getattr(owner, "loop", None)
+    if loop is None or loop.is_closed() or not loop.is_running():
+        return handler(err)
+    done: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        running = asyncio.events._get_running_loop()
+        asyncio.events._set_running_loop(None)
+        try:
+            done.set_result(handler(err))
+        except BaseException as e:  # noqa: BLE001 - the supervision thread reports it
+            done.set_exception(e)
+        finally:
+            asyncio.events._set_running_loop(running)
+
+    try:
+        loop.call_soon_threadsafe(run)
+    except RuntimeError:  # (closed meanwhile)
+        return handler(err)
+    try:
+        return done.result(timeout=SUPERVISE_TIMEOUT_S)
+    except concurrent.futures.TimeoutError:
+        raise TimeoutError(f"__supervise__ did not return within {SUPERVISE_TIMEOUT_S:g} s") from None
 
 
 def _await_on_actor_loop(owner, coro):
