@@ -562,6 +562,9 @@ def test_records_an_earlier_version_kept_inside_a_root_move_beside_it(tmp_path):
     _filetree.adopt_inner_records(str(root))
     assert os.listdir(root) == ["a.py"] and _filetree.read_meta(str(root), "racy.json", None) == ["a.py"]
     _filetree.adopt_inner_records(str(tmp_path / "nowhere"))  # (no root: nothing to do)
+    (root / ".monarch-tensor" / "slurm").mkdir(parents=True)  # a SlurmJob's logs, not records: left alone
+    _filetree.adopt_inner_records(str(root))
+    assert (root / ".monarch-tensor" / "slurm").is_dir()
 
 
 def test_a_roots_records_go_to_this_users_directory_where_its_parent_is_not_writable(tmp_path, monkeypatch):

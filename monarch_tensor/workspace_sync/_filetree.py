@@ -363,8 +363,12 @@ def adopt_inner_records(root: str) -> None:
     """Records an earlier version kept inside the root (``root/.monarch-tensor``) move to ``meta_dir(root)``,
     so that a root it synced or mounted is still known as ours and its tree holds the source's files only."""
     inner = os.path.join(root, META_DIR)
-    if not os.path.isdir(inner):
+    try:
+        names = os.listdir(inner)
+    except OSError:  # (none: the usual case)
         return
+    if not names or not all(n.endswith(".json") for n in names):
+        return  # not only records: this project's other files (a SlurmJob's logs) stay where they are
     outer = meta_dir(root)
     if os.path.isdir(outer):  # (records of the new kind already: the old ones are stale)
         _rmtree(inner)
