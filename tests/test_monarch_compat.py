@@ -828,3 +828,27 @@ def test_a_sync_supervise_runs_on_its_actors_loop_and_wakes_what_waits_there():
     finally:
         workers.stop().get(timeout=30)
         pm.stop().get(timeout=30)
+
+
+class _SpawnsMany(Actor):
+    @endpoint
+    def spawn_and_stop(self, procs, n: int) -> tuple:
+        from monarch_tensor.actor import context
+
+        for i in range(n):
+            m = procs.spawn(f"short_lived_{i}", _Count)
+            m.value.call_one().get(timeout=30)
+            m.stop().get(timeout=30)
+        kept = procs.spawn("kept", _Count)
+        kept.value.call_one().get(timeout=30)
+        owned = context().actor_instance.owned_meshes
+        return len(owned), kept in owned
+
+
+@pytest.mark.timeout(120)
+def test_an_actor_that_spawns_mesh_after_mesh_keeps_only_the_live_ones(procs):
+    """The meshes an actor owns are kept until it stops; the stopped ones are let go as more come (an actor
+    spawning and stopping a mesh per request does not hold them all)."""
+    s = procs.spawn("spawns_many", _SpawnsMany)
+    n, kept = s.spawn_and_stop.call_one(procs, 70).get(timeout=100)
+    assert kept and n < 70, n

@@ -147,4 +147,22 @@ def own(mesh: Any) -> None:
     stops (Monarch's ownership; see ``_proc._cleanup``). In the script: nothing (its meshes stop at its exit)."""
     ctx = _current.get()
     if ctx is not _CLIENT:
-        ctx.owned_meshes.append(mesh)
+        owned = ctx.owned_meshes
+        if len(owned) >= _PRUNE_AT and len(owned) & (len(owned) - 1) == 0:  # (an actor spawning mesh after mesh)
+            owned[:] = [m for m in owned if not _stopped(m)]
+        owned.append(mesh)
+
+
+_PRUNE_AT = 64  # owned meshes: past this, the stopped ones are dropped whenever the count reaches a power of 2
+
+
+def _stopped(mesh: Any) -> bool:
+    """Whether an owned mesh was stopped already (an actor mesh: each of its actors, or its procs)."""
+    alloc = getattr(mesh, "_alloc", None)
+    if alloc is not None:  # a proc mesh
+        return bool(alloc._stopped)
+    pm = getattr(mesh, "_proc_mesh", None)
+    if pm is not None and pm._alloc._stopped:
+        return True
+    ranks = getattr(mesh, "_rank_list", None)
+    return ranks is not None and all(r in mesh._stopped for r in ranks)
