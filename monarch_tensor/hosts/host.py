@@ -41,6 +41,7 @@ from ._supervision import (  # noqa: F401
     _await_on_actor_loop,
     _interrupted_for,
     _interrupted_lock,
+    _on_actor_loop,
     _supervise,
     _supervise_later,
     _supervision_loop,
