@@ -36,6 +36,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 from ..actor import Actor, Channel, endpoint
@@ -159,18 +160,33 @@ class Watchdog:
 def stop_group(proc: subprocess.Popen, signals=(signal.SIGTERM, signal.SIGKILL), groups=(), grace: float = 1.0
                ) -> None:
     """End ``proc`` and whatever it started in its process group (and in ``groups``): each of ``signals`` in
-    turn, ``grace`` seconds apart, until ``proc`` has exited."""
+    turn, ``grace`` seconds apart, until ``proc`` has exited and the groups are empty (a member that outlived
+    ``proc``, one that ignores the first signal, gets the next)."""
     groups = {proc.pid, *groups}
     for sig in signals:
         if proc.poll() is not None:
-            return
+            groups = {g for g in groups if group_alive(g)}
+            if not groups:
+                return
         for g in groups:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(g, sig)
+        deadline = time.monotonic() + grace
         try:
             proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
-            pass
+            continue
+        while any(group_alive(g) for g in groups) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+
+def group_alive(pgrp: int) -> bool:
+    """Whether process group ``pgrp`` has a member this process may signal."""
+    try:
+        os.killpg(pgrp, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def check_env(env) -> None:

@@ -140,34 +140,7 @@ class ShellActor(Actor):
             groups.add(os.tcgetpgrp(self._master))  # (the job in the shell's foreground)
         groups.discard(os.getpgrp())
         stop_group(proc, (signal.SIGHUP, signal.SIGTERM, signal.SIGKILL), groups, GRACE_S)
-        # The shell is gone; a foreground job that outlived its hang-up (it ignores SIGHUP) is ended as well.
-        groups.discard(proc.pid)
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            alive = set()
-            for g in groups:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(g, sig)
-                    alive.add(g)
-            if not alive:
-                break
-            groups = alive
-            deadline = time.monotonic() + GRACE_S
-            while groups and time.monotonic() < deadline:
-                time.sleep(0.02)
-                groups = {g for g in groups if _group_alive(g)}
-            if not groups:
-                break
         self._hung_up.set()
-
-
-def _group_alive(pgrp: int) -> bool:
-    try:
-        os.killpg(pgrp, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @contextlib.contextmanager
