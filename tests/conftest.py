@@ -171,11 +171,12 @@ def mesh():
 
 
 @pytest.fixture(scope="module")
-def procs():
-    """A mesh of two procs, {"gpus": 2}, for a test module (a module may define its own ``procs``)."""
+def procs(request):
+    """A mesh of procs for a test module: the module's ``PROCS`` sizes, else two procs, {"gpus": 2} (a module
+    may define its own ``procs``)."""
     from monarch_tensor import this_host
 
-    m = this_host().spawn_procs(per_host={"gpus": 2})
+    m = this_host().spawn_procs(per_host=getattr(request.module, "PROCS", {"gpus": 2}))
     yield m
     m.stop()
 

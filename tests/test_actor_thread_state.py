@@ -7,20 +7,15 @@ from __future__ import annotations
 
 import threading
 
-import pytest
 import torch
 
-from monarch_tensor.actor import Actor, endpoint, this_host
+from monarch_tensor.actor import Actor, endpoint
 
 T = 60
 _TLS = threading.local()  # a module's thread-local, as a library of the user's keeps per-thread context
 
 
-@pytest.fixture(scope="module")
-def procs():
-    m = this_host().spawn_procs(per_host={"gpus": 1})
-    yield m
-    m.stop().get(timeout=30)
+PROCS = {"gpus": 1}  # conftest's procs fixture: one proc
 
 
 class Plain(Actor):

@@ -93,11 +93,7 @@ class Parent(_Supervising):
         return "no error"
 
 
-@pytest.fixture(scope="module")
-def procs():
-    m = this_host().spawn_procs(per_host={"gpus": 1})
-    yield m
-    m.stop().get(timeout=30)
+PROCS = {"gpus": 1}  # conftest's procs fixture: one proc
 
 
 def _wait_for(cond, timeout: float = 30) -> None:

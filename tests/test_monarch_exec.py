@@ -54,11 +54,7 @@ class SyncActor(Actor):
         return me.sync_endpoint.call_one(None).get(timeout=T)
 
 
-@pytest.fixture(scope="module")
-def procs():
-    m = this_host().spawn_procs(per_host={"gpus": 1})
-    yield m
-    m.stop().get(timeout=30)
+PROCS = {"gpus": 1}  # conftest's procs fixture: one proc
 
 
 def test_a_sync_endpoint_waits_on_an_async_endpoint_of_its_proc(procs):
