@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from ..transport.mailbox import SYSTEM_HANDLERS
+from . import _names
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,11 +57,8 @@ _tools: dict[str, Tool] = {}
 
 
 def _check_function(ref: str | None, what: str, name: str) -> None:
-    if ref is None:
-        return
-    module, sep, func = ref.partition(":") if isinstance(ref, str) else ("", "", "")
-    if not (sep and module and func.isidentifier()):
-        raise ValueError(f"tool {name!r}: {what} must be 'package.module:function', got {ref!r}")
+    if ref is not None:
+        _names.check(ref, f"tool {name!r}: {what}")
 
 
 def register(name: str, *, serves: Iterable[str] = (), start: str | None = None,
@@ -97,8 +95,7 @@ def tools() -> list[Tool]:
 
 
 def _function(ref: str) -> Callable[..., Any]:
-    module, _, func = ref.partition(":")
-    return getattr(importlib.import_module(module), func)
+    return _names.resolve(ref)
 
 
 def load() -> None:
