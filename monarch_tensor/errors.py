@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 
+def actor_label(name: str) -> str:
+    """An actor mesh's name as shown (errors, ``current_actor_name()``, logs): the name it was spawned under,
+    without the mark that keeps meshes of one name spawned by different processes apart on a proc
+    (``actor._spawner_mark``: everything from a NUL on)."""
+    return name.partition("\0")[0]
+
+
 class ActorError(Exception):
     """An endpoint raised: the user's code failed on a remote actor.
 
     Carries the remote traceback (``.traceback``), the actor's name and rank;
-    the actor itself keeps serving.
+    the actor itself keeps serving. ``.actor`` is the name as its proc knows it: that of a mesh a proc spawned
+    ends in a NUL and its spawner's token (``actor_label`` drops it, as the message does).
     """
 
     def __init__(self, actor: str, rank: int, method: str, exc_repr: str, traceback: str,
@@ -23,7 +31,7 @@ class ActorError(Exception):
     @property
     def message(self) -> str:
         """What failed, without the traceback (Monarch's ``ActorError.message``)."""
-        return f"endpoint {self.actor}.{self.method} raised on rank {self.rank}: {self.exc_repr}"
+        return f"endpoint {actor_label(self.actor)}.{self.method} raised on rank {self.rank}: {self.exc_repr}"
 
     @property
     def exception_formatted(self) -> str:
@@ -137,7 +145,7 @@ class ActorStoppedError(MeshStoppedError, ActorError):  # type: ignore[misc] # (
 
     def __init__(self, actor: str, rank: int, method: str, reason: str) -> None:
         self.actor, self.rank, self.method, self.reason = actor, rank, method, reason
-        self.exc_repr, self.traceback, self.exception = f"actor {actor!r} was stopped ({reason})", "", None
+        self.exc_repr, self.traceback, self.exception = f"actor {actor_label(actor)!r} was stopped ({reason})", "", None
         self.proc, self.exit_status, self.mesh = "", "", None
         Exception.__init__(self, self.exc_repr)
 

@@ -27,6 +27,14 @@ class Counter(Actor):
         return self.n
 
     @endpoint
+    def name_and_rank(self) -> tuple:
+        from monarch_tensor.actor import context, current_actor_name
+
+        name = context().actor_instance.name
+        assert current_actor_name() == f"{name}[{context().actor_instance.rank.rank}]"
+        return name, context().actor_instance.rank.rank
+
+    @endpoint
     def bad_repr(self) -> None:
         class Odd(Exception):
             def __repr__(self):
@@ -117,6 +125,61 @@ def test_a_second_actor_of_the_same_name_is_a_mesh_of_its_own_and_the_first_keep
     assert first.incr.call().get(timeout=30).values() == [13, 13]
     second.stop().get(timeout=30)
     assert procs.spawn("named_once", Counter, 7)._name == "named_once<2>"  # a stopped one's name is free again
+
+
+class ChildSpawner(Actor):
+    """Spawns a ``Counter`` named "shared_child" on the procs it is given, starting at 100 x its rank + 1000."""
+
+    def __init__(self, procs) -> None:
+        from monarch_tensor.actor import current_rank
+
+        self.rank = current_rank().rank
+        self.child = procs.spawn("shared_child", Counter, 1000 + 100 * self.rank)
+
+    @endpoint
+    def child_counts(self) -> list:
+        return self.child.incr.call().get(timeout=30).values()
+
+    @endpoint
+    def child_names(self) -> list:
+        return self.child.name_and_rank.call().get(timeout=30).values()
+
+    @endpoint
+    def child_mesh(self):
+        return self.child
+
+    @endpoint
+    def child_fails(self) -> str:
+        try:
+            self.child.bad_repr.call().get(timeout=30)
+        except ActorError as e:
+            return str(e)
+        return "no error"
+
+
+def test_meshes_of_one_name_spawned_by_different_processes_are_meshes_of_their_own(procs):
+    # Monarch's (its test_supervise_callback_handled spawns "error_actor" from every rank of a mesh): each spawn
+    # is a mesh of its own, though another process spawned one of that name on the same procs. Here the
+    # script's "shared_child" and one from each of the 2 ranks (3 processes) share both procs, and every call
+    # reaches its own mesh's actors (before, the ranks' spawns were refused and their calls served by the
+    # script's actors, without an error).
+    mine = procs.spawn("shared_child", Counter, 0)
+    spawners = procs.spawn("child_spawner", ChildSpawner, procs)
+    spawners.initialized.get(timeout=60)
+    assert mine.incr.call().get(timeout=30).values() == [1, 1]
+    assert spawners.child_counts.call().get(timeout=60).values() == [[1001, 1001], [1101, 1101]]
+    assert spawners.child_counts.call().get(timeout=60).values() == [[1002, 1002], [1102, 1102]]
+    assert mine.incr.call().get(timeout=30).values() == [2, 2]
+    # They are shown under the name given: names, errors.
+    assert mine._name == "shared_child"
+    assert spawners.child_names.call().get(timeout=60).values() == [[("shared_child", 0), ("shared_child", 1)]] * 2
+    text = spawners.slice(gpus=0).child_fails.call_one().get(timeout=60)
+    assert "endpoint shared_child.bad_repr raised" in text and "\0" not in text
+    # A child mesh passed to the script is that rank's mesh, not the script's.
+    theirs = spawners.slice(gpus=1).child_mesh.call_one().get(timeout=60)
+    assert theirs.incr.call().get(timeout=30).values() == [1103, 1103]
+    spawners.stop().get(timeout=30)  # (their children stop with them; the script's do not)
+    assert mine.incr.call().get(timeout=30).values() == [3, 3]
 
 
 def test_an_actor_spawned_by_its_class_path_is_imported_on_the_procs_and_a_bad_path_is_its_error(procs):

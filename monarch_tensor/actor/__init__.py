@@ -23,7 +23,9 @@ import functools
 import inspect
 import logging
 import operator
+import os
 import random
+import secrets
 import sys
 import threading
 import weakref
@@ -34,7 +36,7 @@ import cloudpickle
 
 from .. import config  # noqa: F401 - monarch_tensor.actor.config, as Monarch's monarch.actor.config
 from .. import future as _future_mod
-from ..errors import ActorError, MeshFailure, SupervisionError
+from ..errors import ActorError, MeshFailure, SupervisionError, actor_label
 from ..future import Future, returns_future
 from ..hosts import host as _host
 from ..hosts.bootstrap import BootstrapCommand, default_bootstrap_cmd
@@ -192,7 +194,7 @@ def current_rank() -> Point:
 def current_actor_name() -> str:
     """The running actor's name and rank (``"counter[3]"``); ``"client"`` in the script."""
     ctx = _context.current()
-    return "client" if _context.in_client() else f"{ctx.actor_name}[{ctx.rank.rank}]"
+    return "client" if _context.in_client() else f"{actor_label(ctx.actor_name)}[{ctx.rank.rank}]"
 
 
 def current_size() -> dict[str, int]:
@@ -325,7 +327,7 @@ class ActorMesh(MeshTrait, Generic[A]):
                          self._stopped, self._watch)
 
     def _what(self) -> str:
-        return f"actor mesh {self._name!r}"
+        return f"actor mesh {actor_label(self._name)!r}"
 
     def _observe(self) -> None:
         """Someone waits on these actors (a call, ``initialized``): a constructor's failure is theirs to see."""
@@ -352,7 +354,7 @@ class ActorMesh(MeshTrait, Generic[A]):
             return Future.ready(None)
         mailbox = current_mailbox()
         col = Collector([p.addr for p in members], [p.rank for p in members], lambda _: None,
-                        f"stop of actor mesh {self._name!r}", observing=False)
+                        f"stop of actor mesh {actor_label(self._name)!r}", observing=False)
         port = mailbox.open_port(col)
         for p in members:
             mailbox.send(p.addr, StopActor(self._name, reason, port))
@@ -374,16 +376,16 @@ class ActorMesh(MeshTrait, Generic[A]):
         if pm is not None and pm._alloc._stopped:
             from ..errors import MeshStoppedError
 
-            raise MeshStoppedError(f"the proc mesh of actor mesh {self._name!r} was stopped "
+            raise MeshStoppedError(f"the proc mesh of actor mesh {actor_label(self._name)!r} was stopped "
                                    f"({pm._alloc._stop_reason})")
         for r in self._rank_list:
             p = self._procs[r]
             if pm is None and p.addr in _host.stopped_addrs:
                 from ..errors import MeshStoppedError
 
-                raise MeshStoppedError(f"the proc mesh of actor mesh {self._name!r} was stopped")
+                raise MeshStoppedError(f"the proc mesh of actor mesh {actor_label(self._name)!r} was stopped")
             if not p.alive:
-                raise SupervisionError(f"actor {self._name} rank {r}: its proc {p.addr} died: {p.exit_status}",
+                raise SupervisionError(f"actor {actor_label(self._name)} rank {r}: its proc {p.addr} died: {p.exit_status}",
                                        proc=p.addr, rank=r, exit_status=p.exit_status)
             death = current_mailbox().death_of(p.addr)
             if death is not None:
@@ -394,7 +396,7 @@ class ActorMesh(MeshTrait, Generic[A]):
                 raise ActorStoppedError(self._name, r, method, self._stopped[r])
 
     def __repr__(self) -> str:
-        return f"<ActorMesh {self._name!r} {self._class.__name__} {self._shape}>"
+        return f"<ActorMesh {actor_label(self._name)!r} {self._class.__name__} {self._shape}>"
 
 
 class _YieldsToEndpoint:
@@ -427,6 +429,26 @@ del _name
 _mesh_owners: dict[tuple[str, str], _context.ActorContext | None] = {}
 
 
+_mark: tuple[int, str] = (0, "")
+
+
+def _spawner_mark() -> str:
+    """What a mesh spawned from this process adds to its name on the procs, so that meshes of one name that
+    different processes spawn on the same procs (each rank of an actor mesh spawning ``"worker"``, say) are
+    meshes of their own, as in Monarch, and a call, which names its actor, reaches its own mesh's. The script's
+    meshes keep their plain name; a proc's get a NUL and a token of its own (new after a fork: procs fork from
+    one template). Never shown: ``errors.actor_label``."""
+    global _mark
+    from ..runtime import _proc
+
+    if _proc._runtime is None and _context.in_client():  # the script
+        return ""
+    pid = os.getpid()
+    if _mark[0] != pid:
+        _mark = (pid, "\0" + secrets.token_hex(8))
+    return _mark[1]
+
+
 def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs: dict,
                       rename: bool = True, implementation: str | None = None) -> ActorMesh:
     """Spawn actors of ``cls`` named ``name`` on ``procs``. A name that actors this process spawned there still
@@ -443,15 +465,17 @@ def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs
         raise ValueError(f"actor name must be a non-empty string, got {name!r}")
     procs._check_alive()
     members = procs._members()
-    taken = [p.rank for p in members if name in p.actors]
+    mark = _spawner_mark() if rename else ""
+    taken = [p.rank for p in members if name + mark in p.actors]
     if taken and not rename:
         raise ValueError(f"an actor named {name!r} already runs on proc(s) of rank {taken} of this mesh: spawn "
                          f"it under another name (the running one keeps its state)")
     if taken:
         k = 2
-        while any(f"{name}<{k}>" in p.actors for p in members):
+        while any(f"{name}<{k}>{mark}" in p.actors for p in members):
             k += 1
         name = f"{name}<{k}>"
+    name += mark
     shape = Shape(procs._shape.names, procs._shape.dims)
     mailbox = current_mailbox()
     if isinstance(procs._alloc, _host.ScriptProc):  # this_proc() of the script: its runtime starts on first use
@@ -527,7 +551,7 @@ class _SpawnCollector(Collector):
 
             addr = self._addr_of.get(msg.rank, "")
             failure = ActorFailedError(
-                f"The actor {self.name} and all its descendants have failed: {self.cls.__name__} rank {msg.rank}: "
+                f"The actor {actor_label(self.name)} and all its descendants have failed: {self.cls.__name__} rank {msg.rank}: "
                 f"__init__ raised {err.exc_repr} (an actor mesh nobody waited on yet)", actor=self.name,
                 rank=msg.rank, proc=addr, traceback=err.traceback, exception=err.exception)
             failure.mesh = self.procs
@@ -583,14 +607,14 @@ class Endpoint(Generic[R]):
 
     def __init__(self, mesh: ActorMesh, method: str, plain: str = "") -> None:
         self._mesh, self._method = mesh, method
-        self._what = f"reply of {mesh._name}.{method}"
+        self._what = f"reply of {actor_label(mesh._name)}.{method}"
         # as_endpoint(): the method is not an @endpoint, and the proc is told so ("name/plain", or
         # "name/port" for explicit_response_port), since it otherwise refuses to run one.
         self._wire_method = f"{method}/{plain}" if plain else method
         self._propagate = None  # as_endpoint(propagate=...); else the @endpoint's
 
     def __repr__(self) -> str:
-        return f"<endpoint {self._mesh._name}.{self._method} of {self._mesh._what()} {self._mesh._shape}>"
+        return f"<endpoint {actor_label(self._mesh._name)}.{self._method} of {self._mesh._what()} {self._mesh._shape}>"
 
     def _check(self, args: tuple, kwargs: dict) -> None:
         _check_arguments(self._mesh._class, self._method, self._wire_method, args, kwargs)
@@ -637,7 +661,7 @@ class Endpoint(Generic[R]):
         addrs = [self._mesh._procs[r].addr for r in ranks]
         if not _context.in_client() and _context.current().actor_name == self._mesh._name and mailbox.addr in addrs:
             return Future.failed(RuntimeError(
-                f"{self._mesh._name}.{self._method}: an actor calls itself and would wait for its own reply, which "
+                f"{actor_label(self._mesh._name)}.{self._method}: an actor calls itself and would wait for its own reply, which "
                 f"can only come after the running endpoint returns (a deadlock); call the method directly, or queue "
                 f"the call with broadcast()"))
         if fold is not None:
@@ -664,7 +688,7 @@ class Endpoint(Generic[R]):
         """Call the single actor of a one-actor mesh (slice first)."""
         ranks = self._mesh._rank_list
         if len(ranks) != 1:
-            raise ValueError(f"call_one() needs a mesh of exactly one actor, but {self._mesh._name!r} has "
+            raise ValueError(f"call_one() needs a mesh of exactly one actor, but {actor_label(self._mesh._name)!r} has "
                              f"{len(ranks)} ({self._mesh._shape}); slice it or use call()")
         return self._collect(ranks, args, kwargs, _first)
 
@@ -673,7 +697,7 @@ class Endpoint(Generic[R]):
         live = [r for r in self._mesh._rank_list if self._mesh._procs[r].alive]
         if not live:
             self._mesh._check(self._method)  # a stopped mesh says so (MeshStoppedError), as every adverb does
-            return Future.failed(SupervisionError(f"no live actor left in {self._mesh._name!r}"))
+            return Future.failed(SupervisionError(f"no live actor left in {actor_label(self._mesh._name)!r}"))
         return self._collect([random.choice(live)], args, kwargs, _first)
 
     def broadcast(self, *args, **kwargs) -> None:
@@ -730,7 +754,7 @@ class NotAnEndpoint:
 
     def _why(self) -> str:
         return (f"{self._mesh._class.__name__}.{self._method} is not annotated as an endpoint: add @endpoint to it, "
-                f"or wrap it: as_endpoint({self._mesh._name}.{self._method}).call(...)")
+                f"or wrap it: as_endpoint({actor_label(self._mesh._name)}.{self._method}).call(...)")
 
     def __call__(self, *args, **kwargs):
         raise RuntimeError(self._why())
@@ -741,7 +765,7 @@ class NotAnEndpoint:
         raise AttributeError(self._why())
 
     def __repr__(self) -> str:
-        return f"<not an endpoint: {self._mesh._name}.{self._method}>"
+        return f"<not an endpoint: {actor_label(self._mesh._name)}.{self._method}>"
 
 
 def as_endpoint(not_an_endpoint: NotAnEndpoint, *, propagate=None, explicit_response_port: bool = False) -> Endpoint:
@@ -750,7 +774,7 @@ def as_endpoint(not_an_endpoint: NotAnEndpoint, *, propagate=None, explicit_resp
     caller's port as its first argument and answers with ``port.send(v)``; ``propagate`` gives its
     results' shapes for ``rref()``, as ``@endpoint(propagate=...)`` does."""
     if isinstance(not_an_endpoint, Endpoint):
-        raise ValueError(f"{not_an_endpoint._mesh._name}.{not_an_endpoint._method} is an @endpoint already: "
+        raise ValueError(f"{actor_label(not_an_endpoint._mesh._name)}.{not_an_endpoint._method} is an @endpoint already: "
                          f"call it directly")
     if not isinstance(not_an_endpoint, NotAnEndpoint):
         raise ValueError(f"as_endpoint() expects a method of a spawned actor mesh (mesh.method), got "
@@ -789,7 +813,7 @@ def send(endpoint: Endpoint, args: tuple, kwargs: dict, port: Port | None = None
     mesh._check(endpoint._method)
     live = [r for r in mesh._rank_list if mesh._procs[r].alive]
     if not live:
-        raise SupervisionError(f"no live actor left in {mesh._name!r}")
+        raise SupervisionError(f"no live actor left in {actor_label(mesh._name)!r}")
     endpoint._send([random.choice(live)], tuple(args), dict(kwargs or {}), port._ref if port else None)
 
 

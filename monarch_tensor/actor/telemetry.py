@@ -62,7 +62,7 @@ class Span:
             self._range.__exit__(exc_type, exc, tb)
             self._range = None
         ctx = _context.current()
-        actor = "client" if _context.in_client() else ctx.actor_name
+        actor = "client" if _context.in_client() else ctx.name
         _spans.append({"name": self.name, "actor": actor, "rank": ctx.rank.rank, "start": self._wall,
                        "seconds": seconds, "error": None if exc is None else repr(exc)})
         return False

@@ -88,7 +88,7 @@ class RemotePdb(pdb.Pdb):
         self.prompt = "(Pdb) "
         self._ended = False
         ctx = _context.current()
-        self.actor, self.point = ctx.actor_name, ctx.rank
+        self.actor, self.point = ctx.name, ctx.rank
 
     def send(self, msg) -> None:
         current_mailbox().send(self.client_addr, msg)

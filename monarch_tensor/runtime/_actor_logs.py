@@ -42,7 +42,7 @@ class ActorLogFilter(logging.Filter):
                 return True
             ctx = _context.current()
             prefix = f"[actor={ctx}] "
-            record.actor_prefix, record.actor_name = prefix, ctx.actor_name
+            record.actor_prefix, record.actor_name = prefix, ctx.name
             record.actor_id = ctx.actor_id
             if config.prefix_python_logs_with_actor and isinstance(record.msg, str) and record.msg:
                 record.msg = prefix + record.msg

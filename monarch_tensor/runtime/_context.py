@@ -6,6 +6,7 @@ import contextvars
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import actor_label
 from ..shape import Point
 
 
@@ -30,7 +31,7 @@ class ActorContext:
     @property
     def name(self) -> str:
         """The name this actor was spawned under (``"client"`` in the script)."""
-        return self.actor_name
+        return actor_label(self.actor_name)
 
     @property
     def class_name(self) -> str:
@@ -49,8 +50,10 @@ class ActorContext:
 
     @property
     def actor_id(self) -> str:
-        """``<proc address>/<name>[<rank in its mesh>]``: which actor this is, unique among the live ones."""
-        return f"{self.proc_id}/{self.actor_name}[{int(self.rank)}]"
+        """``<proc address>/<name>[<rank in its mesh>]``: which actor this is, unique among the live ones (the name of a
+        mesh spawned by a proc, not the script, is followed by ``@`` and its spawner's token: two procs may each
+        spawn a mesh of one name here)."""
+        return f"{self.proc_id}/{self.actor_name.replace(chr(0), '@')}[{int(self.rank)}]"
 
     @property
     def proc(self):
@@ -91,7 +94,7 @@ class ActorContext:
         if self.instance is None and self.actor_name == "client":
             return "<root>"
         coords = ", ".join(f"'{k}': {v}/{self.sizes.get(k, '?')}" for k, v in self.rank.items())
-        return f"<root>.<{self.class_name} {self.actor_name}{{{coords}}}>"
+        return f"<root>.<{self.class_name} {actor_label(self.actor_name)}{{{coords}}}>"
 
     @property
     def message_rank(self) -> Point:

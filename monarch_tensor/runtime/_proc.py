@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..config import setting, take
-from ..errors import ActorAbortedError, ActorError, ActorFailedError, ActorStoppedError
+from ..errors import ActorAbortedError, ActorError, ActorFailedError, ActorStoppedError, actor_label
 from ..future import loop_threads
 from ..shape import Point, Shape
 from ..transport import mailbox as _mailbox_mod
@@ -466,7 +466,7 @@ class ProcRuntime:
         # acknowledged while its constructor still ran (it stops once that returns, under its old slot).
         if old is not None and old.init_error is None and not old.stop_done and \
                 not (old.stopped is not None and old.initializing):
-            err = ValueError(f"an actor named {msg.name!r} already runs on proc {self.rank}: spawn it under "
+            err = ValueError(f"an actor named {actor_label(msg.name)!r} already runs on proc {self.rank}: spawn it under "
                              f"another name (the running one keeps its state)")
             self._reply(msg.reply, None, ActorError(msg.name, point.rank, "__init__", repr(err), "", err),
                         point.rank)
@@ -492,7 +492,7 @@ class ProcRuntime:
         if msg.ranks is None:
             return msg
         if self.rank not in msg.ranks:
-            raise ValueError(f"a spawn of actor {msg.name!r} reached proc rank {self.rank}, which is not among its "
+            raise ValueError(f"a spawn of actor {actor_label(msg.name)!r} reached proc rank {self.rank}, which is not among its "
                              f"procs' ranks")
         return dataclasses.replace(msg, rank=msg.ranks.index(self.rank), ranks=None)
 
@@ -512,7 +512,7 @@ class ProcRuntime:
         # The constructor runs on a thread of its own, as Monarch's: one that blocks (for ever, even) leaves the
         # other actors of this proc serving.
         threading.Thread(target=self._construct, args=(slot, msg), daemon=True,
-                         name=f"monarch-init-{msg.name}").start()
+                         name=f"monarch-init-{actor_label(msg.name)}").start()
 
     def _construct(self, slot: _Slot, msg: SpawnActor, inline: bool = False) -> None:
         """The constructor's thread (or, ``inline``, the loop's): runs it, then hands the result to the loop
@@ -627,7 +627,7 @@ class ProcRuntime:
 
     def _no_such_actor(self, name: str) -> None:
         for msg in self._awaiting.pop(name, (None, ()))[1]:
-            err = ActorError(name, -1, msg.method, f"no actor named {name!r} on proc {self.rank} (none was spawned "
+            err = ActorError(name, -1, msg.method, f"no actor named {actor_label(name)!r} on proc {self.rank} (none was spawned "
                              f"within {UNKNOWN_ACTOR_WAIT_S:g} s of the call)", "")
             self._reply(msg.reply, None, err, -1)
 
@@ -715,7 +715,7 @@ class ProcRuntime:
         text = reason if reason else "no reason provided"
         rank = slot.ctx.rank.rank
         cls = type(slot.instance).__name__
-        err = ActorAbortedError(f"actor {name} ({cls}) rank {rank} on proc {self.rank} aborted: {text}",
+        err = ActorAbortedError(f"actor {actor_label(name)} ({cls}) rank {rank} on proc {self.rank} aborted: {text}",
                                 actor=name, rank=rank, proc=self.mailbox.addr)
         self._kill_actor(slot, err, f"aborted: {text}")
 
@@ -735,8 +735,8 @@ class ProcRuntime:
         method = msg.method.partition("/")[0]
         why = "with an explicit response port" if explicit and isinstance(e, Exception) else "a BaseException"
         err = ActorFailedError(
-            f"The actor {slot.name} and all its descendants have failed: {type(slot.instance).__name__} rank "
-            f"{info.rank} on proc {self.rank}: endpoint {slot.name}.{method} ({why}) raised {info.exc_repr}",
+            f"The actor {actor_label(slot.name)} and all its descendants have failed: {type(slot.instance).__name__} "
+            f"rank {info.rank} on proc {self.rank}: endpoint {actor_label(slot.name)}.{method} ({why}) raised {info.exc_repr}",
             actor=slot.name, rank=info.rank, proc=self.mailbox.addr, traceback=info.traceback,
             exception=info.exception)
         if msg.reply is not None:
@@ -1142,9 +1142,9 @@ def _stop_owned(ctx: _context.ActorContext) -> None:
     owned, ctx.owned_meshes = ctx.owned_meshes, []
     for mesh in reversed(owned):
         try:
-            mesh.stop(f"its owner, actor {ctx.actor_name}, stopped")
+            mesh.stop(f"its owner, actor {ctx.name}, stopped")
         except Exception:  # (stopped already, its procs gone: nothing left to stop)
-            log.debug("stopping a mesh of actor %s", ctx.actor_name, exc_info=True)
+            log.debug("stopping a mesh of actor %s", ctx.name, exc_info=True)
 
 
 def _point_in(shape: Shape, rank: int) -> Point | None:
