@@ -12,9 +12,10 @@ Workloads (one training step each: forward, cross entropy, backward, torch.optim
            ops shows (an N-layer step has about 150 N aten ops, forward, backward and SGD)
   wide     the same GPT, compute-bound: 2 layers of WIDE_CFG, batch WIDE_BATCH (issue 38's "compute-bound
            GPT step": its compiled step on 1 proc against eager)
-On a mesh of 1 and of 2 procs ("gpus"; with 2 the gradients are averaged with reduce_, data-parallel),
-each step uncompiled and wrapped in ``compile`` (after warm-up steps that record it), and in local eager
-torch (no mesh). Figures, medians of REPEATS loops of STEPS steps:
+On a mesh of 1 and of 2 procs ("gpus"; with 2, data parallel: each rank takes its half of the batch's rows
+and the gradients are averaged with reduce_, so a step trains on the same batch as local eager's), each step
+uncompiled and wrapped in ``compile`` (after warm-up steps that record it), and in local eager torch (no
+mesh, the whole batch). Figures, medians of REPEATS loops of STEPS steps:
   ctl_us     controller time per step: the time the script spends inside the step calls (µs)
   cpu_us     the controller thread's CPU time inside the step calls (µs): what ctl_us is on an idle machine,
              and the steadier figure on a loaded one (ctl_us counts the time other processes had the core)
@@ -64,8 +65,9 @@ ALL_MODES = MODES + ["stretches"]  # stretches: only when asked for (inductor co
 COMPILE_TIMEOUT = 1800.0  # seconds a "stretches" row waits for its first replay that runs compiled code
 
 
-def build(workload: str):
-    """(model, loss function of the model) for a workload, made with a fixed seed."""
+def build(workload: str, shard=lambda t: t):
+    """(model, loss function of the model) for a workload, made with a fixed seed. ``shard``: what each rank
+    takes of a batch (data parallel: its rows)."""
     import torch
     import torch.nn.functional as F
     from gpt import GPT, GPTConfig
@@ -73,25 +75,27 @@ def build(workload: str):
     torch.manual_seed(0)
     if workload == "mlp":
         model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
-        data, target = torch.randn(32, 256), torch.randint(0, 10, (32,))
+        data, target = shard(torch.randn(32, 256)), shard(torch.randint(0, 10, (32,)))
         return model, lambda: F.cross_entropy(model(data), target)
     if workload == "wide":
         cfg, batch = GPTConfig(**WIDE_CFG), WIDE_BATCH
     else:
         cfg, batch = GPTConfig(n_layer=int(workload[3:]), **GPT_CFG), GPT_BATCH
     model = GPT(cfg)
-    idx = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size))
+    idx = shard(torch.randint(0, cfg.vocab_size, (batch, cfg.block_size)))
     return model, lambda: model(idx, idx)[1]
 
 
 def measure(workload: str, mode: str, procs, client) -> dict:
     import torch
 
-    from monarch_tensor import compile, fetch_shard
+    from monarch_tensor import Shard, compile, distribute, fetch_shard
 
-    model, loss_fn = build(workload)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     dp = procs is not None and len(procs._shape.ranks()) > 1
+    # Data parallel: each rank its own rows of the batch (a local tensor per rank), as DDP's ranks.
+    model, loss_fn = build(workload, (lambda t: distribute(t, procs, {"gpus": Shard(0)}).to_local()) if dp else
+                       (lambda t: t))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def step():
         opt.zero_grad()
