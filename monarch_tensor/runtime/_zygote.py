@@ -221,6 +221,11 @@ def serve(req_fd: int, rep_fd: int, idle_imports: list[str] | None = None) -> No
     _kill_all(children, rep_fd)
     for pid in list(sockets):  # (those killed just now: a job killed while its procs ran, say)
         _remove_socket(sockets, pid)
+    for pid in spawned:  # the last words of procs whose exit nobody described (reaped by _kill_all)
+        try:
+            os.unlink(_last_words_path(pid))
+        except OSError:
+            pass
     if died:  # (SIGKILLed, say): what it and its procs left in /dev/shm and the socket directory
         _remove_files_of(client, spawned, clients)
 
