@@ -739,9 +739,9 @@ class ProcRuntime:
             f"rank {info.rank} on proc {self.rank}: endpoint {actor_label(slot.name)}.{method} ({why}) raised {info.exc_repr}",
             actor=slot.name, rank=info.rank, proc=self.mailbox.addr, traceback=info.traceback,
             exception=info.exception)
-        if msg.reply is not None:
+        self._kill_actor(slot, err, str(err))  # (its owner is told first: as in Monarch, it hears of the death
+        if msg.reply is not None:              # no later than the caller, whose reply may prompt a look at it)
             self._reply(msg.reply, None, err, info.rank)
-        self._kill_actor(slot, err, str(err))
         return True
 
     def _kill_actor(self, slot: _Slot, err: ActorFailedError, reason: str) -> None:
