@@ -575,15 +575,17 @@ class Mailbox:
             if any(fd == self._io_wake_r for fd, _ in ready):
                 _drain_pipe(self._io_wake_r)
 
-    def _receive_ready(self, done: Callable[[], bool] | None = None) -> bool:
+    def _receive_ready(self, done: Callable[[], bool] | None = None, waiting: bool = False) -> bool:
         """Receive and dispatch what is waiting now; flush a batch once caught up. False: socket gone.
 
         With ``done`` (a waiter's): stop once ``done()``, without looking for more; whoever receives next
         looks at the socket before it blocks (the I/O thread here, a waiter in ``zmq.Poller.poll``), so
-        nothing left waiting is missed. (Each look is a system call.)"""
+        nothing left waiting is missed. ``waiting``: a poll just saw a message, so the first is received
+        without looking again. (Each look is one or two system calls.)"""
         r = self._router
         try:
-            while r.getsockopt(_EVENTS) & _POLLIN:
+            while waiting or r.getsockopt(_EVENTS) & _POLLIN:
+                waiting = False
                 frames = self._recv(_NOBLOCK)
                 if self._closed:
                     return False
@@ -653,11 +655,12 @@ class Mailbox:
             poller = self._lead_poller = zmq.Poller()
             poller.register(self._router, zmq.POLLIN)
             poller.register(self._lead_wake_r, zmq.POLLIN)
-        spin = self._spin
+        spin, router = self._spin, self._router
         while not self._closed and not done():
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return
+            waiting = False
             if not spin.poll(done):
                 ms = _LEAD_SLICE_MS if left is None else max(1, min(_LEAD_SLICE_MS, int(left * 1000) + 1))
                 try:
@@ -665,9 +668,12 @@ class Mailbox:
                 except zmq.ZMQError:
                     return
                 spin.woke()
-                if any(fd == self._lead_wake_r for fd, _ in ready):
-                    _drain_pipe(self._lead_wake_r)
-            if not self._receive_ready(done):
+                for sock, _ in ready:
+                    if sock is router:
+                        waiting = True
+                    else:
+                        _drain_pipe(self._lead_wake_r)
+            if not self._receive_ready(done, waiting):
                 return
 
     @property
