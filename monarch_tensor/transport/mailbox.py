@@ -578,10 +578,11 @@ class Mailbox:
     def _receive_ready(self, done: Callable[[], bool] | None = None, waiting: bool = False) -> bool:
         """Receive and dispatch what is waiting now; flush a batch once caught up. False: socket gone.
 
-        With ``done`` (a waiter's): stop once ``done()``, without looking for more; whoever receives next
-        looks at the socket before it blocks (the I/O thread here, a waiter in ``zmq.Poller.poll``), so
-        nothing left waiting is missed. ``waiting``: a poll just saw a message, so the first is received
-        without looking again. (Each look is one or two system calls.)"""
+        With ``done`` (a waiter's): stop once ``done()`` after a lone message (a round trip's reply), without
+        looking for more; whoever receives next looks at the socket before it blocks (the I/O thread here, a
+        waiter in ``zmq.Poller.poll``), so nothing left waiting is missed. After a batch (a burst of replies)
+        it goes on while more is waiting, for the waits that follow. ``waiting``: a poll just saw a message,
+        so the first is received without looking again. (Each look is one or two system calls.)"""
         r = self._router
         try:
             while waiting or r.getsockopt(_EVENTS) & _POLLIN:
@@ -590,7 +591,7 @@ class Mailbox:
                 if self._closed:
                     return False
                 self._dispatch(frames)
-                if done is not None and done():
+                if done is not None and done() and not _wire.is_batch(frames[0]):
                     if self._batch:
                         self.flush()
                     return True
@@ -647,9 +648,9 @@ class Mailbox:
                     self._lead_cv.notify()
 
     def _receive_until(self, done: Callable[[], bool], deadline: float | None) -> None:
-        """Under ``_rx_lock``: receive and dispatch until ``done()`` or ``deadline``. It looks at the socket
-        first in the spin or in ``poller.poll`` (which sees a message already waiting), not before them: a
-        reply is never in yet when the wait begins."""
+        """Under ``_rx_lock``: receive and dispatch until ``done()`` or ``deadline``. The spin or
+        ``poller.poll`` is the first look at the socket (both see a message already waiting), and a message
+        either saw is received without another."""
         poller = self._lead_poller
         if poller is None:
             poller = self._lead_poller = zmq.Poller()
@@ -661,7 +662,9 @@ class Mailbox:
             if left is not None and left <= 0:
                 return
             waiting = False
-            if not spin.poll(done):
+            if spin.poll(done):
+                waiting = not done()  # (it ends on a message, or on done(), which stays true)
+            else:
                 ms = _LEAD_SLICE_MS if left is None else max(1, min(_LEAD_SLICE_MS, int(left * 1000) + 1))
                 try:
                     ready = poller.poll(ms)
