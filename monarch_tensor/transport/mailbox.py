@@ -578,11 +578,12 @@ class Mailbox:
     def _receive_ready(self, done: Callable[[], bool] | None = None, waiting: bool = False) -> bool:
         """Receive and dispatch what is waiting now; flush a batch once caught up. False: socket gone.
 
-        With ``done`` (a waiter's): stop once ``done()`` after a lone message (a round trip's reply), without
-        looking for more; whoever receives next looks at the socket before it blocks (the I/O thread here, a
-        waiter in ``zmq.Poller.poll``), so nothing left waiting is missed. After a batch (a burst of replies)
-        it goes on while more is waiting, for the waits that follow. ``waiting``: a poll just saw a message,
-        so the first is received without looking again. (Each look is one or two system calls.)"""
+        With ``done`` (a waiter's): stop once ``done()`` while no other port is open (a round trip's reply),
+        without looking for more; whoever receives next looks at the socket before it blocks (the I/O thread
+        here, a waiter in ``zmq.Poller.poll``), so nothing left waiting is missed. While other replies are
+        awaited (a burst) it goes on while more is waiting, for the waits that follow. ``waiting``: a poll
+        just saw a message, so the first is received without looking again. (Each look is one or two system
+        calls.)"""
         r = self._router
         try:
             while waiting or r.getsockopt(_EVENTS) & _POLLIN:
@@ -591,7 +592,7 @@ class Mailbox:
                 if self._closed:
                     return False
                 self._dispatch(frames)
-                if done is not None and done() and not _wire.is_batch(frames[0]):
+                if done is not None and not self._ports and done():
                     if self._batch:
                         self.flush()
                     return True
