@@ -46,7 +46,7 @@ from ..shape import Point, Shape
 from ..transport import mailbox as _mailbox_mod
 from ..transport._fanout import GATHER_PREFIX
 from ..transport.logs import OUTPUT_WAIT_S
-from ..transport.mailbox import _EVENTS, _POLLIN, Mailbox, set_current_mailbox
+from ..transport.mailbox import Mailbox, set_current_mailbox
 from ..transport.messages import (
     ActorFault,
     CallEndpoint,
@@ -422,11 +422,10 @@ class ProcRuntime:
         poll for the next message a while before the loop blocks (``mailbox.Spin``): in a loop of
         synchronous calls the next one comes within a few tens of µs of the reply."""
         mb, spin = self.mailbox, self.mailbox._spin
-        with mb._rx_lock:  # (the socket is used by one thread at a time: Mailbox.receive_for)
-            came = mb._router.getsockopt(_EVENTS) & _POLLIN or mb._held  # not every wake-up of zmq's descriptor is one
+        woke = time.perf_counter()
+        came = mb.drain()  # (not every wake-up of zmq's descriptor is a message)
         if came:
-            spin.woke()
-        mb.drain()
+            spin.woke(woke)
         ready = getattr(self.loop, "_ready", None)  # asyncio's queue of callbacks due now (async endpoints)
         gates = self.spin_gates
         while came and not ready and all(idle() for idle in gates) and self._spin_poll():

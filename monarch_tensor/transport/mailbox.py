@@ -183,9 +183,9 @@ class Spin:
             tries += 1
             yield_()
 
-    def woke(self) -> None:
-        """After the blocking wait that followed ``poll``."""
-        self._on = time.perf_counter() - self._since <= self._seconds
+    def woke(self, now: float = 0.0) -> None:
+        """After the blocking wait that followed ``poll`` (``now``: when it ended, if not now)."""
+        self._on = (now or time.perf_counter()) - self._since <= self._seconds
 
 
 class Mailbox:
@@ -277,6 +277,7 @@ class Mailbox:
         self._io_long = False  # the I/O thread waits for a notify, not a tick: a waiter that leaves notifies it
         self._io_ident: int | None = None
         self._spin = Spin(self._router)  # used by whoever holds _rx_lock (lead), or by a proc's loop
+        self._lead_poller: zmq.Poller | None = None  # the socket and _lead_wake_r, for whoever leads (made once)
         self._io_wake_r = self._io_wake_w = self._lead_wake_r = self._lead_wake_w = -1
         if io_thread:
             self._io_wake_r, self._io_wake_w = _pipe()
@@ -415,7 +416,10 @@ class Mailbox:
         if ROUTE_SEP in addr:  # a proc behind a host agent (or gateway): along its path (see _fanout.py)
             agent, _, inner = addr.partition(ROUTE_SEP)
             addr, frames = routed_frames(agent, inner, frames)
-        self._socket_for(addr).send_multipart(frames, copy=copy)
+        if len(frames) == 1:  # (most messages: one frame, without pyzmq's multipart loop and checks)
+            self._socket_for(addr).send(frames[0], copy=copy)
+        else:
+            self._socket_for(addr).send_multipart(frames, copy=copy)
 
     def flush(self) -> None:
         """Send the waiting batch now (cheap when there is none) and end the burst.
@@ -571,15 +575,27 @@ class Mailbox:
             if any(fd == self._io_wake_r for fd, _ in ready):
                 _drain_pipe(self._io_wake_r)
 
-    def _receive_ready(self) -> bool:
-        """Receive and dispatch what is waiting now; flush a batch once caught up. False: socket gone."""
+    def _receive_ready(self, done: Callable[[], bool] | None = None, waiting: bool = False) -> bool:
+        """Receive and dispatch what is waiting now; flush a batch once caught up. False: socket gone.
+
+        With ``done`` (a waiter's): stop once ``done()`` while no other port is open (a round trip's reply),
+        without looking for more; whoever receives next looks at the socket before it blocks (the I/O thread
+        here, a waiter in ``zmq.Poller.poll``), so nothing left waiting is missed. While other replies are
+        awaited (a burst) it goes on while more is waiting, for the waits that follow. ``waiting``: a poll
+        just saw a message, so the first is received without looking again. (Each look is one or two system
+        calls.)"""
         r = self._router
         try:
-            while r.getsockopt(_EVENTS) & _POLLIN:
+            while waiting or r.getsockopt(_EVENTS) & _POLLIN:
+                waiting = False
                 frames = self._recv(_NOBLOCK)
                 if self._closed:
                     return False
                 self._dispatch(frames)
+                if done is not None and not self._ports and done():
+                    if self._batch:
+                        self.flush()
+                    return True
                 if self._batch and not r.getsockopt(_EVENTS) & _POLLIN:
                     self.flush()  # all caught up: what handling sent goes out now
         except zmq.Again:
@@ -633,34 +649,45 @@ class Mailbox:
                     self._lead_cv.notify()
 
     def _receive_until(self, done: Callable[[], bool], deadline: float | None) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._lead_wake_r, zmq.POLLIN)
-        spin = self._spin
-        while not self._closed:
-            if not self._receive_ready() or done():
-                return
+        """Under ``_rx_lock``: receive and dispatch until ``done()`` or ``deadline``. The spin or
+        ``poller.poll`` is the first look at the socket (both see a message already waiting), and a message
+        either saw is received without another."""
+        poller = self._lead_poller
+        if poller is None:
+            poller = self._lead_poller = zmq.Poller()
+            poller.register(self._router, zmq.POLLIN)
+            poller.register(self._lead_wake_r, zmq.POLLIN)
+        spin, router = self._spin, self._router
+        while not self._closed and not done():
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return
+            waiting = False
             if spin.poll(done):
-                continue
-            ms = _LEAD_SLICE_MS if left is None else max(1, min(_LEAD_SLICE_MS, int(left * 1000) + 1))
-            try:
-                ready = poller.poll(ms)
-            except zmq.ZMQError:
+                waiting = not done()  # (it ends on a message, or on done(), which stays true)
+            else:
+                ms = _LEAD_SLICE_MS if left is None else max(1, min(_LEAD_SLICE_MS, int(left * 1000) + 1))
+                try:
+                    ready = poller.poll(ms)
+                except zmq.ZMQError:
+                    return
+                spin.woke()
+                for sock, _ in ready:
+                    if sock is router:
+                        waiting = True
+                    else:
+                        _drain_pipe(self._lead_wake_r)
+            if not self._receive_ready(done, waiting):
                 return
-            spin.woke()
-            if any(fd == self._lead_wake_r for fd, _ in ready):
-                _drain_pipe(self._lead_wake_r)
 
     @property
     def fd(self) -> int:
         """A file descriptor that becomes readable when messages may be waiting (edge-triggered)."""
         return self._router.getsockopt(zmq.FD)
 
-    def drain(self, defer: Callable[[object], None] | None = None) -> None:
-        """Receive and dispatch every message waiting now (for a receiver without an I/O thread).
+    def drain(self, defer: Callable[[object], None] | None = None) -> bool:
+        """Receive and dispatch every message waiting now (for a receiver without an I/O thread); whether
+        there was any.
 
         With ``defer``, messages other than port values and logs are handed to it
         instead of ``on_message`` (used while a handler blocks waiting for a reply).
@@ -669,6 +696,7 @@ class Mailbox:
         one is busy in a handler (``receive_for``); port values and logs are delivered as they are
         received, under the lock, so that each port gets its values in order whichever thread took them.
         """
+        took = False
         while not self._closed:
             with self._rx_lock:
                 if self._held:
@@ -677,9 +705,11 @@ class Mailbox:
                     items = self._receive_one()
                     if items is None:
                         break
+            took = True
             for msg, unreadable in items:
                 self._take(msg, unreadable, defer)
         self.flush()
+        return took
 
     def _receive_one(self) -> list | None:
         """Under ``_rx_lock``: receive one message (a batch: all of it), deliver its port values and logs,
