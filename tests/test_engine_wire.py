@@ -44,12 +44,22 @@ SAMPLES = {
 }
 
 
+def _is_record(obj) -> bool:
+    """A frozen slotted dataclass, or a named tuple (``CallOp``, the one made per recorded op)."""
+    if dataclasses.is_dataclass(obj):
+        return obj.__dataclass_params__.frozen and hasattr(obj, "__slots__")
+    return issubclass(obj, tuple) and hasattr(obj, "_fields") and obj.__slots__ == ()
+
+
+def _fields(cls) -> tuple:
+    return cls._fields if issubclass(cls, tuple) else tuple(f.name for f in dataclasses.fields(cls))
+
+
 def test_every_instruction_has_a_sample_and_a_handler():
     records = {obj for obj in vars(m).values()
-               if pyinspect.isclass(obj) and dataclasses.is_dataclass(obj) and obj.__module__ == m.__name__}
+               if pyinspect.isclass(obj) and obj.__module__ == m.__name__ and _is_record(obj)}
     assert records == set(m.INSTRUCTIONS) == set(SAMPLES)
     for cls in m.INSTRUCTIONS:
-        assert cls.__dataclass_params__.frozen and hasattr(cls, "__slots__"), cls
         assert cls.__doc__ and len(cls.__doc__.strip()) > 10, cls
         assert callable(getattr(TensorWorker, f"handle_{cls.__name__}", None)), cls
 
@@ -78,12 +88,12 @@ def test_instruction_round_trips_through_the_wire(cls):
     msg = SAMPLES[cls]
     back = _wire.decode(_wire.encode([msg]))[0]
     assert type(back) is cls
-    for f in dataclasses.fields(cls):
-        a, b = getattr(msg, f.name), getattr(back, f.name)
+    for name in _fields(cls):
+        a, b = getattr(msg, name), getattr(back, name)
         if isinstance(a, torch.Tensor):
             assert torch.equal(a, b)
         else:
-            assert a == b, f.name
+            assert a == b, name
 
 
 def test_remote_exception_pickles_and_names_the_line():
