@@ -52,10 +52,9 @@ def _lib_dirs() -> tuple[str, ...]:
 
 
 _LIB = _lib_dirs()
-# Keyed by ``id(code)`` (hashing a code object hashes its contents, at every lookup); an entry of ``_is_lib`` holds
-# its code object, so that no other code object takes its id. ``_locs`` is keyed by the frame's last instruction,
-# not its line: ``f_lineno`` scans the code's line table at every read.
-_is_lib: dict = {}
+_is_lib: dict = {}  # by file name (a string hashes once; a code object hashes its contents at every lookup)
+# By ``(id(code), f_lasti)``: ``f_lineno`` scans the code's line table at every read. Each entry holds its code
+# object, so that no other code object takes its id.
 _locs: dict = {}
 
 
@@ -65,16 +64,16 @@ def user_loc():
     is_lib = _is_lib
     while f is not None:
         c = f.f_code
-        i = id(c)
-        lib = is_lib.get(i)
+        file = c.co_filename
+        lib = is_lib.get(file)
         if lib is None:
-            lib = is_lib[i] = (c, c.co_filename.startswith(_LIB))
-        if not lib[1]:
-            k = (i, f.f_lasti)
+            lib = is_lib[file] = file.startswith(_LIB)
+        if not lib:
+            k = (id(c), f.f_lasti)
             v = _locs.get(k)
             if v is None:
-                v = _locs[k] = (c.co_filename, f.f_lineno, c.co_name)
-            return v
+                v = _locs[k] = (c, (file, f.f_lineno, c.co_name))
+            return v[1]
         f = f.f_back
     return None
 
