@@ -227,3 +227,46 @@ def test_batches_start_small_after_a_pause_and_double_during_a_burst(monkeypatch
     client.flush()
     burst(20)
     assert sent == [16, 32, 52, 16]
+
+
+_RULES_SCRIPT = """
+import sys, torch
+from monarch_tensor.controller import torch_patches  # (the engine's import installs its lookup)
+from torch._library import simple_registry
+
+class Sub(torch.Tensor):
+    @staticmethod
+    def __new__(cls, shape):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float32)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return torch.full((2,), 1.0)
+
+def rule(cls, func, types, args, kwargs):
+    return torch.full((2,), 2.0)
+
+calls = []
+sys.setprofile(lambda frame, event, arg: event == "call" and calls.append(
+    (frame.f_code.co_name, frame.f_code.co_filename)))
+s = Sub((2,))
+assert torch.abs(s).tolist() == [1.0, 1.0]  # no rule: the subclass's __torch_dispatch__
+torch.library.register_torch_dispatch("aten::neg", Sub, rule)
+assert torch.neg(s).tolist() == [2.0, 2.0]  # the rule registered for it
+assert torch.abs(s).tolist() == [1.0, 1.0]
+sys.setprofile(None)
+lookups = [file for name, file in calls if name == "find_torch_dispatch_rule" and file == torch_patches.__file__]
+assert len(lookups) == 3, calls  # (one per dispatch; on an op's first, it asks torch's own)
+print("ok")
+"""
+
+
+def test_torch_finds_registered_dispatch_rules_through_the_engines_lookup():
+    """The engine replaces torch's ``find_torch_dispatch_rule`` (asked before every ``__torch_dispatch__``) with a
+    cheaper one: torch uses it (in a fresh process, where the engine's import came before any dispatch), and a
+    rule registered with ``torch.library.register_torch_dispatch`` is found, before or after its first use."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _RULES_SCRIPT], capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
