@@ -112,9 +112,10 @@ class Ctx:
         self.sid = stream.id
 
 
-def _overlap(a: tuple, b: tuple) -> bool:
-    """Whether two ``(memory, first byte, end byte)`` spans (``tensor.memory_span``) may share bytes."""
-    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+def _overlaps(span: tuple, written: dict) -> bool:
+    """Whether a ``(memory, first byte, end byte)`` span (``tensor.memory_span``) may share bytes with one of
+    ``written``'s (such spans by their memory)."""
+    return any(span[1] < b[2] and b[1] < span[2] for b in written.get(span[0], ()))
 
 
 class MeshClient:
@@ -133,7 +134,7 @@ class MeshClient:
         self.on_next_issue = None  # a function to run once, before the next instruction (torch_patches._lend_generator)
         self._ranks = self.all_ranks
         self._limit = FIRST_BATCH  # the size bound of the batch being filled (see the module docstring)
-        self._fused = (None, [])  # the last Reduce or ReduceMany queued, and the memories it writes (_fuse)
+        self._fused = (None, {})  # the last Reduce or ReduceMany queued, and the spans it writes by memory (_fuse)
         self._lock = threading.RLock()
         self._ctxs: dict = {}
         self._streams = {0}
@@ -200,7 +201,7 @@ class MeshClient:
             if type(instr) is m.Reduce:
                 if q and self._fuse(instr, memory):
                     return
-                self._fused = (instr, [memory] if memory is not None else [])
+                self._fused = (instr, {memory[0]: [memory]} if memory is not None else {})
             q.append(instr)
             if _held:  # inside coalescing(): the batch leaves at its end (or at a fetch, or a change of ranks)
                 _held.add(self)
@@ -246,7 +247,7 @@ class MeshClient:
                 return False
             last = q[-1]
             fused, memories = self._fused
-            if fused is not last or (memory is not None and any(_overlap(memory, w) for w in memories)):
+            if fused is not last or (memory is not None and _overlaps(memory, memories)):
                 return False
             t = type(last)
             if t is m.Reduce:
@@ -263,7 +264,7 @@ class MeshClient:
                                  last.inplace, last.numels + (r.numel,), last.dtype, last.stream,
                                  last.locs + (r.loc,))
             if memory is not None:
-                memories.append(memory)
+                memories.setdefault(memory[0], []).append(memory)
             self._fused = (q[-1], memories)
             return True
 
