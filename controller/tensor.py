@@ -45,12 +45,15 @@ state = _State()
 
 # ---- interned metadata -----------------------------------------------------------------------------
 _meta_ids: dict = {}
+_dense_mids: set = set()  # the ids of contiguous metadata at offset 0 (``contiguous_meta``): see new_tensor
 
 
 def intern_meta(meta: tuple) -> int:
     mid = _meta_ids.get(meta)
     if mid is None:
         mid = _meta_ids[meta] = len(_meta_ids) + 1
+        if len(meta) == 4 and meta == contiguous_meta(meta[0], meta[3]):
+            _dense_mids.add(mid)
     return mid
 
 
@@ -437,7 +440,10 @@ def _set_meta(t: Tensor, meta: tuple, mid: int) -> None:
 
 def new_tensor(meta: tuple, mid: int, ctx: Ctx, ref: int) -> Tensor:
     """A mesh tensor with metadata ``meta`` (interned as ``mid``) for worker ref ``ref``."""
-    t = _wrap(Tensor, meta[0], strides=meta[1], storage_offset=meta[2], dtype=meta[3], device=_CPU)
+    if mid in _dense_mids:  # (torch's default strides and offset: fewer arguments for torch to parse)
+        t = _wrap(Tensor, meta[0], dtype=meta[3], device=_CPU)
+    else:
+        t = _wrap(Tensor, meta[0], strides=meta[1], storage_offset=meta[2], dtype=meta[3], device=_CPU)
     if len(meta) > 4:  # a lazily conjugated or negated view: torch's own fallbacks resolve it where ops need it
         _set_bits(t, meta[4])
     d = t.__dict__  # (a new tensor: not ``Tensor.__setattr__``, which moves the guards' epoch for these names)

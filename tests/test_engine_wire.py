@@ -270,3 +270,19 @@ def test_torch_finds_registered_dispatch_rules_through_the_engines_lookup():
 
     out = subprocess.run([sys.executable, "-c", _RULES_SCRIPT], capture_output=True, text=True, timeout=50)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_a_new_mesh_tensor_has_its_metadata_whether_torch_or_the_controller_gives_its_strides():
+    """``new_tensor`` leaves the strides and offset of contiguous metadata to torch: they are the ones the
+    controller's metadata says, for empty and size-1 dims too; any other metadata is given whole."""
+    from monarch_tensor.controller import tensor as ct
+
+    metas = [ct.contiguous_meta(shape, dtype) for shape in [(), (1,), (2, 3), (0, 3), (3, 0, 2), (4, 1, 1), (1, 5)]
+             for dtype in (torch.float32, torch.int64)]
+    metas += [((2, 3), (1, 2), 0, torch.float32), ((3,), (1,), 2, torch.float16), ((2, 2), (0, 1), 0, torch.float32),
+              ((1, 4), (1, 1), 0, torch.float32)]
+    for meta in metas:
+        mid = ct.intern_meta(meta)
+        assert (mid in ct._dense_mids) == (meta == ct.contiguous_meta(meta[0], meta[3])), meta
+        t = ct.new_tensor(meta, mid, None, 0)
+        assert (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype) == meta
