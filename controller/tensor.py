@@ -906,6 +906,10 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
                 elif (type(x) is float or type(x) is int) and free:  # a _foreach_ op's scalars (Adam's step sizes)
                     key.append(type(x))
                     sub.append(x)
+                elif type(x) is int:  # a size (view, reshape, permute): as _scan keys it
+                    key.append(int)
+                    key.append(x)
+                    sub.append(x)
                 else:
                     w = _scan(x, key, tensors, local)
                     deep = deep or w is not x
@@ -977,7 +981,7 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
     pos, names = tpl.mutates
     if pos or names:  # checked before anything is issued
         written = _mutated_tensors(pos, names, args, kwargs, func)
-        mutates = tuple(t._ref for t in written)
+        mutates = tuple([t._ref for t in written])
     else:
         written, mutates = (), ()
     if deep and type(kwargs.get("generator")) is torch.Generator:  # (its copy made the call deep: _scan)
