@@ -31,6 +31,7 @@ import sys
 
 import torch
 from monarch_tensor.worker import messages as m
+from torch._library import simple_registry
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._device import DeviceContext, _device_constructors
 
@@ -312,8 +313,7 @@ def _install_rule_lookup() -> None:
     torch reads the function once, at the first dispatch to a subclass or mode in the process: the engine's
     import installs it (after a dispatch elsewhere, torch keeps its own, which gives the same answers). A torch
     whose registry is not laid out as this one reads keeps its own too."""
-    from torch._library import simple_registry as registry
-
+    registry = simple_registry
     original = registry.find_torch_dispatch_rule
     table = getattr(registry.singleton, "_data", None)
     holder = getattr(registry, "GenericTorchDispatchRuleHolder", None)
