@@ -52,7 +52,9 @@ def _lib_dirs() -> tuple[str, ...]:
 
 
 _LIB = _lib_dirs()
-_is_lib: dict = {}
+_is_lib: dict = {}  # by file name (a string hashes once; a code object hashes its contents at every lookup)
+# By ``(id(code), f_lasti)``: ``f_lineno`` scans the code's line table at every read. Each entry holds its code
+# object, so that no other code object takes its id.
 _locs: dict = {}
 
 
@@ -62,15 +64,16 @@ def user_loc():
     is_lib = _is_lib
     while f is not None:
         c = f.f_code
-        lib = is_lib.get(c)
+        file = c.co_filename
+        lib = is_lib.get(file)
         if lib is None:
-            lib = is_lib[c] = c.co_filename.startswith(_LIB)
+            lib = is_lib[file] = file.startswith(_LIB)
         if not lib:
-            k = (c, f.f_lineno)
+            k = (id(c), f.f_lasti)
             v = _locs.get(k)
             if v is None:
-                v = _locs[k] = (c.co_filename, f.f_lineno, c.co_name)
-            return v
+                v = _locs[k] = (c, (file, f.f_lineno, c.co_name))
+            return v[1]
         f = f.f_back
     return None
 
@@ -109,9 +112,10 @@ class Ctx:
         self.sid = stream.id
 
 
-def _overlap(a: tuple, b: tuple) -> bool:
-    """Whether two ``(memory, first byte, end byte)`` spans (``tensor.memory_span``) may share bytes."""
-    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+def _overlaps(span: tuple, written: dict) -> bool:
+    """Whether a ``(memory, first byte, end byte)`` span (``tensor.memory_span``) may share bytes with one of
+    ``written``'s (such spans by their memory)."""
+    return any(span[1] < b[2] and b[1] < span[2] for b in written.get(span[0], ()))
 
 
 class MeshClient:
@@ -130,7 +134,7 @@ class MeshClient:
         self.on_next_issue = None  # a function to run once, before the next instruction (torch_patches._lend_generator)
         self._ranks = self.all_ranks
         self._limit = FIRST_BATCH  # the size bound of the batch being filled (see the module docstring)
-        self._fused = (None, [])  # the last Reduce or ReduceMany queued, and the memories it writes (_fuse)
+        self._fused = (None, {})  # the last Reduce or ReduceMany queued, and the spans it writes by memory (_fuse)
         self._lock = threading.RLock()
         self._ctxs: dict = {}
         self._streams = {0}
@@ -197,7 +201,7 @@ class MeshClient:
             if type(instr) is m.Reduce:
                 if q and self._fuse(instr, memory):
                     return
-                self._fused = (instr, [memory] if memory is not None else [])
+                self._fused = (instr, {memory[0]: [memory]} if memory is not None else {})
             q.append(instr)
             if _held:  # inside coalescing(): the batch leaves at its end (or at a fetch, or a change of ranks)
                 _held.add(self)
@@ -243,7 +247,7 @@ class MeshClient:
                 return False
             last = q[-1]
             fused, memories = self._fused
-            if fused is not last or (memory is not None and any(_overlap(memory, w) for w in memories)):
+            if fused is not last or (memory is not None and _overlaps(memory, memories)):
                 return False
             t = type(last)
             if t is m.Reduce:
@@ -260,7 +264,7 @@ class MeshClient:
                                  last.inplace, last.numels + (r.numel,), last.dtype, last.stream,
                                  last.locs + (r.loc,))
             if memory is not None:
-                memories.append(memory)
+                memories.setdefault(memory[0], []).append(memory)
             self._fused = (q[-1], memories)
             return True
 

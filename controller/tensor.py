@@ -45,12 +45,15 @@ state = _State()
 
 # ---- interned metadata -----------------------------------------------------------------------------
 _meta_ids: dict = {}
+_dense_mids: set = set()  # the ids of contiguous metadata at offset 0 (``contiguous_meta``): see new_tensor
 
 
 def intern_meta(meta: tuple) -> int:
     mid = _meta_ids.get(meta)
     if mid is None:
         mid = _meta_ids[meta] = len(_meta_ids) + 1
+        if len(meta) == 4 and meta == contiguous_meta(meta[0], meta[3]):
+            _dense_mids.add(mid)
     return mid
 
 
@@ -381,6 +384,7 @@ def _no_memory(what: str, instead: str):
 
 
 _wrap = torch.Tensor._make_wrapper_subclass
+_CPU = torch.device("cpu")
 
 
 def _NO_PYTHON_KEY():
@@ -426,7 +430,7 @@ def set_data(t: Tensor, new) -> None:
 def _set_meta(t: Tensor, meta: tuple, mid: int) -> None:
     """An in-place op changed ``t``'s metadata on the workers (``t.t_()``, ``unsqueeze_``, ``resize_``,
     ``set_``): the controller's tensor takes the same shape, strides, offset and dtype, keeping its identity."""
-    new = _wrap(Tensor, meta[0], strides=meta[1], storage_offset=meta[2], dtype=meta[3], device="cpu")
+    new = _wrap(Tensor, meta[0], strides=meta[1], storage_offset=meta[2], dtype=meta[3], device=_CPU)
     with _NO_PYTHON_KEY():  # inside __torch_dispatch__, the setter's checks would come back here
         _base_data.__set__(t, new)
     if t.is_conj() or t.is_neg() or len(meta) > 4:
@@ -436,7 +440,10 @@ def _set_meta(t: Tensor, meta: tuple, mid: int) -> None:
 
 def new_tensor(meta: tuple, mid: int, ctx: Ctx, ref: int) -> Tensor:
     """A mesh tensor with metadata ``meta`` (interned as ``mid``) for worker ref ``ref``."""
-    t = _wrap(Tensor, meta[0], strides=meta[1], storage_offset=meta[2], dtype=meta[3], device="cpu")
+    if mid in _dense_mids:  # (torch's default strides and offset: fewer arguments for torch to parse)
+        t = _wrap(Tensor, meta[0], dtype=meta[3], device=_CPU)
+    else:
+        t = _wrap(Tensor, meta[0], strides=meta[1], storage_offset=meta[2], dtype=meta[3], device=_CPU)
     if len(meta) > 4:  # a lazily conjugated or negated view: torch's own fallbacks resolve it where ops need it
         _set_bits(t, meta[4])
     d = t.__dict__  # (a new tensor: not ``Tensor.__setattr__``, which moves the guards' epoch for these names)
@@ -688,7 +695,7 @@ def _propagate_locked(func, args, kwargs, tensors) -> _Template:
                                   f"layouts are not supported on mesh tensors; keep them dense, or use them inside "
                                   f"a remote() function")
     leaves, struct, single = describe_outputs(out, fakes, before)
-    # A view shares its input's memory on the workers (see _link_views).
+    # A view shares its input's memory on the workers (see _view_made).
     view = any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
     if not view and func.name().startswith("aten::set_."):
         view = "set"  # a.set_(b): a shares b's memory from now on (see _join_aliases)
@@ -861,16 +868,17 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
     global epoch
     if _graph_task_id() != -1:  # inside a backward pass: autograd may bind a .grad to this op's result
         epoch += 1
+    fid = id(func)  # (``OpOverload.__hash__`` is a Python method: the keys name an op by its id, see _floats_free)
+    free = _floats_free.get(fid)
+    if free is None:
+        free = _op_seen(func)
     dd = _default_dtype()
-    key = [func] if dd is _F32 else [func, dd]  # (factories and type promotion depend on it)
+    key = [fid] if dd is _F32 else [fid, dd]  # (factories and type promotion depend on it)
     tensors: list = []
     local: list = []
     tpos: list = []
     wargs = []
     deep = False
-    free = _floats_free.get(func)
-    if free is None:
-        free = _floats_free[func] = _shape_ignores_floats(func)
     for i, a in enumerate(args):
         t = type(a)
         if t is Tensor:
@@ -897,6 +905,10 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
                     tpos.append((i, j))
                 elif (type(x) is float or type(x) is int) and free:  # a _foreach_ op's scalars (Adam's step sizes)
                     key.append(type(x))
+                    sub.append(x)
+                elif type(x) is int:  # a size (view, reshape, permute): as _scan keys it
+                    key.append(int)
+                    key.append(x)
                     sub.append(x)
                 else:
                     w = _scan(x, key, tensors, local)
@@ -969,7 +981,7 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
     pos, names = tpl.mutates
     if pos or names:  # checked before anything is issued
         written = _mutated_tensors(pos, names, args, kwargs, func)
-        mutates = tuple(t._ref for t in written)
+        mutates = tuple([t._ref for t in written])
     else:
         written, mutates = (), ()
     if deep and type(kwargs.get("generator")) is torch.Generator:  # (its copy made the call deep: _scan)
@@ -995,17 +1007,16 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
         out, outs = _outputs(tpl, tensors, ctx)
     if tpl.view:
         if tpl.view is True:
-            _link_views(tensors, out)
-            _share_memory(tensors, out)
+            _view_made(tensors, out)
         elif len(tensors) > 1:
             _join_aliases(tensors)
             _share_memory(tensors[1:], tensors[0])
-    if written:
-        _forget_aliases(written)
     if tpl.fold:
-        _fold_into(func, args, kwargs, tensors, out, pos, names)
-    elif mutates:
-        _forget_values(pos, names, args, kwargs)
+        if written:
+            _forget_aliases(written)
+        _fold_into(func, args, kwargs, tensors, out, written)
+    elif written:
+        _forget_written(written)
     client.issue(m.CallOp(tpl.name, tuple(wargs), wkwargs, tuple(tpos), outs, mutates, ctx.sid, loc), ctx.ranks)
     if local:  # deleted only after the op that reads them is queued (a flush may come in between)
         for ref in uploaded:
@@ -1017,7 +1028,18 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
 
 _EMPTY: dict = {}
 DEEP = m.DEEP
+# Per op seen, by ``id(op)``: whether its shapes ignore number arguments (``_shape_ignores_floats``). ``_ops`` holds
+# every op whose id keys this table or the propagation cache, so that no other op takes that id.
 _floats_free: dict = {}
+_ops: list = []
+
+
+def _op_seen(func) -> bool:
+    _ops.append(func)
+    free = _floats_free[id(func)] = _shape_ignores_floats(func)
+    return free
+
+
 _default_dtype = torch.get_default_dtype
 _F32 = torch.float32
 
@@ -1052,17 +1074,27 @@ def _outputs(tpl: _Template, tensors: list, ctx: Ctx):
 
 def _mutated_tensors(pos, names, args, kwargs, func) -> list:
     """The mesh tensors ``func`` writes in place (at ``pos``/``names``), each checked to be writable."""
-    mut = []
-    for a in [args[p] for p in pos if p < len(args)] + [kwargs[n] for n in names if n in kwargs]:
-        for t in (a if type(a) in (list, tuple) else (a,)):
-            if type(t) is Tensor:
-                check_writable(func, t)
-                mut.append(t)
-            elif isinstance(t, torch.Tensor):
-                raise MeshTensorError(f"{func}: a local tensor cannot receive the result of an op on mesh tensors "
-                                      f"(its value lives on the workers); fetch it with fetch_shard(t).result(), "
-                                      f"or make the target inside activate()")
+    mut: list = []
+    n = len(args)
+    for p in pos:
+        if p < n:
+            _add_mutated(args[p], mut, func)
+    for k in names:
+        if k in kwargs:
+            _add_mutated(kwargs[k], mut, func)
     return mut
+
+
+def _add_mutated(a, mut: list, func) -> None:
+    for t in (a if type(a) is list or type(a) is tuple else (a,)):
+        if type(t) is Tensor:
+            if borrowing[0]:
+                check_writable(func, t)
+            mut.append(t)
+        elif isinstance(t, torch.Tensor):
+            raise MeshTensorError(f"{func}: a local tensor cannot receive the result of an op on mesh tensors "
+                                  f"(its value lives on the workers); fetch it with fetch_shard(t).result(), "
+                                  f"or make the target inside activate()")
 
 
 borrowing = [False]  # set by the first Stream.borrow (controller/streams.py)
@@ -1152,18 +1184,17 @@ def _fold(func, args, kwargs):
         state.internal = False
 
 
-def _fold_into(func, args, kwargs, tensors, out, pos, names) -> None:
-    """Compute ``out``'s value here when every input's value is known (``pos``/``names``: what ``func`` mutates)."""
+def _fold_into(func, args, kwargs, tensors, out, written: list) -> None:
+    """Compute ``out``'s value here when every input's value is known (``written``: the mesh tensors ``func``
+    writes in place, whose known values go where it cannot be computed)."""
     for t in tensors:
         if type(t) is Tensor and not hasattr(t, "_val"):
-            if pos or names:
-                _forget_values(pos, names, args, kwargs)
+            _forget_values(written)
             return
     try:
         res = _fold(func, args, kwargs)
     except Exception:  # noqa: BLE001 - folding is an optimisation; the workers have the value
-        if pos or names:
-            _forget_values(pos, names, args, kwargs)
+        _forget_values(written)
         return
     locs = [x for x in tensors if type(x) is not Tensor]
     for o, r in zip(flat_leaves(out), flat_leaves(res)):
@@ -1175,20 +1206,29 @@ def _fold_into(func, args, kwargs, tensors, out, pos, names) -> None:
 # A view shares its base's memory on the workers, so a write through either changes both. A view of a
 # tensor that has a known value (or of another such view) joins its alias group (``_aliases``, a WeakSet
 # shared by the group), and a write to any member drops the others' known values.
-def _link_views(tensors, out) -> None:
-    group = None
+def _view_made(tensors, out) -> None:
+    """``out`` is a view of the op's mesh tensor inputs: it uses the first one's memory (``memory_of``), and joins
+    the alias group of the first one that has a known value or a group."""
+    src = group = None
     for t in tensors:
-        if type(t) is Tensor and (hasattr(t, "_val") or hasattr(t, "_aliases")):
-            group = getattr(t, "_aliases", None)
-            if group is None:
-                group = t._aliases = weakref.WeakSet((t,))
-            break
-    if group is None:
+        if type(t) is Tensor:
+            if src is None:
+                src = t
+            if hasattr(t, "_val") or hasattr(t, "_aliases"):
+                group = getattr(t, "_aliases", None)
+                if group is None:
+                    group = t._aliases = weakref.WeakSet((t,))
+                break
+    if src is None:
         return
-    for o in flat_leaves(out):
-        if type(o) is Tensor and not hasattr(o, "_aliases"):
-            o._aliases = group
-            group.add(o)
+    mem = getattr(src, "_memory", src._ref)  # (memory_of)
+    for o in (out,) if type(out) is Tensor else flat_leaves(out):
+        if type(o) is Tensor:
+            if group is not None and not hasattr(o, "_aliases"):
+                o._aliases = group
+                group.add(o)
+            if o is not src:
+                o.__dict__["_memory"] = mem  # (not a name the guards read: Tensor.__setattr__ has nothing to do)
 
 
 def memory_of(t: Tensor) -> int:
@@ -1212,13 +1252,15 @@ def memory_span(t: Tensor) -> tuple:
 def _share_memory(tensors: list, out) -> None:
     """A view's outputs (or ``set_``'s target) use the memory of the op's first mesh tensor input (see
     ``memory_of``): ``MeshClient._fuse`` must not put in-place reduces of one memory in one collective."""
-    src = next((t for t in tensors if type(t) is Tensor), None)
-    if src is None:
+    for src in tensors:
+        if type(src) is Tensor:
+            break
+    else:
         return
-    mem = memory_of(src)
-    for o in flat_leaves(out):
+    mem = getattr(src, "_memory", src._ref)  # (memory_of)
+    for o in (out,) if type(out) is Tensor else flat_leaves(out):
         if type(o) is Tensor and o is not src:
-            o._memory = mem
+            o.__dict__["_memory"] = mem  # (not a name the guards read: Tensor.__setattr__ has nothing to do)
 
 
 def _join_aliases(tensors: list) -> None:
@@ -1267,11 +1309,24 @@ def forget_value(obj) -> None:
             forget_value(x)
 
 
-def _forget_values(pos, names, args, kwargs) -> None:
-    for a in [args[p] for p in pos if p < len(args)] + [kwargs[n] for n in names if n in kwargs]:
-        for t in (a if type(a) in (list, tuple) else (a,)):
-            if type(t) is Tensor and hasattr(t, "_val"):
-                del t._val
+def _forget_values(written: list) -> None:
+    for t in written:
+        if hasattr(t, "_val"):
+            del t._val
+
+
+def _forget_written(written: list) -> None:
+    """Tensors were written in place by an op whose result the controller does not compute: their known values,
+    and those of their views and bases, are stale (``_forget_aliases``, then ``_forget_values``)."""
+    for t in written:
+        group = getattr(t, "_aliases", None)
+        if group is not None:
+            for other in list(group):
+                if other is not t and hasattr(other, "_val"):
+                    del other._val
+    for t in written:
+        if hasattr(t, "_val"):
+            del t._val
 
 
 # A torch.Generator passed to a random op (``torch.randn(3, generator=g)``) stays the script's: each op

@@ -13,7 +13,10 @@ calls that take no mesh tensor do. Installed on first use of a mesh (``install_f
 * ``torch.nn.functional.one_hot``: an output shape that depends on the data, refused or run on the workers;
 * ``torch.nn.init.trunc_normal_``: a loop on the values, run whole on the workers;
 * ``Optimizer._process_value_according_to_param_policy``: ``load_state_dict`` places state like its parameter;
-* Dynamo's ``trace_rules``: ``torch.compile`` leaves the engine's packages alone.
+* Dynamo's ``trace_rules``: ``torch.compile`` leaves the engine's packages alone;
+* ``torch._library.simple_registry.find_torch_dispatch_rule`` (on import, ``_install_rule_lookup``): torch asks it
+  for a rule registered for (op, subclass) before every ``__torch_dispatch__`` call; the same answer, in one
+  Python call instead of three.
 
 Two more patches live with their features: ``Module.__delattr__`` (``controller/compile.py``: ``del module.attr``
 invalidates compiled steps, which torch has no hook for), and on the workers DTensor's ``redistribute_cost``
@@ -28,6 +31,7 @@ import sys
 
 import torch
 from monarch_tensor.worker import messages as m
+from torch._library import simple_registry
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._device import DeviceContext, _device_constructors
 
@@ -297,6 +301,36 @@ def install_factories() -> None:
     for package in ("monarch_tensor.controller", "monarch_tensor.worker", "monarch_tensor"):
         trace_rules.add(package)
 
+
+
+# ---- torch's lookup of registered __torch_dispatch__ rules -----------------------------------------------
+def _install_rule_lookup() -> None:
+    """Replace ``find_torch_dispatch_rule`` (``torch.library.register_torch_dispatch``'s registry, asked before
+    every ``__torch_dispatch__`` call, to a mesh tensor's or a mode's) by one that gives the same answer: the
+    rule registered for the op and class, or None. torch's builds an entry for every op it is asked about; this
+    one reads the registry's table, and asks torch's for an op with no entry yet.
+
+    torch reads the function once, at the first dispatch to a subclass or mode in the process: the engine's
+    import installs it (after a dispatch elsewhere, torch keeps its own, which gives the same answers). A torch
+    whose registry is not laid out as this one reads keeps its own too."""
+    registry = simple_registry
+    original = registry.find_torch_dispatch_rule
+    table = getattr(registry.singleton, "_data", None)
+    holder = getattr(registry, "GenericTorchDispatchRuleHolder", None)
+    if original.__module__ != registry.__name__ or type(table) is not dict or holder is None or \
+            type(getattr(holder("check"), "_data", None)) is not dict:
+        return
+
+    def find_torch_dispatch_rule(op, torch_dispatch_class):
+        entry = table.get(op.__qualname__)
+        if entry is None:
+            return original(op, torch_dispatch_class)
+        return entry.torch_dispatch_rules._data.get(torch_dispatch_class)
+
+    registry.find_torch_dispatch_rule = find_torch_dispatch_rule
+
+
+_install_rule_lookup()
 
 
 def _none(*args, **kwargs) -> None:

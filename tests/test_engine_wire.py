@@ -44,12 +44,22 @@ SAMPLES = {
 }
 
 
+def _is_record(obj) -> bool:
+    """A frozen slotted dataclass, or a named tuple (``CallOp``, the one made per recorded op)."""
+    if dataclasses.is_dataclass(obj):
+        return obj.__dataclass_params__.frozen and hasattr(obj, "__slots__")
+    return issubclass(obj, tuple) and hasattr(obj, "_fields") and obj.__slots__ == ()
+
+
+def _fields(cls) -> tuple:
+    return cls._fields if issubclass(cls, tuple) else tuple(f.name for f in dataclasses.fields(cls))
+
+
 def test_every_instruction_has_a_sample_and_a_handler():
     records = {obj for obj in vars(m).values()
-               if pyinspect.isclass(obj) and dataclasses.is_dataclass(obj) and obj.__module__ == m.__name__}
+               if pyinspect.isclass(obj) and obj.__module__ == m.__name__ and _is_record(obj)}
     assert records == set(m.INSTRUCTIONS) == set(SAMPLES)
     for cls in m.INSTRUCTIONS:
-        assert cls.__dataclass_params__.frozen and hasattr(cls, "__slots__"), cls
         assert cls.__doc__ and len(cls.__doc__.strip()) > 10, cls
         assert callable(getattr(TensorWorker, f"handle_{cls.__name__}", None)), cls
 
@@ -78,12 +88,12 @@ def test_instruction_round_trips_through_the_wire(cls):
     msg = SAMPLES[cls]
     back = _wire.decode(_wire.encode([msg]))[0]
     assert type(back) is cls
-    for f in dataclasses.fields(cls):
-        a, b = getattr(msg, f.name), getattr(back, f.name)
+    for name in _fields(cls):
+        a, b = getattr(msg, name), getattr(back, name)
         if isinstance(a, torch.Tensor):
             assert torch.equal(a, b)
         else:
-            assert a == b, f.name
+            assert a == b, name
 
 
 def test_remote_exception_pickles_and_names_the_line():
@@ -217,3 +227,62 @@ def test_batches_start_small_after_a_pause_and_double_during_a_burst(monkeypatch
     client.flush()
     burst(20)
     assert sent == [16, 32, 52, 16]
+
+
+_RULES_SCRIPT = """
+import sys, torch
+from monarch_tensor.controller import torch_patches  # (the engine's import installs its lookup)
+from torch._library import simple_registry
+
+class Sub(torch.Tensor):
+    @staticmethod
+    def __new__(cls, shape):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float32)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return torch.full((2,), 1.0)
+
+def rule(cls, func, types, args, kwargs):
+    return torch.full((2,), 2.0)
+
+calls = []
+sys.setprofile(lambda frame, event, arg: event == "call" and calls.append(
+    (frame.f_code.co_name, frame.f_code.co_filename)))
+s = Sub((2,))
+assert torch.abs(s).tolist() == [1.0, 1.0]  # no rule: the subclass's __torch_dispatch__
+torch.library.register_torch_dispatch("aten::neg", Sub, rule)
+assert torch.neg(s).tolist() == [2.0, 2.0]  # the rule registered for it
+assert torch.abs(s).tolist() == [1.0, 1.0]
+sys.setprofile(None)
+lookups = [file for name, file in calls if name == "find_torch_dispatch_rule" and file == torch_patches.__file__]
+assert len(lookups) == 3, calls  # (one per dispatch; on an op's first, it asks torch's own)
+print("ok")
+"""
+
+
+def test_torch_finds_registered_dispatch_rules_through_the_engines_lookup():
+    """The engine replaces torch's ``find_torch_dispatch_rule`` (asked before every ``__torch_dispatch__``) with a
+    cheaper one: torch uses it (in a fresh process, where the engine's import came before any dispatch), and a
+    rule registered with ``torch.library.register_torch_dispatch`` is found, before or after its first use."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _RULES_SCRIPT], capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_a_new_mesh_tensor_has_its_metadata_whether_torch_or_the_controller_gives_its_strides():
+    """``new_tensor`` leaves the strides and offset of contiguous metadata to torch: they are the ones the
+    controller's metadata says, for empty and size-1 dims too; any other metadata is given whole."""
+    from monarch_tensor.controller import tensor as ct
+
+    metas = [ct.contiguous_meta(shape, dtype) for shape in [(), (1,), (2, 3), (0, 3), (3, 0, 2), (4, 1, 1), (1, 5)]
+             for dtype in (torch.float32, torch.int64)]
+    metas += [((2, 3), (1, 2), 0, torch.float32), ((3,), (1,), 2, torch.float16), ((2, 2), (0, 1), 0, torch.float32),
+              ((1, 4), (1, 1), 0, torch.float32)]
+    for meta in metas:
+        mid = ct.intern_meta(meta)
+        assert (mid in ct._dense_mids) == (meta == ct.contiguous_meta(meta[0], meta[3])), meta
+        t = ct.new_tensor(meta, mid, None, 0)
+        assert (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype) == meta

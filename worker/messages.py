@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 from monarch_tensor.transport import _wire
 from monarch_tensor.transport.messages import PortRef
@@ -73,15 +73,16 @@ class Group:
         return f"Group({self.dims}, {self.groups})"
 
 
-@_fast_reduce
-@dataclass(frozen=True, slots=True)
-class CallOp:
+class CallOp(NamedTuple):
     """Run aten op ``op`` (e.g. ``"aten::add.Tensor"``) and store its tensor outputs at ``outs``.
 
     Tensor arguments are ref ids at the places ``tpos`` lists (an index, an
     ``(index, item)`` pair, a kwarg name; ``DEEP``: also ``Ref``s anywhere).
     ``outs`` mirrors the flattened result (``None`` where nothing is stored);
     ``mutates`` are refs the op writes in place (they hold the error if it fails).
+
+    The one record per recorded op, so a named tuple rather than a frozen dataclass: as immutable, and made (and
+    unpickled) by one call of tuple's constructor rather than one ``object.__setattr__`` per field.
     """
 
     op: str
@@ -92,6 +93,9 @@ class CallOp:
     mutates: tuple
     stream: int
     loc: Loc
+
+    def __reduce__(self):
+        return (CallOp, tuple(self))
 
 
 @_fast_reduce
