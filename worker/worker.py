@@ -92,6 +92,19 @@ def resolve_op(name: str):
     return getattr(getattr(getattr(torch.ops, ns), opname), overload or "default")
 
 
+_op_calls: dict = {}
+
+
+def op_call(name: str):
+    """What calling the op named ``name`` calls, found once per name: an ``OpOverload``'s ``_op`` (its
+    ``__call__`` is that call, less a Python frame and the three look-ups of ``resolve_op``)."""
+    f = _op_calls.get(name)
+    if f is None:
+        op = resolve_op(name)
+        f = _op_calls[name] = getattr(op, "_op", op)
+    return f
+
+
 WARM_UP_TIMEOUT = 600.0
 
 
@@ -471,7 +484,7 @@ class TensorWorker(Actor):
                 kwargs["device"] = self.device
             if kwargs.get("pin_memory"):
                 kwargs["pin_memory"] = False
-            return resolve_op(msg.op)(*args, **kwargs)
+            return op_call(msg.op)(*args, **kwargs)
 
         self._run(msg.op, msg, call)
 
