@@ -20,6 +20,10 @@ mesh, the whole batch). Figures, medians of REPEATS loops of STEPS steps:
   cpu_us     the controller thread's CPU time inside the step calls (µs): what ctl_us is on an idle machine,
              and the steadier figure on a loaded one (ctl_us counts the time other processes had the core)
   step_ms    wall time per step, every step's work done (the loop ends with a fetch of the last loss)
+  eager xN   N processes at once, each the eager step on its 1/N of the batch (no mesh, no all-reduce), the
+             slowest one's figures: the floor of an N-proc data-parallel step on this machine, where processes
+             side by side share what the VM gives its cores (on the 2-vCPU VM of these figures two busy
+             processes each run about 1.5x slower than one alone); "step / eager xN" is over it
   msgs       instruction messages per step per proc, counted by the client (MeshClient.messages)
   params     the model's parameter tensors (a replay's guards must not cost per parameter)
   py_calls   Python function calls in the controller's thread per step (cProfile's count over STEPS steps of
@@ -86,15 +90,18 @@ def build(workload: str, shard=lambda t: t):
     return model, lambda: model(idx, idx)[1]
 
 
-def measure(workload: str, mode: str, procs, client) -> dict:
+def measure(workload: str, mode: str, procs, client, part: tuple | None = None) -> dict:
+    """One row's figures. ``part`` (eager only): ``(r, n)``, the r-th of n equal parts of the batch's rows."""
     import torch
 
     from monarch_tensor import Shard, compile, distribute, fetch_shard
 
     dp = procs is not None and len(procs._shape.ranks()) > 1
     # Data parallel: each rank its own rows of the batch (a local tensor per rank), as DDP's ranks.
-    model, loss_fn = build(workload, (lambda t: distribute(t, procs, {"gpus": Shard(0)}).to_local()) if dp else
-                       (lambda t: t))
+    if dp:
+        model, loss_fn = build(workload, lambda t: distribute(t, procs, {"gpus": Shard(0)}).to_local())
+    else:
+        model, loss_fn = build(workload, (lambda t: t.chunk(part[1])[part[0]]) if part else (lambda t: t))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def step():
@@ -176,6 +183,25 @@ def stretch_counts() -> list:
     return fetch_shard(c, gpus=0).result(TIMEOUT).tolist()
 
 
+def eager_side_by_side(workload: str, n: int, tiny: bool) -> dict:
+    """``n`` processes at once, each running the eager step on its own part of the batch (no mesh, no
+    all-reduce): what ``n`` processes' compute costs on this machine when they run side by side (cores a VM
+    shares, caches), the floor of any ``n``-process data-parallel step here. The slowest one's figures."""
+    import json
+    import subprocess
+
+    cmd = [sys.executable, os.path.abspath(__file__), "--eager-part", f"{workload},{n}", "--runs", str(REPEATS)]
+    ps = [subprocess.Popen(cmd + ["--rank", str(r)] + ["--tiny"] * tiny, stdout=subprocess.PIPE, text=True)
+          for r in range(n)]
+    outs = []
+    for p in ps:
+        out, _ = p.communicate(timeout=TIMEOUT)
+        if p.returncode != 0:
+            raise RuntimeError(f"an eager process of {workload} failed (exit {p.returncode})")
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    return max(outs, key=lambda r: r["step_ms"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write settings, figures and the load average here")
@@ -184,11 +210,22 @@ def main() -> None:
     ap.add_argument("--modes", help=f"comma-separated, of {','.join(ALL_MODES)} (default {','.join(MODES)})")
     ap.add_argument("--procs", help=f"comma-separated mesh sizes (default {','.join(map(str, PROCS))})")
     ap.add_argument("--workloads", help=f"comma-separated, of {','.join(WORKLOADS)} (default all)")
+    ap.add_argument("--eager-part", help=argparse.SUPPRESS)  # "workload,n": one of eager_side_by_side's processes
+    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.tiny:
         globals().update(TINY)
     if args.runs:
         globals()["REPEATS"] = args.runs
+    if args.eager_part:
+        import json
+
+        import torch
+
+        torch.set_num_threads(1)
+        workload, n = args.eager_part.split(",")
+        print(json.dumps(measure(workload, "eager", None, None, part=(args.rank, int(n)))))
+        return
     if args.modes:
         bad = set(args.modes.split(",")) - set(ALL_MODES)
         if bad:
@@ -213,6 +250,9 @@ def main() -> None:
     row_modes = mesh_modes + ["stretches"] * ("stretches" in MODES)
     for w in WORKLOADS if "eager" in MODES else ():
         results[f"{w}/eager"] = measure(w, "eager", None, None)
+        for n in PROCS:
+            if n > 1:
+                results[f"{w}/{n}/eager"] = eager_side_by_side(w, n, args.tiny)
     for n in PROCS:
         procs = this_host().spawn_procs(per_host={"gpus": n})
         try:
@@ -236,14 +276,19 @@ def main() -> None:
                 procs.stop().get(timeout=TIMEOUT)
     load1 = os.getloadavg()
     head = ["workload", "params", "procs", "mode", "ctl_us", "cpu_us", "py_calls", "step_ms", "msgs",
-            "step / eager", "cpu / gpt2", "calls / gpt2", "compile_s"]
+            "step / eager", f"step / eager x{max(PROCS)}", "cpu / gpt2", "calls / gpt2", "compile_s"]
     rows = []
     for w in WORKLOADS:
         eager = results.get(f"{w}/eager")
         if eager is not None:
             rows.append([w, str(eager["params"]), "-", "eager", f"{eager['ctl_us']:.0f}", f"{eager['cpu_us']:.0f}",
-                         "-", f"{eager['step_ms']:.2f}", "-", "1.00", "-", "-", "-"])
+                         "-", f"{eager['step_ms']:.2f}", "-", "1.00", "-", "-", "-", "-"])
         for n in PROCS:
+            side = results.get(f"{w}/{n}/eager")
+            if side is not None:
+                rows.append([w, str(side["params"]), str(n), f"eager x{n}", f"{side['ctl_us']:.0f}",
+                             f"{side['cpu_us']:.0f}", "-", f"{side['step_ms']:.2f}", "-",
+                             f"{side['step_ms'] / eager['step_ms']:.2f}", "1.00", "-", "-", "-"])
             for mode in row_modes:
                 r = results[f"{w}/{n}/{mode}"]
                 base = results.get(f"gpt2/{n}/compiled") if mode == "compiled" and w.startswith("gpt") else None
@@ -251,6 +296,7 @@ def main() -> None:
                              f"{r['calls']:.0f}",
                              f"{r['step_ms']:.2f}", f"{r['msgs']:.1f}",
                              f"{r['step_ms'] / eager['step_ms']:.2f}" if eager else "-",
+                             f"{r['step_ms'] / side['step_ms']:.2f}" if side else "-",
                              f"{r['cpu_us'] / base['cpu_us']:.2f}" if base else "-",
                              f"{r['calls'] / base['calls']:.2f}" if base else "-",
                              f"{r['compile_s']:.0f}" if r.get("compile_s") is not None else "-"])
