@@ -13,6 +13,8 @@ calls that take no mesh tensor do. Installed on first use of a mesh (``install_f
 * ``torch.nn.functional.one_hot``: an output shape that depends on the data, refused or run on the workers;
 * ``torch.nn.init.trunc_normal_``: a loop on the values, run whole on the workers;
 * ``Optimizer._process_value_according_to_param_policy``: ``load_state_dict`` places state like its parameter;
+* ``torch.optim``'s ``_default_to_fused_or_foreach``: an optimizer of mesh tensors takes its grouped (foreach)
+  version unless told otherwise, as one of tensors on a GPU does (``_install_foreach_default``);
 * Dynamo's ``trace_rules``: ``torch.compile`` leaves the engine's packages alone;
 * ``torch._library.simple_registry.find_torch_dispatch_rule`` (on import, ``_install_rule_lookup``): torch asks it
   for a rule registered for (op, subclass) before every ``__torch_dispatch__`` call; the same answer, in one
@@ -153,6 +155,32 @@ def install_optimizer_hook() -> None:
         return distribute(out, param._dist.mesh, placements_of(param))
 
     optimizer._process_value_according_to_param_policy = staticmethod(process_value)
+    _install_foreach_default()
+
+
+def _install_foreach_default() -> None:
+    """torch's optimizers take their ``foreach`` (grouped) version, when the user chose none, only for the
+    parameters of the devices that have its kernels (CUDA, not the CPU), and only for plain tensors: mesh
+    tensors got the single-tensor version, one op per parameter per update (AdamW's is half a small GPT's
+    step), each recorded here and run on every worker. For parameters that are all mesh tensors the default is
+    the foreach version, as torch's for parameters on a GPU; the user's ``foreach=``/``fused=`` wins. On the CPU
+    its results are the single-tensor version's bit for bit (tests/test_train_ddp.py checks AdamW's, Adam's and
+    SGD's)."""
+    import torch.optim  # (every optimizer's module, each holding its own binding of the function)
+
+    default = sys.modules["torch.optim.optimizer"]._default_to_fused_or_foreach
+
+    @functools.wraps(default)
+    def default_to_fused_or_foreach(params, differentiable, use_fused=False):
+        fused, foreach = default(params, differentiable, use_fused)
+        if not (fused or foreach or differentiable) and any(p is not None for p in params) and \
+                all(p is None or type(p) is Tensor for p in params):
+            return False, True
+        return fused, foreach
+
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("torch.optim") and getattr(mod, "_default_to_fused_or_foreach", None) is default:
+            mod._default_to_fused_or_foreach = default_to_fused_or_foreach
 
 
 def install_factories() -> None:

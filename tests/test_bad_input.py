@@ -175,6 +175,8 @@ def test_meshes_of_one_name_spawned_by_different_processes_are_meshes_of_their_o
     assert spawners.child_names.call().get(timeout=60).values() == [[("shared_child", 0), ("shared_child", 1)]] * 2
     text = spawners.slice(gpus=0).child_fails.call_one().get(timeout=60)
     assert "endpoint shared_child.bad_repr raised" in text and "\0" not in text
+    with pytest.raises(ValueError, match="NUL"):  # (the hidden mark starts with one)
+        procs.spawn("shared_child\0x", Counter, 0)
     # A child mesh passed to the script is that rank's mesh, not the script's.
     theirs = spawners.slice(gpus=1).child_mesh.call_one().get(timeout=60)
     assert theirs.incr.call().get(timeout=30).values() == [1103, 1103]

@@ -463,6 +463,8 @@ def _spawn_actor_mesh(procs: ProcMesh, name: str, cls: type, args: tuple, kwargs
         _names.check(implementation, "spawn's implementation")
     if not isinstance(name, str) or not name:
         raise ValueError(f"actor name must be a non-empty string, got {name!r}")
+    if "\0" in name:  # (the mark of a proc's spawns starts with one: _spawner_mark)
+        raise ValueError(f"actor name must not contain a NUL character, got {name!r}")
     procs._check_alive()
     members = procs._members()
     mark = _spawner_mark() if rename else ""
