@@ -164,9 +164,9 @@ def _install_foreach_default() -> None:
     tensors got the single-tensor version, one op per parameter per update (AdamW's is half a small GPT's
     step), each recorded here and run on every worker. For parameters that are all mesh tensors the default is
     the foreach version, as torch's for parameters on a GPU; the user's ``foreach=``/``fused=`` wins. On the CPU
-    its results are the single-tensor version's bit for bit (tests/test_train_ddp.py checks AdamW's, Adam's and
-    SGD's)."""
-    import torch.optim  # (every optimizer's module, each holding its own binding of the function)
+    its results are the single-tensor version's bit for bit (tests/test_optim_defaults.py checks AdamW's, Adam's
+    and SGD's)."""
+    import torch.optim  # noqa: F401 - imports every optimizer's module, each holding its own binding of it
 
     default = sys.modules["torch.optim.optimizer"]._default_to_fused_or_foreach
 
