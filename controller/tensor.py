@@ -1015,8 +1015,9 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
         if written:
             _forget_aliases(written)
         _fold_into(func, args, kwargs, tensors, out, written)
-    elif written:
-        _forget_written(written)
+    elif written:  # (the controller does not compute the result: the known values written over are stale)
+        _forget_aliases(written)
+        _forget_values(written)
     client.issue(m.CallOp(tpl.name, tuple(wargs), wkwargs, tuple(tpos), outs, mutates, ctx.sid, loc), ctx.ranks)
     if local:  # deleted only after the op that reads them is queued (a flush may come in between)
         for ref in uploaded:
@@ -1310,20 +1311,6 @@ def forget_value(obj) -> None:
 
 
 def _forget_values(written: list) -> None:
-    for t in written:
-        if hasattr(t, "_val"):
-            del t._val
-
-
-def _forget_written(written: list) -> None:
-    """Tensors were written in place by an op whose result the controller does not compute: their known values,
-    and those of their views and bases, are stale (``_forget_aliases``, then ``_forget_values``)."""
-    for t in written:
-        group = getattr(t, "_aliases", None)
-        if group is not None:
-            for other in list(group):
-                if other is not t and hasattr(other, "_val"):
-                    del other._val
     for t in written:
         if hasattr(t, "_val"):
             del t._val
