@@ -194,7 +194,7 @@ def current_rank() -> Point:
 def current_actor_name() -> str:
     """The running actor's name and rank (``"counter[3]"``); ``"client"`` in the script."""
     ctx = _context.current()
-    return "client" if _context.in_client() else f"{actor_label(ctx.actor_name)}[{ctx.rank.rank}]"
+    return "client" if _context.in_client() else f"{ctx.name}[{ctx.rank.rank}]"
 
 
 def current_size() -> dict[str, int]:
@@ -293,6 +293,7 @@ class ActorMesh(MeshTrait, Generic[A]):
                  spawned: Future | None = None, proc_mesh: ProcMesh | None = None, whole: Shape | None = None,
                  stopped: dict[int, str] | None = None, watch: _SpawnCollector | None = None) -> None:
         self._name, self._class, self._procs, self._shape = name, cls, procs, shape
+        self._label = actor_label(name)  # the name as shown (``_name`` is the one its procs know)
         self._watch = watch  # the spawn's replies (this process spawned it): told once anyone waits on the mesh
         self._rank_list = shape.ranks()  # read on every call: computed once (never mutated)
         self._spawned = spawned or Future.ready(None)
@@ -327,7 +328,7 @@ class ActorMesh(MeshTrait, Generic[A]):
                          self._stopped, self._watch)
 
     def _what(self) -> str:
-        return f"actor mesh {actor_label(self._name)!r}"
+        return f"actor mesh {self._label!r}"
 
     def _observe(self) -> None:
         """Someone waits on these actors (a call, ``initialized``): a constructor's failure is theirs to see."""
@@ -354,7 +355,7 @@ class ActorMesh(MeshTrait, Generic[A]):
             return Future.ready(None)
         mailbox = current_mailbox()
         col = Collector([p.addr for p in members], [p.rank for p in members], lambda _: None,
-                        f"stop of actor mesh {actor_label(self._name)!r}", observing=False)
+                        f"stop of actor mesh {self._label!r}", observing=False)
         port = mailbox.open_port(col)
         for p in members:
             mailbox.send(p.addr, StopActor(self._name, reason, port))
@@ -376,16 +377,16 @@ class ActorMesh(MeshTrait, Generic[A]):
         if pm is not None and pm._alloc._stopped:
             from ..errors import MeshStoppedError
 
-            raise MeshStoppedError(f"the proc mesh of actor mesh {actor_label(self._name)!r} was stopped "
+            raise MeshStoppedError(f"the proc mesh of actor mesh {self._label!r} was stopped "
                                    f"({pm._alloc._stop_reason})")
         for r in self._rank_list:
             p = self._procs[r]
             if pm is None and p.addr in _host.stopped_addrs:
                 from ..errors import MeshStoppedError
 
-                raise MeshStoppedError(f"the proc mesh of actor mesh {actor_label(self._name)!r} was stopped")
+                raise MeshStoppedError(f"the proc mesh of actor mesh {self._label!r} was stopped")
             if not p.alive:
-                raise SupervisionError(f"actor {actor_label(self._name)} rank {r}: its proc {p.addr} died: {p.exit_status}",
+                raise SupervisionError(f"actor {self._label} rank {r}: its proc {p.addr} died: {p.exit_status}",
                                        proc=p.addr, rank=r, exit_status=p.exit_status)
             death = current_mailbox().death_of(p.addr)
             if death is not None:
@@ -396,7 +397,7 @@ class ActorMesh(MeshTrait, Generic[A]):
                 raise ActorStoppedError(self._name, r, method, self._stopped[r])
 
     def __repr__(self) -> str:
-        return f"<ActorMesh {actor_label(self._name)!r} {self._class.__name__} {self._shape}>"
+        return f"<ActorMesh {self._label!r} {self._class.__name__} {self._shape}>"
 
 
 class _YieldsToEndpoint:
@@ -609,14 +610,14 @@ class Endpoint(Generic[R]):
 
     def __init__(self, mesh: ActorMesh, method: str, plain: str = "") -> None:
         self._mesh, self._method = mesh, method
-        self._what = f"reply of {actor_label(mesh._name)}.{method}"
+        self._what = f"reply of {mesh._label}.{method}"
         # as_endpoint(): the method is not an @endpoint, and the proc is told so ("name/plain", or
         # "name/port" for explicit_response_port), since it otherwise refuses to run one.
         self._wire_method = f"{method}/{plain}" if plain else method
         self._propagate = None  # as_endpoint(propagate=...); else the @endpoint's
 
     def __repr__(self) -> str:
-        return f"<endpoint {actor_label(self._mesh._name)}.{self._method} of {self._mesh._what()} {self._mesh._shape}>"
+        return f"<endpoint {self._mesh._label}.{self._method} of {self._mesh._what()} {self._mesh._shape}>"
 
     def _check(self, args: tuple, kwargs: dict) -> None:
         _check_arguments(self._mesh._class, self._method, self._wire_method, args, kwargs)
@@ -663,7 +664,7 @@ class Endpoint(Generic[R]):
         addrs = [self._mesh._procs[r].addr for r in ranks]
         if not _context.in_client() and _context.current().actor_name == self._mesh._name and mailbox.addr in addrs:
             return Future.failed(RuntimeError(
-                f"{actor_label(self._mesh._name)}.{self._method}: an actor calls itself and would wait for its own reply, which "
+                f"{self._mesh._label}.{self._method}: an actor calls itself and would wait for its own reply, which "
                 f"can only come after the running endpoint returns (a deadlock); call the method directly, or queue "
                 f"the call with broadcast()"))
         if fold is not None:
@@ -690,7 +691,7 @@ class Endpoint(Generic[R]):
         """Call the single actor of a one-actor mesh (slice first)."""
         ranks = self._mesh._rank_list
         if len(ranks) != 1:
-            raise ValueError(f"call_one() needs a mesh of exactly one actor, but {actor_label(self._mesh._name)!r} has "
+            raise ValueError(f"call_one() needs a mesh of exactly one actor, but {self._mesh._label!r} has "
                              f"{len(ranks)} ({self._mesh._shape}); slice it or use call()")
         return self._collect(ranks, args, kwargs, _first)
 
@@ -699,7 +700,7 @@ class Endpoint(Generic[R]):
         live = [r for r in self._mesh._rank_list if self._mesh._procs[r].alive]
         if not live:
             self._mesh._check(self._method)  # a stopped mesh says so (MeshStoppedError), as every adverb does
-            return Future.failed(SupervisionError(f"no live actor left in {actor_label(self._mesh._name)!r}"))
+            return Future.failed(SupervisionError(f"no live actor left in {self._mesh._label!r}"))
         return self._collect([random.choice(live)], args, kwargs, _first)
 
     def broadcast(self, *args, **kwargs) -> None:
@@ -756,7 +757,7 @@ class NotAnEndpoint:
 
     def _why(self) -> str:
         return (f"{self._mesh._class.__name__}.{self._method} is not annotated as an endpoint: add @endpoint to it, "
-                f"or wrap it: as_endpoint({actor_label(self._mesh._name)}.{self._method}).call(...)")
+                f"or wrap it: as_endpoint({self._mesh._label}.{self._method}).call(...)")
 
     def __call__(self, *args, **kwargs):
         raise RuntimeError(self._why())
@@ -767,7 +768,7 @@ class NotAnEndpoint:
         raise AttributeError(self._why())
 
     def __repr__(self) -> str:
-        return f"<not an endpoint: {actor_label(self._mesh._name)}.{self._method}>"
+        return f"<not an endpoint: {self._mesh._label}.{self._method}>"
 
 
 def as_endpoint(not_an_endpoint: NotAnEndpoint, *, propagate=None, explicit_response_port: bool = False) -> Endpoint:
@@ -776,7 +777,7 @@ def as_endpoint(not_an_endpoint: NotAnEndpoint, *, propagate=None, explicit_resp
     caller's port as its first argument and answers with ``port.send(v)``; ``propagate`` gives its
     results' shapes for ``rref()``, as ``@endpoint(propagate=...)`` does."""
     if isinstance(not_an_endpoint, Endpoint):
-        raise ValueError(f"{actor_label(not_an_endpoint._mesh._name)}.{not_an_endpoint._method} is an @endpoint already: "
+        raise ValueError(f"{not_an_endpoint._mesh._label}.{not_an_endpoint._method} is an @endpoint already: "
                          f"call it directly")
     if not isinstance(not_an_endpoint, NotAnEndpoint):
         raise ValueError(f"as_endpoint() expects a method of a spawned actor mesh (mesh.method), got "
@@ -815,7 +816,7 @@ def send(endpoint: Endpoint, args: tuple, kwargs: dict, port: Port | None = None
     mesh._check(endpoint._method)
     live = [r for r in mesh._rank_list if mesh._procs[r].alive]
     if not live:
-        raise SupervisionError(f"no live actor left in {actor_label(mesh._name)!r}")
+        raise SupervisionError(f"no live actor left in {mesh._label!r}")
     endpoint._send([random.choice(live)], tuple(args), dict(kwargs or {}), port._ref if port else None)
 
 
