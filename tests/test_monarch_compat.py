@@ -14,6 +14,7 @@ from monarch_tensor.actor import (
     ActorError,
     SupervisionError,
     concurrent_endpoint,
+    current_rank,
     endpoint,
     this_host,
 )
@@ -161,6 +162,67 @@ def test_an_explicit_port_endpoint_that_answered_then_raised_still_dies(procs, f
     assert len(faults) == 1 and "raised after answering" in str(faults[0])
     with pytest.raises(SupervisionError):
         a.ping.call_one().get(timeout=T)
+
+
+class ChildMeshOwner(_Supervising):
+    """Owns a mesh of ``Fatal`` actors on ``procs``, which it hands out."""
+
+    def __init__(self, procs) -> None:
+        self.child = procs.spawn("owned_fatal", Fatal)
+        self.failures = []
+
+    @endpoint
+    def get_child(self):
+        return self.child
+
+
+class AsyncChildMeshOwner(ChildMeshOwner):
+    async def __supervise__(self, failure) -> bool:
+        await asyncio.sleep(0.2)  # (the calls that came after the failure wait for it to finish)
+        self.failures.append(str(failure))
+        return True
+
+
+@pytest.mark.parametrize("owner_cls", [ChildMeshOwner, AsyncChildMeshOwner])
+def test_the_owner_has_seen_every_failure_of_a_call_by_the_time_it_raises(procs, faults, owner_cls):
+    # Monarch's test_supervise_callback_with_mesh_ref: the script calls a mesh it does not own and every rank
+    # dies; asked right after the call raised, with no wait, the owner's __supervise__ has seen each rank's death.
+    others = this_host().spawn_procs(per_host={"gpus": 3})
+    try:
+        owner = procs.spawn(f"owner_{owner_cls.__name__}", owner_cls, others)
+        child = owner.get_child.call_one().get(timeout=T)
+        with pytest.raises(SupervisionError, match="all its descendants have failed"):
+            child.exits.call(4).get(timeout=T)
+        seen = owner.seen.call_one().get(timeout=T)
+        assert len(seen) == 3, seen
+        assert all("owned_fatal" in s and "SystemExit(4)" in s for s in seen)
+        assert sorted(next(r for r in range(3) if f"rank {r} on proc" in s) for s in seen) == [0, 1, 2]
+        assert faults == []  # the owner handled them
+    finally:
+        others.stop()
+
+
+class DiesOnRankZero(Actor):
+    @endpoint
+    async def work(self) -> str:
+        if current_rank().rank == 0:
+            raise ActorFailure("rank 0 dies")
+        await asyncio.sleep(300)  # (cancelled when its procs stop)
+        return "done"
+
+
+def test_a_call_that_killed_an_actor_does_not_wait_for_a_slow_rank(faults):
+    # A death is held back only until the call's other ranks answered, or DEATH_GRACE_S after it: the caller
+    # hears of it while the other rank still works (the timeout is far past that grace, far short of the work).
+    from monarch_tensor.transport._ports import DEATH_GRACE_S
+
+    others = this_host().spawn_procs(per_host={"gpus": 2})
+    try:
+        m = others.spawn("dies_on_rank_zero", DiesOnRankZero)
+        with pytest.raises(SupervisionError, match="rank 0 dies"):
+            m.work.call().get(timeout=DEATH_GRACE_S + 40)
+    finally:
+        others.stop()
 
 
 class FailsInInit(Actor):

@@ -13,7 +13,7 @@ from ..errors import MeshStoppedError, SupervisionError
 from ..transport import _wire
 from ..transport._fanout import send_many
 from ..transport.mailbox import SYSTEM_HANDLERS, current_mailbox, local_mailboxes
-from ..transport.messages import ActorFault, ReportProcGone
+from ..transport.messages import ActorFault, ReportProcGone, SendToPort
 from . import _script_proc
 from . import local as _local
 from ._supervision import _supervise_later
@@ -97,10 +97,12 @@ SYSTEM_HANDLERS[ReportProcGone] = _on_proc_gone
 
 
 def _on_actor_fault(mailbox, msg: ActorFault) -> None:
-    """An endpoint nobody awaited (called with ``broadcast``) raised, on an actor this process spawned: a
-    supervision event for the actor mesh's owner (its ``__supervise__``, else ``unhandled_fault_hook``), as
-    Monarch's, rather than a line in the proc's output only. The actor goes on serving. Handled on the
-    supervision thread, in order with procs' deaths: a hook may block."""
+    """An endpoint nobody awaited (called with ``broadcast``) raised, on an actor this process spawned (the
+    actor goes on serving), or such an actor died (killed by its endpoint, or aborted): a supervision event for
+    the actor mesh's owner (its ``__supervise__``, else ``unhandled_fault_hook``), as Monarch's, rather than a
+    line in the proc's output only. Handled in order with procs' deaths (``_supervise_later``): a hook may
+    block. Where the dying actor asks (``msg.ack``), it hears that the owner has the failure, and then answers
+    the call that killed it."""
     from ..actor import _mesh_owners
 
     name = getattr(msg.error, "actor", "?")
@@ -114,6 +116,8 @@ def _on_actor_fault(mailbox, msg: ActorFault) -> None:
     err.mesh = next((m for m in [*_live_meshes, _script_proc._script_mesh] if m is not None and any(
         p.addr == msg.proc for p in m._procs)), None)
     _supervise_later(owner, err)
+    if msg.ack is not None:  # the killed actor's caller may hear of it now: see _proc._FaultAck
+        mailbox.send(msg.ack.addr, SendToPort(msg.ack.port_id, None, None, -1))
 
 
 SYSTEM_HANDLERS[ActorFault] = _on_actor_fault

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("monarch_tensor.hosts.host")  # (the public module's name, for all its parts)
 
-_to_supervise: queue.SimpleQueue = queue.SimpleQueue()  # (owner, failure), for the supervision thread
+_to_supervise: queue.SimpleQueue = queue.SimpleQueue()  # (owner, failure, ran), for the supervision thread
 _supervisor: threading.Thread | None = None
 _supervisor_lock = threading.Lock()
 
@@ -34,9 +34,20 @@ _supervisor_lock = threading.Lock()
 def _supervise_later(owner, err: SupervisionError) -> None:
     """``_supervise(owner, err)`` on the supervision thread, one failure at a time in the order they came.
     Not on the thread that reports them: a hook or ``__supervise__`` may block (``heal_mesh`` waits for a
-    spawn, whose reply that thread reads), and procs' exits must still be reported meanwhile."""
+    spawn, whose reply that thread reads), and procs' exits must still be reported meanwhile.
+
+    An owner that is an actor of this process has its ``__supervise__`` started now, on its proc's loop, in
+    order with the messages it receives (``ProcRuntime.supervise_in_order``): a message that comes after the
+    failure (the failed call's caller asking the owner what it saw) finds it seen. The supervision thread
+    then waits for what it returned, and runs ``unhandled_fault_hook`` where it did not handle the failure."""
     global _supervisor
-    _to_supervise.put((owner, err))
+    ran = None
+    rt = getattr(owner, "runtime", None)
+    if rt is not None:
+        handler = getattr(owner.instance, "__supervise__", None)
+        if handler is not None:
+            ran = rt.supervise_in_order(owner, handler, err)
+    _to_supervise.put((owner, err, ran))
     with _supervisor_lock:
         if _supervisor is None or not _supervisor.is_alive():  # (not started, or not in this forked child)
             _supervisor = threading.Thread(target=_supervision_loop, daemon=True, name="monarch-tensor-supervise")
@@ -45,21 +56,28 @@ def _supervise_later(owner, err: SupervisionError) -> None:
 
 def _supervision_loop() -> None:
     while True:
-        owner, err = _to_supervise.get()
-        _supervise(owner, err)
+        owner, err, ran = _to_supervise.get()
+        _supervise(owner, err, ran)
 
 
-def _supervise(owner, err: SupervisionError) -> None:
+def _supervise(owner, err: SupervisionError, ran: concurrent.futures.Future | None = None) -> None:
     """A failure for ``owner`` (an actor's context, None for the script): its ``__supervise__(err)`` may
-    handle it by returning True; else ``unhandled_fault_hook`` runs (Monarch's order)."""
+    handle it by returning True; else ``unhandled_fault_hook`` runs (Monarch's order). ``ran``: what that
+    ``__supervise__``, started already on its actor's loop (``_supervise_later``), returns."""
     from .. import actor
 
     handler = getattr(owner.instance, "__supervise__", None) if owner is not None else None
-    if handler is not None:
+    if ran is not None or handler is not None:
         try:
-            handled = _on_actor_loop(owner, handler, err)
-            if inspect.iscoroutine(handled):  # an async __supervise__: on its actor's loop, as its endpoints
-                handled = _await_on_actor_loop(owner, handled)
+            if ran is not None:
+                try:
+                    handled = ran.result(timeout=SUPERVISE_TIMEOUT_S)
+                except concurrent.futures.TimeoutError:
+                    raise TimeoutError(f"__supervise__ did not return within {SUPERVISE_TIMEOUT_S:g} s") from None
+            else:
+                handled = _on_actor_loop(owner, handler, err)
+                if inspect.iscoroutine(handled):  # an async __supervise__: on its actor's loop, as its endpoints
+                    handled = _await_on_actor_loop(owner, handled)
             if handled:
                 return
         except Exception as e:  # noqa: BLE001

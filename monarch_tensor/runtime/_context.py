@@ -22,6 +22,7 @@ class ActorContext:
     owned_meshes: list = field(default_factory=list)  # the meshes it spawned: they stop with it (``own``)
     proc_mesh_bytes: bytes | None = None  # the proc mesh it was spawned on, pickled (see proc_mesh)
     loop: Any = field(default=None, repr=False, compare=False)  # where its async endpoints (and __supervise__) run
+    runtime: Any = field(default=None, repr=False, compare=False)  # the proc runtime it runs on (None: the script)
 
     @property
     def actor_instance(self):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import bdb
 import collections
+import concurrent.futures
 import dataclasses
 import fcntl
 import inspect
@@ -61,6 +62,11 @@ from ..transport.messages import (
 )
 from . import _actor_logs, _context, _hooks, _names, _proc_exit, _thread_state, _zygote
 from ._port import Port
+
+# An actor killed by its endpoint tells its owner, and its caller hears of the death once the owner has the
+# failure in order (``_FaultAck``), or after this long: an owner that does not answer (busy in a long
+# computation that serves no messages, or gone) delays the caller's error no longer.
+FAULT_ACK_WAIT_S = 2.0
 
 # A call to an actor this proc does not have waits this long for its spawn before it fails (see
 # ProcRuntime._await_actor).
@@ -101,6 +107,56 @@ class Reserved:
         self.error: BaseException | None = None
         self.ready = False
         self.done = threading.Event()
+
+
+class _Gate:
+    """A place in an actor's queue held while its async ``__supervise__`` runs: the calls that came after
+    the failure wait for it, as they would for an async endpoint."""
+
+    __slots__ = ()
+
+
+class _FaultAck:
+    """The owner's answer to an ``ActorFault`` (a port of this proc): ``then`` (the failed call's reply to its
+    caller) runs once it came, once the owner is found dead, or after ``FAULT_ACK_WAIT_S``, whichever is first.
+    So a caller who hears of the death and then asks the owner finds the owner's ``__supervise__`` has seen
+    it (Monarch's order)."""
+
+    def __init__(self, rt: ProcRuntime, owner: str, then: Callable[[], None]) -> None:
+        self.rt, self.owner, self.then = rt, owner, then
+        self.done = False
+        self.port_id = 0
+        self.timer: asyncio.TimerHandle | None = None
+        rt.loop.call_soon_threadsafe(self._arm)
+
+    def _arm(self) -> None:
+        if not self.done:
+            self.timer = self.rt.loop.call_later(FAULT_ACK_WAIT_S, self.fire)
+
+    def fire(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        if self.timer is not None:
+            self.timer.cancel()
+        self.rt.mailbox.close_port(self.port_id)
+        self.then()
+
+    def _soon(self) -> None:
+        try:
+            self.rt.loop.call_soon_threadsafe(self.fire)
+        except RuntimeError:  # the loop closed: the proc is stopping
+            pass
+
+    def deliver(self, msg: SendToPort) -> bool:
+        self._soon()
+        return True
+
+    def proc_died(self, addr: str, error: BaseException) -> tuple[bool, bool]:
+        if addr != self.owner:
+            return False, False
+        self._soon()
+        return False, True
 
 
 class _LogForwarder:
@@ -470,7 +526,7 @@ class ProcRuntime:
             self._reply(msg.reply, None, ActorError(msg.name, point.rank, "__init__", repr(err), "", err),
                         point.rank)
             return
-        ctx = _context.ActorContext(msg.name, point, self.rank, sizes=shape.sizes, loop=self.loop)
+        ctx = _context.ActorContext(msg.name, point, self.rank, sizes=shape.sizes, loop=self.loop, runtime=self)
         ctx.proc_mesh_bytes = msg.proc_mesh
         owner = msg.reply.addr
         slot = _Slot(msg.name, None, ctx, owner=owner[len(GATHER_PREFIX):] if owner.startswith(GATHER_PREFIX) else owner)
@@ -593,7 +649,7 @@ class ProcRuntime:
             return
         if not isinstance(name, str) or name in self.actors:
             return
-        slot = _Slot(name, None, _context.ActorContext(name, point, self.rank, sizes=sizes, loop=self.loop))
+        slot = _Slot(name, None, _context.ActorContext(name, point, self.rank, sizes=sizes, loop=self.loop, runtime=self))
         slot.init_error = ActorError(name, point.rank, "__init__", repr(error), "", error)
         self.actors[name] = slot
         timer, calls = self._awaiting.pop(name, (None, ()))
@@ -738,14 +794,17 @@ class ProcRuntime:
             f"rank {info.rank} on proc {self.rank}: endpoint {actor_label(slot.name)}.{method} ({why}) raised {info.exc_repr}",
             actor=slot.name, rank=info.rank, proc=self.mailbox.addr, traceback=info.traceback,
             exception=info.exception)
-        self._kill_actor(slot, err, str(err))  # (its owner is told first: as in Monarch, it hears of the death
-        if msg.reply is not None:              # no later than the caller, whose reply may prompt a look at it)
-            self._reply(msg.reply, None, err, info.rank)
+        # Its owner is told first, and the caller is answered once the owner has it (as in Monarch: the owner
+        # hears of the death no later than the caller, whose reply may prompt a look at it).
+        then = None if msg.reply is None else (lambda: self._reply(msg.reply, None, err, info.rank))
+        self._kill_actor(slot, err, str(err), then)
         return True
 
-    def _kill_actor(self, slot: _Slot, err: ActorFailedError, reason: str) -> None:
+    def _kill_actor(self, slot: _Slot, err: ActorFailedError, reason: str,
+                    then: Callable[[], None] | None = None) -> None:
         """``slot``'s actor stops with the failure ``err``: the calls queued to it fail with it, later ones with
-        ``reason``; its ``__cleanup__`` runs once the running call returns, and its owner is told."""
+        ``reason``; its ``__cleanup__`` runs once the running call returns, and its owner is told. ``then``
+        runs once the owner has the failure (``_FaultAck``)."""
         name, rank = slot.name, slot.ctx.rank.rank
         slot.stopped = reason
         queued = list(slot.queue)
@@ -758,11 +817,82 @@ class ProcRuntime:
                     self._reply(entry.msg.reply, None, err, rank)
                     entry.done.set()
                 # (a place not filled yet: fill() finds it gone, and the stopped actor answers the call then)
-            else:
+            elif type(entry) is not _Gate:  # (a gate: its __supervise__ goes on, and finds it gone)
                 self._reply(entry.reply, None, err, rank)
         slot.queue.append(StopActor(name, slot.stopped, None))  # cleanup once the running call returns
         self.loop.call_soon_threadsafe(self._pump, slot)
-        self.mailbox.send(slot.owner or self.client_addr, ActorFault(self.mailbox.addr, err))
+        owner = slot.owner or self.client_addr
+        if then is None:
+            self.mailbox.send(owner, ActorFault(self.mailbox.addr, err))
+            return
+        ack = _FaultAck(self, owner, then)
+        port = self.mailbox.open_port(ack)
+        ack.port_id = port.port_id
+        try:
+            self.mailbox.send(owner, ActorFault(self.mailbox.addr, err, port))
+        except BaseException:
+            ack.fire()  # the caller is answered all the same
+            raise
+
+    def supervise_in_order(self, ctx: _context.ActorContext, handler: Callable, err: BaseException):
+        """Run ``handler`` (actor ``ctx``'s ``__supervise__``) with ``err`` on this runtime's loop, in order
+        with the messages the actor receives: a message that comes after the failure sees its effects. A
+        sync one runs now (on the loop's thread, as the fault is received) or as soon as the loop is free,
+        as ``__supervise__`` has always run: beside a running async endpoint (which may wait for it), or in
+        a wait of a blocked sync one. An async one starts so, and the actor's queued calls wait for it to
+        finish. Returns a future of what it returned (or raised), or None when the actor is not here."""
+        slot = self.actors.get(ctx.actor_name)
+        if slot is None or slot.ctx is not ctx or self.loop.is_closed():
+            return None
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        if threading.get_ident() == self.loop_ident:
+            self._supervise_now(slot, handler, err, done)
+        else:
+            try:
+                self.loop.call_soon_threadsafe(self._supervise_now, slot, handler, err, done)
+            except RuntimeError:  # (closed meanwhile)
+                return None
+        return done
+
+    def _supervise_now(self, slot: _Slot, handler: Callable, err: BaseException,
+                       done: concurrent.futures.Future) -> None:
+        running = _get_running_loop()
+        _set_running_loop(None)  # (a sync __supervise__ sees no running loop, as a sync endpoint)
+        try:
+            value = handler(err)
+        except BaseException as e:  # noqa: BLE001 - user code: the supervision thread reports it
+            done.set_exception(e)
+            return
+        finally:
+            _set_running_loop(running)
+        if not inspect.iscoroutine(value):
+            done.set_result(value)
+            return
+        from ..hosts._supervision import SUPERVISE_TIMEOUT_S
+
+        gate = _Gate()
+        slot.queue.append(gate)
+
+        async def supervise():
+            return await asyncio.wait_for(value, SUPERVISE_TIMEOUT_S)
+
+        def finished(task: asyncio.Task) -> None:
+            try:
+                slot.queue.remove(gate)
+            except ValueError:  # (the actor stopped meanwhile)
+                pass
+            if task.cancelled():
+                done.set_exception(RuntimeError("the async __supervise__ was cancelled (its actor stopped)"))
+            elif isinstance(task.exception(), asyncio.TimeoutError):
+                done.set_exception(TimeoutError(
+                    f"the async __supervise__ did not finish within {SUPERVISE_TIMEOUT_S:g} s"))
+            elif task.exception() is not None:
+                done.set_exception(task.exception())
+            else:
+                done.set_result(task.result())
+            self._pump(slot)
+
+        self.loop.create_task(supervise()).add_done_callback(finished)
 
     def _stopped_error(self, slot: _Slot, method: str) -> ActorError:
         return ActorStoppedError(slot.name, slot.ctx.rank.rank, method.partition("/")[0], slot.stopped)
@@ -874,6 +1004,8 @@ class ProcRuntime:
                 q.popleft()
                 self._finish_stop(slot, msg)
                 return
+            if type(msg) is _Gate:
+                return  # an async __supervise__ runs: the calls behind it wait for it
             if type(msg) is Reserved:
                 if not msg.ready:
                     return  # the calls behind it wait for it

@@ -8,11 +8,17 @@ import logging
 import threading
 from typing import Callable
 
-from ..errors import ProtocolError, SupervisionError
+from ..errors import ActorFailedError, ProtocolError, SupervisionError
 from ..future import _FAILED, Future, wait_limit
 from .messages import SendToPort
 
 log = logging.getLogger("monarch_tensor")
+
+# A call that killed an actor on one rank (``ActorFailedError``) raises once every rank answered, or this long
+# after that death at most: a call that kills all its actors raises once each death is in, so their owner's
+# __supervise__ has seen them all (each dying actor answers once its owner has the failure: _proc._FaultAck),
+# as Monarch's call, which collects every rank's reply, does.
+DEATH_GRACE_S = 2.0
 
 
 class Collector:
@@ -23,7 +29,12 @@ class Collector:
     error it goes on listening until every rank answered or died: the death of
     a rank that had not answered is this call's, seen by its caller (a proc
     dying mid-collective fails its peers' calls first), not an unhandled fault.
+    An actor's death (``ActorFailedError``) fails it once the other ranks answered too, or
+    ``DEATH_GRACE_S`` after it, whichever is first.
     """
+
+    _held: BaseException | None = None  # an actor's death, the future's error once the others answered
+    _grace: threading.Timer | None = None
 
     def __init__(self, addrs: list[str], ranks: list[int], finish: Callable[[list], object],
                  what: str = "reply", observing: bool = True) -> None:
@@ -43,7 +54,10 @@ class Collector:
                 self._left -= 1
             done = self._left == 0
         if msg.error is not None:
-            self.future._set_exception(msg.error)  # (the first error wins)
+            if not done and slot is not None and isinstance(msg.error, ActorFailedError):
+                self._hold(msg.error)  # (the first death is held; a later one's is not the error)
+            else:
+                self._fail(msg.error)  # (the first error wins)
             return done or slot is None  # (an error not from a rank of the call: nothing more to wait for)
         if slot is None:
             log.warning("%s: dropped a reply from rank %s, which answered already or was not called",
@@ -52,8 +66,28 @@ class Collector:
         self._values[slot] = msg.value
         return self._settle(done)
 
+    def _hold(self, error: BaseException) -> None:
+        with self._lock:
+            if self._held is not None or self.future.done():
+                return
+            self._held = error
+            self._grace = threading.Timer(DEATH_GRACE_S, self._fail, (error,))
+            self._grace.daemon = True
+            self._grace.start()
+
+    def _fail(self, error: BaseException) -> None:
+        """The future fails: with a death held back, that first; else with ``error``."""
+        if self._grace is not None:
+            self._grace.cancel()
+        if self._held is not None:
+            self.future._set_exception(self._held)
+        self.future._set_exception(error)  # (a no-op once failed)
+
     def _settle(self, done: bool) -> bool:
         """Once every rank answered: the Future gets the finished values (or what finishing them raised)."""
+        if done and self._held is not None:
+            self._fail(self._held)
+            return done
         if done and not self.future.done():
             try:
                 self.future._set_result(self._finish(self._values))
@@ -93,7 +127,7 @@ class Collector:
                 del self._by_rank[rank]  # (it answers no more: the port is finished once the others did)
                 self._left -= 1
             done = self._left == 0
-        self.future._set_exception(error)  # (a no-op where an error came first: the death is seen all the same)
+        self._fail(error)  # (a no-op where an error came first: the death is seen all the same)
         return True, done
 
 

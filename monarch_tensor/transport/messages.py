@@ -168,11 +168,14 @@ class GatheredReplies:
 @_fast_reduce
 @dataclass(frozen=True, slots=True)
 class ActorFault:
-    """Proc -> client: an endpoint called with no reply port (``broadcast``, ``send`` without a port) raised
-    ``error`` on proc ``proc``: nobody awaits it, so it is a supervision event for the actor mesh's owner."""
+    """Proc -> the actor mesh's owner: an endpoint called with no reply port (``broadcast``, ``send`` without a
+    port) raised ``error`` on proc ``proc``, or an actor died (a supervision event for its owner). ``ack``: the
+    port the owner answers on once its ``__supervise__`` has the failure in order with the owner's later
+    messages; the killed actor's caller hears of the death only then (``_proc._FaultAck``)."""
 
     proc: str
     error: BaseException
+    ack: PortRef | None = None
 
 
 @_fast_reduce
