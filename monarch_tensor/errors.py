@@ -61,9 +61,38 @@ class SupervisionError(DeviceMeshError, RuntimeError):
         self.mesh = None  # the proc mesh it happened on, where known here (Monarch's ``failure.mesh``)
         super().__init__(message)
 
+    def __str__(self) -> str:
+        text = super().__str__()
+        if not self.__dict__.get("_as_failure"):
+            return text
+        ranks = [] if self.rank is None else [self.rank]
+        return f"MeshFailure(mesh_name={self.mesh_name or '<none>'}, crashed_ranks={ranks}, event={text})"
+
+    def as_failure(self) -> SupervisionError:
+        """This error as ``__supervise__`` and ``unhandled_fault_hook`` get it, Monarch's ``MeshFailure``: a
+        copy, of the same class and attributes, shown as ``MeshFailure(mesh_name=..., crashed_ranks=[...],
+        event=<this error's message>)`` (Monarch's form), while the error calls raise keeps its message."""
+        if self.__dict__.get("_as_failure"):
+            return self
+        failure = type(self).__new__(type(self))
+        failure.__dict__.update(self.__dict__)
+        failure.args = self.args
+        failure.__cause__, failure.__context__ = self.__cause__, self.__context__
+        failure.__traceback__ = self.__traceback__
+        failure._as_failure = True
+        return failure
+
+    def _text(self) -> str:
+        """The failure's own message (``str()`` of it, where it is not shown as a ``MeshFailure``)."""
+        return str(self.args[0]) if self.args else ""
+
     @property
     def mesh_name(self) -> str:
-        """Which mesh failed (Monarch's): ``"proc mesh #N"`` for this script's N-th proc mesh; "" if unknown."""
+        """Which mesh failed (Monarch's): the actor mesh's name where an actor failed (``ActorFailedError``),
+        else ``"proc mesh #N"`` for this script's N-th proc mesh; "" if unknown."""
+        actor = getattr(self, "actor", "")
+        if actor:
+            return actor_label(actor)
         seq = getattr(getattr(self.mesh, "_alloc", None), "_seq", None)
         return f"proc mesh #{seq}" if seq is not None else ""
 
@@ -81,7 +110,7 @@ class SupervisionError(DeviceMeshError, RuntimeError):
         return "\n".join(lines)
 
     def __reduce__(self):
-        return (_make_supervision_error, (str(self), self.proc, self.rank, self.exit_status))
+        return (_make_supervision_error, (self._text(), self.proc, self.rank, self.exit_status))
 
 
 def _make_supervision_error(message, proc, rank, exit_status):
@@ -104,7 +133,7 @@ class ActorFailedError(SupervisionError):
         self.actor, self.traceback, self.exception = actor, traceback, exception
 
     def __reduce__(self):
-        return (_make_actor_failure, (type(self), str(self), self.actor, self.rank, self.proc, self.traceback,
+        return (_make_actor_failure, (type(self), self._text(), self.actor, self.rank, self.proc, self.traceback,
                                       self.exception))
 
 
@@ -132,7 +161,7 @@ class MeshStoppedError(SupervisionError):
     for calls after ``stop()``, so ``except SupervisionError`` (and ``except DeviceMeshError``) catch it."""
 
     def __reduce__(self):
-        return (_make_stopped_error, (type(self), str(self), self.proc, self.rank, self.exit_status))
+        return (_make_stopped_error, (type(self), self._text(), self.proc, self.rank, self.exit_status))
 
 
 def _make_stopped_error(cls, message, proc, rank, exit_status):

@@ -191,15 +191,33 @@ def test_the_owner_has_seen_every_failure_of_a_call_by_the_time_it_raises(procs,
     try:
         owner = procs.spawn(f"owner_{owner_cls.__name__}", owner_cls, others)
         child = owner.get_child.call_one().get(timeout=T)
-        with pytest.raises(SupervisionError, match="all its descendants have failed"):
+        with pytest.raises(SupervisionError, match="^The actor owned_fatal and all its descendants have failed"):
             child.exits.call(4).get(timeout=T)
         seen = owner.seen.call_one().get(timeout=T)
         assert len(seen) == 3, seen
         assert all("owned_fatal" in s and "SystemExit(4)" in s for s in seen)
-        assert sorted(next(r for r in range(3) if f"rank {r} on proc" in s) for s in seen) == [0, 1, 2]
+        # (shown as Monarch's MeshFailure, whose tests look for each rank so)
+        assert all(s.startswith("MeshFailure(mesh_name=owned_fatal, crashed_ranks=[") for s in seen), seen
+        assert sorted(next(r for r in range(3) if f"crashed_ranks=[{r}]" in s) for s in seen) == [0, 1, 2]
         assert faults == []  # the owner handled them
     finally:
         others.stop()
+
+
+def test_a_failure_given_to_supervision_is_shown_as_monarchs_mesh_failure():
+    import pickle
+
+    err = ActorFailedError("The actor a and all its descendants have failed: boom", actor="a", rank=2, proc="p")
+    failure = err.as_failure()
+    assert type(failure) is ActorFailedError and failure is not err
+    assert (failure.actor, failure.rank, failure.proc) == ("a", 2, "p")
+    assert str(failure) == ("MeshFailure(mesh_name=a, crashed_ranks=[2], event=The actor a and all its "
+                            "descendants have failed: boom)")
+    assert str(err) == "The actor a and all its descendants have failed: boom"  # (what a call raises)
+    assert failure.as_failure() is failure
+    back = pickle.loads(pickle.dumps(failure))  # (a copy made elsewhere is an error again, of the same words)
+    assert type(back) is ActorFailedError and str(back) == str(err)
+    assert str(SupervisionError("proc died").as_failure()) == "MeshFailure(mesh_name=<none>, crashed_ranks=[], event=proc died)"
 
 
 class DiesOnRankZero(Actor):

@@ -41,6 +41,7 @@ def _supervise_later(owner, err: SupervisionError) -> None:
     failure (the failed call's caller asking the owner what it saw) finds it seen. The supervision thread
     then waits for what it returned, and runs ``unhandled_fault_hook`` where it did not handle the failure."""
     global _supervisor
+    err = err.as_failure()  # (shown as Monarch's MeshFailure; the error that calls raise keeps its text)
     ran = None
     rt = getattr(owner, "runtime", None)
     if rt is not None:
@@ -81,9 +82,10 @@ def _supervise(owner, err: SupervisionError, ran: concurrent.futures.Future | No
             if handled:
                 return
         except Exception as e:  # noqa: BLE001
-            err2 = SupervisionError(f"{err} (and __supervise__ raised {e!r})", proc=err.proc, rank=err.rank,
-                                    exit_status=err.exit_status)
-            err2.mesh, err2.__cause__, err = err.mesh, e, err2
+            err2 = SupervisionError(f"{err._text()} (and __supervise__ raised {e!r})", proc=err.proc,
+                                    rank=err.rank, exit_status=err.exit_status)
+            err2.mesh, err2.__cause__ = err.mesh, e
+            err = err2.as_failure()
     try:
         actor.unhandled_fault_hook(err)
     except BaseException as e:  # noqa: BLE001 - the supervision thread goes on to the next failure
