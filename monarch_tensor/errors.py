@@ -79,7 +79,7 @@ class SupervisionError(DeviceMeshError, RuntimeError):
         failure.args = self.args
         failure.__cause__, failure.__context__ = self.__cause__, self.__context__
         failure.__traceback__ = self.__traceback__
-        failure._as_failure = True
+        failure.__dict__["_as_failure"] = True
         return failure
 
     def _text(self) -> str:
