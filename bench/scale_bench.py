@@ -25,15 +25,23 @@ The model (printed at the end) takes from the same run:
 * hop_us: one extra agent hop (call_one to a proc behind an agent minus the same to a local proc),
 * level_us: one more tree level (8 agents as a chain, fan-out 1, vs flat, fan-out 8, per level; gathered
   replies climb the chain too, so it counts both ways),
-* entry_us: the controller's CPU per gathered reply (slope of its CPU per call() over 2-64 procs on one agent;
-  a call() to one proc is not gathered),
+* entry_us: the controller's CPU per gathered reply, raw (slope of its CPU per call() over 2-64 procs on one
+  agent, each count of procs up alone; a call() to one proc is not gathered),
+* equal_load: on the largest one-agent mesh, calls in turns with the same procs up (``equal_load()``): to all of
+  them, to SLICE of them (``entry_slice_us``: the slope between the two), a broadcast() to the rest with a
+  call() to the SLICE, so that the same procs work and only the replies the controller reads differ
+  (``entry_work_us``: call() to all less that, plus the broadcast's own CPU timed alone, per reply), the call
+  to all folded in the agent (``entry_fold_us``: the gathered call less the folded one, per proc: the same
+  procs, agent and tree, and the controller reads every value or one run), and the SLICE's call with one
+  CPU-bound process beside the controller (``burner_us``: what that load alone adds to it),
 * chunk_us: the controller's CPU per agent it sends to and hears a chunk from (slope of its CPU per call()
   over agents, flat tree, less that agent's procs' entries),
 * agent_level_us: an agent's CPU for one call at one level (``_gather.Gathers`` timed in this process: P
   replies of its own procs, F children's chunks of H*P/F replies each, its own chunk sent),
-* controller_entry_us: the same per entry read alone in this process (``controller_entry_us``: a root's chunk
-  of 4,096 replies nested as the tree sends it, handed to a Collector), beside the live slope, which on a
-  small machine also counts the procs' share of its cores,
+* controller_entry_us: the controller's CPU per rank of a gathered call() alone in this process
+  (``controller_entry``: the call on a mesh of 4,096 procs, its sends left out, and a root's chunk of their
+  replies nested as the tree sends it, read and handed to its port), beside the live figures, which on a
+  small machine also count the procs' share of its cores,
 * reply_us: with replies sent straight back, the controller's CPU per reply (the slope as entry_us),
 * spawn_agent_ms: the controller's CPU per extra agent in a spawn (slope of spawn_cpu_ms over agents, flat
   tree; the spawn goes down the tree of agents, ``_spawn_tree``, so this is its own bookkeeping per agent),
@@ -53,9 +61,12 @@ The model (printed at the end) takes from the same run:
   the first call to a set of procs and reused after: ``first``, ``next``), all in this process,
 
 and projects a gathered call() to H hosts x P procs with fan-out F, depth d, as
-``rtt + hop_us + (d - 1) * level_us + d * agent_level_us + min(H, F) * chunk_us + H * P * entry_us``
-(the send side and the chunks are O(F) at the controller; the controller still unpickles each value, and
-that term is printed again with controller_entry_us in place of entry_us), the same call with direct
+``rtt + hop_us + (d - 1) * level_us + d * agent_level_us + min(H, F) * chunk_us + H * P * e +
+send_ctl_us["next"]`` with ``e = max(entry_fold_us, read) + call`` (``read``, ``call``: controller_entry_us's
+parts; the send side and the chunks are O(F) at the controller; it still unpickles each value: the cost of
+reading a reply with the machine's load held equal, never less than timed alone, and the call's own per-rank
+CPU, which a folded call pays too; the call is printed again with the raw slope, entry_us, in place of e,
+and with controller_entry_us), the same call with direct
 replies as ``rtt + hop_us + (d - 1) * level_us + H * P * reply_us``, a folded one as ``rtt + hop_us + (d - 1) * level_us
 + d * agent_fold_level_us + min(H, F) * chunk_us + controller_fold_us + send_ctl_us["next"]``, and a spawn as
 ``spawn_s(P procs on 1 agent) + (d - 1) * spawn_level_s + d * spawn_plan["agent_ms"] + H * spawn_agent_ms`` (the
@@ -67,7 +78,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
+import subprocess
 import sys
 import time
 
@@ -77,6 +90,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROCS = [1, 2, 4, 8, 16, 32, 64]  # procs on one agent
 AGENTS = [1, 2, 4, 8]  # agents, PER_AGENT procs each
 PER_AGENT = 2
+SLICE = 2  # procs of the largest one-agent mesh called in the equal-load comparison
 REPS = 15
 TARGET = (1024, 8)  # hosts x procs per host in the projection
 FANOUT = 8
@@ -88,7 +102,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    procs_sweep, agents_sweep, reps = (PROCS, AGENTS, REPS) if not args.tiny else ([1, 2], [1, 2], 3)
+    procs_sweep, agents_sweep, reps = (PROCS, AGENTS, REPS) if not args.tiny else ([1, 2, 4], [1, 2], 3)
 
     # The controller blocks while it waits (no spin-polling): its CPU time is then the work it does. Only it:
     # the variable is gone again before any agent or proc starts.
@@ -149,6 +163,57 @@ def main() -> None:
             out[f"{mode}_us"], out[f"{mode}_cpu_us"] = statistics.median(w), statistics.median(c)
         return out
 
+    def equal_load(mesh, n: int, rounds: int) -> dict:
+        """The same ``n`` procs up on one agent, calls in turns (``rounds`` rounds of 3 of each), medians of wall
+        and controller CPU µs and the chunks it received per call: ``all``, call() to every proc; ``fold``, the
+        same replies folded in the agent (``Accumulator`` with ``max``: one run reaches the controller); ``slice``, call()
+        to SLICE of them; ``bcast_slice``, broadcast() to the other n - SLICE, then call() to the SLICE (the same
+        procs work as for ``all``; the controller gets SLICE replies), then, untimed, a call() to the others
+        (their broadcast has run: one actor's messages run in order); ``bcast``, that broadcast alone (until
+        ``broadcast()`` returned and the mailbox was flushed), then the untimed call; ``burner``, call() to the SLICE with one CPU-bound process
+        of this machine running beside it (stopped between)."""
+        part, rest = mesh.slice(gpus=slice(0, SLICE)), mesh.slice(gpus=slice(SLICE, n))
+        acc = Accumulator(mesh.ping, 0, max)
+        box = mailbox.current_mailbox()
+        burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        kinds = ("all", "fold", "slice", "bcast_slice", "bcast", "burner")
+        got: dict = {k: ([], [], []) for k in kinds}
+        try:
+            os.kill(burner.pid, signal.SIGSTOP)
+            for _ in range(rounds):
+                for kind in kinds:
+                    for _ in range(3):
+                        if kind == "burner":
+                            os.kill(burner.pid, signal.SIGCONT)
+                            time.sleep(0.002)
+                        t, c, u = time.perf_counter(), time.process_time(), up_messages[0]
+                        if kind == "all":
+                            mesh.ping.call().get(timeout=120)
+                        elif kind == "fold":
+                            assert acc.accumulate().get(timeout=120) == 0
+                        elif kind in ("slice", "burner"):
+                            part.ping.call().get(timeout=120)
+                        else:
+                            rest.ping.broadcast()
+                            if kind == "bcast":
+                                box.flush()
+                            else:
+                                part.ping.call().get(timeout=120)
+                        got[kind][0].append((time.perf_counter() - t) * 1e6)
+                        got[kind][1].append((time.process_time() - c) * 1e6)
+                        got[kind][2].append(up_messages[0] - u)
+                        if kind == "burner":
+                            os.kill(burner.pid, signal.SIGSTOP)
+                        elif kind.startswith("bcast"):
+                            rest.ping.call().get(timeout=120)
+        finally:
+            burner.kill()
+            burner.wait()
+        out: dict = {"procs": n, "slice_procs": SLICE}
+        for kind, (w, c, u) in got.items():
+            out[kind] = {"wall_us": statistics.median(w), "cpu_us": statistics.median(c), "chunks": statistics.fmean(u)}
+        return out
+
     def spawn(hosts, per_host):
         t, c = time.perf_counter(), time.process_time()
         procs = hosts.spawn_procs(per_host={"gpus": per_host})
@@ -181,8 +246,10 @@ def main() -> None:
             p, m, s, sc = spawn(all_hosts.slice(hosts=0), n)
             rows.append({"agents": 1, "procs": n, "fanout": FANOUT, "spawn_s": s, "spawn_cpu_ms": sc,
                          **both(m, reps), "idle_pct": 100 * idle_cpu_rate(0.5, 1)})
-            p.stop().get(timeout=60)
             _print(rows[-1])
+            if n == max(procs_sweep) and n >= SLICE + 2:
+                res["equal_load"] = equal_load(m, n, reps)
+            p.stop().get(timeout=60)
         for fanout in (FANOUT, 1):
             _fanout.FANOUT = fanout
             for a in agents_sweep:
@@ -199,7 +266,8 @@ def main() -> None:
 
     hosts, per = TARGET
     res["agent_level_us"] = agent_level_us(per, FANOUT, hosts * per // FANOUT)
-    res["controller_entry_us"] = controller_entry_us()
+    res["controller_entry"] = controller_entry(Noop)
+    res["controller_entry_us"] = res["controller_entry"]["call_us"] + res["controller_entry"]["read_us"]
     res["agent_fold_level_us"] = agent_fold_level_us(per, FANOUT)
     res["controller_fold_us"] = controller_fold_us(hosts, per, FANOUT)
     res["send_ctl_us"] = {m: send_ctl_us(hosts, per, FANOUT, m == "fold") for m in ("gather", "fold")}
@@ -259,25 +327,32 @@ def agent_level_us(per: int = 8, fanout: int = FANOUT, subtree: int = 1024) -> f
     return statistics.median(times)
 
 
-def controller_entry_us(n: int = 4096, per: int = 8, fanout: int = FANOUT) -> float:
-    """The controller's CPU per gathered reply, in this process alone: a ``Collector`` for ``n`` procs made, and
-    chunks of ``n`` one-frame replies as a root agent sends them (its children's chunks nested in its own, made by
-    ``_gather.Gathers``) read and handed to it (``Mailbox._dispatch``, as its receiving thread does); median of 5."""
+def controller_entry(cls, n: int = 4096, per: int = 8) -> dict:
+    """The controller's CPU per rank of a gathered call(), in this process alone (µs, median of 5 after one):
+    ``call_us``, ``mesh.ping.call()`` on an actor mesh of ``cls`` over ``n`` procs behind ``n / per`` host agents
+    that do not exist (its checks, addresses, ``Collector`` and port; its sends left out: ``send_ctl_us`` times
+    them); ``read_us``, a root agent's chunk of the ``n`` one-frame replies (its children's chunks nested in its
+    own, made by ``_gather.Gathers``) read and handed to that call's port (``Mailbox._dispatch``, as the
+    controller's receiving thread does), its ``ValueMesh`` made."""
+    from monarch_tensor.actor import ActorMesh, Endpoint
     from monarch_tensor.hosts._gather import Gathers
+    from monarch_tensor.hosts.local import ProcInfo
+    from monarch_tensor.shape import Shape
     from monarch_tensor.transport import _fanout, _wire
-    from monarch_tensor.transport._ports import Collector
-    from monarch_tensor.transport.mailbox import Mailbox
+    from monarch_tensor.transport.mailbox import current_mailbox
     from monarch_tensor.transport.messages import SendToPort
 
-    mb = Mailbox(io_thread=False)
-    times = []
+    mb = current_mailbox()
+    procs = [ProcInfo(f"tcp://bench-e{i // per}:1|{i % per}", i) for i in range(n)]
+    mesh = ActorMesh("noop", cls, procs, Shape(("hosts", "gpus"), (n // per, per)))
+    calls, reads = [], []
+    send, Endpoint._send = Endpoint._send, lambda *a, **k: None
     try:
-        addrs = [f"a|{i}" for i in range(n)]
-        for _ in range(5):
+        for _ in range(6):
             t = time.process_time()
-            col = Collector(list(addrs), list(range(n)), list)
-            port = mb.open_port(col)
-            made = time.process_time() - t
+            fut = mesh.ping.call()
+            calls.append((time.process_time() - t) * 1e6 / n)
+            port = fut._interrupt[1]
             key = [port.addr, port.port_id]
             sent: list = []
             root = Gathers(lambda addr, frames, sent=sent: sent.append(frames), 60.0, 600.0)
@@ -296,11 +371,11 @@ def controller_entry_us(n: int = 4096, per: int = 8, fanout: int = FANOUT) -> fl
             frames = [bytes(f.buffer if hasattr(f, "buffer") else f) for f in sent[-1]]
             t = time.process_time()
             mb._dispatch(frames)
-            times.append((made + time.process_time() - t) * 1e6 / n)
-            assert col.future.done() and len(col.future.get(timeout=1)) == n
+            reads.append((time.process_time() - t) * 1e6 / n)
+            assert fut.done() and len(fut.get(timeout=1)) == n
     finally:
-        mb.close()
-    return statistics.median(times)
+        Endpoint._send = send
+    return {"call_us": statistics.median(calls[1:]), "read_us": statistics.median(reads[1:])}
 
 
 def _fold_spec() -> dict:
@@ -513,8 +588,29 @@ def model(rows, res, agents_sweep) -> dict:
     roots = min(hosts, FANOUT)
     send = {m: res["hop_us"] + (d - 1) * level[m] for m in MODES}
     alone_us = res["controller_entry_us"]
-    gather_ctl = roots * chunk_us + hosts * per * entry_us
+    # The controller's CPU per entry with the machine's load held equal (``equal_load``): the same procs up, calls
+    # to SLICE or all of them (``slice_entry_us``); the same procs up and working: a broadcast to the rest with a
+    # call to SLICE (``work_entry_us``, which counts the broadcast's own CPU as timed alone), or the same call folded
+    # in the agent (``fold_entry_us``: only what the controller reads differs, N values or one run). The model takes
+    # the last for reading a reply, never less than that timed alone, plus the call's own CPU per rank timed alone
+    # (folded or not, a call pays it): what the raw slope adds follows the load on this machine's cores.
+    eq, ce = res.get("equal_load"), res["controller_entry"]
+    if eq:
+        k = eq["procs"] - eq["slice_procs"]
+        cpu = {kind: eq[kind]["cpu_us"] for kind in ("all", "fold", "slice", "bcast_slice", "bcast", "burner")}
+        slice_entry_us = max(0.0, (cpu["all"] - cpu["slice"]) / k)
+        work_entry_us = max(0.0, (cpu["all"] - cpu["bcast_slice"] + cpu["bcast"]) / k)
+        fold_entry_us = max(0.0, (cpu["all"] - cpu["fold"]) / eq["procs"])
+        burner_us = cpu["burner"] - cpu["slice"]
+    else:  # (too few procs up for the comparison: the raw slope)
+        slice_entry_us = work_entry_us = fold_entry_us = entry_us
+        burner_us = 0.0
+    model_entry_us = max(fold_entry_us, ce["read_us"]) + ce["call_us"]
+    send_ctl = res["send_ctl_us"]
+    gather_ctl = roots * chunk_us + hosts * per * model_entry_us + send_ctl["gather"]["next"]
     gather_us = res["local_rtt_us"] + send["gather"] + d * agent_us + gather_ctl
+    raw_gather_ctl = roots * chunk_us + hosts * per * entry_us + send_ctl["gather"]["next"]
+    raw_gather_us = gather_us - gather_ctl + raw_gather_ctl
     direct_ctl = hosts * per * reply_us
     direct_us = res["local_rtt_us"] + send["direct"] + direct_ctl
     # The same slopes net of the controller's idle CPU over each figure's wall time (a call to more procs lasts
@@ -532,13 +628,16 @@ def model(rows, res, agents_sweep) -> dict:
     plan = res["spawn_plan"]
     spawn_s = base["spawn_s"] + (d - 1) * spawn_level_s + d * plan["agent_ms"] / 1e3 + hosts * spawn_agent_ms / 1e3
     net_spawn_s = spawn_s - hosts * (spawn_agent_ms - net_spawn_agent_ms) / 1e3
-    net_gather_ctl = roots * net_chunk_us + hosts * per * net_entry_us
-    net_gather_us = gather_us - gather_ctl + net_gather_ctl
-    fold_agent_us, fold_read_us, send_ctl = res["agent_fold_level_us"], res["controller_fold_us"], res["send_ctl_us"]
+    net_gather_ctl = roots * net_chunk_us + hosts * per * net_entry_us + send_ctl["gather"]["next"]
+    net_gather_us = raw_gather_us - raw_gather_ctl + net_gather_ctl
+    fold_agent_us, fold_read_us = res["agent_fold_level_us"], res["controller_fold_us"]
     fold_ctl = roots * chunk_us + fold_read_us + send_ctl["fold"]["next"]
     fold_us = res["local_rtt_us"] + res["hop_us"] + (d - 1) * level["fold"] + d * fold_agent_us + fold_ctl
     m = {"hop_us": res["hop_us"], "level_us": level, "entry_us": entry_us, "entry_alone_us": alone_us,
-         "chunk_us": chunk_us, "gather_alone_us": gather_us - hosts * per * (entry_us - alone_us),
+         "chunk_us": chunk_us, "gather_alone_us": gather_us - hosts * per * (model_entry_us - alone_us),
+         "entry_slice_us": slice_entry_us, "entry_work_us": work_entry_us, "entry_model_us": model_entry_us,
+         "entry_fold_us": fold_entry_us,
+         "burner_us": burner_us, "gather_raw_us": raw_gather_us, "gather_raw_ctl_us": raw_gather_ctl,
          "agent_level_us": agent_us, "reply_us": reply_us, "spawn_agent_ms": spawn_agent_ms,
          "idle_cpu_rate": rate, "net_entry_us": net_entry_us, "net_chunk_us": net_chunk_us,
          "net_spawn_agent_ms": net_spawn_agent_ms, "gather_net_us": net_gather_us, "spawn_net_s": net_spawn_s,
@@ -554,16 +653,35 @@ def model(rows, res, agents_sweep) -> dict:
           f"CPU per agent "
           f"in a spawn {spawn_agent_ms:.1f} ms ({spawn_agent_wall_s * 1e3:.0f} ms wall), a spawn's tree level "
           f"{spawn_level_s * 1e3:.0f} ms wall")
+    if eq:
+        def row(kind: str) -> str:
+            return (f"{eq[kind]['cpu_us']:.0f} us CPU ({eq[kind]['wall_us']:.0f} us wall, "
+                    f"{eq[kind]['chunks']:.1f} chunks)")
+
+        print(f"the same {eq['procs']} procs up on one agent, calls in turns: call() to all {row('all')}; the same "
+              f"folded in the agent {row('fold')}; to "
+              f"{eq['slice_procs']} of them {row('slice')}; broadcast() to the other {k}, then call() to the "
+              f"{eq['slice_procs']} {row('bcast_slice')}, that broadcast alone {eq['bcast']['cpu_us']:.0f} us CPU; "
+              f"call() to the {eq['slice_procs']} with one CPU-bound process beside {row('burner')}, {burner_us:+.0f} us")
+    print(f"controller CPU per gathered entry: {entry_us:.1f} us raw slope (1 agent, 2-{max(procs1, default=0)} "
+          f"procs, each count up alone), {slice_entry_us:.1f} us with the same procs up (calls to {SLICE} and to all "
+          f"of them), with the same procs up and working {work_entry_us:.1f} us (a broadcast to the rest with the "
+          f"call to {SLICE}, less the broadcast's CPU timed alone) or {fold_entry_us:.1f} us (the same call folded in "
+          f"the agent: only what the controller reads differs), {alone_us:.2f} us alone in this process (the call "
+          f"{ce['call_us']:.2f}, its replies read {ce['read_us']:.2f}). The model takes {model_entry_us:.2f} us: "
+          f"the folded comparison's (at least the read alone) plus the call alone; the rest of the raw slope is "
+          f"this machine's {os.cpu_count()} cores shared with the procs, not work per reply")
     print(f"projected, {hosts} hosts x {per} procs, fan-out {FANOUT} (depth {d}):")
     print(f"  call() gathered {gather_us / 1e3:.1f} ms = rtt {res['local_rtt_us'] / 1e3:.2f} + send side "
           f"{send['gather'] / 1e3:.2f} + {d} agent levels {d * agent_us / 1e3:.2f} + "
           f"controller {gather_ctl / 1e3:.2f} ({roots} chunks {roots * chunk_us / 1e3:.2f}, {hosts * per} entries "
-          f"{hosts * per * entry_us / 1e3:.2f})")
-    print(f"  (with the controller's CPU per entry as read alone in this process, {alone_us:.1f} us instead of "
-          f"{entry_us:.1f} us: call() gathered {m['gather_alone_us'] / 1e3:.1f} ms)")
-    print(f"  (net of the controller's idle CPU with each row's mesh up, idle_pct of that call's wall time: per entry "
-          f"{net_entry_us:.1f} us, per chunk {net_chunk_us:.0f} us: call() gathered {net_gather_us / 1e3:.1f} ms, of "
-          f"which controller {net_gather_ctl / 1e3:.2f})")
+          f"x {model_entry_us:.2f} us {hosts * per * model_entry_us / 1e3:.2f}, the tree's plans sent "
+          f"{send_ctl['gather']['next'] / 1e3:.2f})")
+    print(f"  (with the raw slope, {entry_us:.1f} us per entry: call() gathered {raw_gather_us / 1e3:.1f} ms; with "
+          f"the in-process figure, {alone_us:.2f} us: {m['gather_alone_us'] / 1e3:.1f} ms)")
+    print(f"  (the raw slope net of the controller's idle CPU with each row's mesh up, idle_pct of that call's wall "
+          f"time: per entry {net_entry_us:.1f} us, per chunk {net_chunk_us:.0f} us: call() gathered "
+          f"{net_gather_us / 1e3:.1f} ms, of which controller {net_gather_ctl / 1e3:.2f})")
     print(f"  Accumulator (max, folded in the agents) {fold_us / 1e3:.1f} ms = rtt {res['local_rtt_us'] / 1e3:.2f} + "
           f"send side {(res['hop_us'] + (d - 1) * level['fold']) / 1e3:.2f} + {d} agent levels "
           f"{d * fold_agent_us / 1e3:.2f} + controller {fold_ctl / 1e3:.2f} ({roots} chunks {roots * chunk_us / 1e3:.2f}, "
@@ -571,7 +689,7 @@ def model(rows, res, agents_sweep) -> dict:
           f"tree's plans sent {send_ctl['fold']['next'] / 1e3:.2f})")
     print(f"  (the first call to a mesh builds the tree's plans: {send_ctl['fold']['first'] / 1e3:.1f} ms folded, "
           f"{send_ctl['gather']['first'] / 1e3:.1f} ms gathered; later calls reuse them: "
-          f"{send_ctl['gather']['next'] / 1e3:.2f} ms gathered, not in its figure)")
+          f"{send_ctl['gather']['next'] / 1e3:.2f} ms gathered)")
     print(f"  call() direct   {direct_us / 1e3:.1f} ms = rtt {res['local_rtt_us'] / 1e3:.2f} + send side "
           f"{send['direct'] / 1e3:.2f} + controller {hosts * per} replies {direct_ctl / 1e3:.1f}")
     print(f"  spawn {spawn_s:.1f} s = {base['procs']} procs on one agent {base['spawn_s']:.2f} s + {d - 1} more levels "

@@ -114,7 +114,8 @@ def test_scale_bench_tiny(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
-    assert {(r["agents"], r["procs"], r["fanout"]) for r in data["rows"]} == {(1, 1, 8), (1, 2, 8), (2, 4, 8), (2, 4, 1)}
+    assert {(r["agents"], r["procs"], r["fanout"]) for r in data["rows"]} == {(1, 1, 8), (1, 2, 8), (1, 4, 8), (2, 4, 8),
+                                                                          (2, 4, 1)}
     assert all(r["spawn_s"] > 0 and r["gather_us"] > 0 and r["direct_us"] > 0 and r["fold_us"] > 0
                for r in data["rows"])
     m = data["model"]
@@ -124,6 +125,15 @@ def test_scale_bench_tiny(tmp_path):
     assert "Accumulator (max, folded in the agents)" in proc.stdout
     assert m["spawn_plan"]["ctl_ms"] > 0 and m["spawn_plan"]["agent_ms"] > 0 and m["spawn_level_s"] >= 0
     assert "root agents' passes" in proc.stdout
+    eq = data["equal_load"]  # the same 4 procs up: calls to all, to 2, a broadcast to 2 and a call to 2, ...
+    assert eq["procs"] == 4 and eq["slice_procs"] == 2
+    assert all(eq[k]["cpu_us"] > 0 and eq[k]["wall_us"] > 0
+               for k in ("all", "fold", "slice", "bcast_slice", "bcast", "burner"))
+    assert eq["all"]["chunks"] >= 1 and eq["slice"]["chunks"] >= 1
+    assert data["controller_entry"]["call_us"] > 0 and data["controller_entry"]["read_us"] > 0
+    ce = data["controller_entry"]
+    assert m["entry_model_us"] == max(m["entry_fold_us"], ce["read_us"]) + ce["call_us"] and m["gather_raw_us"] > 0
+    assert "the same 4 procs up on one agent" in proc.stdout and "with the raw slope" in proc.stdout
 
 
 @pytest.mark.timeout(300)

@@ -622,6 +622,58 @@ def test_a_fold_collector_fails_on_a_death_or_a_run_over_an_answered_rank():
         col2.future.get(timeout=1)
 
 
+
+def test_a_collector_fails_only_the_ranks_a_dead_proc_still_owed():
+    from monarch_tensor.transport.messages import SendToPort
+
+    col = Collector(["a|0", "a|1", "b|0"], [4, 5, 6], list)
+    assert col.addr_of(6) == "b|0" and col.addr_of(9) == ""
+    assert col.deliver_values([5], [50]) is False
+    assert col.proc_died("a|1", SupervisionError("gone")) == (False, False)  # it answered: not this call's
+    assert col.proc_died("b|0", SupervisionError("gone")) == (True, False)
+    assert col.deliver(SendToPort(1, 40, None, 4)) is True  # the last rank: the port is done
+    with pytest.raises(SupervisionError, match="gone"):
+        col.future.get(timeout=1)
+
+
+def test_a_call_is_refused_at_the_first_rank_whose_proc_died_stopped_or_whose_actor_stopped():
+    """``ActorMesh._check`` looks at a mesh's ranks in one go where nothing is amiss; where something is, the first
+    rank it concerns says what, whether or not the mesh was called before (its addresses kept)."""
+    import uuid
+
+    from monarch_tensor.actor import ActorMesh
+    from monarch_tensor.errors import ActorStoppedError, MeshStoppedError
+    from monarch_tensor.hosts import host
+    from monarch_tensor.hosts.local import ProcInfo
+    from monarch_tensor.shape import Shape
+
+    tag = uuid.uuid4().hex[:8]
+    procs = [ProcInfo(f"tcp://check-{tag}-{i // 4}:1|{i % 4}", i) for i in range(8)]
+    mesh = ActorMesh("echo", Echo, procs, Shape(("hosts", "gpus"), (2, 4)))
+    part = mesh.slice(hosts=1)
+    mesh._check("value")
+    part._check("value")
+    procs[6].alive, procs[6].exit_status = False, "exit 3"
+    with pytest.raises(SupervisionError, match="rank 6"):
+        mesh._check("value")
+    with pytest.raises(SupervisionError, match="rank 6"):
+        part._check("value")
+    mesh.slice(hosts=0)._check("value")  # (not its ranks)
+    procs[6].alive = True
+    mailbox.current_mailbox().proc_died(procs[5].addr, SupervisionError(f"proc {tag} 5 lost"))
+    with pytest.raises(SupervisionError, match=f"proc {tag} 5 lost"):
+        mesh._check("value")
+    mesh.slice(hosts=0)._check("value")
+    mesh._stopped[2] = "done here"
+    with pytest.raises(ActorStoppedError, match="done here"):
+        mesh.slice(hosts=0)._check("value")
+    host.stopped_addrs.add(procs[1].addr)
+    try:
+        with pytest.raises(MeshStoppedError):
+            mesh.slice(hosts=0)._check("value")
+    finally:
+        host.stopped_addrs.discard(procs[1].addr)
+
 # ---- spawns down the agent tree -------------------------------------------------------------------------
 def test_a_spawn_plan_follows_the_tree_and_each_level_waits_longer_than_the_one_below():
     from monarch_tensor.hosts import _spawn_tree

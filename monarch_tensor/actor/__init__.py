@@ -296,6 +296,8 @@ class ActorMesh(MeshTrait, Generic[A]):
         self._label = actor_label(name)  # the name as shown (``_name`` is the one its procs know)
         self._watch = watch  # the spawn's replies (this process spawned it): told once anyone waits on the mesh
         self._rank_list = shape.ranks()  # read on every call: computed once (never mutated)
+        self._addr_list: list[str] | None = None  # their procs' addresses (``_addrs``), made on the first call
+        self._behind_agents = False  # whether each of them is a proc behind a host agent (made with _addr_list)
         self._spawned = spawned or Future.ready(None)
         self._proc_mesh = proc_mesh
         self._whole = shape if whole is None else whole  # the shape it was spawned with
@@ -369,17 +371,33 @@ class ActorMesh(MeshTrait, Generic[A]):
         yield from self._spawned.__await__()
         return self
 
+    def _addrs(self) -> list[str]:
+        """The addresses of the procs of ``_rank_list``, in its order (made once: a proc's address never changes;
+        never mutated)."""
+        addrs = self._addr_list
+        if addrs is None:
+            addrs = [self._procs[r].addr for r in self._rank_list]
+            self._behind_agents = all("|" in a for a in addrs)
+            self._addr_list = addrs
+        return addrs
+
     def _check(self, method: str = "") -> None:
         """Refuse a call of ``method`` on this mesh: its procs stopped or died, or its actors stopped by ``stop``
         here (the error their proc would answer with; a broadcast's would be nobody's, and end the script as an
-        unhandled failure)."""
+        unhandled failure). Where none of that can be, it is seen without a Python step per rank."""
         pm = self._proc_mesh
         if pm is not None and pm._alloc._stopped:
             from ..errors import MeshStoppedError
 
             raise MeshStoppedError(f"the proc mesh of actor mesh {self._label!r} was stopped "
                                    f"({pm._alloc._stop_reason})")
-        for r in self._rank_list:
+        mailbox = current_mailbox()
+        ranks = self._rank_list
+        if self._stopped.keys().isdisjoint(ranks) and all(map(_ALIVE, map(self._procs.__getitem__, ranks))) \
+                and not mailbox.any_death_among(self._addrs()) \
+                and (pm is not None or _host.stopped_addrs.isdisjoint(self._addrs())):
+            return
+        for r in ranks:  # (something is amiss: the first rank it concerns, in order, says what)
             p = self._procs[r]
             if pm is None and p.addr in _host.stopped_addrs:
                 from ..errors import MeshStoppedError
@@ -388,7 +406,7 @@ class ActorMesh(MeshTrait, Generic[A]):
             if not p.alive:
                 raise SupervisionError(f"actor {self._label} rank {r}: its proc {p.addr} died: {p.exit_status}",
                                        proc=p.addr, rank=r, exit_status=p.exit_status)
-            death = current_mailbox().death_of(p.addr)
+            death = mailbox.death_of(p.addr)
             if death is not None:
                 raise death
             if r in self._stopped:
@@ -552,7 +570,7 @@ class _SpawnCollector(Collector):
             from ..errors import ActorFailedError
             from ..hosts import host
 
-            addr = self._addr_of.get(msg.rank, "")
+            addr = self.addr_of(msg.rank)
             failure = ActorFailedError(
                 f"The actor {actor_label(self.name)} and all its descendants have failed: {self.cls.__name__} rank {msg.rank}: "
                 f"__init__ raised {err.exc_repr} (an actor mesh nobody waited on yet)", actor=self.name,
@@ -562,6 +580,7 @@ class _SpawnCollector(Collector):
         return super().deliver(msg)
 
 
+_ALIVE = operator.attrgetter("alive")
 _signatures: dict = {}  # (class, wire method) -> (signature, its leading args, fewest and most positional args)
 
 
@@ -626,7 +645,7 @@ class Endpoint(Generic[R]):
               fold: dict | None = None) -> None:
         mailbox = current_mailbox()
         if addrs is None:
-            addrs = [self._mesh._procs[r].addr for r in ranks]
+            addrs = self._mesh._addrs() if ranks is self._mesh._rank_list else [self._mesh._procs[r].addr for r in ranks]
         if self._mesh._watch is not None:
             self._mesh._watch.seen = True
         msg = CallEndpoint(self._mesh._name, self._wire_method, args, kwargs, port, self._mesh._sent_shape)
@@ -661,7 +680,8 @@ class Endpoint(Generic[R]):
         except Exception as e:  # noqa: BLE001 - surfaces on .get()
             return Future.failed(e)
         mailbox = current_mailbox()
-        addrs = [self._mesh._procs[r].addr for r in ranks]
+        whole = ranks is self._mesh._rank_list
+        addrs = self._mesh._addrs() if whole else [self._mesh._procs[r].addr for r in ranks]
         if not _context.in_client() and _context.current().actor_name == self._mesh._name and mailbox.addr in addrs:
             return Future.failed(RuntimeError(
                 f"{self._mesh._label}.{self._method}: an actor calls itself and would wait for its own reply, which "
@@ -675,7 +695,7 @@ class Endpoint(Generic[R]):
             col = Collector(addrs, ranks, finish, self._what)
         port = mailbox.open_port(col)
         gathered = finish is not _first and len(addrs) > 1 and _fanout.GATHER and _context.in_client() and \
-            all("|" in a for a in addrs)  # procs behind host agents: they gather the replies (_fanout.py)
+            (self._mesh._behind_agents if whole else all("|" in a for a in addrs))  # they gather the replies
         if gathered:
             port = PortRef(_fanout.GATHER_PREFIX + port.addr, port.port_id)
         self._send(ranks, args, kwargs, port, addrs, fold[2] if gathered and fold is not None else None)

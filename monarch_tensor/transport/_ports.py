@@ -40,8 +40,8 @@ class Collector:
                  what: str = "reply", observing: bool = True) -> None:
         self.future: Future = Future(what)
         self.observing = observing  # a user's call: its failure counts as seen by the user
-        self._by_rank = {r: i for i, r in enumerate(ranks)}
-        self._addr_of = dict(zip(ranks, addrs))
+        self._by_rank = dict(zip(ranks, range(len(ranks))))
+        self._ranks, self._addrs = ranks, addrs  # (read only where a proc died or failed: see addr_of)
         self._values: list = [None] * len(addrs)
         self._left = len(addrs)
         self._finish = finish
@@ -118,9 +118,13 @@ class Collector:
                         self.future._what, dropped[:10])
         return self._settle(done)
 
+    def addr_of(self, rank: int) -> str:
+        """The address ``rank`` was called at ("" if it was not)."""
+        return next((a for r, a in zip(self._ranks, self._addrs) if r == rank), "")
+
     def proc_died(self, addr: str, error: SupervisionError) -> tuple[bool, bool]:
         with self._lock:  # (a rank still waited on is one not yet popped from _by_rank)
-            gone = [r for r in self._by_rank if self._addr_of[r] == addr]
+            gone = [r for r, a in zip(self._ranks, self._addrs) if a == addr and r in self._by_rank]
             if not gone:
                 return False, False
             for rank in gone:

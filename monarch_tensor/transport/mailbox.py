@@ -518,6 +518,10 @@ class Mailbox:
     def death_of(self, addr: str) -> SupervisionError | None:
         return self._dead.get(addr)
 
+    def any_death_among(self, addrs: list[str]) -> bool:
+        """Whether a proc at one of ``addrs`` died (``death_of``), without a Python step per address."""
+        return bool(self._dead) and not self._dead.keys().isdisjoint(addrs)
+
     # ---- receiving ----------------------------------------------------------
     def _recv(self, flags: int = 0) -> list:
         """One message's frames. Small frames are copied (measured twice as fast per
