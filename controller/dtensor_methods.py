@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 
 class DistInfo:
     """Where a global tensor lives: its proc mesh (dim names, sizes, proc ranks) and placements.
@@ -67,11 +65,6 @@ def _shard_shape(global_shape: tuple, placements, mesh_sizes, coords) -> tuple:
     return tuple(local)
 
 
-_LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default  # what torch's Tensor.item() dispatches
-_dispatch_modes = torch._C._len_torch_dispatch_stack
-_function_modes = torch._C._is_torch_function_mode_enabled
-
-
 class DistributedMethods:
     """DTensor's methods on the controller's mesh ``Tensor`` (see ``monarch_tensor.distribute``).
 
@@ -106,13 +99,6 @@ class DistributedMethods:
         """A one-element global tensor's value, fetched (as ``loss.item()`` of a DTensor loss gives it); a mesh
         tensor that is not distributed holds a value per rank: fetch the one you want (``fetch_shard``)."""
         if self._dist is None:
-            if "_val" in self.__dict__ and self.numel() == 1 and not (_dispatch_modes() or _function_modes()):
-                # A value the controller knows (an optimizer's step count): the op torch's item() dispatches once
-                # it has checked the element count, handed straight to the class's dispatch, which checks and
-                # returns what it does from torch's dispatcher (compile's recording, when patched in, sees the
-                # read); only the trip through the dispatcher is saved. Under a user's dispatch or function
-                # mode, torch's own path runs.
-                return type(self).__torch_dispatch__(_LOCAL_SCALAR_DENSE, (), (self,), None)
             return super().item()
         return self.full_tensor().item()
 

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from monarch_tensor import fetch_shard
+from monarch_tensor import MeshTensorError, Stream, fetch_shard
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -58,9 +58,12 @@ def test_mesh_parameters_take_the_foreach_version_with_the_single_tensor_version
 
 # ---- item() of a value the controller knows (the foreach Adam reads each step count with it) ----------------
 def test_item_of_a_known_value_follows_every_write_and_skips_torchs_dispatcher(procs, monkeypatch):
-    torch_item = torch.Tensor.item
-    through_torch = []
-    monkeypatch.setattr(torch.Tensor, "item", lambda t: (through_torch.append(1), torch_item(t))[1])
+    import monarch_tensor.controller.tensor as ct
+
+    record = ct.record
+    through_torch = []  # the reads that reached the engine's recording through torch's dispatcher
+    monkeypatch.setattr(ct, "record", lambda func, *a: (
+        through_torch.append(1) if func is torch.ops.aten._local_scalar_dense.default else None, record(func, *a))[1])
     with procs.activate():
         unknown = torch.full((), 5.0) + procs.rank_tensor("gpus") * 0  # computed on the workers
         step = torch.zeros(())
@@ -70,7 +73,7 @@ def test_item_of_a_known_value_follows_every_write_and_skips_torchs_dispatcher(p
         assert step.item() == 3.0
         assert through_torch == []  # (known values: read here, not dispatched through torch)
         step.copy_(unknown)  # a write the controller does not compute: the value is fetched
-        assert step.item() == 5.0
+        assert step.item() == 5.0 and through_torch == [1]
         step.add_(1)
         assert step.item() == 6.0
         step.reduce_("gpus", "sum")
@@ -96,7 +99,7 @@ def test_item_of_a_known_value_raises_what_torch_raises_and_shows_to_modes(procs
             self.ops = []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(func)
+            self.ops.append((func, "local" if type(args[0]) is torch.Tensor else "mesh"))
             return func(*args, **(kwargs or {}))
 
     with procs.activate():
@@ -104,9 +107,18 @@ def test_item_of_a_known_value_raises_what_torch_raises_and_shows_to_modes(procs
         with pytest.raises(RuntimeError, match="a Tensor with 2 elements cannot be converted to Scalar"):
             two.item()
         step = torch.ones(())
-        with Seen() as seen:  # a user's dispatch mode sees the read, as torch's own item() shows it
+        with Seen() as seen:  # a user's dispatch mode sees the read of the mesh tensor, as torch's own item() shows it
             assert step.item() == 1.0
-        assert torch.ops.aten._local_scalar_dense.default in seen.ops
+        assert seen.ops == [(torch.ops.aten._local_scalar_dense.default, "mesh")], seen.ops
+        side = Stream("known_side")
+        with side.activate():  # a tensor of the main stream, read while another is active: refused as any use
+            with pytest.raises(MeshTensorError, match="used while stream 'known_side' is active"):
+                step.item()
+        lent, borrow = side.borrow(step, mutable=True)
+        with pytest.raises(MeshTensorError, match="lent to stream.*mutable=True"):
+            step.item()  # (the other stream may be writing it)
+        borrow.drop()
+        assert step.item() == 1.0
 
 
 def test_a_compiled_function_reading_a_known_value_still_runs_uncompiled(procs):
