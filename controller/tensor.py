@@ -194,6 +194,15 @@ class Tensor(DistributedMethods, torch.Tensor):
         as torch's does; this is how ``module.double()``, ``.half()`` and ``.to(dtype)`` convert parameters."""
         set_data(self, new)
 
+    def item(self):
+        """The value of a one-element tensor: one the controller knows (an optimizer's step count) is read here,
+        with no fetch; else fetched from the workers, where every rank holds the same (a global tensor: its
+        whole value)."""
+        val = self.__dict__.get("_val")
+        if val is not None and self._dist is None and _reads_here(self, val):
+            return val.item()
+        return DistributedMethods.item(self)
+
     def tolist(self):
         """The value, fetched (a synchronisation), as ``item()`` reads it: a global (DTensor) tensor's whole
         value; a mesh tensor's where every rank holds the same (else an error with the one-line fetch)."""
@@ -317,6 +326,11 @@ class Tensor(DistributedMethods, torch.Tensor):
     def dropped(self) -> bool:
         """Whether ``drop()`` freed this tensor (or, for a borrowed one, ``borrow.drop()``)."""
         return self._ctx.sid < 0
+
+
+_PLAIN_DISPATCH = Tensor.__dict__["__torch_dispatch__"]  # (compile's recording replaces it while it records)
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_modes = torch._C._is_torch_function_mode_enabled
 
 
 def _user_facing(e: Exception) -> Exception:
@@ -1175,6 +1189,19 @@ def _local(a):
     if t is list or t is tuple:
         return t(_local(x) for x in a)
     return a
+
+
+def _reads_here(t: Tensor, val: torch.Tensor) -> bool:
+    """Whether ``t.item()`` may return its known value ``val`` without torch's dispatcher, which would bring the
+    read to ``record`` only to return the same value there. Not where that trip does more: a dispatch or function
+    mode of the user's sees it, compile's recording (``Tensor.__torch_dispatch__`` replaced) refuses to replay
+    it, a backward pass counts it (``epoch``), and ``record``'s checks raise for a tensor of another stream or
+    lent with ``mutable=True``, and issue a changed default dtype; torch's item() refuses more than one element."""
+    active = state.stream
+    return (Tensor.__dict__["__torch_dispatch__"] is _PLAIN_DISPATCH and not _dispatch_modes()
+            and not _function_modes() and _graph_task_id() == -1
+            and (active.id if active is not None else 0) == t._ctx.sid and not mutable_loans
+            and _default_dtype() is t._ctx.client.default_dtype and val.numel() == 1)
 
 
 def _fold(func, args, kwargs):
