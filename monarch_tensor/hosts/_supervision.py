@@ -47,7 +47,7 @@ def _supervise_later(owner, err: SupervisionError) -> None:
     if rt is not None:
         handler = getattr(owner.instance, "__supervise__", None)
         if handler is not None:
-            ran = rt.supervise_in_order(owner, handler, err)
+            ran = rt.supervise_in_order(owner, handler, err, SUPERVISE_TIMEOUT_S)
     _to_supervise.put((owner, err, ran))
     with _supervisor_lock:
         if _supervisor is None or not _supervisor.is_alive():  # (not started, or not in this forked child)

@@ -834,28 +834,30 @@ class ProcRuntime:
             ack.fire()  # the caller is answered all the same
             raise
 
-    def supervise_in_order(self, ctx: _context.ActorContext, handler: Callable, err: BaseException):
+    def supervise_in_order(self, ctx: _context.ActorContext, handler: Callable, err: BaseException,
+                           timeout: float):
         """Run ``handler`` (actor ``ctx``'s ``__supervise__``) with ``err`` on this runtime's loop, in order
         with the messages the actor receives: a message that comes after the failure sees its effects. A
         sync one runs now (on the loop's thread, as the fault is received) or as soon as the loop is free,
         as ``__supervise__`` has always run: beside a running async endpoint (which may wait for it), or in
         a wait of a blocked sync one. An async one starts so, and the actor's queued calls wait for it to
-        finish. Returns a future of what it returned (or raised), or None when the actor is not here."""
+        finish (``timeout`` at most). Returns a future of what it returned (or raised), or None when the
+        actor is not here."""
         slot = self.actors.get(ctx.actor_name)
         if slot is None or slot.ctx is not ctx or self.loop.is_closed():
             return None
         done: concurrent.futures.Future = concurrent.futures.Future()
         if threading.get_ident() == self.loop_ident:
-            self._supervise_now(slot, handler, err, done)
+            self._supervise_now(slot, handler, err, done, timeout)
         else:
             try:
-                self.loop.call_soon_threadsafe(self._supervise_now, slot, handler, err, done)
+                self.loop.call_soon_threadsafe(self._supervise_now, slot, handler, err, done, timeout)
             except RuntimeError:  # (closed meanwhile)
                 return None
         return done
 
     def _supervise_now(self, slot: _Slot, handler: Callable, err: BaseException,
-                       done: concurrent.futures.Future) -> None:
+                       done: concurrent.futures.Future, timeout: float) -> None:
         running = _get_running_loop()
         _set_running_loop(None)  # (a sync __supervise__ sees no running loop, as a sync endpoint)
         try:
@@ -868,13 +870,11 @@ class ProcRuntime:
         if not inspect.iscoroutine(value):
             done.set_result(value)
             return
-        from ..hosts._supervision import SUPERVISE_TIMEOUT_S
-
         gate = _Gate()
         slot.queue.append(gate)
 
         async def supervise():
-            return await asyncio.wait_for(value, SUPERVISE_TIMEOUT_S)
+            return await asyncio.wait_for(value, timeout)
 
         def finished(task: asyncio.Task) -> None:
             try:
@@ -885,7 +885,7 @@ class ProcRuntime:
                 done.set_exception(RuntimeError("the async __supervise__ was cancelled (its actor stopped)"))
             elif isinstance(task.exception(), asyncio.TimeoutError):
                 done.set_exception(TimeoutError(
-                    f"the async __supervise__ did not finish within {SUPERVISE_TIMEOUT_S:g} s"))
+                    f"the async __supervise__ did not finish within {timeout:g} s"))
             elif task.exception() is not None:
                 done.set_exception(task.exception())
             else:
