@@ -146,6 +146,7 @@ def test_the_last_lines_of_a_proc_that_dies_reach_the_client(tmp_path):
         procs = this_host().spawn_procs(per_host={"gpus": 1})
         procs.spawn("parent", Dier).spawn_and_lose_a_child.call_one().get(timeout=60)
         wait_for(sys.stderr, "unhandled supervision failure, exiting")
+        wait_for(sys.stdout, "[0] last words 99\\n")  # (the parent's two streams reach the client in no set order)
         procs.stop()
         print("SCRIPT DONE")
     ''')
