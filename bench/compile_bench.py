@@ -16,9 +16,11 @@ On a mesh of 1 and of 2 procs ("gpus"; with 2, data parallel: each rank takes it
 and the gradients are averaged with reduce_, so a step trains on the same batch as local eager's), each step
 uncompiled and wrapped in ``compile`` (after warm-up steps that record it), and in local eager torch (no
 mesh, the whole batch). Figures, medians of REPEATS loops of STEPS steps:
-  ctl_us     controller time per step: the time the script spends inside the step calls (µs)
-  cpu_us     the controller thread's CPU time inside the step calls (µs): what ctl_us is on an idle machine,
-             and the steadier figure on a loaded one (ctl_us counts the time other processes had the core)
+  ctl_us     controller time per step: the time the script spends inside a step call (µs), the median over
+             every timed step (a step the machine's other work delayed does not move it)
+  cpu_us     the controller thread's CPU time inside a step call (µs), the same median: what ctl_us is on an
+             idle machine, and the steadier figure on a loaded one (ctl_us counts the time other processes had
+             the core)
   step_ms    wall time per step, every step's work done (the loop ends with a fetch of the last loss)
   eager xN   N processes at once, each the eager step on its 1/N of the batch (no mesh, no all-reduce), the
              slowest one's figures: the floor of an N-proc data-parallel step on this machine, where processes
@@ -138,20 +140,17 @@ def measure(workload: str, mode: str, procs, client, part: tuple | None = None) 
     for _ in range(WARMUP - 1):
         loss = step()
     fetch(loss)
-    ctl, cpu, wall, msgs = [], [], [], []
+    ctl, cpu, wall, msgs = [], [], [], []  # (ctl, cpu: every step's own; wall: per loop)
     for _ in range(REPEATS):
         m0 = client.messages if client is not None else 0
-        spent = spent_cpu = 0.0
         t0 = time.perf_counter()
         for _ in range(STEPS):
             t, c = time.perf_counter(), time.thread_time()
             loss = step()
-            spent_cpu += time.thread_time() - c
-            spent += time.perf_counter() - t
+            cpu.append((time.thread_time() - c) * 1e6)
+            ctl.append((time.perf_counter() - t) * 1e6)
         last = fetch(loss)
         wall.append((time.perf_counter() - t0) / STEPS * 1e3)
-        ctl.append(spent / STEPS * 1e6)
-        cpu.append(spent_cpu / STEPS * 1e6)
         if client is not None:
             msgs.append((client.messages - m0) / STEPS / len(client.addrs))
     calls = None

@@ -253,8 +253,8 @@ class _Recorder:
                               f"the call")
 
     def _opt_hook(self, opt, args, kwargs) -> None:
-        if id(opt) not in self.optimizers:  # (the hyperparameters it steps with)
-            self.optimizers[id(opt)] = (opt, _hyper(opt))
+        if id(opt) not in self.optimizers:  # (the hyperparameters it steps with, and which tensors)
+            self.optimizers[id(opt)] = (opt, _settings(opt), _stepped(opt))
 
     def _module_hook(self, module, args) -> None:
         self.modules.add(id(module))
@@ -315,19 +315,85 @@ def _recording_factory(self, func, types, args=(), kwargs=None):
     return out
 
 
-def _hyper(opt) -> tuple:
-    """An optimizer's hyperparameters, comparable: its param groups' settings (``lr``, ``betas``...) and which
-    tensors each steps (``param_groups[0]["params"][i] = p``); a local tensor setting by value, a mesh
-    tensor's by identity (its value lives on the workers, which read it)."""
-    def value(v):
-        if type(v) is Tensor:
-            return ("mesh tensor", id(v))
-        if isinstance(v, torch.Tensor):
-            return ("tensor", v.dtype, tuple(v.shape), tuple(v.detach().flatten().tolist()) if v.numel() <= 64 else id(v))
-        return v
+def _value(v):
+    """A hyperparameter, comparable: a local tensor by value, a mesh tensor by identity (its value lives on the
+    workers, which read it)."""
+    if type(v) is Tensor:
+        return ("mesh tensor", id(v))
+    if isinstance(v, torch.Tensor):
+        return ("tensor", v.dtype, tuple(v.shape), tuple(v.detach().flatten().tolist()) if v.numel() <= 64 else id(v))
+    return v
 
-    return tuple((tuple(map(id, g["params"])), *((k, value(v)) for k, v in g.items() if k != "params"))
-                 for g in opt.param_groups)  # (which tensors it steps: a program holds them, so ids are unique)
+
+def _settings(opt) -> tuple:
+    """An optimizer's param groups' settings (``lr``, ``betas``...), comparable; not which tensors they step."""
+    return tuple(tuple((k, _value(v)) for k, v in g.items() if k != "params") for g in opt.param_groups)
+
+
+def _stepped(opt) -> tuple:
+    """Which tensors each of an optimizer's param groups steps (``param_groups[0]["params"][i] = p`` changes it);
+    a program holds them, so their ids are unique."""
+    return tuple(tuple(map(id, g["params"])) for g in opt.param_groups)
+
+
+class _WatchedParams(list):
+    """A param group's ``params`` list once a compiled function stepped its optimizer: a list whose every change
+    moves the guards' epoch (``controller/tensor.py``), so that a replay compares which tensors the groups step,
+    one id per parameter, only after a change, as it does its other per-tensor guards."""
+
+    __slots__ = ()
+
+
+def _moves_epoch(name: str):
+    method = getattr(list, name)
+
+    def changed(self, *args, **kwargs):
+        _t.epoch += 1
+        return method(self, *args, **kwargs)
+
+    changed.__name__ = name
+    return changed
+
+
+for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert", "pop", "remove",
+              "clear", "sort", "reverse"):
+    setattr(_WatchedParams, _name, _moves_epoch(_name))
+
+
+def _watch(opt) -> tuple:
+    """Make each of ``opt``'s param groups' ``params`` a ``_WatchedParams`` (same items); the groups and their
+    lists, for a replay's identity checks."""
+    for g in opt.param_groups:
+        if type(g.get("params")) is list:
+            g["params"] = _WatchedParams(g["params"])
+    return tuple(opt.param_groups), tuple(g["params"] for g in opt.param_groups)
+
+
+class _OptimizerGuard:
+    """What a program assumes of an optimizer it steps: the same settings, stepping the same tensors. A replay
+    compares the settings (per group) and the groups' and their lists' identities; which tensors each list holds
+    only after the guards' epoch moved (a ``_WatchedParams`` changed, or a tensor's guarded attribute), or when a
+    group or its list was replaced."""
+
+    __slots__ = ("opt", "settings", "stepped", "groups", "lists")
+
+    def __init__(self, opt, settings: tuple, stepped: tuple) -> None:
+        self.opt, self.settings, self.stepped = opt, settings, stepped
+        self.groups, self.lists = _watch(opt)
+
+    def same(self, full: bool) -> bool:
+        """Whether ``opt`` still steps as recorded; ``full``: compare which tensors it steps too."""
+        opt = self.opt
+        if _settings(opt) != self.settings:
+            return False
+        pg = opt.param_groups
+        if len(pg) != len(self.groups) or not all(map(operator.is_, pg, self.groups)) or \
+                not all(g.get("params") is lst for g, lst in zip(pg, self.lists)):  # a group or its list replaced
+            if _stepped(opt) != self.stepped:
+                return False
+            self.groups, self.lists = _watch(opt)  # the same tensors: watched again, checked by identity after
+            return True
+        return not full or _stepped(opt) == self.stepped
 
 
 def _autocast() -> tuple:
@@ -579,12 +645,12 @@ def _analyse(rec: _Recorder, formals: list, inputs: list, leaves: list, spec: tu
         if hasattr(objs[r], "_val"):
             tr.forget.append(weakref.ref(objs[r]))
     tr.deleted_pre = {r for r in rec.deleted if r < start}
-    for opt, hyper in rec.optimizers.values():
-        if _hyper(opt) != hyper:
+    for opt, settings, stepped in rec.optimizers.values():
+        if _settings(opt) != settings or _stepped(opt) != stepped:
             tr.refusal = ("an optimizer's hyperparameters changed inside the compiled function (a learning-rate "
                           "scheduler stepped inside it?): step schedulers outside it", loc)
             return tr
-        tr.optimizers.append((opt, hyper))
+        tr.optimizers.append((opt, settings, stepped))
     return tr
 
 
@@ -687,7 +753,7 @@ class _Program:
         self.grads = [g for _, g in self.params]
         self.escapees = [w() for w in tr.escapees]
         self.forget = [w() for w in tr.forget]
-        self.optimizers = tr.optimizers
+        self.optimizers = [_OptimizerGuard(*o) for o in tr.optimizers]
         self.locals = tr.locals
         self.cap_memories = {memory_of(o) for o, _, _, _ in self.captured if o is not None}
         self.out_desc = tuple(("obj", d[1]()) if d[0] == "obj" else d for d in tr.out_desc)
@@ -725,10 +791,14 @@ class _Program:
                 return DEAD
             if list(map(_RG, self.cap_objs)) != self.cap_rg:
                 return MISS
+            for guard in self.optimizers:
+                if not guard.same(full=True):
+                    return MISS
             self.epoch = now
-        for opt, hyper in self.optimizers:
-            if _hyper(opt) != hyper:
-                return MISS
+        else:
+            for guard in self.optimizers:
+                if not guard.same(full=False):
+                    return MISS
         for t, v in self.locals:
             if t.shape != v.shape or t.dtype != v.dtype or not torch.equal(t, v):
                 return MISS

@@ -445,6 +445,13 @@ def _guarded_changes(model, opt, kept, data):
         ("a parameter unfrozen", lambda: setattr(b0, "requires_grad", True), True),
         ("a module's parameter swapped", lambda: setattr(model[2], "weight", torch.nn.Parameter(w2.detach() * 2)),
          True),
+        ("the learning rate changed", lambda: opt.param_groups[0].__setitem__("lr", 0.05), True),
+        ("a parameter removed from the optimizer, in place", lambda: opt.param_groups[0]["params"].pop(), True),
+        ("a param group's list replaced by one of the same parameters",
+         lambda: opt.param_groups[0].__setitem__("params", list(opt.param_groups[0]["params"])), False),
+        ("a param group's list replaced by one with another parameter",
+         lambda: opt.param_groups[0].__setitem__("params", [torch.nn.Parameter(w0.detach() * 2),
+                                                            *opt.param_groups[0]["params"][1:]]), True),
         ("a parameter swapped in the optimizer only",
          lambda: opt.param_groups[0]["params"].__setitem__(0, torch.nn.Parameter(w0.detach() * 3)), True),
     ]
@@ -479,10 +486,10 @@ def test_guards_follow_changes_between_replays_bit_for_bit(mesh):
     with mesh.activate():
         torch.manual_seed(6)
         data = _batches(1)[0]
-        batches = _batches(4 + 3 * 15)
+        batches = _batches(4 + 3 * 19)
         l1, p1, g1, k1, _ = _run_with_changes(lambda f: f, data, batches)
         l2, p2, g2, k2, after = _run_with_changes(compile, data, batches)
-        assert len(after) == 15
+        assert len(after) == 19
         for what, records, d in after:
             assert d == ({"recordings": 1, "replays": 0} if records else {"recordings": 0, "replays": 1}), what
         assert len(k1) == len(k2) == 2
