@@ -30,6 +30,9 @@ mesh, the whole batch). Figures, medians of REPEATS loops of STEPS steps:
   params     the model's parameter tensors (a replay's guards must not cost per parameter)
   py_calls   Python function calls in the controller's thread per step (cProfile's count over STEPS steps of
              their own): its work counted, not timed, so load does not change it
+  guard_us   compiled rows: a replay's guards alone (its program's ``holds``), timed in a loop of GUARD_LOOPS
+             checks, the fastest of 5 (µs): the part of a replay's controller time that may grow with the
+             parameter count (the other parts are one message and the results' tensors)
   compile_s  "stretches" rows (compiled steps on procs with MONARCH_TENSOR_COMPILE_STRETCHES=1, their stretches
              of aten ops run through torch.compile): seconds from the first call until a replay ran compiled
              code (inductor compiling on the procs' background thread while the steps replay op by op)
@@ -68,6 +71,7 @@ TINY = dict(PROCS=[1], WORKLOADS=["mlp", "gpt2"], STEPS=3, REPEATS=1, WARMUP=4,
 SETTINGS = ["PROCS", "WORKLOADS", "STEPS", "REPEATS", "WARMUP", "GPT_CFG", "GPT_BATCH", "WIDE_CFG", "WIDE_BATCH"]
 MODES = ["eager", "uncompiled", "compiled"]
 ALL_MODES = MODES + ["stretches"]  # stretches: only when asked for (inductor compiles take minutes here)
+GUARD_LOOPS = 2000   # a replay's guards checked this many times in a row, per timing of guard_us
 COMPILE_TIMEOUT = 1800.0  # seconds a "stretches" row waits for its first replay that runs compiled code
 
 
@@ -165,9 +169,18 @@ def measure(workload: str, mode: str, procs, client, part: tuple | None = None) 
         prof.disable()
         calls = sum(v[1] for v in pstats.Stats(prof).stats.values()) / STEPS
         last = fetch(loss)
+    guard_us = None
+    if mode in ("compiled", "stretches"):  # a replay's guards alone, in a loop of their own (no message sent)
+        import timeit
+
+        programs = [p for e in step.entries.values() for p in e.programs]
+        if programs:
+            inputs = step._key((), {})[1]
+            guard_us = min(timeit.repeat(lambda: programs[0].holds(inputs), number=GUARD_LOOPS, repeat=5)) \
+                / GUARD_LOOPS * 1e6
     assert last == last and last < first * 1.5, f"training diverged: loss {first} -> {last}"
     return {"ctl_us": statistics.median(ctl), "cpu_us": statistics.median(cpu), "step_ms": statistics.median(wall),
-            "calls": calls, "compile_s": compile_s,
+            "calls": calls, "compile_s": compile_s, "guard_us": guard_us,
             "msgs": statistics.median(msgs) if msgs else 0.0, "params": len(list(model.parameters()))}
 
 
@@ -274,25 +287,26 @@ def main() -> None:
             finally:
                 procs.stop().get(timeout=TIMEOUT)
     load1 = os.getloadavg()
-    head = ["workload", "params", "procs", "mode", "ctl_us", "cpu_us", "py_calls", "step_ms", "msgs",
+    head = ["workload", "params", "procs", "mode", "ctl_us", "cpu_us", "py_calls", "guard_us", "step_ms", "msgs",
             "step / eager", f"step / eager x{max(PROCS)}", "cpu / gpt2", "calls / gpt2", "compile_s"]
     rows = []
     for w in WORKLOADS:
         eager = results.get(f"{w}/eager")
         if eager is not None:
             rows.append([w, str(eager["params"]), "-", "eager", f"{eager['ctl_us']:.0f}", f"{eager['cpu_us']:.0f}",
-                         "-", f"{eager['step_ms']:.2f}", "-", "1.00", "-", "-", "-", "-"])
+                         "-", "-", f"{eager['step_ms']:.2f}", "-", "1.00", "-", "-", "-", "-"])
         for n in PROCS:
             side = results.get(f"{w}/{n}/eager")
             if side is not None:
                 rows.append([w, str(side["params"]), str(n), f"eager x{n}", f"{side['ctl_us']:.0f}",
-                             f"{side['cpu_us']:.0f}", "-", f"{side['step_ms']:.2f}", "-",
+                             f"{side['cpu_us']:.0f}", "-", "-", f"{side['step_ms']:.2f}", "-",
                              f"{side['step_ms'] / eager['step_ms']:.2f}", "1.00", "-", "-", "-"])
             for mode in row_modes:
                 r = results[f"{w}/{n}/{mode}"]
                 base = results.get(f"gpt2/{n}/compiled") if mode == "compiled" and w.startswith("gpt") else None
                 rows.append([w, str(r["params"]), str(n), mode, f"{r['ctl_us']:.0f}", f"{r['cpu_us']:.0f}",
                              f"{r['calls']:.0f}",
+                             f"{r['guard_us']:.1f}" if r.get("guard_us") is not None else "-",
                              f"{r['step_ms']:.2f}", f"{r['msgs']:.1f}",
                              f"{r['step_ms'] / eager['step_ms']:.2f}" if eager else "-",
                              f"{r['step_ms'] / side['step_ms']:.2f}" if side else "-",

@@ -247,4 +247,5 @@ def test_compile_bench_tiny(tmp_path):
         assert r["ctl_us"] > 0 and r["step_ms"] > 0, (key, r)
         if key.endswith("/compiled"):
             assert 0 < r["msgs"] <= 2, (key, r)  # one message per proc per step, and the loop's fetch
+            assert r["guard_us"] > 0, (key, r)  # (the function replayed: it has a program whose guards held)
     assert "compiled" in proc.stdout
