@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from monarch_tensor import this_host
+from monarch_tensor import Stream, call_on_shard_and_fetch, remote, this_host
+from monarch_tensor.actor import Actor, endpoint
 from monarch_tensor.hosts.host import local_procs
 from monarch_tensor.runtime._threads import cores
 
@@ -85,3 +86,35 @@ def test_procs_behind_a_host_agent_take_their_hosts_share(tmp_path, capfd, monke
                            "threads (at least 1); choose with spawn_procs(threads=N) or OMP_NUM_THREADS"]
     finally:
         job.kill()
+
+
+def _new_threads_of_a_matrix_product() -> int:
+    """In the calling thread: the OS threads this process gained from a first matrix product (MKL's team)."""
+    before = set(os.listdir("/proc/self/task"))
+    torch.mm(torch.empty(512, 512), torch.empty(512, 512))  # (empty: no kernel runs before the product)
+    return len(set(os.listdir("/proc/self/task")) - before)
+
+
+class _Multiplies(Actor):
+    def __init__(self) -> None:  # (an actor's constructor runs on a thread of its own)
+        self.gained = _new_threads_of_a_matrix_product()
+
+    @endpoint
+    def gained_threads(self) -> int:
+        return self.gained
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or cores() < 2, reason="counts threads in /proc; needs 2 cores")
+def test_threads_a_proc_starts_compute_with_its_count():
+    """A tensor engine stream's thread and an actor constructor's thread compute with the proc's count from their
+    first op: a matrix product first (before any op made torch read its count) ran on every core's MKL thread."""
+    procs = _spawn(threads=1)
+    try:
+        with procs.activate():
+            with Stream("first_product").activate():
+                gained = call_on_shard_and_fetch(remote(_new_threads_of_a_matrix_product, propagate=lambda: 0),
+                                                 shard={"procs": 1}).result(timeout=60)
+        assert gained == 0
+        assert procs.spawn("multiplies", _Multiplies).gained_threads.call().get(timeout=60).values() == [0, 0]
+    finally:
+        procs.stop()

@@ -31,6 +31,7 @@ import torch
 
 from monarch_tensor.actor import Actor, current_rank, endpoint
 from monarch_tensor.config import setting
+from monarch_tensor.runtime import _threads
 from monarch_tensor.runtime._proc import current_runtime
 from monarch_tensor.runtime._zygote import finish_preload
 from monarch_tensor.transport import _wire
@@ -169,6 +170,7 @@ class _Stream:
 
     def _run(self) -> None:
         w = self.worker
+        _threads.adopt()
         if w.device.type == "cuda":
             torch.cuda.set_device(w.device)
             if self.sid != 0:

@@ -60,7 +60,7 @@ from ..transport.messages import (
     StopActor,
     StopProc,
 )
-from . import _actor_logs, _context, _hooks, _names, _proc_exit, _thread_state, _zygote
+from . import _actor_logs, _context, _hooks, _names, _proc_exit, _thread_state, _threads, _zygote
 from ._port import Port
 
 # An actor killed by its endpoint tells its owner, and its caller hears of the death once the owner has the
@@ -574,6 +574,7 @@ class ProcRuntime:
         (``_constructed``)."""
         if not inline:
             self._bind_thread()
+            _threads.adopt()
         token = _context.enter(slot.ctx)
         instance, err = None, None
         device = _cuda_device()

@@ -106,3 +106,18 @@ def apply_from_env() -> None:
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.set_num_threads(n)
+
+
+def adopt() -> None:
+    """In a thread a proc starts that runs torch ops (a tensor engine stream, an actor's constructor): the
+    proc's intra-op thread count for this thread too. ``torch.set_num_threads`` sets MKL's count for its own
+    thread only; a new thread whose first op is a matrix product computes it with MKL's default, every core,
+    and keeps it while its ops are too small to make torch look at its own count (a 256-256-10 MLP's never
+    are): two procs on two cores then each ran two MKL threads, their spin-waits included."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    try:
+        torch.set_num_threads(torch.get_num_threads())  # (the proc's count: torch's own, read in this thread)
+    except Exception as e:  # noqa: BLE001 - a torch without these: the thread computes as torch chooses
+        sys.stderr.write(f"monarch_tensor: could not set this thread's torch thread count: {e!r}\n")
