@@ -375,11 +375,16 @@ class _OptimizerGuard:
     only after the guards' epoch moved (a ``_WatchedParams`` changed, or a tensor's guarded attribute), or when a
     group or its list was replaced."""
 
-    __slots__ = ("opt", "settings", "stepped", "groups", "lists")
+    __slots__ = ("opt", "settings", "stepped", "groups", "lists", "unwatched")
 
     def __init__(self, opt, settings: tuple, stepped: tuple) -> None:
         self.opt, self.settings, self.stepped = opt, settings, stepped
-        self.groups, self.lists = _watch(opt)
+        self._watch()
+
+    def _watch(self) -> None:
+        self.groups, self.lists = _watch(self.opt)
+        # (a group's params of another type than a list or a tuple could change unseen: compared every call)
+        self.unwatched = any(type(lst) is not _WatchedParams and type(lst) is not tuple for lst in self.lists)
 
     def same(self, full: bool) -> bool:
         """Whether ``opt`` still steps as recorded; ``full``: compare which tensors it steps too."""
@@ -391,9 +396,9 @@ class _OptimizerGuard:
                 not all(g.get("params") is lst for g, lst in zip(pg, self.lists)):  # a group or its list replaced
             if _stepped(opt) != self.stepped:
                 return False
-            self.groups, self.lists = _watch(opt)  # the same tensors: watched again, checked by identity after
+            self._watch()  # the same tensors: watched again, checked by identity after
             return True
-        return not full or _stepped(opt) == self.stepped
+        return not (full or self.unwatched) or _stepped(opt) == self.stepped
 
 
 def _autocast() -> tuple:
