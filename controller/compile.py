@@ -360,12 +360,19 @@ for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "e
     setattr(_WatchedParams, _name, _moves_epoch(_name))
 
 
+_ONLY_THE_GROUP = 3  # a list's references when only its param group holds it (and the two of the look)
+
+
 def _watch(opt) -> tuple:
-    """Make each of ``opt``'s param groups' ``params`` a ``_WatchedParams`` (same items); the groups and their
+    """Make each of ``opt``'s param groups' ``params`` a ``_WatchedParams`` (same items) where nothing else holds
+    that list: a list the script holds too (``plist = opt.param_groups[0]["params"]``) stays, since its changes
+    through ``plist`` must reach the optimizer, and is compared item by item every call. The groups and their
     lists, for a replay's identity checks."""
     for g in opt.param_groups:
-        if type(g.get("params")) is list:
-            g["params"] = _WatchedParams(g["params"])
+        lst = g.get("params")
+        if type(lst) is list and sys.getrefcount(lst) <= _ONLY_THE_GROUP:
+            g["params"] = _WatchedParams(lst)
+        del lst
     return tuple(opt.param_groups), tuple(g["params"] for g in opt.param_groups)
 
 
@@ -383,7 +390,8 @@ class _OptimizerGuard:
 
     def _watch(self) -> None:
         self.groups, self.lists = _watch(self.opt)
-        # (a group's params of another type than a list or a tuple could change unseen: compared every call)
+        # (a group's params the script holds too, or of another type than a list or a tuple, could change
+        # unseen: compared every call)
         self.unwatched = any(type(lst) is not _WatchedParams and type(lst) is not tuple for lst in self.lists)
 
     def same(self, full: bool) -> bool:

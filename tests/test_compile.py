@@ -500,6 +500,36 @@ def test_guards_follow_changes_between_replays_bit_for_bit(mesh):
             assert a is None or torch.equal(a, c)
 
 
+def test_a_param_list_the_script_holds_keeps_reaching_the_optimizer(mesh):
+    """A param group's ``params`` list the script holds (``plist = opt.param_groups[0]["params"]``) stays the
+    optimizer's own: changed through ``plist``, the optimizer steps the new set, compiled as uncompiled."""
+    with mesh.activate():
+        torch.manual_seed(8)
+        batches = _batches(9)
+
+        def run(wrap):
+            model = _model(0)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            plist = opt.param_groups[0]["params"]
+            step = wrap(_step(model, opt))
+            losses, made = [], []
+            for i, (x, y) in enumerate(batches):
+                if i == 6:
+                    plist.pop()  # the last bias is no longer stepped
+                    b = counts()
+                losses.append(step(x, y))
+                if i == 6:
+                    made.append(delta(b))
+            assert opt.param_groups[0]["params"] is plist
+            return [value(t) for t in losses], [value(p) for p in model.parameters()], made
+
+        l1, p1, _ = run(lambda f: f)
+        l2, p2, made = run(compile)
+        assert made == [{"recordings": 1, "replays": 0}]
+        for a, c in zip(l1 + p1, l2 + p2):
+            assert torch.equal(a, c)
+
+
 def test_a_dropped_parameter_or_no_grad_fails_as_uncompiled(mesh):
     with mesh.activate():
         model = _model(7)

@@ -113,7 +113,7 @@ def adopt() -> None:
     proc's intra-op thread count for this thread too. ``torch.set_num_threads`` sets MKL's count for its own
     thread only; a new thread whose first op is a matrix product computes it with MKL's default, every core,
     and keeps it while its ops are too small to make torch look at its own count (a 256-256-10 MLP's never
-    are): two procs on two cores then each ran two MKL threads, their spin-waits included."""
+    are): each of two procs on two cores then held a second OpenMP thread for its products."""
     torch = sys.modules.get("torch")
     if torch is None:
         return
