@@ -441,9 +441,9 @@ class MeshClient:
         fut._interrupt = self.withdraw  # (an interrupted wait for it withdraws the work not begun)
         port = self.mailbox.open_port(_FetchPort(fut, procs[rank].addr, frozenset(procs[r].addr for r in mesh)))
         ranks = (rank,)
-        if ranks == self.all_ranks:  # (a mesh of one proc: the request joins the batch before it, one message)
-            ranks = self.all_ranks
         with self._lock:  # (another thread's ops must not join the batch for this one rank)
+            if ranks == self._ranks:  # (the batch waiting is for this rank alone: the request joins it, one message)
+                ranks = self._ranks
             self.issue(make_instr(port), ranks)
             self.flush()
         return fut

@@ -57,7 +57,7 @@ from ..transport import _fanout, _wire
 from ..transport import channel as _channel
 from ..transport._ports import Collector, FoldCollector, OneReply, Receiver, StreamCollector
 from ..transport.channel import ChannelTransport, enable_transport  # Monarch's names, here
-from ..transport.mailbox import SYSTEM_HANDLERS, current_mailbox
+from ..transport.mailbox import SYSTEM_HANDLERS, Mailbox, current_mailbox
 from ..transport.messages import CallEndpoint, GetController, PortRef, SendToPort, SpawnActor
 from .telemetry import get_meter, span, traced
 
@@ -381,7 +381,7 @@ class ActorMesh(MeshTrait, Generic[A]):
             self._addr_list = addrs
         return addrs
 
-    def _check(self, method: str = "") -> None:
+    def _check(self, method: str = "", mailbox: Mailbox | None = None) -> None:
         """Refuse a call of ``method`` on this mesh: its procs stopped or died, or its actors stopped by ``stop``
         here (the error their proc would answer with; a broadcast's would be nobody's, and end the script as an
         unhandled failure). Where none of that can be, it is seen without a Python step per rank."""
@@ -391,7 +391,8 @@ class ActorMesh(MeshTrait, Generic[A]):
 
             raise MeshStoppedError(f"the proc mesh of actor mesh {self._label!r} was stopped "
                                    f"({pm._alloc._stop_reason})")
-        mailbox = current_mailbox()
+        if mailbox is None:
+            mailbox = current_mailbox()
         ranks = self._rank_list
         if self._stopped.keys().isdisjoint(ranks) and all(map(_ALIVE, map(self._procs.__getitem__, ranks))) \
                 and not mailbox.any_death_among(self._addrs()) \
@@ -675,11 +676,11 @@ class Endpoint(Generic[R]):
         """Call ``ranks``; ``finish`` builds the future's value from their replies, or ``fold`` = (identity,
         combine, spec) folds them (``Accumulator``; ``spec``: what the agents may fold, or None)."""
         self._check(args, kwargs)
+        mailbox = current_mailbox()
         try:
-            self._mesh._check(self._method)
+            self._mesh._check(self._method, mailbox)
         except Exception as e:  # noqa: BLE001 - surfaces on .get()
             return Future.failed(e)
-        mailbox = current_mailbox()
         whole = ranks is self._mesh._rank_list
         addrs = self._mesh._addrs() if whole else [self._mesh._procs[r].addr for r in ranks]
         if not _context.in_client() and _context.current().actor_name == self._mesh._name and mailbox.addr in addrs:
