@@ -508,11 +508,12 @@ def test_an_unhandled_fault_while_the_script_exits_makes_its_exit_status_non_zer
         class E(Actor):
             @endpoint
             def boom(self):
+                time.sleep(1)  # (the script's main thread ends first, on a loaded machine too)
                 raise ValueError("boom at exit")
         procs = this_host().spawn_procs({{"gpus": 2}})
         procs.spawn("e", E).boom.broadcast()
         # (runs before the library's hooks, which stop the procs: the faults come while it waits)
-        atexit.register(lambda: (time.sleep(2), print("atexit ran", flush=True)))
+        atexit.register(lambda: (time.sleep(3), print("atexit ran", flush=True)))
         print("end of script", flush=True)
     """))
     p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=50)
