@@ -52,7 +52,7 @@ def _member(rank: int, port: int, conn, host_id: str | None) -> None:
             if case is None:
                 return
             kind, data, reduction, timeout = case
-            work = data[rank].clone()
+            work = data[rank].clone() if kind != "many" else data[rank]
             try:
                 if kind == "allreduce":
                     shm.allreduce(work, reduction, lambda: [], timeout)
@@ -68,6 +68,8 @@ def _member(rank: int, port: int, conn, host_id: str | None) -> None:
                     shm.alltoall(work, work, lambda: [], timeout)
                 elif kind == "broadcast":
                     shm.broadcast(work, int(reduction), lambda: [], timeout)
+                elif kind == "many":
+                    work = _many(shm, work, reduction, timeout)
                 else:
                     out = torch.empty(work.numel() // N, dtype=work.dtype)
                     shm.reduce_scatter(out, work, reduction, lambda: [], timeout)
@@ -77,6 +79,30 @@ def _member(rank: int, port: int, conn, host_id: str | None) -> None:
                 conn.send(("error", f"{type(e).__name__}: {e}"))
     except Exception:  # noqa: BLE001
         conn.send(("crash", traceback.format_exc()))
+
+
+def _many(shm: SameHostReduce, case, reduction: str, timeout: float):
+    """``allreduce_many`` of ``case`` = (tensors, None for a failed one; their sizes; dtype; in place; ``flat``): (per
+    tensor, whether it came through; the results, None where not). ``flat``: this member lays the tensors out
+    in one buffer instead, flags first, and all-reduces that, as ``Collectives.reduce_many``'s other path."""
+    from monarch_tensor.worker.collectives import _FLAGS
+
+    ts, numels, dtype, inplace, flat = case
+    ok, failed = _FLAGS[reduction]
+    flags = torch.tensor([ok if t is not None else failed for t in ts], dtype=dtype)
+    if flat:
+        work = torch.cat([flags] + [t if t is not None else torch.zeros(k, dtype=dtype) for t, k in zip(ts, numels)])
+        shm.allreduce(work, reduction, lambda: [], timeout)
+        good = (work[:len(ts)] == ok).tolist()
+        if reduction == "avg":
+            work[len(ts):].div_(N) if dtype.is_floating_point else work[len(ts):].floor_divide_(N)
+        outs = list(work[len(ts):].split(list(numels)))
+    else:
+        ts = [t.clone() if t is not None else None for t in ts]
+        into = ts if inplace else None
+        good, outs = shm.allreduce_many(ts, numels, flags, ok, reduction, lambda: [], timeout, into=into)
+        assert not inplace or all(o is None or o is t for o, t in zip(outs, ts))
+    return good, [o if g else None for o, g in zip(outs, good)]
 
 
 class Members:
@@ -233,3 +259,50 @@ def test_a_silent_member_times_the_wait_out_and_a_gone_one_fails_it_at_once():
         assert all(kind == "error" and "gone" in msg for kind, msg in answers), answers
     finally:
         m.close()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(numels=st.lists(st.integers(0, 700), min_size=1, max_size=6), dtype=st.sampled_from(DTYPES),
+       reduction=st.sampled_from(["sum", "avg", "max", "min", "product"]), inplace=st.booleans(),
+       failed=st.one_of(st.none(), st.tuples(st.integers(0, N - 1), st.integers(0, 5))),
+       flat=st.lists(st.booleans(), min_size=N, max_size=N), seed=st.integers(0, 2**16))
+def test_many_tensors_at_once_equal_local_torch_and_either_layout_meets_the_other(
+        members, numels, dtype, reduction, inplace, failed, flat, seed):
+    """``allreduce_many`` (each tensor straight into the slots and back), whatever each member's choice
+    between it and one buffer of them all: every tensor equals local torch's reduce bit for bit, and one that
+    failed on some member (None there) comes through on none."""
+    g = torch.Generator().manual_seed(seed)
+    data = [[(torch.randn(k, generator=g) * 10).to(dtype) for k in numels] for _ in range(N)]
+    lost = None
+    if failed is not None and failed[1] < len(numels):
+        lost = failed[1]
+        data[failed[0]][lost] = None
+    answers = members.run([(data[r], numels, dtype, inplace, flat[r]) for r in range(N)], reduction, kind="many")
+    for kind, got in answers:
+        assert kind == "ok", got
+        good, outs = got
+        assert good == [i != lost for i in range(len(numels))]
+        for i, out in enumerate(outs):
+            if i == lost:
+                assert out is None
+                continue
+            ref = _reference([data[r][i] for r in range(N)], reduction)
+            if reduction == "avg":
+                ref = ref / N if dtype.is_floating_point else ref.floor_divide(N)
+            assert out.dtype == dtype and torch.equal(out, ref), (i, out, ref)
+
+
+def test_many_tensors_larger_than_a_slot_in_place(members):
+    """Tensors that cross the chunks' boundaries (one larger than a slot), in place, then a small reduce: the
+    slots keep alternating."""
+    numels = [SLOT_BYTES // 4 + 3, 17, SLOT_BYTES // 8, 5]  # float32: three chunks
+    data = [[torch.arange(k, dtype=torch.float32) * (r + 1) + i for i, k in enumerate(numels)] for r in range(N)]
+    for flat in ((False,) * N, (True, False, False)):
+        for kind, got in members.run([(data[r], numels, torch.float32, True, flat[r]) for r in range(N)], "sum", kind="many"):
+            assert kind == "ok", got
+            assert got[0] == [True] * 4
+            for i, (out, k) in enumerate(zip(got[1], numels)):
+                assert torch.equal(out, torch.arange(k, dtype=torch.float32) * 6 + 3 * i), i
+    small = [torch.full((5,), float(r)) for r in range(N)]
+    for kind, got in members.run(small, "max"):
+        assert kind == "ok" and torch.equal(got, torch.full((5,), 2.0))

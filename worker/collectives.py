@@ -524,9 +524,19 @@ class Collectives:
         total = sum(numels)
         ok, failed = _FLAGS[reduction]
         pg, device = self._on(ranks, stream, next((t for t in ts if t is not None), None))
-        work = torch.empty(total + k, dtype=dtype, device=device)
-        parts = list(work[:total].split(list(numels)))
-        flags = work[total:]
+        shm = self._shm.get((ranks, stream)) if n > 1 else None
+        if shm is not None and _direct(shm, ts, dtype):
+            # Straight from the tensors into the shared slots and back: no buffer of them all to fill and empty.
+            flags = torch.tensor([ok if t is not None else failed for t in ts], dtype=dtype)
+            good, outs = shm.allreduce_many(ts, numels, flags, ok, reduction,
+                                            lambda: sorted(self.dead.intersection(ranks)), TIMEOUT,
+                                            into=ts if inplace else None)
+            return [None if t is None or o is None else t if inplace else o.view(t.shape) for t, o in zip(ts, outs)]
+        # The flags first, as the direct path above lays them out in the slots: a member that takes this path
+        # (its input failed, say, where others take that one) exchanges the same bytes at the same places.
+        work = torch.empty(k + total, dtype=dtype, device=device)
+        flags = work[:k]
+        parts = list(work[k:].split(list(numels)))
         for i, t in enumerate(ts):
             if t is None:
                 parts[i].zero_()
@@ -537,7 +547,7 @@ class Collectives:
             self._allreduce(pg, work, reduction, ranks, stream)
         good = (flags == ok).tolist()
         if reduction == "avg":
-            flat = work[:total]
+            flat = work[k:]
             flat.div_(n) if flat.is_floating_point() else flat.floor_divide_(n)
         out: list = []
         for t, p, fine in zip(ts, parts, good):
@@ -604,3 +614,10 @@ _CPU = torch.device("cpu")
 def _home(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` on ``device`` (a collective's result back where its input was)."""
     return t if t.device == device else t.to(device)
+
+
+def _direct(shm: SameHostReduce, ts: list, dtype: torch.dtype) -> bool:
+    """Whether ``reduce_many`` can go straight through ``shm``'s slots: the inputs present (None: failed) are
+    contiguous CPU tensors of ``dtype`` it takes. Members may choose differently (one whose input failed sees
+    fewer tensors): both paths put the same bytes at the same places of the slots."""
+    return all(t is None or t.dtype == dtype for t in ts) and shm.takes(*(t for t in ts if t is not None))

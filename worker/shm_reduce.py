@@ -146,6 +146,66 @@ class SameHostReduce:
         flat = _bytes(work)
         self._exchange(flat, work.element_size(), reduce, lost, timeout)
 
+    def allreduce_many(self, srcs: list, numels, flags: torch.Tensor, ok, reduction: str, lost, timeout: float,
+                       into: list | None = None) -> tuple[list, list]:
+        """Several tensors of ``flags``' dtype reduced over the group at once, written straight from ``srcs`` into
+        this member's slot (no buffer of them all to fill first: ``Collectives.reduce_many``'s other path)
+        and reduced into one new buffer. ``srcs[i]`` None: zeros of ``numels[i]`` elements take its place.
+        ``flags``, one element per tensor, go first, reduced with the same op. The answer: ``(good, outs)``,
+        per tensor whether its reduced flag equals ``ok`` (it does where every member's did) and its result,
+        flat, a view of that buffer; with ``into``, ``into[i]`` written in place instead (it may be
+        ``srcs[i]``: every chunk is read before any is written; None: nothing written). A tensor that is not
+        good is not written. The caller sees that the tensors are contiguous CPU tensors this takes
+        (``takes``)."""
+        op = _REDUCE[reduction]
+        dtype, width, k, n = flags.dtype, flags.element_size(), flags.numel(), self.n
+        size_all = k + sum(numels)
+        flat = [flags] + [s.view(-1) if s is not None else torch.zeros(c, dtype=dtype) for s, c in zip(srcs, numels)]
+        work = torch.empty(size_all, dtype=dtype)
+
+        def reduce(parts: list, out: torch.Tensor) -> None:
+            op(parts[0], parts[1], out=out)
+            for p in parts[2:]:
+                op(out, p, out=out)
+
+        if size_all * width <= SLOT_BYTES - SLOT_BYTES % width:  # one chunk: one op writes, one reduces
+            def write(mine, start: int, size: int) -> None:
+                torch.cat(flat, out=mine.view(dtype))
+
+            def use(slots, start: int, size: int) -> None:
+                reduce([s[:size].view(dtype) for s in slots], work)
+        else:  # piece by piece: the pieces of the tensors in each chunk
+            starts = [0]
+            for t in flat:
+                starts.append(starts[-1] + t.numel() * width)
+            bflat, bwork = [_bytes(t) for t in flat], _bytes(work)
+
+            def pieces(start: int, size: int):
+                for i, t in enumerate(bflat):
+                    lo, hi = max(starts[i], start), min(starts[i + 1], start + size)
+                    if lo < hi:
+                        yield t[lo - starts[i]:hi - starts[i]], lo - start, hi - start
+
+            def write(mine, start: int, size: int) -> None:
+                for piece, lo, hi in pieces(start, size):
+                    mine[lo:hi].copy_(piece)
+
+            def use(slots, start: int, size: int) -> None:
+                reduce([s[:size].view(dtype) for s in slots], bwork[start:start + size].view(dtype))
+
+        self._chunks(size_all * width, width, write, use, lost, timeout)
+        good = (work[:k] == ok).tolist()
+        data = work[k:]
+        if reduction == "avg":
+            data.div_(n) if data.is_floating_point() else data.floor_divide_(n)
+        outs = list(data.split(list(numels)))
+        if into is not None:
+            pairs = [(d.view(-1), o) for d, o, g in zip(into, outs, good) if g and d is not None]
+            if pairs:
+                torch._foreach_copy_([d for d, _ in pairs], [o for _, o in pairs])
+            outs = into
+        return good, [o if g else None for o, g in zip(outs, good)]
+
     def allgather(self, output: torch.Tensor, input: torch.Tensor, lost, timeout: float) -> None:
         """``output`` (n times ``input``'s elements) = every member's ``input``, in rank order."""
         out = _bytes(output)
@@ -209,16 +269,25 @@ class SameHostReduce:
         """``data`` (bytes) through the slots in chunks: per chunk, this member's part written to its slot (unless
         not ``write``), the datagrams exchanged, then ``use(slots, start, size)`` with every member's slot (its
         chunk at 0)."""
+        def put(mine, start: int, size: int) -> None:
+            mine.copy_(data[start:start + size])
+
+        self._chunks(data.numel(), width, put if write else None, use, lost, timeout)
+
+    def _chunks(self, total: int, width: int, write, use, lost, timeout: float) -> None:
+        """``total`` bytes through the slots in chunks (a multiple of ``width`` each): per chunk, ``write(mine,
+        start, size)`` fills this member's slot (``mine``, ``size`` bytes; None: it writes none), the datagrams
+        are exchanged, then ``use(slots, start, size)`` with every member's slot (its chunk at 0)."""
         if self.broken:
             raise RuntimeError(f"this group's shared-memory collective failed before: {self.broken}")
         step = SLOT_BYTES - SLOT_BYTES % width
         try:
-            for start in range(0, data.numel(), step):
-                size = min(step, data.numel() - start)
+            for start in range(0, total, step):
+                size = min(step, total - start)
                 self.seq += 1
                 off = (self.seq % 2) * SLOT_BYTES
-                if write:
-                    self._mine[off:off + size].copy_(data[start:start + size])
+                if write is not None:
+                    write(self._mine[off:off + size], start, size)
                 self._signal()
                 self._wait_for(self.seq, lost, timeout)
                 use([self._slot(i)[off:off + SLOT_BYTES] for i in range(self.n)], start, size)
