@@ -317,7 +317,10 @@ class ActorMesh(MeshTrait, Generic[A]):
             raise AttributeError(f"{self._class.__name__} has no endpoint {method!r}")
         if not getattr(fn, "_is_endpoint", False):
             return NotAnEndpoint(self, method)
-        return Endpoint(self, method)
+        # Kept on the mesh, as Monarch's meshes keep theirs: the next ``mesh.method`` is a plain attribute (a
+        # loop of calls does not build one per call). An endpoint holds no state of its own to change.
+        ep = self.__dict__[method] = Endpoint(self, method)
+        return ep
 
     def __dir__(self) -> list[str]:
         """The mesh's own names and its actors' endpoints (tab completion in a notebook or a REPL)."""
@@ -643,8 +646,9 @@ class Endpoint(Generic[R]):
         _check_arguments(self._mesh._class, self._method, self._wire_method, args, kwargs)
 
     def _send(self, ranks: list[int], args, kwargs, port: PortRef | None, addrs: list[str] | None = None,
-              fold: dict | None = None) -> None:
-        mailbox = current_mailbox()
+              fold: dict | None = None, mailbox: Mailbox | None = None) -> None:
+        if mailbox is None:
+            mailbox = current_mailbox()
         if addrs is None:
             addrs = self._mesh._addrs() if ranks is self._mesh._rank_list else [self._mesh._procs[r].addr for r in ranks]
         if self._mesh._watch is not None:
@@ -699,7 +703,7 @@ class Endpoint(Generic[R]):
             (self._mesh._behind_agents if whole else all("|" in a for a in addrs))  # they gather the replies
         if gathered:
             port = PortRef(_fanout.GATHER_PREFIX + port.addr, port.port_id)
-        self._send(ranks, args, kwargs, port, addrs, fold[2] if gathered and fold is not None else None)
+        self._send(ranks, args, kwargs, port, addrs, fold[2] if gathered and fold is not None else None, mailbox)
         col.future._interrupt = (addrs, port)  # (what an interrupted wait stops: _interrupt_call)
         return col.future
 
