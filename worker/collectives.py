@@ -525,8 +525,8 @@ class Collectives:
         ok, failed = _FLAGS[reduction]
         pg, device = self._on(ranks, stream, next((t for t in ts if t is not None), None))
         shm = self._shm.get((ranks, stream)) if n > 1 else None
-        if shm is not None and _direct(shm, ts, dtype):
-            # Straight from the tensors into the shared slots and back: no buffer of them all to fill and empty.
+        if shm is not None and _direct(shm, ts, dtype, numels):
+            # Straight from the tensors into the shared slot: no buffer of them all to fill first.
             flags = torch.tensor([ok if t is not None else failed for t in ts], dtype=dtype)
             good, outs = shm.allreduce_many(ts, numels, flags, ok, reduction,
                                             lambda: sorted(self.dead.intersection(ranks)), TIMEOUT,
@@ -616,8 +616,10 @@ def _home(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t if t.device == device else t.to(device)
 
 
-def _direct(shm: SameHostReduce, ts: list, dtype: torch.dtype) -> bool:
+def _direct(shm: SameHostReduce, ts: list, dtype: torch.dtype, numels) -> bool:
     """Whether ``reduce_many`` can go straight through ``shm``'s slots: the inputs present (None: failed) are
-    contiguous CPU tensors of ``dtype`` it takes. Members may choose differently (one whose input failed sees
-    fewer tensors): both paths put the same bytes at the same places of the slots."""
-    return all(t is None or t.dtype == dtype for t in ts) and shm.takes(*(t for t in ts if t is not None))
+    contiguous CPU tensors of ``dtype`` and of their ``numels`` that it takes (else the other path, which
+    raises for a size that differs). Members may choose differently (one whose input failed sees fewer
+    tensors): both paths put the same bytes at the same places of the slots."""
+    return all(t is None or (t.dtype == dtype and t.numel() == k) for t, k in zip(ts, numels)) \
+        and shm.takes(*(t for t in ts if t is not None))
