@@ -549,6 +549,17 @@ def test_call_one(counter):
     assert w["ctx_rank"] == 1 and (w["rank"], w["coords"]) == (0, {"hosts": 0, "gpus": 0})
 
 
+def test_a_mesh_keeps_its_endpoints_and_a_slice_calls_its_own_actors(counter):
+    """``mesh.method`` is one object on every access (as Monarch's meshes keep theirs), and a slice's endpoint,
+    made after the whole mesh's was kept, still calls the slice's actor, not the whole mesh."""
+    assert counter.who is counter.who
+    whole = counter.who
+    one = counter.slice(hosts=1, gpus=1)
+    assert one.who is not whole and one.who is one.who
+    assert one.who.call_one().get(timeout=T)["ctx_rank"] == 3
+    assert sorted(v["ctx_rank"] for v in whole.call().get(timeout=T).values()) == [0, 1, 2, 3]
+
+
 def test_call_one_on_many_actors_is_an_error(counter):
     with pytest.raises(ValueError, match="call_one"):
         counter.who.call_one().get(timeout=T)
