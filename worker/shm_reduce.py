@@ -40,6 +40,8 @@ import torch
 SLOT_BYTES = 4 << 20  # a member's file holds two slots of this size: a larger buffer goes through in chunks
 _SIGNAL = struct.Struct("<iqq")  # sender's index in the group, chunk sequence number, 0 (reserved)
 _REDUCE = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum, "product": torch.mul}
+_FOREACH = {"sum": torch._foreach_add_, "avg": torch._foreach_add_, "max": torch._foreach_maximum_,
+            "min": torch._foreach_minimum_, "product": torch._foreach_mul_}  # (in place, over lists of tensors)
 _POLL_S = 0.5  # how often a wait looks at the controller's death reports
 
 
@@ -161,14 +163,20 @@ class SameHostReduce:
         dtype, width, k, n = flags.dtype, flags.element_size(), flags.numel(), self.n
         size_all = k + sum(numels)
         flat = [flags] + [s.view(-1) if s is not None else torch.zeros(c, dtype=dtype) for s, c in zip(srcs, numels)]
-        work = torch.empty(size_all, dtype=dtype)
 
         def reduce(parts: list, out: torch.Tensor) -> None:
             op(parts[0], parts[1], out=out)
             for p in parts[2:]:
                 op(out, p, out=out)
 
-        if size_all * width <= SLOT_BYTES - SLOT_BYTES % width:  # one chunk: one op writes, one reduces
+        one_chunk = size_all * width <= SLOT_BYTES - SLOT_BYTES % width
+        if one_chunk and into is not None and self.me < 2 and _FOREACH.get(reduction) is not None \
+                and (reduction != "avg" or dtype.is_floating_point) and len(into) == len(srcs) \
+                and all(d is s and s is not None for d, s in zip(into, srcs)) \
+                and len({s.untyped_storage().data_ptr() for s in srcs}) == len(srcs):
+            return self._in_place(srcs, numels, flat, flags, ok, reduction, lost, timeout)
+        work = torch.empty(size_all, dtype=dtype)
+        if one_chunk:  # one op writes, one reduces
             def write(mine, start: int, size: int) -> None:
                 torch.cat(flat, out=mine.view(dtype))
 
@@ -205,6 +213,41 @@ class SameHostReduce:
                 torch._foreach_copy_([d for d, _ in pairs], [o for _, o in pairs])
             outs = into
         return good, [o if g else None for o, g in zip(outs, good)]
+
+    def _in_place(self, srcs: list, numels, flat: list, flags: torch.Tensor, ok, reduction: str, lost,
+                  timeout: float) -> tuple[list, list]:
+        """``allreduce_many`` in place on a member of rank 0 or 1, of tensors that fit in one chunk and share no
+        memory: each tensor, still this member's own input, takes the other members' parts in rank order
+        with one grouped (``_foreach_``) op per member, no buffer and no copy back. The bits are the rank-order
+        reduce's: on member 1, ``s1 + s0`` equals ``s0 + s1`` (each op here is commutative), and the rest
+        follow in order."""
+        dtype, k, n = flags.dtype, flags.numel(), self.n
+        op = _REDUCE[reduction]
+        size = sum(t.numel() for t in flat) * flags.element_size()
+        got: list = []
+
+        def write(mine, start: int, size: int) -> None:
+            torch.cat(flat, out=mine.view(dtype))
+
+        def use(slots, start: int, size: int) -> None:
+            got.extend(s[:size].view(dtype) for s in slots)
+
+        self._chunks(size, flags.element_size(), write, use, lost, timeout)
+        fl = op(got[0][:k], got[1][:k])
+        for p in got[2:]:
+            fl = op(fl, p[:k])
+        good = (fl == ok).tolist()
+        keep = [i for i, g in enumerate(good) if g]
+        if keep:
+            dsts = [srcs[i].view(-1) for i in keep]
+            grouped = _FOREACH[reduction]
+            for j, p in enumerate(got):
+                if j != self.me:
+                    parts = p[k:].split(list(numels))
+                    grouped(dsts, [parts[i] for i in keep])
+            if reduction == "avg":
+                torch._foreach_div_(dsts, n)
+        return good, [s if g else None for s, g in zip(srcs, good)]
 
     def allgather(self, output: torch.Tensor, input: torch.Tensor, lost, timeout: float) -> None:
         """``output`` (n times ``input``'s elements) = every member's ``input``, in rank order."""
