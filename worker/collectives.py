@@ -513,8 +513,9 @@ class Collectives:
 
     def reduce_many(self, ts: list, ranks: tuple[int, ...], reduction: str, inplace: bool, stream: int,
                     numels: tuple, dtype: torch.dtype) -> list:
-        """``reduce`` of several tensors of one ``dtype`` in one collective (not "stack", no scatter): copied side
-        by side into one buffer, a flag per tensor after them. ``ts[i]`` None: this rank's input i failed (it
+        """``reduce`` of several tensors of one ``dtype`` in one collective (not "stack", no scatter): a flag per
+        tensor, then the tensors side by side, in one buffer (through a same-host group's shared memory, written
+        straight from the tensors: ``SameHostReduce.allreduce_many``). ``ts[i]`` None: this rank's input i failed (it
         takes part with zeros). The results: per tensor, its result (a view of the buffer, or ``ts[i]``
         written in place), or None where some member's input i failed."""
         if reduction not in _OPS:

@@ -168,8 +168,8 @@ class Reduce:
 @_fast_reduce
 @dataclass(frozen=True, slots=True)
 class ReduceMany:
-    """Several reduces of one dtype, group and reduction in one collective: their elements side by side in
-    one buffer, as DDP's buckets, then one flag per tensor. Made by a pytree's ``reduce``/``reduce_`` and by
+    """Several reduces of one dtype, group and reduction in one collective: one flag per tensor, then their
+    elements side by side, as DDP's buckets. Made by a pytree's ``reduce``/``reduce_`` and by
     the controller from adjacent ``Reduce``s of a batch. Each result lands at ``outs[i]`` (for ``inplace``,
     ``outs`` are the ``srcs``, written in place); ``numels`` are the ``srcs``' sizes. A failed input fails
     only its own result, as separate reduces would, and names its own ``locs[i]``."""
