@@ -268,9 +268,10 @@ def test_a_silent_member_times_the_wait_out_and_a_gone_one_fails_it_at_once():
        flat=st.lists(st.booleans(), min_size=N, max_size=N), seed=st.integers(0, 2**16))
 def test_many_tensors_at_once_equal_local_torch_and_either_layout_meets_the_other(
         members, numels, dtype, reduction, inplace, failed, flat, seed):
-    """``allreduce_many`` (each tensor straight into the slots and back), whatever each member's choice
-    between it and one buffer of them all: every tensor equals local torch's reduce bit for bit, and one that
-    failed on some member (None there) comes through on none."""
+    """``allreduce_many`` (each tensor straight into the slot; in place, members 0 and 1 add the others' parts
+    into their own tensors), whatever each member's choice between it and one buffer of them all: every
+    tensor equals local torch's reduce bit for bit, and one that failed on some member (None there) comes
+    through on none."""
     g = torch.Generator().manual_seed(seed)
     data = [[(torch.randn(k, generator=g) * 10).to(dtype) for k in numels] for _ in range(N)]
     lost = None
