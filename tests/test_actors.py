@@ -1738,7 +1738,7 @@ def test_a_calls_arguments_are_checked_as_binding_them_would():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from monarch_tensor.actor import _check_arguments
+    from monarch_tensor.actor import _check_arguments, _signature
 
     @settings(max_examples=150, deadline=None)
     @given(n_pos=st.integers(0, 3), n_defaults=st.integers(0, 3), var_args=st.booleans(),
@@ -1755,7 +1755,7 @@ def test_a_calls_arguments_are_checked_as_binding_them_would():
         except TypeError:
             binds = False
         try:
-            _check_arguments(cls, "method", "method", args, kwargs)
+            _check_arguments(cls, "method", _signature(cls, "method", "method"), args, kwargs)
             passes = True
         except TypeError as e:
             assert str(e).startswith("Checked.method(): ")

@@ -603,11 +603,10 @@ def _positional_bounds(sig: inspect.Signature, leading: tuple) -> tuple[float, f
     return lo - len(leading), hi - len(leading)
 
 
-def _check_arguments(cls: type, method: str, wire_method: str, args: tuple, kwargs: dict) -> None:
-    """A call's arguments must fit its endpoint's signature: a ``TypeError`` at the call, as Monarch's (not an
-    ``ActorError`` from every rank later, nor only a log line for a broadcast). ``wire_method``: the method as
-    sent (``"name/port"``: as_endpoint(..., explicit_response_port=True)); found once per class and method.
-    A call without keywords is checked by its count of arguments alone (what binding it would decide)."""
+def _signature(cls: type, method: str, wire_method: str) -> tuple:
+    """What checks a call's arguments against its endpoint's signature: ``(signature or None, leading, lo,
+    hi)``, found once per class and method (``_check_arguments``). ``wire_method``: the method as sent
+    (``"name/port"``: as_endpoint(..., explicit_response_port=True))."""
     entry = _signatures.get((cls, wire_method))
     if entry is None:
         fn = inspect.getattr_static(cls, method, None)
@@ -619,6 +618,14 @@ def _check_arguments(cls: type, method: str, wire_method: str, args: tuple, kwar
         leading = (None, None) if explicit else (None,)  # self (and port)
         lo, hi = (0, float("inf")) if sig is None else _positional_bounds(sig, leading)
         entry = _signatures[(cls, wire_method)] = (sig, leading, lo, hi)
+    return entry
+
+
+def _check_arguments(cls: type, method: str, entry: tuple, args: tuple, kwargs: dict) -> None:
+    """A call's arguments must fit its endpoint's signature (``entry``, from ``_signature``): a ``TypeError``
+    at the call, as Monarch's (not an ``ActorError`` from every rank later, nor only a log line for a
+    broadcast). A call without keywords is checked by its count of arguments alone (what binding it would
+    decide)."""
     sig, leading, lo, hi = entry
     if sig is None or (not kwargs and lo <= len(args) <= hi):
         return
@@ -638,12 +645,16 @@ class Endpoint(Generic[R]):
         # "name/port" for explicit_response_port), since it otherwise refuses to run one.
         self._wire_method = f"{method}/{plain}" if plain else method
         self._propagate = None  # as_endpoint(propagate=...); else the @endpoint's
+        self._sig: tuple | None = None  # _signature's, found at the first call
 
     def __repr__(self) -> str:
         return f"<endpoint {self._mesh._label}.{self._method} of {self._mesh._what()} {self._mesh._shape}>"
 
     def _check(self, args: tuple, kwargs: dict) -> None:
-        _check_arguments(self._mesh._class, self._method, self._wire_method, args, kwargs)
+        entry = self._sig
+        if entry is None:
+            entry = self._sig = _signature(self._mesh._class, self._method, self._wire_method)
+        _check_arguments(self._mesh._class, self._method, entry, args, kwargs)
 
     def _send(self, ranks: list[int], args, kwargs, port: PortRef | None, addrs: list[str] | None = None,
               fold: dict | None = None, mailbox: Mailbox | None = None) -> None:
