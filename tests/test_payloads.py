@@ -227,6 +227,30 @@ def hosts(tmp_path_factory):
         job.kill()
 
 
+@pytest.mark.timeout(120)
+def test_a_proc_at_an_address_an_earlier_proc_had_is_not_taken_for_that_one(tmp_path):
+    """A host agent whose port the system hands out again gives its procs the addresses an earlier agent's
+    procs had: what this process recorded of those (a death) must not refuse calls to the new ones. (In CI
+    an earlier test's stopped proc left such a record and a later fixture's fresh mesh was refused.)"""
+    from monarch_tensor.errors import MeshStoppedError
+    from monarch_tensor.transport.mailbox import local_mailboxes
+
+    job = LocalJob(meshes={"m": 1}, root_dir=str(tmp_path), ttl=120)
+    try:
+        first = job.state().m.spawn_procs(per_host={"gpus": 1})
+        base, _, n = first._procs[0].addr.rpartition("|")
+        nxt = f"{base}|{int(n) + 1}"  # the agent numbers its procs: where its next one will be
+        for mailbox in local_mailboxes():  # as an earlier proc stopped at that address leaves it
+            mailbox.proc_died(nxt, MeshStoppedError(f"proc {nxt} (rank 0) was stopped (stopped by client)"))
+        second = job.state().m.spawn_procs(per_host={"gpus": 1})
+        assert second._procs[0].addr == nxt
+        assert second.spawn("echo_again", Echo).echo.call_one(3).get(timeout=60) == 3
+        second.stop().get(timeout=30)
+        first.stop().get(timeout=30)
+    finally:
+        job.kill()
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("backend", ["", "tcp"])
 def test_actor_arguments_and_results_to_other_hosts_are_pulled_over_the_data_plane(hosts, backend,

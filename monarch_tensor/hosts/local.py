@@ -63,6 +63,17 @@ class ProcInfo:
         self.__init__(**state)
 
 
+def forget_earlier_proc(info: ProcInfo) -> None:
+    """``info`` is a proc just spawned: what this process recorded under its address was an earlier proc's,
+    whose host agent had the same port (the system hands ports out again): its death, and the names of the
+    actors spawned there."""
+    from ..transport.mailbox import local_mailboxes
+
+    for mailbox in local_mailboxes():
+        mailbox.proc_born(info.addr)
+    info.actors = _actors_spawned_here[info.addr] = set()
+
+
 def _gpu_count() -> int:
     """GPUs on this host, without initialising CUDA in this process."""
     try:

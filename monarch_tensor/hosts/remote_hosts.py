@@ -45,7 +45,7 @@ from ._spawn import HOST_PYTHON_ENV, _procs_shape, check_procs_per_host, local_p
 from .agent_messages import EndSession, KeepSession, KillProcs, OpenSession, ReportExit, ShutdownAgent, SpawnProcs
 from .bootstrap import bootstrap_plan, check_bootstrap, run_bootstrap
 from .host_mesh import HostMesh
-from .local import ProcInfo
+from .local import ProcInfo, forget_earlier_proc
 from .proc_mesh import ProcMesh, _live_meshes
 
 log = logging.getLogger("monarch_tensor.hosts.remote_hosts")
@@ -576,6 +576,7 @@ class RemoteHostMesh(HostMesh):
         for (agent, ranks, _), rep in zip(pending, results):
             for r, addr, pid in zip(ranks, rep.addrs, rep.pids):
                 info = ProcInfo(addr, r, pid)
+                forget_earlier_proc(info)
                 info.owner = mesh
                 info.agent = agent
                 agent.procs[pid] = info

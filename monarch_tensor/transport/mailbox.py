@@ -518,6 +518,11 @@ class Mailbox:
     def death_of(self, addr: str) -> SupervisionError | None:
         return self._dead.get(addr)
 
+    def proc_born(self, addr: str) -> None:
+        """A new proc was spawned at ``addr``: a death recorded there was an earlier proc's (a host agent whose
+        port the system handed out again gives its procs the same addresses), not this one's."""
+        self._dead.pop(addr, None)
+
     def any_death_among(self, addrs: list[str]) -> bool:
         """Whether a proc at one of ``addrs`` died (``death_of``), without a Python step per address."""
         return bool(self._dead) and not self._dead.keys().isdisjoint(addrs)
