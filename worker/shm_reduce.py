@@ -45,6 +45,13 @@ _FOREACH = {"sum": torch._foreach_add_, "avg": torch._foreach_add_, "max": torch
 _POLL_S = 0.5  # how often a wait looks at the controller's death reports
 
 
+def _fold(op, parts: list, out: torch.Tensor) -> None:
+    """``out`` = ``parts`` reduced by ``op`` in rank order (every member computes the same bits)."""
+    op(parts[0], parts[1], out=out)
+    for p in parts[2:]:
+        op(out, p, out=out)
+
+
 def _host_id() -> str:
     """What two procs share when they can meet here: one kernel (its boot), one user, and the same network and
     mount namespaces (the sockets' abstract names are per network namespace; /dev/shm is per mount)."""
@@ -139,11 +146,7 @@ class SameHostReduce:
         op = _REDUCE[reduction]
 
         def reduce(slots, start: int, size: int) -> None:
-            out = flat[start:start + size].view(work.dtype)
-            parts = [s[:size].view(work.dtype) for s in slots]
-            op(parts[0], parts[1], out=out)
-            for p in parts[2:]:
-                op(out, p, out=out)
+            _fold(op, [s[:size].view(work.dtype) for s in slots], flat[start:start + size].view(work.dtype))
 
         flat = _bytes(work)
         self._exchange(flat, work.element_size(), reduce, lost, timeout)
@@ -164,24 +167,20 @@ class SameHostReduce:
         size_all = k + sum(numels)
         flat = [flags] + [s.view(-1) if s is not None else torch.zeros(c, dtype=dtype) for s, c in zip(srcs, numels)]
 
-        def reduce(parts: list, out: torch.Tensor) -> None:
-            op(parts[0], parts[1], out=out)
-            for p in parts[2:]:
-                op(out, p, out=out)
+        def write_all(mine, start: int, size: int) -> None:  # (one chunk: one op writes them all)
+            torch.cat(flat, out=mine.view(dtype))
 
         one_chunk = size_all * width <= SLOT_BYTES - SLOT_BYTES % width
-        if one_chunk and into is not None and self.me < 2 and _FOREACH.get(reduction) is not None \
-                and (reduction != "avg" or dtype.is_floating_point) and len(into) == len(srcs) \
+        if one_chunk and into is not None and self.me < 2 and (reduction != "avg" or dtype.is_floating_point) \
                 and all(d is s and s is not None for d, s in zip(into, srcs)) \
                 and len({s.untyped_storage().data_ptr() for s in srcs}) == len(srcs):
-            return self._in_place(srcs, numels, flat, flags, ok, reduction, lost, timeout)
+            return self._in_place(srcs, numels, size_all * width, write_all, k, reduction, ok, lost, timeout)
         work = torch.empty(size_all, dtype=dtype)
-        if one_chunk:  # one op writes, one reduces
-            def write(mine, start: int, size: int) -> None:
-                torch.cat(flat, out=mine.view(dtype))
+        if one_chunk:
+            write = write_all
 
             def use(slots, start: int, size: int) -> None:
-                reduce([s[:size].view(dtype) for s in slots], work)
+                _fold(op, [s[:size].view(dtype) for s in slots], work)
         else:  # piece by piece: the pieces of the tensors in each chunk
             starts = [0]
             for t in flat:
@@ -199,7 +198,7 @@ class SameHostReduce:
                     mine[lo:hi].copy_(piece)
 
             def use(slots, start: int, size: int) -> None:
-                reduce([s[:size].view(dtype) for s in slots], bwork[start:start + size].view(dtype))
+                _fold(op, [s[:size].view(dtype) for s in slots], bwork[start:start + size].view(dtype))
 
         self._chunks(size_all * width, width, write, use, lost, timeout)
         good = (work[:k] == ok).tolist()
@@ -214,28 +213,22 @@ class SameHostReduce:
             outs = into
         return good, [o if g else None for o, g in zip(outs, good)]
 
-    def _in_place(self, srcs: list, numels, flat: list, flags: torch.Tensor, ok, reduction: str, lost,
+    def _in_place(self, srcs: list, numels, size: int, write, k: int, reduction: str, ok, lost,
                   timeout: float) -> tuple[list, list]:
-        """``allreduce_many`` in place on a member of rank 0 or 1, of tensors that fit in one chunk and share no
-        memory: each tensor, still this member's own input, takes the other members' parts in rank order
-        with one grouped (``_foreach_``) op per member, no buffer and no copy back. The bits are the rank-order
-        reduce's: on member 1, ``s1 + s0`` equals ``s0 + s1`` (each op here is commutative), and the rest
-        follow in order."""
-        dtype, k, n = flags.dtype, flags.numel(), self.n
-        op = _REDUCE[reduction]
-        size = sum(t.numel() for t in flat) * flags.element_size()
+        """``allreduce_many`` in place on a member of rank 0 or 1, of tensors that fit in one chunk (``size``
+        bytes, ``k`` flags first, ``write`` puts them in the slot) and share no memory: each tensor, still this
+        member's own input, takes the other members' parts in rank order with one grouped (``_foreach_``) op
+        per member, no buffer and no copy back. The bits are the rank-order reduce's: on member 1, ``s1 + s0``
+        equals ``s0 + s1`` (each op here is commutative), and the rest follow in order."""
+        op, n = _REDUCE[reduction], self.n
         got: list = []
 
-        def write(mine, start: int, size: int) -> None:
-            torch.cat(flat, out=mine.view(dtype))
-
         def use(slots, start: int, size: int) -> None:
-            got.extend(s[:size].view(dtype) for s in slots)
+            got.extend(s[:size].view(srcs[0].dtype) for s in slots)
 
-        self._chunks(size, flags.element_size(), write, use, lost, timeout)
-        fl = op(got[0][:k], got[1][:k])
-        for p in got[2:]:
-            fl = op(fl, p[:k])
+        self._chunks(size, srcs[0].element_size(), write, use, lost, timeout)
+        fl = torch.empty_like(got[0][:k])
+        _fold(op, [p[:k] for p in got], fl)
         good = (fl == ok).tolist()
         keep = [i for i, g in enumerate(good) if g]
         if keep:
@@ -273,11 +266,7 @@ class SameHostReduce:
             lo, hi = max(start, mine), min(start + size, mine + part)
             if lo >= hi:
                 return
-            dst = out[lo - mine:hi - mine].view(dtype)
-            srcs = [s[lo - start:hi - start].view(dtype) for s in slots]
-            op(srcs[0], srcs[1], out=dst)
-            for p in srcs[2:]:
-                op(dst, p, out=dst)
+            _fold(op, [s[lo - start:hi - start].view(dtype) for s in slots], out[lo - mine:hi - mine].view(dtype))
 
         self._exchange(_bytes(input), width, reduce, lost, timeout)
 
