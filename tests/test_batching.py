@@ -278,6 +278,39 @@ def test_a_script_that_exits_right_after_a_burst_still_delivers_it(tmp_path):
         rx.close()
 
 
+def test_what_a_script_sent_last_waits_at_its_exit_for_a_peer_not_connected_yet(tmp_path):
+    # The script's peer binds only after the script sent its burst and printed that it ends: the burst
+    # can reach it only if the script's exit waits for delivery (at the interpreter's exit pyzmq leaves
+    # its context as it is, and queued messages went with the process). The test binds right after the
+    # line; the exit waits up to _EXIT_LINGER_MS for it.
+    addr = mailbox_mod.new_ipc_address("late-peer")
+    script = tmp_path / "burst_then_exit.py"
+    script.write_text(
+        "import sys\n"
+        "from monarch_tensor.transport.mailbox import current_mailbox\n"
+        "from monarch_tensor.transport.messages import CallEndpoint\n"
+        "mb = current_mailbox()\n"
+        "for i in range(20):\n"
+        "    mb.send(sys.argv[1], CallEndpoint('a', 'm', (i,), {}, None), batch=i % 2 == 0)\n"
+        "print('ending', flush=True)\n")
+    proc = subprocess.Popen([sys.executable, str(script), addr], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=str(tmp_path),
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    rx = None
+    try:
+        assert proc.stdout.readline().strip() == "ending", proc.stderr.read()
+        time.sleep(0.3)  # longer than the interpreter takes to end (40-70 ms here) when nothing waits
+        inbox = _Inbox()
+        rx = Mailbox(addr=addr, on_message=inbox)
+        assert [m.args[0] for m in inbox.wait_for(20)] == list(range(20))
+        assert proc.wait(timeout=30) == 0, proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        if rx is not None:
+            rx.close()
+
+
 @pytest.mark.parametrize("bad", ["fast", "-5"])
 def test_a_bad_batch_gap_setting_is_a_clear_error(monkeypatch, bad):
     monkeypatch.setenv("MONARCH_TENSOR_BATCH_GAP_US", bad)

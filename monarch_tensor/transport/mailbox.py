@@ -71,6 +71,7 @@ RECEIVE_ON_WAIT = setting("MONARCH_TENSOR_RECEIVE_ON_WAIT")
 SPIN_S = _us_from_env("MONARCH_TENSOR_SPIN_US")
 _sched_yield = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))  # both release the GIL
 _LEAD_SLICE_MS = 100  # a receiving waiter's longest poll before it looks at the clock and the mailbox
+_EXIT_LINGER_MS = 2000  # at a script's exit, how long what it sent last may wait for its peer (_close_at_exit)
 _LINGER_S = 0.002  # after a waiter received, the I/O thread waits this long for the next one before it takes over
 _PARKED_S = 1.0  # the I/O thread's longest wait while a waiter that notifies it as it leaves receives (a backstop)
 _HELP_TICK_S = 0.002  # how long a message waits on a busy proc's socket before a waiting thread takes it (receive_for)
@@ -1065,7 +1066,9 @@ class Mailbox:
         """Whether ``close`` ran (this process is stopping): sends raise ``RuntimeError``."""
         return self._closed
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 500) -> None:
+        """Stop receiving and close every socket; what was sent and not yet delivered has ``linger_ms`` to
+        leave (a peer that has not connected yet still gets it if it binds within that time)."""
         if self._closed:
             return
         self.flush()
@@ -1084,10 +1087,10 @@ class Mailbox:
         got = self.receiver_ident != threading.get_ident() and self._rx_lock.acquire(timeout=5)
         with self._send_lock:
             for sock in self._out.values():
-                sock.close(linger=500)
+                sock.close(linger=linger_ms)
             self._out.clear()
             if self._up_sock is not None:  # (every socket closes before ctx.term(), which otherwise waits for ever)
-                self._up_sock.close(linger=500)
+                self._up_sock.close(linger=linger_ms)
                 self._up_sock = None
         wake.close(linger=0)
         self._router.close(linger=0)
@@ -1206,16 +1209,20 @@ def current_mailbox() -> Mailbox:
 
 
 @atexit.register
-def _flush_at_exit() -> None:
-    """What a script sent last leaves before the interpreter goes (zmq then lingers to deliver it)."""
+def _close_at_exit() -> None:
+    """What a script sent last reaches its peers before the interpreter goes, and its socket file goes.
+
+    Only a closed context waits for its sockets' queued messages: at the interpreter's exit pyzmq leaves
+    the context as it is, and zmq's I/O thread ends with the process. A flush alone lost a burst sent right
+    before the end whenever the connection to its peer was not up yet (a loaded machine). Closing waits
+    for delivery, at most ``_EXIT_LINGER_MS`` (peers that went away are forgotten when they stop: nothing
+    waits for them). The procs were stopped by the hooks that ran before this one.
+    """
     if _mailbox is not None:
         try:
-            _mailbox.flush()
-        except Exception:  # noqa: BLE001 - closed already
-            pass
-        # Its socket file goes too (a script's was left in the socket directory, one per run); peers
-        # already connected keep their connections.
-        _mailbox._unlink_socket_file()
+            _mailbox.close(linger_ms=_EXIT_LINGER_MS)
+        except Exception:  # noqa: BLE001 - the script ends anyway; its socket file still goes
+            _mailbox._unlink_socket_file()
 
 
 def set_current_mailbox(mb: Mailbox) -> None:
