@@ -132,6 +132,9 @@ def test_apply_exec_kill(workdir):
                          stderr=subprocess.PIPE, text=True)
     try:
         assert p.stdout.readline() == "started\n"
+        deadline = time.monotonic() + 30  # (bash printed, then execs sleep: pgrep may look before the exec)
+        while not sleeping("61.25") and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert sleeping("61.25")
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=60)

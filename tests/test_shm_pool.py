@@ -193,7 +193,8 @@ def test_what_a_killed_reader_held_is_released(monkeypatch):
             with pytest.raises(SupervisionError, match="SIGKILL"):
                 fut.get(timeout=30)
         deadline = time.monotonic() + 10  # (released as the death is handled, which a loaded machine may finish
-        while _oneoff_files() != before and time.monotonic() < deadline:  # after the calls' failure reached us)
+        while ((_oneoff_files() != before or not all(s.free() for s in _shm._get_pool().segments))
+               and time.monotonic() < deadline):  # after the calls' failure reached us)
             time.sleep(0.05)
         assert _oneoff_files() == before, "the dead reader's name of the one-off file is unlinked"
         assert all(s.free() for s in _shm._get_pool().segments), "the dead reader's hold flag is cleared"
