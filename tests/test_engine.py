@@ -486,10 +486,6 @@ def test_coalescing_sends_the_ops_of_its_block_as_one_batch(procs, monkeypatch):
     with procs.activate():
         x = torch.zeros(4)
         inspect(x)
-        # Garbage of earlier tests (a borrow on another stream, in a reference cycle) is collected now, not
-        # inside the block: its finalizer queues the borrow's drop for its own ranks, which would send the
-        # block's batch so far when the next op joins (a change of ranks).
-        gc.collect()
         client.flush_deletes()  # (deletes of tensors dropped before the block go now, not at its start)
         sent.clear()
         with monarch_tensor.coalescing():
