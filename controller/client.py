@@ -344,11 +344,24 @@ class MeshClient:
                 except Exception:  # noqa: BLE001 - closing down
                     pass
 
+    def flush_if_idle(self, n: int) -> bool:
+        """The flusher's: send the batch if it still holds ``n`` instructions (the script paused), unless a
+        ``coalescing()`` block holds it; True when the batch needs no more watching. Checked under the lock
+        that ``issue`` takes, so that ops the script issues meanwhile (a block that begins between the check
+        and the send) never leave early."""
+        with self._lock:
+            if self in _held:  # coalescing(): its end sends the batch
+                return True
+            if len(self._q) != n:  # it grew: the script is still issuing
+                return False
+            self.flush()
+            return True
+
     def flush_deletes(self) -> None:
         """Send the queued deletes, to every rank, when nothing else waits to be sent (every use of their refs
-        left already)."""
+        left already), and no ``coalescing()`` block is open."""
         with self._lock:
-            if self._q or self.closed:
+            if self._q or self.closed or _held:
                 return
             if self._late:  # (a borrow that dropped itself: flush() sends it, and the deletes after it)
                 self.flush()
@@ -510,14 +523,11 @@ class _Flusher:
                 sizes = {c: len(c._q) for c in list(self._pending)}
                 time.sleep(IDLE_S)
                 for c, n in sizes.items():
-                    if c in _held:  # coalescing(): its end sends the batch
+                    try:
+                        if c.flush_if_idle(n):
+                            self._pending.discard(c)
+                    except Exception:  # noqa: BLE001 - e.g. a closed mailbox at exit
                         self._pending.discard(c)
-                    elif len(c._q) == n:  # no growth: the script paused
-                        self._pending.discard(c)
-                        try:
-                            c.flush()
-                        except Exception:  # noqa: BLE001 - e.g. a closed mailbox at exit
-                            pass
 
 
 _flusher = _Flusher()

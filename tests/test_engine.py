@@ -502,6 +502,39 @@ def test_coalescing_sends_the_ops_of_its_block_as_one_batch(procs, monkeypatch):
     assert len(sent) > 2  # without coalescing(): several batches
 
 
+def test_an_idle_flush_decided_before_a_coalescing_block_sends_none_of_its_ops(procs, monkeypatch):
+    # The flusher saw the batch stop growing, then the script began a block and issued into it before the
+    # flusher sent: the send must see the block (CI once sent 44 of a block's ops early so). The script's
+    # thread holds the client's lock while the flusher's decision waits for it.
+    from monarch_tensor.controller.api import client_for
+
+    import monarch_tensor
+
+    client = client_for(procs)
+    sent = []
+    real_send = client._send
+    monkeypatch.setattr(client, "_send", lambda batch, ranks: (batch and sent.append(len(batch)), real_send(batch, ranks)))
+    with procs.activate():
+        x = torch.zeros(4)
+        inspect(x)
+        sent.clear()
+        decided = []
+        with client._lock:
+            flusher = threading.Thread(target=lambda: decided.append(client.flush_if_idle(len(client._q))))
+            flusher.start()
+            time.sleep(0.05)  # (it waits for the lock)
+            with monarch_tensor.coalescing():
+                x = x + 1
+                client._lock.release()
+                try:
+                    flusher.join(timeout=30)
+                finally:
+                    client._lock.acquire()
+                assert decided == [True] and sent == []
+        assert len(sent) == 1  # at the block's end
+        assert inspect(x, gpus=1).tolist() == [1.0] * 4
+
+
 # ---- mesh tensors passed to actor endpoints ------------------------------------------------------------
 class _Holder(Actor):
     def __init__(self) -> None:
