@@ -7,6 +7,8 @@ local torch. Hypothesis draws shapes, placements and op chains.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,10 +22,12 @@ from monarch_tensor import (
     Replicate,
     Shard,
     ShardingError,
+    call_on_shard_and_fetch,
     distribute,
     fetch_shard,
     from_local,
     inspect,
+    remote,
     this_host,
 )
 from monarch_tensor.actor import Actor, endpoint
@@ -176,6 +180,56 @@ def test_partial_from_local_redistributes_to_replicate(mesh1d):
     dt = from_local(ones, mesh1d, [Partial()], shape=(3, 4))
     assert dt.placements == (Partial(),)
     _close(dt.redistribute(placements=[Replicate()]).full_tensor(), torch.full((3, 4), 2.0))
+
+
+def _shared_memory_groups(dt) -> list:
+    """On a worker: per dim of ``dt``'s DeviceMesh, whether its group's collectives go through shared memory."""
+    mesh = dt.device_mesh
+    return [getattr(mesh.get_group(i), "_shm", None) is not None for i in range(mesh.ndim)]
+
+
+def test_dtensor_collectives_on_one_host_go_through_shared_memory(mesh2d):
+    # DTensor's all-reduces, all-gathers and reduce-scatters of a mesh on one host (tensor parallelism's
+    # activations, FSDP's gathers) went over gloo's TCP sockets, while the engine's own reduces used the
+    # procs' shared memory: the same groups now take both.
+    x = torch.arange(48.0).reshape(6, 8)
+    dt = distribute(x, mesh2d, [Shard(0), Shard(1)])
+    for r in ({"dp": 0, "tp": 0}, {"dp": 1, "tp": 1}):
+        assert call_on_shard_and_fetch(remote(_shared_memory_groups), dt, shard=r).result(timeout=T) == [True, True]
+    _close(dt.redistribute(placements=[Replicate(), Replicate()]).full_tensor(), x)
+    summed = from_local(dt.to_local(), mesh2d, [Partial(), Partial()], shape=(3, 4))  # each rank's block
+    _close(summed.redistribute(placements=[Replicate(), Shard(0)]).full_tensor(),
+           x[:3, :4] + x[:3, 4:] + x[3:, :4] + x[3:, 4:])
+
+
+@pytest.mark.timeout(120)
+def test_a_dtensor_collective_that_waits_on_a_dead_proc_fails_and_frees_the_survivor(faults):
+    # Rank 0 waits in an all-gather through shared memory for rank 1, which is stopped, then killed: the
+    # controller's report of the death ends the wait (a shared-memory wait sees no closed socket), so the
+    # fetch fails and rank 0's stream runs what comes next.
+    import os
+    import signal
+
+    from monarch_tensor import SupervisionError
+
+    procs = this_host().spawn_procs({"dp": 2})
+    try:
+        with procs.activate():
+            pids = [call_on_shard_and_fetch("os.getpid", shard={"dp": r}).result(timeout=T) for r in (0, 1)]
+        dt = distribute(torch.ones(64, 4), procs, [Shard(0)])
+        dt.redistribute(placements=[Replicate()]).full_tensor()  # (the group is formed)
+        os.kill(pids[1], signal.SIGSTOP)
+        gathered = dt.redistribute(placements=[Replicate()])
+        pending = fetch_shard(gathered.to_local(), dp=0)
+        time.sleep(0.5)  # (rank 0 is in the all-gather)
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(SupervisionError, match="rank 1"):
+            pending.result(timeout=30)
+        with procs.slice(dp=0).activate():
+            y = torch.ones(3) * 2
+        assert fetch_shard(y).result(timeout=30).tolist() == [2.0] * 3  # (rank 0's stream was stuck: a timeout)
+    finally:
+        procs.stop().get(timeout=T)
 
 
 def test_to_local_and_from_local_round_trip_with_grads(mesh1d):

@@ -33,6 +33,7 @@ from .dummy_group import _Done
 from .shm_reduce import SameHostReduce
 
 TIMEOUT = setting("MONARCH_TENSOR_COLLECTIVE_TIMEOUT")
+dead_procs: set[int] = set()  # this proc's mesh's procs that died: the TensorWorker's Collectives.dead (worker.py)
 # How long a worker whose collective failed waits for the controller to say a member's proc died (see
 # Collectives._wait): a peer that died breaks the collective at once, its death report follows shortly.
 DEATH_REPORT_WAIT_S = 5.0

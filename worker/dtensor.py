@@ -28,7 +28,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_tensor
 
-from .collectives import connect_store, new_group, register_name, user_group
+from monarch_tensor.config import setting
+
+from . import collectives as _collectives
+from .collectives import connect_store, is_nccl, new_group, register_name, user_group
+from .shm_reduce import SameHostReduce
 
 BackendFactory = Callable[[tuple], object]
 """``factory(ranks) -> c10d Backend`` for the group of proc ranks ``ranks`` (this proc among them)."""
@@ -39,26 +43,42 @@ _meshes: dict[tuple, DeviceMesh] = {}          # (grid, names) -> DeviceMesh
 
 
 class StoreGroups:
-    """Gloo (CPU) or NCCL (GPU) backends rendezvousing through a TCPStore: the stand-alone factory.
+    """Gloo (CPU) or NCCL (GPU) backends rendezvousing through a TCPStore.
 
-    The tensor engine passes its own ``Collectives.group`` instead, so reduce
-    and DTensor share groups; tests and benchmarks that run DTensor inside
-    plain actors use this one.
+    The tensor engine's DTensor meshes use one (``engine_mesh``), with ``lost``: then a gloo group whose
+    members share a host also gets their shared-memory collectives (``same_host``), as the engine's own
+    reduces do (``Collectives.group``). Tests and benchmarks that run DTensor inside plain actors use one
+    without: no proc death would be reported to a shared-memory wait, while gloo's sockets see it.
 
     >>> groups = StoreGroups(rank, ("127.0.0.1", store.port))
     >>> mesh = device_mesh((0, 1), ("dp",), rank, groups.backend)
     """
 
     def __init__(self, rank: int, store_addr: tuple[str, int], device: torch.device | None = None,
-                 prefix: str = "dt") -> None:
+                 prefix: str = "dt", lost: Callable[[tuple], list] | None = None) -> None:
         self.rank, self.prefix = rank, prefix
         self.device = device or torch.device("cpu")
         self.store_host = store_addr[0]
         self.store = connect_store(store_addr)
+        self.lost = lost  # lost(ranks): those of ``ranks`` whose procs died
+
+    def _store_of(self, ranks: tuple):
+        return dist.PrefixStore(f"{self.prefix}/" + "_".join(map(str, ranks)) + "/", self.store)
 
     def backend(self, ranks: tuple):
-        store = dist.PrefixStore(f"{self.prefix}/" + "_".join(map(str, ranks)) + "/", self.store)
-        return new_group(store, ranks.index(self.rank), len(ranks), self.device, self.store_host)
+        return new_group(self._store_of(ranks), ranks.index(self.rank), len(ranks), self.device, self.store_host)
+
+    def same_host(self, ranks: tuple, backend) -> tuple | None:
+        """For ``user_group``: (the group's ``SameHostReduce``, its ``lost()``) where ``backend`` is gloo's, every
+        member runs on this host and they could map each other's files; else None. Every member calls it right
+        after ``backend(ranks)`` and gets the same answer."""
+        if self.lost is None or is_nccl(backend) or setting("MONARCH_TENSOR_NO_SHM_REDUCE"):
+            return None
+        shm = SameHostReduce.rendezvous(self._store_of(ranks), ranks.index(self.rank), len(ranks))
+        if shm is None:
+            return None
+        lost = self.lost
+        return shm, lambda: lost(ranks)
 
 
 class ProcDeviceMesh(DeviceMesh):
@@ -79,15 +99,18 @@ class ProcDeviceMesh(DeviceMesh):
         return self.get_group(mesh_dim).rank()
 
 
-def process_group(ranks: tuple, rank: int, factory: BackendFactory, device_type: str = "cpu") -> dist.ProcessGroup:
-    """The registered ``ProcessGroup`` over proc ranks ``ranks``, wrapping ``factory(ranks)`` (made once)."""
+def process_group(ranks: tuple, rank: int, factory: BackendFactory, device_type: str = "cpu",
+                  same_host: Callable | None = None) -> dist.ProcessGroup:
+    """The registered ``ProcessGroup`` over proc ranks ``ranks``, wrapping ``factory(ranks)`` (made once);
+    ``same_host(ranks, backend)``: its shared-memory collectives, if any (``StoreGroups.same_host``)."""
     with _lock:
         pg = _groups.get(ranks)
         if pg is not None:
             return pg
         backend = factory(ranks)
         me, n = ranks.index(rank), len(ranks)
-        pg = user_group(backend, me, n, torch.device(device_type))
+        shm = same_host(ranks, backend) if same_host is not None else None
+        pg = user_group(backend, me, n, torch.device(device_type), same_host=shm)
         name = "monarch_tensor:" + "_".join(map(str, ranks))
         pg._set_group_name(name)
         register_name(name, pg)  # (by name only: ProcDeviceMesh needs none of c10d's tables of the script's groups)
@@ -105,8 +128,9 @@ def dim_groups(grid: torch.Tensor, rank: int) -> list[tuple]:
 
 
 def device_mesh(grid: Sequence, names: Sequence[str], rank: int, factory: BackendFactory,
-                device_type: str = "cpu") -> DeviceMesh:
-    """The torch ``DeviceMesh`` of a proc mesh: ``grid`` nests its proc ranks in mesh order, ``names`` its dims.
+                device_type: str = "cpu", same_host: Callable | None = None) -> DeviceMesh:
+    """The torch ``DeviceMesh`` of a proc mesh: ``grid`` nests its proc ranks in mesh order, ``names`` its dims
+    (``same_host``: see ``process_group``).
 
     >>> mesh = device_mesh(((0, 1), (2, 3)), ("dp", "tp"), rank, groups.backend)
     """
@@ -120,7 +144,7 @@ def device_mesh(grid: Sequence, names: Sequence[str], rank: int, factory: Backen
     if len(names) != grid_t.ndim:
         raise ValueError(f"{len(names)} dim names {tuple(names)} for a {grid_t.ndim}-dim mesh")
     _install_strided_cost_estimate()
-    pgs = [process_group(g, rank, factory, device_type) for g in dim_groups(grid_t, rank)]
+    pgs = [process_group(g, rank, factory, device_type, same_host) for g in dim_groups(grid_t, rank)]
     mesh = ProcDeviceMesh(device_type, grid_t, mesh_dim_names=tuple(names), _init_backend=False, _rank=rank)
     mesh._dim_group_names = [pg.group_name for pg in pgs]
     for pg in pgs:
@@ -193,6 +217,10 @@ MeshSpec = tuple  # (store_addr, grid, names): how the controller names a proc m
 _store_groups: dict[tuple, StoreGroups] = {}
 
 
+def _lost(ranks: tuple) -> list:
+    return sorted(_collectives.dead_procs.intersection(ranks))
+
+
 _strided_costs_installed = False
 
 
@@ -245,8 +273,8 @@ def engine_mesh(rank: torch.Tensor, spec: MeshSpec, device: torch.device) -> Dev
     with _lock:
         groups = _store_groups.get(key)
         if groups is None:
-            groups = _store_groups[key] = StoreGroups(r, tuple(store_addr), device)
-    mesh = device_mesh(grid, names, r, groups.backend, device.type)
+            groups = _store_groups[key] = StoreGroups(r, tuple(store_addr), device, lost=_lost)
+    mesh = device_mesh(grid, names, r, groups.backend, device.type, groups.same_host)
     # plain mesh tensors mixed into DTensor ops (constants, optimizer step counts) count as replicated
     DTensor._op_dispatcher._allow_implicit_replication = True
     return mesh

@@ -38,6 +38,7 @@ from monarch_tensor.transport import _wire
 from monarch_tensor.transport.mailbox import LOST_REWRITES, current_mailbox
 from monarch_tensor.transport.messages import CallEndpoint, SendToPort
 
+from . import collectives
 from . import messages as m
 from . import opaque
 from .collectives import TIMEOUT, Collectives, restore_names
@@ -212,6 +213,7 @@ class TensorWorker(Actor):
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         self.refs: dict[int, Any] = {}
         self.coll = Collectives(self.rank, store_addr, self.device)
+        collectives.dead_procs = self.coll.dead  # (DTensor meshes' shared-memory collectives stop waiting for them too)
         self.inbox: dict[int, Any] = {}
         self.inbox_cv = threading.Condition()
         self.borrows: dict[int, list] = {}
