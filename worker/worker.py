@@ -38,9 +38,8 @@ from monarch_tensor.transport import _wire
 from monarch_tensor.transport.mailbox import LOST_REWRITES, current_mailbox
 from monarch_tensor.transport.messages import CallEndpoint, SendToPort
 
-from . import collectives
+from . import collectives, opaque
 from . import messages as m
-from . import opaque
 from .collectives import TIMEOUT, Collectives, restore_names
 from .containers import is_dataclass_instance, rebuild
 from .dummy_group import DummyProcessGroup
