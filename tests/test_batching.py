@@ -311,6 +311,30 @@ def test_what_a_script_sent_last_waits_at_its_exit_for_a_peer_not_connected_yet(
             rx.close()
 
 
+def test_a_child_forked_from_a_script_leaves_the_scripts_mailbox_alone_at_its_exit(tmp_path):
+    # The child inherits the script's mailbox object: its exit hook closed nothing of the parent's, but
+    # removed the parent's socket file, so no new peer could reach the script after the child ended.
+    script = tmp_path / "fork_exit.py"
+    script.write_text(
+        "import os, queue, sys\n"
+        "from monarch_tensor.transport.mailbox import Mailbox, set_current_mailbox\n"
+        "from monarch_tensor.transport.messages import CallEndpoint\n"
+        "got = queue.Queue()\n"
+        "mb = Mailbox(on_message=got.put)\n"
+        "set_current_mailbox(mb)  # (the one the exit hook closes)\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    sys.exit(0)\n"
+        "assert os.waitpid(pid, 0)[1] == 0\n"
+        "late = Mailbox()  # a peer that connects after the child ended\n"
+        "late.send(mb.addr, CallEndpoint('a', 'm', (7,), {}, None))\n"
+        "print('got', got.get(timeout=20).args, flush=True)\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=str(tmp_path),
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "got (7,)"
+
+
 @pytest.mark.parametrize("bad", ["fast", "-5"])
 def test_a_bad_batch_gap_setting_is_a_clear_error(monkeypatch, bad):
     monkeypatch.setenv("MONARCH_TENSOR_BATCH_GAP_US", bad)

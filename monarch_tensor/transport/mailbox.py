@@ -195,6 +195,7 @@ class Mailbox:
     def __init__(self, addr: str | None = None, on_message: Callable[[object], None] | None = None,
                  on_logs: Callable[[ForwardLogs], None] | None = None, io_thread: bool = True) -> None:
         self.ctx = zmq.Context()
+        self.pid = os.getpid()  # (a child forked from this process inherits the object, not the mailbox)
         self.addr = addr or new_ipc_address("client")
         self._router = self.ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -1218,7 +1219,7 @@ def _close_at_exit() -> None:
     for delivery, at most ``_EXIT_LINGER_MS`` (peers that went away are forgotten when they stop: nothing
     waits for them). The procs were stopped by the hooks that ran before this one.
     """
-    if _mailbox is not None:
+    if _mailbox is not None and _mailbox.pid == os.getpid():  # (not in a child forked from the script)
         try:
             _mailbox.close(linger_ms=_EXIT_LINGER_MS)
         except Exception:  # noqa: BLE001 - the script ends anyway; its socket file still goes
