@@ -465,6 +465,33 @@ def test_unhandled_failure_stops_the_script_by_default(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_a_child_forked_from_the_script_leaves_its_procs_alone_when_it_exits(tmp_path):
+    # The child ran the script's exit hooks: it stopped (SIGKILLed) the script's procs, whose deaths then
+    # ended the script with an unhandled supervision failure.
+    script = tmp_path / "client.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {ROOT!r})
+        from monarch_tensor.actor import Actor, endpoint, this_host
+        class A(Actor):
+            @endpoint
+            def f(self):
+                return os.getpid()
+        procs = this_host().spawn_procs({{"gpus": 2}})
+        a = procs.spawn("a", A)
+        before = a.f.call().get(timeout=30).values()
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        print("same procs", a.f.call().get(timeout=30).values() == before, flush=True)
+    """))
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=50)
+    assert (p.returncode, p.stdout) == (0, "same procs True\n"), p
+    assert "supervision" not in p.stderr, p
+
+
+@pytest.mark.timeout(60)
 def test_several_unhandled_faults_at_once_interrupt_the_script_once(tmp_path):
     # A broadcast that raises on every proc is four faults at once, each on a thread of its own: each sent
     # the main thread a KeyboardInterrupt, and the later ones cut off its finally blocks and the library's

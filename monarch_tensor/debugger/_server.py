@@ -65,13 +65,16 @@ def ensure_server() -> tuple[str, int]:
             with os.fdopen(fd, "w") as f:
                 json.dump({"pid": os.getpid(), "host": host, "port": srv.getsockname()[1], "token": _token,
                            "script": " ".join(sys.argv)}, f)
-            atexit.register(_remove_info, path)
+            atexit.register(_remove_info, path, os.getpid())
             _server = srv
             threading.Thread(target=_accept, args=(srv,), daemon=True, name="monarch-tensor-debug").start()
         return _server.getsockname()
 
 
-def _remove_info(path: str) -> None:
+def _remove_info(path: str, pid: int | None = None) -> None:
+    """Remove the server's file; at exit (``pid``: the script's) not in a child forked from the script."""
+    if pid is not None and os.getpid() != pid:
+        return
     try:
         os.unlink(path)
     except OSError:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import math
+import os
 import sys
 import threading
 import time
@@ -268,7 +269,15 @@ def flush(older_than: float | None = None) -> None:
         out.flush()
 
 
-atexit.register(flush)  # what the last window folded (procs stopped at exit flush first: host.ProcMesh.stop)
+_PID = os.getpid()
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    """What the last window folded (procs stopped at exit flush first: host.ProcMesh.stop); not in a child
+    forked from the script, whose windows are the script's."""
+    if os.getpid() == _PID:
+        flush()
 
 
 def _flush_loop() -> None:
