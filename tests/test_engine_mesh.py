@@ -640,8 +640,13 @@ def test_a_collective_whose_input_failed_on_one_rank_fails_on_every_rank_without
             fetch_shard(z, hosts=0, gpus=1).result(timeout=60)
         other_group = fetch_shard(z, hosts=1, gpus=0).result(timeout=60)  # ranks 2 and 3 had their inputs
         again = fetch_shard(x.reduce("gpus", "sum"), hosts=0, gpus=0).result(timeout=60)
+        stacked = y.reduce("gpus", "stack")  # (an all-gather, through shared memory on one host: the same flag)
+        with pytest.raises(RemoteException, match="its input failed on another rank of the group \\(0, 1\\)"):
+            fetch_shard(stacked, hosts=0, gpus=0).result(timeout=60)
+        other_stack = fetch_shard(stacked, hosts=1, gpus=1).result(timeout=60)
     torch.testing.assert_close(other_group, _local(2) + _local(3))
     torch.testing.assert_close(again, _local(0) + _local(1))
+    torch.testing.assert_close(other_stack, torch.stack([_local(2), _local(3)]))
 
 
 def test_collectives_on_two_streams_keep_to_their_own_tensors(mesh):

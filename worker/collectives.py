@@ -584,9 +584,14 @@ class Collectives:
             buf = self._flagged(t, numel, dtype, 0, 1, device)
             if n == 1:
                 return buf[:numel].view(shape).unsqueeze(0)
-            outs = [torch.empty_like(buf) for _ in range(n)]
-            self._wait(pg.allgather([outs], [buf]), ranks)
-            gathered = torch.stack(outs)
+            shm = self._shm.get((ranks, stream))
+            if shm is not None and shm.takes(buf):  # (the same choice on every member: buf is a CPU tensor)
+                gathered = torch.empty((n, buf.numel()), dtype=buf.dtype)
+                shm.allgather(gathered, buf, lambda: sorted(self.dead.intersection(ranks)), TIMEOUT)
+            else:
+                outs = [torch.empty_like(buf) for _ in range(n)]
+                self._wait(pg.allgather([outs], [buf]), ranks)
+                gathered = torch.stack(outs)
             if bool(gathered[:, numel].any()):
                 return None
             return _home(gathered[:, :numel].reshape((n, *shape)), home)
