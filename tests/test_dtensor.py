@@ -202,6 +202,22 @@ def test_dtensor_collectives_on_one_host_go_through_shared_memory(mesh2d):
            x[:3, :4] + x[:3, 4:] + x[3:, :4] + x[3:, 4:])
 
 
+def test_no_shm_reduce_keeps_dtensor_collectives_on_gloo():
+    # MONARCH_TENSOR_NO_SHM_REDUCE=1 in the procs turns every shared-memory collective off, DTensor's too.
+    from monarch_tensor.actor import proc_mesh
+
+    procs = proc_mesh(dp=2, env={"MONARCH_TENSOR_NO_SHM_REDUCE": "1"})
+    try:
+        x = torch.arange(12.0).reshape(4, 3)
+        dt = distribute(x, procs, [Shard(0)])
+        with procs.activate():
+            assert call_on_shard_and_fetch(remote(_shared_memory_groups), dt, shard={"dp": 1}).result(timeout=T) \
+                == [False]
+        _close(dt.redistribute(placements=[Replicate()]).full_tensor(), x)
+    finally:
+        procs.stop().get(timeout=T)
+
+
 @pytest.mark.timeout(120)
 def test_a_dtensor_collective_that_waits_on_a_dead_proc_fails_and_frees_the_survivor(faults):
     # Rank 0 waits in an all-gather through shared memory for rank 1, which is stopped, then killed: the
