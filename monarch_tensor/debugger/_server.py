@@ -9,7 +9,6 @@ nonce) before it gets a prompt, so only this user's processes can drive it.
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import hmac
 import json
@@ -21,6 +20,7 @@ import sys
 import threading
 
 from ..config import setting
+from ..runtime._exit_status import at_exit
 from ..transport.mailbox import socket_dir
 
 MAGIC = "MTDBG1"
@@ -65,16 +65,13 @@ def ensure_server() -> tuple[str, int]:
             with os.fdopen(fd, "w") as f:
                 json.dump({"pid": os.getpid(), "host": host, "port": srv.getsockname()[1], "token": _token,
                            "script": " ".join(sys.argv)}, f)
-            atexit.register(_remove_info, path, os.getpid())
+            at_exit(_remove_info, path)
             _server = srv
             threading.Thread(target=_accept, args=(srv,), daemon=True, name="monarch-tensor-debug").start()
         return _server.getsockname()
 
 
-def _remove_info(path: str, pid: int | None = None) -> None:
-    """Remove the server's file; at exit (``pid``: the script's) not in a child forked from the script."""
-    if pid is not None and os.getpid() != pid:
-        return
+def _remove_info(path: str) -> None:
     try:
         os.unlink(path)
     except OSError:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import atexit
-import os
-
 from ..future import Future
 from ..runtime import _hooks
+from ..runtime._exit_status import at_exit
 from . import _script_proc, proc_mesh
 from .proc_mesh import _live_meshes
 
@@ -28,17 +26,12 @@ def _shutdown() -> None:
             host.close()
 
 
-_PID = os.getpid()  # the script's: a child forked from it inherits these hooks, not its procs
-
-
-@atexit.register
+@at_exit
 def _shutdown_at_exit() -> None:
     """Stop this machine's procs; then the tools it used remove what they keep for this client session here
     (``_hooks.session_end``: the default workspace root, which its procs wrote and nothing reads any more (a killed script's goes with its template, ``_zygote``; a host
     agent's with the session, ``HostAgent._end``). Not at the exit of a child forked from the script (``os.fork``,
     then ``sys.exit``): the procs are the script's, which goes on using them."""
-    if os.getpid() != _PID:
-        return
     _shutdown()
     from ..transport import mailbox
 

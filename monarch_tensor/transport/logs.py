@@ -9,15 +9,14 @@ prints once shows once); ``configure(fold_repeated_lines=False)`` prints every l
 
 from __future__ import annotations
 
-import atexit
 import math
-import os
 import sys
 import threading
 import time
 
 from .. import config
 from .. import future as _future
+from ..runtime._exit_status import at_exit
 from .messages import ForwardLogs
 
 _lock = threading.Lock()
@@ -269,15 +268,7 @@ def flush(older_than: float | None = None) -> None:
         out.flush()
 
 
-_PID = os.getpid()
-
-
-@atexit.register
-def _flush_at_exit() -> None:
-    """What the last window folded (procs stopped at exit flush first: host.ProcMesh.stop); not in a child
-    forked from the script, whose windows are the script's."""
-    if os.getpid() == _PID:
-        flush()
+at_exit(flush)  # what the last window folded (procs stopped at exit flush first: host.ProcMesh.stop)
 
 
 def _flush_loop() -> None:

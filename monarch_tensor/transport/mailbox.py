@@ -24,7 +24,6 @@ leave in the order they were sent.
 
 from __future__ import annotations
 
-import atexit
 import collections
 import itertools
 import json
@@ -41,6 +40,7 @@ import zmq
 from .. import future as _future
 from ..config import setting
 from ..errors import ProtocolError, SupervisionError
+from ..runtime._exit_status import at_exit
 from . import _wire
 from . import logs as _logs
 from ._fanout import GATHER_PREFIX, ROUTE_SEP, UP_MAGIC, read_up, routed_frames, up_header
@@ -195,7 +195,6 @@ class Mailbox:
     def __init__(self, addr: str | None = None, on_message: Callable[[object], None] | None = None,
                  on_logs: Callable[[ForwardLogs], None] | None = None, io_thread: bool = True) -> None:
         self.ctx = zmq.Context()
-        self.pid = os.getpid()  # (a child forked from this process inherits the object, not the mailbox)
         self.addr = addr or new_ipc_address("client")
         self._router = self.ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -1209,7 +1208,7 @@ def current_mailbox() -> Mailbox:
     return _mailbox
 
 
-@atexit.register
+@at_exit
 def _close_at_exit() -> None:
     """What a script sent last reaches its peers before the interpreter goes, and its socket file goes.
 
@@ -1219,7 +1218,7 @@ def _close_at_exit() -> None:
     for delivery, at most ``_EXIT_LINGER_MS`` (peers that went away are forgotten when they stop: nothing
     waits for them). The procs were stopped by the hooks that ran before this one.
     """
-    if _mailbox is not None and _mailbox.pid == os.getpid():  # (not in a child forked from the script)
+    if _mailbox is not None:
         try:
             _mailbox.close(linger_ms=_EXIT_LINGER_MS)
         except Exception:  # noqa: BLE001 - the script ends anyway; its socket file still goes
