@@ -474,20 +474,28 @@ def test_the_controller_imports_none_of_the_workers_runtime(tmp_path):
     assert not loaded & runtime, sorted(loaded & runtime)
 
 
-def test_coalescing_sends_the_ops_of_its_block_as_one_batch(procs, monkeypatch):
+def _counted_batches(procs, monkeypatch):
+    """Inside ``procs.activate()``: the mesh's client, the sizes of the batches it sends from now on (empty ones
+    left out), and a mesh tensor ``x`` (zeros(4)); what was issued before, and the deletes of tensors dropped
+    before, were sent already."""
     from monarch_tensor.controller.api import client_for
-
-    import monarch_tensor
 
     client = client_for(procs)
     sent = []
     real_send = client._send
     monkeypatch.setattr(client, "_send", lambda batch, ranks: (batch and sent.append(len(batch)), real_send(batch, ranks)))
+    x = torch.zeros(4)
+    inspect(x)
+    client.flush_deletes()
+    sent.clear()
+    return client, sent, x
+
+
+def test_coalescing_sends_the_ops_of_its_block_as_one_batch(procs, monkeypatch):
+    import monarch_tensor
+
     with procs.activate():
-        x = torch.zeros(4)
-        inspect(x)
-        client.flush_deletes()  # (deletes of tensors dropped before the block go now, not at its start)
-        sent.clear()
+        client, sent, x = _counted_batches(procs, monkeypatch)
         with monarch_tensor.coalescing():
             for _ in range(100):  # outside, these would leave in batches of 16, 32, 64 ... (the size bound)
                 x = x + 1
@@ -506,19 +514,10 @@ def test_an_idle_flush_decided_before_a_coalescing_block_sends_none_of_its_ops(p
     # The flusher saw the batch stop growing, then the script began a block and issued into it before the
     # flusher sent: the send must see the block (CI once sent 44 of a block's ops early so). The script's
     # thread holds the client's lock while the flusher's decision waits for it.
-    from monarch_tensor.controller.api import client_for
-
     import monarch_tensor
 
-    client = client_for(procs)
-    sent = []
-    real_send = client._send
-    monkeypatch.setattr(client, "_send", lambda batch, ranks: (batch and sent.append(len(batch)), real_send(batch, ranks)))
     with procs.activate():
-        x = torch.zeros(4)
-        inspect(x)
-        client.flush_deletes()  # (deletes of tensors dropped before go now, not while the test looks)
-        sent.clear()
+        client, sent, x = _counted_batches(procs, monkeypatch)
         decided = []
         with client._lock:
             flusher = threading.Thread(target=lambda: decided.append(client.flush_if_idle(len(client._q))))
