@@ -20,7 +20,7 @@ import sys
 import threading
 
 from ..config import setting
-from ..runtime._exit_status import at_exit
+from ..transport._at_exit import at_exit
 from ..transport.mailbox import socket_dir
 
 MAGIC = "MTDBG1"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..future import Future
 from ..runtime import _hooks
-from ..runtime._exit_status import at_exit
+from ..transport._at_exit import at_exit
 from . import _script_proc, proc_mesh
 from .proc_mesh import _live_meshes
 

@@ -19,20 +19,6 @@ _failed = False  # an unhandled fault came while the script was exiting
 _hooks_ran = False  # _exit_at_exit ran: no hook of this package is left to run
 
 
-def at_exit(fn, *args):
-    """``atexit.register(fn, *args)``, for this process only: a child forked from it (``os.fork``, then
-    ``sys.exit``) inherits the registration, and ``fn`` (stopping the script's procs, closing its mailbox)
-    is not the child's to run. Returns ``fn`` (a decorator too)."""
-    pid = os.getpid()
-
-    def run() -> None:
-        if os.getpid() == pid:
-            fn(*args)
-
-    atexit.register(run)
-    return fn
-
-
 def fail_at_exit() -> None:
     """An unhandled fault came while the script exits: it ends with status 1, once this package's ``atexit``
     hooks ran (now, if they did)."""

@@ -16,7 +16,7 @@ import time
 
 from .. import config
 from .. import future as _future
-from ..runtime._exit_status import at_exit
+from ._at_exit import at_exit
 from .messages import ForwardLogs
 
 _lock = threading.Lock()

@@ -40,9 +40,9 @@ import zmq
 from .. import future as _future
 from ..config import setting
 from ..errors import ProtocolError, SupervisionError
-from ..runtime._exit_status import at_exit
 from . import _wire
 from . import logs as _logs
+from ._at_exit import at_exit
 from ._fanout import GATHER_PREFIX, ROUTE_SEP, UP_MAGIC, read_up, routed_frames, up_header
 from .messages import FoldedReplies, ForwardLogs, GatheredReplies, PortRef, SendToPort
 
