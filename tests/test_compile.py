@@ -303,6 +303,60 @@ def test_a_failure_inside_or_into_a_replay_fails_only_what_reads_it(mesh):
         assert torch.equal(value(c), torch.tensor([2.0, 4.0])) and torch.equal(value(d), torch.full((2, 1), 6.0))
 
 
+def _all_reduce_unless(t, group, fail, how):
+    """All-reduces ``t`` over ``group``, except where ``fail`` is set on rank gpus=1: that rank raises first
+    (``how`` "raise") or returns without it ("return")."""
+    from monarch_tensor.actor import current_rank
+
+    if bool(fail) and current_rank()["gpus"] == 1:
+        if how == "return":
+            return t.clone()
+        raise ValueError("rank gpus=1 raises before its all-reduce")
+    out = t.clone()
+    torch.distributed.all_reduce(out, group=group)
+    return out
+
+
+@pytest.mark.parametrize("how", ["raise", "return"])
+def test_a_rank_that_skips_a_collective_in_a_replay_fails_its_peer_and_the_next_reduce_is_right(mesh, how):
+    """In a replay, a remote function that skips its all-reduce on one rank (it raises before it, or returns
+    without it) fails that call on the other rank, and the program's next collective, a ``reduce_``, pairs
+    the right tensors: it paired with the skipped all-reduce, silently. (Each step of a program tags its
+    collectives: the two are steps of one instruction.)"""
+    from monarch_tensor import remote
+
+    fn = remote(_all_reduce_unless, propagate=lambda t, group, fail, how: t.clone())
+    group = mesh.process_group("gpus")
+    with mesh.activate():
+        rank = mesh.rank_tensor("gpus").float()
+        x, y0 = torch.full((3,), 10.0) + rank, torch.full((3,), 100.0) + rank
+
+        @compile(verify=False)
+        def step(x, y, fail):
+            a = fn(x, group, fail, how)
+            y = y * 1
+            y.reduce_("gpus", "sum")
+            return a, y
+
+        no, yes = torch.zeros(()), torch.ones(())
+        step(x, y0, no), step(x, y0, no)
+        b = counts()
+        a, y = step(x, y0, yes)
+        assert delta(b)["replays"] == 1
+        for g in range(GPUS):
+            assert torch.equal(fetch_shard(y, gpus=g).result(60), torch.full((3,), 201.0))
+        with pytest.raises(RemoteException, match="member 1 of this group " + (
+                "ended this call" if how == "raise" else "did not run this collective")):
+            value(a)
+        if how == "raise":
+            with pytest.raises(RemoteException, match="raises before its all-reduce"):
+                fetch_shard(a, gpus=1).result(60)
+        else:
+            assert torch.equal(fetch_shard(a, gpus=1).result(60), torch.full((3,), 11.0))
+        a, y = step(x, y0, no)  # and the group is in step for the next replay
+        assert torch.equal(value(a), torch.full((3,), 21.0)) and torch.equal(value(y), torch.full((3,), 201.0))
+
+
 def test_memory_is_flat_over_many_replays_and_programs_are_freed(mesh):
     with mesh.activate():
         w = torch.ones(8)

@@ -488,6 +488,47 @@ def test_send_and_recv_on_a_process_group(mesh):
                 torch.testing.assert_close(inspect(got, hosts=h, gpus=g), _local(h * 2 + (1 - g)))
 
 
+@remote(propagate=lambda t, group, how: t.clone())
+def _second_rank_skips_its_all_reduce(t, group, how):
+    """On gpus=1 the all-reduce is skipped: the function raises before it (``how`` "raise") or returns without
+    it ("return")."""
+    from monarch_tensor.actor import current_rank
+
+    if current_rank()["gpus"] == 1:
+        if how == "raise":
+            raise ValueError("rank gpus=1 raises before its all-reduce")
+        return t.clone()
+    out = t.clone()
+    torch.distributed.all_reduce(out, group=group)
+    return out
+
+
+@pytest.mark.parametrize("how", ["raise", "return"])
+def test_a_rank_that_skips_a_collective_fails_its_peers_call_and_the_next_reduce_is_right(mesh, how):
+    # Collectives pair up by order: rank gpus=0's all-reduce paired with gpus=1's next collective (the reduce_
+    # below), and both results were wrong without an error; with "raise", gpus=0 then waited in the reduce
+    # until the collective timeout.
+    by_gpus = mesh.process_group("gpus")
+    with mesh.activate():
+        x = _per_rank(mesh)
+        a = _second_rank_skips_its_all_reduce(x, by_gpus, how)
+        y = _per_rank(mesh) * 3
+        y.reduce_("gpus", "sum")
+        z = _all_reduce(_per_rank(mesh), by_gpus)  # the group is still in step
+        for h in range(2):
+            for g in range(2):
+                torch.testing.assert_close(inspect(y, hosts=h, gpus=g), (_local(2 * h) + _local(2 * h + 1)) * 3)
+                torch.testing.assert_close(inspect(z, hosts=h, gpus=g), _local(2 * h) + _local(2 * h + 1))
+            why = "ended this call" if how == "raise" else "later call"
+            with pytest.raises(RemoteException, match=f"member 1 of this group .*{why}"):
+                inspect(a, hosts=h, gpus=0)
+            if how == "raise":
+                with pytest.raises(RemoteException, match="raises before its all-reduce"):
+                    inspect(a, hosts=h, gpus=1)
+            else:
+                torch.testing.assert_close(inspect(a, hosts=h, gpus=1), _local(2 * h + 1))
+
+
 @remote(propagate=lambda t, group: (t.new_empty(2 * t.numel()), t.new_empty(t.numel() // 2), t.clone(), t.clone()))
 def _newer_collectives(t, group):
     """torch 2.13's all_gather_into_tensor / reduce_scatter_tensor (all_gather_single, reduce_scatter_single on

@@ -51,7 +51,12 @@ def _member(rank: int, port: int, conn, host_id: str | None) -> None:
             case = conn.recv()
             if case is None:
                 return
-            kind, data, reduction, timeout = case
+            kind, data, reduction, timeout, *tag = case
+            shm_reduce.current.tag = tag[0] if tag else 0  # (what a worker's stream sets: see shm_reduce)
+            if kind == "left":
+                shm_reduce.left(shm_reduce.current.tag)
+                conn.send(("ok", None))
+                continue
             work = data[rank].clone() if kind != "many" else data[rank]
             try:
                 if kind == "allreduce":
@@ -122,9 +127,17 @@ class Members:
         assert conn.poll(timeout), "a member did not answer"
         return conn.recv()
 
-    def run(self, data, reduction: str, timeout: float = 60, members=range(N), kind: str = "allreduce") -> list:
+    def run(self, data, reduction: str, timeout: float = 60, members=range(N), kind: str = "allreduce",
+            tag: int = 0) -> list:
+        self.start(data, reduction, timeout, members, kind, tag)
+        return self.answers(members, timeout)
+
+    def start(self, data, reduction: str, timeout: float = 60, members=range(N), kind: str = "allreduce",
+              tag: int = 0) -> None:
         for r in members:
-            self.conns[r].send((kind, data, reduction, timeout))
+            self.conns[r].send((kind, data, reduction, timeout, tag))
+
+    def answers(self, members=range(N), timeout: float = 60) -> list:
         return [self._recv(self.conns[r], timeout + 30) for r in members]
 
     def close(self) -> None:
@@ -259,6 +272,34 @@ def test_a_silent_member_times_the_wait_out_and_a_gone_one_fails_it_at_once():
         assert all(kind == "error" and "gone" in msg for kind, msg in answers), answers
     finally:
         m.close()
+
+
+def test_a_member_past_a_collective_or_out_of_its_call_fails_it_and_the_group_stays_in_step(members):
+    """Collectives pair up by order: a member that skipped one (its remote function raised before it, or
+    returned without it) must not pair its next collective with the others' skipped one, which gave both
+    wrong sums without an error. The others' collective fails, naming the member, and the next one pairs
+    every member's right tensors; a member that ended its call by an error (``left``) fails a collective of
+    that call at once, not at the timeout; one that ends its call after its collectives fails nothing."""
+    data = [torch.full((5,), float(10 ** r)) for r in range(N)]
+    later = [torch.full((5,), float(2 ** r)) for r in range(N)]
+    members.start(later, "sum", members=(2,), tag=7 << shm_reduce.STEP_BITS)  # member 2 is past call 5 already
+    answers = members.run(data, "sum", members=(0, 1), tag=5 << shm_reduce.STEP_BITS)
+    assert all(kind == "error" and "Skipped" in msg and "member 2" in msg and "later call" in msg
+               for kind, msg in answers), answers
+    members.start(later, "sum", members=(0, 1), tag=7 << shm_reduce.STEP_BITS)
+    answers = members.answers()
+    assert all(kind == "ok" and torch.equal(out, torch.full((5,), 7.0)) for kind, out in answers), answers
+
+    assert members.run(None, "sum", members=(2,), kind="left", tag=9 << shm_reduce.STEP_BITS) == [("ok", None)]
+    answers = members.run(data, "sum", members=(0, 1), tag=9 << shm_reduce.STEP_BITS, timeout=60)
+    assert all(kind == "error" and "member 2" in msg and "ended this call" in msg for kind, msg in answers), answers
+
+    tag = 11 << shm_reduce.STEP_BITS | 3  # (step 3 of a compiled program)
+    members.start(data, "sum", members=(2,), tag=tag)
+    members.start(None, "sum", members=(2,), kind="left", tag=tag)  # after its collective: no harm
+    answers = members.run(data, "sum", members=(0, 1), tag=tag) + members.answers((2, 2))
+    assert [a[0] for a in answers] == ["ok"] * 4, answers
+    assert all(torch.equal(out, torch.full((5,), 111.0)) for _, out in answers[:3]), answers
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

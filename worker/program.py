@@ -30,8 +30,10 @@ from . import messages as m
 from . import stretch
 from .collectives import restore_names
 from .errors import RemoteException
+from .shm_reduce import STEP_BITS, current
 
 _MISSING = object()
+_STEP_MASK = (1 << STEP_BITS) - 1
 
 
 class Program:
@@ -59,10 +61,15 @@ class Program:
                                     f"its input tensor ref {ref} does not exist on rank {worker.rank}", "")
             refs[slot] = v
         pop = refs.pop
-        for step, frees in self.steps:
+        cur = current
+        base = cur.tag  # each step's collectives say which step they belong to (shm_reduce's tags)
+        for k, (step, frees) in enumerate(self.steps, 1):
+            if base:
+                cur.tag = base | (k & _STEP_MASK)
             step()
             for r in frees:
                 pop(r, None)
+        cur.tag = base
         for slot, ref in zip(self.inputs, msg.inputs):
             v = pop(slot, _MISSING)
             if v is not _MISSING and v is not refs.get(ref):  # a failure written into an input

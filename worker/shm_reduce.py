@@ -22,6 +22,17 @@ group's rendezvous, and each call's path depends only on its tensors' dtype, dev
 reduce op, the same on every member.
 A member that dies mid-collective fails the others' wait (its socket refuses the datagram, or the
 controller's death report arrives), as with gloo; so does one that stays silent past the timeout.
+
+Collectives pair up by their order in the group, as with gloo; so one member that skips a collective (its
+remote function raised before it, or did not run: an input had failed there) would pair its next one with
+the others' skipped one, and both would compute on the wrong tensors without an error. Each datagram
+therefore carries a tag, what the proc's thread runs (``current.tag``: the controller's sequence number of
+the instruction, and the step of a compiled program): a member whose next chunk comes from a later
+instruction or step than the others' fails their collective (its instruction raises, naming the member)
+instead of pairing with it, and one whose remote function failed says so to its groups (``left``), which
+fails a collective of that call still waiting for it at once instead of at the timeout. Either way the
+members that failed take their chunk back (nothing of it was read), so the group stays in step for what
+comes next.
 """
 
 from __future__ import annotations
@@ -32,17 +43,42 @@ import socket
 import struct
 import sys
 import tempfile
+import threading
 import time
 import uuid
+import weakref
 
 import torch
 
 SLOT_BYTES = 4 << 20  # a member's file holds two slots of this size: a larger buffer goes through in chunks
-_SIGNAL = struct.Struct("<iqq")  # sender's index in the group, chunk sequence number, 0 (reserved)
+_SIGNAL = struct.Struct("<iqq")  # sender's index in the group, chunk sequence number (or _LEFT), its tag
+_LEFT = -1  # in a datagram's sequence number: the sender ended the call of its tag (``left``)
+STEP_BITS = 20  # a tag: the instruction's sequence number << STEP_BITS | the step of a compiled program (0: none)
 _REDUCE = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum, "product": torch.mul}
 _FOREACH = {"sum": torch._foreach_add_, "avg": torch._foreach_add_, "max": torch._foreach_maximum_,
             "min": torch._foreach_minimum_, "product": torch._foreach_mul_}  # (in place, over lists of tensors)
 _POLL_S = 0.5  # how often a wait looks at the controller's death reports
+
+
+class _Current(threading.local):
+    tag = 0  # what this thread runs (see the module's docstring); 0: not known, which pairs with any
+
+
+current = _Current()
+_groups: weakref.WeakSet = weakref.WeakSet()  # this proc's groups, told by ``left``
+
+
+class Skipped(RuntimeError):
+    """A member of the group did not run this collective (it is past it, or ended its call before it)."""
+
+
+def left(tag: int) -> None:
+    """This thread ended the call of ``tag`` (a remote function's, which may hold collectives) by an error
+    before its end: tell every group of this proc, so that a member waiting in a collective of that call
+    fails now instead of at the timeout."""
+    if tag:
+        for g in list(_groups):
+            g._left(tag)
 
 
 def _fold(op, parts: list, out: torch.Tensor) -> None:
@@ -79,7 +115,8 @@ class SameHostReduce:
     def __init__(self, nonce: str, me: int, n: int) -> None:
         self.me, self.n, self.nonce = me, n, nonce
         self.seq = 0  # chunks sent
-        self.seen = [0] * n  # per member: the highest chunk sequence number it has said it wrote
+        self.seen = [(0, 0)] * n  # per member: (chunk sequence number, tag) of the latest chunk it said it wrote
+        self.gone = [0] * n  # per member: the tag of the last call it said it ended by an error (``left``)
         self.broken: str | None = None
         self._peers: dict[int, torch.Tensor] = {}  # member -> its file's bytes (mapped in the rendezvous)
         self._mine_path = os.path.join(_shm_dir(), f"monarch-tensor-{nonce}-{me}")
@@ -88,6 +125,7 @@ class SameHostReduce:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._addrs = [self._address(i) for i in range(n)]
         self.sock.bind(self._addrs[me])
+        _groups.add(self)
 
     def _address(self, i: int):
         if sys.platform.startswith("linux"):
@@ -313,6 +351,8 @@ class SameHostReduce:
         if self.broken:
             raise RuntimeError(f"this group's shared-memory collective failed before: {self.broken}")
         step = SLOT_BYTES - SLOT_BYTES % width
+        tag = current.tag
+        in_step = False  # (a collective nobody ran: the group is not broken)
         try:
             for start in range(0, total, step):
                 size = min(step, total - start)
@@ -320,15 +360,22 @@ class SameHostReduce:
                 off = (self.seq % 2) * SLOT_BYTES
                 if write is not None:
                     write(self._mine[off:off + size], start, size)
-                self._signal()
-                self._wait_for(self.seq, lost, timeout)
+                self._signal(tag)
+                try:
+                    self._wait_for(self.seq, tag, lost, timeout)
+                except Skipped:
+                    if not start:  # nobody read this chunk: the next collective writes and signals it again
+                        self.seq -= 1
+                        in_step = True
+                    raise
                 use([self._slot(i)[off:off + SLOT_BYTES] for i in range(self.n)], start, size)
         except BaseException as e:
-            self.broken = repr(e)
+            if not in_step:
+                self.broken = repr(e)
             raise
 
-    def _signal(self) -> None:
-        signal = _SIGNAL.pack(self.me, self.seq, 0)
+    def _signal(self, tag: int) -> None:
+        signal = _SIGNAL.pack(self.me, self.seq, tag)
         for i, addr in enumerate(self._addrs):
             if i != self.me:
                 try:
@@ -336,14 +383,43 @@ class SameHostReduce:
                 except OSError as e:  # its socket is gone: its proc exited
                     raise RuntimeError(f"member {i} of this group is gone (its proc exited?): {e}") from e
 
-    def _wait_for(self, seq: int, lost, timeout: float) -> None:
+    def _left(self, tag: int) -> None:
+        signal = _SIGNAL.pack(self.me, _LEFT, tag)
+        for i, addr in enumerate(self._addrs):
+            if i != self.me:
+                try:
+                    self.sock.sendto(signal, addr)
+                except OSError:  # (gone: nobody waits there)
+                    pass
+
+    def _has(self, i: int, seq: int, tag: int) -> bool:
+        """Whether member ``i`` wrote chunk ``seq`` of this collective (or a later one)."""
+        s, t = self.seen[i]
+        return s > seq or (s == seq and (t == tag or not t or not tag))
+
+    def _reached(self, i: int, seq: int, tag: int) -> bool:
+        """``_has``, raising ``Skipped`` where member ``i`` never will."""
+        if self._has(i, seq, tag):
+            return True
+        s, t = self.seen[i]
+        if s == seq and t > tag:
+            raise Skipped(f"member {i} of this group did not run this collective: its chunk {seq} belongs "
+                          f"to a later call (its remote function raised before this collective, or did not run "
+                          f"there: an input of it had failed)")
+        if tag and self.gone[i] == tag:
+            raise Skipped(f"member {i} of this group ended this call (its remote function raised, or did "
+                          f"not run there: an input of it had failed) before it reached this collective")
+        return False
+
+    def _wait_for(self, seq: int, tag: int, lost, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         sock = self.sock
-        while min(self.seen[i] for i in range(self.n) if i != self.me) < seq:
+        reached = self._reached
+        while not all([reached(i, seq, tag) for i in range(self.n) if i != self.me]):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"a member of this group did not reach the same all-reduce within {timeout} s "
-                                   f"(members still missing: {self._missing(seq)})")
+                                   f"(members still missing: {self._missing(seq, tag)})")
             sock.settimeout(min(_POLL_S, left))
             try:
                 data = sock.recv(_SIGNAL.size)
@@ -353,12 +429,14 @@ class SameHostReduce:
                     raise RuntimeError(f"the procs of rank(s) {dead} of this group died during the "
                                        f"collective") from None
                 continue
-            who, their_seq, _ = _SIGNAL.unpack(data)
-            if their_seq > self.seen[who]:
-                self.seen[who] = their_seq
+            who, their_seq, their_tag = _SIGNAL.unpack(data)
+            if their_seq == _LEFT:
+                self.gone[who] = their_tag
+            elif (their_seq, their_tag) > self.seen[who]:  # (the same chunk again, of a later call: see _chunks)
+                self.seen[who] = (their_seq, their_tag)
 
-    def _missing(self, seq: int) -> list[int]:
-        return [i for i in range(self.n) if i != self.me and self.seen[i] < seq]
+    def _missing(self, seq: int, tag: int) -> list[int]:
+        return [i for i in range(self.n) if i != self.me and not self._has(i, seq, tag)]
 
     def _slot(self, i: int) -> torch.Tensor:
         """Member ``i``'s file as bytes (mapped in the rendezvous)."""
@@ -380,6 +458,7 @@ class SameHostReduce:
     def close(self) -> None:
         """Unlink this member's file if the rendezvous has not (the mappings go with the object) and close
         its socket."""
+        _groups.discard(self)
         if not self._unlinked:
             self._unlink()
         self.sock.close()

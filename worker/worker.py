@@ -47,6 +47,7 @@ from .errors import RemoteException
 from .interface import WORKER_NAME, flat_leaves, resolve_function
 from .opaque import OpaqueRef
 from .program import STRAIGHT_FILE, Program
+from .shm_reduce import STEP_BITS, current, left
 
 log = logging.getLogger("monarch_tensor.worker")
 
@@ -185,6 +186,7 @@ class _Stream:
                 if (self.paused or self.withdrawn) and self._withdrawn(seq):
                     w._drop(arg)
                     continue
+                current.tag = seq << STEP_BITS  # (what its collectives through shared memory say they belong to)
                 handler(arg)
             except BaseException:  # handlers store errors; this is a bug, keep serving
                 log.exception("tensor worker: handler %s failed", getattr(handler, "__name__", handler))
@@ -446,17 +448,19 @@ class TensorWorker(Actor):
             sharing = ()
         self._fail(msg.outs + msg.mutates + sharing, failure, own)
 
-    def _run(self, what: str, msg, call) -> None:
+    def _run(self, what: str, msg, call) -> bool:
+        """``call()``'s result stored at ``msg``'s outputs, or its error; False for an error."""
         restore_names()  # DTensors' groups, if user code's destroy_process_group() dropped them since the last op
         try:
             result = call()
         except _Propagate as p:
             self._fail_op(msg, p.failure, own=False)
-            return
+            return False
         except Exception as e:  # noqa: BLE001 - user code failed: the error becomes the value
             self._fail_op(msg, self._failure(what, msg.loc, e))
-            return
+            return False
         self._store(msg.outs, result)
+        return True
 
     # ---- handlers, one per instruction ---------------------------------------------------
     def _place(self, msg: m.CallOp):
@@ -505,7 +509,8 @@ class TensorWorker(Actor):
             _check_result(result, msg.outs, msg.metas)
             return result
 
-        self._run(getattr(msg.fn, "__qualname__", str(msg.fn)), msg, call)
+        if not self._run(getattr(msg.fn, "__qualname__", str(msg.fn)), msg, call):
+            left(current.tag)  # its collectives that it did not reach: the other ranks' fail now (shm_reduce)
 
     def handle_CreateValue(self, msg: m.CreateValue) -> None:
         v = msg.value
