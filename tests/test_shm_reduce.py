@@ -58,6 +58,9 @@ def _member(rank: int, port: int, conn, host_id: str | None) -> None:
                 conn.send(("ok", None))
                 continue
             work = data[rank].clone() if kind != "many" else data[rank]
+            if kind.endswith("+strided"):  # a one-element view with a stride of 2 (contiguous all the same)
+                kind = kind.removesuffix("+strided")
+                work = torch.stack([work, torch.zeros_like(work)], -1).view(-1)[::2]
             try:
                 if kind == "allreduce":
                     shm.allreduce(work, reduction, lambda: [], timeout)
@@ -225,6 +228,16 @@ def test_all_to_all_and_broadcast_equal_local_torch(members, part, dtype, root, 
     for status, got in members.run(data, str(root), kind="broadcast"):
         assert status == "ok", got
         assert torch.equal(got, data[root])
+
+
+@pytest.mark.parametrize("kind", ["allreduce", "allgather", "broadcast"])
+def test_a_one_element_tensor_with_any_stride_goes_through(members, kind):
+    # A DTensor's one-row shard is such a view: its bytes could not be viewed flat ("stride(-1) must be 1").
+    data = [torch.tensor([float(3 ** r)]) for r in range(N)]
+    answers = members.run(data, "0" if kind == "broadcast" else "sum", kind=kind + "+strided")
+    want = {"allreduce": torch.tensor([13.0]), "allgather": torch.tensor([1.0, 3.0, 9.0]),
+            "broadcast": torch.tensor([1.0])}[kind]
+    assert all(k == "ok" and torch.equal(out, want) for k, out in answers), answers
 
 
 def test_all_to_all_and_broadcast_of_buffers_larger_than_a_slot(members):

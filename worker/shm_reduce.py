@@ -116,7 +116,7 @@ class SameHostReduce:
         self.me, self.n, self.nonce = me, n, nonce
         self.seq = 0  # chunks sent
         self.seen = [(0, 0)] * n  # per member: (chunk sequence number, tag) of the latest chunk it said it wrote
-        self.gone = [0] * n  # per member: the tag of the last call it said it ended by an error (``left``)
+        self.gone: list[set] = [set() for _ in range(n)]  # per member: tags of calls it ended by an error (``left``)
         self.broken: str | None = None
         self._peers: dict[int, torch.Tensor] = {}  # member -> its file's bytes (mapped in the rendezvous)
         self._mine_path = os.path.join(_shm_dir(), f"monarch-tensor-{nonce}-{me}")
@@ -406,7 +406,7 @@ class SameHostReduce:
             raise Skipped(f"member {i} of this group did not run this collective: its chunk {seq} belongs "
                           f"to a later call (its remote function raised before this collective, or did not run "
                           f"there: an input of it had failed)")
-        if tag and self.gone[i] == tag:
+        if tag and tag in self.gone[i]:
             raise Skipped(f"member {i} of this group ended this call (its remote function raised, or did "
                           f"not run there: an input of it had failed) before it reached this collective")
         return False
@@ -431,7 +431,10 @@ class SameHostReduce:
                 continue
             who, their_seq, their_tag = _SIGNAL.unpack(data)
             if their_seq == _LEFT:
-                self.gone[who] = their_tag
+                gone = self.gone[who]
+                if len(gone) >= 64:  # (the calls before this member's latest chunk are over: see _reached)
+                    gone.difference_update([t for t in gone if t < self.seen[who][1]])
+                gone.add(their_tag)
             elif (their_seq, their_tag) > self.seen[who]:  # (the same chunk again, of a later call: see _chunks)
                 self.seen[who] = (their_seq, their_tag)
 
@@ -470,8 +473,12 @@ class SameHostReduce:
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's memory as a flat tensor of bytes (the same memory)."""
-    return t.reshape(-1).view(torch.uint8)
+    """A contiguous tensor's memory as a flat tensor of bytes (the same memory). (A contiguous tensor of one
+    element may have any stride, which ``reshape`` keeps and ``view`` refuses: a DTensor's one-row shard.)"""
+    flat = t.reshape(-1)
+    if flat.numel() == 1 and flat.stride(0) != 1:
+        flat = flat.as_strided((1,), (1,))
+    return flat.view(torch.uint8)
 
 
 def _create(path: str, size: int) -> torch.Tensor:
