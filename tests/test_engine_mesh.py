@@ -488,30 +488,35 @@ def test_send_and_recv_on_a_process_group(mesh):
                 torch.testing.assert_close(inspect(got, hosts=h, gpus=g), _local(h * 2 + (1 - g)))
 
 
-@remote(propagate=lambda t, group, how: t.clone())
-def _second_rank_skips_its_all_reduce(t, group, how):
+@remote(propagate=lambda t, group, how, gloo: t.clone())
+def _second_rank_skips_its_all_reduce(t, group, how, gloo):
     """On gpus=1 the all-reduce is skipped: the function raises before it (``how`` "raise") or returns without
-    it ("return")."""
+    it ("return"). ``gloo``: a collective that goes through gloo (an all-gather into a list), summed after."""
     from monarch_tensor.actor import current_rank
 
     if current_rank()["gpus"] == 1:
         if how == "raise":
             raise ValueError("rank gpus=1 raises before its all-reduce")
         return t.clone()
+    if gloo:
+        parts = [torch.empty_like(t) for _ in range(group.size())]
+        torch.distributed.all_gather(parts, t, group=group)
+        return sum(parts)
     out = t.clone()
     torch.distributed.all_reduce(out, group=group)
     return out
 
 
 @pytest.mark.parametrize("how", ["raise", "return"])
-def test_a_rank_that_skips_a_collective_fails_its_peers_call_and_the_next_reduce_is_right(mesh, how):
+@pytest.mark.parametrize("gloo", [False, True])
+def test_a_rank_that_skips_a_collective_fails_its_peers_call_and_the_next_reduce_is_right(mesh, how, gloo):
     # Collectives pair up by order: rank gpus=0's all-reduce paired with gpus=1's next collective (the reduce_
     # below), and both results were wrong without an error; with "raise", gpus=0 then waited in the reduce
     # until the collective timeout.
     by_gpus = mesh.process_group("gpus")
     with mesh.activate():
         x = _per_rank(mesh)
-        a = _second_rank_skips_its_all_reduce(x, by_gpus, how)
+        a = _second_rank_skips_its_all_reduce(x, by_gpus, how, gloo)
         y = _per_rank(mesh) * 3
         y.reduce_("gpus", "sum")
         z = _all_reduce(_per_rank(mesh), by_gpus)  # the group is still in step

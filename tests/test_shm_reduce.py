@@ -230,6 +230,23 @@ def test_all_to_all_and_broadcast_equal_local_torch(members, part, dtype, root, 
         assert torch.equal(got, data[root])
 
 
+@pytest.mark.parametrize("other", ["size", "dtype", "kind"])
+def test_members_that_run_different_collectives_at_one_point_all_fail(other):
+    """Code that differs between ranks (another size, dtype or kind of collective at the same point) fails the
+    collective on every member, as gloo's checks do, instead of reading the others' slots as its own kind of
+    data."""
+    m = Members()
+    try:
+        data = [torch.ones(6) for _ in range(N)]
+        odd = {"size": torch.ones(8), "dtype": torch.ones(6, dtype=torch.float64), "kind": torch.ones(6)}[other]
+        m.start(data, "sum", members=(0, 1))
+        m.start([odd] * N, "sum", members=(2,), kind="allgather" if other == "kind" else "allreduce")
+        answers = m.answers()
+        assert all(kind == "error" and "another collective" in msg for kind, msg in answers), answers
+    finally:
+        m.close()
+
+
 @pytest.mark.parametrize("kind", ["allreduce", "allgather", "broadcast"])
 def test_a_one_element_tensor_with_any_stride_goes_through(members, kind):
     # A DTensor's one-row shard is such a view: its bytes could not be viewed flat ("stride(-1) must be 1").

@@ -92,7 +92,11 @@ class StagedGroup(dist.ProcessGroup):
 
     def _staged(self, method: str, outs: list, ins: list, *rest):
         """``backend.method(*outs-and-ins staged, *rest)``: ``outs`` and ``ins`` are the call's tensor
-        arguments in order, pytree-nested (lists of tensors); ``outs`` are copied back after it."""
+        arguments in order, pytree-nested (lists of tensors); ``outs`` are copied back after it. A collective
+        of a same-host group first checks through shared memory that every member is in it (``sync``):
+        gloo would pair it with whatever collective a member that skipped it runs next."""
+        if self._shm is not None and method not in _P2P:
+            self._shm.sync(method, self._lost, TIMEOUT)
         staged_outs = tree_map(_to_host, outs)
         staged_ins = tree_map(_to_host, ins)
         work = getattr(self.backend, method)(*staged_outs, *staged_ins, *rest)
@@ -199,6 +203,9 @@ class StagedGroup(dist.ProcessGroup):
 # torch's reduce ops that the shared-memory collectives take, with their names there.
 _SHM_OPS = ((dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.MAX, "max"), (dist.ReduceOp.MIN, "min"),
             (dist.ReduceOp.PRODUCT, "product"))
+
+
+_P2P = frozenset({"send", "recv", "recv_anysource"})  # (two members of the group, not all)
 
 
 def _shm_op(op) -> str | None:

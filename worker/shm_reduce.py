@@ -32,11 +32,14 @@ instruction or step than the others' fails their collective (its instruction rai
 instead of pairing with it, and one whose remote function failed says so to its groups (``left``), which
 fails a collective of that call still waiting for it at once instead of at the timeout. Either way the
 members that failed take their chunk back (nothing of it was read), so the group stays in step for what
-comes next.
+comes next. A member whose collective at the same point differs from the others' (another kind, reduce op,
+dtype or size: code that branches on its rank) fails it on every member, as gloo does, rather than reading
+the others' slots as if they held its kind of data.
 """
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import socket
@@ -47,11 +50,13 @@ import threading
 import time
 import uuid
 import weakref
+import zlib
 
 import torch
 
 SLOT_BYTES = 4 << 20  # a member's file holds two slots of this size: a larger buffer goes through in chunks
-_SIGNAL = struct.Struct("<iqq")  # sender's index in the group, chunk sequence number (or _LEFT), its tag
+_SIGNAL = struct.Struct("<iqqQ")  # sender's index in the group, chunk sequence number (or _LEFT), its tag, and
+# what the collective is (``_what``: its kind, reduce op, dtype and size, which every member's must equal)
 _LEFT = -1  # in a datagram's sequence number: the sender ended the call of its tag (``left``)
 STEP_BITS = 20  # a tag: the instruction's sequence number << STEP_BITS | the step of a compiled program (0: none)
 _REDUCE = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum, "product": torch.mul}
@@ -115,7 +120,7 @@ class SameHostReduce:
     def __init__(self, nonce: str, me: int, n: int) -> None:
         self.me, self.n, self.nonce = me, n, nonce
         self.seq = 0  # chunks sent
-        self.seen = [(0, 0)] * n  # per member: (chunk sequence number, tag) of the latest chunk it said it wrote
+        self.seen = [(0, 0, 0)] * n  # per member: (chunk sequence number, tag, what) of the latest chunk it wrote
         self.gone: list[set] = [set() for _ in range(n)]  # per member: tags of calls it ended by an error (``left``)
         self.broken: str | None = None
         self._peers: dict[int, torch.Tensor] = {}  # member -> its file's bytes (mapped in the rendezvous)
@@ -187,7 +192,8 @@ class SameHostReduce:
             _fold(op, [s[:size].view(work.dtype) for s in slots], flat[start:start + size].view(work.dtype))
 
         flat = _bytes(work)
-        self._exchange(flat, work.element_size(), reduce, lost, timeout)
+        self._exchange(flat, work.element_size(), reduce, lost, timeout,
+                       what=_what("allreduce", reduction, work.dtype, work.numel()))
 
     def allreduce_many(self, srcs: list, numels, flags: torch.Tensor, ok, reduction: str, lost, timeout: float,
                        into: list | None = None) -> tuple[list, list]:
@@ -212,7 +218,8 @@ class SameHostReduce:
         if one_chunk and into is not None and self.me < 2 and (reduction != "avg" or dtype.is_floating_point) \
                 and all(d is s and s is not None for d, s in zip(into, srcs)) \
                 and len({s.untyped_storage().data_ptr() for s in srcs}) == len(srcs):
-            return self._in_place(srcs, numels, size_all * width, write_all, k, reduction, ok, lost, timeout)
+            return self._in_place(srcs, numels, size_all * width, write_all, k, reduction, ok, lost, timeout,
+                                  _what("allreduce", reduction, dtype, size_all))
         work = torch.empty(size_all, dtype=dtype)
         if one_chunk:
             write = write_all
@@ -238,7 +245,8 @@ class SameHostReduce:
             def use(slots, start: int, size: int) -> None:
                 _fold(op, [s[:size].view(dtype) for s in slots], bwork[start:start + size].view(dtype))
 
-        self._chunks(size_all * width, width, write, use, lost, timeout)
+        self._chunks(size_all * width, width, write, use, lost, timeout,
+                     _what("allreduce", reduction, dtype, size_all))
         good = (work[:k] == ok).tolist()
         data = work[k:]
         if reduction == "avg":
@@ -252,7 +260,7 @@ class SameHostReduce:
         return good, [o if g else None for o, g in zip(outs, good)]
 
     def _in_place(self, srcs: list, numels, size: int, write, k: int, reduction: str, ok, lost,
-                  timeout: float) -> tuple[list, list]:
+                  timeout: float, what: int) -> tuple[list, list]:
         """``allreduce_many`` in place on a member of rank 0 or 1, of tensors that fit in one chunk (``size``
         bytes, ``k`` flags first, ``write`` puts them in the slot) and share no memory: each tensor, still this
         member's own input, takes the other members' parts in rank order with one grouped (``_foreach_``) op
@@ -264,7 +272,7 @@ class SameHostReduce:
         def use(slots, start: int, size: int) -> None:
             got.extend(s[:size].view(srcs[0].dtype) for s in slots)
 
-        self._chunks(size, srcs[0].element_size(), write, use, lost, timeout)
+        self._chunks(size, srcs[0].element_size(), write, use, lost, timeout, what)
         fl = torch.empty_like(got[0][:k])
         _fold(op, [p[:k] for p in got], fl)
         good = (fl == ok).tolist()
@@ -289,7 +297,8 @@ class SameHostReduce:
             for i, s in enumerate(slots):
                 out[i * whole + start:i * whole + start + size].copy_(s[:size])
 
-        self._exchange(_bytes(input), input.element_size(), gather, lost, timeout)
+        self._exchange(_bytes(input), input.element_size(), gather, lost, timeout,
+                       what=_what("allgather", input.dtype, input.numel()))
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, reduction: str, lost,
                        timeout: float) -> None:
@@ -306,7 +315,8 @@ class SameHostReduce:
                 return
             _fold(op, [s[lo - start:hi - start].view(dtype) for s in slots], out[lo - mine:hi - mine].view(dtype))
 
-        self._exchange(_bytes(input), width, reduce, lost, timeout)
+        self._exchange(_bytes(input), width, reduce, lost, timeout,
+                       what=_what("reduce_scatter", reduction, dtype, input.numel()))
 
     def alltoall(self, output: torch.Tensor, input: torch.Tensor, lost, timeout: float) -> None:
         """``output``'s part j (of n equal parts) = member j's ``input``'s part for this member (its rank's)."""
@@ -323,7 +333,8 @@ class SameHostReduce:
             for j, s in enumerate(slots):
                 out[j * part + lo - mine:j * part + hi - mine].copy_(s[lo - start:hi - start])
 
-        self._exchange(_bytes(input), input.element_size(), scatter, lost, timeout)
+        self._exchange(_bytes(input), input.element_size(), scatter, lost, timeout,
+                       what=_what("alltoall", input.dtype, input.numel()))
 
     def broadcast(self, tensor: torch.Tensor, root: int, lost, timeout: float) -> None:
         """``tensor`` = member ``root``'s ``tensor``, on every member (only the root writes its slot)."""
@@ -333,21 +344,30 @@ class SameHostReduce:
             if self.me != root:
                 data[start:start + size].copy_(slots[root][:size])
 
-        self._exchange(data, tensor.element_size(), take, lost, timeout, write=self.me == root)
+        self._exchange(data, tensor.element_size(), take, lost, timeout, write=self.me == root,
+                       what=_what("broadcast", root, tensor.dtype, tensor.numel()))
 
-    def _exchange(self, data: torch.Tensor, width: int, use, lost, timeout: float, write: bool = True) -> None:
+    def sync(self, method: str, lost, timeout: float) -> None:
+        """Every member says it reached this collective (gloo's ``method``) of the same call, exchanging no data:
+        before one that goes through gloo, which pairs collectives by their order alone (see the module's
+        docstring)."""
+        self._chunks(1, 1, None, _nothing, lost, timeout, _what("gloo", method))
+
+    def _exchange(self, data: torch.Tensor, width: int, use, lost, timeout: float, write: bool = True,
+                  what: int = 0) -> None:
         """``data`` (bytes) through the slots in chunks: per chunk, this member's part written to its slot (unless
         not ``write``), the datagrams exchanged, then ``use(slots, start, size)`` with every member's slot (its
         chunk at 0)."""
         def put(mine, start: int, size: int) -> None:
             mine.copy_(data[start:start + size])
 
-        self._chunks(data.numel(), width, put if write else None, use, lost, timeout)
+        self._chunks(data.numel(), width, put if write else None, use, lost, timeout, what)
 
-    def _chunks(self, total: int, width: int, write, use, lost, timeout: float) -> None:
+    def _chunks(self, total: int, width: int, write, use, lost, timeout: float, what: int) -> None:
         """``total`` bytes through the slots in chunks (a multiple of ``width`` each): per chunk, ``write(mine,
         start, size)`` fills this member's slot (``mine``, ``size`` bytes; None: it writes none), the datagrams
-        are exchanged, then ``use(slots, start, size)`` with every member's slot (its chunk at 0)."""
+        are exchanged, then ``use(slots, start, size)`` with every member's slot (its chunk at 0). ``what``:
+        the collective (``_what``), which every member's must equal."""
         if self.broken:
             raise RuntimeError(f"this group's shared-memory collective failed before: {self.broken}")
         step = SLOT_BYTES - SLOT_BYTES % width
@@ -360,9 +380,9 @@ class SameHostReduce:
                 off = (self.seq % 2) * SLOT_BYTES
                 if write is not None:
                     write(self._mine[off:off + size], start, size)
-                self._signal(tag)
+                self._signal(tag, what)
                 try:
-                    self._wait_for(self.seq, tag, lost, timeout)
+                    self._wait_for(self.seq, tag, what, lost, timeout)
                 except Skipped:
                     if not start:  # nobody read this chunk: the next collective writes and signals it again
                         self.seq -= 1
@@ -374,8 +394,8 @@ class SameHostReduce:
                 self.broken = repr(e)
             raise
 
-    def _signal(self, tag: int) -> None:
-        signal = _SIGNAL.pack(self.me, self.seq, tag)
+    def _signal(self, tag: int, what: int) -> None:
+        signal = _SIGNAL.pack(self.me, self.seq, tag, what)
         for i, addr in enumerate(self._addrs):
             if i != self.me:
                 try:
@@ -384,7 +404,7 @@ class SameHostReduce:
                     raise RuntimeError(f"member {i} of this group is gone (its proc exited?): {e}") from e
 
     def _left(self, tag: int) -> None:
-        signal = _SIGNAL.pack(self.me, _LEFT, tag)
+        signal = _SIGNAL.pack(self.me, _LEFT, tag, 0)
         for i, addr in enumerate(self._addrs):
             if i != self.me:
                 try:
@@ -394,14 +414,14 @@ class SameHostReduce:
 
     def _has(self, i: int, seq: int, tag: int) -> bool:
         """Whether member ``i`` wrote chunk ``seq`` of this collective (or a later one)."""
-        s, t = self.seen[i]
+        s, t, _ = self.seen[i]
         return s > seq or (s == seq and (t == tag or not t or not tag))
 
     def _reached(self, i: int, seq: int, tag: int) -> bool:
         """``_has``, raising ``Skipped`` where member ``i`` never will."""
         if self._has(i, seq, tag):
             return True
-        s, t = self.seen[i]
+        s, t, _ = self.seen[i]
         if s == seq and t > tag:
             raise Skipped(f"member {i} of this group did not run this collective: its chunk {seq} belongs "
                           f"to a later call (its remote function raised before this collective, or did not run "
@@ -411,7 +431,7 @@ class SameHostReduce:
                           f"not run there: an input of it had failed) before it reached this collective")
         return False
 
-    def _wait_for(self, seq: int, tag: int, lost, timeout: float) -> None:
+    def _wait_for(self, seq: int, tag: int, what: int, lost, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         sock = self.sock
         reached = self._reached
@@ -429,14 +449,18 @@ class SameHostReduce:
                     raise RuntimeError(f"the procs of rank(s) {dead} of this group died during the "
                                        f"collective") from None
                 continue
-            who, their_seq, their_tag = _SIGNAL.unpack(data)
+            who, their_seq, their_tag, their_what = _SIGNAL.unpack(data)
             if their_seq == _LEFT:
                 gone = self.gone[who]
                 if len(gone) >= 64:  # (the calls before this member's latest chunk are over: see _reached)
                     gone.difference_update([t for t in gone if t < self.seen[who][1]])
                 gone.add(their_tag)
-            elif (their_seq, their_tag) > self.seen[who]:  # (the same chunk again, of a later call: see _chunks)
-                self.seen[who] = (their_seq, their_tag)
+            elif (their_seq, their_tag) > self.seen[who][:2]:  # (the same chunk again, of a later call: _chunks)
+                self.seen[who] = (their_seq, their_tag, their_what)
+        for i in range(self.n):  # (a member past this chunk compared its own with every member's)
+            if i != self.me and self.seen[i][0] == seq and self.seen[i][2] != what:
+                raise RuntimeError(f"member {i} of this group runs another collective here than this member (another "
+                                   f"kind, reduce op, dtype or size: code that differs between ranks?)")
 
     def _missing(self, seq: int, tag: int) -> list[int]:
         return [i for i in range(self.n) if i != self.me and not self._has(i, seq, tag)]
@@ -470,6 +494,16 @@ class SameHostReduce:
                 os.unlink(self._addrs[self.me])
             except FileNotFoundError:
                 pass
+
+
+@functools.lru_cache(maxsize=4096)
+def _what(*about) -> int:
+    """What a collective is, as a number every member computes alike (``hash`` differs between processes)."""
+    return zlib.crc32(repr(about).encode())
+
+
+def _nothing(slots, start: int, size: int) -> None:
+    pass
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
