@@ -512,7 +512,7 @@ def _second_rank_skips_its_all_reduce(t, group, how, gloo):
 def test_a_rank_that_skips_a_collective_fails_its_peers_call_and_the_next_reduce_is_right(mesh, how, gloo):
     # Collectives pair up by order: rank gpus=0's all-reduce paired with gpus=1's next collective (the reduce_
     # below), and both results were wrong without an error; with "raise", gpus=0 then waited in the reduce
-    # until the collective timeout.
+    # until the collective timeout, as it did in a call with no collective after it.
     by_gpus = mesh.process_group("gpus")
     with mesh.activate():
         x = _per_rank(mesh)
@@ -520,12 +520,14 @@ def test_a_rank_that_skips_a_collective_fails_its_peers_call_and_the_next_reduce
         y = _per_rank(mesh) * 3
         y.reduce_("gpus", "sum")
         z = _all_reduce(_per_rank(mesh), by_gpus)  # the group is still in step
+        alone = _second_rank_skips_its_all_reduce(x, by_gpus, how, gloo)  # no collective after it: at once too
+        with pytest.raises(RemoteException, match="member 1 of this group ended this call"):
+            inspect(alone, hosts=0, gpus=0)
         for h in range(2):
             for g in range(2):
                 torch.testing.assert_close(inspect(y, hosts=h, gpus=g), (_local(2 * h) + _local(2 * h + 1)) * 3)
                 torch.testing.assert_close(inspect(z, hosts=h, gpus=g), _local(2 * h) + _local(2 * h + 1))
-            why = "ended this call" if how == "raise" else "later call"
-            with pytest.raises(RemoteException, match=f"member 1 of this group .*{why}"):
+            with pytest.raises(RemoteException, match="member 1 of this group ended this call"):
                 inspect(a, hosts=h, gpus=0)
             if how == "raise":
                 with pytest.raises(RemoteException, match="raises before its all-reduce"):

@@ -30,7 +30,8 @@ therefore carries a tag, what the proc's thread runs (``current.tag``: the contr
 the instruction, and the step of a compiled program): a member whose next chunk comes from a later
 instruction or step than the others' fails their collective (its instruction raises, naming the member)
 instead of pairing with it, and one whose remote function failed says so to its groups (``left``), which
-fails a collective of that call still waiting for it at once instead of at the timeout. Either way the
+fails a collective of that call still waiting for it at once instead of at the timeout (so does a remote
+function given a process group, at its end). Either way the
 members that failed take their chunk back (nothing of it was read), so the group stays in step for what
 comes next. A member whose collective at the same point differs from the others' (another kind, reduce op,
 dtype or size: code that branches on its rank) fails it on every member, as gloo does, rather than reading
@@ -67,6 +68,7 @@ _POLL_S = 0.5  # how often a wait looks at the controller's death reports
 
 class _Current(threading.local):
     tag = 0  # what this thread runs (see the module's docstring); 0: not known, which pairs with any
+    gave_group = False  # whether the remote function this thread runs was given a process group
 
 
 current = _Current()
@@ -78,9 +80,10 @@ class Skipped(RuntimeError):
 
 
 def left(tag: int) -> None:
-    """This thread ended the call of ``tag`` (a remote function's, which may hold collectives) by an error
-    before its end: tell every group of this proc, so that a member waiting in a collective of that call
-    fails now instead of at the timeout."""
+    """This thread ended the call of ``tag`` (a remote function's, which may hold collectives: one that raised,
+    or one given a process group): tell every group of this proc, so that a member waiting in a collective of
+    that call that this one did not run fails now instead of at the timeout. (Its own collectives' datagrams
+    went before: a member waiting in one of those has seen them.)"""
     if tag:
         for g in list(_groups):
             g._left(tag)
@@ -448,8 +451,9 @@ class SameHostReduce:
                           f"to a later call (its remote function raised before this collective, or did not run "
                           f"there: an input of it had failed)")
         if tag and tag in self.gone[i]:
-            raise Skipped(f"member {i} of this group ended this call (its remote function raised, or did "
-                          f"not run there: an input of it had failed) before it reached this collective")
+            raise Skipped(f"member {i} of this group ended this call before it reached this collective (its "
+                          f"remote function raised, returned without this collective, or did not run there: an "
+                          f"input of it had failed)")
         return False
 
     def _wait_for(self, seq: int, tag: int, what: int, lost, timeout: float) -> None:

@@ -399,6 +399,7 @@ class TensorWorker(Actor):
                                f"(groups {g.groups})")
         if stream is None:
             return DummyProcessGroup(g.dims, len(mine), mine.index(self.rank))
+        current.gave_group = True  # (handle_CallFunction: the call's end is told to the group's members)
         return self.coll.process_group(mine, stream)
 
     def _failure(self, op: str, loc, e: BaseException) -> RemoteException:
@@ -509,8 +510,11 @@ class TensorWorker(Actor):
             _check_result(result, msg.outs, msg.metas)
             return result
 
-        if not self._run(getattr(msg.fn, "__qualname__", str(msg.fn)), msg, call):
-            left(current.tag)  # its collectives that it did not reach: the other ranks' fail now (shm_reduce)
+        current.gave_group = False
+        if not self._run(getattr(msg.fn, "__qualname__", str(msg.fn)), msg, call) or current.gave_group:
+            # The call is over here: the other ranks' collectives of it that this rank did not run (it raised, an
+            # input had failed, or its code skipped them) fail now, not at the timeout (shm_reduce.left).
+            left(current.tag)
 
     def handle_CreateValue(self, msg: m.CreateValue) -> None:
         v = msg.value
