@@ -24,18 +24,18 @@ A member that dies mid-collective fails the others' wait (its socket refuses the
 controller's death report arrives), as with gloo; so does one that stays silent past the timeout.
 
 Collectives pair up by their order in the group, as with gloo; so one member that skips a collective (its
-remote function raised before it, or did not run: an input had failed there) would pair its next one with
-the others' skipped one, and both would compute on the wrong tensors without an error. Each datagram
-therefore carries a tag, what the proc's thread runs (``current.tag``: the controller's sequence number of
-the instruction, and the step of a compiled program): a member whose next chunk comes from a later
-instruction or step than the others' fails their collective (its instruction raises, naming the member)
-instead of pairing with it, and one whose remote function failed says so to its groups (``left``), which
-fails a collective of that call still waiting for it at once instead of at the timeout (so does a remote
-function given a process group, at its end). Either way the
-members that failed take their chunk back (nothing of it was read), so the group stays in step for what
-comes next. A member whose collective at the same point differs from the others' (another kind, reduce op,
-dtype or size: code that branches on its rank) fails it on every member, as gloo does, rather than reading
-the others' slots as if they held its kind of data.
+remote function raised before it, returned without it, or did not run: an input had failed there) would
+pair its next one with the others' skipped one, and both would compute on the wrong tensors without an
+error. Each datagram therefore carries a tag, what the proc's thread runs (``current.tag``: the
+controller's sequence number of the instruction, and the step of a compiled program): a member whose next
+chunk comes from a later instruction or step than the others' fails their collective (its instruction
+raises, naming the member) instead of pairing with it; and a member whose remote function raised, or was
+given a process group, says at the call's end that the call is over (``left``), which fails a collective
+of that call still waiting for it at once instead of at the timeout. Either way the members that failed
+take their chunk back (nothing of it was read), so the group stays in step for what comes next. A member
+whose collective at the same point differs from the others' (another kind, reduce op, dtype or size: code
+that branches on its rank) fails it on every member, as gloo does, rather than reading the others' slots
+as if they held its kind of data.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ class SameHostReduce:
         self.seq = 0  # chunks sent
         self.seen = [(0, 0, 0)] * n  # per member: (chunk sequence number, tag, what) of the latest chunk it wrote
         self._layouts: dict = {}  # (shapes, dtype, slot address) -> _Layout (_in_place)
-        self.gone: list[set] = [set() for _ in range(n)]  # per member: tags of calls it ended by an error (``left``)
+        self.gone: list[set] = [set() for _ in range(n)]  # per member: tags of calls it said it ended (``left``)
         self.broken: str | None = None
         self._peers: dict[int, torch.Tensor] = {}  # member -> its file's bytes (mapped in the rendezvous)
         self._mine_path = os.path.join(_shm_dir(), f"monarch-tensor-{nonce}-{me}")
@@ -389,8 +389,7 @@ class SameHostReduce:
         """``total`` bytes through the slots in chunks (a multiple of ``width`` each): per chunk, ``write(mine,
         start, size)`` fills this member's slot (``mine``, ``size`` bytes; None: it writes none), the datagrams
         are exchanged, then ``use(slots, start, size)`` with every member's slot (its chunk at 0; None: the caller
-        reads the slots itself). ``what``:
-        the collective (``_what``), which every member's must equal."""
+        reads the slots itself). ``what``: the collective (``_what``), which every member's must equal."""
         if self.broken:
             raise RuntimeError(f"this group's shared-memory collective failed before: {self.broken}")
         step = SLOT_BYTES - SLOT_BYTES % width
