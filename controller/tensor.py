@@ -996,6 +996,8 @@ def record(func, args: tuple, kwargs: dict | None, ctx: Ctx | None):
     if pos or names:  # checked before anything is issued
         written = _mutated_tensors(pos, names, args, kwargs, func)
         mutates = tuple([t._ref for t in written])
+        if len(tensors) > 1 and _checks_overlap(fid, func) and _partial_overlap(written, tensors):
+            _raise_overlap_as_torch(func, args, kwargs, tensors)
     else:
         written, mutates = (), ()
     if deep and type(kwargs.get("generator")) is torch.Generator:  # (its copy made the call deep: _scan)
@@ -1085,6 +1087,84 @@ def _outputs(tpl: _Template, tensors: list, ctx: Ctx):
             vals.append(leaf[1])
             outl.append(None)
     return _rebuild(tpl.struct, iter(vals)), tuple(outl)
+
+
+_overlap_ops: dict = {}  # by ``id(op)`` (see _floats_free, whose ``_ops`` keeps the ids taken): _checks_overlap
+
+
+def _checks_overlap(fid: int, func) -> bool:
+    """Whether torch refuses ``func`` where a tensor it writes and another of its tensors share memory in part:
+    ``copy_`` and the pointwise ops (TensorIterator's check), ``w[1:].copy_(w[:-1])``, ``w[1:].add_(w[:-1])``."""
+    c = _overlap_ops.get(fid)
+    if c is None:
+        c = _overlap_ops[fid] = func.name() == "aten::copy_" or torch.Tag.pointwise in func.tags
+    return c
+
+
+def _partial_overlap(written: list, tensors: list) -> bool:
+    """Whether a tensor of ``written`` and another of ``tensors`` share memory in part, as torch's
+    ``get_overlap_status`` sees it: both dense (no gaps, no element twice), their bytes intersecting and not
+    the same bytes."""
+    mems: dict = {}
+    for w in written:
+        mems.setdefault(memory_of(w), []).append(w)
+    for t in tensors:
+        if type(t) is not Tensor:
+            continue
+        ws = mems.get(memory_of(t))
+        if not ws:
+            continue
+        for w in ws:
+            if w is t or not (_dense(w._meta) and _dense(t._meta)):
+                continue
+            _, a0, a1 = memory_span(w)
+            _, b0, b1 = memory_span(t)
+            if a0 < b1 and b0 < a1 and (a0, a1) != (b0, b1):
+                return True
+    return False
+
+
+def _dense(meta: tuple) -> bool:
+    """torch's ``is_non_overlapping_and_dense`` of a tensor with this metadata."""
+    shape, stride = meta[0], meta[1]
+    expected = 1
+    for d in sorted((i for i in range(len(shape)) if shape[i] != 1), key=lambda i: stride[i]):
+        if stride[d] != expected:
+            return False
+        expected *= shape[d]
+    return True
+
+
+def _raise_overlap_as_torch(func, args, kwargs, tensors) -> None:
+    """A write that partly overlaps another argument (``_partial_overlap``): run ``func`` here on zeros laid
+    out as the workers' tensors are, those sharing memory on one buffer, and raise torch's own error for
+    that overlap, at the user's line (the workers refused it, and the error came only at a fetch). Where
+    torch takes the call, or the memory is too large to lay out here, nothing is raised."""
+    ends: dict = {}
+    for t in tensors:
+        if type(t) is Tensor:
+            mem, _, end = memory_span(t)
+            ends[mem] = max(ends.get(mem, 0), end)
+    if sum(ends.values()) > 8 * RERUN_NUMEL:
+        return
+    internal, state.internal = state.internal, True  # (local tensors here, not mesh tensors: see _propagate)
+    try:
+        buffers = {mem: torch.zeros(end, dtype=torch.uint8).untyped_storage() for mem, end in ends.items()}
+        ins = []
+        for t in tensors:
+            if type(t) is Tensor:
+                shape, stride, offset, dtype = t._meta[:4]
+                ins.append(torch.empty(0, dtype=dtype).set_(buffers[memory_of(t)], offset, shape, stride))
+            else:
+                ins.append(_stand_ins("zeros", [t])[0])
+        zargs, zkwargs = _substituted(args, kwargs, ins)
+        func(*zargs, **zkwargs)
+    except RuntimeError as e:
+        if "single memory location" in str(e):
+            e._at_user_line = True
+            raise e from None
+    finally:
+        state.internal = internal
 
 
 def _mutated_tensors(pos, names, args, kwargs, func) -> list:
