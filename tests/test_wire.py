@@ -572,13 +572,15 @@ def test_live_proc_logs_what_it_dropped(live, capsys):
     procs, echo, addr = live
     with _raw_socket(addr) as sock:
         sock.send_multipart([b"ZQ9!" + bytes(GOOD[0])[4:], *GOOD[1:]])
+        sock.send_multipart(GARBAGE["call with a reply that is not a port"])  # (run, it failed at its reply)
         assert _raw_call(sock, "echo", "echo", 1) == 1
     seen, deadline = "", time.monotonic() + 20
-    while "ZQ9!" not in seen and time.monotonic() < deadline:
+    while ("ZQ9!" not in seen or "not a PortRef" not in seen) and time.monotonic() < deadline:
         cap = capsys.readouterr()
         seen += cap.out + cap.err
         time.sleep(0.05)
     assert "malformed" in seen and "ZQ9!" in seen, "the proc's log of the dropped message reaches the client"
+    assert "dropped a call of 'echo': its reply port is a str, not a PortRef" in seen, seen
 
 
 def test_live_proc_answers_bad_calls_with_errors(live):

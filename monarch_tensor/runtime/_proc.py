@@ -54,6 +54,7 @@ from ..transport.messages import (
     ForwardLogs,
     InterruptCall,
     KnowPeers,
+    PortRef,
     SendToPort,
     SetLogging,
     SpawnActor,
@@ -660,6 +661,10 @@ class ProcRuntime:
             self.handle_CallEndpoint(call)
 
     def handle_CallEndpoint(self, msg: CallEndpoint) -> None:
+        if msg.reply is not None and not isinstance(msg.reply, PortRef):  # (nowhere to answer: not run)
+            log.warning("proc %d dropped a call of %r: its reply port is a %s, not a PortRef", self.rank,
+                        msg.method, type(msg.reply).__name__)
+            return
         slot = self.actors.get(msg.actor)
         if slot is None:
             self._await_actor(msg)
