@@ -13,6 +13,7 @@ the user's line). A hit costs a dict lookup and building the outputs.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -700,6 +701,9 @@ def _propagate_locked(func, args, kwargs, tensors) -> _Template:
         if (pos or names) and any(torch._debug_has_internal_overlap(t) == 1 for t in _written(pos, names, fargs, fkwargs)
                                   if isinstance(t, torch.Tensor)):
             _raise_as_torch(func, args, kwargs, tensors)
+        if pos == (0,) and not names and len(tensors) == 1 and torch.Tag.nondeterministic_seeded in func.tags \
+                and func.namespace == "aten":
+            _check_random_fill(func, args, kwargs, tensors[0])
     finally:
         state.internal = False
         _fake_log.disabled = quiet
@@ -823,6 +827,31 @@ _META_ERRORS = (RuntimeError, ValueError, IndexError, TypeError, NotImplementedE
 RERUN_NUMEL = 1 << 20
 
 
+def _check_random_fill(func, args, kwargs, t) -> None:
+    """A random fill (``uniform_``, ``normal_``, ``bernoulli_(p)``, ``random_``, ...): torch checks its numbers
+    (``uniform_(2, 1)``: "expects to return a [from, to) range") before it draws, and the meta kernel that
+    propagation runs does not, so the workers' error came only at a fetch. Run it here on an empty tensor of
+    ``t``'s dtype, which draws nothing (``_rng_kept``), and raise torch's error at the user's line."""
+    meta = t._meta if type(t) is Tensor else meta_of(t)
+    zargs, zkwargs = _substituted(args, kwargs, [torch.empty(0, dtype=meta[3])])
+    try:
+        with _rng_kept(zkwargs):
+            func(*zargs, **zkwargs)
+    except Exception as real:  # (what torch raises for these numbers)
+        real._at_user_line = True
+        raise real from None
+
+
+@contextlib.contextmanager
+def _rng_kept(kwargs: dict):
+    """A rerun here of a random op draws from no generator the script has: the default one's state is put back
+    after it, and a ``generator=`` argument is left out (the check that raises does not depend on it)."""
+    if kwargs.get("generator") is not None:
+        kwargs["generator"] = None
+    with torch.random.fork_rng(devices=[]):
+        yield
+
+
 def _raise_torch_error(func, args, kwargs, tensors, error: Exception) -> None:
     """Raise torch's own error for a call whose fake run raised ``error``. A meta kernel checks what torch's
     kernel checks, but some raise another exception type: ``x.t().view(12)`` and ``x.clamp()`` a ValueError
@@ -830,11 +859,11 @@ def _raise_torch_error(func, args, kwargs, tensors, error: Exception) -> None:
     a RuntimeError (torch: IndexError), which an ``except`` written for local torch misses, and others another
     message (``a @ b``: "a and b must have same reduction dim", torch: "mat1 and mat2 shapes cannot be
     multiplied"). So the call runs again on zeros of its inputs' metadata (see _raise_as_torch), and what torch
-    raises there is raised, from ``error``. Only where that is harmless (an aten op that draws no random
-    numbers) and cheap: at most RERUN_NUMEL elements in all, or else on stand-ins that cost no time (see
-    _stand_ins). Else, or where the real call passes (a meta kernel's own
-    limit), ``error`` is."""
-    if type(error) in _META_ERRORS and func.namespace == "aten" and torch.Tag.nondeterministic_seeded not in func.tags:
+    raises there is raised, from ``error``. Only where that is harmless (an aten op; a random one draws from
+    none of the script's generators: ``_rng_kept``) and cheap: at most RERUN_NUMEL elements in all, or else
+    on stand-ins that cost no time (see _stand_ins). Else, or where the real call passes (a meta kernel's
+    own limit), ``error`` is."""
+    if type(error) in _META_ERRORS and func.namespace == "aten":
         small = sum(_extent(t._meta if type(t) is Tensor else meta_of(t)) for t in tensors) <= RERUN_NUMEL
         pos, names = _mutated(func)
         how = "zeros" if small else "empty" if pos or names or func.is_view or _returns_alias(func) else "broadcast"
@@ -847,7 +876,8 @@ def _raise_torch_error(func, args, kwargs, tensors, error: Exception) -> None:
             raise error
         try:
             zargs, zkwargs = _substituted(args, kwargs, inputs)
-            func(*zargs, **zkwargs)
+            with _rng_kept(zkwargs):  # (a random op: the script's generators are not drawn from)
+                func(*zargs, **zkwargs)
         except Exception as real:
             real._at_user_line = True  # (torch's own error for this call: shown at the user's line)
             raise real from error

@@ -1085,6 +1085,30 @@ def test_an_in_place_write_to_a_tensor_whose_elements_overlap_raises_at_the_line
         assert inspect(z).tolist() == [2.0, 2.0, 2.0]
 
 
+def test_a_random_fill_with_numbers_torch_refuses_raises_at_the_line_and_draws_nothing(procs):
+    # The meta kernels the controller runs do not check these numbers: the workers' error came only at a fetch
+    # (and `randn(out=)` of an integer tensor raised the meta kernel's RuntimeError, not torch's own).
+    g = torch.Generator(WORKER_DEVICE).manual_seed(1)
+    state, g_state = torch.get_rng_state(), g.get_state()
+    with procs.activate():
+        t = torch.zeros(3)
+        fills = [(lambda: t.uniform_(2, 1), r"uniform_ expects to return a \[from, to\) range"),
+                 (lambda: t.bernoulli_(1.5), r"bernoulli_ expects p to be in \[0, 1\]"),
+                 (lambda: t.normal_(0, -1.0, generator=g), "normal expects std >= 0.0"),
+                 (lambda: t.exponential_(-1.0), "exponential_ expects lambda > 0.0"),
+                 (lambda: t.random_(5, 2), "random_ expects 'from' to be less than 'to'")]
+        for fill, match in fills:
+            with pytest.raises(RuntimeError, match=match):
+                fill()
+        with pytest.raises(NotImplementedError, match="not implemented for 'Long'"):
+            torch.randn(2, 3, out=torch.zeros(2, 3, dtype=torch.int64))
+    assert torch.equal(torch.get_rng_state(), state) and torch.equal(g.get_state(), g_state)
+    with procs.activate():
+        t.uniform_(0, 1)  # numbers torch takes: drawn on the workers
+        got = inspect(t)
+    assert ((got >= 0) & (got < 1)).all() and got.unique().numel() == 3
+
+
 def test_an_error_at_the_line_has_torchs_own_exception_type(procs):
     # The meta kernels the controller runs raise other types for these (ValueError, RuntimeError), which an
     # `except` written for local torch missed.
