@@ -831,15 +831,18 @@ def _check_random_fill(func, args, kwargs, t) -> None:
     """A random fill (``uniform_``, ``normal_``, ``bernoulli_(p)``, ``random_``, ...): torch checks its numbers
     (``uniform_(2, 1)``: "expects to return a [from, to) range") before it draws, and the meta kernel that
     propagation runs does not, so the workers' error came only at a fetch. Run it here on an empty tensor of
-    ``t``'s dtype, which draws nothing (``_rng_kept``), and raise torch's error at the user's line."""
+    ``t``'s dtype, which draws nothing (``_rng_kept``), and raise torch's error for the numbers ("... expects
+    ...") at the user's line. Any other error is the workers' to find: their device may take a dtype that
+    the CPU here does not."""
     meta = t._meta if type(t) is Tensor else meta_of(t)
     zargs, zkwargs = _substituted(args, kwargs, [torch.empty(0, dtype=meta[3])])
     try:
         with _rng_kept(zkwargs):
             func(*zargs, **zkwargs)
-    except Exception as real:  # (what torch raises for these numbers)
-        real._at_user_line = True
-        raise real from None
+    except RuntimeError as real:
+        if " expects " in str(real):
+            real._at_user_line = True
+            raise real from None
 
 
 @contextlib.contextmanager
