@@ -6,6 +6,7 @@ hanging it."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import socket
@@ -271,6 +272,34 @@ def test_nothing_is_left_in_the_shared_memory_folder(members):
     folder = shm_reduce._shm_dir()
     assert members.nonces[0] is not None and len(set(members.nonces)) == 1
     assert not [f for f in os.listdir(folder) if members.nonces[0] in f]
+
+
+def test_the_file_of_a_member_killed_during_a_rendezvous_goes_at_the_next_one():
+    # A member killed between making its file and the rendezvous' unlink (a script killed while its procs formed
+    # a group) left 8 MB in /dev/shm for good.
+    import subprocess
+    import time
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    folder = shm_reduce._shm_dir()
+    old = time.time() - 2 * shm_reduce.SWEEP_AGE_S
+    files = {"dead, old": (f"monarch-tensor-{'a' * 32}-1.{dead.pid}", old),
+             "alive, old": (f"monarch-tensor-{'b' * 32}-1.{os.getpid()}", old),
+             "dead, new": (f"monarch-tensor-{'c' * 32}-1.{dead.pid}", time.time())}
+    for name, when in files.values():
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(b"x")
+        os.utime(os.path.join(folder, name), (when, when))
+    m = Members()
+    try:
+        left = set(os.listdir(folder))
+        assert [k for k, (name, _) in files.items() if name in left] == ["alive, old", "dead, new"]
+    finally:
+        m.close()
+        for name, _ in files.values():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(folder, name))
 
 
 def test_members_on_different_hosts_all_take_gloo():

@@ -43,6 +43,7 @@ from __future__ import annotations
 import functools
 import mmap
 import os
+import re
 import socket
 import struct
 import sys
@@ -117,6 +118,48 @@ def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
+def _path(nonce: str, i: int, pid: int) -> str:
+    """Member ``i``'s file, made by process ``pid`` (which ``_sweep`` looks at)."""
+    return os.path.join(_shm_dir(), f"monarch-tensor-{nonce}-{i}.{pid}")
+
+
+_FILE = re.compile(r"monarch-tensor-[0-9a-f]{32}-\d+\.(\d+)")
+SWEEP_AGE_S = 60.0  # a rendezvous that left its file this long ago is over
+_swept = False
+
+
+def _sweep() -> None:
+    """Remove the files of members killed during their group's rendezvous (before it unlinked them: a
+    script killed while its procs formed a group), once per process: those whose process is gone, made
+    more than SWEEP_AGE_S ago."""
+    global _swept
+    if _swept:
+        return
+    _swept = True
+    folder = _shm_dir()
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    now = time.time()
+    for name in names:
+        found = _FILE.fullmatch(name)
+        if found is None:
+            continue
+        path = os.path.join(folder, name)
+        try:
+            if now - os.stat(path).st_mtime < SWEEP_AGE_S:
+                continue
+            os.kill(int(found.group(1)), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        except OSError:  # (alive, another user's; or gone already)
+            pass
+
+
 class SameHostReduce:
     """The shared-memory collectives of one group (``me`` of ``n``); made by ``rendezvous``."""
 
@@ -128,7 +171,8 @@ class SameHostReduce:
         self.gone: list[set] = [set() for _ in range(n)]  # per member: tags of calls it said it ended (``left``)
         self.broken: str | None = None
         self._peers: dict[int, torch.Tensor] = {}  # member -> its file's bytes (mapped in the rendezvous)
-        self._mine_path = os.path.join(_shm_dir(), f"monarch-tensor-{nonce}-{me}")
+        self._pids: list[int] = []  # each member's process, which named its file (set in the rendezvous)
+        self._mine_path = _path(nonce, me, os.getpid())
         self._mine = _create(self._mine_path, 2 * SLOT_BYTES)
         self._unlinked = False
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -146,13 +190,16 @@ class SameHostReduce:
         """The group's shared-memory all-reduce, or None (gloo's then) where some member runs on another host
         or could not allocate or map the files. Every member calls this at the same point of the group's
         rendezvous in ``store`` and gets the same answer. The files are unlinked before it returns (each
-        member has mapped every other's): nothing is left behind, however the procs end. A group of one has
+        member has mapped every other's): nothing is left behind, however the procs end after it (the file of a
+        member killed during it goes at the next rendezvous on this host: ``_sweep``). A group of one has
         nothing to exchange: None."""
         if n < 2:
             return None
         store.set(f"shm/host/{me}", _host_id())
         if any(store.get(f"shm/host/{i}").decode() != _host_id() for i in range(n)):
             return None
+        _sweep()
+        store.set(f"shm/pid/{me}", str(os.getpid()))
         if me == 0:
             store.set("shm/nonce", uuid.uuid4().hex)
         nonce = store.get("shm/nonce").decode()
@@ -166,6 +213,7 @@ class SameHostReduce:
             store.set(f"shm/made/{me}", "1" if made is not None else "0")
             ok = all(store.get(f"shm/made/{i}") == b"1" for i in range(n))
             if ok:
+                made._pids = [int(store.get(f"shm/pid/{i}")) for i in range(n)]
                 try:
                     for i in range(n):
                         made._slot(i)
@@ -495,8 +543,7 @@ class SameHostReduce:
             return self._mine
         mapped = self._peers.get(i)
         if mapped is None:
-            mapped = self._peers[i] = _open(os.path.join(_shm_dir(), f"monarch-tensor-{self.nonce}-{i}"),
-                                            2 * SLOT_BYTES)
+            mapped = self._peers[i] = _open(_path(self.nonce, i, self._pids[i]), 2 * SLOT_BYTES)
         return mapped
 
     def _unlink(self) -> None:
