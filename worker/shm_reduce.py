@@ -266,7 +266,7 @@ class SameHostReduce:
         if one_chunk and into is not None and self.me < 2 and (reduction != "avg" or dtype.is_floating_point) \
                 and all(d is s and s is not None for d, s in zip(into, srcs)) \
                 and len({s.untyped_storage().data_ptr() for s in srcs}) == len(srcs):
-            return self._in_place(srcs, flags, numels, size_all * width, reduction, ok, lost, timeout, what)
+            return self._in_place(srcs, flags, size_all * width, reduction, ok, lost, timeout, what)
         flat = [flags] + [s.view(-1) if s is not None else torch.zeros(c, dtype=dtype) for s, c in zip(srcs, numels)]
 
         def write_all(mine, start: int, size: int) -> None:  # (one chunk: one op writes them all)
@@ -310,7 +310,7 @@ class SameHostReduce:
             outs = into
         return good, [o if g else None for o, g in zip(outs, good)]
 
-    def _in_place(self, srcs: list, flags: torch.Tensor, numels, size: int, reduction: str, ok, lost,
+    def _in_place(self, srcs: list, flags: torch.Tensor, size: int, reduction: str, ok, lost,
                   timeout: float, what: int) -> tuple[list, list]:
         """``allreduce_many`` in place on a member of rank 0 or 1, of tensors that fit in one chunk (``size``
         bytes, ``flags`` first) and share no memory: each tensor, still this member's own input, takes the
@@ -323,12 +323,12 @@ class SameHostReduce:
         got: list = []
 
         def write(mine, start: int, size: int) -> None:
-            lay = self._layouts.get((key, mine.data_ptr()))
+            at = (key, mine.data_ptr())
+            lay = self._layouts.get(at)
             if lay is None:
                 if len(self._layouts) >= 64:
                     self._layouts.clear()
-                lay = self._layouts[(key, mine.data_ptr())] = _Layout(self, key[0], numels, dtype, flags.numel(),
-                                                                      (self.seq % 2) * SLOT_BYTES, size)
+                lay = self._layouts[at] = _Layout(self, key[0], dtype, (self.seq % 2) * SLOT_BYTES, size)
             torch._foreach_copy_(lay.parts[me], [flags, *srcs])
             got.append(lay)
 
@@ -574,17 +574,17 @@ def _what(*about) -> int:
 
 
 class _Layout:
-    """Views of every member's slot (the one at ``off``) as ``k`` flags, then tensors of ``shapes`` side by side:
-    ``parts[member]`` = [flags, tensor 0, tensor 1, ...]."""
+    """Views of every member's slot (the one at ``off``) as one flag per tensor, then tensors of ``shapes`` side
+    by side: ``parts[member]`` = [flags, tensor 0, tensor 1, ...]."""
 
     __slots__ = ("parts",)
 
-    def __init__(self, group: SameHostReduce, shapes: tuple, numels, dtype: torch.dtype, k: int, off: int,
-                 size: int) -> None:
+    def __init__(self, group: SameHostReduce, shapes: tuple, dtype: torch.dtype, off: int, size: int) -> None:
+        k, numels = len(shapes), [s.numel() for s in shapes]
         self.parts = []
         for j in range(group.n):
             v = group._slot(j)[off:off + size].view(dtype)
-            self.parts.append([v[:k]] + [p.view(shape) for p, shape in zip(v[k:].split(list(numels)), shapes)])
+            self.parts.append([v[:k]] + [p.view(shape) for p, shape in zip(v[k:].split(numels), shapes)])
 
 
 def _nothing(slots, start: int, size: int) -> None:
