@@ -302,6 +302,10 @@ def test_tree_bounds_fan_out_gives_each_agent_one_path_and_covers_every_host():
     assert first == _fanout.path("tcp://h20:1")[0] and frames[-1] == b"payload"
     with pytest.raises(ValueError, match="fan-out"):
         _fanout.build_tree(items, 0)
+    # Another job's agent at one of these addresses (its port handed out again) is that job's root, not a
+    # leaf of this tree whose agents route to it.
+    _fanout.register("tcp://h99:1", "test-other-job-key")
+    assert _fanout.path("tcp://h99:1", 1) == ["tcp://h99:1"]
     for a, _ in items:
         _fanout.forget(a)
     assert _fanout.path("tcp://h99:1", 1) == ["tcp://h99:1"]
@@ -777,6 +781,39 @@ def test_attach_to_workers_and_job_load_give_the_same_hosts(job, tmp_path):
         hosts.spawn_procs(per_host={"hosts": 2})
     with pytest.raises(ValueError, match="asks for 5000 procs on each host, more than the limit of 1024"):
         hosts.spawn_procs(per_host={"gpus": 5000})
+
+
+@pytest.mark.timeout(120)
+def test_a_job_whose_agent_has_an_earlier_jobs_port_is_reached(tmp_path):
+    """Two jobs in turn, each with its own key, whose agents the system gives the same port: the socket this
+    process kept to the first agent holds the first job's key, which the second agent's CURVE handshake
+    refuses. Calls to the second job's procs were dropped without a word (CI: "no reply ... within 60 s")."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # as LocalJob's agents get it
+    for job in ("a", "b"):
+        key, addr_file = str(tmp_path / f"key-{job}"), tmp_path / f"addr-{job}"
+        _curve.JobKeys.generate().save(key)
+        agent = subprocess.Popen([sys.executable, "-m", "monarch_tensor.cli", "host", "--bind",
+                                  f"tcp://127.0.0.1:{port}", "--address-file", str(addr_file), "--ttl", "60",
+                                  "--key-file", key], cwd=ROOT, env=env)
+        try:
+            deadline = time.monotonic() + 30
+            while not (addr_file.exists() and addr_file.read_text().strip()):
+                assert agent.poll() is None and time.monotonic() < deadline, "the agent did not start"
+                time.sleep(0.05)
+            hosts = attach_to_workers(workers=[f"tcp://127.0.0.1:{port}"], key_file=key)
+            procs = hosts.spawn_procs()
+            assert procs.spawn(f"where_{job}", Where).where.call_one().get(timeout=30)[2] == procs._procs[0].pid
+            hosts.shutdown()
+            agent.wait(timeout=30)
+        finally:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait(timeout=30)
 
 
 @pytest.mark.timeout(120)

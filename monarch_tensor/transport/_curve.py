@@ -214,7 +214,16 @@ _peer_keys: dict[str, JobKeys] = {}
 
 
 def remember_peer(addr: str, keys: JobKeys) -> None:
+    before = keys_for(addr)
     _peer_keys[addr] = keys
+    if before is not None and before != keys:
+        # A socket this process keeps to ``addr`` was made for an earlier peer there (another job's host agent,
+        # whose port the system handed out again) and holds that job's keys: the new peer's CURVE handshake
+        # refuses it, and zmq drops every message on it without a word. The next send makes a fresh one.
+        from .mailbox import local_mailboxes
+
+        for mailbox in local_mailboxes():
+            mailbox.forget(addr)
 
 
 def peers() -> dict[str, JobKeys]:

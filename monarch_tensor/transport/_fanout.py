@@ -82,6 +82,8 @@ def gateway_of(agent: str) -> str | None:
 def register(agent: str, key: str) -> None:
     """Give ``agent`` (of the job whose key is ``key``) its place in that job's tree (once)."""
     global _version
+    if _where.get(agent, (key,))[0] != key:  # another job's agent had its address (its port handed out again)
+        forget(agent)
     with _lock:
         if agent not in _where:
             _version += 1
