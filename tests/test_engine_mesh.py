@@ -513,6 +513,79 @@ def test_a_rank_that_skips_a_collective_fails_its_peers_call_and_the_next_reduce
     # Collectives pair up by order: rank gpus=0's all-reduce paired with gpus=1's next collective (the reduce_
     # below), and both results were wrong without an error; with "raise", gpus=0 then waited in the reduce
     # until the collective timeout, as it did in a call with no collective after it.
+    _skips_a_collective(mesh, how, gloo)
+
+
+@pytest.fixture(scope="module")
+def mesh_across_hosts():
+    """Procs whose groups have no shared memory, as procs on different hosts: every collective through gloo."""
+    from monarch_tensor.actor import proc_mesh
+
+    m = proc_mesh(hosts=2, gpus=2, env={"MONARCH_TENSOR_NO_SHM_REDUCE": "1"})
+    yield m
+    m.stop()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["raise", "return"])
+def test_across_hosts_a_rank_that_skips_a_collective_fails_its_peers_call_and_the_next_reduce_is_right(
+        mesh_across_hosts, how):
+    # Through gloo alone the same happened: wrong values, or gpus=0 waiting for the collective timeout. Each
+    # collective is now tagged through a tiny gloo all-gather of its own (GlooTags), and a call's end is told
+    # through the rendezvous store.
+    _skips_a_collective(mesh_across_hosts, how, False)
+
+
+@remote(propagate=lambda t, group: t.clone())
+def _ranks_differ_in_their_collective(t, group):
+    """gpus=0 all-reduces where gpus=1 all-gathers: code that branches on the rank."""
+    from monarch_tensor.actor import current_rank
+
+    out = t.clone()
+    if current_rank()["gpus"] == 0:
+        torch.distributed.all_reduce(out, group=group)
+    else:
+        torch.distributed.all_gather([torch.empty_like(t) for _ in range(group.size())], t, group=group)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_across_hosts_ranks_that_run_different_collectives_at_one_point_both_fail(mesh_across_hosts):
+    # Through gloo alone, an all-reduce paired with an all-gather: wrong values, or a proc died (SIGABRT).
+    by_gpus = mesh_across_hosts.process_group("gpus")
+    with mesh_across_hosts.activate():
+        a = _ranks_differ_in_their_collective(_per_rank(mesh_across_hosts), by_gpus)
+        z = _all_reduce(_per_rank(mesh_across_hosts), by_gpus)  # the group is still in step
+        for h in range(2):
+            for g in range(2):
+                with pytest.raises(RemoteException, match="runs another collective here than this member"):
+                    inspect(a, hosts=h, gpus=g)
+                torch.testing.assert_close(inspect(z, hosts=h, gpus=g), _local(2 * h) + _local(2 * h + 1))
+
+
+@remote(propagate=lambda t, group: t.clone())
+def _group_rank_added(t, group):
+    return t + group.rank()  # (given the group, no collective on it)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("hosts", ["one host", "across hosts"])
+def test_many_calls_given_a_group_without_a_collective_then_one_with(mesh, mesh_across_hosts, hosts):
+    # Each call given a group tells the group's members when it ends; on one host that was a datagram, which a
+    # member reads only in a collective of the group: the host queues 10, and the 11th call blocked its proc for
+    # good (the fetch below timed out).
+    m = mesh if hosts == "one host" else mesh_across_hosts
+    by_gpus = m.process_group("gpus")
+    with m.activate():
+        x = _per_rank(m)
+        for _ in range(30):
+            x = _group_rank_added(x, by_gpus)
+        z = _all_reduce(x, by_gpus)
+        for h in range(2):
+            torch.testing.assert_close(inspect(z, hosts=h, gpus=0), _local(2 * h) + _local(2 * h + 1) + 30)
+
+
+def _skips_a_collective(mesh, how, gloo):
     by_gpus = mesh.process_group("gpus")
     with mesh.activate():
         x = _per_rank(mesh)

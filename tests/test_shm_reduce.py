@@ -19,7 +19,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from monarch_tensor.worker import shm_reduce
-from monarch_tensor.worker.shm_reduce import SLOT_BYTES, SameHostReduce
+from monarch_tensor.worker.shm_reduce import SLOT_BYTES, CrossHostTags, SameHostReduce
 
 pytestmark = pytest.mark.timeout(120)
 N = 3
@@ -40,14 +40,17 @@ def _store(port: int, master: bool = False) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", port, None, master, timeout=timedelta(seconds=30), wait_for_workers=False)
 
 
-def _member(rank: int, port: int, conn, host_id: str | None) -> None:
-    """A member: takes (data, reduction, timeout) cases from ``conn``, answers each with its result or error."""
+def _member(rank: int, port: int, conn, host_id: str | None, cross: bool = False) -> None:
+    """A member: takes (data, reduction, timeout) cases from ``conn``, answers each with its result or error.
+    ``cross``: the group's tags alone, as across hosts (``CrossHostTags``), whose only collective is "sync"
+    (``reduction``: the gloo method it stands before)."""
     try:
         torch.set_num_threads(1)
         if host_id is not None:
             shm_reduce._host_id = lambda: host_id
-        shm = SameHostReduce.rendezvous(dist.PrefixStore("g/", _store(port)), rank, N)
-        conn.send(None if shm is None else shm.nonce)
+        store = dist.PrefixStore("g/", _store(port))
+        shm = CrossHostTags.rendezvous(store, rank, N, "127.0.0.1") if cross else SameHostReduce.rendezvous(store, rank, N)
+        conn.send(None if shm is None else getattr(shm, "nonce", "tcp"))
         while True:
             case = conn.recv()
             if case is None:
@@ -58,12 +61,14 @@ def _member(rank: int, port: int, conn, host_id: str | None) -> None:
                 shm_reduce.left(shm_reduce.current.tag)
                 conn.send(("ok", None))
                 continue
-            work = data[rank].clone() if kind != "many" else data[rank]
+            work = data[rank].clone() if kind not in ("many", "sync") else data and data[rank]
             if kind.endswith("+strided"):  # a one-element view with a stride of 2 (contiguous all the same)
                 kind = kind.removesuffix("+strided")
                 work = torch.stack([work, torch.zeros_like(work)], -1).view(-1)[::2]
             try:
-                if kind == "allreduce":
+                if kind == "sync":
+                    shm.sync(reduction, lambda: [], timeout)
+                elif kind == "allreduce":
                     shm.allreduce(work, reduction, lambda: [], timeout)
                 elif kind == "allgather":
                     out = torch.empty(N * work.numel(), dtype=work.dtype)
@@ -115,13 +120,13 @@ def _many(shm: SameHostReduce, case, reduction: str, timeout: float):
 
 
 class Members:
-    def __init__(self, host_ids=(None,) * N) -> None:
+    def __init__(self, host_ids=(None,) * N, cross: bool = False) -> None:
         port = _free_port()
         self.store = _store(port, master=True)
         self.conns, self.procs = [], []
         for r in range(N):
             parent, child = CTX.Pipe()
-            p = CTX.Process(target=_member, args=(r, port, child, host_ids[r]), daemon=True)
+            p = CTX.Process(target=_member, args=(r, port, child, host_ids[r], cross), daemon=True)
             p.start()
             self.conns.append(parent)
             self.procs.append(p)
@@ -244,6 +249,8 @@ def test_members_that_run_different_collectives_at_one_point_all_fail(other):
         m.start([odd] * N, "sum", members=(2,), kind="allgather" if other == "kind" else "allreduce")
         answers = m.answers()
         assert all(kind == "error" and "another collective" in msg for kind, msg in answers), answers
+        answers = m.run(data, "sum")  # every member failed that collective alike: the group is still in step
+        assert all(k == "ok" and torch.equal(out, torch.full((6,), float(N))) for k, out in answers), answers
     finally:
         m.close()
 
@@ -359,6 +366,54 @@ def test_a_member_past_a_collective_or_out_of_its_call_fails_it_and_the_group_st
     answers = members.run(data, "sum", members=(0, 1), tag=tag) + members.answers((2, 2))
     assert [a[0] for a in answers] == ["ok"] * 4, answers
     assert all(torch.equal(out, torch.full((5,), 111.0)) for _, out in answers[:3]), answers
+
+
+@pytest.mark.timeout(120)
+def test_across_hosts_the_tags_alone_fail_a_skipped_or_different_collective_and_a_member_gone():
+    """``CrossHostTags``: the same frames over TCP connections, before each collective of a group across hosts
+    (gloo moves the data, and would pair a skipped collective with the member's next one)."""
+    m = Members(cross=True)
+    try:
+        assert m.nonces == ["tcp"] * N
+        assert m.run(None, "allreduce", kind="sync", tag=3 << shm_reduce.STEP_BITS) == [("ok", None)] * N
+        m.start(None, "allreduce", members=(2,), kind="sync", tag=7 << shm_reduce.STEP_BITS)  # past call 5 already
+        answers = m.run(None, "allreduce", members=(0, 1), kind="sync", tag=5 << shm_reduce.STEP_BITS)
+        assert all(k == "error" and "Skipped" in msg and "member 2" in msg and "later call" in msg
+                   for k, msg in answers), answers
+        m.start(None, "allreduce", members=(0, 1), kind="sync", tag=7 << shm_reduce.STEP_BITS)
+        assert m.answers() == [("ok", None)] * N  # the group is in step
+        assert m.run(None, "sum", members=(2,), kind="left", tag=9 << shm_reduce.STEP_BITS) == [("ok", None)]
+        answers = m.run(None, "allreduce", members=(0, 1), kind="sync", tag=9 << shm_reduce.STEP_BITS)
+        assert all(k == "error" and "member 2" in msg and "ended this call" in msg for k, msg in answers), answers
+        m.start(None, "allgather", members=(2,), kind="sync", tag=11 << shm_reduce.STEP_BITS)
+        answers = m.run(None, "allreduce", members=(0, 1), kind="sync", tag=11 << shm_reduce.STEP_BITS)
+        answers += m.answers((2,))
+        assert all(k == "error" and "another collective" in msg for k, msg in answers), answers
+        assert m.run(None, "allreduce", kind="sync", tag=13 << shm_reduce.STEP_BITS) == [("ok", None)] * N
+        m.procs[2].kill()  # its connections close: the others fail now, not at the timeout
+        m.procs[2].join(10)
+        answers = m.run(None, "allreduce", members=(0, 1), kind="sync", tag=15 << shm_reduce.STEP_BITS)
+        assert all(k == "error" and "member 2 of this group is gone" in msg for k, msg in answers), answers
+    finally:
+        m.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cross", [False, True])
+def test_a_member_that_ends_many_calls_while_the_others_run_no_collective_never_blocks(cross):
+    """Each end of a call (``left``) was a datagram, which a member reads only in a collective of the group:
+    where a host queues 10 datagrams at most, a remote function given the group called 11 times without a
+    collective blocked its proc for good. The ends of calls now never block, and still fail a collective
+    of such a call at once."""
+    m = Members(cross=cross)
+    try:
+        for t in range(1, 60):
+            assert m.run(None, "sum", members=(2,), kind="left", tag=t << shm_reduce.STEP_BITS) == [("ok", None)]
+        answers = m.run(None, "allreduce", members=(0, 1), kind="sync", tag=59 << shm_reduce.STEP_BITS)
+        assert all(k == "error" and "member 2" in msg and "ended this call" in msg for k, msg in answers), answers
+        assert m.run(None, "allreduce", kind="sync", tag=61 << shm_reduce.STEP_BITS) == [("ok", None)] * N
+    finally:
+        m.close()
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -30,7 +30,7 @@ from monarch_tensor.config import setting
 from monarch_tensor.transport._net import ip_towards
 
 from .dummy_group import _Done
-from .shm_reduce import SameHostReduce
+from .shm_reduce import CrossHostTags, SameHostReduce
 
 TIMEOUT = setting("MONARCH_TENSOR_COLLECTIVE_TIMEOUT")
 dead_procs: set[int] = set()  # this proc's mesh's procs that died: the TensorWorker's Collectives.dead (worker.py)
@@ -72,12 +72,15 @@ class StagedGroup(dist.ProcessGroup):
     Where the group's procs share a host (``same_host``), its all-reduce, all-gather and reduce-scatter of
     contiguous CPU tensors by sum, max, min or product, its all-to-all in equal parts and its broadcast go
     through shared memory instead (``SameHostReduce``; the same choice on every member: it depends on the
-    call's arguments only)."""
+    call's arguments only). Its collectives that go through gloo are tagged first (``_staged``), through shared
+    memory on one host and through connections of their own across hosts (``CrossHostTags``), so that a member
+    that skipped one fails it rather than pairs it with its next."""
 
-    def __init__(self, backend, rank: int, size: int, same_host=None) -> None:
+    def __init__(self, backend, rank: int, size: int, same_host=None, tags=None, lost=None) -> None:
         super().__init__(rank, size)
         self.backend, self._name = backend, ""
-        self._shm, self._lost = same_host if same_host is not None else (None, None)
+        self._shm, self._lost = same_host, lost
+        self._tags = same_host if same_host is not None else tags  # what tags each collective (see _staged)
 
     def getBackendName(self) -> str:
         return "gloo"
@@ -94,9 +97,10 @@ class StagedGroup(dist.ProcessGroup):
         """``backend.method(*outs-and-ins staged, *rest)``: ``outs`` and ``ins`` are the call's tensor
         arguments in order, pytree-nested (lists of tensors); ``outs`` are copied back after it. A collective
         of a same-host group first checks through shared memory that every member is in it (``sync``):
-        gloo would pair it with whatever collective a member that skipped it runs next."""
-        if self._shm is not None and method not in _P2P:
-            self._shm.sync(method, self._lost, TIMEOUT)
+        gloo would pair it with whatever collective a member that skipped it runs next. A group across hosts
+        checks the same through connections of its own (``CrossHostTags``)."""
+        if self._tags is not None and method not in _P2P:
+            self._tags.sync(method, self._lost, TIMEOUT)
         staged_outs = tree_map(_to_host, outs)
         staged_ins = tree_map(_to_host, ins)
         work = getattr(self.backend, method)(*staged_outs, *staged_ins, *rest)
@@ -259,13 +263,13 @@ def is_nccl(backend) -> bool:
 
 
 def user_group(backend, me: int, n: int, device: torch.device, store=None, cpu_backend=None,
-               same_host=None) -> dist.ProcessGroup:
+               same_host=None, tags=None, lost=None) -> dist.ProcessGroup:
     """``backend`` (``new_group``'s) as a ``ProcessGroup`` that user code and DTensor take: NCCL's registered
     for ``device`` (and ``cpu_backend``, if given, for CPU tensors), gloo's as a ``StagedGroup`` (CUDA tensors
-    too, through the CPU; ``same_host``: (the group's ``SameHostReduce``, its ``lost()``), for the collectives
-    it takes)."""
+    too, through the CPU; ``same_host``: the group's ``SameHostReduce``, for the collectives it takes, or
+    ``tags``: its ``CrossHostTags``; ``lost()``: the ranks of members that died)."""
     if not is_nccl(backend):
-        return StagedGroup(backend, me, n, same_host)
+        return StagedGroup(backend, me, n, same_host, tags, lost)
     pg = dist.ProcessGroup(store if store is not None else dist.HashStore(), me, n)  # (the backend has its own)
     nccl = dist.ProcessGroup.BackendType.NCCL
     pg._register_backend(device, nccl, backend)
@@ -362,6 +366,7 @@ class Collectives:
         self._registrations: dict[tuple, tuple] = {}  # a user group's key -> _register's arguments for it
         self._flags: dict[tuple, torch.Tensor] = {}
         self._shm: dict[tuple, SameHostReduce] = {}  # a gloo group's shared-memory all-reduce, where it has one
+        self._tags: dict[tuple, CrossHostTags] = {}  # a gloo group's tags where it has no shared memory (across hosts)
         self.dead: set[int] = set()  # ranks of this mesh whose procs died (the controller tells: peers_died)
         self._dead_cv = threading.Condition()
 
@@ -440,10 +445,14 @@ class Collectives:
                 store = dist.PrefixStore(prefix, connect_store(self.store_addr))
                 me, n = ranks.index(self.rank), len(ranks)
                 made = new_group(store, me, n, self.device, self.store_addr[0])
-                if not is_nccl(made) and not setting("MONARCH_TENSOR_NO_SHM_REDUCE"):
-                    shm = SameHostReduce.rendezvous(store, me, n)
+                if not is_nccl(made):
+                    shm = None if setting("MONARCH_TENSOR_NO_SHM_REDUCE") else SameHostReduce.rendezvous(store, me, n)
                     if shm is not None:
                         self._shm[key] = shm
+                    else:  # (the user's collectives on it are tagged through connections of their own)
+                        tags = CrossHostTags.rendezvous(store, me, n, ip_towards(self.store_addr[0]))
+                        if tags is not None:
+                            self._tags[key] = tags
                 return made
 
             pg = self._groups[key] = self._form(ranks, make)
@@ -469,9 +478,8 @@ class Collectives:
             if is_nccl(backend):  # CPU tensors on a gloo group of their own (torch's default)
                 cpu = new_group(dist.PrefixStore(prefix + "cpu/", self._base_store()), me, n, _CPU,
                                 self.store_addr[0])
-            shm = self._shm.get((ranks, stream))
-            pg = user_group(backend, me, n, self.device, store, cpu,
-                            (shm, lambda: sorted(self.dead.intersection(ranks))) if shm is not None else None)
+            pg = user_group(backend, me, n, self.device, store, cpu, self._shm.get((ranks, stream)),
+                            self._tags.get((ranks, stream)), lambda: sorted(self.dead.intersection(ranks)))
             name = f"monarch_tensor/{stream}/" + "_".join(map(str, ranks))
             pg._set_group_name(name)
             self._registrations[key] = (name, "nccl" if is_nccl(backend) else "gloo", store, ranks)

@@ -29,10 +29,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_tensor
 
 from monarch_tensor.config import setting
+from monarch_tensor.transport._net import ip_towards
 
 from . import collectives as _collectives
 from .collectives import connect_store, is_nccl, new_group, register_name, user_group
-from .shm_reduce import SameHostReduce
+from .shm_reduce import CrossHostTags, SameHostReduce
 
 BackendFactory = Callable[[tuple], object]
 """``factory(ranks) -> c10d Backend`` for the group of proc ranks ``ranks`` (this proc among them)."""
@@ -69,16 +70,19 @@ class StoreGroups:
         return new_group(self._store_of(ranks), ranks.index(self.rank), len(ranks), self.device, self.store_host)
 
     def same_host(self, ranks: tuple, backend) -> tuple | None:
-        """For ``user_group``: (the group's ``SameHostReduce``, its ``lost()``) where ``backend`` is gloo's, every
-        member runs on this host and they could map each other's files; else None. Every member calls it right
-        after ``backend(ranks)`` and gets the same answer."""
-        if self.lost is None or is_nccl(backend) or setting("MONARCH_TENSOR_NO_SHM_REDUCE"):
+        """For ``user_group``: (the group's ``SameHostReduce``, None, its ``lost()``) where ``backend`` is gloo's,
+        every member runs on this host and they could map each other's files; (None, its ``CrossHostTags``, its
+        ``lost()``) for another gloo group; else None. Every member calls it right after ``backend(ranks)`` and
+        gets the same answer."""
+        if self.lost is None or is_nccl(backend):
             return None
-        shm = SameHostReduce.rendezvous(self._store_of(ranks), ranks.index(self.rank), len(ranks))
-        if shm is None:
-            return None
-        lost = self.lost
-        return shm, lambda: lost(ranks)
+        me, n, lost = ranks.index(self.rank), len(ranks), self.lost
+        shm = None if setting("MONARCH_TENSOR_NO_SHM_REDUCE") else \
+            SameHostReduce.rendezvous(self._store_of(ranks), me, n)
+        if shm is not None:
+            return shm, None, lambda: lost(ranks)
+        tags = CrossHostTags.rendezvous(self._store_of(ranks), me, n, ip_towards(self.store_host))
+        return (None, tags, lambda: lost(ranks)) if tags is not None else None
 
 
 class ProcDeviceMesh(DeviceMesh):
@@ -109,8 +113,8 @@ def process_group(ranks: tuple, rank: int, factory: BackendFactory, device_type:
             return pg
         backend = factory(ranks)
         me, n = ranks.index(rank), len(ranks)
-        shm = same_host(ranks, backend) if same_host is not None else None
-        pg = user_group(backend, me, n, torch.device(device_type), same_host=shm)
+        shm, tags, lost = (same_host(ranks, backend) if same_host is not None else None) or (None, None, None)
+        pg = user_group(backend, me, n, torch.device(device_type), same_host=shm, tags=tags, lost=lost)
         name = "monarch_tensor:" + "_".join(map(str, ranks))
         pg._set_group_name(name)
         register_name(name, pg)  # (by name only: ProcDeviceMesh needs none of c10d's tables of the script's groups)

@@ -31,11 +31,15 @@ controller's sequence number of the instruction, and the step of a compiled prog
 chunk comes from a later instruction or step than the others' fails their collective (its instruction
 raises, naming the member) instead of pairing with it; and a member whose remote function raised, or was
 given a process group, says at the call's end that the call is over (``left``), which fails a collective
-of that call still waiting for it at once instead of at the timeout. Either way the members that failed
-take their chunk back (nothing of it was read), so the group stays in step for what comes next. A member
-whose collective at the same point differs from the others' (another kind, reduce op, dtype or size: code
+of that call still waiting for it within milliseconds instead of at the timeout (the end of a call is a
+word in the member's file, which a wait reads every 10 ms, not a datagram: a member that runs no collective
+of the group reads no datagram, and its queue would fill). Either way the members that failed take their
+chunk back (nothing of it was read), so the group stays in step for what comes next. A member whose collective at the same point differs from the others' (another kind, reduce op, dtype or size: code
 that branches on its rank) fails it on every member, as gloo does, rather than reading the others' slots
 as if they held its kind of data.
+
+A gloo group whose members are not all on one host gets the same checks without the data (``CrossHostTags``):
+the same frames on a TCP connection between every two members, before each of its collectives through gloo.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import functools
 import mmap
 import os
 import re
+import select
 import socket
 import struct
 import sys
@@ -65,6 +70,8 @@ _REDUCE = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torc
 _FOREACH = {"sum": torch._foreach_add_, "avg": torch._foreach_add_, "max": torch._foreach_maximum_,
             "min": torch._foreach_minimum_, "product": torch._foreach_mul_}  # (in place, over lists of tensors)
 _POLL_S = 0.5  # how often a wait looks at the controller's death reports
+_SEND_S = 60.0  # how long a frame may wait for room at a member (it reads none: it is stuck)
+_FILE_BYTES = 2 * SLOT_BYTES + 8  # a member's file: its two slots, then the tag of the last call it ended (``left``)
 
 
 class _Current(threading.local):
@@ -78,6 +85,11 @@ _groups: weakref.WeakSet = weakref.WeakSet()  # this proc's groups, told by ``le
 
 class Skipped(RuntimeError):
     """A member of the group did not run this collective (it is past it, or ended its call before it)."""
+
+
+class Mismatched(RuntimeError):
+    """The members run different collectives at one point (each sees it at the collective's first chunk, and
+    fails it: the group stays in step)."""
 
 
 def left(tag: int) -> None:
@@ -160,25 +172,199 @@ def _sweep() -> None:
             pass
 
 
-class SameHostReduce:
-    """The shared-memory collectives of one group (``me`` of ``n``); made by ``rendezvous``."""
+class _Tags:
+    """What every group's collectives are checked with (see the module's docstring): per chunk of a
+    collective, a frame from each member to every other (``_SIGNAL``: its index, the chunk's sequence
+    number, its tag and what it runs), and at a call's end a ``left`` frame. Subclasses move the frames
+    (``_send``, ``_recv``)."""
 
-    def __init__(self, nonce: str, me: int, n: int) -> None:
-        self.me, self.n, self.nonce = me, n, nonce
+    def __init__(self, me: int, n: int) -> None:
+        self.me, self.n = me, n
         self.seq = 0  # chunks sent
         self.seen = [(0, 0, 0)] * n  # per member: (chunk sequence number, tag, what) of the latest chunk it wrote
-        self._layouts: dict = {}  # (shapes, dtype, slot address) -> _Layout (_in_place)
-        self.gone: list[set] = [set() for _ in range(n)]  # per member: tags of calls it said it ended (``left``)
+        self.left_at = [0] * n  # per member: the tag of the last call it said it ended (``left``)
         self.broken: str | None = None
+
+    def _send(self, i: int, frame: bytes) -> None:
+        """``frame`` to member ``i``; OSError where it is gone."""
+        raise NotImplementedError
+
+    def _recv(self, timeout: float) -> bytes | None:
+        """The next frame from any member, or None after ``timeout`` seconds without one."""
+        raise NotImplementedError
+
+    def _say_left(self, tag: int) -> None:
+        """Tell every other member that this one ended the call of ``tag``, never blocking: a member may not
+        read its frames for a long time (it runs no collective of this group), and its queue fills."""
+        raise NotImplementedError
+
+    def _left_tag(self, i: int) -> int:
+        """The tag of the last call member ``i`` said it ended."""
+        return self.left_at[i]
+
+    def _take(self, frame: bytes) -> None:
+        """A frame received: what it says of its member."""
+        who, their_seq, their_tag, their_what = _SIGNAL.unpack(frame)
+        if their_seq == _LEFT:
+            if their_tag > self.left_at[who]:
+                self.left_at[who] = their_tag
+        elif (their_seq, their_tag) > self.seen[who][:2]:  # (the same chunk again, of a later call: _chunks)
+            self.seen[who] = (their_seq, their_tag, their_what)
+
+    def _drain(self) -> None:
+        """Take the frames that came, without waiting."""
+        while (frame := self._recv(0)) is not None:
+            self._take(frame)
+
+    _poll_s = _POLL_S  # how long a wait blocks before it looks at the controller's death reports and ``_left_tag``
+
+    def sync(self, method: str, lost, timeout: float) -> None:
+        """Every member says it reached this collective (gloo's ``method``) of the same call, exchanging no data:
+        before one that goes through gloo, which pairs collectives by their order alone (see the module's
+        docstring)."""
+        self._chunks(1, 1, None, None, lost, timeout, _what("gloo", method))
+
+    def _chunks(self, total: int, width: int, write, use, lost, timeout: float, what: int) -> None:
+        """``total`` bytes through the slots in chunks (a multiple of ``width`` each): per chunk, ``write(mine,
+        start, size)`` fills this member's slot (``mine``, ``size`` bytes; None: it writes none), the frames
+        are exchanged, then ``use(slots, start, size)`` with every member's slot (its chunk at 0; None: the caller
+        reads the slots itself). ``what``: the collective (``_what``), which every member's must equal."""
+        if self.broken:
+            raise RuntimeError(f"this group's collective failed before: {self.broken}")
+        step = SLOT_BYTES - SLOT_BYTES % width
+        tag = current.tag
+        in_step = False  # (a collective nobody ran: the group is not broken)
+        try:
+            for start in range(0, total, step):
+                size = min(step, total - start)
+                self.seq += 1
+                off = (self.seq % 2) * SLOT_BYTES
+                if write is not None:
+                    write(self._mine[off:off + size], start, size)
+                self._signal(tag, what)
+                try:
+                    self._wait_for(self.seq, tag, what, lost, timeout)
+                except Skipped:
+                    if not start:  # nobody read this chunk: the next collective writes and signals it again
+                        self.seq -= 1
+                        in_step = True
+                    raise
+                except Mismatched:
+                    in_step = not start  # (every member fails this chunk, read by none)
+                    raise
+                if use is not None:
+                    use([self._slot(i)[off:off + SLOT_BYTES] for i in range(self.n)], start, size)
+        except BaseException as e:
+            if not in_step:
+                self.broken = repr(e)
+            raise
+
+    def _signal(self, tag: int, what: int) -> None:
+        signal = _SIGNAL.pack(self.me, self.seq, tag, what)
+        for i in range(self.n):
+            if i != self.me:
+                try:
+                    self._send(i, signal)
+                except OSError as e:  # its socket is gone: its proc exited
+                    raise RuntimeError(f"member {i} of this group is gone (its proc exited?): {e}") from e
+
+    def _left(self, tag: int) -> None:
+        self._say_left(tag)
+
+    def _has(self, i: int, seq: int, tag: int) -> bool:
+        """Whether member ``i`` wrote chunk ``seq`` of this collective (or a later one)."""
+        s, t, _ = self.seen[i]
+        return s > seq or (s == seq and (t == tag or not t or not tag))
+
+    def _reached(self, i: int, seq: int, tag: int) -> bool:
+        """``_has``, raising ``Skipped`` where member ``i`` never will."""
+        if self._has(i, seq, tag):
+            return True
+        if tag and self._left_tag(i) >= tag:  # it ended this call, or a later one: without this chunk?
+            self._drain()  # (what it sent before it ended the call waits here, unread: take it first)
+            if self._has(i, seq, tag):
+                return True
+            raise Skipped(f"member {i} of this group ended this call before it reached this collective (its "
+                          f"remote function raised, returned without this collective, or did not run there: an "
+                          f"input of it had failed)")
+        s, t, _ = self.seen[i]
+        if s == seq and t > tag:
+            raise Skipped(f"member {i} of this group did not run this collective: its chunk {seq} belongs "
+                          f"to a later call (its remote function raised before this collective, or did not run "
+                          f"there: an input of it had failed)")
+        return False
+
+    def _wait_for(self, seq: int, tag: int, what: int, lost, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        reached = self._reached
+        while not all([reached(i, seq, tag) for i in range(self.n) if i != self.me]):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"a member of this group did not reach the same collective within {timeout} s "
+                                   f"(members still missing: {self._missing(seq, tag)})")
+            data = self._recv(min(self._poll_s, left))
+            if data is None:
+                dead = lost()
+                if dead:
+                    raise RuntimeError(f"the procs of rank(s) {dead} of this group died during the "
+                                       f"collective") from None
+                continue
+            self._take(data)
+        for i in range(self.n):  # (a member past this chunk compared its own with every member's)
+            if i != self.me and self.seen[i][0] == seq and self.seen[i][2] != what:
+                raise Mismatched(f"member {i} of this group runs another collective here than this member (another "
+                                 f"kind, reduce op, dtype or size: code that differs between ranks?)")
+
+    def _missing(self, seq: int, tag: int) -> list[int]:
+        return [i for i in range(self.n) if i != self.me and not self._has(i, seq, tag)]
+
+
+class SameHostReduce(_Tags):
+    """The shared-memory collectives of one group (``me`` of ``n``); made by ``rendezvous``. Its frames go as
+    datagrams on Unix sockets."""
+
+    def __init__(self, nonce: str, me: int, n: int) -> None:
+        super().__init__(me, n)
+        self.nonce = nonce
+        self._layouts: dict = {}  # (shapes, dtype, slot address) -> _Layout (_in_place)
         self._peers: dict[int, torch.Tensor] = {}  # member -> its file's bytes (mapped in the rendezvous)
         self._pids: list[int] = []  # each member's process, which named its file (set in the rendezvous)
         self._mine_path = _path(nonce, me, os.getpid())
-        self._mine = _create(self._mine_path, 2 * SLOT_BYTES)
+        self._mine = _create(self._mine_path, _FILE_BYTES)
+        self._left_words: dict[int, torch.Tensor] = {}  # member -> the tag word at the end of its file
         self._unlinked = False
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._addrs = [self._address(i) for i in range(n)]
         self.sock.bind(self._addrs[me])
         _groups.add(self)
+
+    def _send(self, i: int, frame: bytes) -> None:
+        self.sock.settimeout(_SEND_S)  # (a wait left its own timeout on the socket)
+        self.sock.sendto(frame, self._addrs[i])
+
+    def _recv(self, timeout: float) -> bytes | None:
+        self.sock.settimeout(timeout)
+        try:
+            return self.sock.recv(_SIGNAL.size)
+        except (TimeoutError, BlockingIOError):
+            return None
+
+    _poll_s = 0.01  # (the end of a call is a word in a member's file, not a frame: a wait looks at it this often)
+
+    def _word(self, i: int) -> torch.Tensor:
+        w = self._left_words.get(i)
+        if w is None:
+            w = self._left_words[i] = self._slot(i)[2 * SLOT_BYTES:_FILE_BYTES].view(torch.int64)
+        return w
+
+    def _say_left(self, tag: int) -> None:
+        # A word in this member's file, which a wait reads (``_left_tag``), not a datagram: a member that runs
+        # no collective of this group for a while reads none, and its queue (10 datagrams on some hosts) would
+        # fill, then block the sender (a remote function given the group, called 11 times, hung its proc).
+        self._word(self.me)[0] = tag
+
+    def _left_tag(self, i: int) -> int:
+        return max(self.left_at[i], int(self._word(i)[0]))
 
     def _address(self, i: int):
         if sys.platform.startswith("linux"):
@@ -417,12 +603,6 @@ class SameHostReduce:
         self._exchange(data, tensor.element_size(), take, lost, timeout, write=self.me == root,
                        what=_what("broadcast", root, tensor.dtype, tensor.numel()))
 
-    def sync(self, method: str, lost, timeout: float) -> None:
-        """Every member says it reached this collective (gloo's ``method``) of the same call, exchanging no data:
-        before one that goes through gloo, which pairs collectives by their order alone (see the module's
-        docstring)."""
-        self._chunks(1, 1, None, _nothing, lost, timeout, _what("gloo", method))
-
     def _exchange(self, data: torch.Tensor, width: int, use, lost, timeout: float, write: bool = True,
                   what: int = 0) -> None:
         """``data`` (bytes) through the slots in chunks: per chunk, this member's part written to its slot (unless
@@ -433,117 +613,13 @@ class SameHostReduce:
 
         self._chunks(data.numel(), width, put if write else None, use, lost, timeout, what)
 
-    def _chunks(self, total: int, width: int, write, use, lost, timeout: float, what: int) -> None:
-        """``total`` bytes through the slots in chunks (a multiple of ``width`` each): per chunk, ``write(mine,
-        start, size)`` fills this member's slot (``mine``, ``size`` bytes; None: it writes none), the datagrams
-        are exchanged, then ``use(slots, start, size)`` with every member's slot (its chunk at 0; None: the caller
-        reads the slots itself). ``what``: the collective (``_what``), which every member's must equal."""
-        if self.broken:
-            raise RuntimeError(f"this group's shared-memory collective failed before: {self.broken}")
-        step = SLOT_BYTES - SLOT_BYTES % width
-        tag = current.tag
-        in_step = False  # (a collective nobody ran: the group is not broken)
-        try:
-            for start in range(0, total, step):
-                size = min(step, total - start)
-                self.seq += 1
-                off = (self.seq % 2) * SLOT_BYTES
-                if write is not None:
-                    write(self._mine[off:off + size], start, size)
-                self._signal(tag, what)
-                try:
-                    self._wait_for(self.seq, tag, what, lost, timeout)
-                except Skipped:
-                    if not start:  # nobody read this chunk: the next collective writes and signals it again
-                        self.seq -= 1
-                        in_step = True
-                    raise
-                if use is not None:
-                    use([self._slot(i)[off:off + SLOT_BYTES] for i in range(self.n)], start, size)
-        except BaseException as e:
-            if not in_step:
-                self.broken = repr(e)
-            raise
-
-    def _signal(self, tag: int, what: int) -> None:
-        signal = _SIGNAL.pack(self.me, self.seq, tag, what)
-        for i, addr in enumerate(self._addrs):
-            if i != self.me:
-                try:
-                    self.sock.sendto(signal, addr)
-                except OSError as e:  # its socket is gone: its proc exited
-                    raise RuntimeError(f"member {i} of this group is gone (its proc exited?): {e}") from e
-
-    def _left(self, tag: int) -> None:
-        signal = _SIGNAL.pack(self.me, _LEFT, tag, 0)
-        for i, addr in enumerate(self._addrs):
-            if i != self.me:
-                try:
-                    self.sock.sendto(signal, addr)
-                except OSError:  # (gone: nobody waits there)
-                    pass
-
-    def _has(self, i: int, seq: int, tag: int) -> bool:
-        """Whether member ``i`` wrote chunk ``seq`` of this collective (or a later one)."""
-        s, t, _ = self.seen[i]
-        return s > seq or (s == seq and (t == tag or not t or not tag))
-
-    def _reached(self, i: int, seq: int, tag: int) -> bool:
-        """``_has``, raising ``Skipped`` where member ``i`` never will."""
-        if self._has(i, seq, tag):
-            return True
-        s, t, _ = self.seen[i]
-        if s == seq and t > tag:
-            raise Skipped(f"member {i} of this group did not run this collective: its chunk {seq} belongs "
-                          f"to a later call (its remote function raised before this collective, or did not run "
-                          f"there: an input of it had failed)")
-        if tag and tag in self.gone[i]:
-            raise Skipped(f"member {i} of this group ended this call before it reached this collective (its "
-                          f"remote function raised, returned without this collective, or did not run there: an "
-                          f"input of it had failed)")
-        return False
-
-    def _wait_for(self, seq: int, tag: int, what: int, lost, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        sock = self.sock
-        reached = self._reached
-        while not all([reached(i, seq, tag) for i in range(self.n) if i != self.me]):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"a member of this group did not reach the same all-reduce within {timeout} s "
-                                   f"(members still missing: {self._missing(seq, tag)})")
-            sock.settimeout(min(_POLL_S, left))
-            try:
-                data = sock.recv(_SIGNAL.size)
-            except TimeoutError:
-                dead = lost()
-                if dead:
-                    raise RuntimeError(f"the procs of rank(s) {dead} of this group died during the "
-                                       f"collective") from None
-                continue
-            who, their_seq, their_tag, their_what = _SIGNAL.unpack(data)
-            if their_seq == _LEFT:
-                gone = self.gone[who]
-                if len(gone) >= 64:  # (the calls before this member's latest chunk are over: see _reached)
-                    gone.difference_update([t for t in gone if t < self.seen[who][1]])
-                gone.add(their_tag)
-            elif (their_seq, their_tag) > self.seen[who][:2]:  # (the same chunk again, of a later call: _chunks)
-                self.seen[who] = (their_seq, their_tag, their_what)
-        for i in range(self.n):  # (a member past this chunk compared its own with every member's)
-            if i != self.me and self.seen[i][0] == seq and self.seen[i][2] != what:
-                raise RuntimeError(f"member {i} of this group runs another collective here than this member (another "
-                                   f"kind, reduce op, dtype or size: code that differs between ranks?)")
-
-    def _missing(self, seq: int, tag: int) -> list[int]:
-        return [i for i in range(self.n) if i != self.me and not self._has(i, seq, tag)]
-
     def _slot(self, i: int) -> torch.Tensor:
         """Member ``i``'s file as bytes (mapped in the rendezvous)."""
         if i == self.me:
             return self._mine
         mapped = self._peers.get(i)
         if mapped is None:
-            mapped = self._peers[i] = _open(_path(self.nonce, i, self._pids[i]), 2 * SLOT_BYTES)
+            mapped = self._peers[i] = _open(_path(self.nonce, i, self._pids[i]), _FILE_BYTES)
         return mapped
 
     def _unlink(self) -> None:
@@ -567,6 +643,118 @@ class SameHostReduce:
                 pass
 
 
+class CrossHostTags(_Tags):
+    """The tags alone, for a gloo group whose members are not all on one host (gloo moves the data): the same
+    frames, on a TCP connection between every two members, made by ``rendezvous``. Before each of the
+    group's collectives through gloo (``StagedGroup``: ``sync``), so a member that skipped one fails it on
+    the others rather than pairs it with its next."""
+
+    def __init__(self, me: int, n: int, socks: dict) -> None:
+        super().__init__(me, n)
+        self._socks = socks  # member -> its connection
+        self._member = {s: i for i, s in socks.items()}
+        self._ready = list(socks.values())
+        self._bufs = {i: b"" for i in socks}  # per member: bytes received past its last whole frame
+        self._unsaid = 0  # the tag of the last call this member ended, not yet sent to every member (_say_left)
+        self._unsaid_to: set = set()
+        _groups.add(self)
+
+    @classmethod
+    def rendezvous(cls, store, me: int, n: int, ip: str, timeout: float = 60.0) -> CrossHostTags | None:
+        """Every member listens on ``ip`` (its address on the route to the others), connects to the members
+        before it and accepts those after it, through ``store``. None where a member could not (the group's
+        collectives then go unchecked, as before); every member gets the same answer."""
+        if n < 2:
+            return None
+        socks: dict = {}
+        listener = None
+        ok = True
+        try:
+            listener = socket.create_server((ip, 0), family=socket.AF_INET6 if ":" in ip else socket.AF_INET,
+                                            backlog=n)
+            listener.settimeout(timeout)
+            store.set(f"tcp/addr/{me}", f"{ip} {listener.getsockname()[1]}")
+            for i in range(me):
+                host, port = store.get(f"tcp/addr/{i}").decode().split()
+                s = socks[i] = socket.create_connection((host, int(port)), timeout=timeout)
+                s.sendall(struct.pack("<i", me))
+            for _ in range(me + 1, n):
+                s, _ = listener.accept()
+                s.settimeout(timeout)
+                hello = b""
+                while len(hello) < 4:
+                    more = s.recv(4 - len(hello))
+                    if not more:
+                        raise OSError("a member closed its connection in the rendezvous")
+                    hello += more
+                socks[struct.unpack("<i", hello)[0]] = s
+        except OSError:
+            ok = False
+        finally:
+            if listener is not None:
+                listener.close()
+        store.set(f"tcp/ok/{me}", "1" if ok else "0")
+        if not all(store.get(f"tcp/ok/{i}") == b"1" for i in range(n)):
+            for s in socks.values():
+                s.close()
+            return None
+        for s in socks.values():
+            s.settimeout(_SEND_S)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return cls(me, n, socks)
+
+    def _send(self, i: int, frame: bytes) -> None:
+        if self._unsaid_to:  # (in order: the end of an earlier call, then this chunk)
+            self._say_left(self._unsaid)
+        self._socks[i].sendall(frame)
+
+    def _say_left(self, tag: int) -> None:
+        # To each member whose connection has room (the frame then goes whole); to the others at the next chance
+        # (this member's next collective or end of a call), the latest tag only. First this member takes what the
+        # others sent meanwhile, so that theirs have room too (a member that runs no collective of this group
+        # for a while reads no frame otherwise).
+        try:
+            self._drain()
+        except RuntimeError:  # (a member gone: the next collective says so)
+            pass
+        self._unsaid, self._unsaid_to = tag, {i for i in self._socks}
+        frame = _SIGNAL.pack(self.me, _LEFT, tag, 0)
+        try:
+            _, room, _ = select.select([], list(self._socks.values()), [], 0)
+        except (OSError, ValueError):  # (a connection closed: its member is gone)
+            return
+        for s in room:
+            i = self._member[s]
+            try:
+                s.sendall(frame)
+            except OSError:  # (gone: nobody waits there)
+                pass
+            self._unsaid_to.discard(i)
+
+    def _recv(self, timeout: float) -> bytes | None:
+        size = _SIGNAL.size
+        for i, buf in self._bufs.items():
+            if len(buf) >= size:
+                self._bufs[i] = buf[size:]
+                return buf[:size]
+        ready, _, _ = select.select(self._ready, [], [], timeout)
+        for s in ready:
+            i = self._member[s]
+            try:
+                data = s.recv(4096)
+            except OSError:
+                data = b""
+            if not data:
+                raise RuntimeError(f"member {i} of this group is gone (its connection closed: its proc exited?)")
+            self._bufs[i] += data
+        return self._recv(0) if ready else None
+
+    def close(self) -> None:
+        _groups.discard(self)
+        for s in self._socks.values():
+            s.close()
+
+
 @functools.lru_cache(maxsize=4096)
 def _what(*about) -> int:
     """What a collective is, as a number every member computes alike (``hash`` differs between processes)."""
@@ -585,10 +773,6 @@ class _Layout:
         for j in range(group.n):
             v = group._slot(j)[off:off + size].view(dtype)
             self.parts.append([v[:k]] + [p.view(shape) for p, shape in zip(v[k:].split(numels), shapes)])
-
-
-def _nothing(slots, start: int, size: int) -> None:
-    pass
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
