@@ -331,7 +331,7 @@ class SameHostReduce(_Tags):
         self._pids: list[int] = []  # each member's process, which named its file (set in the rendezvous)
         self._mine_path = _path(nonce, me, os.getpid())
         self._mine = _create(self._mine_path, _FILE_BYTES)
-        self._left_words: dict[int, torch.Tensor] = {}  # member -> the tag word at the end of its file
+        self._left_words: dict = {}  # member -> the tag word at the end of its file (a numpy view)
         self._unlinked = False
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._addrs = [self._address(i) for i in range(n)]
@@ -351,10 +351,10 @@ class SameHostReduce(_Tags):
 
     _poll_s = 0.01  # (the end of a call is a word in a member's file, not a frame: a wait looks at it this often)
 
-    def _word(self, i: int) -> torch.Tensor:
+    def _word(self, i: int):
         w = self._left_words.get(i)
         if w is None:
-            w = self._left_words[i] = self._slot(i)[2 * SLOT_BYTES:_FILE_BYTES].view(torch.int64)
+            w = self._left_words[i] = self._slot(i)[2 * SLOT_BYTES:_FILE_BYTES].view(torch.int64).numpy()  # (~0.1 µs)
         return w
 
     def _say_left(self, tag: int) -> None:
