@@ -652,8 +652,11 @@ class CrossHostTags(_Tags):
     def __init__(self, me: int, n: int, socks: dict) -> None:
         super().__init__(me, n)
         self._socks = socks  # member -> its connection
-        self._member = {s: i for i, s in socks.items()}
-        self._ready = list(socks.values())
+        self._member = {s.fileno(): i for i, s in socks.items()}  # (poll, not select: a proc may hold > 1024 fds)
+        self._readable, self._writable = select.poll(), select.poll()
+        for s in socks.values():
+            self._readable.register(s, select.POLLIN)
+            self._writable.register(s, select.POLLOUT)
         self._bufs = {i: b"" for i in socks}  # per member: bytes received past its last whole frame
         self._unsaid = 0  # the tag of the last call this member ended, not yet sent to every member (_say_left)
         self._unsaid_to: set = set()
@@ -719,17 +722,14 @@ class CrossHostTags(_Tags):
             pass
         self._unsaid, self._unsaid_to = tag, {i for i in self._socks}
         frame = _SIGNAL.pack(self.me, _LEFT, tag, 0)
-        try:
-            _, room, _ = select.select([], list(self._socks.values()), [], 0)
-        except (OSError, ValueError):  # (a connection closed: its member is gone)
-            return
-        for s in room:
-            i = self._member[s]
-            try:
-                s.sendall(frame)
-            except OSError:  # (gone: nobody waits there)
-                pass
-            self._unsaid_to.discard(i)
+        for fd, events in self._writable.poll(0):
+            i = self._member[fd]
+            if events & select.POLLOUT:
+                try:
+                    self._socks[i].sendall(frame)
+                except OSError:  # (gone: nobody waits there)
+                    pass
+            self._unsaid_to.discard(i)  # (or closed: gone)
 
     def _recv(self, timeout: float) -> bytes | None:
         size = _SIGNAL.size
@@ -737,11 +737,11 @@ class CrossHostTags(_Tags):
             if len(buf) >= size:
                 self._bufs[i] = buf[size:]
                 return buf[:size]
-        ready, _, _ = select.select(self._ready, [], [], timeout)
-        for s in ready:
-            i = self._member[s]
+        ready = self._readable.poll(max(0, int(timeout * 1000 + 0.999)))
+        for fd, _ in ready:
+            i = self._member[fd]
             try:
-                data = s.recv(4096)
+                data = self._socks[i].recv(4096)
             except OSError:
                 data = b""
             if not data:
