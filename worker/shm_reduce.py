@@ -94,12 +94,14 @@ class Mismatched(RuntimeError):
 
 def left(tag: int) -> None:
     """This thread ended the call of ``tag`` (a remote function's, which may hold collectives: one that raised,
-    or one given a process group): tell every group of this proc, so that a member waiting in a collective of
-    that call that this one did not run fails now instead of at the timeout. (Its own collectives' datagrams
-    went before: a member waiting in one of those has seen them.)"""
+    or one given a process group): tell every group of this thread's stream, so that a member waiting in a
+    collective of that call that this one did not run fails now instead of at the timeout. (A member waiting
+    in one this one did run takes its frame first: ``_reached``.)"""
     if tag:
+        me = threading.get_ident()
         for g in list(_groups):
-            g._left(tag)
+            if g.owner is None or g.owner == me:  # (another stream's group runs no collective of this call)
+                g._left(tag)
 
 
 def _fold(op, parts: list, out: torch.Tensor) -> None:
@@ -184,6 +186,7 @@ class _Tags:
         self.seen = [(0, 0, 0)] * n  # per member: (chunk sequence number, tag, what) of the latest chunk it wrote
         self.left_at = [0] * n  # per member: the tag of the last call it said it ended (``left``)
         self.broken: str | None = None
+        self.owner: int | None = None  # the thread that runs its collectives (a stream's), once one ran
 
     def _send(self, i: int, frame: bytes) -> None:
         """``frame`` to member ``i``; OSError where it is gone."""
@@ -231,6 +234,8 @@ class _Tags:
         reads the slots itself). ``what``: the collective (``_what``), which every member's must equal."""
         if self.broken:
             raise RuntimeError(f"this group's collective failed before: {self.broken}")
+        if self.owner is None:
+            self.owner = threading.get_ident()
         step = SLOT_BYTES - SLOT_BYTES % width
         tag = current.tag
         in_step = False  # (a collective nobody ran: the group is not broken)
