@@ -34,9 +34,10 @@ given a process group, says at the call's end that the call is over (``left``), 
 of that call still waiting for it within milliseconds instead of at the timeout (the end of a call is a
 word in the member's file, which a wait reads every 10 ms, not a datagram: a member that runs no collective
 of the group reads no datagram, and its queue would fill). Either way the members that failed take their
-chunk back (nothing of it was read), so the group stays in step for what comes next. A member whose collective at the same point differs from the others' (another kind, reduce op, dtype or size: code
-that branches on its rank) fails it on every member, as gloo does, rather than reading the others' slots
-as if they held its kind of data.
+chunk back (nothing of it was read), so the group stays in step for what comes next. A member whose
+collective at the same point differs from the others' (another kind, reduce op, dtype or size: code that
+branches on its rank) fails it on every member, as gloo does, rather than reading the others' slots as if
+they held its kind of data.
 
 A gloo group whose members are not all on one host gets the same checks without the data (``CrossHostTags``):
 the same frames on a TCP connection between every two members, before each of its collectives through gloo.
@@ -177,8 +178,8 @@ def _sweep() -> None:
 class _Tags:
     """What every group's collectives are checked with (see the module's docstring): per chunk of a
     collective, a frame from each member to every other (``_SIGNAL``: its index, the chunk's sequence
-    number, its tag and what it runs), and at a call's end a ``left`` frame. Subclasses move the frames
-    (``_send``, ``_recv``)."""
+    number, its tag and what it runs), and at a call's end a word of it (``left``). Subclasses move the frames
+    and the word (``_send``, ``_recv``, ``_say_left``, ``_left_tag``)."""
 
     def __init__(self, me: int, n: int) -> None:
         self.me, self.n = me, n
