@@ -62,6 +62,8 @@ import zlib
 
 import torch
 
+from monarch_tensor.transport.mailbox import SPIN_S, _crowded, _sched_yield
+
 SLOT_BYTES = 4 << 20  # a member's file holds two slots of this size: a larger buffer goes through in chunks
 _SIGNAL = struct.Struct("<iqqQ")  # sender's index in the group, chunk sequence number (or _LEFT), its tag, and
 # what the collective is (``_what``: its kind, reduce op, dtype and size, which every member's must equal)
@@ -303,12 +305,16 @@ class _Tags:
     def _wait_for(self, seq: int, tag: int, what: int, lost, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         reached = self._reached
+        spin = SPIN_S > 0
         while not all([reached(i, seq, tag) for i in range(self.n) if i != self.me]):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"a member of this group did not reach the same collective within {timeout} s "
                                    f"(members still missing: {self._missing(seq, tag)})")
-            data = self._recv(min(self._poll_s, left))
+            data = self._spun() if spin else None
+            if data is None:
+                spin = False  # (not again in this wait: it was not short)
+                data = self._recv(min(self._poll_s, left))
             if data is None:
                 dead = lost()
                 if dead:
@@ -320,6 +326,21 @@ class _Tags:
             if i != self.me and self.seen[i][0] == seq and self.seen[i][2] != what:
                 raise Mismatched(f"member {i} of this group runs another collective here than this member (another "
                                  f"kind, reduce op, dtype or size: code that differs between ranks?)")
+
+    def _spun(self) -> bytes | None:
+        """A frame that comes within ``SPIN_S`` (200 µs) of a wait's start, polled for (yielding the core each
+        try), or None: the members of a collective come to it at about the same time, and a blocked thread
+        waits for the scheduler to wake it, on a busy 2-core VM about as long as a small gloo collective takes.
+        Not on a crowded machine (``_crowded``), where polling takes a core from a thread that has work."""
+        if _crowded():
+            return None
+        end = time.perf_counter() + SPIN_S
+        recv = self._recv
+        while (frame := recv(0)) is None:
+            if time.perf_counter() >= end:
+                return None
+            _sched_yield()
+        return frame
 
     def _missing(self, seq: int, tag: int) -> list[int]:
         return [i for i in range(self.n) if i != self.me and not self._has(i, seq, tag)]
