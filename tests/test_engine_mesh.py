@@ -531,8 +531,7 @@ def mesh_across_hosts():
 def test_across_hosts_a_rank_that_skips_a_collective_fails_its_peers_call_and_the_next_reduce_is_right(
         mesh_across_hosts, how):
     # Through gloo alone the same happened: wrong values, or gpus=0 waiting for the collective timeout. Each
-    # collective is now tagged through a tiny gloo all-gather of its own (GlooTags), and a call's end is told
-    # through the rendezvous store.
+    # collective is now tagged first, with frames on TCP connections of the group's own (CrossHostTags).
     _skips_a_collective(mesh_across_hosts, how, False)
 
 
