@@ -181,7 +181,7 @@ class _Tags:
     """What every group's collectives are checked with (see the module's docstring): per chunk of a
     collective, a frame from each member to every other (``_SIGNAL``: its index, the chunk's sequence
     number, its tag and what it runs), and at a call's end a word of it (``left``). Subclasses move the frames
-    and the word (``_send``, ``_recv``, ``_say_left``, ``_left_tag``)."""
+    and the word (``_send``, ``_recv``, ``_left``, ``_left_tag``)."""
 
     def __init__(self, me: int, n: int) -> None:
         self.me, self.n = me, n
@@ -199,9 +199,9 @@ class _Tags:
         """The next frame from any member, or None after ``timeout`` seconds without one."""
         raise NotImplementedError
 
-    def _say_left(self, tag: int) -> None:
-        """Tell every other member that this one ended the call of ``tag``, never blocking: a member may not
-        read its frames for a long time (it runs no collective of this group), and its queue fills."""
+    def _left(self, tag: int) -> None:
+        """Tell every other member that this one ended the call of ``tag`` (``left``), never blocking: a member
+        may not read its frames for a long time (it runs no collective of this group), and its queue fills."""
         raise NotImplementedError
 
     def _left_tag(self, i: int) -> int:
@@ -275,9 +275,6 @@ class _Tags:
                     self._send(i, signal)
                 except OSError as e:  # its socket is gone: its proc exited
                     raise RuntimeError(f"member {i} of this group is gone (its proc exited?): {e}") from e
-
-    def _left(self, tag: int) -> None:
-        self._say_left(tag)
 
     def _has(self, i: int, seq: int, tag: int) -> bool:
         """Whether member ``i`` wrote chunk ``seq`` of this collective (or a later one)."""
@@ -384,14 +381,14 @@ class SameHostReduce(_Tags):
             w = self._left_words[i] = self._slot(i)[2 * SLOT_BYTES:_FILE_BYTES].view(torch.int64).numpy()  # (~0.1 µs)
         return w
 
-    def _say_left(self, tag: int) -> None:
+    def _left(self, tag: int) -> None:
         # A word in this member's file, which a wait reads (``_left_tag``), not a datagram: a member that runs
         # no collective of this group for a while reads none, and its queue (10 datagrams on some hosts) would
         # fill, then block the sender (a remote function given the group, called 11 times, hung its proc).
         self._word(self.me)[0] = tag
 
     def _left_tag(self, i: int) -> int:
-        return max(self.left_at[i], int(self._word(i)[0]))
+        return int(self._word(i)[0])
 
     def _address(self, i: int):
         if sys.platform.startswith("linux"):
@@ -685,7 +682,7 @@ class CrossHostTags(_Tags):
             self._readable.register(s, select.POLLIN)
             self._writable.register(s, select.POLLOUT)
         self._bufs = {i: b"" for i in socks}  # per member: bytes received past its last whole frame
-        self._unsaid = 0  # the tag of the last call this member ended, not yet sent to every member (_say_left)
+        self._unsaid = 0  # the tag of the last call this member ended, not yet sent to every member (_left)
         self._unsaid_to: set = set()
         _groups.add(self)
 
@@ -735,10 +732,10 @@ class CrossHostTags(_Tags):
 
     def _send(self, i: int, frame: bytes) -> None:
         if self._unsaid_to:  # (in order: the end of an earlier call, then this chunk)
-            self._say_left(self._unsaid)
+            self._say_unsaid()
         self._socks[i].sendall(frame)
 
-    def _say_left(self, tag: int) -> None:
+    def _left(self, tag: int) -> None:
         # To each member whose connection has room (the frame then goes whole); to the others at the next chance
         # (this member's next collective or end of a call), the latest tag only. First this member takes what the
         # others sent meanwhile, so that theirs have room too (a member that runs no collective of this group
@@ -747,10 +744,16 @@ class CrossHostTags(_Tags):
             self._drain()
         except RuntimeError:  # (a member gone: the next collective says so)
             pass
-        self._unsaid, self._unsaid_to = tag, {i for i in self._socks}
-        frame = _SIGNAL.pack(self.me, _LEFT, tag, 0)
+        self._unsaid, self._unsaid_to = tag, set(self._socks)
+        self._say_unsaid()
+
+    def _say_unsaid(self) -> None:
+        """``_unsaid`` to the members of ``_unsaid_to`` whose connection has room now."""
+        frame = _SIGNAL.pack(self.me, _LEFT, self._unsaid, 0)
         for fd, events in self._writable.poll(0):
             i = self._member[fd]
+            if i not in self._unsaid_to:
+                continue
             if events & select.POLLOUT:
                 try:
                     self._socks[i].sendall(frame)
