@@ -10,6 +10,7 @@ it; malformed batches are dropped like any malformed message.
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 import threading
@@ -25,7 +26,14 @@ from monarch_tensor.errors import ProtocolError
 from monarch_tensor.transport import _wire
 from monarch_tensor.transport import mailbox as mailbox_mod
 from monarch_tensor.transport.mailbox import Mailbox
-from monarch_tensor.transport.messages import CallEndpoint, PortRef, SendToPort, StopProc
+from monarch_tensor.transport.messages import (
+    CallEndpoint,
+    PortRef,
+    SendToPort,
+    StopProc,
+    call_envelope,
+    reply_envelope,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -85,6 +93,68 @@ def test_a_call_whose_reply_is_not_a_port_still_round_trips():
     assert _wire.decode(_wire.encode(msg)) == msg
 
 
+# ---- runs of immutable envelopes ("\0many") --------------------------------------------------------
+_SCALARS = st.one_of(st.integers(), st.floats(allow_nan=False), st.text(max_size=30), st.binary(max_size=30),
+                     st.none(), st.booleans())
+_FROZEN = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=4).map(tuple), max_leaves=12)
+
+
+class _MyInt(int):
+    pass
+
+
+class _MyStr(str):
+    pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(_FROZEN)
+def test_frozen_size_takes_builtins_and_tuples_of_them_and_bounds_their_pickle(x):
+    n = _wire.frozen_size(x, depth=64)
+    assert n >= 0, x
+    assert len(pickle.dumps(x, protocol=5)) <= n + 16
+
+
+@settings(max_examples=300, deadline=None)
+@given(_FROZEN, st.sampled_from([[1], [], {}, {"a": 1}, {1}, frozenset([1]), bytearray(b"x"), object(), _MyInt(3),
+                                 _MyStr("s"), range(3), Path("/")]), st.integers(0, 4))
+def test_frozen_size_refuses_anything_mutable_or_not_builtin_wherever_it_is(x, bad, depth):
+    v = (x, bad)
+    for _ in range(depth):
+        v = ("outer", v, 1)
+    assert _wire.frozen_size(v, depth=64) == -1
+    assert _wire.frozen_size(bad) == -1
+
+
+def test_frozen_size_refuses_what_is_too_deep_or_too_large():
+    assert _wire.frozen_size((1, (2, (3,))), depth=3) >= 0
+    assert _wire.frozen_size((1, (2, (3, (4,)))), depth=3) == -1
+    assert _wire.frozen_size(("x" * 100_000,)) == -1
+    assert _wire.frozen_size((b"x" * 100_000,)) == -1
+    assert _wire.frozen_size((7 ** 100_000,)) == -1  # (an int's pickle grows with it)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["envelope", "frame"]), st.integers(0, 10**6)), max_size=40))
+def test_a_batch_of_envelopes_and_frames_arrives_in_order(items):
+    batch = [reply_envelope(i, (i, "v"), None, 0) if kind == "envelope" else _wire.encode(StopProc(f"s{i}"))[0]
+             for kind, i in items]
+    frames = _wire.pack_runs(batch)
+    assert len(frames) <= len(batch)
+    got = []
+    for frame in frames:
+        msg = _wire.decode([frame])
+        got.extend(msg if type(msg) is _wire.Many else [msg])
+    assert [("envelope", m.port_id) if isinstance(m, SendToPort) else ("frame", int(m.reason[1:])) for m in got] \
+        == items
+    assert all(m.value == (m.port_id, "v") for m in got if isinstance(m, SendToPort))
+
+
+def test_a_run_that_is_not_a_list_is_a_protocol_error():
+    with pytest.raises(ProtocolError):
+        _wire.decode([_wire.encode_plain((_wire.MANY, ("not", "a list")))])
+
+
 # ---- two mailboxes in this process ------------------------------------------------------------------
 class _Inbox:
     def __init__(self) -> None:
@@ -118,6 +188,10 @@ def _call(i: int) -> CallEndpoint:
     return CallEndpoint("a", "m", (i,), {}, None)
 
 
+def _call_of(*args) -> CallEndpoint:
+    return CallEndpoint("a", "m", args, {}, None)
+
+
 def test_a_burst_arrives_whole_and_in_order_in_fewer_frames_without_anyone_flushing(pair):
     tx, rx, inbox, _, _ = pair
     n = 3000
@@ -144,6 +218,40 @@ def test_order_holds_across_batched_and_plain_sends_and_destinations(pair):
     got = inbox.wait_for(len(sent))
     assert [m.reason if isinstance(m, StopProc) else m.args[0] for m in got] == sent
     assert [m.args[0] for m in other.wait_for(len(sent2))] == sent2
+
+
+def test_envelopes_batched_frames_and_plain_sends_arrive_in_the_order_sent(pair):
+    tx, rx, inbox, rx2, other = pair
+    sent, sent2 = [], []
+    for i in range(900):
+        if i % 50 == 7:  # a plain send in the middle of a burst flushes the batch before it
+            tx.send(rx.addr, StopProc(f"plain {i}"))
+            sent.append(f"plain {i}")
+        elif i % 50 == 30:  # another destination too
+            assert tx.send_plain(rx2.addr, call_envelope("a", "m", (i,), {}, None, None), 64)
+            sent2.append(i)
+        elif i % 3:  # a call of immutable values: waits as its envelope
+            # (its size given: the kwargs dict is the caller's to vouch for, as Endpoint._send does)
+            assert tx.send_plain(rx.addr, call_envelope("a", "m", (i, ("x", 1.5)), {}, None, None), 64)
+            sent.append(i)
+        else:  # one that is not (a list): encoded at once, batched as its frame
+            tx.send(rx.addr, _call_of([i]), batch=True)
+            sent.append(i)
+    got = inbox.wait_for(len(sent))
+    assert [m.reason if isinstance(m, StopProc) else (m.args[0] if isinstance(m.args[0], int) else m.args[0][0])
+            for m in got] == sent
+    assert all(m.args[1] == ("x", 1.5) for m in got if isinstance(m, CallEndpoint) and isinstance(m.args[0], int))
+    assert [m.args[0] for m in other.wait_for(len(sent2))] == sent2
+    assert tx.batches_sent > 0
+
+
+def test_an_envelope_of_anything_mutable_or_not_builtin_is_not_taken(pair):
+    tx, rx, _, _, _ = pair
+    assert tx.send_plain(rx.addr, reply_envelope(1, (1, "x", b"y", None, 2.5, True), None, 0))
+    for value in [[1], {"a": 1}, object(), (1, [2]), _MyInt(1), bytearray(b"x")]:
+        assert not tx.send_plain(rx.addr, reply_envelope(1, value, None, 0))
+    assert not tx.send_plain(rx.addr, reply_envelope(1, None, ValueError("boom"), 0))
+    assert not tx.send_plain(rx.addr, call_envelope("a", "m", (1,), {}, None, None))  # (a dict, unvouched for)
 
 
 def test_a_send_after_a_flush_leaves_at_once_while_a_burst_is_held(pair, monkeypatch):
@@ -222,6 +330,18 @@ class Worker(Actor):
     def order(self) -> list[int]:
         return self.seen
 
+    @endpoint
+    def echo(self, x):
+        return x
+
+    @endpoint
+    def grow(self, i: int) -> list[int]:
+        """Its own list, which the next call changes."""
+        if i == 0:
+            self.grown: list[int] = []
+        self.grown.append(i)
+        return self.grown
+
 
 @pytest.fixture(scope="module")
 def worker():
@@ -236,6 +356,22 @@ def test_pipelined_calls_run_in_order_and_every_reply_arrives(worker):
     futs = [worker.quick.call_one(i) for i in range(2000)]
     assert [f.get(timeout=60) for f in futs] == list(range(2000))
     assert worker.order.call_one().get(timeout=30)[-2000:] == list(range(2000))
+
+
+def test_a_value_changed_after_its_call_or_reply_arrives_as_it_was_when_sent(worker):
+    # A burst's calls and replies wait in batches; what they carry must be what it was when sent, not what
+    # it became by the time the batch left.
+    buf = [0]
+    futs = []
+    for i in range(1000):
+        buf[0] = i
+        futs.append(worker.echo.call_one((i, buf)))
+        futs.append(worker.echo.call_one(i if i % 2 else ("t", i)))  # (immutable: these wait as envelopes)
+    got = [f.get(timeout=60) for f in futs]
+    assert got[::2] == [(i, [i]) for i in range(1000)]
+    assert got[1::2] == [i if i % 2 else ("t", i) for i in range(1000)]
+    futs = [worker.grow.call_one(i) for i in range(1000)]
+    assert [f.get(timeout=60) for f in futs] == [list(range(i + 1)) for i in range(1000)]
 
 
 def test_a_reply_is_not_held_back_by_a_slow_call_behind_it(worker, tmp_path):

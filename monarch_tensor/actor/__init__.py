@@ -58,7 +58,7 @@ from ..transport import channel as _channel
 from ..transport._ports import Collector, FoldCollector, OneReply, Receiver, StreamCollector
 from ..transport.channel import ChannelTransport, enable_transport  # Monarch's names, here
 from ..transport.mailbox import SYSTEM_HANDLERS, Mailbox, current_mailbox
-from ..transport.messages import CallEndpoint, GetController, PortRef, SendToPort, SpawnActor
+from ..transport.messages import CallEndpoint, GetController, PortRef, SendToPort, SpawnActor, call_envelope
 from .telemetry import get_meter, span, traced
 
 R = TypeVar("R")
@@ -585,6 +585,7 @@ class _SpawnCollector(Collector):
 
 
 _ALIVE = operator.attrgetter("alive")
+_ENVELOPE_BYTES = 512  # about what a call's envelope holds besides its arguments (names, reply port, shape)
 _signatures: dict = {}  # (class, wire method) -> (signature, its leading args, fewest and most positional args)
 
 
@@ -664,6 +665,16 @@ class Endpoint(Generic[R]):
             addrs = self._mesh._addrs() if ranks is self._mesh._rank_list else [self._mesh._procs[r].addr for r in ranks]
         if self._mesh._watch is not None:
             self._mesh._watch.seen = True
+        if len(addrs) == 1:  # a call of immutable values waits in a batch as its envelope (Mailbox.send_plain)
+            size = _wire.frozen_size(args, 2)
+            if size >= 0 and kwargs:
+                size = -1 if (k := _wire.frozen_size(tuple(kwargs.items()), 3)) < 0 else size + k
+            # (the rest of the envelope is immutable and plain by making: strings, ints, the shape's tuples of them,
+            # and the kwargs dict, which the adverbs make for each call and nothing changes)
+            envelope = None if size < 0 else call_envelope(self._mesh._name, self._wire_method, args, kwargs, port,
+                                                          self._mesh._sent_shape)
+            if envelope is not None and mailbox.send_plain(addrs[0], envelope, size + _ENVELOPE_BYTES):
+                return
         msg = CallEndpoint(self._mesh._name, self._wire_method, args, kwargs, port, self._mesh._sent_shape)
         try:
             encoded = _wire.encode_for(msg, addrs, mailbox)

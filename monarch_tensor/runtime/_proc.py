@@ -60,6 +60,7 @@ from ..transport.messages import (
     SpawnActor,
     StopActor,
     StopProc,
+    reply_envelope,
 )
 from . import _actor_logs, _context, _hooks, _names, _proc_exit, _thread_state, _threads, _zygote
 from ._port import Port
@@ -1187,7 +1188,8 @@ class ProcRuntime:
             return
         output = self.mailbox.output_before(addr)
         try:
-            self.mailbox.send(addr, SendToPort(port.port_id, value, error, rank, output), batch=True)
+            if not self.mailbox.send_plain(addr, reply_envelope(port.port_id, value, error, rank, output)):
+                self.mailbox.send(addr, SendToPort(port.port_id, value, error, rank, output), batch=True)
         except Exception as e:  # noqa: BLE001 - e.g. an unpicklable result
             err = ActorError("?" if slot is None else slot.name, rank, method, f"cannot send the result back: {e!r}",
                              traceback.format_exc())

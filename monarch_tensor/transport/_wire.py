@@ -306,6 +306,81 @@ def is_small(frames: list) -> bool:
     return len(frames) == 1 and len(frames[0]) < 65536
 
 
+# A run of compact envelopes made of immutable builtin values only (calls and replies whose arguments and
+# values are numbers, strings, None and tuples of them: most of a burst's), pickled together as one message
+# ``("\0many", [envelope, ...])`` when a batch leaves (``Mailbox.send_plain``): one pickle call and one
+# unpickle for the run instead of one of each per message, and the run's repeated strings (actor, method,
+# reply address) written once. Immutable, so that what leaves later is what was sent (a list the caller
+# changes after the call is pickled at once, as any other message).
+MANY = "\0many"
+_MANY_MAX = 16384  # bytes (estimated by ``frozen_size``) of a message that may wait in a batch as its envelope
+_BIG_INT = 1 << 63  # (ints beyond it pickle longer than 9 bytes)
+
+
+class Many(list):
+    """What a ``"\0many"`` envelope decodes to: its messages, in order; the receiver takes each in turn."""
+
+
+def frozen_size(x, depth: int = 3) -> int:
+    """About how many bytes ``x`` pickles to, when it is built of immutable builtin values only (numbers,
+    strings, bytes, None, and tuples of them up to ``depth`` deep) and is small (``_MANY_MAX``); else -1.
+    Such a value pickles the same now and later, and its encoding can neither fail nor need anything but
+    pickle itself (no tensor, no class, nothing of ``__main__``)."""
+    if type(x) is not tuple:
+        return frozen_size((x,), depth) if type(x) in _PLAIN_TYPES else -1
+    total = 2
+    for y in x:  # (this runs for every call and reply: the usual types first, no call per item)
+        ty = type(y)
+        if ty is str:
+            total += len(y) * 4 + 5  # (at most 4 bytes a character)
+        elif ty is int:
+            total += 9 if -_BIG_INT < y < _BIG_INT else y.bit_length() // 8 + 16
+        elif ty is float or y is None or ty is bool:
+            total += 9
+        elif ty is bytes:
+            total += len(y) + 5
+        elif ty is tuple and depth > 1:
+            n = frozen_size(y, depth - 1)
+            if n < 0:
+                return -1
+            total += n
+        else:
+            return -1
+    return total if total <= _MANY_MAX else -1
+
+
+def encode_plain(envelope: tuple) -> bytes:
+    """The one frame of a compact envelope that ``frozen_size`` accepts: what ``encode`` gives for its message."""
+    return _HEADER.pack(MAGIC, 0) + pickle.dumps(envelope, protocol=5)
+
+
+def pack_runs(items: list) -> list:
+    """The frames of a batch's items, in order: each a one-frame message (bytes), or a compact envelope of
+    plain values (a tuple); every run of the latter becomes one ``"\0many"`` message."""
+    frames: list = []
+    run: list = []
+    for item in items:
+        if type(item) is tuple:
+            run.append(item)
+            continue
+        if run:
+            frames.append(encode_plain(run[0]) if len(run) == 1 else encode_plain((MANY, run)))
+            run = []
+        frames.append(item)
+    if run:
+        frames.append(encode_plain(run[0]) if len(run) == 1 else encode_plain((MANY, run)))
+    return frames
+
+
+def _expand_many(t: tuple) -> Many:
+    if len(t) != 2 or type(t[1]) is not list:
+        raise ProtocolError(f"a run of messages is a tag and a list, got {len(t)} items")
+    return Many([_expand(e) for e in t[1]])
+
+
+COMPACT_DECODERS[MANY] = _expand_many
+
+
 def pack_batch(frames: list) -> bytes:
     """One frame holding several one-frame messages (see :func:`unpack_batch`)."""
     parts = [_HEADER.pack(MAGIC_BATCH, len(frames))]
@@ -571,16 +646,20 @@ def envelopes(frames: list) -> list:
     even the envelope cannot be read."""
     first = frames[0].buffer if hasattr(frames[0], "buffer") else frames[0]
     messages = [[m] for m in unpack_batch(first)] if is_batch(first) else [frames]
-    out = []
+    out: list = []
     for msg in messages:
         head = memoryview(msg[0])
         if len(head) < _HEADER.size or _HEADER.unpack_from(head)[0] not in _MAGICS:
             continue
         try:  # any buffer (a tensor's bytes, a shared-memory or data-plane descriptor) reads as empty
             body = io.BytesIO(head[_HEADER.size:])
-            out.append(_expand(_EnvelopeUnpickler(body, buffers=iter(lambda: b"", None)).load()))
+            got = _expand(_EnvelopeUnpickler(body, buffers=iter(lambda: b"", None)).load())
         except Exception:  # noqa: BLE001 - not even the envelope: nothing to tell
             continue
+        if type(got) is Many:
+            out.extend(got)
+        else:
+            out.append(got)
     return out
 
 

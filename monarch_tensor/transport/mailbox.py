@@ -44,7 +44,7 @@ from . import _wire
 from . import logs as _logs
 from ._at_exit import at_exit
 from ._fanout import GATHER_PREFIX, ROUTE_SEP, UP_MAGIC, read_up, routed_frames, up_header
-from .messages import FoldedReplies, ForwardLogs, GatheredReplies, PortRef, SendToPort
+from .messages import FoldedReplies, ForwardLogs, GatheredReplies, PortRef, SendToPort, port_ref
 
 log = logging.getLogger("monarch_tensor.transport.mailbox")
 
@@ -327,6 +327,12 @@ class Mailbox:
         return self._resolve(addr).partition(ROUTE_SEP)[0]
 
     def send(self, addr: str, msg: object, batch: bool = False) -> None:
+        if batch:
+            compact = _wire.COMPACT_ENCODERS.get(type(msg))
+            if compact is not None:
+                envelope = compact(msg)
+                if type(envelope) is tuple and self.send_plain(addr, envelope):
+                    return
         target = self.route_of(addr)
         if target.startswith("ipc://"):  # this host: large buffers through shared memory
             frames = _wire.encode(msg, shm=[target])
@@ -344,31 +350,60 @@ class Mailbox:
         messages leave in the order they were sent. A flush ends the burst: the next message leaves
         at once (a loop of synchronous calls is never batched).
         """
+        if batch and BATCH_GAP > 0 and len(frames) == 1 and len(frames[0]) < BATCH_BYTES:
+            self._send_batched(addr, frames[0], len(frames[0]))
+            return
         with self._send_lock:
             if self._closed:
                 raise RuntimeError("mailbox is closed")
-            if batch and BATCH_GAP > 0 and len(frames) == 1 and len(frames[0]) < BATCH_BYTES:
-                if self._batch_addr == addr:
-                    self._batch.append(frames[0])
-                    self._batch_bytes += len(frames[0])
-                    if len(self._batch) >= BATCH_MAX or self._batch_bytes >= BATCH_BYTES:
-                        self._flush_locked()
-                    return
-                if self._batch:
-                    self._flush_locked()
-                now = time.monotonic()
-                if addr == self._last_addr and now - self._last_t < BATCH_GAP:  # a burst: batch it
-                    self._batch_addr, self._batch, self._batch_bytes = addr, [frames[0]], len(frames[0])
-                    self._start_flusher()
-                    return
-                self._last_addr, self._last_t = addr, now
-            elif self._batch:
+            if self._batch:
                 self._flush_locked()
             if self.output_mark is not None:
                 mark = self._marked(addr)
                 if mark is not None:
                     self._send_now(addr, [mark])
             self._send_now(addr, frames)
+
+    def send_plain(self, addr: str, envelope: tuple, size: int | None = None) -> bool:
+        """``send(addr, msg, batch=True)`` of a message given as its compact envelope (``_wire.COMPACT_ENCODERS``),
+        where that is made of small immutable builtin values only (``_wire.frozen_size``, or ``size`` where the
+        caller found it): in a batch it waits as the envelope itself, and the batch's run of them is pickled in
+        one go when it leaves (``_wire.pack_runs``). False (nothing sent) for any other envelope, or with
+        batching off."""
+        if BATCH_GAP <= 0:
+            return False
+        if size is None:
+            size = _wire.frozen_size(envelope)
+        if size < 0:
+            return False
+        self._send_batched(addr, envelope, size)
+        return True
+
+    def _send_batched(self, addr: str, item: bytes | tuple, size: int) -> None:
+        """``send_frames(..., batch=True)`` of one small message: its one frame, or its plain envelope (a tuple,
+        encoded when it leaves)."""
+        with self._send_lock:
+            if self._closed:
+                raise RuntimeError("mailbox is closed")
+            if self._batch_addr == addr:
+                self._batch.append(item)
+                self._batch_bytes += size
+                if len(self._batch) >= BATCH_MAX or self._batch_bytes >= BATCH_BYTES:
+                    self._flush_locked()
+                return
+            if self._batch:
+                self._flush_locked()
+            now = time.monotonic()
+            if addr == self._last_addr and now - self._last_t < BATCH_GAP:  # a burst: batch it
+                self._batch_addr, self._batch, self._batch_bytes = addr, [item], size
+                self._start_flusher()
+                return
+            self._last_addr, self._last_t = addr, now
+            if self.output_mark is not None:
+                mark = self._marked(addr)
+                if mark is not None:
+                    self._send_now(addr, [mark])
+            self._send_now(addr, [_wire.encode_plain(item) if type(item) is tuple else item])
 
     def _marked(self, addr: str) -> bytes | None:
         """Under ``_send_lock``, for a frame about to leave for ``addr``: the encoded message that must go ahead
@@ -444,10 +479,12 @@ class Mailbox:
             mark = self._marked(addr)
             if mark is not None:
                 batch.insert(0, mark)
-        if len(batch) == 1:
-            self._send_now(addr, batch)
+        frames = _wire.pack_runs(batch)
+        if len(frames) == 1:
+            self._send_now(addr, frames)
         else:
-            self._send_now(addr, [_wire.pack_batch(batch)])
+            self._send_now(addr, [_wire.pack_batch(frames)])
+        if len(batch) > 1:
             self.batches_sent += 1
         self._last_addr, self._last_t = addr, time.monotonic()
 
@@ -483,7 +520,7 @@ class Mailbox:
             self._ports[pid] = handler
             while self._ports_to_close:
                 self._ports.pop(self._ports_to_close.popleft(), None)
-        return PortRef(self.public_addr, pid)
+        return port_ref(self.public_addr, pid)
 
     def close_port_later(self, port_id: int) -> None:
         """``close_port`` from a garbage collector's callback (a channel whose receivers are gone), which may
@@ -859,7 +896,12 @@ class Mailbox:
                 yield from self._decoded(part)
                 continue
             try:
-                yield _wire.decode(part), None
+                msg = _wire.decode(part)
+                if type(msg) is _wire.Many:  # (a run of plain calls or replies: each in turn)
+                    for m in msg:
+                        yield m, None
+                else:
+                    yield msg, None
             except _wire.Unreadable as e:
                 if e.message is None:
                     log.warning("dropped a malformed message on %s: %s", self.addr, e)
