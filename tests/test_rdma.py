@@ -15,6 +15,7 @@ import pickle
 import signal
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -892,7 +893,7 @@ def test_a_zombie_owner_is_not_alive():
     try:
         started = start_time(child)
         deadline = time.monotonic() + 30
-        while open(f"/proc/{child}/stat").read().rpartition(")")[2].split()[0] != "Z":
+        while Path(f"/proc/{child}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
             assert time.monotonic() < deadline, "the child never became a zombie"
             time.sleep(0.005)
         assert start_time(child) == started != -1  # still listed, with its start time

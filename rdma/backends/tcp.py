@@ -10,6 +10,7 @@ on both sides.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import ctypes
 import socket
@@ -368,6 +369,14 @@ class TcpBackend(Backend):
         self._idle: dict[tuple[str, int], list[socket.socket]] = {}
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=STREAMS, thread_name_prefix="mt-rdma-tcp")
+        atexit.register(self._close_idle)  # (the connections kept for the next transfer, closed, not left to GC)
+
+    def _close_idle(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for s in conns:
+                s.close()
 
     def usable(self, desc: Descriptor, local: Mem) -> bool:
         return desc.tcp is not None
