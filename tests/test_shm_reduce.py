@@ -51,48 +51,57 @@ def _member(rank: int, port: int, conn, host_id: str | None, cross: bool = False
         store = dist.PrefixStore("g/", _store(port))
         shm = CrossHostTags.rendezvous(store, rank, N, "127.0.0.1") if cross else SameHostReduce.rendezvous(store, rank, N)
         conn.send(None if shm is None else getattr(shm, "nonce", "tcp"))
-        while True:
-            case = conn.recv()
-            if case is None:
-                return
-            kind, data, reduction, timeout, *tag = case
-            shm_reduce.current.tag = tag[0] if tag else 0  # (what a worker's stream sets: see shm_reduce)
-            if kind == "left":
-                shm_reduce.left(shm_reduce.current.tag)
-                conn.send(("ok", None))
-                continue
-            work = data[rank].clone() if kind not in ("many", "sync") else data and data[rank]
-            if kind.endswith("+strided"):  # a one-element view with a stride of 2 (contiguous all the same)
-                kind = kind.removesuffix("+strided")
-                work = torch.stack([work, torch.zeros_like(work)], -1).view(-1)[::2]
-            try:
-                if kind == "sync":
-                    shm.sync(reduction, lambda: [], timeout)
-                elif kind == "allreduce":
-                    shm.allreduce(work, reduction, lambda: [], timeout)
-                elif kind == "allgather":
-                    out = torch.empty(N * work.numel(), dtype=work.dtype)
-                    shm.allgather(out, work, lambda: [], timeout)
-                    work = out
-                elif kind == "alltoall":
-                    out = torch.full_like(work, -1)
-                    shm.alltoall(out, work, lambda: [], timeout)
-                    work = out
-                elif kind == "alltoall_in_place":
-                    shm.alltoall(work, work, lambda: [], timeout)
-                elif kind == "broadcast":
-                    shm.broadcast(work, int(reduction), lambda: [], timeout)
-                elif kind == "many":
-                    work = _many(shm, work, reduction, timeout)
-                else:
-                    out = torch.empty(work.numel() // N, dtype=work.dtype)
-                    shm.reduce_scatter(out, work, reduction, lambda: [], timeout)
-                    work = out
-                conn.send(("ok", work))
-            except Exception as e:  # noqa: BLE001 - reported to the test
-                conn.send(("error", f"{type(e).__name__}: {e}"))
+        try:
+            _serve(rank, conn, shm)
+        finally:
+            if shm is not None:
+                shm.close()
     except Exception:  # noqa: BLE001
         conn.send(("crash", traceback.format_exc()))
+
+
+def _serve(rank: int, conn, shm) -> None:
+    """A member's cases, until the test sends None."""
+    while True:
+        case = conn.recv()
+        if case is None:
+            return
+        kind, data, reduction, timeout, *tag = case
+        shm_reduce.current.tag = tag[0] if tag else 0  # (what a worker's stream sets: see shm_reduce)
+        if kind == "left":
+            shm_reduce.left(shm_reduce.current.tag)
+            conn.send(("ok", None))
+            continue
+        work = data[rank].clone() if kind not in ("many", "sync") else data and data[rank]
+        if kind.endswith("+strided"):  # a one-element view with a stride of 2 (contiguous all the same)
+            kind = kind.removesuffix("+strided")
+            work = torch.stack([work, torch.zeros_like(work)], -1).view(-1)[::2]
+        try:
+            if kind == "sync":
+                shm.sync(reduction, lambda: [], timeout)
+            elif kind == "allreduce":
+                shm.allreduce(work, reduction, lambda: [], timeout)
+            elif kind == "allgather":
+                out = torch.empty(N * work.numel(), dtype=work.dtype)
+                shm.allgather(out, work, lambda: [], timeout)
+                work = out
+            elif kind == "alltoall":
+                out = torch.full_like(work, -1)
+                shm.alltoall(out, work, lambda: [], timeout)
+                work = out
+            elif kind == "alltoall_in_place":
+                shm.alltoall(work, work, lambda: [], timeout)
+            elif kind == "broadcast":
+                shm.broadcast(work, int(reduction), lambda: [], timeout)
+            elif kind == "many":
+                work = _many(shm, work, reduction, timeout)
+            else:
+                out = torch.empty(work.numel() // N, dtype=work.dtype)
+                shm.reduce_scatter(out, work, reduction, lambda: [], timeout)
+                work = out
+            conn.send(("ok", work))
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
 def _many(shm: SameHostReduce, case, reduction: str, timeout: float):
