@@ -640,7 +640,7 @@ def test_a_call_to_a_slice_travels_compact_with_its_shape(reply):
     Shape, made once per distinct shape on the receiving side."""
     shape = Shape(("hosts", "gpus"), (2, 2), offset=1, strides=(4, 1))
     msg = messages.CallEndpoint("a", "m", (1,), {"k": 2}, reply, shape)
-    assert messages.compact_call(msg)[0] == "\0call"
+    assert messages._compact_call(msg)[0] == "\0call"
     first, second = _wire.decode(_wire.encode(msg)), _wire.decode(_wire.encode(msg))
     assert first == msg and first.shape == shape and first.shape.strides == (4, 1)
     assert first.shape is second.shape

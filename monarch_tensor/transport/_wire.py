@@ -23,6 +23,7 @@ import contextlib
 import copyreg
 import errno
 import io
+import itertools
 import logging
 import pickle
 import struct
@@ -358,17 +359,12 @@ def pack_runs(items: list) -> list:
     """The frames of a batch's items, in order: each a one-frame message (bytes), or a compact envelope of
     plain values (a tuple); every run of the latter becomes one ``"\0many"`` message."""
     frames: list = []
-    run: list = []
-    for item in items:
-        if type(item) is tuple:
-            run.append(item)
-            continue
-        if run:
-            frames.append(encode_plain(run[0]) if len(run) == 1 else encode_plain((MANY, run)))
-            run = []
-        frames.append(item)
-    if run:
-        frames.append(encode_plain(run[0]) if len(run) == 1 else encode_plain((MANY, run)))
+    for envelopes, group in itertools.groupby(items, lambda item: type(item) is tuple):
+        if envelopes:
+            run = list(group)
+            frames.append(encode_plain(run[0] if len(run) == 1 else (MANY, run)))
+        else:
+            frames.extend(group)
     return frames
 
 

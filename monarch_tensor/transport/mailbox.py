@@ -327,12 +327,6 @@ class Mailbox:
         return self._resolve(addr).partition(ROUTE_SEP)[0]
 
     def send(self, addr: str, msg: object, batch: bool = False) -> None:
-        if batch:
-            compact = _wire.COMPACT_ENCODERS.get(type(msg))
-            if compact is not None:
-                envelope = compact(msg)
-                if type(envelope) is tuple and self.send_plain(addr, envelope):
-                    return
         target = self.route_of(addr)
         if target.startswith("ipc://"):  # this host: large buffers through shared memory
             frames = _wire.encode(msg, shm=[target])

@@ -113,7 +113,7 @@ def call_envelope(actor: str, method: str, args: tuple, kwargs: dict, reply, sha
     return None  # not a port: pickled as it is
 
 
-def compact_call(m: CallEndpoint) -> tuple | CallEndpoint:
+def _compact_call(m: CallEndpoint) -> tuple | CallEndpoint:
     envelope = call_envelope(m.actor, m.method, m.args, m.kwargs, m.reply, m.shape)
     return m if envelope is None else envelope
 
@@ -170,7 +170,7 @@ def reply_envelope(port_id: int, value: Any, error: BaseException | None, rank: 
 
 
 def _compact_reply(m: SendToPort) -> tuple:
-    return ("\0reply", m.port_id, m.value, m.error, m.rank, m.output_before)
+    return reply_envelope(m.port_id, m.value, m.error, m.rank, m.output_before)
 
 
 def _reply_from(t: tuple) -> SendToPort:
@@ -184,7 +184,7 @@ def _reply_from(t: tuple) -> SendToPort:
     return m
 
 
-_wire.COMPACT_ENCODERS.update({CallEndpoint: compact_call, SendToPort: _compact_reply})  # type: ignore[dict-item]
+_wire.COMPACT_ENCODERS.update({CallEndpoint: _compact_call, SendToPort: _compact_reply})  # type: ignore[dict-item]
 _wire.COMPACT_DECODERS.update({"\0call": _call_from, "\0reply": _reply_from})
 
 
