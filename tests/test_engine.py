@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -522,7 +523,8 @@ def test_an_idle_flush_decided_before_a_coalescing_block_sends_none_of_its_ops(p
         client, sent, x = _counted_batches(procs, monkeypatch)
         decided = []
         with client._lock:
-            flusher = threading.Thread(target=lambda: decided.append(client.flush_if_idle(len(client._q))))
+            mark = client.seq + len(client._q)  # (its batch stopped growing at this mark)
+            flusher = threading.Thread(target=lambda: decided.append(client.flush_if_idle(mark, {client})))
             flusher.start()
             time.sleep(0.05)  # (it waits for the lock)
             with monarch_tensor.coalescing():
@@ -532,9 +534,58 @@ def test_an_idle_flush_decided_before_a_coalescing_block_sends_none_of_its_ops(p
                     flusher.join(timeout=30)
                 finally:
                     client._lock.acquire()
-                assert decided == [True] and sent == []
+                assert decided == [None] and sent == []  # (None: the batch needs no more watching)
         assert len(sent) == 1  # at the block's end
         assert inspect(x, gpus=1).tolist() == [1.0] * 4
+
+
+def _sent_within(sent: list, n: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while len(sent) < n and time.monotonic() < deadline:
+        time.sleep(0.002)
+    return len(sent) >= n
+
+
+def test_a_batch_the_script_leaves_goes_out_whether_the_flusher_looks_or_waits(procs, monkeypatch):
+    # The idle flusher looks every IDLE_S while batches keep coming and waits to be woken once none came for
+    # PARK_S: a batch that begins in either state leaves without a fetch, alone (the script does nothing else).
+    from monarch_tensor.controller import client as cc
+
+    with procs.activate():
+        client, sent, x = _counted_batches(procs, monkeypatch)
+        x = x + 1  # (whatever the flusher's state: the first batch)
+        assert _sent_within(sent, 1), "an idle batch was never sent"
+        y = x + 1  # right after it: the flusher still looks on its own clock, nothing wakes it
+        assert cc._flusher._parked is False
+        assert _sent_within(sent, 2), "a batch that began while the flusher looked was never sent"
+        deadline = time.monotonic() + 10
+        while not cc._flusher._parked and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cc._flusher._parked, f"the flusher still looked {10} s after the last batch (PARK_S {cc.PARK_S})"
+        z = y + 1  # the flusher waits: this batch's first instruction wakes it
+        assert _sent_within(sent, 3), "a batch that began while the flusher waited was never sent"
+        assert len(sent) == 3  # (one batch each: the first carries the delete of the x before it too)
+        assert inspect(z, gpus=1).tolist() == [3.0] * 4
+
+
+def test_flush_if_idle_sends_a_batch_only_after_a_look_saw_it_stop_growing(procs, monkeypatch):
+    from monarch_tensor.controller import client as cc
+
+    with procs.activate():
+        client, sent, x = _counted_batches(procs, monkeypatch)
+        monkeypatch.setattr(cc, "_flusher", types.SimpleNamespace(wake=lambda c: None))  # (the looks are this test's)
+        pending = {client}
+        x = x + 1
+        first = client.flush_if_idle(None, pending)  # (a first look: it only notes where the batch is)
+        assert first == client.seq + len(client._q) and sent == [] and pending == {client}
+        x = x + 1  # it grew since that look: not sent, looked at again
+        again = client.flush_if_idle(first, pending)
+        assert again == first + 1 and sent == [] and pending == {client}
+        assert client.flush_if_idle(again, pending) is None  # it did not grow: sent
+        assert len(sent) == 1 and sent[0] >= 2 and pending == set()  # (the two ops, and the delete of the first x)
+        pending.add(client)
+        assert client.flush_if_idle(None, pending) is None and pending == set()  # nothing queued: not watched
+        assert inspect(x, gpus=1).tolist() == [2.0] * 4
 
 
 # ---- mesh tensors passed to actor endpoints ------------------------------------------------------------
