@@ -5,6 +5,7 @@
     python bench/compile_bench.py --tiny --json /tmp/tiny.json   # smoke test
     python bench/compile_bench.py --modes compiled --runs 5      # compiled steps only (a replay's cost), ~1 min
     python bench/compile_bench.py --procs 1 --workloads mlp,gpt2,gpt8 --modes eager,compiled,stretches
+    MT_BENCH_PEER_PATH=bench/out/peer-site python bench/compile_bench.py --peers --procs 1 --modes eager,compiled
 
 Workloads (one training step each: forward, cross entropy, backward, torch.optim.SGD, zero_grad):
   mlp      Linear(256, 256) -> ReLU -> Linear(256, 10), batch 32 (notes/figures.md's MLP step)
@@ -38,11 +39,16 @@ mesh, the whole batch). Figures, medians of REPEATS loops of STEPS steps:
              code (inductor compiling on the procs' background thread while the steps replay op by op)
   cpu / gpt2 a compiled step's controller CPU time over the 2-layer GPT's on the same mesh (issue 38's
              target: at most 1.2 at 32 layers); calls / gpt2 the same of py_calls
-Every process computes with one torch thread. PyTorch Monarch's ``compile`` is not measured here: torchmonarch
-is not installed in this environment (bench/dispatch_bench.py says how to install it aside).
+Every process computes with one torch thread. With ``--peers``, PyTorch Monarch's ``compile``
+(``monarch.common._coalescing.compile``, Monarch 0.7.0's path; ours has the same) runs the same steps on a
+1-proc Monarch mesh, its workers on the CPU, in a fresh subprocess with torchmonarch on its path
+(``MT_BENCH_PEER_PATH``: bench/dispatch_bench.py says how to install it aside): the "Monarch compiled" rows. Not
+on 2 procs: Monarch's collectives (the step's ``reduce_``) need CUDA.
 """
 
 import argparse
+import contextlib
+import json
 import os
 import statistics
 import sys
@@ -96,13 +102,21 @@ def build(workload: str, shard=lambda t: t):
     return model, lambda: model(idx, idx)[1]
 
 
-def measure(workload: str, mode: str, procs, client, part: tuple | None = None) -> dict:
-    """One row's figures. ``part`` (eager only): ``(r, n)``, the r-th of n equal parts of the batch's rows."""
+def measure(workload: str, mode: str, procs, client, part: tuple | None = None, package: str = "monarch_tensor") -> dict:
+    """One row's figures. ``part`` (eager only): ``(r, n)``, the r-th of n equal parts of the batch's rows.
+    ``package``: ``monarch`` for PyTorch Monarch's tensor engine and its ``compile`` (the same code; a 1-proc
+    mesh only: its collectives need CUDA)."""
+    import importlib
+
     import torch
 
-    from monarch_tensor import Shard, compile, distribute, fetch_shard
+    pkg = importlib.import_module(package)
+    compile = importlib.import_module(f"{package}.common._coalescing").compile  # (Monarch's path; ours has it too)
+    fetch_shard = pkg.fetch_shard
 
-    dp = procs is not None and len(procs._shape.ranks()) > 1
+    dp = procs is not None and package == "monarch_tensor" and len(procs._shape.ranks()) > 1
+    if dp:
+        from monarch_tensor import Shard, distribute
     # Data parallel: each rank its own rows of the batch (a local tensor per rank), as DDP's ranks.
     if dp:
         model, loss_fn = build(workload, lambda t: distribute(t, procs, {"gpus": Shard(0)}).to_local())
@@ -124,7 +138,11 @@ def measure(workload: str, mode: str, procs, client, part: tuple | None = None) 
         step = compile(step)
 
     def fetch(t):
-        return fetch_shard(t, gpus=0).result(TIMEOUT).item() if procs is not None else t.item()
+        if procs is None:
+            return t.item()
+        local = fetch_shard(t, gpus=0).result(TIMEOUT)
+        with pkg.no_mesh.activate() if package == "monarch" else contextlib.nullcontext():  # (Monarch: local ops
+            return local.item()                                                           # inside activate() fail)
 
     first = fetch(step())
     compile_s = None
@@ -170,7 +188,8 @@ def measure(workload: str, mode: str, procs, client, part: tuple | None = None) 
         calls = sum(v[1] for v in pstats.Stats(prof).stats.values()) / STEPS
         last = fetch(loss)
     guard_us = None
-    if mode in ("compiled", "stretches"):  # a replay's guards alone, in a loop of their own (no message sent)
+    # Ours: a replay's guards alone, in a loop of their own (no message sent).
+    if mode in ("compiled", "stretches") and package == "monarch_tensor":
         import timeit
 
         programs = [p for e in step.entries.values() for p in e.programs]
@@ -181,7 +200,7 @@ def measure(workload: str, mode: str, procs, client, part: tuple | None = None) 
     assert last == last and last < first * 1.5, f"training diverged: loss {first} -> {last}"
     return {"ctl_us": statistics.median(ctl), "cpu_us": statistics.median(cpu), "step_ms": statistics.median(wall),
             "calls": calls, "compile_s": compile_s, "guard_us": guard_us,
-            "msgs": statistics.median(msgs) if msgs else 0.0, "params": len(list(model.parameters()))}
+            "msgs": statistics.median(msgs) if msgs else None, "params": len(list(model.parameters()))}
 
 
 def stretch_counts() -> list:
@@ -193,6 +212,61 @@ def stretch_counts() -> list:
 
     c = remote("monarch_tensor.worker.stretch.counts", propagate=lambda: torch.zeros(4, dtype=torch.int64))()
     return fetch_shard(c, gpus=0).result(TIMEOUT).tolist()
+
+
+PEER_PATH = os.environ.get("MT_BENCH_PEER_PATH", "")  # torchmonarch installed aside (bench/dispatch_bench.py)
+MARKER = "MONARCH-ROWS "
+
+
+def monarch_rows(tiny: bool) -> dict:
+    """PyTorch Monarch's ``compile`` on a 1-proc mesh of its own, every workload, in a fresh subprocess (its
+    package, torchmonarch, on the path there only): ``{"w/1/Monarch compiled": row}``, or ``{"error": ...}``."""
+    import subprocess
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.abspath(PEER_PATH) if PEER_PATH else "", ROOT,
+                                                      env.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, os.path.abspath(__file__), "--monarch-rows", "--runs", str(REPEATS),
+           "--workloads", ",".join(WORKLOADS)] + ["--tiny"] * tiny
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT * len(WORKLOADS))
+    except subprocess.TimeoutExpired:
+        return {"error": f"Monarch's rows did not finish within {TIMEOUT * len(WORKLOADS):.0f} s"}
+    for line in reversed(p.stdout.splitlines()):
+        if line.startswith(MARKER):
+            return json.loads(line[len(MARKER):])
+    return {"error": f"Monarch's rows: no result (exit {p.returncode}): {p.stderr.strip()[-300:]}"}
+
+
+def _monarch_rows_here() -> None:
+    """Body of monarch_rows' subprocess: prints one MARKER line."""
+    out: dict = {}
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        try:
+            import monarch
+            from monarch.actor import this_host
+        except ImportError as e:
+            out["error"] = f"torchmonarch is not installed ({e}; see MT_BENCH_PEER_PATH in bench/dispatch_bench.py)"
+            return
+        procs = this_host().spawn_procs(per_host={"gpus": 1})
+        try:
+            with procs.activate():
+                monarch.remote("torch.set_num_threads", propagate=lambda k: None)(1)
+                for w in WORKLOADS:
+                    try:
+                        out[f"{w}/1/Monarch compiled"] = measure(w, "compiled", procs, None, package="monarch")
+                    except Exception as e:  # noqa: BLE001 - reported under the table
+                        out[f"{w}/1/Monarch compiled"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        finally:
+            procs.stop().get(timeout=TIMEOUT)
+    except Exception as e:  # noqa: BLE001 - reported under the table
+        out["error"] = f"{type(e).__name__}: {e}"[:300]
+    finally:
+        print(MARKER + json.dumps(out), flush=True)
+        os._exit(0)  # (the runtime's leftover threads must not keep this process alive)
 
 
 def eager_side_by_side(workload: str, n: int, tiny: bool) -> dict:
@@ -222,6 +296,10 @@ def main() -> None:
     ap.add_argument("--modes", help=f"comma-separated, of {','.join(ALL_MODES)} (default {','.join(MODES)})")
     ap.add_argument("--procs", help=f"comma-separated mesh sizes (default {','.join(map(str, PROCS))})")
     ap.add_argument("--workloads", help=f"comma-separated, of {','.join(WORKLOADS)} (default all)")
+    ap.add_argument("--peers", action="store_true",
+                    help="also PyTorch Monarch's compile on a 1-proc mesh (torchmonarch installed aside: "
+                         "MT_BENCH_PEER_PATH, see bench/dispatch_bench.py)")
+    ap.add_argument("--monarch-rows", action="store_true", help=argparse.SUPPRESS)  # monarch_rows' subprocess
     ap.add_argument("--eager-part", help=argparse.SUPPRESS)  # "workload,n": one of eager_side_by_side's processes
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -250,6 +328,9 @@ def main() -> None:
         globals()["WORKLOADS"] = [w for w in WORKLOADS if w in args.workloads.split(",")]
     if args.procs:
         globals()["PROCS"] = [int(n) for n in args.procs.split(",")]
+    if args.monarch_rows:
+        _monarch_rows_here()
+        return
     import torch
     from monarch_tensor.controller.api import client_for, remote
 
@@ -286,10 +367,13 @@ def main() -> None:
                         results[f"{w}/{n}/stretches"] = measure(w, "stretches", procs, client)
             finally:
                 procs.stop().get(timeout=TIMEOUT)
+    if args.peers and 1 in PROCS and "compiled" in MODES:
+        results.update(monarch_rows(args.tiny))
     load1 = os.getloadavg()
     head = ["workload", "params", "procs", "mode", "ctl_us", "cpu_us", "py_calls", "guard_us", "step_ms", "msgs",
             "step / eager", f"step / eager x{max(PROCS)}", "cpu / gpt2", "calls / gpt2", "compile_s"]
-    rows = []
+    rows: list = []
+    notes: list = []  # rows that failed (a peer's), under the table
     for w in WORKLOADS:
         eager = results.get(f"{w}/eager")
         if eager is not None:
@@ -301,19 +385,27 @@ def main() -> None:
                 rows.append([w, str(side["params"]), str(n), f"eager x{n}", f"{side['ctl_us']:.0f}",
                              f"{side['cpu_us']:.0f}", "-", "-", f"{side['step_ms']:.2f}", "-",
                              f"{side['step_ms'] / eager['step_ms']:.2f}", "1.00", "-", "-", "-"])
-            for mode in row_modes:
+            peer = ["Monarch compiled"] if f"{w}/{n}/Monarch compiled" in results else []
+            for mode in row_modes + peer:
                 r = results[f"{w}/{n}/{mode}"]
-                base = results.get(f"gpt2/{n}/compiled") if mode == "compiled" and w.startswith("gpt") else None
+                if "error" in r:
+                    notes.append(f"{w}, {mode}: {r['error']}")
+                    continue
+                base = results.get(f"gpt2/{n}/{mode}") if mode.endswith("compiled") and w.startswith("gpt") else None
                 rows.append([w, str(r["params"]), str(n), mode, f"{r['ctl_us']:.0f}", f"{r['cpu_us']:.0f}",
                              f"{r['calls']:.0f}",
                              f"{r['guard_us']:.1f}" if r.get("guard_us") is not None else "-",
-                             f"{r['step_ms']:.2f}", f"{r['msgs']:.1f}",
+                             f"{r['step_ms']:.2f}", f"{r['msgs']:.1f}" if r.get("msgs") is not None else "-",
                              f"{r['step_ms'] / eager['step_ms']:.2f}" if eager else "-",
                              f"{r['step_ms'] / side['step_ms']:.2f}" if side else "-",
                              f"{r['cpu_us'] / base['cpu_us']:.2f}" if base else "-",
                              f"{r['calls'] / base['calls']:.2f}" if base else "-",
                              f"{r['compile_s']:.0f}" if r.get("compile_s") is not None else "-"])
     print(markdown(head, rows, {}, {}))
+    if "error" in results:
+        notes.append(f"Monarch: {results['error']}")
+    for note in notes:
+        print(note)
     print(f"load average {load0[0]:.2f} at the start, {load1[0]:.2f} at the end")
     if args.json:
         write_json(args.json, args.tiny, (load0[0], load1[0]),
