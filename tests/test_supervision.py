@@ -436,6 +436,16 @@ def test_ctrl_c_interrupts_the_script_and_leaves_its_procs_running(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_each_proc_runs_in_a_session_of_its_own_as_torchruns_ranks_do(mesh):
+    # Where Linux shares the CPU out by session (autogroup), a proc's share beside other work is then a session's,
+    # as each torchrun rank's is; the procs of one template once shared one session's share.
+    _, _, pids = mesh
+    sessions = [os.getsid(pid) for pid in pids]
+    assert sessions == list(pids), (pids, sessions)
+    assert os.getsid(0) not in sessions
+
+
+@pytest.mark.timeout(60)
 def test_unhandled_failure_stops_the_script_by_default(tmp_path):
     script = tmp_path / "client.py"
     script.write_text(textwrap.dedent(f"""

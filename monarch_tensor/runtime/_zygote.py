@@ -436,6 +436,13 @@ def _child(req_fd, rep_fd, sig_r, sig_w, entry, args, env, pipes=None, others=()
         for fd in (req_fd, rep_fd, sig_r, sig_w, *others):
             os.close(fd)
         set_pdeathsig()
+        # A session of its own, as each of torchrun's ranks has: where Linux shares the CPU out by session
+        # (autogroup), each proc then gets a session's share beside other work, as a torchrun rank does, instead
+        # of all the procs of the template sharing one.
+        try:
+            os.setsid()
+        except OSError:
+            pass
         numpy = sys.modules.get("numpy")  # imported here before the fork: every proc would draw the same numbers
         if numpy is not None:
             numpy.random.seed()  # (from the OS's entropy, as a fresh process's numpy; Python's random reseeds itself)
