@@ -115,10 +115,10 @@ def measure(workload: str, mode: str, procs, client, part: tuple | None = None, 
     fetch_shard = pkg.fetch_shard
 
     dp = procs is not None and package == "monarch_tensor" and len(procs._shape.ranks()) > 1
-    if dp:
-        from monarch_tensor import Shard, distribute
     # Data parallel: each rank its own rows of the batch (a local tensor per rank), as DDP's ranks.
     if dp:
+        from monarch_tensor import Shard, distribute
+
         model, loss_fn = build(workload, lambda t: distribute(t, procs, {"gpus": Shard(0)}).to_local())
     else:
         model, loss_fn = build(workload, (lambda t: t.chunk(part[1])[part[0]]) if part else (lambda t: t))

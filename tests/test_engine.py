@@ -555,8 +555,7 @@ def test_a_batch_the_script_leaves_goes_out_whether_the_flusher_looks_or_waits(p
         client, sent, x = _counted_batches(procs, monkeypatch)
         x = x + 1  # (whatever the flusher's state: the first batch)
         assert _sent_within(sent, 1), "an idle batch was never sent"
-        y = x + 1  # right after it: the flusher still looks on its own clock, nothing wakes it
-        assert cc._flusher._parked is False
+        y = x + 1  # right after it: the flusher still looks on its own clock (unless 50 ms passed), nothing wakes it
         assert _sent_within(sent, 2), "a batch that began while the flusher looked was never sent"
         deadline = time.monotonic() + 10
         while not cc._flusher._parked and time.monotonic() < deadline:
