@@ -48,7 +48,6 @@ on 2 procs: Monarch's collectives (the step's ``reduce_``) need CUDA.
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -59,7 +58,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _runs import markdown, write_json  # noqa: E402
+from _runs import error_text, launch, markdown, report_worker, write_json  # noqa: E402
 
 # ---- settings ------------------------------------------------------------------------------
 PROCS = [1, 2]
@@ -221,52 +220,36 @@ MARKER = "MONARCH-ROWS "
 def monarch_rows(tiny: bool) -> dict:
     """PyTorch Monarch's ``compile`` on a 1-proc mesh of its own, every workload, in a fresh subprocess (its
     package, torchmonarch, on the path there only): ``{"w/1/Monarch compiled": row}``, or ``{"error": ...}``."""
-    import subprocess
-
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.abspath(PEER_PATH) if PEER_PATH else "", ROOT,
                                                       env.get("PYTHONPATH", "")]))
     cmd = [sys.executable, os.path.abspath(__file__), "--monarch-rows", "--runs", str(REPEATS),
            "--workloads", ",".join(WORKLOADS)] + ["--tiny"] * tiny
+    return launch(cmd, env, MARKER, TIMEOUT * len(WORKLOADS), ROOT)
+
+
+def _monarch_rows(out: dict) -> None:
+    """Body of monarch_rows' subprocess (``report_worker`` prints ``out``, or the error that ended it)."""
+    import torch
+
+    torch.set_num_threads(1)
     try:
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT * len(WORKLOADS))
-    except subprocess.TimeoutExpired:
-        return {"error": f"Monarch's rows did not finish within {TIMEOUT * len(WORKLOADS):.0f} s"}
-    for line in reversed(p.stdout.splitlines()):
-        if line.startswith(MARKER):
-            return json.loads(line[len(MARKER):])
-    return {"error": f"Monarch's rows: no result (exit {p.returncode}): {p.stderr.strip()[-300:]}"}
-
-
-def _monarch_rows_here() -> None:
-    """Body of monarch_rows' subprocess: prints one MARKER line."""
-    out: dict = {}
+        import monarch
+        from monarch.actor import this_host
+    except ImportError as e:
+        out["error"] = f"torchmonarch is not installed ({e}; see MT_BENCH_PEER_PATH in bench/dispatch_bench.py)"
+        return
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
     try:
-        import torch
-
-        torch.set_num_threads(1)
-        try:
-            import monarch
-            from monarch.actor import this_host
-        except ImportError as e:
-            out["error"] = f"torchmonarch is not installed ({e}; see MT_BENCH_PEER_PATH in bench/dispatch_bench.py)"
-            return
-        procs = this_host().spawn_procs(per_host={"gpus": 1})
-        try:
-            with procs.activate():
-                monarch.remote("torch.set_num_threads", propagate=lambda k: None)(1)
-                for w in WORKLOADS:
-                    try:
-                        out[f"{w}/1/Monarch compiled"] = measure(w, "compiled", procs, None, package="monarch")
-                    except Exception as e:  # noqa: BLE001 - reported under the table
-                        out[f"{w}/1/Monarch compiled"] = {"error": f"{type(e).__name__}: {e}"[:300]}
-        finally:
-            procs.stop().get(timeout=TIMEOUT)
-    except Exception as e:  # noqa: BLE001 - reported under the table
-        out["error"] = f"{type(e).__name__}: {e}"[:300]
+        with procs.activate():
+            monarch.remote("torch.set_num_threads", propagate=lambda k: None)(1)
+            for w in WORKLOADS:
+                try:
+                    out[f"{w}/1/Monarch compiled"] = measure(w, "compiled", procs, None, package="monarch")
+                except Exception as e:  # noqa: BLE001 - reported under the table
+                    out[f"{w}/1/Monarch compiled"] = {"error": error_text(e, __file__)[:300]}
     finally:
-        print(MARKER + json.dumps(out), flush=True)
-        os._exit(0)  # (the runtime's leftover threads must not keep this process alive)
+        procs.stop().get(timeout=TIMEOUT)
 
 
 def eager_side_by_side(workload: str, n: int, tiny: bool) -> dict:
@@ -329,8 +312,7 @@ def main() -> None:
     if args.procs:
         globals()["PROCS"] = [int(n) for n in args.procs.split(",")]
     if args.monarch_rows:
-        _monarch_rows_here()
-        return
+        report_worker(_monarch_rows, MARKER, __file__)
     import torch
     from monarch_tensor.controller.api import client_for, remote
 

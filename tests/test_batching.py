@@ -202,19 +202,28 @@ def test_a_burst_arrives_whole_and_in_order_in_fewer_frames_without_anyone_flush
     assert tx.batches_sent > 0, "a burst of 3,000 small messages went out one frame each"
 
 
-def test_order_holds_across_batched_and_plain_sends_and_destinations(pair):
-    tx, rx, inbox, rx2, other = pair
+def _mixed_burst(tx, rx, n: int, send, send_other) -> tuple[list, list]:
+    """``n`` sends from ``tx``: a plain one to ``rx`` every 50 from 7 (it flushes the batch before it in the middle
+    of a burst), ``send_other(i)`` to another destination every 50 from 30, ``send(i)`` to ``rx`` otherwise; what
+    ``rx`` and the other destination must get, in order."""
     sent, sent2 = [], []
-    for i in range(600):
-        if i % 50 == 7:  # a plain send in the middle of a burst flushes the batch before it
+    for i in range(n):
+        if i % 50 == 7:
             tx.send(rx.addr, StopProc(f"plain {i}"))
             sent.append(f"plain {i}")
-        elif i % 50 == 30:  # another destination too
-            tx.send(rx2.addr, _call(i), batch=True)
+        elif i % 50 == 30:
+            send_other(i)
             sent2.append(i)
         else:
-            tx.send(rx.addr, _call(i), batch=True)
+            send(i)
             sent.append(i)
+    return sent, sent2
+
+
+def test_order_holds_across_batched_and_plain_sends_and_destinations(pair):
+    tx, rx, inbox, rx2, other = pair
+    sent, sent2 = _mixed_burst(tx, rx, 600, lambda i: tx.send(rx.addr, _call(i), batch=True),
+                               lambda i: tx.send(rx2.addr, _call(i), batch=True))
     got = inbox.wait_for(len(sent))
     assert [m.reason if isinstance(m, StopProc) else m.args[0] for m in got] == sent
     assert [m.args[0] for m in other.wait_for(len(sent2))] == sent2
@@ -222,21 +231,18 @@ def test_order_holds_across_batched_and_plain_sends_and_destinations(pair):
 
 def test_envelopes_batched_frames_and_plain_sends_arrive_in_the_order_sent(pair):
     tx, rx, inbox, rx2, other = pair
-    sent, sent2 = [], []
-    for i in range(900):
-        if i % 50 == 7:  # a plain send in the middle of a burst flushes the batch before it
-            tx.send(rx.addr, StopProc(f"plain {i}"))
-            sent.append(f"plain {i}")
-        elif i % 50 == 30:  # another destination too
-            assert tx.send_plain(rx2.addr, call_envelope("a", "m", (i,), {}, None, None), 64)
-            sent2.append(i)
-        elif i % 3:  # a call of immutable values: waits as its envelope
+
+    def send(i):
+        if i % 3:  # a call of immutable values: waits as its envelope
             # (its size given: the kwargs dict is the caller's to vouch for, as Endpoint._send does)
             assert tx.send_plain(rx.addr, call_envelope("a", "m", (i, ("x", 1.5)), {}, None, None), 64)
-            sent.append(i)
         else:  # one that is not (a list): encoded at once, batched as its frame
             tx.send(rx.addr, _call_of([i]), batch=True)
-            sent.append(i)
+
+    def send_other(i):
+        assert tx.send_plain(rx2.addr, call_envelope("a", "m", (i,), {}, None, None), 64)
+
+    sent, sent2 = _mixed_burst(tx, rx, 900, send, send_other)
     got = inbox.wait_for(len(sent))
     assert [m.reason if isinstance(m, StopProc) else (m.args[0] if isinstance(m.args[0], int) else m.args[0][0])
             for m in got] == sent

@@ -352,11 +352,7 @@ class Mailbox:
                 raise RuntimeError("mailbox is closed")
             if self._batch:
                 self._flush_locked()
-            if self.output_mark is not None:
-                mark = self._marked(addr)
-                if mark is not None:
-                    self._send_now(addr, [mark])
-            self._send_now(addr, frames)
+            self._send_marked(addr, frames)
 
     def send_plain(self, addr: str, envelope: tuple, size: int | None = None) -> bool:
         """``send(addr, msg, batch=True)`` of a message given as its compact envelope (``_wire.COMPACT_ENCODERS``),
@@ -393,11 +389,15 @@ class Mailbox:
                 self._start_flusher()
                 return
             self._last_addr, self._last_t = addr, now
-            if self.output_mark is not None:
-                mark = self._marked(addr)
-                if mark is not None:
-                    self._send_now(addr, [mark])
-            self._send_now(addr, [_wire.encode_plain(item) if type(item) is tuple else item])
+            self._send_marked(addr, [_wire.encode_plain(item) if type(item) is tuple else item])
+
+    def _send_marked(self, addr: str, frames: list) -> None:
+        """Under ``_send_lock``: send ``frames`` now, after what ``output_mark`` says must reach ``addr`` first."""
+        if self.output_mark is not None:
+            mark = self._marked(addr)
+            if mark is not None:
+                self._send_now(addr, [mark])
+        self._send_now(addr, frames)
 
     def _marked(self, addr: str) -> bytes | None:
         """Under ``_send_lock``, for a frame about to leave for ``addr``: the encoded message that must go ahead
