@@ -10,6 +10,9 @@ import contextlib
 import multiprocessing as mp
 import os
 import socket
+import struct
+import threading
+import time
 import traceback
 from datetime import timedelta
 
@@ -407,6 +410,74 @@ def test_across_hosts_the_tags_alone_fail_a_skipped_or_different_collective_and_
         m.close()
 
 
+class _StrangersFirst:
+    """A store through which member 0's listener gets strangers before the other member hears of it: one that
+    sends the start of a zmq greeting and waits (a zmq socket reconnecting to a port the kernel handed out
+    again), one that connects and closes, one that sends a wrong token."""
+
+    def __init__(self, store) -> None:
+        self.store, self.strangers = store, []
+
+    def set(self, key: str, value) -> None:
+        if key == "tcp/addr/0":
+            host, port = value.split()[:2]
+            for hello in (b"\xff" + bytes(8) + b"\x7f\x03", b"", bytes(shm_reduce._TOKEN_BYTES) + struct.pack("<i", 1)):
+                s = socket.create_connection((host, int(port)))
+                s.sendall(hello)
+                if not hello:
+                    s.close()
+                self.strangers.append(s)
+        self.store.set(key, value)
+
+    def get(self, key: str):
+        return self.store.get(key)
+
+
+@pytest.mark.timeout(60)
+def test_across_hosts_the_rendezvous_hangs_up_on_strangers_and_still_connects_every_member():
+    """A cross-host group's rendezvous listens on a port the kernel hands out, which another program's socket
+    may still try to reach (zmq reconnects to a gone peer's port): a connection that does not open with the
+    member's token and a new member's rank is hung up on, and the members still meet and run a collective's
+    check (once, a zmq socket's greeting failed the whole group's rendezvous, and its collectives went
+    unchecked)."""
+    store = _StrangersFirst(dist.HashStore())
+    got: dict = {}
+
+    def member(r: int) -> None:
+        got[r] = CrossHostTags.rendezvous(store, r, 2, "127.0.0.1", 20)
+
+    def sync(r: int) -> None:
+        got[r].sync("allreduce", lambda: [], 20)
+        got[f"synced {r}"] = True
+
+    try:
+        for target in (member, sync):
+            threads = [threading.Thread(target=target, args=(r,)) for r in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            assert not any(t.is_alive() for t in threads)
+            if target is member:
+                assert all(isinstance(got.get(r), CrossHostTags) for r in range(2)), got
+        assert got["synced 0"] and got["synced 1"]
+        for i in (0, 2):  # hung up on: their reads end with nothing
+            store.strangers[i].settimeout(10)
+            assert store.strangers[i].recv(1) == b"", i
+    finally:
+        for s in store.strangers:
+            s.close()
+        for r in range(2):
+            if got.get(r) is not None:
+                got[r].close()
+
+
+def test_the_rendezvous_accepts_give_up_at_their_deadline_naming_the_members_missing():
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        with pytest.raises(OSError, match=r"members \[1, 2\] did not connect in time"):
+            shm_reduce._accept_members(listener, b"t" * shm_reduce._TOKEN_BYTES, {1, 2}, time.monotonic() + 0.2)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("cross", [False, True])
 def test_a_member_that_ends_many_calls_while_the_others_run_no_collective_never_blocks(cross):
@@ -416,6 +487,7 @@ def test_a_member_that_ends_many_calls_while_the_others_run_no_collective_never_
     of such a call at once."""
     m = Members(cross=cross)
     try:
+        assert None not in m.nonces, m.nonces  # (every member's rendezvous met the others)
         for t in range(1, 60):
             assert m.run(None, "sum", members=(2,), kind="left", tag=t << shm_reduce.STEP_BITS) == [("ok", None)]
         answers = m.run(None, "allreduce", members=(0, 1), kind="sync", tag=59 << shm_reduce.STEP_BITS)

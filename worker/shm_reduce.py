@@ -667,6 +667,63 @@ class SameHostReduce(_Tags):
                 pass
 
 
+_TOKEN_BYTES = 16  # a cross-host group's rendezvous: what a connection to a member's listener opens with
+
+
+def _accept_members(listener: socket.socket, token: bytes, expected: set, deadline: float) -> dict:
+    """The connections of the members in ``expected`` to ``listener``, by member: each opens with ``token``
+    and its rank. A connection that opens with anything else, or closes first, is a stranger's: closed, and
+    the accepts go on. OSError at ``deadline`` with members missing."""
+    size = _TOKEN_BYTES + 4
+    got: dict = {}
+    pending: dict = {}  # fd -> (a connection not yet placed, the bytes it sent so far)
+    listener.setblocking(False)
+    poller = select.poll()
+    poller.register(listener, select.POLLIN)
+    try:
+        while len(got) < len(expected):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise OSError(f"members {sorted(expected - set(got))} did not connect in time")
+            for fd, _ in poller.poll(left * 1000):
+                if fd == listener.fileno():
+                    try:
+                        s, _ = listener.accept()
+                    except BlockingIOError:
+                        continue
+                    s.setblocking(False)
+                    pending[s.fileno()] = (s, b"")
+                    poller.register(s, select.POLLIN)
+                    continue
+                s, hello = pending[fd]
+                try:
+                    more = s.recv(size - len(hello))
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    more = b""
+                hello += more
+                if more and len(hello) < size:
+                    pending[fd] = (s, hello)
+                    continue
+                poller.unregister(fd)
+                del pending[fd]
+                rank = struct.unpack("<i", hello[_TOKEN_BYTES:])[0] if len(hello) == size else None
+                if hello[:_TOKEN_BYTES] == token and rank in expected and rank not in got:
+                    s.setblocking(True)
+                    got[rank] = s
+                else:
+                    s.close()  # a stranger's: hung up on
+    except BaseException:
+        for s in got.values():
+            s.close()
+        raise
+    finally:
+        for s, _ in pending.values():
+            s.close()
+    return got
+
+
 class CrossHostTags(_Tags):
     """The tags alone, for a gloo group whose members are not all on one host (gloo moves the data): the same
     frames, on a TCP connection between every two members, made by ``rendezvous``. Before each of the
@@ -690,7 +747,10 @@ class CrossHostTags(_Tags):
     def rendezvous(cls, store, me: int, n: int, ip: str, timeout: float = 60.0) -> CrossHostTags | None:
         """Every member listens on ``ip`` (its address on the route to the others), connects to the members
         before it and accepts those after it, through ``store``. None where a member could not (the group's
-        collectives then go unchecked, as before); every member gets the same answer."""
+        collectives then go unchecked, as before); every member gets the same answer. A member's listener
+        takes only connections that open with its token (from the store) and a member's rank: anything else
+        that connects to its port (a socket of another program reconnecting to a port the kernel has since
+        handed out again, as a zmq socket whose peer is gone does) is hung up on, and the accepts go on."""
         if n < 2:
             return None
         socks: dict = {}
@@ -699,22 +759,13 @@ class CrossHostTags(_Tags):
         try:
             listener = socket.create_server((ip, 0), family=socket.AF_INET6 if ":" in ip else socket.AF_INET,
                                             backlog=n)
-            listener.settimeout(timeout)
-            store.set(f"tcp/addr/{me}", f"{ip} {listener.getsockname()[1]}")
+            token = os.urandom(_TOKEN_BYTES)
+            store.set(f"tcp/addr/{me}", f"{ip} {listener.getsockname()[1]} {token.hex()}")
             for i in range(me):
-                host, port = store.get(f"tcp/addr/{i}").decode().split()
+                host, port, theirs = store.get(f"tcp/addr/{i}").decode().split()
                 s = socks[i] = socket.create_connection((host, int(port)), timeout=timeout)
-                s.sendall(struct.pack("<i", me))
-            for _ in range(me + 1, n):
-                s, _ = listener.accept()
-                s.settimeout(timeout)
-                hello = b""
-                while len(hello) < 4:
-                    more = s.recv(4 - len(hello))
-                    if not more:
-                        raise OSError("a member closed its connection in the rendezvous")
-                    hello += more
-                socks[struct.unpack("<i", hello)[0]] = s
+                s.sendall(bytes.fromhex(theirs) + struct.pack("<i", me))
+            socks.update(_accept_members(listener, token, set(range(me + 1, n)), time.monotonic() + timeout))
         except OSError:
             ok = False
         finally:
