@@ -17,7 +17,10 @@ Workloads (targets in shared/notes/figures.md), on procs of this machine, one ec
                that already has it); import of the library itself is its own row
   bcast_N      ``call()`` + wait on a mesh of N procs, for N in MESH_SIZES (µs)
 Floors (plain pyzmq over ipc:// between two processes): REQ/REP round trip of 8 bytes, DEALER/ROUTER
-with N_PIPE messages in flight, REQ/REP echo of the same array with copy=False.
+with N_PIPE messages in flight, REQ/REP echo of the same array with copy=False. Under the table, the
+kernel's floor of a round trip: 8 bytes there and back on a blocking Unix socket between two processes
+(no library, no I/O thread: two thread wake-ups a round trip, zmq's take six), and what ours takes over it,
+in µs and as a ratio; on a loaded machine, what it adds to each wake-up shows there.
 
 Every runtime runs in its own fresh subprocess (RUNS times, interleaved so drift hits all alike); the
 table shows the median over runs and ratios "how many times better ours is" (>1: ours better; for
@@ -284,6 +287,38 @@ def zmq_server(kind, addr):
         sock.send_multipart(sock.recv_multipart(copy=False), copy=False)
 
 
+def socket_server(sock):
+    """Kernel floor peer: echo every 8 bytes back on a blocking Unix socket."""
+    import socket
+
+    while True:
+        data = sock.recv(8, socket.MSG_WAITALL)
+        if len(data) < 8:  # (the other end closed)
+            return
+        sock.sendall(data)
+
+
+def measure_socket_floor(res):
+    import multiprocessing
+    import socket
+
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    server = multiprocessing.get_context("fork").Process(target=socket_server, args=(theirs,), daemon=True)
+    server.start()
+    theirs.close()
+    mine.settimeout(TIMEOUT)
+    try:
+        def rr(msg=b"12345678"):
+            mine.sendall(msg)
+            if mine.recv(8, socket.MSG_WAITALL) != msg:
+                raise RuntimeError("the socket floor's peer answered something else")
+        res["unix_rtt_us"] = lat_us(rr, N_RTT)
+    finally:
+        mine.close()
+        server.kill()  # (its copy of ``mine``, from the fork, keeps its end open)
+        server.join(TIMEOUT)
+
+
 def measure_floor(res):
     import multiprocessing
 
@@ -291,6 +326,7 @@ def measure_floor(res):
     import zmq
     ctx = zmq.Context()
     tmp = tempfile.mkdtemp(prefix="actor-bench-")
+    measure_socket_floor(res)
     for kind in ("rep", "router"):
         addr = f"ipc://{tmp}/{kind}"
         server = multiprocessing.get_context("fork").Process(target=zmq_server, args=(kind, addr), daemon=True)
@@ -430,6 +466,10 @@ def main():
         if r[0] == "---":
             r = ["-" * w for w in widths]
         print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+    floor, ours = med["floor"].get("unix_rtt_us"), med["ours"].get("rtt_us")
+    if floor and ours:
+        print(f"kernel floor: a blocking Unix-socket round trip of 8 bytes, {fmt(floor, 'µs')}; "
+              f"ours {fmt(ours, 'µs')}, {ours - floor:+.1f} µs over it ({ours / floor:.2f}x)")
     for kind, err in errors.items():
         print(f"{RUNTIMES[kind]}: {err[:500]}")
     print(f"total {time.perf_counter() - t0:.0f} s")

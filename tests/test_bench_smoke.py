@@ -35,8 +35,9 @@ def test_actor_bench_tiny(tmp_path):
                 "pipe_ctl_cpu_us", "pipe_proc_cpu_us"):
         assert key in ours
     floor = data["median"]["floor"]
-    for key in ("zmq_reqrep_us", "zmq_pipelined_per_s", "zmq_echo_gib_s"):
+    for key in ("zmq_reqrep_us", "zmq_pipelined_per_s", "zmq_echo_gib_s", "unix_rtt_us"):
         assert floor.get(key, 0) > 0, (key, data["errors"].get("floor"))
+    assert "kernel floor: a blocking Unix-socket round trip" in proc.stdout, proc.stdout[-2000:]
 
 
 @pytest.mark.timeout(300)
