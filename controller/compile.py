@@ -32,9 +32,10 @@ submodule assigned, and no captured tensor was replaced in a module;
 optimizers stepped inside keep their hyperparameters (``lr`` changed by a
 scheduler); local tensors the trace uploaded keep their values. The
 per-tensor guards are checked only when the guards' epoch
-(``controller/tensor.py``) moved since they last held, so a replay's cost
-does not grow with the number of parameters but for one C loop over the
-reference counts of the tensors it left. A call that fails a guard records again (at most ``CACHE_SIZE``
+(``controller/tensor.py``) moved since they last held, and the reference
+counts of the gradients it left only after that or a read of a ``.grad``, so
+a replay's cost does not grow with the number of parameters (the counts of
+other tensors it left, an optimizer's state, are compared on every call). A call that fails a guard records again (at most ``CACHE_SIZE``
 programs per function). ``verify=True`` records once more the first time a
 program would be reused and raises, naming the line, where the two traces
 differ.
@@ -676,7 +677,7 @@ def _same_value(a, b) -> bool:
 # ---- programs -----------------------------------------------------------------------------------------
 OK, MISS, DEAD = 0, 1, 2
 _IDS = operator.attrgetter("_ref", "_mid", "_ctx")
-_GRAD = operator.attrgetter("grad")
+_GRAD = _t._BASE_GRAD.__get__  # (not ``Tensor.grad``, which counts a read: ``_t.grad_reads``)
 _RG = operator.attrgetter("requires_grad")
 _live: weakref.WeakSet = weakref.WeakSet()  # every program, for _registered
 _hooks: list = []
@@ -781,7 +782,18 @@ class _Program:
         self.epoch = -1      # the guards' epoch (controller/tensor.py) at which its per-tensor guards last held
         _watch_modules()
         _live.add(self)
-        self.esc_counts = list(map(sys.getrefcount, self.escapees))
+        # The tensors it left that are its parameters' gradients (``p.grad``, a mesh tensor): a new reference to
+        # one is taken by reading ``p.grad`` first (``_t.grad_reads``), or after the epoch moved (``p.grad`` set
+        # anew); their counts are compared only then. The others it left (an optimizer's state in its dicts, which
+        # a script reads without a trace) on every call.
+        grads = {id(g) for g in self.grads if g is not None and type(g) is _t.Tensor}
+        grads -= _held_elsewhere([e for e in self.escapees if id(e) in grads],
+                                 [self.escapees, self.grads, *self.params])
+        self.esc_grads = [e for e in self.escapees if id(e) in grads]
+        self.esc_others = [e for e in self.escapees if id(e) not in grads]
+        self.grad_counts = list(map(sys.getrefcount, self.esc_grads))
+        self.other_counts = list(map(sys.getrefcount, self.esc_others))
+        self.reads = _t.grad_reads  # the count of grad reads at which the gradients' counts last held
 
     def complete(self) -> bool:
         """Whether every tensor it holds was still alive when it was made."""
@@ -790,13 +802,19 @@ class _Program:
                                                                   if d[0] == "obj")
 
     def holds(self, inputs: list) -> int:
-        if self.stale or list(map(sys.getrefcount, self.escapees)) != self.esc_counts:  # (first: the loops
-            return DEAD                                                                    # below hold some)
+        # Reference counts first: the loops below hold some.
+        if self.stale or list(map(sys.getrefcount, self.esc_others)) != self.other_counts:
+            return DEAD
+        now = _t.epoch
+        reads = _t.grad_reads
+        if now != self.epoch or reads != self.reads:
+            if list(map(sys.getrefcount, self.esc_grads)) != self.grad_counts:
+                return DEAD
+            self.reads = reads
         # The per-tensor guards (refs, metadata, mesh, requires_grad of the tensors it uses and leaves, the
         # parameters' .grad) can only have changed if the guards' epoch moved since they last held (see
         # controller/tensor.py): a replay's cost does not grow with the number of parameters. (C loops; ``is`` and
         # tuples of ints and contexts, never a tensor's ``==``, which would be an op.)
-        now = _t.epoch
         if now != self.epoch:
             if not (all(map(operator.eq, map(_IDS, self.cap_objs), self.cap_ids))
                     and all(map(operator.eq, map(_IDS, self.escapees), self.esc_ids))
@@ -852,6 +870,22 @@ class _Program:
             self.client.delete(self.pid, self.sid)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+
+def _held_elsewhere(objs: list, ours: list) -> set:
+    """The ids of those of ``objs`` that an object other than ``ours`` (the caller's containers) refers to from
+    Python: a reference the script may copy without reading ``.grad`` (a gradient the function stored in a list).
+    One pass of the collector over the heap (``gc.get_referrers``), when a program is made."""
+    if not objs:
+        return set()
+    ids = {id(o) for o in objs}
+    args = tuple(objs)
+    skip = {id(c) for c in ours} | {id(objs), id(args), id(sys._getframe())}
+    held: set = set()
+    for r in gc.get_referrers(*args):
+        if id(r) not in skip:
+            held.update(id(x) for x in gc.get_referents(r) if id(x) in ids)
+    return held
 
 
 # ---- compiled functions ---------------------------------------------------------------------------------

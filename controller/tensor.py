@@ -84,6 +84,12 @@ def _cpu_for_cuda(a):
 # tensor's own ``__dict__`` (no program can hold a tensor not yet made).
 epoch = 0
 _GUARDED = frozenset(("_ref", "_mid", "_ctx", "grad", "_grad", "data", "requires_grad", "__dict__", "__class__"))
+# ``grad_reads`` changes on every read of a mesh tensor's ``grad`` (or ``_grad``) from Python: the one way to a new
+# reference to a gradient only its parameter holds. A program checks that no one else took one of the gradients it
+# left (their reference counts) only after a read or a move of ``epoch`` (controller/compile.py).
+grad_reads = 0
+_BASE_GRAD = torch._C.TensorBase.grad  # (the getter and setter behind ``Tensor.grad``: they do not count a read)
+_BASE_GRAD_ = torch._C.TensorBase._grad
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
 
 
@@ -122,6 +128,20 @@ class Tensor(DistributedMethods, torch.Tensor):
         global epoch
         epoch += 1
         return torch.Tensor.requires_grad_(self, requires_grad)
+
+    def _read_grad(self):
+        global grad_reads
+        grad_reads += 1
+        return _BASE_GRAD.__get__(self)
+
+    def _read_grad_(self):
+        global grad_reads
+        grad_reads += 1
+        return _BASE_GRAD_.__get__(self)
+
+    # (written through ``__setattr__``, which moves ``epoch``)
+    grad = property(_read_grad, _BASE_GRAD.__set__, _BASE_GRAD.__delete__, torch.Tensor.grad.__doc__)
+    _grad = property(_read_grad_, _BASE_GRAD_.__set__, _BASE_GRAD_.__delete__)
 
     def __del__(self) -> None:
         try:
