@@ -787,8 +787,8 @@ class _Program:
         # anew); their counts are compared only then. The others it left (an optimizer's state in its dicts, which
         # a script reads without a trace) on every call.
         grads = {id(g) for g in self.grads if g is not None and type(g) is _t.Tensor}
-        grads -= _held_elsewhere([e for e in self.escapees if id(e) in grads],
-                                 [self.escapees, self.grads, *self.params])
+        grads = set(map(id, _held_by_us_alone([e for e in self.escapees if id(e) in grads],
+                                              [self.escapees, self.grads, *self.params])))
         self.esc_grads = [e for e in self.escapees if id(e) in grads]
         self.esc_others = [e for e in self.escapees if id(e) not in grads]
         self.grad_counts = list(map(sys.getrefcount, self.esc_grads))
@@ -872,20 +872,21 @@ class _Program:
             pass
 
 
-def _held_elsewhere(objs: list, ours: list) -> set:
-    """The ids of those of ``objs`` that an object other than ``ours`` (the caller's containers) refers to from
-    Python: a reference the script may copy without reading ``.grad`` (a gradient the function stored in a list).
-    One pass of the collector over the heap (``gc.get_referrers``), when a program is made."""
+def _held_by_us_alone(objs: list, ours: list) -> list:
+    """Those of ``objs`` (gradients of parameters) that no object but ``ours`` (the caller's containers) refers
+    to from Python: the script can reach one of them only through ``.grad``. The others (a gradient the function
+    also stored in a list or dict) it may copy from there without reading ``.grad``. Each of ``objs`` is held by
+    each of ``ours`` alike, so those with the lowest reference count are held by one set of objects: the
+    referrers of one of them (one pass of the collector over the heap, when a program is made) tell which;
+    when they are not ``ours`` alone, none is."""
     if not objs:
-        return set()
-    ids = {id(o) for o in objs}
-    args = tuple(objs)
-    skip = {id(c) for c in ours} | {id(objs), id(args), id(sys._getframe())}
-    held: set = set()
-    for r in gc.get_referrers(*args):
-        if id(r) not in skip:
-            held.update(id(x) for x in gc.get_referents(r) if id(x) in ids)
-    return held
+        return []
+    counts = list(map(sys.getrefcount, objs))
+    low = min(counts)
+    skip = {id(c) for c in ours} | {id(objs), id(sys._getframe())}
+    if any(id(r) not in skip for r in gc.get_referrers(objs[counts.index(low)])):
+        return []
+    return [o for o, c in zip(objs, counts) if c == low]
 
 
 # ---- compiled functions ---------------------------------------------------------------------------------

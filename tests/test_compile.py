@@ -554,9 +554,10 @@ def test_guards_follow_changes_between_replays_bit_for_bit(mesh):
             assert a is None or torch.equal(a, c)
 
 
-def test_a_gradient_the_function_stored_and_the_script_takes_from_there_records_anew(mesh):
+@pytest.mark.parametrize("stored", ["one", "all"])
+def test_a_gradient_the_function_stored_and_the_script_takes_from_there_records_anew(mesh, stored):
     """A replay skips the reference counts of its parameters' gradients until a ``.grad`` is read; a gradient
-    the function also stored elsewhere (a dict) is counted on every call: the script may take it from there
+    the function also stored elsewhere (a dict; or all of them) is counted on every call: the script may take it from there
     without reading ``.grad``, and the next call then records anew (a replay would write the new gradient
     into the tensor the script holds), as its values equal the uncompiled run's."""
     def run(wrap):
@@ -567,7 +568,10 @@ def test_a_gradient_the_function_stored_and_the_script_takes_from_there_records_
 
         def storing(x, y):
             loss = step(x, y)
-            stash["w"] = model[0].weight.grad
+            if stored == "one":
+                stash["w"] = model[0].weight.grad
+            else:  # (every gradient held alike: as many references to each)
+                stash["w"], stash["rest"] = model[0].weight.grad, [p.grad for p in model.parameters()][1:]
             return loss
 
         f = wrap(storing)
