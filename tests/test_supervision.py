@@ -991,6 +991,34 @@ def test_procs_lost_with_the_template_process_leave_no_socket_files(tmp_path):
     assert p.returncode == 0 and "LEFT []" in p.stdout, p.stdout + p.stderr
 
 
+TEMPLATE_DEATH_BEFORE_STARTED_SCRIPT = _TEMPLATE_DEATH_START + textwrap.dedent("""
+    template = host.local_host().proc.pid
+    procs = this_host().spawn_procs({{"gpus": 1}})
+    os.kill(template, signal.SIGSTOP)  # (it never tells the script that the proc started)
+    info = procs._procs[0]
+    pid = procs.spawn("w", W).pid.call_one().get(timeout=60)
+    print("STARTING", info.starting, flush=True)  # (the template's word that it started never came)
+    os.kill(template, signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert seen and "lost with the template process" in str(seen[0]), seen
+    print("FAULT", str(seen[0]).splitlines()[0], flush=True)
+""")
+
+
+@pytest.mark.timeout(120)
+def test_a_proc_that_answered_is_a_fault_of_its_mesh_when_the_template_dies_before_saying_it_started(tmp_path):
+    # The template relays a proc's "started" (from then on its death is a supervision event, not a failed start);
+    # a template that died before it relayed it (its pipe read late on a loaded machine, in CI) left a proc that
+    # had answered calls counted as starting: its loss was no fault of its mesh, and nobody heard of it.
+    script = tmp_path / "client.py"
+    script.write_text(TEMPLATE_DEATH_BEFORE_STARTED_SCRIPT.format(root=ROOT))
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100)
+    assert p.returncode == 0 and "STARTING True" in p.stdout and "FAULT" in p.stdout, p.stdout + p.stderr
+    assert "died during its start" not in p.stdout, p.stdout
+
+
 @pytest.mark.timeout(120)
 def test_the_templates_idle_import_steps_each_import_on_their_own():
     # The template imports torch._dynamo while idle in pieces, serving spawns and procs' output between

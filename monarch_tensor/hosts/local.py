@@ -160,6 +160,10 @@ class LocalHost:
         # reaped, and now nobody would remove theirs, nor those of procs it was still starting.
         for info in [*lost, *self._infos.values()]:
             if info.addr.startswith("ipc://"):
+                if info.starting and info.pid and os.path.exists(info.addr[len("ipc://"):]):
+                    # Its mailbox was bound (it may have answered calls): it started, and its word of it died
+                    # with the template, which relays it. Its loss is a fault of its mesh, not a failed start.
+                    info.starting = False
                 try:
                     os.unlink(info.addr[len("ipc://"):])
                 except OSError:
