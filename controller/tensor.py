@@ -93,6 +93,16 @@ _BASE_GRAD_ = torch._C.TensorBase._grad
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
 
 
+def _counted(base, doc: str | None = None) -> property:
+    """``base`` (torch's ``grad`` or ``_grad``), its reads counted in ``grad_reads``."""
+    def read(self):
+        global grad_reads
+        grad_reads += 1
+        return base.__get__(self)
+
+    return property(read, base.__set__, base.__delete__, doc)
+
+
 class Tensor(DistributedMethods, torch.Tensor):
     """One local tensor per rank of a mesh, all of one shape; ops on it run on the workers.
 
@@ -129,19 +139,9 @@ class Tensor(DistributedMethods, torch.Tensor):
         epoch += 1
         return torch.Tensor.requires_grad_(self, requires_grad)
 
-    def _read_grad(self):
-        global grad_reads
-        grad_reads += 1
-        return _BASE_GRAD.__get__(self)
-
-    def _read_grad_(self):
-        global grad_reads
-        grad_reads += 1
-        return _BASE_GRAD_.__get__(self)
-
     # (written through ``__setattr__``, which moves ``epoch``)
-    grad = property(_read_grad, _BASE_GRAD.__set__, _BASE_GRAD.__delete__, torch.Tensor.grad.__doc__)
-    _grad = property(_read_grad_, _BASE_GRAD_.__set__, _BASE_GRAD_.__delete__)
+    grad = _counted(_BASE_GRAD, torch.Tensor.grad.__doc__)
+    _grad = _counted(_BASE_GRAD_)
 
     def __del__(self) -> None:
         try:
