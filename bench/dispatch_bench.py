@@ -9,6 +9,8 @@ Workloads, on a mesh of GPUS procs (default 1; "gpus" is only a name) with the m
                   the ops are then fetched outside the timed region so no run leaks into the next
   chain_us        issuing a dependent chain ``x = x + 1`` of N_OPS ops, per op (µs)
   fetch_ms        one ``y = x + 1`` then ``fetch_shard(y, gpus=0).result()``, round trip (ms)
+  ready_ms        ``fetch_shard(x, gpus=0).result()`` of a value computed before (a loss after its loop, a
+                  result looked at again), round trip (ms)
   mlp_ms          the MLP step of notes/figures.md: Linear(256, 256) -> ReLU -> Linear(256, 10), batch 32,
                   cross entropy, backward, torch.optim.SGD; N_STEPS steps then a fetch of the last loss,
                   per step (ms; everything issued has run by the end of the timed region)
@@ -72,6 +74,7 @@ WORKLOADS = [  # key, label, unit
     ("indep_us", "y = x + 1, independent, per op issued", "µs"),
     ("chain_us", "x = x + 1, dependent chain, per op issued", "µs"),
     ("fetch_ms", "one op + fetch_shard round trip", "ms"),
+    ("ready_ms", "fetch_shard of a computed value, round trip", "ms"),
     ("mlp_ms", "MLP step 256-256-10, batch 32, bwd + SGD", "ms"),
     ("gpt_ms", "GPT step (compute-bound), bwd + SGD", "ms"),
 ]
@@ -172,6 +175,16 @@ def measure(rt, res, scale=1.0):
                     ts.append(time.perf_counter() - t)
                 return statistics.median(ts) * 1e3
             res["fetch_ms"] = median_of(fetch, REPEATS)
+
+            def ready():
+                ts = []
+                rt.fetch(x)
+                for _ in range(n_fetch):
+                    t = time.perf_counter()
+                    rt.fetch(x)
+                    ts.append(time.perf_counter() - t)
+                return statistics.median(ts) * 1e3
+            res["ready_ms"] = median_of(ready, REPEATS)
 
             torch.manual_seed(0)
             mlp = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))

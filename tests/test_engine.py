@@ -1045,6 +1045,51 @@ def test_torch_device_context_still_places_factories_outside_activate(procs):
     assert [t.device.type for t in made] == ["meta"] * len(made)
 
 
+def _slow_add_(x):
+    time.sleep(0.3)
+    x.add_(1)
+
+
+slow_add_ = remote(_slow_add_, propagate=lambda x: None)
+
+
+def test_a_fetch_of_a_ready_value_is_answered_at_once_and_never_before_the_work_issued_before_it(procs):
+    """A fetch of a small value that nothing computes any more is answered on the proc's loop thread, without
+    waking its stream's thread (``TensorWorker._fetch_here``); work issued before a fetch, still running or
+    queued, is always waited for; a large value and a DTensor's shard take their stream's path; a failure
+    raises as it always did."""
+    from monarch_tensor import Shard, distribute
+
+    ones, sixes, ones_big = torch.ones(3), torch.full((3,), 6.0), torch.ones(1 << 15)
+    with procs.activate():
+        x = torch.ones(3)
+        assert torch.equal(fetch_shard(x, gpus=0).result(60), ones)  # (x is ready after this)
+        here = worker_stats(procs)["fetched_here"]
+        assert torch.equal(fetch_shard(x, gpus=0).result(60), ones)
+        assert worker_stats(procs)["fetched_here"] == here + 1
+        slow_add_(x)
+        x.mul_(3)  # queued behind the sleeping function
+        assert torch.equal(fetch_shard(x, gpus=0).result(60), sixes)
+        assert torch.equal(fetch_shard(x * 1, gpus=1).result(60), sixes)
+        big = torch.ones(1 << 15)  # 128 KiB: above FETCH_HERE_BYTES
+        fetch_shard(big, gpus=0).result(60)
+        here = worker_stats(procs)["fetched_here"]
+        assert torch.equal(fetch_shard(big, gpus=0).result(60), ones_big)
+        assert worker_stats(procs)["fetched_here"] == here
+        dt = distribute(torch.arange(4.0), procs, {"gpus": Shard(0)})
+        assert fetch_shard(dt, gpus=1).result(60).tolist() == [2.0, 3.0]
+        here = worker_stats(procs, rank=1)["fetched_here"]
+        assert fetch_shard(dt, gpus=1).result(60).tolist() == [2.0, 3.0]
+        assert worker_stats(procs, rank=1)["fetched_here"] == here
+        bad = torch.ones(3)[torch.tensor([5])]  # fails on the workers (index out of range)
+        for _ in range(2):  # (the second: its failure stored, ready)
+            with pytest.raises(RemoteException, match="index"):
+                fetch_shard(bad, gpus=0).result(60)
+        scalar = torch.tensor(2.5) * 2
+        fetch_shard(scalar, gpus=0).result(60)
+        assert fetch_shard(scalar, gpus=0).result(60).item() == 5.0
+
+
 def test_a_failed_op_with_no_result_fails_the_next_fetch_instead_of_being_lost(procs):
     """``torch.linalg.cholesky`` checks its input in an op of its own that returns nothing: where that fails on
     the workers, no result holds the error, so the next fetch from that worker raises it (eager torch raises at

@@ -332,12 +332,33 @@ def _at_misaligned_address(frame, off: int) -> memoryview:
 def test_tensors_whose_frame_is_misaligned_arrive_aligned(dtype):
     # A 3-element complex128 tensor arrived 12 bytes past a 16-byte boundary, and torch's kernels
     # on it crashed the receiver (SIGSEGV).
-    t = torch.arange(3).to(dtype)
+    t = torch.arange(300).to(dtype)  # (above INBAND_BYTES: a tensor of its own frame)
     frames = _wire.encode(messages.SendToPort(1, t, None, 0))
     assert len(frames) == 2, "the tensor's bytes should be a buffer frame"
     out = _wire.decode([frames[0], _at_misaligned_address(frames[1], 12)]).value
     assert out.data_ptr() % dtype.itemsize == 0
     assert torch.equal(out.clone(), t) and out.sum().item() == t.sum().item()
+
+
+@pytest.mark.parametrize("t", [
+    torch.tensor(2.5), torch.arange(6.0).reshape(2, 3), torch.arange(3).to(torch.complex128),
+    torch.ones(3, dtype=torch.bfloat16), torch.tensor([True, False]), torch.ones(2, 0, 3),
+    torch.arange(256, dtype=torch.int32), torch.arange(4.0).reshape(1, 4)[:, 0],
+], ids=["scalar", "2d", "complex128", "bfloat16", "bool", "empty", "1KiB", "odd-strides"])
+def test_small_tensors_travel_in_the_messages_body_as_writable_aligned_copies(t):
+    """A tensor of up to INBAND_BYTES travels inside the body (one frame, which zmq copies), and arrives as a
+    tensor of its own: aligned for its dtype, writable, not sharing memory with the frame."""
+    assert t.numel() * t.element_size() <= _wire.INBAND_BYTES
+    frames = _wire.encode(messages.SendToPort(1, t, None, 0))
+    assert len(frames) == PLAIN_FRAMES and _wire.is_small(frames)
+    out = _wire.decode(frames).value
+    assert out.dtype == t.dtype and out.shape == t.shape and torch.equal(out, t)
+    assert out.data_ptr() % t.element_size() == 0
+    if out.numel():
+        out.view(-1)[0] = out.view(-1)[-1]  # (writable; the frame's bytes stay as they were)
+        assert torch.equal(_wire.decode(frames).value, t)
+    big = torch.arange(257, dtype=torch.int32)  # one element more: out of band
+    assert len(_wire.encode(messages.SendToPort(1, big, None, 0))) == PLAIN_FRAMES + 1
 
 
 def test_lazy_conjugate_and_negative_views_travel_as_their_values():
